@@ -1,0 +1,1 @@
+"""The edge: click commands, processes, exit codes."""

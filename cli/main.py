@@ -1,0 +1,157 @@
+"""`meshtrain`: the command group. User errors print one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mesh.config import Config, ConfigError, load_config
+from mesh.data import DataError
+
+USER_ERRORS = (ConfigError, DataError)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn our user-facing exceptions into a message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one config key (repeatable), e.g. --set grid.stages=4.",
+    )(fn)
+    fn = click.option(
+        "--config",
+        "config_files",
+        multiple=True,
+        metavar="FILE",
+        help="TOML config file (repeatable; later files win).",
+    )(fn)
+    return fn
+
+
+def resolve_config(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], extra: list[str] = ()
+) -> Config:
+    return load_config(list(config_files), list(overrides) + list(extra))
+
+
+@click.group()
+@click.version_option(package_name="meshtrain")
+def main() -> None:
+    """meshtrain: decentralized LM training on a P x m grid of peers."""
+
+
+@main.command("show-config")
+@config_options
+@user_errors
+def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> None:
+    """Print the resolved config as TOML (defaults < --config files < --set)."""
+    cfg = resolve_config(config_files, overrides)
+    click.echo(f"# fingerprint {cfg.fingerprint()}")
+    click.echo(cfg.to_toml(), nl=False)
+
+
+@main.command()
+@config_options
+@click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / replicas.")
+@click.option("--steps", type=int, default=None, help="Shorthand for run.steps.")
+@click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
+@user_errors
+def simulate(
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    grid: str | None,
+    steps: int | None,
+    method: str | None,
+    out: str | None,
+) -> None:
+    """Train a whole grid on this machine (one process, logical clock) and print a summary."""
+    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
+    cfg = resolve_config(config_files, overrides, extra)
+    # heavy imports after the config is known to be valid: a typo answers at once
+    from cli.report import print_table, progress_bar
+    from mesh.methods import METHODS, apply_method
+    from mesh.sim import GridSim
+
+    if method:
+        if method not in METHODS:
+            raise ConfigError(f"--method {method}: unknown; choose one of {', '.join(METHODS)}")
+        cfg = apply_method(cfg, method)
+    sim = GridSim(cfg)
+    with progress_bar(cfg.run.steps, "simulate") as bar:
+        result = sim.run(lambda step, loss: bar.update_loss(loss))
+    summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
+    if out:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.toml").write_text(cfg.to_toml())
+        (path / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(
+        ["grid", "steps", "tokens", "val loss", "pp B/replica/step", "dp B/replica/step", "wall s"],
+        [
+            [
+                result.grid,
+                result.steps,
+                result.tokens,
+                "diverged" if result.val_loss is None else f"{result.val_loss:.4f}",
+                f"{result.pp_bytes_per_replica_step:,.0f}",
+                f"{result.dp_bytes_per_replica_step:,.0f}",
+                f"{result.wall_s:.1f}",
+            ]
+        ],
+    )
+
+
+def grid_overrides(grid: str | None) -> list[str]:
+    if grid is None:
+        return []
+    parts = grid.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--grid {grid}: expected STAGESxREPLICAS, e.g. --grid 4x2")
+    return [f"grid.stages={parts[0]}", f"grid.replicas={parts[1]}"]
+
+
+@main.group()
+def bench() -> None:
+    """Side-by-side benchmarks that write summary.json, table.md and plots."""
+
+
+@bench.command("convergence")
+@config_options
+@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
+@click.option("--out", type=click.Path(file_okay=False), default="results/convergence")
+@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@user_errors
+def bench_convergence(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str, workers: int
+) -> None:
+    """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
+    from mesh.bench_convergence import run_convergence
+
+    cfg = resolve_config(config_files, overrides)
+    run_convergence(cfg, Path(out), quick=quick, workers=workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Tensor codecs: what a float tensor becomes before it crosses a link, and back.
+
+Role: pure functions between a float tensor and an `Encoded` (raw data tensor + optional per-block
+fp32 scales). No framing and no I/O here (that is comms/wire.py). Every value that leaves
+`decode` is finite, and `encode` refuses non-finite input, because FP8 hides Inf (a cast to
+float8_e4m3fn turns +Inf into NaN or 448).
+
+Codecs (bytes per value at block 128):
+- fp32: raw float32 (4).            - bf16: raw bfloat16 (2).
+- fp8_e4m3 / fp8_e5m2: per-block absmax scale s = amax / qmax, q = cast(clamp(x / s)), data sent
+  as a uint8 view (numpy and hivemind cannot carry fp8 dtypes), scales fp32 (1 + 4/128).
+- int8_blockwise: bitsandbytes' dynamic 8-bit blockwise format (1 + 4/128): per-block absmax
+  (sent as the fp32 scale), values / absmax mapped to the nearest of the 256 entries of
+  `create_dynamic_map(signed=True)`. The map is rebuilt here bit-identically (never sent).
+  Implemented in torch, not by calling bnb: bnb 0.50.2's CPU kernels do work, but they run on
+  the system libgomp while torch runs its own OpenMP; after any multi-threaded torch op the two
+  contend and each bnb call costs ~10 ms even for 40 values (2 cores). Importing bnb also takes
+  ~3 s (it pulls in torch._dynamo). Our decode is bit-identical to bnb.dequantize_blockwise;
+  our encode picks the exactly nearest code (bnb's CPU search picks the second nearest for
+  ~0.15% of values), so bytes differ from bnb's but bnb decodes them (tests check both).
+  Block sizes are limited to the ones bnb documents (64..4096) so a bnb peer could decode them.
+
+Blocks are taken over the flattened tensor; the last block may be partial. Full blocks are a
+reshape, the partial tail is handled separately (no padding copy, no Python loop over blocks).
+
+imports: torch only (no mesh, no cli).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from comms.errors import CodecError, NotFiniteError
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise")
+DEFAULT_BLOCK_SIZE = 128
+MAX_BLOCK_SIZE = 1 << 16
+INT8_BLOCK_SIZES = frozenset({64, 128, 256, 512, 1024, 2048, 4096})
+
+_FP8: dict[str, tuple[torch.dtype, float]] = {
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+}
+_BLOCKED = frozenset({"fp8_e4m3", "fp8_e5m2", "int8_blockwise"})
+_DATA_DTYPE: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.uint8,
+    "fp8_e5m2": torch.uint8,
+    "int8_blockwise": torch.uint8,
+}
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean ==
+class Encoded:
+    """A tensor as it crosses the wire. `data` is 1-D in the codec's data dtype; `scales` is
+    1-D float32 with one entry per block for blocked codecs, else None."""
+
+    codec: str
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes that cross the wire: data bytes plus scale bytes."""
+        n = self.data.numel() * self.data.element_size()
+        if self.scales is not None:
+            n += self.scales.numel() * self.scales.element_size()
+        return n
+
+
+def is_blocked(codec: str) -> bool:
+    """True when the codec sends one fp32 scale per block."""
+    return codec in _BLOCKED
+
+
+def data_dtype(codec: str) -> torch.dtype:
+    """dtype of `Encoded.data` for this codec (what the receiver reads the data bytes as)."""
+    _check_codec(codec)
+    return _DATA_DTYPE[codec]
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def check_block_size(codec: str, block_size: int) -> None:
+    """Raise CodecError unless block_size is usable with codec."""
+    _check_codec(codec)
+    if not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+    if codec == "int8_blockwise" and block_size not in INT8_BLOCK_SIZES:
+        raise CodecError(f"int8_blockwise block_size must be one of {sorted(INT8_BLOCK_SIZES)}")
+
+
+def encoded_nbytes(numel: int, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Exact wire bytes of encode(x, codec, block_size) for a tensor of numel values."""
+    check_block_size(codec, block_size)
+    if numel < 0:
+        raise CodecError(f"numel must be >= 0, got {numel}")
+    n = numel * _DATA_DTYPE[codec].itemsize
+    if codec in _BLOCKED:
+        n += 4 * num_blocks(numel, block_size)
+    return n
+
+
+def bytes_per_value(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    """Asymptotic wire bytes per value (scales amortized over full blocks)."""
+    check_block_size(codec, block_size)
+    b = float(_DATA_DTYPE[codec].itemsize)
+    return b + 4.0 / block_size if codec in _BLOCKED else b
+
+
+def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Encoded:
+    """Encode a floating tensor. Raises CodecError on unknown codec or any non-finite value."""
+    check_block_size(codec, block_size)
+    if not isinstance(x, torch.Tensor) or not (x.is_floating_point()):
+        raise CodecError(f"encode expects a floating-point tensor, got {_describe(x)}")
+    shape = tuple(x.shape)
+    # reshape copies only when x is non-contiguous; fp64/fp16 inputs are cast to fp32 here.
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+
+    if codec in _BLOCKED:
+        amax = _block_absmax(flat, block_size)
+        # amax propagates NaN and Inf, so this checks every input value BEFORE any cast.
+        if n and not bool(torch.isfinite(amax).all()):
+            raise NotFiniteError("encode: input is not finite")
+        if codec == "int8_blockwise":
+            return Encoded(codec, shape, _int8_codes(flat, amax, block_size), amax, block_size)
+        fp8, qmax = _FP8[codec]
+        scales = amax / qmax
+        # An all-zero block (or one so tiny that amax / qmax underflows) gets scale 1: no 0/0.
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        y = torch.empty_like(flat)
+        _per_block(torch.div, flat, scales, block_size, y)
+        # x / s can land past qmax (rounding; subnormal scales); out-of-range casts give Inf
+        # (e5m2) or NaN (e4m3fn, backend-dependent), so clamp first.
+        y.clamp_(-qmax, qmax)
+        return Encoded(codec, shape, y.to(fp8).view(torch.uint8), scales, block_size)
+
+    if n:
+        lo, hi = torch.aminmax(flat)
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+            raise NotFiniteError("encode: input is not finite")
+    if codec == "fp32":
+        # clone: the Encoded is a snapshot, later in-place updates of x must not leak into it.
+        data = flat.clone() if flat.data_ptr() == x.data_ptr() else flat
+        return Encoded(codec, shape, data, None, block_size)
+    if codec == "bf16":
+        if n and max(-lo.item(), hi.item()) > _BF16_MAX:
+            flat = flat.clamp(-_BF16_MAX, _BF16_MAX)  # fp32 values near 3.4e38 round to bf16 Inf
+        return Encoded(codec, shape, flat.to(torch.bfloat16), None, block_size)
+    raise AssertionError(codec)  # unreachable: check_block_size validated the codec
+
+
+def decode(enc: Encoded) -> torch.Tensor:
+    """Decode to a new float32 tensor of shape enc.shape. Raises CodecError if enc is
+    inconsistent (sizes, dtypes, scales) or the result is not finite."""
+    check_encoded(enc)
+    codec, n, bs = enc.codec, enc.numel, enc.block_size
+    data = enc.data.reshape(-1)
+    if codec == "fp32":
+        out = data.clone()  # fresh memory: data may alias a received (read-only) buffer
+    elif codec == "bf16":
+        out = data.to(torch.float32)
+    elif codec in _FP8:
+        out = data.view(_FP8[codec][0]).to(torch.float32)
+        _per_block(torch.mul, out, enc.scales, bs, out)
+    else:  # int8_blockwise: code[q] * absmax, the same float ops as bnb's dequantize
+        out = _int8_tables(data.device)[0].index_select(0, data.to(torch.int32))
+        _per_block(torch.mul, out, enc.scales, bs, out)
+    if n:
+        lo, hi = torch.aminmax(out)
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+            raise NotFiniteError("decode: result is not finite")
+    return out.reshape(enc.shape)
+
+
+def roundtrip(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """decode(encode(x)): what the receiver sees. Useful to simulate a link in one process."""
+    return decode(encode(x, codec, block_size))
+
+
+def check_shape(shape: tuple[int, ...]) -> int:
+    """Return numel; raise CodecError unless shape is a tuple of ints >= 0 that torch can hold
+    (the product of the non-zero dims, i.e. every stride, must fit in an int64 even if numel
+    is 0)."""
+    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CodecError(f"bad shape {shape!r}")
+    if math.prod(d for d in shape if d) >= 1 << 63:
+        raise CodecError(f"shape {shape} overflows int64")
+    return math.prod(shape)
+
+
+def check_encoded(enc: Encoded) -> None:
+    """Raise CodecError unless enc is self-consistent (codec, block size, shape, data dtype and
+    size, scale count, finite non-negative scales). Does not look at the data values."""
+    if not isinstance(enc, Encoded):
+        raise CodecError(f"decode expects an Encoded, got {_describe(enc)}")
+    check_block_size(enc.codec, enc.block_size)
+    shape = enc.shape
+    n = check_shape(shape)
+    data = enc.data
+    if not isinstance(data, torch.Tensor) or data.dtype != _DATA_DTYPE[enc.codec]:
+        raise CodecError(
+            f"{enc.codec} data must be {_DATA_DTYPE[enc.codec]}, got {_describe(data)}"
+        )
+    if data.numel() != n:
+        raise CodecError(f"data has {data.numel()} values, shape {shape} needs {n}")
+    if enc.codec not in _BLOCKED:
+        if enc.scales is not None:
+            raise CodecError(f"{enc.codec} carries no scales")
+        return
+    scales = enc.scales
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise CodecError(f"{enc.codec} scales must be float32, got {_describe(scales)}")
+    nb = num_blocks(n, enc.block_size)
+    if scales.numel() != nb:
+        raise CodecError(
+            f"{scales.numel()} scales, {n} values in blocks of {enc.block_size} need {nb}"
+        )
+    # Encoders only produce finite, non-negative scales; anything else is corruption or attack.
+    if nb and not bool(torch.isfinite(scales).all()):
+        raise NotFiniteError("scales are not finite")
+    if nb and bool((scales < 0).any()):
+        raise CodecError("scales must be >= 0")
+
+
+def _block_absmax(flat: torch.Tensor, bs: int) -> torch.Tensor:
+    """max |x| per block; aminmax avoids materializing |x| (one pass, no n-sized temporary)."""
+    n = flat.numel()
+    nf = n // bs
+    out = flat.new_empty(num_blocks(n, bs))
+    if nf:
+        lo, hi = torch.aminmax(flat[: nf * bs].view(nf, bs), dim=1)
+        torch.maximum(hi, lo.neg(), out=out[:nf])
+    if n > nf * bs:
+        lo, hi = torch.aminmax(flat[nf * bs :])
+        out[nf] = torch.maximum(hi, lo.neg())
+    return out
+
+
+def _per_block(
+    op: Callable[..., torch.Tensor],
+    src: torch.Tensor,
+    scales: torch.Tensor,
+    bs: int,
+    out: torch.Tensor,
+) -> None:
+    """out[i] = op(src[i], scales[i // bs]) on flat tensors: full blocks 2-D, the tail apart."""
+    n = src.numel()
+    nf = n // bs
+    if nf:
+        op(src[: nf * bs].view(nf, bs), scales[:nf, None], out=out[: nf * bs].view(nf, bs))
+    if n > nf * bs:
+        op(src[nf * bs :], scales[nf], out=out[nf * bs :])
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in _DATA_DTYPE:
+        raise CodecError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+
+
+def _describe(obj: object) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"tensor(dtype={obj.dtype}, shape={tuple(obj.shape)})"
+    return type(obj).__name__
+
+
+def _int8_codes(flat: torch.Tensor, amax: torch.Tensor, bs: int) -> torch.Tensor:
+    """Index of the nearest dynamic-map entry to each x / absmax(block), as uint8."""
+    _, lut_q, lut_thr = _int8_tables(flat.device)
+    y = torch.empty_like(flat)
+    _per_block(torch.div, flat, torch.where(amax > 0, amax, torch.ones_like(amax)), bs, y)
+    # y is in [-1, 1]. Its top 16 bits (sign, exponent, 7 mantissa bits) pick a LUT cell; a
+    # cell is narrower than the gap between two map midpoints, so it holds at most one: the
+    # answer is lut_q or lut_q + 1, decided by one compare. No search, no loop.
+    key = (y.view(torch.int32) >> 16).add_(1 << 15)
+    q = lut_q.index_select(0, key)
+    q += lut_thr.index_select(0, key) < y
+    return q
+
+
+@cache
+def _int8_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(code, lut_q, lut_thr): the 256-entry map and the 2**16-cell nearest-code lookup."""
+    code = _dynamic_map()
+    mid = (code[1:] + code[:-1]) / 2
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32) << 16
+    ends = torch.stack([bits, bits | 0xFFFF]).view(torch.float32)  # first/last float of a cell
+    # y is finite and in [-1, 1]: cells holding Inf/NaN are never hit, cells past +-1 only at +-1
+    ends = torch.where(torch.isfinite(ends).all(0), ends, 0.0).clamp(-1.0, 1.0)
+    lo, hi = ends.amin(0), ends.amax(0)  # for negative floats the bit order is reversed
+    q_lo, q_hi = torch.bucketize(lo, mid), torch.bucketize(hi, mid)
+    assert int((q_hi - q_lo).max()) <= 1, "a LUT cell straddles two map midpoints"
+    thr = torch.where(q_hi > q_lo, mid[q_lo.clamp(max=254)], torch.full_like(lo, math.inf))
+    return code.to(device), q_lo.to(torch.uint8).to(device), thr.to(device)
+
+
+def _dynamic_map() -> torch.Tensor:
+    """bitsandbytes.functional.create_dynamic_map(signed=True), same float ops: decade i
+    (1e-6 .. 1) holds the 2**i midpoints of linspace(0.1, 1, 2**i + 1), both signs, + 0 and 1."""
+    data: list[float] = []
+    for i in range(7):
+        b = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (b[:-1] + b[1:]) / 2.0
+        data += ((10 ** (i - 6)) * means).tolist()
+        data += (-(10 ** (i - 6)) * means).tolist()
+    data += [0, 1.0]
+    return torch.tensor(sorted(data), dtype=torch.float32)

@@ -1,0 +1,123 @@
+"""The Transport protocol: named tensors between named peers, background group means, counters.
+
+Two real implementations (comms/torchdist.py over gloo/NCCL, comms/p2p.py over hivemind's libp2p)
+pass the same test suite. Peers are named by strings (the grid calls them "s1r0"); each backend
+maps names to addresses its own way (ranks, or hivemind PeerIDs found through the DHT).
+
+Point-to-point messages are matched by (sender, tag): the receiver keeps a bounded mailbox per
+sender, `recv` takes the message with that tag or waits until a deadline. Every received message
+goes through `comms.wire.unpack` with an `Expect` before anything is allocated or used; rejects
+are counted and dropped, never raised into the training loop.
+
+Faults are values: a group mean returns a `MeanResult` whose status says ok, partial (some
+members' payloads missing or rejected: the mean is over the contributors named) or failed. A
+partial result is never silently presented as a full mean.
+
+imports: torch, comms only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from comms.codecs import Encoded
+from comms.wire import Expect, Kind, Message
+
+
+class MeanStatus(StrEnum):
+    OK = "ok"  # every member contributed; the mean is over all of them
+    PARTIAL = "partial"  # some members missing; the mean is over `contributors` only
+    FAILED = "failed"  # no usable mean (deadline passed, group broken, or own payload lost)
+
+
+@dataclass(frozen=True)
+class MeanResult:
+    status: MeanStatus
+    mean: torch.Tensor | None  # float32, same shape as the payload; None when FAILED
+    contributors: tuple[str, ...]  # peer names whose dequantized payloads were averaged
+    reason: str = ""  # why not OK
+
+
+class SendHandle(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the bytes left (or raise PeerTimeout / PeerLost)."""
+
+
+class MeanHandle(Protocol):
+    def done(self) -> bool: ...
+
+    def result(self, timeout_s: float) -> MeanResult:
+        """The round's outcome; FAILED with reason 'deadline' if not done in time."""
+
+
+@dataclass
+class TransportStats:
+    """Byte and message counters, per peer and message kind; thread-safe via `lock`."""
+
+    bytes_sent: Counter[tuple[str, str]] = field(default_factory=Counter)  # (peer, kind)
+    bytes_received: Counter[tuple[str, str]] = field(default_factory=Counter)
+    messages_sent: Counter[tuple[str, str]] = field(default_factory=Counter)
+    rejects: Counter[str] = field(default_factory=Counter)  # by reason
+    rounds: Counter[str] = field(default_factory=Counter)  # by MeanStatus
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_sent(self, peer: str, kind: Kind | str, nbytes: int) -> None:
+        k = kind.name.lower() if isinstance(kind, Kind) else kind
+        with self.lock:
+            self.bytes_sent[(peer, k)] += nbytes
+            self.messages_sent[(peer, k)] += 1
+
+    def add_received(self, peer: str, kind: Kind | str, nbytes: int) -> None:
+        k = kind.name.lower() if isinstance(kind, Kind) else kind
+        with self.lock:
+            self.bytes_received[(peer, k)] += nbytes
+
+    def add_reject(self, reason: str) -> None:
+        with self.lock:
+            self.rejects[reason] += 1
+
+    def sent_by_kind(self) -> dict[str, int]:
+        with self.lock:
+            out: Counter[str] = Counter()
+            for (_, kind), n in self.bytes_sent.items():
+                out[kind] += n
+            return dict(out)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    backend: str  # "torch" or "hivemind"
+    me: str  # this peer's name
+    stats: TransportStats
+
+    def send(self, to: str, tag: str, kind: Kind, enc: Encoded, step: int) -> SendHandle:
+        """Queue `enc` for peer `to` under `tag`; returns at once (shaping happens behind)."""
+
+    def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
+        """The message from `frm` with `tag`, validated against `expect`; PeerTimeout after
+        timeout_s. Messages that fail validation are counted in stats.rejects and dropped."""
+
+    def start_mean(
+        self,
+        group: str,
+        members: list[str],
+        round_id: int,
+        values: torch.Tensor,
+        codec: str,
+        timeout_s: float,
+    ) -> MeanHandle:
+        """Start the mean of a flat float32 payload over `members` (self included) without
+        blocking. Every member must call it with the same group, members and round_id. The
+        result is the mean of all contributors' DEQUANTIZED payloads, own included, summed in
+        member order, so it is bit-identical on every member."""
+
+    def close(self) -> None:
+        """Stop threads and daemons, release ports; idempotent."""

@@ -1,0 +1,342 @@
+"""`meshtrain bench convergence`: every baseline at equal tokens on the simulator, 2+ seeds.
+
+Two studies share one run:
+- dp: the data-parallel baselines of design.md 1.3 on a 4x2 grid (async nadamw pipelines, except
+  FullSync which is gpipe + blocking fp32 gradient all-reduce).
+- pp: the pipeline axis alone (1 replica): sync (gpipe, M = P) vs async at P = 4 and 8 with adamw
+  and nadamw, delay-free references with one microbatch per update (the same number of updates
+  as async), and 2bw (one-step delay) with adamw and muon, with and without error feedback.
+
+Equal tokens: every run of a study reads the same number of microbatches per replica; a schedule
+that takes M microbatches per update makes 1/M as many updates. Runs go to a pool of worker
+processes (one thread each), then summary.json, table.md and the plots are written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mesh.config import Config, with_overrides
+from mesh.methods import METHODS, NADAMW_LR
+from mesh.metrics import format_table, paired_gap, plot_curves
+
+DP_METHODS = list(METHODS)
+
+
+@dataclass(frozen=True)
+class Spec:
+    study: str
+    method: str
+    seed: int
+    microbatches_per_update: int
+    overrides: tuple[tuple[str, Any], ...]
+
+
+def _pp_specs(seed: int) -> list[Spec]:
+    specs = []
+
+    def add(name: str, mpu: int, **ov: Any) -> None:
+        base = {"grid.replicas": 1, "dp.mode": "none", "optim.error_feedback": False}
+        base.update({k.replace("__", "."): v for k, v in ov.items()})
+        base["optim.lr"] = NADAMW_LR if base.get("optim.name") == "nadamw" else 2e-3
+        specs.append(Spec("pp", name, seed, mpu, tuple(base.items())))
+
+    for p in (4, 8):
+        for opt in ("adamw", "nadamw"):
+            add(
+                f"P{p} gpipe {opt}",
+                p,
+                grid__stages=p,
+                pipeline__schedule="gpipe",
+                pipeline__microbatches=p,
+                optim__name=opt,
+            )
+            add(f"P{p} async {opt}", 1, grid__stages=p, pipeline__schedule="async", optim__name=opt)
+    for opt in ("adamw", "nadamw", "muon"):
+        add(
+            f"delay-free {opt}",
+            1,
+            grid__stages=4,
+            pipeline__schedule="gpipe",
+            pipeline__microbatches=1,
+            optim__name=opt,
+        )
+    add(
+        "P4 gpipe muon",
+        4,
+        grid__stages=4,
+        pipeline__schedule="gpipe",
+        pipeline__microbatches=4,
+        optim__name="muon",
+    )
+    for opt in ("adamw", "muon"):
+        for ef in (False, True):
+            add(
+                f"2bw {opt}" + (" +EF" if ef else ""),
+                4,
+                grid__stages=4,
+                pipeline__schedule="2bw",
+                pipeline__microbatches=4,
+                optim__name=opt,
+                optim__error_feedback=ef,
+            )
+    return specs
+
+
+def build_specs(seeds: list[int]) -> list[Spec]:
+    specs = []
+    for seed in seeds:
+        for method in DP_METHODS:
+            mpu = 4 if method == "FullSync" else 1
+            ov = dict(METHODS[method])
+            ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4})
+            specs.append(Spec("dp", method, seed, mpu, tuple(ov.items())))
+        specs += _pp_specs(seed)
+    return specs
+
+
+def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
+    """The run's config: equal tokens, warmup and lambda hold as fixed shares of the run."""
+    steps = max(1, microbatches // spec.microbatches_per_update)
+    ov = dict(spec.overrides)
+    ov.update(
+        {
+            "run.seed": spec.seed,
+            "run.steps": steps,
+            "run.eval_every": max(1, steps // 12),
+            "run.threads": 1,
+            "optim.warmup_steps": max(1, steps // 20),
+            # AsyncMesh holds lambda for 1k of 30k steps: keep that share
+            "dp.lambda_hold_steps": max(1, steps // 30),
+        }
+    )
+    return with_overrides(base, ov)
+
+
+def _run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
+    from mesh.config import config_from_dict
+    from mesh.sim import GridSim
+
+    base_tree, spec, microbatches = args
+    cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
+    r = GridSim(cfg).run()
+    return {
+        "study": spec.study,
+        "method": spec.method,
+        "seed": spec.seed,
+        "val_loss": r.val_loss,
+        "val_loss_avg_model": r.val_loss_avg_model,
+        "tokens": r.tokens,
+        "steps": r.steps,
+        "dp_bytes_per_replica_step": r.dp_bytes_per_replica_step,
+        "pp_bytes_per_replica_step": r.pp_bytes_per_replica_step,
+        "diverged": r.diverged,
+        "wall_s": round(r.wall_s, 2),
+        "curve": r.curve,
+    }
+
+
+def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    seeds = [0, 1]
+    microbatches = 160 if quick else 1600
+    specs = build_specs(seeds)
+    # longest first so the pool's tail is short
+    specs.sort(key=lambda s: -(2 if s.study == "dp" else 1))
+    tree = base.model_dump(mode="json")
+    start = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, maxtasksperchild=4) as pool:
+        jobs = [(tree, s, microbatches) for s in specs]
+        for res in tqdm(pool.imap_unordered(_run_one, jobs), total=len(jobs), desc="convergence"):
+            runs.append(res)
+    runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
+    summary = {
+        "microbatches_per_replica": microbatches,
+        "seeds": seeds,
+        "quick": quick,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "base_config_fingerprint": base.fingerprint(),
+        "runs": runs,
+    }
+    write_outputs(summary, out)
+    return summary
+
+
+def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for r in runs:
+        if r["study"] == study:
+            v = r["val_loss"]
+            out.setdefault(r["method"], {})[r["seed"]] = math.nan if v is None else v
+    return out
+
+
+def _mean(vals: dict[int, float]) -> float:
+    return statistics.mean(vals.values()) if vals else math.nan
+
+
+def _fmt_gap(g: tuple[float, float] | None) -> str:
+    if g is None:
+        return "n/a"
+    return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
+
+
+def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+    """The issue's convergence targets: (name, measured, met)."""
+    dp, pp = _by_method(runs, "dp"), _by_method(runs, "pp")
+    m = {k: _mean(v) for k, v in {**dp, **pp}.items()}
+    out: list[tuple[str, str, bool | None]] = []
+
+    def check(name: str, measured: str, ok: bool) -> None:
+        out.append((name, measured, ok))
+
+    fs, am8, am = m.get("FullSync"), m.get("AsyncMesh-fp8"), m.get("AsyncMesh")
+    check("AsyncMesh-fp8 within 1% of FullSync", f"{am8:.4f} vs {fs:.4f}", am8 <= fs * 1.01)
+    check(
+        "AsyncSPARTA > AsyncMesh + 0.03 nats",
+        f"{m['AsyncSPARTA']:.4f} vs {am8:.4f}",
+        m["AsyncSPARTA"] > min(am8, am) + 0.03,
+    )
+    check(
+        "AsyncMesh better than the delta rule",
+        f"{am:.4f} vs {m['DeltaRule']:.4f}",
+        am < m["DeltaRule"],
+    )
+    b = {r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"}
+    check(
+        "AsyncMesh-fp8 averaging bytes <= 1/64 of FullSync",
+        f"1/{b['FullSync'] / b['AsyncMesh-fp8']:.1f}",
+        b["AsyncMesh-fp8"] * 64 <= b["FullSync"],
+    )
+    best_sync8 = min(m["P8 gpipe adamw"], m["P8 gpipe nadamw"])
+    check(
+        "P=8: async nadamw <= gpipe (M=P)",
+        f"{m['P8 async nadamw']:.4f} vs {best_sync8:.4f}",
+        m["P8 async nadamw"] <= best_sync8,
+    )
+    gap_n = m["P8 async nadamw"] - m["delay-free nadamw"]
+    gap_a = m["P8 async adamw"] - m["delay-free adamw"]
+    check(
+        "P=8: async nadamw gap <= half of async adamw gap (vs delay-free)",
+        f"{gap_n:+.4f} vs {gap_a:+.4f}",
+        gap_n <= 0.5 * gap_a,
+    )
+    g = {
+        o: (m[f"2bw {o}"] - m[f"P4 gpipe {o}"], m[f"2bw {o} +EF"] - m[f"P4 gpipe {o}"])
+        for o in ("adamw", "muon")
+    }
+    check(
+        "2bw: muon gap < adamw gap",
+        f"{g['muon'][0]:+.4f} vs {g['adamw'][0]:+.4f}",
+        g["muon"][0] < g["adamw"][0],
+    )
+    check(
+        "2bw: error feedback shrinks both gaps",
+        f"adamw {g['adamw'][0]:+.4f}->{g['adamw'][1]:+.4f}, "
+        f"muon {g['muon'][0]:+.4f}->{g['muon'][1]:+.4f}",
+        g["adamw"][1] < g["adamw"][0] and g["muon"][1] < g["muon"][0],
+    )
+    return [(n, s, None if "nan" in s else ok) for n, s, ok in out]
+
+
+def _pp_reference(method: str) -> str:
+    """The delay-free run a pipeline run is compared with (same optimizer, same updates)."""
+    opt = method.replace(" +EF", "").split()[-1]
+    return f"P4 gpipe {opt}" if method.startswith("2bw") else f"delay-free {opt}"
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    runs = summary["runs"]
+    dp, pp = _by_method(runs, "dp"), _by_method(runs, "pp")
+    fs = dp.get("FullSync", {})
+    dpb = {r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"}
+    rows = []
+    for method in [m for m in DP_METHODS if m in dp]:
+        ratio = dpb[method] / dpb["FullSync"] if dpb.get("FullSync") else math.nan
+        rows.append(
+            [
+                method,
+                f"{_mean(dp[method]):.4f}",
+                _fmt_gap(paired_gap(dp[method], fs)),
+                f"{dpb[method]:,.0f}",
+                f"{ratio:.4f}",
+            ]
+        )
+    lines = [
+        "# Convergence at equal tokens",
+        "",
+        f"{summary['microbatches_per_replica']} microbatches per replica, seeds "
+        f"{summary['seeds']}, quick={summary['quick']}, {summary['wall_s']:.0f} s in all.",
+        "",
+        "## Data-parallel baselines, 4x2 grid",
+        "",
+        format_table(
+            [
+                "method",
+                "val loss (mean)",
+                "gap to FullSync (paired, +- SE)",
+                "DP bytes/replica/step",
+                "x FullSync bytes",
+            ],
+            rows,
+        ),
+        "",
+        "## Pipeline axis, 1 replica",
+        "",
+    ]
+    prow = []
+    for method in sorted(pp):
+        base = pp.get(_pp_reference(method))
+        gap = (
+            "(reference)"
+            if base is None or base is pp[method]
+            else _fmt_gap(paired_gap(pp[method], base))
+        )
+        prow.append([method, f"{_mean(pp[method]):.4f}", gap])
+    lines += [
+        format_table(["run", "val loss (mean)", "gap to its reference"], prow),
+        "",
+        "2bw runs are compared with gpipe at the same M (same updates, same batch); the "
+        "others with one microbatch per update and no delay.",
+        "",
+        "## Targets",
+        "",
+    ]
+    lines.append(
+        format_table(
+            ["target", "measured", "verdict"],
+            [
+                [n, s, "no result" if ok is None else ("met" if ok else "MISSED")]
+                for n, s, ok in targets(runs)
+            ],
+        )
+    )
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    _plot(runs, "dp", out / "loss.png", "Validation loss at equal tokens, 4x2 grid")
+    _plot(runs, "pp", out / "pipeline.png", "Pipeline axis (1 replica): validation loss")
+
+
+def _plot(runs: list[dict[str, Any]], study: str, path: Path, title: str) -> None:
+    curves: dict[str, list[tuple[float, float]]] = {}
+    grouped: dict[str, list[list[dict[str, float]]]] = {}
+    for r in runs:
+        if r["study"] == study and r["curve"]:
+            grouped.setdefault(r["method"], []).append(r["curve"])
+    for method, cs in grouped.items():
+        n = min(len(c) for c in cs)
+        curves[method] = [
+            (cs[0][k]["tokens"], statistics.mean(c[k]["val_loss"] for c in cs)) for k in range(n)
+        ]
+    plot_curves(curves, path, "tokens (all replicas)", "validation loss (nats/byte)", title)

@@ -1,0 +1,267 @@
+"""The one typed run config: schema with defaults, TOML files, --set overrides, fingerprint.
+
+Precedence: schema defaults < --config files (left to right) < --set key=value (left to right).
+Every user mistake becomes a ConfigError naming the dotted key and the fix; the CLI prints it and
+exits 2. Imports: pydantic, tomllib (no comms, no cli).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: the message names the dotted key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    vocab_size: int = Field(256, ge=2, description="byte-level tokenizer: 256")
+    d_model: int = Field(64, ge=8, description="residual width")
+    n_layers: int = Field(8, ge=1, description="transformer blocks, split evenly over stages")
+    n_heads: int = Field(4, ge=1, description="attention heads; must divide d_model")
+    mlp_ratio: int = Field(4, ge=1, description="MLP hidden width / d_model")
+    seq_len: int = Field(64, ge=2, description="context length in tokens")
+
+
+class GridConfig(_Section):
+    stages: int = Field(4, ge=1, description="P: pipeline stages (model cut by depth)")
+    replicas: int = Field(2, ge=1, description="m: data-parallel replicas (one pipeline each)")
+
+
+class PipelineConfig(_Section):
+    schedule: Literal["gpipe", "1f1b", "async", "2bw"] = Field(
+        "async", description="gpipe/1f1b: sync with flush; async: PipeDream stashing; 2bw: delay 1"
+    )
+    microbatch_size: int = Field(8, ge=1, description="sequences per microbatch")
+    microbatches: int = Field(
+        4, ge=1, description="M: microbatches per update for gpipe/1f1b/2bw (async updates each)"
+    )
+    codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "bf16", description="codec of activations and their gradients between stages"
+    )
+
+
+class OptimConfig(_Section):
+    name: Literal["nadamw", "adamw", "muon", "rotated_adam"] = "nadamw"
+    lr: float = Field(2e-3, gt=0, description="peak learning rate (AdamW part for muon)")
+    beta1: float | None = Field(
+        None, ge=0, lt=1, description="None: 0.99 for nadamw, 0.9 for adamw/muon's AdamW part"
+    )
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    momentum_decay: float = Field(0.004, ge=0, description="NAdam psi: the mu_t ramp")
+    muon_lr: float = Field(0.02, gt=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    ns_steps: int = Field(5, ge=1)
+    rotate_every: int = Field(10, ge=1, description="rotated_adam: eigenbasis refresh period")
+    stage_aware: bool = Field(False, description="rotated_adam: refresh faster at larger delay")
+    grad_clip: float = Field(
+        1.0, description="per-stage gradient norm clip (AsyncPP uses 10 at 163M); <= 0 disables"
+    )
+    warmup_steps: int = Field(100, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    error_feedback: bool = Field(False, description="x <- x - 2u_t + u_(t-1) for any optimizer")
+    state_8bit: bool = Field(False, description="bitsandbytes 8-bit optimizer states (CUDA)")
+
+
+class DPConfig(_Section):
+    mode: Literal["none", "grad_allreduce", "param_avg"] = Field(
+        "param_avg", description="data-parallel axis: nothing, blocking gradient mean, or averaging"
+    )
+    fraction: float = Field(0.05, gt=0, le=1, description="p: share of each tensor per round")
+    tau: int = Field(5, ge=0, description="rounds land tau steps late (0 = blocking)")
+    interval_steps: int = Field(1, ge=1, description="a round is launched every N steps")
+    correction: Literal["ema", "delta", "replace"] = Field(
+        "ema", description="ema: AsyncMesh; delta: lambda = 1; replace: AsyncSPARTA"
+    )
+    lambda_initial: float = Field(0.5, gt=0, le=1)
+    lambda_final: float = Field(0.01, gt=0, le=1)
+    lambda_hold_steps: int = Field(1000, ge=0, description="lambda_initial for this many steps")
+    selector: Literal["partition", "bernoulli"] = "partition"
+    codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise"] = Field(
+        "fp8_e4m3", description="codec of averaging payloads (and of gradients in grad_allreduce)"
+    )
+    block_size: int = Field(128, ge=1, description="values per scale for fp8/int8 codecs")
+
+
+class DataConfig(_Section):
+    path: str | None = Field(None, description="UTF-8 text file; None = Shakespeare corpus")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out tail of each document")
+    val_batches: int = Field(16, ge=1, description="fixed validation batches")
+
+
+class RunConfig(_Section):
+    seed: int = Field(0, ge=0)
+    steps: int = Field(300, ge=1, description="optimizer updates per stage")
+    eval_every: int = Field(100, ge=1, description="validation every N updates")
+    threads: int = Field(1, ge=1, description="torch threads per process")
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    grid: GridConfig = GridConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    optim: OptimConfig = OptimConfig()
+    dp: DPConfig = DPConfig()
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        m, g, p = self.model, self.grid, self.pipeline
+        if g.stages > m.n_layers:
+            raise ValueError(
+                f"grid.stages ({g.stages}) > model.n_layers ({m.n_layers}): every stage needs a "
+                "layer; lower grid.stages or raise model.n_layers"
+            )
+        if m.d_model % m.n_heads:
+            raise ValueError(
+                f"model.d_model ({m.d_model}) is not divisible by model.n_heads ({m.n_heads}); "
+                "pick n_heads that divides d_model"
+            )
+        if p.schedule == "2bw" and p.microbatches < g.stages:
+            raise ValueError(
+                f"pipeline.microbatches ({p.microbatches}) < grid.stages ({g.stages}): 2bw needs "
+                "M >= P; raise pipeline.microbatches"
+            )
+        if self.dp.mode == "grad_allreduce" and p.schedule in ("async", "2bw"):
+            raise ValueError(
+                "dp.mode = 'grad_allreduce' needs a synchronous pipeline (gpipe or 1f1b); "
+                "set pipeline.schedule='gpipe' or dp.mode='param_avg'"
+            )
+        if self.optim.name != "rotated_adam" and self.optim.stage_aware:
+            raise ValueError(
+                "optim.stage_aware only applies to optim.name = 'rotated_adam'; "
+                "set optim.stage_aware=false"
+            )
+        return self
+
+    def fingerprint(self) -> str:
+        """Hash of what every peer of one run must agree on (not local settings like threads)."""
+        d = self.model_dump(mode="json")
+        d["run"] = {"seed": d["run"]["seed"], "steps": d["run"]["steps"]}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.pipeline.microbatch_size * self.model.seq_len
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: an unset optional key is simply absent (and so takes its default)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out[k] = _drop_none(v)
+        elif v is not None:
+            out[k] = v
+    return out
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is a TOML literal (3e-4, true, "x", [1, 2]); anything else is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any, origin: str) -> None:
+    known = _known_keys(Config)
+    if key not in known:
+        hint = difflib.get_close_matches(key, known, n=1)
+        fix = f"did you mean {hint[0]}?" if hint else "see `meshtrain show-config` for the keys"
+        raise ConfigError(f"{key}: unknown key (from {origin}); {fix}")
+    *parents, leaf = key.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def load_config(
+    files: list[str | Path] | tuple[str | Path, ...] = (),
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Config:
+    """Resolve defaults < files < overrides into a frozen Config, or raise ConfigError."""
+    tree: dict[str, Any] = {}
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(
+                f"--config {f}: no such file; pass a TOML file such as configs/tiny.toml"
+            )
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {f}: not valid TOML ({e})") from None
+        for key, value in _flatten(data):
+            _set_dotted(tree, key, value, str(f))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set grid.stages=4")
+        key, text = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_value(text.strip()), f"--set {item}")
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "config"
+            got = (
+                f" (got {err['input']!r})"
+                if "input" in err and err["type"] != "value_error"
+                else ""
+            )
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg}{got}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """A copy of cfg with dotted keys replaced (used by benchmarks to derive each method)."""
+    tree = cfg.model_dump(mode="json")
+    for key, value in overrides.items():
+        _set_dotted(tree, key, value, "override")
+    return config_from_dict(tree)

@@ -1,0 +1,177 @@
+"""Sparse data-parallel averaging, the pure parts: which indices, how an arrival is applied, bytes.
+
+Role: every replica of stage j calls `subset_indices` with the same (seed, stage, tensor, round)
+and gets the same index set, so only values cross the wire, never indices (design 1.3 step 1,
+algorithms.md 3.1). `apply_arrival` is the per-arrival drift correction of design 1.3 step 3
+(algorithms.md 3.3); the byte formulas are algorithms.md 7.5 and bench-and-reliability.md 3.2.
+Tensors in, tensors out; the only state is a small cache of permutations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from collections import OrderedDict
+
+import torch
+
+SELECTORS = ("partition", "bernoulli")
+CORRECTIONS = ("ema", "delta", "replace")
+
+# Permutation cache: consecutive rounds of one cycle reuse a permutation (randperm of 10M
+# elements costs ~0.3 s). Bounded by entries and by elements; stored as int32 where it fits.
+_CACHE: OrderedDict[tuple[int, int, int, int, int], torch.Tensor] = OrderedDict()
+_CACHE_MAX_ENTRIES = 256
+_CACHE_MAX_ELEMENTS = 1 << 27  # 512 MiB of int32
+
+
+def stable_seed(*ints: int) -> int:
+    """A 63-bit seed from integers, identical in every process (never the salted hash())."""
+    text = ",".join(str(operator.index(i)) for i in ints).encode("ascii")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def num_parts(fraction: float) -> int:
+    """K = ceil(1/p): rounds per cycle of the partition selector; each round averages 1/K."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"dp.fraction must be in (0, 1], got {fraction}")
+    # The tolerance keeps p = 0.05 at K = 20 even if 1/p rounds to 20.000000000000004.
+    return max(1, math.ceil(1.0 / fraction - 1e-9))
+
+
+def _part_bounds(numel: int, k: int, part: int) -> tuple[int, int]:
+    # floor(g*n/K): parts differ by at most one element and tile 0..n exactly once.
+    return part * numel // k, (part + 1) * numel // k
+
+
+def _permutation(seed: int, stage: int, tensor_index: int, cycle: int, numel: int) -> torch.Tensor:
+    key = (seed, stage, tensor_index, cycle, numel)
+    perm = _CACHE.get(key)
+    if perm is not None:
+        _CACHE.move_to_end(key)
+        return perm
+    gen = torch.Generator(device="cpu").manual_seed(stable_seed(seed, stage, tensor_index, cycle))
+    perm = torch.randperm(numel, generator=gen, dtype=torch.int64)
+    if numel < 2**31:
+        perm = perm.to(torch.int32)
+    if numel <= _CACHE_MAX_ELEMENTS:
+        # Rounds only move forward: an older cycle of the same tensor will not be asked again.
+        for old in [k for k in _CACHE if k[:3] == key[:3] and k[4] == numel and k[3] < cycle]:
+            del _CACHE[old]
+        _CACHE[key] = perm
+        while len(_CACHE) > _CACHE_MAX_ENTRIES or (
+            sum(t.numel() for t in _CACHE.values()) > _CACHE_MAX_ELEMENTS
+        ):
+            _CACHE.popitem(last=False)
+    return perm
+
+
+def clear_index_cache() -> None:
+    """Drop the cached permutations (tests, or to free memory)."""
+    _CACHE.clear()
+
+
+def subset_indices(
+    seed: int,
+    stage: int,
+    tensor_index: int,
+    round_index: int,
+    numel: int,
+    fraction: float,
+    selector: str = "partition",
+) -> torch.Tensor:
+    """Sorted int64 flat indices of round `round_index` for one tensor of one stage.
+
+    partition: a permutation seeded by (seed, stage, tensor, cycle = r // K) cut into K parts;
+    round r takes part r % K, so every coordinate is averaged exactly once per cycle and no
+    coordinate is in flight twice while tau <= K (algorithms.md 3.1, 3.3 overlap caveat).
+    bernoulli: each coordinate independently with probability `fraction` (variable size).
+    fraction 1.0 selects everything.
+    """
+    k = num_parts(fraction)
+    if numel < 0 or round_index < 0:
+        raise ValueError(f"numel and round_index must be >= 0, got {numel}, {round_index}")
+    if selector not in SELECTORS:
+        raise ValueError(f"dp.selector = {selector!r} is unknown; use one of {SELECTORS}")
+    if fraction >= 1.0:
+        return torch.arange(numel, dtype=torch.int64)
+    if selector == "bernoulli":
+        gen = torch.Generator(device="cpu").manual_seed(
+            stable_seed(seed, stage, tensor_index, round_index, 1)  # trailing 1: not a cycle seed
+        )
+        mask = torch.rand(numel, generator=gen) < fraction
+        return mask.nonzero().flatten()
+    perm = _permutation(seed, stage, tensor_index, round_index // k, numel)
+    lo, hi = _part_bounds(numel, k, round_index % k)
+    return perm[lo:hi].sort().values.to(torch.int64)
+
+
+def subset_sizes(numels: list[int], fraction: float, round_index: int = 0) -> list[int]:
+    """Exact per-tensor payload sizes of a partition round (sizes differ by <= 1 over rounds)."""
+    k = num_parts(fraction)
+    lo_hi = [_part_bounds(n, k, round_index % k) for n in numels]
+    return [hi - lo for lo, hi in lo_hi]
+
+
+def apply_arrival(
+    live: torch.Tensor,
+    snapshot: torch.Tensor,
+    mean: torch.Tensor,
+    drift_ema: torch.Tensor,
+    correction: str,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new live values, new drift EMA values) on the subset S of an arrived round.
+
+    live = w_i[S] now, snapshot = w_i[S] at launch, mean = the decoded all-replica mean of the
+    snapshots, drift_ema = d[S]. Design 1.3 step 3 / algorithms.md 3.3:
+      ema:     drift = live - snapshot; d = (1-lam) d + lam drift; live = mean + d
+      delta:   live = mean + (live - snapshot), d unchanged   (= ema with lam = 1 for live)
+      replace: live = mean, d unchanged                        (AsyncSPARTA, SPARTA)
+    Pure: inputs are not modified.
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(f"dp.correction = {correction!r} is unknown; use one of {CORRECTIONS}")
+    if not (live.shape == snapshot.shape == mean.shape == drift_ema.shape) or live.dim() != 1:
+        raise ValueError(
+            f"apply_arrival needs 1-D tensors of one shape, got {live.shape}, "
+            f"{snapshot.shape}, {mean.shape}, {drift_ema.shape}"
+        )
+    mean_v = mean.to(live.dtype)
+    if correction == "replace":
+        return mean_v.clone(), drift_ema.clone()
+    drift = live.to(drift_ema.dtype) - snapshot.to(drift_ema.dtype)
+    if correction == "delta":
+        return (mean_v + drift.to(live.dtype)), drift_ema.clone()
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    # lerp(d, drift, lam) = d + lam (drift - d) = (1-lam) d + lam drift, and exactly drift at
+    # lam = 1, so the delta rule is the lam = 1 special case bit for bit.
+    d = torch.lerp(drift_ema, drift, lam)
+    return mean_v + d.to(live.dtype), d
+
+
+def ring_allreduce_bytes(payload_bytes: float, num_replicas: int) -> float:
+    """Bytes each replica sends in a ring all-reduce of a payload: 2(m-1)/m * payload."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    return 2.0 * (num_replicas - 1) / num_replicas * payload_bytes
+
+
+def dp_bytes_per_replica_step(
+    numel: int,
+    num_replicas: int,
+    bytes_per_value: float,
+    fraction: float = 1.0,
+    interval_steps: int = 1,
+) -> float:
+    """Averaging bytes one replica sends per step: 2(m-1)/m * p * N * b / H (algorithms 7.5).
+
+    bytes_per_value includes codec overhead, e.g. fp8 with fp32 scales per 128: 1 + 4/128.
+    Indices are never sent. 0 for m = 1.
+    """
+    if interval_steps < 1:
+        raise ValueError(f"dp.interval_steps must be >= 1, got {interval_steps}")
+    payload = fraction * numel * bytes_per_value
+    return ring_allreduce_bytes(payload, num_replicas) / interval_steps

@@ -1,0 +1,66 @@
+import subprocess
+import sys
+import tomllib
+
+from click.testing import CliRunner
+
+from cli.main import main
+
+
+def test_show_config_prints_resolved_toml():
+    res = CliRunner().invoke(main, ["show-config", "--set", "grid.stages=2"])
+    assert res.exit_code == 0, res.output
+    body = "\n".join(line for line in res.output.splitlines() if not line.startswith("#"))
+    assert tomllib.loads(body)["grid"]["stages"] == 2
+
+
+def test_bad_config_exits_2_without_traceback():
+    # a real process, so the exit code and stderr are what a user sees
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "show-config", "--set", "dp.fraction=2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "dp.fraction" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_key_and_bad_grid_exit_2():
+    runner = CliRunner()
+    res = runner.invoke(main, ["show-config", "--set", "dp.tua=3"])
+    assert res.exit_code == 2 and "did you mean dp.tau" in res.output
+    res = runner.invoke(main, ["simulate", "--grid", "four-by-two"])
+    assert res.exit_code == 2 and "--grid" in res.output
+
+
+def test_simulate_runs_a_tiny_grid(text_file, tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--grid",
+            "2x2",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--set",
+            f"data.path='{text_file}'",
+            "--set",
+            "model.n_layers=2",
+            "--set",
+            "model.d_model=16",
+            "--set",
+            "model.n_heads=2",
+            "--set",
+            "model.seq_len=16",
+            "--set",
+            "data.val_batches=2",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert (out / "summary.json").is_file() and (out / "config.toml").is_file()
+    assert "val loss" in res.output

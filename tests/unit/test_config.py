@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+
+from mesh.config import ConfigError, load_config, with_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_valid_and_roundtrip_through_toml(tmp_path):
+    cfg = load_config()
+    path = tmp_path / "resolved.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config([path]) == cfg
+    assert load_config([path]).fingerprint() == cfg.fingerprint()
+
+
+def test_every_shipped_config_loads():
+    files = sorted((ROOT / "configs").glob("**/*.toml"))
+    assert files, "configs/ holds at least the default demo"
+    for f in files:
+        load_config([f])
+
+
+def test_files_then_overrides_precedence(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("[grid]\nstages = 2\nreplicas = 3\n")
+    b.write_text("[grid]\nstages = 4\n")
+    cfg = load_config([a, b], ["grid.replicas=5", "optim.lr=3e-4", "dp.codec=bf16"])
+    assert (cfg.grid.stages, cfg.grid.replicas) == (4, 5)
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.dp.codec == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["grid.stage=4"], "grid.stage: unknown key"),
+        (["grid.stage=4"], "did you mean grid.stages"),
+        (["grid.stages=x"], "grid.stages"),
+        (["dp.fraction=0"], "dp.fraction"),
+        (["dp.fraction=1.5"], "dp.fraction"),
+        (["grid.stages=9"], "grid.stages (9) > model.n_layers (8)"),
+        (["model.n_heads=5"], "model.n_heads"),
+        (["pipeline.schedule=2bw", "pipeline.microbatches=2"], "pipeline.microbatches"),
+        (["pipeline.schedule=zigzag"], "pipeline.schedule"),
+        (["dp.mode=grad_allreduce"], "dp.mode"),
+        (["noequals"], "expected key=value"),
+    ],
+)
+def test_user_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config([], overrides)
+    assert needle in str(e.value)
+
+
+def test_unknown_key_in_file_names_file(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[optim]\nlearning_rate = 1.0\n")
+    with pytest.raises(ConfigError, match=r"optim.learning_rate: unknown key \(from .*bad.toml\)"):
+        load_config([f])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config([tmp_path / "nope.toml"])
+    f = tmp_path / "broken.toml"
+    f.write_text("[grid\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config([f])
+
+
+def test_fingerprint_ignores_local_settings_only():
+    cfg = load_config()
+    assert with_overrides(cfg, {"run.threads": 2}).fingerprint() == cfg.fingerprint()
+    assert with_overrides(cfg, {"dp.tau": 7}).fingerprint() != cfg.fingerprint()
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError
+        cfg.grid.stages = 3  # type: ignore[misc]

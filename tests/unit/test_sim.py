@@ -1,0 +1,232 @@
+"""The one-process grid against hand-rolled references (same seed, same numbers)."""
+
+import pytest
+import torch
+
+from comms import codecs
+from mesh import sparse
+from mesh.cell import optim_spec
+from mesh.config import load_config
+from mesh.data import load_corpus, train_batch
+from mesh.model import build_model, lm_loss
+from mesh.optim import StageOptimizer, lr_at
+from mesh.sim import GridSim
+
+TINY = [
+    "model.n_layers=4",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.seq_len=16",
+    "pipeline.microbatch_size=2",
+    "data.val_batches=2",
+    "pipeline.codec=fp32",
+    "optim.warmup_steps=2",
+    "optim.grad_clip=0",  # the references clip the whole model, the grid clips per stage
+]
+
+
+def tiny(text_file, *extra):
+    return load_config([], [*TINY, f"data.path='{text_file}'", *extra])
+
+
+def flat_replica(sim, replica):
+    return torch.cat([c.flat for c in sim.cells[replica]])
+
+
+def test_deterministic_for_a_seed(text_file):
+    cfg = tiny(text_file, "run.steps=6", "grid.stages=2", "grid.replicas=2", "dp.tau=2")
+    a, b = GridSim(cfg), GridSim(cfg)
+    for _ in range(6):
+        assert a.step() == b.step()
+    assert torch.equal(flat_replica(a, 1), flat_replica(b, 1))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "nadamw", "muon"])
+def test_one_stage_one_replica_equals_plain_training(text_file, optimizer):
+    steps = 5
+    cfg = tiny(
+        text_file,
+        f"run.steps={steps}",
+        "grid.stages=1",
+        "grid.replicas=1",
+        "dp.mode=none",
+        f"optim.name={optimizer}",
+    )
+    sim = GridSim(cfg)
+    losses = [sim.step() for _ in range(steps)]
+    model = build_model(cfg.model, cfg.run.seed)
+    opt = StageOptimizer(list(model.named_parameters()), optim_spec(cfg.optim))
+    corpus = load_corpus(str(cfg.data.path), cfg.data.val_fraction, cfg.model.seq_len)
+    for t in range(steps):
+        x, y = train_batch(corpus, cfg.run.seed, 0, t, 2, cfg.model.seq_len)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step(lr_at(t, steps, 1.0, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(losses[t], rel=1e-6)
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(flat_replica(sim, 0), ref)
+
+
+def test_async_uses_stashed_versions_with_delay_p_minus_1_minus_j(text_file):
+    """Two stages: stage 0 computes with weights one update old, stage 1 with the newest."""
+    steps = 4
+    cfg = tiny(
+        text_file,
+        f"run.steps={steps}",
+        "grid.stages=2",
+        "grid.replicas=1",
+        "dp.mode=none",
+        "optim.name=adamw",
+    )
+    sim = GridSim(cfg)
+    for _ in range(steps):
+        sim.step()
+    # reference: whole-model copies per version, gradients taken at (v-1, v)
+    model = build_model(cfg.model, cfg.run.seed)
+    names = [n for n, _ in model.named_parameters()]
+    stage0 = {n for n in names if not n.startswith(("blocks.2", "blocks.3", "ln_f", "head"))}
+    opt = StageOptimizer(list(model.named_parameters()), optim_spec(cfg.optim))
+    corpus = load_corpus(str(cfg.data.path), cfg.data.val_fraction, cfg.model.seq_len)
+    versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    for t in range(steps):
+        old, new = versions[max(0, t - 1)], versions[t]
+        mixed = {n: (old if n in stage0 else new)[n].clone().requires_grad_() for n in names}
+        x, y = train_batch(corpus, cfg.run.seed, 0, t, 2, cfg.model.seq_len)
+        loss = lm_loss(torch.func.functional_call(model, mixed, (x,)), y)
+        grads = torch.autograd.grad(loss, [mixed[n] for n in names])
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        opt.step(lr_at(t, steps, 1.0, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+        versions.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(flat_replica(sim, 0), ref)
+
+
+def test_fullsync_keeps_replicas_identical_and_equals_mean_gradient(text_file):
+    cfg = tiny(
+        text_file,
+        "run.steps=3",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=2",
+        "dp.mode=grad_allreduce",
+        "dp.codec=fp32",
+        "optim.name=adamw",
+    )
+    sim = GridSim(cfg)
+    for _ in range(3):
+        sim.step()
+    assert torch.equal(flat_replica(sim, 0), flat_replica(sim, 1))
+    # reference: one model, gradient = mean over 2 replicas x 2 microbatches
+    model = build_model(cfg.model, cfg.run.seed)
+    opt = StageOptimizer(list(model.named_parameters()), optim_spec(cfg.optim))
+    corpus = load_corpus(str(cfg.data.path), cfg.data.val_fraction, cfg.model.seq_len)
+    for t in range(3):
+        for r in range(2):
+            for k in range(2):
+                x, y = train_batch(corpus, cfg.run.seed, r, t * 2 + k, 2, cfg.model.seq_len)
+                (lm_loss(model(x), y) / 4).backward()
+        opt.step(lr_at(t, 3, 1.0, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+        opt.zero_grad()
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(flat_replica(sim, 0), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_dpavg_blocking_full_average_makes_replicas_equal(text_file):
+    cfg = tiny(
+        text_file,
+        "run.steps=3",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "dp.fraction=1.0",
+        "dp.tau=0",
+        "dp.correction=replace",
+        "dp.codec=fp32",
+    )
+    sim = GridSim(cfg)
+    sim.step()
+    assert torch.equal(flat_replica(sim, 0), flat_replica(sim, 1))
+
+
+def test_rounds_land_exactly_tau_updates_late(text_file):
+    tau = 3
+    cfg = tiny(
+        text_file,
+        "run.steps=8",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "dp.fraction=0.25",
+        f"dp.tau={tau}",
+        "dp.correction=replace",
+        "dp.codec=fp32",
+    )
+    sim = GridSim(cfg)
+    sim.step()  # update 0 launches round 0 at the end
+    snaps = [sim.cells[i][0].flat.clone() for i in range(2)]
+    idx = sparse.subset_indices(0, 0, 0, 0, snaps[0].numel(), 0.25)
+    for _ in range(tau - 1):
+        sim.step()
+        assert not torch.equal(sim.cells[0][0].flat[idx], sim.cells[1][0].flat[idx])
+    sim.step()  # update tau: round 0 arrives and replaces the subset by the stale mean
+    # round `tau` was launched right after and snapshotted its own (different) subset
+    expected = (snaps[0][idx] + snaps[1][idx]) / 2
+    for i in range(2):
+        torch.testing.assert_close(sim.cells[i][0].flat[idx], expected)
+
+
+def test_bytes_are_counted_exactly(text_file):
+    cfg = tiny(
+        text_file,
+        "run.steps=4",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "dp.tau=1",
+        "dp.codec=fp8_e4m3",
+        "pipeline.codec=bf16",
+    )
+    sim = GridSim(cfg)
+    for _ in range(4):
+        sim.step()
+    act = cfg.tokens_per_microbatch * cfg.model.d_model
+    assert sim.pp_bytes == 2 * 4 * 2 * codecs.encoded_nbytes(act, "bf16")  # m x steps x 2 ways
+    expected = 0.0
+    for r in range(4):
+        for j in range(2):
+            n = sim.cells[0][j].flat.numel()
+            size = len(sparse.subset_indices(0, j, 0, r, n, 0.05))
+            expected += 2 * sparse.ring_allreduce_bytes(codecs.encoded_nbytes(size, "fp8_e4m3"), 2)
+    assert sim.dp_bytes == pytest.approx(expected)
+
+
+def test_asyncmesh_fp8_moves_far_fewer_bytes_than_fullsync(text_file):
+    am = GridSim(tiny(text_file, "run.steps=2", "grid.stages=2", "grid.replicas=2"))
+    fs = GridSim(
+        tiny(
+            text_file,
+            "run.steps=2",
+            "grid.stages=2",
+            "grid.replicas=2",
+            "pipeline.schedule=gpipe",
+            "dp.mode=grad_allreduce",
+            "dp.codec=fp32",
+        )
+    )
+    for _ in range(2):
+        am.step()
+        fs.step()
+    assert fs.dp_bytes / am.dp_bytes > 64
+
+
+def test_nan_loss_stops_the_run_as_diverged(text_file):
+    cfg = tiny(
+        text_file,
+        "run.steps=5",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "optim.lr=1e30",
+        "optim.grad_clip=0",
+    )
+    result = GridSim(cfg).run()
+    assert result.diverged and result.val_loss is None and result.steps < 5

@@ -1,0 +1,154 @@
+"""Sparse averaging: shared index sets, the drift-correction rule per arrival, byte formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesh import sparse
+from mesh.sparse import (
+    apply_arrival,
+    clear_index_cache,
+    dp_bytes_per_replica_step,
+    num_parts,
+    ring_allreduce_bytes,
+    stable_seed,
+    subset_indices,
+    subset_sizes,
+)
+
+
+def test_stable_seed_is_fixed_and_63_bit() -> None:
+    # Hard-coded: any process, any PYTHONHASHSEED, must produce these.
+    assert stable_seed(0, 1, 2, 3) == 4019600915400777878
+    assert stable_seed(1234) == 7608735672164080697
+    assert stable_seed(1, 2) != stable_seed(2, 1) != stable_seed(12)
+    assert all(0 <= stable_seed(i, -i) < 2**63 for i in range(50))
+    with pytest.raises(TypeError):
+        stable_seed(1.5)  # type: ignore[arg-type]
+
+
+def test_partition_indices_are_pinned() -> None:
+    # Replicas in other processes must get exactly these (seed 1234, stage 1, tensor 2, p=1/4).
+    clear_index_cache()
+    want = [[1, 9, 12, 15, 19], [3, 5, 8, 13, 17], [2, 4, 10, 14, 18], [0, 6, 7, 11, 16]]
+    assert [subset_indices(1234, 1, 2, r, 20, 0.25).tolist() for r in range(4)] == want
+    assert subset_indices(1234, 1, 2, 4, 20, 0.25).tolist() == [2, 3, 5, 6, 15]  # next cycle
+    assert subset_indices(1234, 1, 2, 0, 20, 0.25, "bernoulli").tolist() == [2, 12, 19]
+
+
+def test_two_replicas_agree_and_keys_differ() -> None:
+    a = subset_indices(7, 2, 3, 11, 5000, 0.05)
+    clear_index_cache()  # the other replica computes it from scratch
+    b = subset_indices(7, 2, 3, 11, 5000, 0.05)
+    assert a.dtype == torch.int64 and torch.equal(a, b)
+    assert torch.equal(a, a.sort().values)
+    for other in [(8, 2, 3, 11), (7, 1, 3, 11), (7, 2, 4, 11), (7, 2, 3, 12), (7, 2, 3, 31)]:
+        assert not torch.equal(subset_indices(*other, 5000, 0.05), a)
+    for sel in ("bernoulli",):
+        x = subset_indices(7, 2, 3, 11, 5000, 0.05, sel)
+        assert torch.equal(x, subset_indices(7, 2, 3, 11, 5000, 0.05, sel))
+        assert not torch.equal(x, subset_indices(7, 2, 3, 12, 5000, 0.05, sel))
+
+
+@pytest.mark.parametrize("numel, fraction", [(1000, 0.05), (1003, 0.05), (7, 0.3), (3, 0.05)])
+def test_partition_covers_each_coordinate_once_per_cycle(numel: int, fraction: float) -> None:
+    k = num_parts(fraction)
+    for cycle in range(2):
+        rounds = range(cycle * k, (cycle + 1) * k)
+        parts = [subset_indices(5, 0, 1, r, numel, fraction) for r in rounds]
+        assert torch.equal(torch.cat(parts).sort().values, torch.arange(numel))
+        assert [len(p) for p in parts] == [subset_sizes([numel], fraction, r)[0] for r in rounds]
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_sizes_and_parts() -> None:
+    assert num_parts(0.05) == 20 and num_parts(0.1) == 10 and num_parts(0.3) == 4
+    assert num_parts(1.0) == 1
+    assert subset_sizes([1000, 40, 19], 0.05, 3) == [50, 2, 1]
+    assert sum(subset_sizes([19], 0.05, r)[0] for r in range(20)) == 19
+    assert torch.equal(subset_indices(1, 0, 0, 9, 10, 1.0), torch.arange(10))
+    with pytest.raises(ValueError, match="dp.fraction"):
+        num_parts(0.0)
+    with pytest.raises(ValueError, match="dp.selector"):
+        subset_indices(1, 0, 0, 0, 10, 0.5, "topk")
+
+
+def test_bernoulli_size_is_about_p() -> None:
+    n = subset_indices(3, 0, 0, 0, 100_000, 0.05, "bernoulli").numel()
+    assert abs(n - 5000) < 5 * (100_000 * 0.05 * 0.95) ** 0.5
+
+
+def test_cache_is_reused_bounded_and_not_aliased() -> None:
+    clear_index_cache()
+    a = subset_indices(9, 0, 0, 0, 1000, 0.1)
+    a[:] = -1  # a caller mutating its result must not corrupt the next round
+    assert (subset_indices(9, 0, 0, 1, 1000, 0.1) >= 0).all()
+    assert len(sparse._CACHE) == 1  # rounds 0 and 1 share cycle 0's permutation
+    subset_indices(9, 0, 0, 10, 1000, 0.1)  # cycle 1 supersedes cycle 0
+    assert [k[3] for k in sparse._CACHE] == [1]
+    for t in range(sparse._CACHE_MAX_ENTRIES + 5):
+        subset_indices(9, 0, t, 0, 10, 0.1)
+    assert len(sparse._CACHE) == sparse._CACHE_MAX_ENTRIES
+    clear_index_cache()
+
+
+def _vals(seed: int, n: int = 6) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_ema_matches_hand_written_recurrence_over_arrivals() -> None:
+    lams = [0.5, 0.5, 0.3, 0.1, 0.01]
+    live, d = _vals(0), torch.zeros(6, dtype=torch.float64)
+    ref_live, ref_d = live.clone(), d.clone()
+    for a, lam in enumerate(lams):
+        snapshot, mean = live + 0.1 * _vals(10 + a), _vals(20 + a)
+        live = live + 0.05 * _vals(30 + a)  # local steps while the round was in flight
+        ref_live = ref_live + 0.05 * _vals(30 + a)
+        args = (live, snapshot, mean, d)
+        copies = [t.clone() for t in args]
+        live, d = apply_arrival(*args, "ema", lam)
+        assert all(torch.equal(a, c) for a, c in zip(args, copies))  # inputs untouched
+        drift = ref_live - snapshot  # design 1.3 step 3, written out
+        ref_d = (1 - lam) * ref_d + lam * drift
+        ref_live = mean + ref_d
+        assert torch.allclose(live, ref_live, atol=1e-12) and torch.allclose(d, ref_d, atol=1e-12)
+
+
+def test_lambda_one_is_delta_and_replace_keeps_d() -> None:
+    live, snap, mean, d = _vals(1), _vals(2), _vals(3), _vals(4)
+    ema_live, ema_d = apply_arrival(live, snap, mean, d, "ema", 1.0)
+    delta_live, delta_d = apply_arrival(live, snap, mean, d, "delta", 0.3)
+    assert torch.equal(ema_live, delta_live)  # bit for bit (algorithms.md 3.3)
+    assert torch.equal(ema_d, live - snap) and torch.equal(delta_d, d)
+    rep_live, rep_d = apply_arrival(live, snap, mean, d, "replace", 0.3)
+    assert torch.equal(rep_live, mean) and torch.equal(rep_d, d)
+    # lambda = 0: the stale mean rolled forward by the old drift estimate only.
+    z_live, z_d = apply_arrival(live, snap, mean, d, "ema", 0.0)
+    assert torch.equal(z_d, d) and torch.allclose(z_live, mean + d)
+
+
+def test_apply_arrival_dtypes_and_errors() -> None:
+    live = torch.randn(5, dtype=torch.bfloat16)
+    new_live, new_d = apply_arrival(live, live.clone(), torch.zeros(5), torch.zeros(5), "ema", 0.5)
+    assert new_live.dtype == torch.bfloat16 and new_d.dtype == torch.float32
+    with pytest.raises(ValueError, match="dp.correction"):
+        apply_arrival(live, live, live, live, "average", 0.5)
+    with pytest.raises(ValueError, match="1-D"):
+        apply_arrival(live, live[:4], live, live, "ema", 0.5)
+    with pytest.raises(ValueError, match="lambda"):
+        apply_arrival(live, live, live, live, "ema", 1.5)
+
+
+def test_byte_formulas() -> None:
+    n = 1_000_000
+    fp8 = 1 + 4 / 128  # fp8 values plus one fp32 scale per 128-value block
+    assert dp_bytes_per_replica_step(n, 2, fp8, 0.05) == pytest.approx(0.05 * n * (1 + 4 / 128))
+    assert dp_bytes_per_replica_step(n, 2, 4) == 4 * n  # fp32 full, m=2 (bench 3.2)
+    assert dp_bytes_per_replica_step(n, 4, 4) == 6 * n  # m=4
+    assert dp_bytes_per_replica_step(n, 1, 4, 0.05) == 0.0
+    assert dp_bytes_per_replica_step(n, 2, 4, 0.05, 5) == pytest.approx(0.05 * 4 * n / 5)
+    assert dp_bytes_per_replica_step(236_928, 2, 4) == 947_712  # bench 3.5 measured counter
+    assert ring_allreduce_bytes(1000, 2) == 1000 and ring_allreduce_bytes(1000, 5) == 1600
+    with pytest.raises(ValueError, match="interval_steps"):
+        dp_bytes_per_replica_step(n, 2, 4, 0.05, 0)

@@ -11,10 +11,11 @@ from typing import Any
 
 import click
 
+from mesh.checkpoint import CheckpointError
 from mesh.config import Config, ConfigError, load_config
 from mesh.data import DataError
 
-USER_ERRORS = (ConfigError, DataError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,6 +78,20 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
 @click.option("--steps", type=int, default=None, help="Shorthand for run.steps.")
 @click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
+@click.option(
+    "--backend",
+    type=click.Choice(["logical", "torch", "hivemind"]),
+    default="logical",
+    show_default=True,
+    help="logical: one process on a logical clock (exact, fast); torch/hivemind: every cell "
+    "its own process talking over that transport on 127.0.0.1.",
+)
+@click.option(
+    "--resume",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="Continue a stopped run (torch/hivemind backends) from its checkpoints.",
+)
 @user_errors
 def simulate(
     config_files: tuple[str, ...],
@@ -85,9 +100,17 @@ def simulate(
     steps: int | None,
     method: str | None,
     out: str | None,
+    backend: str,
+    resume: str | None,
 ) -> None:
-    """Train a whole grid on this machine (one process, logical clock) and print a summary."""
+    """Train a whole grid on this machine and print a summary."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
+    if resume:
+        if backend == "logical":
+            raise ConfigError("--resume needs --backend torch or hivemind")
+        # the run's own resolved config comes first; later flags may extend it (e.g. --steps)
+        config_files = (str(Path(resume) / "config.toml"), *config_files)
+        out = resume
     cfg = resolve_config(config_files, overrides, extra)
     # heavy imports after the config is known to be valid: a typo answers at once
     from cli.report import print_table, progress_bar
@@ -98,6 +121,11 @@ def simulate(
         if method not in METHODS:
             raise ConfigError(f"--method {method}: unknown; choose one of {', '.join(METHODS)}")
         cfg = apply_method(cfg, method)
+    if backend != "logical":
+        from cli.simulate import simulate_processes
+
+        simulate_processes(cfg, backend, Path(out) if out else None, resume=bool(resume))
+        return
     sim = GridSim(cfg)
     with progress_bar(cfg.run.steps, "simulate") as bar:
         result = sim.run(lambda step, loss: bar.update_loss(loss))
@@ -151,6 +179,61 @@ def bench_convergence(
 
     cfg = resolve_config(config_files, overrides)
     run_convergence(cfg, Path(out), quick=quick, workers=workers)
+
+
+@bench.command("throughput")
+@config_options
+@click.option("--quick", is_flag=True, help="One short window per method (about 2 minutes).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default="results/throughput",
+    show_default=True,
+    help="Where summary.json, table.md and each window's metrics go.",
+)
+@user_errors
+def bench_throughput(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
+) -> None:
+    """Grids A1-A4, emulated compute on shaped links: FullSync vs AsyncMesh, interleaved.
+
+    The protocol's settings (d=128, L=4, T=128, B=8, M=4, t_f=10 ms, t_b=20 ms) apply after
+    --config files and before --set (which wins).
+    """
+    from mesh.bench_throughput import BENCH_SETS, run_throughput
+
+    cfg = load_config(list(config_files), [*BENCH_SETS, *overrides])
+    run_throughput(cfg, Path(out), quick=quick)
+
+
+@bench.command("optimizers")
+@config_options
+@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
+@click.option("--out", type=click.Path(file_okay=False), default="results/optimizers")
+@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@click.option(
+    "--target",
+    type=float,
+    default=None,
+    help="Validation loss to reach (default: delay-free adamw's at half the horizon).",
+)
+@user_errors
+def bench_optimizers(
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    workers: int,
+    target: float | None,
+) -> None:
+    """Depth study: adamw, nadamw, muon, rotated_adam (+stage-aware) at P = 1..16; 2bw +- EF.
+
+    The study's 16-layer model applies before --set (which wins) and after --config files.
+    """
+    from mesh.bench_optimizers import STUDY_DEFAULTS, run_optimizers
+
+    cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
+    run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
 
 
 if __name__ == "__main__":

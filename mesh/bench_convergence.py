@@ -128,6 +128,8 @@ def _run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
     cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
     r = GridSim(cfg).run()
     return {
+        "microbatches": microbatches,
+        "config_fingerprint": cfg.fingerprint(),
         "study": spec.study,
         "method": spec.method,
         "seed": spec.seed,
@@ -147,29 +149,49 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     from tqdm import tqdm
 
     seeds = [0, 1]
-    microbatches = 160 if quick else 1600
+    # microbatches per replica per study; the pipeline study has 2x the runs, so it is shorter
+    budget = {"dp": 160, "pp": 100} if quick else {"dp": 1600, "pp": 800}
     specs = build_specs(seeds)
     # longest first so the pool's tail is short
     specs.sort(key=lambda s: -(2 if s.study == "dp" else 1))
     tree = base.model_dump(mode="json")
     start = time.perf_counter()
-    runs: list[dict[str, Any]] = []
+    out.mkdir(parents=True, exist_ok=True)
+    # a long study that is stopped keeps what finished: the next start skips those runs
+    partial = out / "runs.partial.jsonl"
+    runs = _finished_runs(partial, budget)
+    done = {(r["study"], r["method"], r["seed"]) for r in runs}
+    specs = [s for s in specs if (s.study, s.method, s.seed) not in done]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
     ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, maxtasksperchild=4) as pool:
-        jobs = [(tree, s, microbatches) for s in specs]
+    with ctx.Pool(workers) as pool:
+        jobs = [(tree, s, budget[s.study]) for s in specs]
         for res in tqdm(pool.imap_unordered(_run_one, jobs), total=len(jobs), desc="convergence"):
             runs.append(res)
+            with partial.open("a") as f:
+                f.write(json.dumps(res) + "\n")
     runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
     summary = {
-        "microbatches_per_replica": microbatches,
+        "microbatches_per_replica": budget,
         "seeds": seeds,
         "quick": quick,
+        # this invocation's time; runs resumed from a stopped study carry their own wall_s
         "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s_of_runs": round(sum(r["wall_s"] for r in runs), 1),
         "base_config_fingerprint": base.fingerprint(),
+        "tokens_per_microbatch": base.tokens_per_microbatch,
         "runs": runs,
     }
     write_outputs(summary, out)
+    partial.unlink()
     return summary
+
+
+def _finished_runs(partial: Path, budget: dict[str, int]) -> list[dict[str, Any]]:
+    if not partial.is_file():
+        return []
+    runs = [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
+    return [r for r in runs if r.get("microbatches") == budget[r["study"]]]
 
 
 def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, float]]:
@@ -277,8 +299,11 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
     lines = [
         "# Convergence at equal tokens",
         "",
-        f"{summary['microbatches_per_replica']} microbatches per replica, seeds "
-        f"{summary['seeds']}, quick={summary['quick']}, {summary['wall_s']:.0f} s in all.",
+        f"Microbatches per replica: {summary['microbatches_per_replica']} (of "
+        f"{summary['tokens_per_microbatch']} tokens); seeds {summary['seeds']}; "
+        f"quick={summary['quick']}; {summary['wall_s']:.0f} s in all. Each optimizer at its own "
+        "lr (adamw 2e-3, nadamw 1e-3, muon 0.02 with AdamW 2e-3 for the rest); per-stage "
+        "gradient clip 1.0; warmup 5% of updates; cosine to 10%.",
         "",
         "## Data-parallel baselines, 4x2 grid",
         "",

@@ -18,15 +18,16 @@ from mesh import sparse
 from mesh.config import Config, OptimConfig
 from mesh.model import StageModule
 from mesh.optim import OptimSpec, StageOptimizer, lambda_at, lr_at
-from mesh.schedule import stage_delay
+from mesh.schedule import stage_delay, versions_kept
 
 Params = dict[str, torch.Tensor]
 
 
-def optim_spec(cfg: OptimConfig) -> OptimSpec:
-    """The optimizer's plain dataclass from the config section (same field names)."""
+def optim_spec(cfg: OptimConfig, delay: int = 0) -> OptimSpec:
+    """The optimizer's plain dataclass from the config section (same field names), plus the
+    stage's gradient delay (stage-aware rotation uses it)."""
     fields = OptimSpec.__dataclass_fields__
-    return OptimSpec(**{k: v for k, v in cfg.model_dump().items() if k in fields})
+    return OptimSpec(**{k: v for k, v in cfg.model_dump().items() if k in fields}, delay=delay)
 
 
 @dataclass
@@ -64,7 +65,8 @@ class Cell:
             p.data = self.flat[offset : offset + n].view_as(p)
             self._shapes.append((name, offset, n, p.shape))
             offset += n
-        self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim))
+        delay = stage_delay(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages)
+        self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim, delay))
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
         self.history[0] = self.flat.clone()
@@ -83,7 +85,10 @@ class Cell:
         return {n: flat[o : o + k].view(shape) for n, o, k, shape in self._shapes}
 
     def versions_to_keep(self) -> int:
-        return stage_delay(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages) + 1
+        """The stashed versions the schedule reads: delay + 1 (+ the in-flight window's)."""
+        w = self.cfg.pipeline.window
+        window = None if w in ("none", "auto") else list(w)
+        return versions_kept(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages, window)
 
     def push_version(self) -> None:
         """Record the live weights as version `self.step`: what the next forward will use.

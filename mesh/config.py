@@ -51,6 +51,13 @@ class PipelineConfig(_Section):
     codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
         "bf16", description="codec of activations and their gradients between stages"
     )
+    window: Literal["none", "auto"] | list[int] = Field(
+        "none",
+        description="async only: extra warm-up forwards per stage so a latent link never starves "
+        "the pipeline (design 4); each adds one step of staleness (stage j's forward of "
+        "microbatch b reads version b-(P-1-j)-window[j]). 'auto': sized at launch from the "
+        "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
+    )
 
 
 class OptimConfig(_Section):
@@ -95,6 +102,11 @@ class DPConfig(_Section):
         "fp8_e4m3", description="codec of averaging payloads (and of gradients in grad_allreduce)"
     )
     block_size: int = Field(128, ge=1, description="values per scale for fp8/int8 codecs")
+    strict_tau: bool = Field(
+        False,
+        description="runtime: wait for each round exactly tau updates after launch (reproduces "
+        "the simulator); off: apply a round when it completes, at least tau updates late",
+    )
 
 
 class DataConfig(_Section):
@@ -110,6 +122,78 @@ class RunConfig(_Section):
     threads: int = Field(1, ge=1, description="torch threads per process")
 
 
+class RuntimeConfig(_Section):
+    backend: Literal["torch", "hivemind"] = Field(
+        "torch", description="torch.distributed (gloo/NCCL) in a cluster, hivemind over a WAN"
+    )
+    timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
+    round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
+    host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
+    checkpoint_every: int = Field(
+        50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
+    )
+    compute: Literal["real", "emulated"] = Field(
+        "real",
+        description="emulated: no model math; forward/backward sleep forward_ms/backward_ms x "
+        "slowdown while real payloads of the real shapes cross the links (systems benchmarks)",
+    )
+    forward_ms: float = Field(
+        10.0, gt=0, description="emulated: forward time per microbatch per stage at slowdown 1"
+    )
+    backward_ms: float = Field(
+        20.0, gt=0, description="emulated: backward time per microbatch per stage at slowdown 1"
+    )
+    slowdowns: list[str] = Field(
+        [],
+        description='per-cell compute factors, e.g. ["s2r0=2.0"] (stage 2 of replica 0 twice '
+        "as slow); unlisted cells 1.0. Real compute: each forward/backward then waits "
+        "(factor-1) x its own time",
+    )
+    link: Literal["none", "datacenter", "wan100", "wan10"] = Field(
+        "none",
+        description="profile of every link, pipeline and averaging (comms.throttle.PROFILES: "
+        "datacenter 10 Gbit/0.1 ms, wan100 100 Mbit/20 ms, wan10 10 Mbit/100 ms one-way)",
+    )
+    link_bandwidth_mbps: float | None = Field(
+        None, gt=0, description="overrides the link profile's bandwidth (Mbit/s per direction)"
+    )
+    link_latency_ms: float | None = Field(
+        None, ge=0, description="overrides the link profile's one-way latency (ms)"
+    )
+
+
+def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[int, int], float]:
+    """runtime.slowdowns ["s2r0=2.0", ...] -> {(stage, replica): factor}; ValueError naming
+    the key and the entry when a cell is not in the grid, repeated, or a factor is not > 0."""
+    import re
+
+    out: dict[tuple[int, int], float] = {}
+    for item in items:
+        m = re.fullmatch(r"\s*s(\d+)r(\d+)\s*=\s*([^\s]+)\s*", str(item))
+        factor = None
+        if m:
+            try:
+                factor = float(m.group(3))
+            except ValueError:
+                factor = None
+        if m is None or factor is None:
+            raise ValueError(
+                f"runtime.slowdowns entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'"
+            )
+        j, i = int(m.group(1)), int(m.group(2))
+        if not (0 <= j < stages and 0 <= i < replicas):
+            raise ValueError(
+                f"runtime.slowdowns entry {item!r}: cell s{j}r{i} is not in the "
+                f"{stages}x{replicas} grid (stages s0..s{stages - 1}, replicas r0..r{replicas - 1})"
+            )
+        if not (factor > 0 and factor < float("inf")):
+            raise ValueError(f"runtime.slowdowns entry {item!r}: the factor must be > 0")
+        if (j, i) in out:
+            raise ValueError(f"runtime.slowdowns lists cell s{j}r{i} twice")
+        out[(j, i)] = factor
+    return out
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     grid: GridConfig = GridConfig()
@@ -118,6 +202,7 @@ class Config(_Section):
     dp: DPConfig = DPConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -142,6 +227,11 @@ class Config(_Section):
                 "dp.mode = 'grad_allreduce' needs a synchronous pipeline (gpipe or 1f1b); "
                 "set pipeline.schedule='gpipe' or dp.mode='param_avg'"
             )
+        parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
+        if isinstance(p.window, list):
+            from mesh.schedule import validate_window
+
+            validate_window(p.schedule, g.stages, p.window)
         if self.optim.name != "rotated_adam" and self.optim.stage_aware:
             raise ValueError(
                 "optim.stage_aware only applies to optim.name = 'rotated_adam'; "
@@ -150,9 +240,17 @@ class Config(_Section):
         return self
 
     def fingerprint(self) -> str:
-        """Hash of what every peer of one run must agree on (not local settings like threads)."""
+        """Hash of what every peer of one run must agree on (not local settings like threads).
+
+        The torch minor version is part of it: averaging indices come from torch.randperm, whose
+        stream may change between releases, and peers must draw the same indices.
+        """
+        import torch
+
         d = self.model_dump(mode="json")
         d["run"] = {"seed": d["run"]["seed"], "steps": d["run"]["steps"]}
+        del d["runtime"]  # how this peer connects is its own business
+        d["torch"] = ".".join(torch.__version__.split(".")[:2])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_toml(self) -> str:

@@ -61,3 +61,72 @@ def plot_curves(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def summarize_run(cfg: Any, out_dir: Path, wall_s: float) -> dict[str, Any]:
+    """summary.json of a multi-process run, from the cells' metrics files and checkpoints."""
+    import json
+
+    import torch
+
+    from mesh.checkpoint import checkpoint_path, saved_steps
+    from mesh.data import load_corpus, val_batches
+    from mesh.emulate import throughput
+    from mesh.model import build_stages, lm_loss
+
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for path in sorted((out_dir / "metrics").glob("*.jsonl")):
+        stage, replica = (int(x) for x in path.stem.split("-"))
+        rows[(stage, replica)] = [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
+    mpu = cfg.pipeline.microbatches if cfg.pipeline.schedule != "async" else 1
+    tokens = steps * mpu * cfg.tokens_per_microbatch * m
+    last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    batches = val_batches(
+        corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
+    )
+    losses = []
+    for i in range(m):
+        stages = build_stages(cfg.model, P, cfg.run.seed)
+        for j, st in enumerate(stages):
+            path = checkpoint_path(out_dir, j, i, saved_steps(out_dir, j, i)[-1])
+            flat = torch.load(path, weights_only=True)["flat"]
+            torch.nn.utils.vector_to_parameters(flat, st.parameters())
+        with torch.no_grad():
+            total = 0.0
+            for x, y in batches:
+                h = x
+                for st in stages:
+                    h = st(h)
+                total += lm_loss(h, y).item()
+        losses.append(total / len(batches))
+    rounds = {
+        k: sum(r.get(k, 0) for r in last.values())
+        for k in ("rounds_started", "rounds_applied", "rounds_partial", "rounds_failed")
+    }
+    # steady state (warm-up rows left out) against the ideal of the same run (mesh/emulate.py)
+    tp = throughput(cfg, rows)
+    return {
+        "grid": f"{P}x{m}",
+        "steps": steps,
+        "tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "val_loss": sum(losses) / m,
+        "val_loss_replicas": losses,
+        "bytes": {  # from the cells' final rows when present (written after sends drained)
+            "pp_per_replica_step": tp.pp_bytes_per_replica_step,
+            "dp_per_replica_step": tp.dp_bytes_per_replica_step,
+        },
+        "rounds": rounds,
+        "rejects": sum(sum(r.get("rejects", {}).values()) for r in last.values()),
+        "compute": cfg.runtime.compute,
+        "steady_tokens_per_s": tp.tokens_per_s,
+        "ideal_tokens_per_s": tp.ideal_tokens_per_s,
+        "fraction_of_ideal": tp.fraction_of_ideal,
+        "stage_times_s": tp.stage_s,
+        "staleness": tp.staleness,
+        "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
+    }

@@ -22,7 +22,7 @@ import torch
 from mesh.muon import MuonRule, is_hidden_matrix
 from mesh.muon import newton_schulz as newton_schulz  # re-exported: part of this API
 
-OptimName = Literal["nadamw", "adamw", "muon"]
+OptimName = Literal["nadamw", "adamw", "muon", "rotated_adam"]
 State = dict[str, torch.Tensor | int | float]
 
 # beta1 when OptimSpec.beta1 is None (design.md 1.2); muon's value is for its AdamW part.
@@ -93,6 +93,9 @@ class OptimSpec:
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     ns_steps: int = 5
+    rotate_every: int = 10  # rotated_adam: eigenbasis refresh period (steps)
+    stage_aware: bool = False  # rotated_adam: refresh period shrinks with the stage's delay
+    delay: int = 0  # this stage's gradient delay delta_j (filled in by the cell)
     grad_clip: float = 10.0  # per-stage global norm; <= 0 disables
     error_feedback: bool = False
     state_8bit: bool = False
@@ -108,6 +111,8 @@ class OptimSpec:
             ("muon_lr", self.muon_lr >= 0),
             ("muon_momentum", 0 <= self.muon_momentum < 1),
             ("ns_steps", self.ns_steps >= 1),
+            ("rotate_every", self.rotate_every >= 1),
+            ("delay", self.delay >= 0),
         ]
         for key, ok in checks:
             if not ok:
@@ -216,7 +221,7 @@ class NAdamWRule(AdamWRule):
 Planner = Callable[[str, torch.Tensor, OptimSpec], UpdateRule]
 OPTIMIZERS: dict[str, Planner] = {}
 # name -> module that registers it on import, e.g. "rotated_adam": "mesh.rotated_adam".
-_PLUGIN_MODULES: dict[str, str] = {}
+_PLUGIN_MODULES: dict[str, str] = {"rotated_adam": "mesh.rotated"}
 
 
 def register_optimizer(name: str) -> Callable[[Planner], Planner]:

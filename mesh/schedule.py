@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
@@ -45,21 +46,61 @@ def _check_stage(stage: int, num_stages: int) -> None:
         raise ValueError(f"stage {stage} is outside 0..{num_stages - 1}")
 
 
-def stage_delay(schedule: str, stage: int, num_stages: int) -> int:
-    """Gradient delay delta_j in optimizer steps of this stage (design 1.1 table)."""
+def validate_window(schedule: str, num_stages: int, window: Sequence[int] | None) -> None:
+    """`window[j]`: extra warm-up forwards of stage j on top of the P-1-j of 1F1B (design 4).
+
+    Only the async schedule takes one (2bw's two versions and the flushed schedules have no
+    room for more in flight). The warm-ups P-1-j+window[j] must not increase with j, or stage
+    j+1 would wait for a forward that stage j only runs after its own blocked backward.
+    """
+    if window is None:
+        return
+    w = list(window)
+    if schedule != "async" and any(w):
+        raise ValueError(
+            f"pipeline.window needs pipeline.schedule = 'async' (got {schedule!r}); "
+            "set pipeline.window = 'none'"
+        )
+    if len(w) != num_stages or any(x < 0 for x in w):
+        raise ValueError(
+            f"pipeline.window = {w}: need {num_stages} extra warm-up counts >= 0 (one per stage)"
+        )
+    for j in range(num_stages - 1):
+        if w[j + 1] > w[j] + 1:
+            raise ValueError(
+                f"pipeline.window = {w}: stage {j + 1} may take at most one more extra warm-up "
+                f"than stage {j} (warm-ups P-1-j+window[j] must not increase), or the pipeline "
+                "deadlocks"
+            )
+
+
+def _extra(window: Sequence[int] | None, stage: int) -> int:
+    return 0 if window is None else int(window[stage])
+
+
+def stage_delay(
+    schedule: str, stage: int, num_stages: int, window: Sequence[int] | None = None
+) -> int:
+    """Gradient delay delta_j in optimizer steps of this stage (design 1.1 table); an
+    in-flight window adds its extra warm-up forwards (async only)."""
     validate_schedule(schedule, num_stages, max(1, num_stages))
     _check_stage(stage, num_stages)
+    validate_window(schedule, num_stages, window)
     if schedule == "async":
-        return num_stages - 1 - stage  # W_j warm-up backward+steps between F_b and B_b
+        # W_j warm-up backward+steps between F_b and B_b
+        return num_stages - 1 - stage + _extra(window, stage)
     return 1 if schedule == "2bw" else 0
 
 
-def versions_kept(schedule: str, stage: int, num_stages: int) -> int:
+def versions_kept(
+    schedule: str, stage: int, num_stages: int, window: Sequence[int] | None = None
+) -> int:
     """Weight versions stage j holds at once, the live one included (design 1.1 table)."""
     validate_schedule(schedule, num_stages, max(1, num_stages))
     _check_stage(stage, num_stages)
     if schedule == "async":
-        return num_stages - stage  # delta_j + 1: the P-j in-flight microbatches' versions
+        # delta_j + 1: the P-j (+ window) in-flight microbatches' versions
+        return stage_delay(schedule, stage, num_stages, window) + 1
     return 2 if schedule == "2bw" else 1
 
 
@@ -69,12 +110,15 @@ def microbatches_per_update(schedule: str, num_microbatches: int) -> int:
     return 1 if schedule == "async" else num_microbatches
 
 
-def version_for(schedule: str, stage: int, num_stages: int, update: int) -> int:
+def version_for(
+    schedule: str, stage: int, num_stages: int, update: int, window: Sequence[int] | None = None
+) -> int:
     """Weight version (updates already applied) used by the F and B of update `update`'s data.
 
-    algorithms.md 1.1: microbatch b at stage k uses w_k^(b - delta_k), clamped at 0 in the fill.
+    algorithms.md 1.1: microbatch b at stage k uses w_k^(b - delta_k), clamped at 0 in the fill;
+    with an in-flight window delta_k grows by window[k].
     """
-    delay = stage_delay(schedule, stage, num_stages)
+    delay = stage_delay(schedule, stage, num_stages, window)
     if update < 0:
         raise ValueError(f"update must be >= 0, got {update}")
     return max(0, update - delay)
@@ -111,7 +155,12 @@ def _one_f_one_b(mbs: list[int], warmup: int) -> list[tuple[bool, int]]:
 
 
 def actions(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int, num_updates: int
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    num_updates: int,
+    window: Sequence[int] | None = None,
 ) -> list[Action]:
     """The action list stage `stage` executes for `num_updates` updates.
 
@@ -119,15 +168,17 @@ def actions(
     mpu = microbatches_per_update(schedule, M). gpipe: all F then all B, FLUSH, STEP per batch.
     1f1b: warm-up P-1-j forwards, 1F1B, cooldown, FLUSH, STEP per batch. async: one 1F1B stream
     over all microbatches, STEP after every B (PipeDream + stashing). 2bw: the same stream,
-    STEP after every M-th B.
+    STEP after every M-th B. `window` (async only): window[j] extra warm-up forwards.
     """
     validate_schedule(schedule, num_stages, num_microbatches)
     _check_stage(stage, num_stages)
+    validate_window(schedule, num_stages, window)
     if num_updates < 0:
         raise ValueError(f"num_updates must be >= 0, got {num_updates}")
     P, j = num_stages, stage
     mpu = microbatches_per_update(schedule, num_microbatches)
-    warmup = P - 1 - j  # microbatches in flight below this stage (algorithms.md 1.1)
+    # microbatches in flight below this stage (algorithms.md 1.1), plus the window's extra
+    warmup = P - 1 - j + _extra(window, j)
     out: list[Action] = []
 
     def emit(is_forward: bool, b: int) -> None:
@@ -188,19 +239,23 @@ def execute(
     num_microbatches: int,
     num_updates: int,
     programs: list[list[Action]] | None = None,
+    window: Sequence[int] | None = None,
 ) -> Trace:
     """Run every stage's action list in a dependency-respecting order (a RECV runs only after
     its matching SEND) and check the invariants a real worker relies on; RuntimeError if one
     breaks or the stages deadlock. Versions follow from the local orders only: live version =
     STEPs done; a BACKWARD recomputes on the version its FORWARD read, which must still be held.
-    `programs` replaces the generated lists (tests feed broken ones to the checker).
+    `programs` replaces the generated lists (tests feed broken ones to the checker); `window`
+    is passed to `actions` and bounds the versions held.
     """
     P = num_stages
-    progs = programs or [actions(schedule, j, P, num_microbatches, num_updates) for j in range(P)]
+    progs = programs or [
+        actions(schedule, j, P, num_microbatches, num_updates, window) for j in range(P)
+    ]
     if len(progs) != P:
         raise ValueError(f"need one program per stage ({P}), got {len(progs)}")
     mpu = microbatches_per_update(schedule, num_microbatches)
-    kept = [versions_kept(schedule, j, P) for j in range(P)]
+    kept = [versions_kept(schedule, j, P, window) for j in range(P)]
     pc, live, queue = [0] * P, [0] * P, {}
     got: list[set[tuple[Op, int]]] = [set() for _ in range(P)]
     in_flight: list[dict[int, int]] = [{} for _ in range(P)]  # mb -> version it read
@@ -267,11 +322,15 @@ def execute(
 
 
 def simulate_versions(
-    schedule: str, num_stages: int, num_microbatches: int, num_updates: int
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_updates: int,
+    window: Sequence[int] | None = None,
 ) -> dict[tuple[int, int], int]:
     """Version each stage's FORWARD of each microbatch read, from `execute` (which also checks
     that every BACKWARD used the same, still-held version)."""
-    trace = execute(schedule, num_stages, num_microbatches, num_updates)
+    trace = execute(schedule, num_stages, num_microbatches, num_updates, window=window)
     if trace.forward_version != trace.backward_version:
         _fail("a backward used a different version than its forward")
     return trace.forward_version
@@ -329,14 +388,35 @@ def predicted_sync_step_s(
 
 
 def inflight_window(
-    stage_times_s: list[float], stage: int, link_latency_s: float = 0.0, transfer_s: float = 0.0
+    stage_times_s: list[float],
+    stage: int,
+    link_latency_s: float = 0.0,
+    transfer_s: float = 0.0,
+    period_s: float | None = None,
 ) -> int:
     """Microbatches stage j must keep in flight so the round trip never starves it (design 4):
-    max(P-j, ceil(rtt_j / max t)), rtt_j = sum_{s>=j} t_s + 2 (P-1-j)(latency + transfer)."""
+    max(P-j, ceil(rtt_j / period)), rtt_j = sum_{s>=j} t_s + 2 (P-1-j)(latency + transfer),
+    period = max t unless given (a link-bound pipeline: max(max t, transfer))."""
     P = len(stage_times_s)
     _check_stage(stage, P)
     rtt = sum(stage_times_s[stage:]) + 2 * (P - 1 - stage) * (link_latency_s + transfer_s)
-    return max(P - stage, math.ceil(rtt / max(stage_times_s) - 1e-9))
+    period = max(stage_times_s) if period_s is None else period_s
+    return max(P - stage, math.ceil(rtt / period - 1e-9))
+
+
+def extra_warmups(
+    stage_times_s: list[float],
+    link_latency_s: float = 0.0,
+    transfer_s: float = 0.0,
+    period_s: float | None = None,
+) -> list[int]:
+    """The `window` argument of `actions`: inflight_window - (P-j) extra forwards per stage
+    (never increasing with j, so `validate_window` accepts it)."""
+    P = len(stage_times_s)
+    return [
+        inflight_window(stage_times_s, j, link_latency_s, transfer_s, period_s) - (P - j)
+        for j in range(P)
+    ]
 
 
 def predicted_async_tokens_per_s(

@@ -1,0 +1,121 @@
+"""Build a Transport by backend name, and the local rendezvous that a group of them needs.
+
+Role: the one place that maps "torch" / "hivemind" to a class, so the trainer, the tests and the
+bench never import a backend module directly. Adding a backend = one branch in `make_transport`
+and one in `local_rendezvous`, both marked below.
+
+imports: comms only (backends imported lazily: hivemind is slow to import and optional here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from comms.throttle import LinkShapers, Shaping
+from comms.transport import Transport
+
+BACKENDS: tuple[str, ...] = ("torch", "hivemind")
+
+
+def make_transport(
+    backend: str,
+    me: str,
+    peers: list[str],
+    groups: dict[str, list[str]],
+    *,
+    rendezvous: str | None = None,
+    initial_peers: list[str] | None = None,
+    host: str = "127.0.0.1",
+    timeout_s: float = 10.0,
+    shaping: Shaping = None,
+    run_id: str = "meshtrain",
+    **options: Any,
+) -> Transport:
+    """A started transport for peer `me`.
+
+    Args:
+        backend: "torch" (torch.distributed) or "hivemind" (libp2p through a DHT).
+        me, peers, groups: this peer, every peer in rank order, averaging groups.
+        rendezvous: torch only: "tcp://HOST:PORT" of the store peers[0] binds.
+        initial_peers: hivemind only: multiaddrs of any DHT node to bootstrap from.
+        host: address to bind (loopback by default; tests never leave 127.0.0.x).
+        timeout_s: startup deadline and default deadline of waits.
+        shaping: LinkProfile (or PROFILES name) for every link, a per-destination dict, or None.
+        run_id: hivemind only: namespace of DHT keys.
+        options: backend-specific keyword arguments, passed through.
+    """
+    if backend == "torch":
+        if rendezvous is None:
+            raise ValueError("the torch backend needs rendezvous='tcp://HOST:PORT'")
+        from comms.torchdist import TorchTransport
+
+        return TorchTransport(
+            me,
+            peers,
+            groups,
+            rendezvous,
+            timeout_s=timeout_s,
+            shaping=shaping,
+            host=host,
+            **options,
+        )
+    if backend == "hivemind":
+        # ---- hivemind branch (owned by the comms/p2p.py engineer) ----
+        p2p = _optional_module("comms.p2p")
+        return p2p.P2PTransport(
+            me,
+            run_id=run_id,
+            initial_peers=list(initial_peers or ()),
+            host_maddrs=[f"/ip4/{host}/tcp/0"],
+            timeout_s=timeout_s,
+            shaping=LinkShapers(me, shaping) if shaping is not None else None,
+            **options,
+        )
+        # ---- end of hivemind branch ----
+    raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+@contextlib.contextmanager
+def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
+    """What a group of local peers needs to find each other, as make_transport kwargs; lives
+    as long as the context (the parent process of a test or bench holds it).
+
+    torch: a free TCP port on host for the store ({"rendezvous": "tcp://host:port"}).
+    hivemind: a bootstrap DHT node on host ({"initial_peers": [maddr, ...]}).
+    """
+    if backend == "torch":
+        yield {"rendezvous": f"tcp://{host}:{free_port(host)}"}
+        return
+    if backend == "hivemind":
+        # ---- hivemind branch (owned by the comms/p2p.py engineer) ----
+        _optional_module("comms.p2p")
+        import hivemind
+
+        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"])
+        try:
+            yield {"initial_peers": [str(a) for a in dht.get_visible_maddrs()]}
+        finally:
+            dht.shutdown()
+        return
+        # ---- end of hivemind branch ----
+    raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on host a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _optional_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise NotImplementedError(f"backend module {name} is not there yet") from e

@@ -1,0 +1,109 @@
+"""The DHT side of P2PTransport: its DHT process, and peer names as DHT records.
+
+Role: `start_dht` starts a `PeerDHT` (one hivemind DHT process owning one p2pd) with retries;
+`PeerRecord` / `parse_record` are the name records (`{run_id}.peer.{name}` ->
+{"v": 1, "peer_id": base58, "maddrs": [...]}, MSGPack-encoded by hivemind, type-checked here
+because any peer can write a key). `watch_parent` makes forked helpers (the DHT process, the
+averagers) stop their p2pd, remove their /tmp/hivemind-*.sock files and exit when the peer
+process dies, even by SIGKILL.
+
+imports: hivemind, stdlib only (no torch, no mesh, no cli).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.p2p import PeerID
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    peer_id: PeerID
+    maddrs: tuple[str, ...]
+
+
+def parse_record(value: object) -> PeerRecord | None:
+    """A DHT record written by a peer: type-check every field (None once the peer left)."""
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    pid, maddrs = value.get("peer_id"), value.get("maddrs")
+    if not isinstance(pid, str) or not isinstance(maddrs, list | tuple):
+        return None
+    if not all(isinstance(m, str) for m in maddrs):
+        return None
+    try:
+        return PeerRecord(PeerID.from_base58(pid), tuple(maddrs))
+    except Exception:  # noqa: BLE001 - malformed base58 from a peer
+        return None
+
+
+def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:
+    """In a forked helper process (DHT, averager): once the process that started it is gone
+    (we were re-parented), run on_orphan and exit. Each helper holds both ends of its control
+    pipe, so it never sees EOF; without this a SIGKILLed peer leaves its DHT, averager and p2pd
+    running forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        with contextlib.suppress(Exception):
+            on_orphan()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+class PeerDHT(hivemind.DHT):
+    """hivemind.DHT whose process stops its p2pd and exits when our process dies."""
+
+    def run(self) -> None:
+        watch_parent(self._orphaned)
+        super().run()
+
+    def _orphaned(self) -> None:
+        # Plain syscalls only: this runs on the watchdog thread, and hivemind's client and
+        # (uv)loop objects must not be touched from outside their loop thread.
+        p2p = self._node.p2p
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p2p._child.pid, signal.SIGTERM)
+        adopted = getattr(self._node, "adopted", [])
+        for path in [p2p._daemon_listen_maddr, p2p._client_listen_maddr, *adopted]:
+            with contextlib.suppress(OSError, KeyError, TypeError):
+                os.remove(path if isinstance(path, str) else path["unix"])
+        for _ in range(40):  # reap p2pd, so no zombie outlives us
+            try:
+                if os.waitpid(p2p._child.pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return  # already reaped by the event loop's child watcher
+            time.sleep(0.05)
+
+
+async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
+    """Runs in the DHT process: remove `path` (our replica's socket) if we die."""
+    node.adopted = [*getattr(node, "adopted", []), path]
+
+
+def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
+    """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        try:
+            startup = max(5.0, min(15.0, deadline - time.monotonic()))
+            return PeerDHT(initial_peers or None, start=True, startup_timeout=startup, **kwargs)
+        except Exception:
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+            delay *= 2

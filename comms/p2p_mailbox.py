@@ -1,0 +1,125 @@
+"""Bounded per-sender mailboxes for validated messages, keyed by tag.
+
+Role: the meeting point of the transport's receiving loop (puts, on the asyncio thread) and
+`recv` callers (blocking takes, on user threads). Each sender gets at most `max_messages`
+messages and `max_bytes` bytes (stored plus reserved while a body is still arriving), so a
+flooding peer fills only its own box. Messages nobody takes expire after `ttl_s`. A sender that
+broke the stream protocol is marked lost: takes from it raise PeerLost (once its box is empty)
+until it delivers a valid message again.
+
+imports: stdlib and comms only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+from comms.errors import PeerLost
+from comms.wire import Message
+
+
+class Mailbox:
+    def __init__(
+        self,
+        max_messages: int,
+        max_bytes: int,
+        ttl_s: float = 600.0,
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
+        self.max_messages, self.max_bytes, self.ttl_s = max_messages, max_bytes, ttl_s
+        self._on_drop = on_drop
+        self._cond = threading.Condition()
+        # sender -> tag -> deque of (arrival time, message, nbytes)
+        self._boxes: dict[str, dict[str, deque[tuple[float, Message, int]]]] = defaultdict(dict)
+        self._count: dict[str, int] = defaultdict(int)
+        self._bytes: dict[str, int] = defaultdict(int)  # stored + reserved
+        self._lost: dict[str, str] = {}  # sender -> why
+
+    def try_reserve(self, sender: str, nbytes: int) -> bool:
+        """Reserve room for a message of nbytes (released by put or release)."""
+        with self._cond:
+            self._expire(sender, time.monotonic())
+            used = self._bytes[sender]
+            # An empty box takes one message of any size (the transport caps sizes already).
+            if self._count[sender] >= self.max_messages or (
+                used and used + nbytes > self.max_bytes
+            ):
+                return False
+            self._bytes[sender] += nbytes
+            self._count[sender] += 1
+            return True
+
+    async def reserve(self, sender: str, nbytes: int, timeout_s: float) -> bool:
+        """Wait (without blocking the event loop) until there is room, up to timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self.try_reserve(sender, nbytes):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def release(self, sender: str, nbytes: int) -> None:
+        with self._cond:
+            self._bytes[sender] -= nbytes
+            self._count[sender] -= 1
+            self._cond.notify_all()
+
+    def mark_lost(self, sender: str, why: str) -> None:
+        with self._cond:
+            self._lost[sender] = why
+            self._cond.notify_all()
+
+    def put(self, sender: str, msg: Message, nbytes: int) -> None:
+        """File a message whose room was reserved with reserve/try_reserve."""
+        with self._cond:
+            self._lost.pop(sender, None)
+            self._boxes[sender].setdefault(msg.name, deque()).append(
+                (time.monotonic(), msg, nbytes)
+            )
+            self._cond.notify_all()
+
+    def take(self, sender: str, tag: str, deadline: float) -> Message | None:
+        """Oldest message from sender with tag; None if none arrived by `deadline` (monotonic).
+        Raises PeerLost if the sender is marked lost and nothing with that tag is waiting."""
+        with self._cond:
+            while True:
+                q = self._boxes.get(sender, {}).get(tag)
+                if q:
+                    _, msg, nbytes = q.popleft()
+                    if not q:
+                        del self._boxes[sender][tag]
+                    self._bytes[sender] -= nbytes
+                    self._count[sender] -= 1
+                    return msg
+                if sender in self._lost:
+                    raise PeerLost(f"{sender!r} is cut off: {self._lost[sender]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def pending(self, sender: str | None = None) -> int:
+        """Messages waiting (from one sender, or from all)."""
+        with self._cond:
+            if sender is not None:
+                return sum(len(q) for q in self._boxes.get(sender, {}).values())
+            return sum(len(q) for box in self._boxes.values() for q in box.values())
+
+    def _expire(self, sender: str, now: float) -> None:
+        box = self._boxes.get(sender)
+        if not box:
+            return
+        for tag in list(box):
+            q = box[tag]
+            while q and now - q[0][0] > self.ttl_s:
+                _, _, nbytes = q.popleft()
+                self._bytes[sender] -= nbytes
+                self._count[sender] -= 1
+                if self._on_drop is not None:
+                    self._on_drop("expired")
+            if not q:
+                del box[tag]

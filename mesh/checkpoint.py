@@ -1,0 +1,126 @@
+"""Atomic save and load of one cell's state.
+
+A checkpoint is written to a temporary file in the same folder, fsynced, renamed over the old
+one and the folder fsynced, so a peer killed mid-save (even by SIGKILL) leaves either the old
+checkpoint or the new one, never a torn file. Loading uses `torch.load(weights_only=True)`
+(tensors, numbers and strings only) and checks that the checkpoint belongs to this run
+(config fingerprint) and this cell before anything is used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesh.cell import Cell
+
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message says which file and why."""
+
+
+KEEP = 3  # checkpoints kept per cell: a consistent cut across cells needs older ones too
+
+
+def cell_dir(run_dir: str | Path, stage: int, replica: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{stage}-{replica}"
+
+
+def checkpoint_path(run_dir: str | Path, stage: int, replica: int, step: int) -> Path:
+    return cell_dir(run_dir, stage, replica) / f"step-{step:08d}.pt"
+
+
+def saved_steps(run_dir: str | Path, stage: int, replica: int) -> list[int]:
+    d = cell_dir(run_dir, stage, replica)
+    return sorted(int(p.stem.split("-")[1]) for p in d.glob("step-*.pt")) if d.is_dir() else []
+
+
+def common_step(run_dir: str | Path, cells: list[tuple[int, int]]) -> int | None:
+    """The latest step every cell has a checkpoint of: where a whole grid resumes.
+
+    Stages of one pipeline are at different steps at any instant (the last stage steps first),
+    so each cell keeps its last few checkpoints and a resume picks a step all of them have;
+    resuming there replays exactly the same microbatches with the same weight versions.
+    """
+    common = None
+    for stage, replica in cells:
+        steps = set(saved_steps(run_dir, stage, replica))
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
+    versions = sorted(cell.history)
+    return {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "stage": cell.stage,
+        "replica": cell.replica,
+        "step": cell.step,
+        "flat": cell.flat.clone(),
+        "drift": cell.drift.clone(),
+        # the stashed versions the schedule still needs (P - j for async, 2 for 2bw)
+        "versions": torch.tensor(versions, dtype=torch.int64),
+        "stashes": torch.stack([cell.history[v] for v in versions]),
+        "optimizer": cell.optimizer.state_dict(),
+    }
+
+
+def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
+    """Write the cell's checkpoint for its current step atomically; prune old ones."""
+    path = checkpoint_path(run_dir, cell.stage, cell.replica, cell.step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        torch.save(cell_state(cell, fingerprint), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    for old in saved_steps(run_dir, cell.stage, cell.replica)[:-KEEP]:
+        checkpoint_path(run_dir, cell.stage, cell.replica, old).unlink(missing_ok=True)
+    return path
+
+
+def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
+    """Restore `cell` in place from `path`, or raise CheckpointError (nothing changed then)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no checkpoint there") from None
+    except Exception as e:  # torn, truncated or foreign file: refuse it, never half-load it
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format")
+    if state.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{path}: written by a run with another config (fingerprint "
+            f"{state.get('fingerprint')} != {fingerprint}); resume with the same config"
+        )
+    if (state.get("stage"), state.get("replica")) != (cell.stage, cell.replica):
+        raise CheckpointError(f"{path}: holds cell {state.get('stage')}-{state.get('replica')}")
+    flat, drift, stashes = state["flat"], state["drift"], state["stashes"]
+    n = cell.flat.numel()
+    if flat.shape != (n,) or drift.shape != (n,) or stashes.shape[1:] != (n,):
+        raise CheckpointError(f"{path}: parameter count does not match this model")
+    if not (torch.isfinite(flat).all() and torch.isfinite(stashes).all()):
+        raise CheckpointError(f"{path}: non-finite weights")
+    try:
+        cell.optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: optimizer state does not fit ({e})") from None
+    cell.flat.copy_(flat)
+    cell.drift.copy_(drift)
+    cell.step = int(state["step"])
+    cell.history.clear()
+    for v, w in zip(state["versions"].tolist(), stashes, strict=True):
+        cell.history[int(v)] = w.clone()

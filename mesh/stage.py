@@ -1,0 +1,381 @@
+"""One cell's worker loop: run the schedule's actions for real, through a Transport.
+
+Stage j of replica i receives activations from stage j-1 of its replica, sends its own to stage
+j+1, gets the gradients back, and steps its own weights; nothing waits on other replicas except
+the averaging rounds, which run in the background. The math is the simulator's (mesh/cell.py):
+the forward of microbatch b reads weight version `version_for(schedule, j, P, b // mpu)`, the
+backward recomputes the forward on that same stashed version, activations and their gradients
+cross the link through the pipeline codec, and rounds are applied with the same drift
+correction. With `dp.strict_tau` a round is applied exactly tau updates after its launch, so a
+run reproduces the simulator's numbers.
+
+Faults are values: a round that fails is dropped and counted; a partial round (a member
+missing) is applied over the members that contributed, since every survivor computed the same
+mean; a neighbour that stops answering makes `recv` raise PeerTimeout after
+`runtime.timeout_s`, which ends this cell's run with a clear error rather than a hang.
+
+With `pipeline.window` (async) stage j runs window[j] extra warm-up forwards, so its forward of
+microbatch b reads version b - (P-1-j) - window[j] (schedule.version_for with the window) and
+it stashes that many more versions. With `runtime.compute = "emulated"` (mesh/emulate.py) a
+cell does no model math: forward and backward occupy an emulated device for forward_ms /
+backward_ms x the cell's slowdown, while real tensors of the real shapes go through the codecs
+and the transport; the optimizer step is skipped (weights stay), averaging rounds still run on
+the real parameter subsets.
+"""
+
+from __future__ import annotations
+
+import collections
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from comms import codecs
+from comms.transport import MeanHandle, MeanStatus, Transport
+from comms.wire import Expect, Kind
+from mesh.cell import Cell, Round
+from mesh.config import Config
+from mesh.data import Corpus, train_batch
+from mesh.emulate import ComputeClock, emulated_op_s, slowdown, window_of
+from mesh.model import lm_loss
+from mesh.schedule import Op, actions, microbatches_per_update, version_for
+from mesh.topology import Cell as Place
+
+
+def cell_name(stage: int, replica: int) -> str:
+    return str(Place(stage, replica))
+
+
+def group_name(stage: int) -> str:
+    return f"stage{stage}"
+
+
+@dataclass
+class _InFlight:
+    inputs: torch.Tensor  # what the forward consumed (tokens on stage 0)
+    version: int
+    grad_out: torch.Tensor | None = None
+
+
+@dataclass
+class StageStats:
+    rounds_started: int = 0
+    rounds_applied: int = 0
+    rounds_partial: int = 0
+    rounds_failed: int = 0
+    losses: list[float] = field(default_factory=list)  # last stage: one per update
+    microbatches: int = 0  # backwards done
+    busy_s: float = 0.0  # compute: emulated device time, or thread CPU time of real math
+    staleness: collections.Counter[int] = field(default_factory=collections.Counter)
+    stash_bytes_peak: int = 0  # weight versions + in-flight inputs and output gradients
+
+    @property
+    def staleness_max(self) -> int:
+        """Largest gap so far between a microbatch's read version and the live one at its
+        backward (the gradient delay actually seen)."""
+        return max(self.staleness, default=0)
+
+    @staticmethod
+    def rss_peak_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class StageWorker:
+    def __init__(
+        self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
+    ) -> None:
+        self.cfg, self.cell, self.transport, self.corpus = cfg, cell, transport, corpus
+        self.P, self.m = cfg.grid.stages, cfg.grid.replicas
+        self.j, self.i = cell.stage, cell.replica
+        self.mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+        self.window = window_of(cfg)
+        self.slowdown = slowdown(cfg, self.j, self.i)
+        self.emu: ComputeClock | None = None
+        if cfg.runtime.compute == "emulated":
+            self.emu = ComputeClock()
+            self.t_f, self.t_b = emulated_op_s(cfg, self.j, self.i)
+            gen = torch.Generator().manual_seed(cfg.run.seed * 1009 + self.j * 31 + self.i)
+            B, T, d = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
+            self._fake_tokens = torch.randint(0, cfg.model.vocab_size, (B, T), generator=gen)
+            self._fake_act = torch.randn(B, T, d, generator=gen)
+            self._fake_grad = torch.randn(B, T, d, generator=gen) * 1e-3
+        self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
+        self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
+        self.column = [cell_name(self.j, r) for r in range(self.m)]
+        self.in_flight: dict[int, _InFlight] = {}
+        self.grads = [torch.zeros_like(p) for p in cell.params]
+        self.pending: list[tuple[Round, MeanHandle]] = []
+        self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
+        self.stats = StageStats()
+        self._update_loss = 0.0
+        shape = (cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+        self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
+        self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, num_updates: int, on_step: Any = None) -> StageStats:
+        """Execute the schedule for `num_updates` updates starting at the cell's current step."""
+        first = self.cell.step
+        plan = actions(
+            self.cfg.pipeline.schedule,
+            self.j,
+            self.P,
+            self.cfg.pipeline.microbatches,
+            num_updates,
+            self.window,
+        )
+        offset = first * self.mpu  # microbatches are numbered globally across resumes
+        for act in plan:
+            b = act.microbatch + (offset if act.op not in (Op.STEP, Op.FLUSH) else 0)
+            if act.op is Op.RECV_ACT:
+                self._recv_act(b)
+            elif act.op is Op.FORWARD:
+                self._forward(b)
+            elif act.op is Op.SEND_ACT:
+                pass  # the forward queued it: sends never block
+            elif act.op is Op.RECV_GRAD:
+                self._recv_grad(b)
+            elif act.op is Op.BACKWARD:
+                self._backward(b)
+            elif act.op is Op.SEND_GRAD:
+                pass
+            elif act.op is Op.FLUSH:
+                self._flush()
+            elif act.op is Op.STEP:
+                self._step()
+                if on_step:
+                    on_step(self)
+        self._drain_rounds()
+        self._drain_sends()
+        return self.stats
+
+    def _timeout(self) -> float:
+        return self.cfg.runtime.timeout_s
+
+    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        assert self.corpus is not None, "real compute needs the corpus"
+        return train_batch(
+            self.corpus,
+            cfg.run.seed,
+            self.i,
+            b,
+            cfg.pipeline.microbatch_size,
+            cfg.model.seq_len,
+        )
+
+    def _recv_act(self, b: int) -> None:
+        assert self.prev is not None
+        t0 = time.perf_counter()
+        msg = self.transport.recv(self.prev, f"act/{b}", self._expect_act, self._timeout())
+        self.in_flight[b] = _InFlight(msg.tensor(), -1)
+        if self.emu:
+            self.emu.waited(t0)
+
+    def _forward(self, b: int) -> None:
+        version = version_for(
+            self.cfg.pipeline.schedule, self.j, self.P, b // self.mpu, self.window
+        )
+        if self.j == 0:
+            tokens = self._fake_tokens if self.emu else self._batch(b)[0]
+            self.in_flight[b] = _InFlight(tokens, version)
+        else:
+            self.in_flight[b].version = version
+        self._track_stash()
+        if self.emu:
+            self._emulated(self.t_f, self.next, f"act/{b}", Kind.ACTIVATION, self._fake_act)
+            return
+        if self.next is None:
+            return  # the last stage's forward is recomputed with its backward, right after
+        t0 = time.thread_time()
+        with torch.no_grad():
+            out = functional_call(
+                self.cell.module, self.cell.weights(version), (self.in_flight[b].inputs,)
+            )
+        self._busy(t0)
+        enc = codecs.encode(out, self.cfg.pipeline.codec)
+        self._send(self.next, f"act/{b}", Kind.ACTIVATION, enc)
+
+    def _emulated(
+        self, seconds: float, to: str | None, tag: str, kind: Kind, payload: torch.Tensor
+    ) -> None:
+        """One emulated op: reserve the device, encode the real payload, wait out the op's
+        time, then queue the payload (it leaves when the op would have produced it)."""
+        assert self.emu is not None
+        deadline = self.emu.begin(seconds)
+        enc = codecs.encode(payload, self.cfg.pipeline.codec) if to is not None else None
+        self.emu.finish(deadline)
+        self.stats.busy_s += seconds
+        if to is not None and enc is not None:
+            self._send(to, tag, kind, enc)
+
+    def _busy(self, t0: float) -> None:
+        """Real compute: count the thread CPU time since t0; a slowdown > 1 then waits
+        (factor - 1) x that time, as a slower peer would."""
+        spent = time.thread_time() - t0
+        self.stats.busy_s += spent * self.slowdown
+        if self.slowdown > 1:
+            time.sleep(spent * (self.slowdown - 1))
+
+    def _track_stash(self) -> None:
+        held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
+        for fl in self.in_flight.values():
+            held += fl.inputs.numel() * fl.inputs.element_size()
+            if fl.grad_out is not None:
+                held += fl.grad_out.numel() * fl.grad_out.element_size()
+        self.stats.stash_bytes_peak = max(self.stats.stash_bytes_peak, held)
+
+    def _recv_grad(self, b: int) -> None:
+        assert self.next is not None
+        t0 = time.perf_counter()
+        msg = self.transport.recv(self.next, f"grad/{b}", self._expect_grad, self._timeout())
+        self.in_flight[b].grad_out = msg.tensor()
+        if self.emu:
+            self.emu.waited(t0)
+
+    def _backward(self, b: int) -> None:
+        """Recompute the forward on the stashed version, backprop, queue dL/d(input)."""
+        self.stats.microbatches += 1
+        # staleness: updates between the version this microbatch read and the one its
+        # gradient is applied to (the live one now)
+        self.stats.staleness[self.cell.step - self.in_flight[b].version] += 1
+        if self.emu:
+            self.in_flight.pop(b)
+            self._emulated(self.t_b, self.prev, f"grad/{b}", Kind.GRADIENT, self._fake_grad)
+            return
+        t0 = time.thread_time()
+        fl = self.in_flight.pop(b)
+        params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(fl.version).items()}
+        leaves = list(params.values())
+        x = fl.inputs
+        if self.j > 0:
+            x = x.detach().requires_grad_()
+            leaves = [x, *leaves]
+        out = functional_call(self.cell.module, params, (x,))
+        if self.next is None:
+            loss = lm_loss(out, self._batch(b)[1])
+            grads = torch.autograd.grad(loss / self.mpu, leaves)
+            self._update_loss += loss.item() / self.mpu
+        else:
+            assert fl.grad_out is not None
+            grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
+        self._busy(t0)
+        if self.j > 0:
+            enc = codecs.encode(grads[0], self.cfg.pipeline.codec)
+            assert self.prev is not None
+            self._send(self.prev, f"grad/{b}", Kind.GRADIENT, enc)
+            grads = grads[1:]
+        for acc, g in zip(self.grads, grads, strict=True):
+            acc.add_(g)
+
+    def _flush(self) -> None:
+        """FullSync: a blocking mean of the gradients over the replicas of this stage."""
+        if self.cfg.dp.mode != "grad_allreduce" or self.m == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in self.grads])
+        t0 = time.perf_counter()
+        handle = self.transport.start_mean(
+            group_name(self.j),
+            self.column,
+            self.cell.step,
+            flat,
+            self.cfg.dp.codec,
+            self._timeout(),
+        )
+        res = handle.result(self._timeout())
+        if self.emu:
+            self.emu.waited(t0)
+        if res.status is MeanStatus.FAILED or res.mean is None:
+            raise RuntimeError(f"{self.cell}: gradient all-reduce failed: {res.reason}")
+        offset = 0
+        for g in self.grads:
+            g.copy_(res.mean[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _step(self) -> None:
+        if self.emu:
+            self.cell.step += 1  # emulated: no optimizer math, the weights stay
+        else:
+            self.cell.apply_update([g.clone() for g in self.grads])
+        for g in self.grads:
+            g.zero_()
+        if self.next is None and not self.emu:
+            self.stats.losses.append(self._update_loss)
+        self._update_loss = 0.0
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            self._apply_due_rounds()
+            update = self.cell.step - 1
+            if update % self.cfg.dp.interval_steps == 0:
+                self._launch_round(update // self.cfg.dp.interval_steps)
+            if self.cfg.dp.tau == 0:
+                self._apply_due_rounds()
+        self.cell.push_version()
+
+    # ---- averaging rounds -------------------------------------------------------------------
+    def _launch_round(self, index: int) -> None:
+        rnd, _ = self.cell.open_round(index)
+        handle = self.transport.start_mean(
+            group_name(self.j),
+            self.column,
+            index,
+            rnd.snapshot,
+            self.cfg.dp.codec,
+            self.cfg.runtime.round_timeout_s,
+        )
+        self.pending.append((rnd, handle))
+        self.stats.rounds_started += 1
+
+    def _apply_due_rounds(self) -> None:
+        """Apply, in launch order, every round whose tau has passed and that has completed.
+
+        strict: a due round is waited for (deadline round_timeout_s), as the simulator assumes.
+        """
+        strict = self.cfg.dp.strict_tau
+        while self.pending:
+            rnd, handle = self.pending[0]
+            if rnd.launch_step + self.cfg.dp.tau > self.cell.step:
+                return
+            if not handle.done() and not strict:
+                return
+            self.pending.pop(0)
+            t0 = time.perf_counter()
+            res = handle.result(self.cfg.runtime.round_timeout_s)
+            if self.emu:
+                self.emu.waited(t0)  # strict: the next op cannot start before the round landed
+            self._finish_round(rnd, res)
+
+    def _finish_round(self, rnd: Round, res: Any) -> None:
+        usable = res.mean is not None and self.cell_name in res.contributors
+        if res.status is MeanStatus.FAILED or not usable or len(res.contributors) < 2:
+            self.stats.rounds_failed += 1
+            return
+        if res.status is MeanStatus.PARTIAL:
+            self.stats.rounds_partial += 1
+        rnd.mean = res.mean
+        self.cell.apply_round(rnd)
+        self.stats.rounds_applied += 1
+
+    def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:
+        self._last_send[to] = self.transport.send(to, tag, kind, enc, self.cell.step)
+
+    def _drain_sends(self) -> None:
+        """At the end, wait until the last message to each neighbour left (links are FIFO), so
+        the byte counters are final and nothing is lost in a shaped link's queue."""
+        for handle in self._last_send.values():
+            handle.wait(self._timeout())
+        self._last_send.clear()
+
+    def _drain_rounds(self) -> None:
+        """At the end, wait briefly for rounds in flight so peers are not left hanging."""
+        deadline = time.monotonic() + self.cfg.runtime.round_timeout_s
+        for _, handle in self.pending:
+            handle.result(max(0.0, deadline - time.monotonic()))
+        self.pending.clear()
+
+    @property
+    def cell_name(self) -> str:
+        return cell_name(self.j, self.i)

@@ -1,0 +1,331 @@
+"""Scenarios of the shared transport suite: each runs inside one peer process (see harness.py).
+
+A scenario is `fn(transport, peer, **kwargs) -> dict` (JSON-able). It computes its own
+one-process reference (every peer can regenerate every other peer's tensors from the seeds), so
+the test only compares numbers. Tensors are seeded by (purpose, index, member position).
+
+Backends must provide, besides the Transport protocol, two test hooks used by `bad_input`:
+- `_send_raw(to, data: bytes, declared_len: int | None = None)`: send bytes as one frame,
+  unchecked (declared_len != len(data): announce that length and send no body);
+- `_start_mean_encoded(group, members, round_id, enc: Encoded, timeout_s)`: start_mean with a
+  ready Encoded, skipping the sender-side finiteness check (a misbehaving peer).
+and an entry in WIRE_BYTES below (how many bytes a message and a mean contribution put on the
+wire), so byte counters are checked exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from comms import codecs, wire
+from comms.codecs import Encoded
+from comms.errors import PeerLost, PeerTimeout
+from comms.wire import Expect, Kind
+
+P2P_CODECS = codecs.CODECS
+MEAN_CODECS = ("fp32", "bf16", "fp8_e4m3")
+
+
+# ---- per-backend wire accounting: a new backend adds its entry here ----
+def _torch_p2p_bytes(frame: bytes) -> int:
+    return 8 + len(frame)  # int64 length tensor + frame
+
+
+def _torch_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
+    return len(wire.pack(f"{group}#{round_id}", Kind.AVERAGE, enc, round_id))  # per other member
+
+
+def _hivemind_p2p_bytes(frame: bytes) -> int:
+    return len(frame)  # the wire frame (our stream header and libp2p framing are not counted)
+
+
+def _hivemind_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
+    from comms.p2p_mean import frame_bytes  # per other member; the same length for every index
+
+    return frame_bytes(group, round_id, 0, enc)
+
+
+WIRE_BYTES: dict[str, tuple[Callable[[bytes], int], Callable[[str, int, Encoded], int]]] = {
+    "torch": (_torch_p2p_bytes, _torch_mean_bytes),
+    "hivemind": (_hivemind_p2p_bytes, _hivemind_mean_bytes),
+}
+# ---- end of per-backend wire accounting ----
+
+
+def tensor(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Deterministic test values with a spread of magnitudes (exercises block scales)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    return x * torch.exp(torch.randn(shape, generator=g))
+
+
+def reference_mean(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Mean of the dequantized payloads, added left to right in member order."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc.add_(p)
+    return acc.div_(len(parts))
+
+
+def digest(x: torch.Tensor) -> str:
+    return hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()
+
+
+def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) -> dict:
+    """Activations a -> b and gradients b -> a in every codec, tag matching out of order, a
+    recv deadline; received == codecs.roundtrip(sent) and exact byte counters."""
+    a, b = peer.names[:2]
+    me, other = peer.name, (b if peer.name == a else a)
+    p2p_bytes = WIRE_BYTES[peer.backend][0]
+    expect_sent: Counter[str] = Counter()
+    expect_recv: Counter[str] = Counter()
+    equal = {}
+    wait = peer.timeout_s
+
+    def send(tag: str, kind: Kind, x: torch.Tensor, codec: str, step: int):
+        enc = codecs.encode(x, codec)
+        expect_sent[kind.name.lower()] += p2p_bytes(wire.pack(tag, kind, enc, step))
+        return t.send(other, tag, kind, enc, step)
+
+    def expect_from(tag: str, kind: Kind, x: torch.Tensor, codec: str, step: int) -> None:
+        frame = wire.pack(tag, kind, codecs.encode(x, codec), step)
+        expect_recv[kind.name.lower()] += p2p_bytes(frame)
+
+    for i, codec in enumerate(codec_list):
+        x, g = tensor(100 + i, shape), tensor(200 + i, shape)
+        want = Expect(shape=shape, codecs=frozenset({codec}))
+        if me == a:
+            h = send(f"act/{i}", Kind.ACTIVATION, x, codec, i)
+            msg = t.recv(other, f"grad/{i}", want, wait)
+            expect_from(f"grad/{i}", Kind.GRADIENT, g, codec, i)
+            equal[codec] = bool(torch.equal(msg.tensor(), codecs.roundtrip(g, codec)))
+            equal[codec] &= msg.kind == Kind.GRADIENT and msg.sender_step == i
+            h.wait(wait)
+        else:
+            msg = t.recv(other, f"act/{i}", want, wait)
+            expect_from(f"act/{i}", Kind.ACTIVATION, x, codec, i)
+            equal[codec] = bool(torch.equal(msg.tensor(), codecs.roundtrip(x, codec)))
+            equal[codec] &= msg.kind == Kind.ACTIVATION and msg.sender_step == i
+            send(f"grad/{i}", Kind.GRADIENT, g, codec, i).wait(wait)
+
+    t0 = time.monotonic()
+    try:
+        t.recv(other, "never", Expect(), 0.3)
+        timeout_raised = False
+    except PeerTimeout:
+        timeout_raised = True
+    timeout_elapsed = time.monotonic() - t0
+
+    # two tags sent in order 1, 2 and taken in order 2, 1; then b says done (CONTROL, not
+    # counted below), so a does not close while b still talks to it
+    y1, y2 = tensor(301, (8,)), tensor(302, (8,))
+    if me == a:
+        send("o/1", Kind.ACTIVATION, y1, "fp32", 1)
+        send("o/2", Kind.ACTIVATION, y2, "fp32", 2).wait(wait)
+        t.recv(other, "done", Expect(kind=Kind.CONTROL), wait)
+        out_of_order = True
+    else:
+        m2 = t.recv(other, "o/2", Expect(), wait)
+        m1 = t.recv(other, "o/1", Expect(), wait)
+        expect_from("o/1", Kind.ACTIVATION, y1, "fp32", 1)
+        expect_from("o/2", Kind.ACTIVATION, y2, "fp32", 2)
+        out_of_order = torch.equal(m1.tensor(), y1) and torch.equal(m2.tensor(), y2)
+        t.send(other, "done", Kind.CONTROL, codecs.encode(torch.zeros(1), "fp32"), 0).wait(wait)
+
+    kinds = ("activation", "gradient")
+    return {
+        "equal": equal,
+        "out_of_order": out_of_order,
+        "timeout_raised": timeout_raised,
+        "timeout_elapsed_s": timeout_elapsed,
+        "sent": _by_kind(t.stats.bytes_sent, other, kinds),
+        "expected_sent": dict(expect_sent),
+        "received": _by_kind(t.stats.bytes_received, other, kinds),
+        "expected_received": dict(expect_recv),
+        "rejects": dict(t.stats.rejects),
+    }
+
+
+def group_mean(t, peer, numel: int = 10_000, codec_list=MEAN_CODECS) -> dict:
+    """Every group this peer is in (sorted by name), every codec: the mean must equal the
+    one-process reference mean of the dequantized payloads; exact byte counters."""
+    mean_bytes = WIRE_BYTES[peer.backend][1]
+    out: dict = {"rounds": {}, "expected_average_bytes": {}}
+    expected: Counter[str] = Counter()
+    for group in sorted(g for g, ms in peer.groups.items() if peer.name in ms):
+        members = peer.groups[group]
+        for i, codec in enumerate(codec_list):
+            seed = 1000 * i + len(group)
+            vals = {m: tensor(seed + 10 * k, (numel,)) for k, m in enumerate(members)}
+            t0 = time.monotonic()
+            h = t.start_mean(group, members, i, vals[peer.name], codec, peer.timeout_s)
+            start_s = time.monotonic() - t0
+            res = h.result(peer.timeout_s + 2)
+            ref = reference_mean([codecs.roundtrip(vals[m], codec) for m in members])
+            ok = res.mean is not None
+            out["rounds"][f"{group}/{codec}"] = {
+                "status": res.status.value,
+                "reason": res.reason,
+                "contributors": list(res.contributors),
+                "members": members,
+                "start_s": start_s,
+                "round_s": time.monotonic() - t0,
+                "equal_ref": ok and bool(torch.equal(res.mean, ref)),
+                "max_abs_diff": float((res.mean - ref).abs().max()) if ok else None,
+                "digest": digest(res.mean) if ok else None,
+            }
+            for m in members:
+                if m != peer.name:
+                    expected[m] += mean_bytes(group, i, codecs.encode(vals[peer.name], codec))
+    out["average_sent"] = {p: n for (p, k), n in t.stats.bytes_sent.items() if k == "average"}
+    out["average_received"] = {
+        p: n for (p, k), n in t.stats.bytes_received.items() if k == "average"
+    }
+    out["expected_average_bytes"] = dict(expected)
+    out["rounds_by_status"] = dict(t.stats.rounds)
+    return out
+
+
+def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
+    """names[0] misbehaves, names[1] receives: a NaN payload, a garbage frame, a pickle blob, a
+    wrong shape, a NaN mean contribution and finally a 2^40-byte declared length. Everything is
+    rejected and counted, and the receiver keeps working."""
+    a, b = peer.names[:2]
+    members = peer.groups["g"]
+    wait = peer.timeout_s
+    x = tensor(7, (16,))
+    good = {m: tensor(500 + k, (numel,)) for k, m in enumerate(members)}
+    if peer.name == a:
+        nan = torch.full((16,), float("nan"))
+        t.send(b, "nan", Kind.ACTIVATION, Encoded("fp32", (16,), nan, None), 0)
+        t._send_raw(b, b"\x00garbage frame, not a message" * 3)
+        t._send_raw(b, _pickle_blob(marker))
+        t.send(b, "shape", Kind.ACTIVATION, codecs.encode(x[:4], "fp32"), 1)
+        t.send(b, "shape", Kind.ACTIVATION, codecs.encode(x, "fp32"), 2)
+        t.send(b, "good", Kind.ACTIVATION, codecs.encode(x, "fp32"), 3).wait(wait)
+        bad_enc = Encoded("fp32", (numel,), torch.full((numel,), float("nan")), None)
+        r0 = t._start_mean_encoded("g", members, 0, bad_enc, wait).result(wait + 2)
+        r1 = t.start_mean("g", members, 1, good[a], "fp32", wait).result(wait + 2)
+        t._send_raw(b, b"", declared_len=1 << 40)
+        after = t.recv(b, "after", Expect(), wait)
+        return {
+            "mean0": r0.status.value,
+            "mean1": r1.status.value,
+            "after_ok": bool(torch.equal(after.tensor(), x)),
+        }
+    got = {}
+    good_msg = t.recv(a, "good", Expect(kind=Kind.ACTIVATION), wait)
+    shape_msg = t.recv(a, "shape", Expect(shape=(16,)), wait)
+    got["good_ok"] = bool(torch.equal(good_msg.tensor(), x))
+    got["shape_ok"] = shape_msg.sender_step == 2
+    try:
+        t.recv(a, "nan", Expect(), 0.0)
+        got["nan_delivered"] = True
+    except PeerTimeout:
+        got["nan_delivered"] = False
+    r0 = t.start_mean("g", members, 0, good[b], "fp32", wait).result(wait + 2)
+    r1 = t.start_mean("g", members, 1, good[b], "fp32", wait).result(wait + 2)
+    got["mean0"] = r0.status.value
+    got["mean0_contributors"] = list(r0.contributors)
+    got["mean0_is_own"] = r0.mean is not None and bool(torch.equal(r0.mean, good[b]))
+    got["mean1"] = r1.status.value
+    ref1 = reference_mean([good[m] for m in members])
+    got["mean1_ok"] = r1.mean is not None and bool(torch.equal(r1.mean, ref1))
+    t0 = time.monotonic()
+    try:
+        t.recv(a, "never", Expect(), wait)
+        got["cut_off"] = "no"
+    except PeerLost:
+        got["cut_off"] = "lost"
+    except PeerTimeout:
+        got["cut_off"] = "timeout"
+    got["cut_off_s"] = time.monotonic() - t0
+    t.send(a, "after", Kind.ACTIVATION, codecs.encode(x, "fp32"), 9).wait(wait)
+    got["rejects"] = dict(t.stats.rejects)
+    return got
+
+
+def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3") -> dict:
+    """The victim stops at checkpoint "before_mean" (the parent kills or freezes it there); the
+    survivors' round must fail within its deadline, the next round fail fast, and p2p among
+    survivors keep working."""
+    members = peer.groups["g"]
+    deadline = peer.timeout_s
+    vals = tensor(900 + members.index(peer.name), (numel,))
+    if peer.name == victim:
+        peer.checkpoint("before_mean")  # killed here, or frozen and later resumed
+        res = t.start_mean("g", members, 0, vals, codec, deadline).result(deadline + 2)
+        return {"resumed": True, "status": res.status.value}
+    t0 = time.monotonic()
+    res = t.start_mean("g", members, 0, vals, codec, deadline).result(deadline + 5)
+    first_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    res2 = t.start_mean("g", members, 1, vals, codec, deadline).result(deadline + 5)
+    second_s = time.monotonic() - t0
+    survivors = [n for n in peer.names if n != victim]
+    k = survivors.index(peer.name)
+    nxt, prv = survivors[(k + 1) % len(survivors)], survivors[k - 1]
+    x = tensor(950 + k, (32,))
+    h = t.send(nxt, "after", Kind.ACTIVATION, codecs.encode(x, "bf16"), 1)
+    msg = t.recv(prv, "after", Expect(), deadline)
+    h.wait(deadline)
+    want = codecs.roundtrip(tensor(950 + survivors.index(prv), (32,)), "bf16")
+    return {
+        "status": res.status.value,
+        "reason": res.reason,
+        "mean_is_none": res.mean is None or res.status.value == "partial",
+        "first_s": first_s,
+        "status2": res2.status.value,
+        "second_s": second_s,
+        "p2p_after_ok": bool(torch.equal(msg.tensor(), want)),
+        "rounds_by_status": dict(t.stats.rounds),
+    }
+
+
+def shaped(t, peer, latency_ms: float, mbps: float, nbytes: int = 100_000) -> dict:
+    """Links shaped by the transport (build={"shaping": LinkProfile(...)}): a ping-pong, a
+    2-member mean and a stream of 4 messages; the test compares with the link model."""
+    a, b = peer.names[:2]
+    wait = peer.timeout_s
+    small = codecs.encode(torch.zeros(4), "fp32")
+    big = codecs.encode(torch.zeros(nbytes // 4), "fp32")
+    out: dict = {}
+    if peer.name == a:
+        t0 = time.monotonic()
+        t.send(b, "ping", Kind.CONTROL, small, 0)
+        t.recv(b, "pong", Expect(), wait)
+        out["rtt_s"] = time.monotonic() - t0
+    else:
+        t.recv(a, "ping", Expect(), wait)
+        t.send(a, "pong", Kind.CONTROL, small, 0).wait(wait)
+    t0 = time.monotonic()
+    res = t.start_mean("g", peer.groups["g"], 0, torch.ones(nbytes // 40), "fp32", wait)
+    res = res.result(wait + 2)
+    out["mean_s"], out["mean_status"] = time.monotonic() - t0, res.status.value
+    if peer.name == a:
+        for i in range(4):
+            t.send(b, f"s{i}", Kind.ACTIVATION, big, i)
+        t.recv(b, "done", Expect(), wait)
+    else:
+        arrivals = []
+        for i in range(4):
+            t.recv(a, f"s{i}", Expect(), wait)
+            arrivals.append(time.monotonic())
+        out["stream_gap_s"] = (arrivals[-1] - arrivals[0]) / 3
+        t.send(a, "done", Kind.CONTROL, small, 0).wait(wait)
+    return out
+
+
+def _by_kind(counter: Counter, peer: str, kinds: tuple[str, ...]) -> dict[str, int]:
+    return {k: n for (p, k), n in counter.items() if p == peer and k in kinds}
+
+
+def _pickle_blob(marker: str) -> bytes:
+    """A pickle that would create `marker` if anyone unpickled it (nobody must)."""
+    path = marker.encode()
+    return b"c__builtin__\nopen\n(V" + path + b"\nVw\ntR."

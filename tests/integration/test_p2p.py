@@ -1,0 +1,612 @@
+"""The hivemind backend (comms/p2p.py, comms/p2p_mean.py) with real processes on 127.0.0.1.
+
+Each peer is a spawned process with its own P2PTransport (its own DHT process and p2pd), driven
+over a pipe by the test; results are compared to one-process references (codecs.roundtrip, the
+member-order mean of dequantized payloads). Peers run in their own sessions so a test can kill
+one peer's whole tree; every test checks that the p2pd daemons it started are gone and removes
+the /tmp/hivemind-*.sock files of the processes it killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import re
+import signal
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from comms import codecs, wire
+from comms.codecs import Encoded
+from comms.p2p import LOOPBACK, P2PTransport
+from comms.p2p_carrier import (
+    CARRIER,
+    carriers_to_frame,
+    frame_to_carriers,
+    member_weights,
+    slot_carriers,
+)
+from comms.p2p_mean import mean_in_member_order
+from comms.p2p_stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION, Ack
+from comms.throttle import LinkProfile
+from comms.transport import MeanStatus
+from comms.wire import Expect, Kind
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+CTX = mp.get_context("spawn")
+
+
+# ------------------------------------------------------------------ the peer process
+
+
+def _peer_main(conn, name: str, run_id: str, initial_peers: list[str], mean_path: str) -> None:
+    os.setsid()  # own process group: the test can kill this peer with its DHT, averager and p2pd
+    t = P2PTransport(name, run_id=run_id, initial_peers=initial_peers, timeout_s=20.0,
+                     mean_path=mean_path)  # fmt: skip
+    conn.send(("ready", t.visible_maddrs()))
+    handles = {}
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "close":
+                t.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "die_mid_allreduce":
+                _die_mid_allreduce(t, handles, conn, *args)
+            conn.send(("ok", _COMMANDS[cmd](t, handles, *args)))
+        except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+def _send(t, _h, to, tag, codec, x, step):
+    h = t.send(to, tag, Kind.ACTIVATION, codecs.encode(x, codec), step)
+    h.wait(30.0)
+    return int(h.ack)
+
+
+def _recv(t, _h, frm, tag, expect, timeout_s):
+    return t.recv(frm, tag, expect, timeout_s).tensor()
+
+
+def _mean_start(t, handles, key, group, members, round_id, values, codec, timeout_s, path):
+    t.mean_path = path
+    handle = t.start_mean(group, members, round_id, values, codec, timeout_s)
+    handles[key] = (time.monotonic(), handle)
+
+
+def _mean_result(_t, handles, key, timeout_s):
+    t0, h = handles.pop(key)
+    r = h.result(timeout_s)
+    return str(r.status), r.mean, r.contributors, r.reason, time.monotonic() - t0
+
+
+def _die_mid_allreduce(t, handles, conn, *args):
+    """Start a mean, then SIGKILL this process (alone) 50 ms into the all-reduce (the section
+    2.6 hook counts attempts in shared memory as the all-reduce begins). Its DHT, averager and
+    p2pd must then exit by themselves; their pids go to the test first."""
+    _mean_start(t, handles, *args)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(int(av.status[av.ATTEMPTS]) for av in list(t._means._averagers.values())):
+            time.sleep(0.05)
+            tree = _tree(os.getpid())
+            conn.send(("dying", (tree, _sockets_of(tree))))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.002)
+
+
+def _raw(t, _h, to, frame):
+    """Deliver arbitrary frame bytes through our stream protocol (bypassing wire.pack)."""
+    return int(t._run(t._deliver(to, frame, time.monotonic() + 20.0), 30.0))
+
+
+def _raw_stream(t, _h, to, head):
+    """Open a stream and write an arbitrary header; return the peer's ack byte (or None)."""
+
+    async def go():
+        rec = await t._resolve(to, time.monotonic() + 10.0)
+        _, r, w = await t._p2p.call_binary_stream_handler(rec.peer_id, t._handler_name)
+        w.write(head)
+        await w.drain()
+        try:
+            return (await r.readexactly(1))[0]
+        finally:
+            w.close()
+
+    return t._run(go(), 30.0)
+
+
+def _stats(t, _h):
+    s = t.stats
+    with s.lock:
+        return dict(s.rejects), dict(s.rounds), dict(s.bytes_received), t.mailbox.pending()
+
+
+_COMMANDS = {
+    "send": _send,
+    "recv": _recv,
+    "mean_start": _mean_start,
+    "mean_result": _mean_result,
+    "raw": _raw,
+    "raw_stream": _raw_stream,
+    "stats": _stats,
+}
+
+
+class Peer:
+    def __init__(self, name: str, run_id: str, initial_peers: list[str], mean_path: str) -> None:
+        self.name = name
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_peer_main, args=(child, name, run_id, initial_peers,
+                                                         mean_path))  # fmt: skip
+        self.proc.start()
+
+    def ready(self, timeout_s: float = 90.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.2):
+            assert self.proc.is_alive(), f"{self.name} died while starting"
+            assert time.monotonic() < deadline, f"{self.name} did not start"
+        tag, maddrs = self.conn.recv()
+        assert tag == "ready"
+        return maddrs
+
+    def call(self, cmd: str, *args, timeout_s: float = 60.0):
+        self.conn.send((cmd, args))
+        assert self.conn.poll(timeout_s), f"{self.name}: {cmd} did not answer in {timeout_s}s"
+        status, value = self.conn.recv()
+        assert status == "ok", f"{self.name}: {cmd}: {value}"
+        return value
+
+    def kill(self) -> None:
+        """SIGKILL the peer process alone: its DHT, averager and p2pd must notice, exit, and
+        remove their socket files."""
+        tree = _tree(self.proc.pid)
+        socks = _sockets_of(tree)
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        _assert_gone(tree[1:], socks)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                if not self.conn.poll(0):  # Cluster.close may have sent "close" already
+                    self.conn.send(("close", ()))
+                self.conn.poll(30.0)
+            except OSError:
+                pass
+            self.proc.join(15)
+            if self.proc.is_alive():  # hung: kill its process group (it called setsid)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.join(5)
+
+
+class Cluster:
+    """n peer processes bootstrapped from a DHT in this process (like the suite's harness)."""
+
+    def __init__(self, names: list[str], run_id: str, mean_path: str = "averager") -> None:
+        self.boot = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+        maddrs = [str(m) for m in self.boot.get_visible_maddrs()]
+        self.peers = {n: Peer(n, run_id, maddrs, mean_path) for n in names}
+        for p in self.peers.values():
+            p.ready()
+
+    def __getitem__(self, name: str) -> Peer:
+        return self.peers[name]
+
+    def mean(self, members, round_id, payloads, codec, path, timeout_s=20.0, group="g"):
+        for m in members:
+            self[m].conn.send(("mean_start", (round_id, group, members, round_id, payloads[m],
+                                              codec, timeout_s, path)))  # fmt: skip
+        for m in members:
+            assert self[m].conn.recv()[0] == "ok"
+        return {m: self[m].call("mean_result", round_id, timeout_s + 10) for m in members}
+
+    def close(self) -> None:
+        for p in self.peers.values():  # ask all first: peers exit in parallel
+            if p.proc.is_alive():
+                p.conn.send(("close", ()))
+        for p in self.peers.values():
+            p.close()
+        self.boot.shutdown()
+        self.boot.join(10)
+
+
+# ------------------------------------------------------------------ process hygiene
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def _tree(pid: int) -> list[int]:
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _assert_gone(pids: list[int], sockets: set[str], timeout_s: float = 10.0) -> None:
+    """Each pid exited (or is a zombie waiting for init) and each socket file is gone."""
+
+    def alive(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids) and not any(map(os.path.exists, sockets)):
+            return
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "helpers of a killed peer outlived it"
+    assert not [s for s in sockets if os.path.exists(s)], "a killed peer left socket files"
+
+
+def _p2pd_descendants() -> set[int]:
+    found = set()
+    for p in _tree(os.getpid())[1:]:
+        try:
+            if Path(f"/proc/{p}/comm").read_text().strip() == "p2pd":
+                found.add(p)
+        except OSError:
+            pass
+    return found
+
+
+def _sockets_of(pids: list[int]) -> set[str]:
+    """The /tmp/hivemind-*.sock files these processes have bound."""
+    inodes = set()
+    for p in pids:
+        try:
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
+            found.add(parts[7])
+    return found
+
+
+def _sweep_sockets(existing: set[Path]) -> None:
+    """Remove hivemind socket files that appeared during the test and that no process has
+    bound any more (left by a peer this test killed; a live socket is never touched)."""
+    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    for path in set(Path("/tmp").glob("hivemind-*.sock")) - existing:
+        if str(path) not in bound:
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def hygiene():
+    """After each test: no p2pd started by it is left, and the sockets of killed peers are gone."""
+    before, socks = _p2pd_descendants(), set(Path("/tmp").glob("hivemind-*.sock"))
+    yield
+    deadline = time.monotonic() + 15
+    while _p2pd_descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _sweep_sockets(socks)
+    assert not _p2pd_descendants() - before, "p2pd daemons left running"
+
+
+@pytest.fixture(scope="module")
+def four():
+    before = _p2pd_descendants()
+    c = Cluster(["r0", "r1", "r2", "r3"], run_id="t4")
+    try:
+        yield c
+    finally:
+        c.close()
+        deadline = time.monotonic() + 15
+        while _p2pd_descendants() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _p2pd_descendants() - before, "p2pd daemons left running"
+
+
+# ------------------------------------------------------------------ exact all-gather, one process
+
+
+def test_member_weights_are_powers_of_two_summing_to_one():
+    for n in range(1, 13):
+        w = member_weights(n)
+        assert len(w) == n and all(x & (x - 1) == 0 for x in w)
+        assert sum(w) == 1 << (n - 1).bit_length()
+
+
+def test_carrier_codec_is_lossless_and_refuses_garbage():
+    g = torch.Generator().manual_seed(5)
+    cases = [
+        torch.zeros(1000),
+        torch.randint(0, 65536, (1000,), generator=g).float() * 4,  # a scaled own slot
+        -3 * torch.randint(0, 65536, (1000,), generator=g).float(),  # an own-slot delta
+        torch.randn(1000, generator=g),
+        torch.tensor([float("inf"), float("nan"), -0.0, 1e-45, 3e38]),
+    ]
+    for x in cases:
+        y = CARRIER.extract(CARRIER.compress(x, None))
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))  # bit for bit
+    modes = [CARRIER.compress(x, None).buffer[2] for x in cases[:4]]
+    assert modes == [0, 1, 2, 3]  # zero, uint16 (x 2**k), int32, raw fp32
+    good = CARRIER.compress(cases[1], None)
+    for bad in (b"", b"M\x01\x01\x00" + b"\0" * 7, b"X" + good.buffer[1:]):
+        pb = runtime_pb2.Tensor(buffer=bad, size=good.size, dtype="float32")
+        with pytest.raises(ValueError):
+            CARRIER.extract(pb)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_weighted_mean_of_slots_returns_every_frame_exactly(n):
+    """The reducer arithmetic of hivemind (sum of part * weight in any order, / sum of weights,
+    delta = avg - part) on our slot layout: every member's frame comes back bit for bit, and a
+    sender missing from the sum (a ban) breaks the frames instead of hiding."""
+    g = torch.Generator().manual_seed(n)
+    payloads = [torch.randn(3000, generator=g) for _ in range(n)]
+    frames = [wire.pack(f"mean/g/7/{i}", Kind.AVERAGE, codecs.encode(x, "fp8_e4m3"), 7)
+              for i, x in enumerate(payloads)]  # fmt: skip
+    cap, w = slot_carriers(3000, "fp8_e4m3"), member_weights(n)
+    tensors = []
+    for i, f in enumerate(frames):
+        t = torch.zeros(n * cap)
+        t[i * cap : (i + 1) * cap] = frame_to_carriers(f, cap) * float(sum(w) // w[i])
+        tensors.append(t)
+    for senders in (list(range(n))[::-1], list(range(1, n))):
+        acc = torch.zeros(n * cap)
+        for j in senders:
+            acc.add_(tensors[j], alpha=float(w[j]))
+        acc.div_(float(sum(w[j] for j in senders)))
+        got = [carriers_to_frame(acc[i * cap : (i + 1) * cap]) for i in range(n)]
+        if len(senders) == n:
+            assert got == frames
+            for j in senders:  # every delta is an integer: sent as uint16/int32, never fp32
+                assert CARRIER.compress(acc - tensors[j], None).buffer[2] in (0, 1, 2)
+        else:  # member 0 missing: no slot may pass as a valid frame of this round
+            ok = [isinstance(wire.unpack(f, Expect(name=f"mean/g/7/{i}")), wire.Message)
+                  for i, f in enumerate(got) if f is not None]  # fmt: skip
+            assert not any(ok)
+
+
+# ------------------------------------------------------------------ point to point
+
+
+def test_roundtrip_every_codec(four):
+    x = torch.randn(3, 257, generator=torch.Generator().manual_seed(1)) * 3
+    for codec in codecs.CODECS:
+        assert four["r0"].call("send", "r1", f"x/{codec}", codec, x, 5) == Ack.OK
+        expect = Expect(name=f"x/{codec}", kind=Kind.ACTIVATION, shape=(3, 257))
+        got = four["r1"].call("recv", "r0", f"x/{codec}", expect, 20.0)
+        assert torch.equal(got, codecs.roundtrip(x, codec)), codec
+
+
+def test_16mib_tensor_through_chunked_stream(four):
+    x = torch.randn(4 << 20, generator=torch.Generator().manual_seed(2))  # 16 MiB of fp32
+    t0 = time.monotonic()
+    assert four["r2"].call("send", "r3", "big", "fp32", x, 0) == Ack.OK
+    got = four["r3"].call("recv", "r2", "big", Expect(name="big", shape=(4 << 20,)), 30.0)
+    assert torch.equal(got, x)
+    assert time.monotonic() - t0 < 20
+
+
+# ------------------------------------------------------------------ group means
+
+
+@pytest.mark.parametrize("path", ["averager", "direct"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp8_e4m3"])
+def test_group_mean_matches_reference_and_is_bit_identical(four, codec, path):
+    gen = torch.Generator().manual_seed(3)
+    round_base = {"averager": 100, "direct": 200}[path] + 10 * codecs.CODECS.index(codec)
+    for k, members in enumerate((["r0", "r1"], ["r0", "r1", "r2", "r3"])):
+        payloads = {m: torch.randn(20_000, generator=gen) * (1 + i) for i, m in enumerate(members)}
+        out = four.mean(members, round_base + k, payloads, codec, path)
+        ref = mean_in_member_order([codecs.roundtrip(payloads[m], codec) for m in members])
+        for m, (status, mean, who, reason, elapsed) in out.items():
+            assert status == MeanStatus.OK, (m, reason)
+            assert who == tuple(members)
+            assert torch.equal(mean, ref), m  # bit-identical to the reference, hence to each other
+            assert elapsed < 15
+
+
+# ------------------------------------------------------------------ bad input
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_bad_input_is_rejected_counted_and_harmless(four, tmp_path):
+    a, b = four["r0"], four["r1"]
+    rejects0 = b.call("stats")[0]
+    marker = tmp_path / "pwned"
+    blob = pickle.dumps(_Marker(str(marker)))
+    good = wire.pack("ok", Kind.ACTIVATION, codecs.encode(torch.ones(4), "fp32"), 1)
+    nan = Encoded("fp32", (4,), torch.tensor([1.0, float("nan"), 0.0, 2.0]), None)
+    huge = bytearray(good)  # same frame, data_len field patched to 2**40
+    tail = len(good) - 16 - 20
+    struct.pack_into("<Q", huge, tail, 1 << 40)
+    pickle_body = blob + b"\0" * (-len(blob) % 4)
+    pickle_frame = wire.pack(
+        "pk", Kind.ACTIVATION,
+        Encoded("fp32", (len(pickle_body) // 4,), torch.frombuffer(bytearray(pickle_body),
+                                                                   dtype=torch.float32), None), 1,
+    )  # fmt: skip
+    assert a.call("raw", "r1", os.urandom(100)) == Ack.REJECTED
+    assert a.call("raw", "r1", wire.pack("nan", Kind.ACTIVATION, nan, 1)) == Ack.REJECTED
+    assert a.call("raw", "r1", bytes(huge)) == Ack.REJECTED
+    assert a.call("raw", "r1", blob) == Ack.REJECTED
+    a.call("raw", "r1", pickle_frame)  # floats if finite, else rejected: never unpickled
+    # a stream header declaring a 2**40-byte body is refused before any body byte is read
+    me = b"r0"
+    head = STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(me), 1 << 40) + me
+    assert a.call("raw_stream", "r1", head) == Ack.TOO_LARGE
+    spoof = b"r2"  # r0 claiming to be r2: the name does not resolve to r0's PeerID
+    head = STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(spoof), len(good)) + spoof
+    assert a.call("raw_stream", "r1", head) == Ack.BAD_SENDER
+    rejects = b.call("stats")[0]
+    gained = {k: rejects.get(k, 0) - rejects0.get(k, 0) for k in rejects}
+    assert gained.get("bad_magic", 0) >= 2 and gained.get("not_finite", 0) >= 1, gained
+    assert gained.get("too_large", 0) >= 2 and gained.get("bad_sender", 0) >= 1, gained
+    assert not marker.exists()
+    # the peer keeps working, and nothing bad sits in its mailbox
+    x = torch.arange(6.0)
+    assert a.call("send", "r1", "after", "fp32", x, 2) == Ack.OK
+    assert torch.equal(b.call("recv", "r0", "after", Expect(), 10.0), x)
+    with pytest.raises(AssertionError, match="PeerTimeout"):
+        b.call("recv", "r0", "nan", Expect(), 0.5)
+
+
+# ------------------------------------------------------------------ bootstrap
+
+
+def _pair_roundtrip(initial_peers: list[str], run_id: str) -> None:
+    a = P2PTransport("a", run_id=run_id, initial_peers=initial_peers, timeout_s=20.0)
+    b = P2PTransport("b", run_id=run_id, initial_peers=initial_peers, timeout_s=20.0)
+    try:
+        x = torch.randn(1000)
+        a.send("b", "hi", Kind.CONTROL, codecs.encode(x, "bf16"), 0).wait(20.0)
+        assert torch.equal(b.recv("a", "hi", Expect(kind=Kind.CONTROL), 20.0).tensor(),
+                           codecs.roundtrip(x, "bf16"))  # fmt: skip
+        # matchmaking for the averager also goes through the bootstrap DHT
+        ha = a.start_mean("g", ["a", "b"], 1, torch.ones(100), "fp32", 20.0)
+        hb = b.start_mean("g", ["a", "b"], 1, torch.zeros(100), "fp32", 20.0)
+        ra, rb = ha.result(30.0), hb.result(30.0)
+        assert ra.status == rb.status == MeanStatus.OK, (ra.reason, rb.reason)
+        assert torch.equal(ra.mean, torch.full((100,), 0.5)) and torch.equal(rb.mean, ra.mean)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bootstrap_from_hivemind_dht_cli():
+    proc = subprocess.Popen(
+        ["hivemind-dht", "--host_maddrs", LOOPBACK],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        maddrs, deadline = [], time.monotonic() + 60
+        while not maddrs and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "hivemind-dht exited early"
+            maddrs = re.findall(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", line)
+        assert maddrs, "hivemind-dht printed no multiaddr"
+        _pair_roundtrip(maddrs[:1], "cli")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # its handler shuts the DHT (and its p2pd) down
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def test_bootstrap_from_plain_hivemind_dht():
+    dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    try:
+        _pair_roundtrip([str(m) for m in dht.get_visible_maddrs()], "plain")
+    finally:
+        dht.shutdown()
+        dht.join(10)
+
+
+def test_shaped_link_and_stable_identity(tmp_path):
+    """A LinkProfile on a->b holds each message for its transmit time + latency; a peer that
+    restarts with the same identity_path keeps its PeerID."""
+    dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    boot = [str(m) for m in dht.get_visible_maddrs()]
+    key, profile = str(tmp_path / "a.key"), LinkProfile(bandwidth_mbps=40.0, latency_ms=30.0)
+    try:
+        a = P2PTransport("a", run_id="shape", initial_peers=boot, identity_path=key,
+                         shaping={"b": profile})  # fmt: skip
+        b = P2PTransport("b", run_id="shape", initial_peers=boot)
+        try:
+            enc = codecs.encode(torch.randn(250_000), "fp32")  # 1 MB: 0.2 s at 40 Mbit/s
+            a.send("b", "warm", Kind.ACTIVATION, codecs.encode(torch.ones(1), "fp32"), 0).wait(20)
+            t0 = time.monotonic()
+            a.send("b", "x", Kind.ACTIVATION, enc, 1).wait(20)
+            took = time.monotonic() - t0
+            model = profile.transmit_s(len(wire.pack("x", Kind.ACTIVATION, enc, 1))) + 0.030
+            assert model <= took < model + 0.5, (took, model)
+            assert b.recv("a", "x", Expect(), 5).tensor().shape == (250_000,)
+            first_id = a.peer_id
+        finally:
+            a.close()
+            b.close()
+        a = P2PTransport("a", run_id="shape", initial_peers=boot, identity_path=key)
+        try:
+            assert a.peer_id == first_id
+        finally:
+            a.close()
+    finally:
+        dht.shutdown()
+        dht.join(10)
+
+
+# ------------------------------------------------------------------ faults
+
+
+@pytest.mark.parametrize("path", ["averager", "direct"])
+def test_peer_killed_during_mean(path):
+    c = Cluster(["a", "b", "c"], run_id=f"kill-{path}", mean_path=path)
+    try:
+        members, timeout_s = ["a", "b", "c"], 8.0
+        gen = torch.Generator().manual_seed(4)
+        payloads = {m: torch.randn(2_000_000, generator=gen) for m in members}
+        args = {m: (1, "g", members, 1, payloads[m], "fp32", timeout_s, path) for m in members}
+        for m in ("a", "b"):
+            c[m].conn.send(("mean_start", args[m]))
+        if path == "averager":  # c takes part, then dies inside the all-reduce
+            c["c"].conn.send(("die_mid_allreduce", args["c"]))
+            tag, (tree, socks) = c["c"].conn.recv()
+            assert tag == "dying"
+        else:  # c dies before its payload leaves (once sent, the round would rightly complete)
+            c["c"].kill()
+        for m in ("a", "b"):
+            assert c[m].conn.recv()[0] == "ok"
+        for m in ("a", "b"):
+            status, mean, who, reason, elapsed = c[m].call("mean_result", 1, timeout_s + 10)
+            print(f"{path} {m}: {status} after {elapsed:.2f}s: {reason}")
+            assert status in (MeanStatus.FAILED, MeanStatus.PARTIAL), (m, status)
+            assert elapsed < timeout_s + 3, (m, elapsed, reason)
+            if status == MeanStatus.PARTIAL:  # named contributors (c's payload may have made it)
+                assert m in who and set(who) < set(members)
+                ref = mean_in_member_order([payloads[w] for w in who])
+                assert torch.equal(mean, ref)
+        c["c"].proc.join(10)
+        assert c["c"].proc.exitcode == -signal.SIGKILL
+        if path == "averager":
+            _assert_gone(tree[1:], socks)  # its DHT, averager and p2pd noticed and exited
+        # survivors keep working: a new round among themselves, and a plain message
+        small = {m: torch.full((1000,), float(i)) for i, m in enumerate(("a", "b"))}
+        out = c.mean(["a", "b"], 2, small, "fp32", path, timeout_s=10.0)
+        for status, mean, _who, reason, _ in out.values():
+            assert status == MeanStatus.OK, reason
+            assert torch.equal(mean, torch.full((1000,), 0.5))
+        assert c["a"].call("send", "b", "alive", "fp32", torch.ones(3), 0) == Ack.OK
+    finally:
+        c.close()

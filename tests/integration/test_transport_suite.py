@@ -1,0 +1,174 @@
+"""The shared transport suite: every backend, real processes on 127.0.0.1, one-process references.
+
+Adding a backend: append it to BACKENDS (and to MEAN_ATOL if its mean is not summed in member
+order), give scenarios.WIRE_BYTES its byte accounting, and comms.build its two branches.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import KILLED, run_peers
+
+from comms.throttle import LinkProfile
+
+BACKENDS = ["torch", "hivemind"]
+MEAN_ATOL = {"torch": 0.0, "hivemind": 0.0}  # 0: bit-identical to the one-process reference
+TIMEOUT_S = 5.0
+FAULT_TIMEOUT_S = 3.0  # the round deadline of the fault tests (they wait it out once)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pingpong_every_codec_and_exact_bytes(backend: str) -> None:
+    res = run_peers(backend, ["a", "b"], {}, "pingpong", TIMEOUT_S)
+    for name, r in res.items():
+        assert all(r["equal"].values()), (name, r["equal"])
+        assert r["sent"] == r["expected_sent"], name
+        assert r["received"] == r["expected_received"], name
+        assert r["timeout_raised"] and 0.25 < r["timeout_elapsed_s"] < 2.0, r
+        assert r["rejects"] == {}, r["rejects"]
+    assert res["b"]["out_of_order"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_means_of_2_and_4_members(backend: str) -> None:
+    names = ["s0r0", "s0r1", "s1r0", "s1r1"]
+    groups = {"all": names, "s0": ["s0r0", "s0r1"], "s1": ["s1r0", "s1r1"]}
+    res = run_peers(backend, names, groups, "group_mean", TIMEOUT_S)
+    digests: dict[str, set[str]] = {}
+    for name, r in res.items():
+        for key, rnd in r["rounds"].items():
+            assert rnd["status"] == "ok", (name, key, rnd)
+            assert rnd["contributors"] == rnd["members"]
+            if MEAN_ATOL[backend] == 0.0:
+                assert rnd["equal_ref"], (name, key, rnd["max_abs_diff"])
+            else:
+                assert rnd["max_abs_diff"] <= MEAN_ATOL[backend], (name, key, rnd)
+            digests.setdefault(key, set()).add(rnd["digest"])
+        assert r["average_sent"] == r["expected_average_bytes"], name
+        assert r["average_received"] == r["expected_average_bytes"], name
+        assert r["rounds_by_status"] == {"ok": len(r["rounds"])}
+    # 3 codecs x ("all" + own stage group); every member of a group got the same bits
+    assert len(digests) == 9 and all(len(d) == 1 for d in digests.values()), digests
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_rejected_counted_receiver_keeps_working(backend: str, tmp_path) -> None:
+    marker = tmp_path / "unpickled"
+    groups = {"g": ["a", "b"]}
+    res = run_peers(backend, ["a", "b"], groups, "bad_input", TIMEOUT_S, marker=str(marker))
+    a, b = res["a"], res["b"]
+    assert not marker.exists()
+    assert b["good_ok"] and b["shape_ok"] and not b["nan_delivered"]
+    # a NaN mean contribution: excluded (partial) on b, a FAILED (its own payload was rejected)
+    assert (a["mean0"], b["mean0"]) == ("failed", "partial")
+    assert b["mean0_contributors"] == ["b"] and b["mean0_is_own"]
+    assert (a["mean1"], b["mean1"]) == ("ok", "ok") and b["mean1_ok"]
+    # a 2^40-byte declared length cuts the link at once; the other direction still works
+    assert b["cut_off"] == "lost" and b["cut_off_s"] < TIMEOUT_S / 2, b
+    assert a["after_ok"]
+    assert b["rejects"] == {
+        "not_finite": 2,  # the NaN message and the NaN mean contribution
+        "bad_magic": 2,  # garbage and the pickle blob
+        "unexpected_shape": 1,
+        "too_large": 1,
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("action", "names"), [("kill", 4), ("stop", 3)])
+def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int) -> None:
+    peers = [f"r{i}" for i in range(names)]
+    victim = peers[-1]
+    res = run_peers(
+        backend,
+        peers,
+        {"g": peers},
+        "mean_fault",
+        FAULT_TIMEOUT_S,
+        faults={victim: (action, "before_mean")},
+        victim=victim,
+    )
+    for name in peers[:-1]:
+        r = res[name]
+        assert r["status"] in ("failed", "partial") and r["mean_is_none"], r
+        assert r["first_s"] < FAULT_TIMEOUT_S + 1.0, r  # within the deadline, no hang
+        assert r["status2"] in ("failed", "partial") and r["second_s"] < FAULT_TIMEOUT_S + 1.0, r
+        assert r["p2p_after_ok"], r
+    if action == "kill":
+        assert res[victim] == KILLED
+    else:  # resumed after the others left: fails cleanly, no traceback (checked by run_peers)
+        assert res[victim]["resumed"] and res[victim]["status"] == "failed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shaped_links_follow_the_model(backend: str) -> None:
+    lat, mbps, nbytes = 100.0, 8.0, 100_000  # 100 KB takes 0.1 s at 8 Mbit/s
+    profile = LinkProfile(bandwidth_mbps=mbps, latency_ms=lat)
+    build = {"shaping": profile}
+    res = run_peers(backend, ["a", "b"], {"g": ["a", "b"]}, "shaped", TIMEOUT_S, build=build,
+                    latency_ms=lat, mbps=mbps, nbytes=nbytes)  # fmt: skip
+    a, b = res["a"], res["b"]
+    # never faster than the model; loosely bounded above (2 busy cores)
+    assert 2 * lat / 1e3 <= a["rtt_s"] < 2 * lat / 1e3 + 0.15, a
+    assert 0.95 * profile.transmit_s(nbytes) <= b["stream_gap_s"] < 1.5 * 0.1, b
+    for r in (a, b):  # one 10 KB frame over the link, then the latency
+        assert r["mean_status"] == "ok" and lat / 1e3 <= r["mean_s"] < lat / 1e3 + 0.3, r
+
+
+# ---- torch backend only: in-process checks (no spawn, one-peer worlds) ----
+
+
+def test_torch_single_peer_world_and_close() -> None:
+    import torch
+
+    from comms import codecs
+    from comms.build import free_port, make_transport
+
+    rz = f"tcp://127.0.0.1:{free_port()}"
+    t = make_transport("torch", "a", ["a"], {"g": ["a"]}, rendezvous=rz, timeout_s=10.0)
+    x = torch.randn(1000)
+    r = t.start_mean("g", ["a"], 0, x, "fp8_e4m3", 5.0).result(5.0)
+    assert r.status == "ok" and r.contributors == ("a",)
+    assert torch.equal(r.mean, codecs.roundtrip(x, "fp8_e4m3"))
+    nan = torch.full((10,), float("nan"))
+    r = t.start_mean("g", ["a"], 1, nan, "bf16", 5.0).result(5.0)
+    assert r.status == "failed" and r.mean is None and "own payload" in r.reason
+    r = t.start_mean("g", ["a"], 2, x, "bf16", 5.0).result(5.0)  # a rejected payload: no harm
+    assert r.status == "ok"
+    with pytest.raises(ValueError, match="members"):
+        t.start_mean("g", ["a", "b"], 3, x, "bf16", 5.0)
+    with pytest.raises(ValueError, match="not in a group"):
+        t.start_mean("h", ["a"], 3, x, "bf16", 5.0)
+    assert dict(t.stats.rounds) == {"ok": 2, "failed": 1}
+    t.close()
+    t.close()  # idempotent
+    with pytest.raises(ValueError, match="unknown peer"):
+        t.send("a", "x", 1, codecs.encode(x, "fp32"), 0)  # no link to oneself
+    with pytest.raises(ValueError, match="not in a group"):
+        t.start_mean("g", ["a"], 4, x, "bf16", 5.0)  # groups are released by close
+
+
+def test_torch_startup_deadline_and_bad_arguments() -> None:
+    import time
+
+    from comms.build import free_port
+    from comms.errors import PeerTimeout
+    from comms.torchdist import TorchTransport
+
+    rz = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(PeerTimeout):  # b never shows up
+        TorchTransport("a", ["a", "b"], {}, rz, timeout_s=1.0)
+    assert time.monotonic() - start < 6.0
+    for args in [
+        ("c", ["a", "b"], {}),  # me not a peer
+        ("a", ["a", "a"], {}),  # duplicate names
+        ("a", ["a", "b"], {"g": ["a", "x"]}),  # unknown member
+        ("a", ["a", "b"], {"g": []}),  # empty group
+    ]:
+        with pytest.raises(ValueError):
+            TorchTransport(*args, rz)
+    with pytest.raises(ValueError, match="rendezvous"):
+        TorchTransport("a", ["a"], {}, "udp://127.0.0.1:1")

@@ -1,0 +1,167 @@
+"""Two network namespaces joined by a veth pair, with kernel `tc` shaping, for tests and the bench.
+
+`netns_pair(rate_mbit)` creates namespaces "<tag>a" and "<tag>b" (unique per process), a veth
+pair between them with private addresses that exist only inside them (10.77.0.1 and 10.77.0.2;
+nothing routes out), optionally a `tbf` qdisc on a's side (a -> b is shaped), and always deletes
+both namespaces on exit (which removes the veths). Needs root and iproute2; `unavailable()` says
+why not, so callers skip cleanly. netem does not exist on our kernel: only bandwidth is shaped
+here (latency is emulated in the application, comms/throttle.py).
+
+`measure_mbps(pair, nbytes, app_mbps)` sends nbytes over plain TCP from a to b with this file's
+`send` / `recv` commands (small scripts run with `ip netns exec`) and returns the goodput the
+receiver saw; app_mbps paces the sender with comms.throttle instead of relying on the kernel.
+
+Run as a script: `python netns.py recv HOST PORT` / `python netns.py send HOST PORT NBYTES [MBPS]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ADDR_A, ADDR_B = "10.77.0.1", "10.77.0.2"
+PORT = 5301
+CHUNK = 64 * 1024
+_SELF = str(Path(__file__).resolve())
+
+
+@dataclass(frozen=True)
+class NetnsPair:
+    a: str
+    b: str
+    veth_a: str
+    veth_b: str
+
+    def cmd(self, ns: str, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+
+def unavailable() -> str | None:
+    """Why kernel shaping cannot run here (None when it can)."""
+    if os.geteuid() != 0:
+        return "needs root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) not installed"
+    probe = f"mtprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*argv: str) -> None:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def netns_pair(rate_mbit: float | None = None, burst_kb: int = 32) -> Iterator[NetnsPair]:
+    """Namespaces a, b joined by veth; tbf at rate_mbit on a's egress (None: unshaped)."""
+    tag = f"mt{os.getpid() % 100000}{int(time.monotonic() * 1000) % 1000}"
+    pair = NetnsPair(f"{tag}a", f"{tag}b", f"{tag}va", f"{tag}vb")  # names <= 15 chars
+    try:
+        _run("ip", "netns", "add", pair.a)
+        _run("ip", "netns", "add", pair.b)
+        _run("ip", "link", "add", pair.veth_a, "type", "veth", "peer", "name", pair.veth_b)
+        _run("ip", "link", "set", pair.veth_a, "netns", pair.a)
+        _run("ip", "link", "set", pair.veth_b, "netns", pair.b)
+        for ns, dev, addr in ((pair.a, pair.veth_a, ADDR_A), (pair.b, pair.veth_b, ADDR_B)):
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate_mbit is not None:
+            set_rate(pair, rate_mbit, burst_kb)
+        yield pair
+    finally:
+        for ns in (pair.a, pair.b):  # deleting a namespace deletes the veth end inside it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", pair.veth_a], capture_output=True)  # if never moved
+
+
+def set_rate(pair: NetnsPair, rate_mbit: float | None, burst_kb: int = 32) -> None:
+    """Replace a's egress qdisc: tbf at rate_mbit, or the default (None)."""
+    qdisc = pair.cmd(pair.a, "tc", "qdisc")
+    subprocess.run([*qdisc, "del", "dev", pair.veth_a, "root"], capture_output=True)
+    if rate_mbit is not None:
+        tbf = ["rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency", "50ms"]
+        _run(*qdisc, "add", "dev", pair.veth_a, "root", "tbf", *tbf)
+
+
+def measure_mbps(pair: NetnsPair, nbytes: int, app_mbps: float | None = None) -> float:
+    """Goodput a -> b in Mbit/s as the receiver saw it (first to last byte)."""
+    py = sys.executable
+    recv = subprocess.Popen(
+        pair.cmd(pair.b, py, _SELF, "recv", ADDR_B, str(PORT)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert recv.stdout is not None
+        assert recv.stdout.readline().strip() == "ready"
+        send = [py, _SELF, "send", ADDR_B, str(PORT), str(nbytes)]
+        if app_mbps is not None:
+            send.append(str(app_mbps))
+        subprocess.run(pair.cmd(pair.a, *send), check=True, timeout=60)
+        out, _ = recv.communicate(timeout=30)
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
+    got = json.loads(out)
+    return 8 * (got["bytes"] - got["first_chunk"]) / (got["last"] - got["first"]) / 1e6
+
+
+def _recv(host: str, port: int) -> None:
+    with socket.create_server((host, port)) as srv:
+        print("ready", flush=True)
+        srv.settimeout(30)
+        conn, _ = srv.accept()
+        with conn:
+            total, first, first_chunk, last = 0, 0.0, 0, 0.0
+            while data := conn.recv(1 << 20):
+                now = time.monotonic()
+                if not total:
+                    first, first_chunk = now, len(data)
+                total += len(data)
+                last = now
+    print(json.dumps({"bytes": total, "first": first, "first_chunk": first_chunk, "last": last}))
+
+
+def _send(host: str, port: int, nbytes: int, app_mbps: float | None) -> None:
+    from comms.throttle import LinkProfile, LinkSender, LinkShaper
+
+    with socket.create_connection((host, port), timeout=30) as conn:
+        payload = b"\x5a" * CHUNK
+        if app_mbps is None:
+            for off in range(0, nbytes, CHUNK):
+                conn.sendall(payload[: min(CHUNK, nbytes - off)])
+            return
+        shaper = LinkShaper(LinkProfile(bandwidth_mbps=app_mbps))
+        sender: LinkSender[bytes] = LinkSender("b", conn.sendall, shaper)
+        last = None
+        for off in range(0, nbytes, CHUNK):
+            chunk = payload[: min(CHUNK, nbytes - off)]
+            last = sender.submit(chunk, len(chunk))
+        if last is not None:
+            last.wait(60)
+        sender.finish()
+        sender.join(5)
+
+
+if __name__ == "__main__":
+    cmd, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if cmd == "recv":
+        _recv(host, port)
+    else:
+        _send(host, port, int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else None)

@@ -1,0 +1,108 @@
+"""Checkpoints: atomic, refused when torn or foreign, and a resume replays the same numbers."""
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from mesh.cell import Cell
+from mesh.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    common_step,
+    load_cell,
+    save_cell,
+    saved_steps,
+)
+from mesh.config import load_config
+from mesh.model import build_stage
+
+TINY = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+
+
+def _cell(stage=0, *extra):
+    cfg = load_config([], [*TINY, "grid.stages=2", *extra])
+    return cfg, Cell(cfg, stage, 0, build_stage(cfg.model, 2, stage, cfg.run.seed))
+
+
+def _train(cell, steps):
+    for _ in range(steps):
+        grads = [torch.randn_like(p) * 0.01 for p in cell.params]
+        cell.apply_update(grads)
+        cell.push_version()
+
+
+def test_roundtrip_restores_everything(tmp_path):
+    cfg, a = _cell()
+    torch.manual_seed(0)
+    _train(a, 3)
+    save_cell(a, cfg.fingerprint(), tmp_path)
+    _, b = _cell()
+    load_cell(b, cfg.fingerprint(), checkpoint_path(tmp_path, 0, 0, 3))
+    assert b.step == 3 and torch.equal(a.flat, b.flat) and torch.equal(a.drift, b.drift)
+    assert list(a.history) == list(b.history)
+    torch.manual_seed(1)
+    _train(a, 2)
+    torch.manual_seed(1)
+    _train(b, 2)
+    assert torch.equal(a.flat, b.flat), "the optimizer state came back too"
+
+
+def test_foreign_torn_and_mismatched_checkpoints_are_refused(tmp_path):
+    cfg, a = _cell()
+    path = save_cell(a, cfg.fingerprint(), tmp_path)
+    with pytest.raises(CheckpointError, match="another config"):
+        load_cell(a, "0" * 16, path)
+    _, other_stage = _cell(1)
+    with pytest.raises(CheckpointError):
+        load_cell(other_stage, cfg.fingerprint(), path)
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = a.flat.clone()
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_cell(a, cfg.fingerprint(), torn)
+    assert torch.equal(a.flat, before), "a refused checkpoint changes nothing"
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_cell(a, cfg.fingerprint(), tmp_path / "missing.pt")
+
+
+def test_old_checkpoints_are_pruned_and_common_step_found(tmp_path):
+    cfg, a = _cell()
+    for _ in range(5):
+        _train(a, 1)
+        save_cell(a, cfg.fingerprint(), tmp_path)
+    assert saved_steps(tmp_path, 0, 0) == [3, 4, 5]
+    _, b = _cell(1)
+    for _ in range(3):
+        _train(b, 1)
+        save_cell(b, cfg.fingerprint(), tmp_path)
+    assert common_step(tmp_path, [(0, 0), (1, 0)]) == 3
+
+
+def _save_forever(run_dir, ready):
+    cfg, cell = _cell()
+    save_cell(cell, cfg.fingerprint(), run_dir)
+    ready.set()
+    while True:
+        _train(cell, 1)
+        save_cell(cell, cfg.fingerprint(), run_dir)
+
+
+def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path):
+    ctx = mp.get_context("spawn")
+    cfg, fresh = _cell()
+    for attempt in range(3):
+        ready = ctx.Event()
+        proc = ctx.Process(target=_save_forever, args=(tmp_path / str(attempt), ready))
+        proc.start()
+        assert ready.wait(60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        steps = saved_steps(tmp_path / str(attempt), 0, 0)
+        assert steps
+        for step in steps:  # every checkpoint present loads: none is torn
+            load_cell(
+                fresh, cfg.fingerprint(), checkpoint_path(tmp_path / str(attempt), 0, 0, step)
+            )

@@ -181,6 +181,19 @@ def bench_convergence(
     run_convergence(cfg, Path(out), quick=quick, workers=workers)
 
 
+@bench.command("comms")
+@click.option("--quick", is_flag=True, help="Fewer repetitions (about a minute).")
+@click.option("--out", type=click.Path(file_okay=False), default="results/comms")
+@user_errors
+def bench_comms(quick: bool, out: str) -> None:
+    """Codecs, transports (hivemind and torch.distributed), group means and link shaping."""
+    # comms knows nothing of models: this benchmark needs no config
+    from comms.bench import run_comms_bench
+
+    run_comms_bench(Path(out), quick=quick)
+    click.echo((Path(out) / "table.md").read_text())
+
+
 @bench.command("throughput")
 @config_options
 @click.option("--quick", is_flag=True, help="One short window per method (about 2 minutes).")

@@ -4,7 +4,7 @@ Role: `run_comms_bench(out_dir, quick)` measures and writes `out_dir/summary.jso
 `out_dir/table.md`; the CLI only calls it. Transports run in real processes (spawn), one per
 peer, on 127.0.0.1. Backends are the list BACKENDS: a new backend is appended there.
 
-Definitions (what the numbers mean):
+Definitions (what the numbers mean; every peer process runs with one torch thread):
 - codecs: N random normal values; bytes_per_value = wire bytes / N; rel_err = |decode - x| / |x|
   over x != 0 (median, max); encode/decode MB/s = float32 bytes (4 N) / best-of-k time.
 - transports: a fp32 tensor of payload_bytes sent with Transport.send, received and validated
@@ -15,10 +15,11 @@ Definitions (what the numbers mean):
 - averaging: `start_mean` of a 5% payload of a 10M-parameter stage (500,000 values) among 4
   replicas, round_ms = median over rounds and replicas of start_mean -> result.
 - shaping: two peers whose links are shaped in the application (comms/throttle.py): measured
-  bandwidth = receiver goodput over a stream (first to last message), measured latency = half
-  the round trip of a 64-value ping-pong. As root, the same bandwidth is also set with kernel
-  tbf on a veth pair between two network namespaces (tests/throttled/netns.py): kernel_mbps is
-  what TCP got through tbf and app_tcp_mbps what our LinkShaper paced over the same veth.
+  bandwidth = wire bytes of one message / median gap between arrivals, in a stream of 16 that
+  keeps the link busy; measured latency = half the round trip of a 64-value ping-pong. As
+  root, the same bandwidth is also set with kernel tbf on a veth pair between two network
+  namespaces (tests/throttled/netns.py): kernel_mbps is what TCP got through tbf (it counts
+  IP/TCP headers, so ~95%), app_tcp_mbps what our LinkShaper paced over the same veth.
 
 imports: torch, comms only (no mesh, no cli).
 """
@@ -264,14 +265,14 @@ def _shaping_peer(t, me: str, names: list[str], nbytes: int) -> dict:
             t.send(b, f"s{i}", Kind.ACTIVATION, chunk, i)
         t.recv(b, "done", Expect(), TIMEOUT_S)
         return {"latency_ms": statistics.median(lat[1:])}
-    first = last = 0.0
+    arrivals = []
     for i in range(count):
         t.recv(a, f"s{i}", Expect(), TIMEOUT_S)
-        last = time.perf_counter()
-        first = first or last
+        arrivals.append(time.perf_counter())
     t.send(a, "done", Kind.CONTROL, small, 0).wait(TIMEOUT_S)
     frame = t.stats.bytes_received[(other, "activation")] / count  # bytes on the wire each
-    return {"mbps": 8 * frame * (count - 1) / (last - first) / 1e6}
+    gap = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    return {"mbps": 8 * frame / gap / 1e6}  # median gap: one late wake-up does not skew it
 
 
 def _kernel_check(mbps: float, nbytes: int) -> dict:
@@ -341,6 +342,9 @@ def run_procs(
 
 
 def _child(backend, me, names, groups, rz, shaping, fn, kwargs, conn) -> None:
+    # one intra-op thread per peer: several peers share the cores, and idle OpenMP workers
+    # spinning in one process steal them from the transport threads of the others
+    torch.set_num_threads(1)
     try:
         t = make_transport(backend, me, names, groups, timeout_s=TIMEOUT_S, shaping=shaping, **rz)
         try:

@@ -73,6 +73,7 @@ def make_transport(
             host_maddrs=[f"/ip4/{host}/tcp/0"],
             timeout_s=timeout_s,
             shaping=LinkShapers(me, shaping) if shaping is not None else None,
+            peers=peers,
             **options,
         )
         # ---- end of hivemind branch ----

@@ -41,11 +41,11 @@ from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
 from comms.p2p_dht import PeerRecord, adopt_socket, parse_record, start_dht
-from comms.p2p_mailbox import Mailbox
+from comms.p2p_mailbox import Mailbox, expect_reject
 from comms.p2p_stream import HANDLER, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import MeanHandle, TransportStats
-from comms.wire import Expect, Kind, Message, Reject
+from comms.wire import Expect, Kind, Message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -97,13 +97,18 @@ class P2PTransport(StreamMixin):
         announce_maddrs: addresses others should dial (NAT / port mapping); explicit ports.
         identity_path: private key file; makes the PeerID stable across restarts.
         client_mode: DHT client (does not serve DHT requests; for unreachable peers).
-        timeout_s: default deadline of startup, sends and name resolution.
+        timeout_s: default deadline of sends and name resolution.
+        startup_timeout_s: deadline of starting the DHT and publishing our name (default
+            max(timeout_s, 15): p2pd alone may need seconds on a busy host).
         max_message_bytes: largest frame accepted from a peer (checked before buffering).
         mailbox_messages / mailbox_bytes: bound of each sender's mailbox.
         record_ttl_s: expiration of our DHT name record; refreshed every ttl/3.
         shaping: link profiles of our outgoing links (comms.throttle.Shaping): each message is
             held until its release time under the link model, then sent.
+        peers: names this peer will talk to; resolved (and dialed) in the background from the
+            start, so a first message does not pay the DHT lookups.
         mean_path: "averager" (hivemind DecentralizedAverager) or "direct" (all-gather on streams).
+            With shaping, means take the direct path: hivemind's own traffic cannot be paced.
     """
 
     backend = "hivemind"
@@ -119,11 +124,13 @@ class P2PTransport(StreamMixin):
         identity_path: str | None = None,
         client_mode: bool = False,
         timeout_s: float = 30.0,
+        startup_timeout_s: float | None = None,
         max_message_bytes: int = 256 << 20,
         mailbox_messages: int = 256,
         mailbox_bytes: int = 1 << 30,
         record_ttl_s: float = 60.0,
         shaping: Shaping | LinkShapers = None,
+        peers: Sequence[str] = (),
         mean_path: str = "averager",
     ) -> None:
         if mean_path not in ("averager", "direct"):
@@ -134,6 +141,8 @@ class P2PTransport(StreamMixin):
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
         self.client_mode, self.mean_path = client_mode, mean_path
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
+        self.shaped = shaping is not None
+        startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
         self._records: dict[str, PeerRecord] = {}
@@ -146,7 +155,7 @@ class P2PTransport(StreamMixin):
         # The DHT forks its process: start it before our loop thread exists.
         self.dht = start_dht(
             list(initial_peers),
-            timeout_s,
+            startup_s,
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
             identity_path=identity_path,
@@ -158,7 +167,9 @@ class P2PTransport(StreamMixin):
         )
         self._thread.start()
         try:
-            self._run(self._setup(), timeout_s)
+            self._run(self._setup(), startup_s)
+            others = [n for n in peers if n != me]
+            asyncio.run_coroutine_threadsafe(self._warm(others, startup_s), self._loop)
         except BaseException:
             self.close()
             raise
@@ -282,11 +293,23 @@ class P2PTransport(StreamMixin):
         own_socket = self._p2p._client_listen_maddr["unix"]
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
         await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
-        maddrs = [str(m) for m in await self._p2p.get_visible_maddrs()]
+        # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
+        own = Multiaddr(f"/p2p/{self.peer_id}")
+        maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]
         self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs}
         if not await self._publish():
             raise PeerLost(f"could not publish {self.me!r} in the DHT")
         self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def _warm(self, names: list[str], within_s: float) -> None:
+        """Resolve and dial peers early (peers that start later are waited for)."""
+        deadline = time.monotonic() + within_s
+
+        async def one(name: str) -> None:
+            with contextlib.suppress(Exception):
+                await self._resolve(name, deadline)
+
+        await asyncio.gather(*(one(n) for n in names))
 
     async def _publish(self) -> bool:
         # A later expiration wins in the DHT; if an older record of this name (a crashed run, a
@@ -305,19 +328,25 @@ class P2PTransport(StreamMixin):
                 await self._publish()
 
     async def _teardown(self) -> None:
-        self._refresher.cancel()
-        with contextlib.suppress(Exception):  # "delete" our record: a None expiring just after
-            exp = self._record_exp + 1e-3  # it, so a restart under this name can publish at once
-            await asyncio.wait_for(
-                self.dht.store(self._key(self.me), None, exp, return_future=True), 2
-            )
+        """Undo _setup as far as it got; every step on its own (a failed start calls this too)."""
+        refresher = getattr(self, "_refresher", None)
+        if refresher is not None:
+            refresher.cancel()
+        if hasattr(self, "_record_exp"):  # "delete" our record: a None expiring just after it,
+            exp = self._record_exp + 1e-3  # so a restart under this name can publish at once
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.dht.store(self._key(self.me), None, exp, return_future=True), 2
+                )
         for streams in self._idle.values():
             for _, w in streams:
                 w.close()
         self._idle.clear()
-        with contextlib.suppress(Exception):
-            await self._p2p.remove_binary_stream_handler(self._handler_name)
-        await self._p2p.shutdown()  # a replica: closes our client sockets, not the daemon
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None:
+            with contextlib.suppress(Exception):
+                await p2p.remove_binary_stream_handler(self._handler_name)
+            await p2p.shutdown()  # a replica: closes our client sockets, not the daemon
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
@@ -342,13 +371,15 @@ class P2PTransport(StreamMixin):
             await asyncio.sleep(0.2)
 
     async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
-        await asyncio.sleep(max(0.0, release - time.monotonic()))  # the link model's release
         key = (to, tag)
         lock, users = self._order.get(key, (None, 0))
         lock = lock or asyncio.Lock()
         self._order[key] = (lock, users + 1)
         try:
-            async with lock:  # same (to, tag): delivered in send order
+            # Same (to, tag): delivered in send order. These coroutines start in send() order
+            # and the lock is FIFO; release times never decrease along a link.
+            async with lock:
+                await asyncio.sleep(max(0.0, release - time.monotonic()))  # link model
                 deadline = time.monotonic() + self.timeout_s
                 ack = await asyncio.wait_for(self._deliver(to, frame, deadline), self.timeout_s)
         except TimeoutError as e:
@@ -362,18 +393,3 @@ class P2PTransport(StreamMixin):
         if ack == Ack.OK:
             self.stats.add_sent(to, kind, len(frame))
         return ack
-
-
-def expect_reject(msg: Message, expect: Expect) -> Reject | None:
-    """The metadata checks of wire.unpack for a message already validated on arrival."""
-    if expect.name is not None and msg.name != expect.name:
-        return Reject("unexpected_name", f"{msg.name!r} != {expect.name!r}")
-    if expect.kind is not None and msg.kind != expect.kind:
-        return Reject("unexpected_kind", f"{msg.kind.name} != {Kind(expect.kind).name}")
-    if expect.shape is not None and msg.encoded.shape != tuple(expect.shape):
-        return Reject("unexpected_shape", f"{msg.encoded.shape} != {tuple(expect.shape)}")
-    if expect.codecs is not None and msg.encoded.codec not in expect.codecs:
-        return Reject("unexpected_codec", msg.encoded.codec)
-    if msg.encoded.nbytes > expect.max_body_bytes:
-        return Reject("too_large", f"body {msg.encoded.nbytes} > {expect.max_body_bytes}")
-    return None

@@ -37,7 +37,7 @@ from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import runtime_pb2
 
 from comms import codecs
-from comms.p2p_dht import watch_parent
+from comms.p2p_dht import one_line, watch_parent
 
 HEAD_CARRIERS = 2  # frame length, low and high 16 bits
 HEADER_BOUND = 512  # > any wire header: fixed fields + name (<= 256 B) + dims + tail
@@ -188,7 +188,12 @@ class CheckedAverager(DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-        logging.getLogger("hivemind.averaging.averager").addFilter(_one_line)
+        # hivemind logs every failed step with a traceback; the caller gets the failure as a
+        # MeanResult with its reason, so one warning line is enough here
+        logging.getLogger("hivemind.averaging.averager").addFilter(one_line)
+        # an all-reduce that hits allreduce_timeout ends its step task with an exception that
+        # asyncio reports (with a traceback) as never retrieved; the caller has it already
+        logging.getLogger("asyncio").addFilter(one_line)
         watch_parent(self._orphaned)
         CARRIER.counter = self.status[self.SENT :]  # in this averager's own process only
         super().run()
@@ -218,13 +223,3 @@ class CheckedAverager(DecentralizedAverager):
                 runner = fut.result()  # hivemind reports these parts as success: record them
                 self.status[self.FAILED_VALUES] += runner.tensor_part_container.failed_size
                 self.status[self.BANNED] += len(runner.banned_senders)
-
-
-def _one_line(record: logging.LogRecord) -> bool:
-    """hivemind logs every failed step with a traceback; the failure reaches the caller as a
-    MeanResult with the reason, so log one warning line instead."""
-    if record.exc_info:
-        record.msg, record.args = f"{record.getMessage()} (reported as a failed mean round)", ()
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-    return True

@@ -13,6 +13,7 @@ imports: hivemind, stdlib only (no torch, no mesh, no cli).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -63,20 +64,36 @@ def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+def one_line(record: logging.LogRecord) -> bool:
+    """Logging filter for hivemind loggers in our helper processes: an error logged with a
+    traceback (a failed averaging step, a control pipe whose peer process died) becomes one
+    warning line; the failure itself reaches our caller as a value."""
+    if record.exc_info:
+        record.msg, record.args = f"{record.getMessage()} (handled by meshtrain)", ()
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 class PeerDHT(hivemind.DHT):
     """hivemind.DHT whose process stops its p2pd and exits when our process dies."""
 
     def run(self) -> None:
+        # e.g. a request pickled by a peer process that was killed mid-send cannot be read
+        logging.getLogger("hivemind.dht.dht").addFilter(one_line)
         watch_parent(self._orphaned)
         super().run()
 
     def _orphaned(self) -> None:
         # Plain syscalls only: this runs on the watchdog thread, and hivemind's client and
         # (uv)loop objects must not be touched from outside their loop thread.
-        p2p = self._node.p2p
+        node = getattr(self, "_node", None)
+        if node is None:
+            return  # our parent died while we were starting: nothing of ours is up yet
+        p2p = node.p2p
         with contextlib.suppress(ProcessLookupError):
             os.kill(p2p._child.pid, signal.SIGTERM)
-        adopted = getattr(self._node, "adopted", [])
+        adopted = getattr(node, "adopted", [])
         for path in [p2p._daemon_listen_maddr, p2p._client_listen_maddr, *adopted]:
             with contextlib.suppress(OSError, KeyError, TypeError):
                 os.remove(path if isinstance(path, str) else path["unix"])

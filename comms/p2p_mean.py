@@ -14,7 +14,7 @@ unquantized copy. So the averager all-gathers instead (comms/p2p_carrier.py):
   2. one averager round with power-of-two weights and a lossless carrier codec leaves every
      slot's carriers exact on every member;
   3. each member turns every slot back into bytes and runs `wire.unpack` (sizes, crc32,
-     finiteness, name = this round and that member): a slot that lost a part (dead peer, failed
+     finiteness, name = this round and that slot): a slot that lost a part (dead peer, failed
      decode, wrong denominator after a ban) fails, and its member is left out.
   Partial rounds: the averager's section 2.6 hook records failed parts and banned senders (the
   reason string); the per-slot check decides the contributors: PARTIAL (named) or FAILED, never
@@ -22,7 +22,8 @@ unquantized copy. So the averager all-gathers instead (comms/p2p_carrier.py):
   size n) in a DHT bucket derived from the round id. Cost: each payload byte crosses about n-1
   links, as in any all-gather.
 "direct": each member sends its frame to every other member over the transport's streams: no
-averager process, no matchmaking, same bytes, same mean.
+averager process, no matchmaking, same bytes, same mean. Used too when the transport shapes its
+links (comms/throttle.py paces our streams; hivemind's own traffic cannot be paced from here).
 
 imports: torch, hivemind, comms only (no mesh, no cli).
 """
@@ -138,7 +139,7 @@ class MeanService:
     averager's tensor holds one round at a time)."""
 
     def __init__(
-        self, transport: P2PTransport, *, max_averagers: int = 4, chunk_timeout_s: float = 2.0
+        self, transport: P2PTransport, *, max_averagers: int = 4, chunk_timeout_s: float = 5.0
     ) -> None:
         self.t, self.max_averagers, self.chunk_timeout_s = transport, max_averagers, chunk_timeout_s
         self._averagers: OrderedDict[tuple[Any, ...], CheckedAverager] = OrderedDict()
@@ -178,7 +179,8 @@ class MeanService:
         fut: cf.Future[MeanResult] = cf.Future()
         deadline = time.monotonic() + timeout_s
         job = _Round(group, tuple(members), round_id, enc, shape or (enc.numel,), deadline)
-        target = self._direct if self.t.mean_path == "direct" else self._via_averager
+        direct = self.t.mean_path == "direct" or self.t.shaped  # shaping paces our streams only
+        target = self._direct if direct else self._via_averager
         name = f"mean-{group}-{round_id}"
         threading.Thread(target=self._run, args=(target, job, fut), daemon=True, name=name).start()
         return MeanHandle(fut)
@@ -323,8 +325,11 @@ class MeanService:
             initial_group_bits=_round_bits(job.round_id),
             min_matchmaking_time=1.0,
             request_timeout=0.5,
-            allreduce_timeout=max(5.0, budget),
-            next_chunk_timeout=self.chunk_timeout_s,
+            allreduce_timeout=max(1.0, 0.8 * budget),  # hivemind gives up before our deadline
+            # a peer silent this long is dropped from the round: short against the round's
+            # budget (a dead peer's p2pd may hold streams open for a moment), but not so short
+            # that a busy host's slow peer is banned
+            next_chunk_timeout=min(self.chunk_timeout_s, max(1.0, budget / 4)),
             compression=CARRIER,
             part_size_bytes=1 << 20,
             allow_state_sharing=False,

@@ -10,9 +10,13 @@ The model of one direction of one link (pure, in `LinkShaper.schedule` / `releas
   finish_i   = start_i + 8 * n_i / (bandwidth_mbps * 1e6)  n bytes occupy the link for n / rate
   delay_i    = max(0, latency + U(-jitter, +jitter))     U from random.Random(link seed)
   release_i  = max(release_{i-1}, finish_i + delay_i)    jitter never reorders a link
-`release_i` is when the receiver may see message i. `LinkSender` is the thread that sleeps until
-each release time and then calls the real transport, so `send()` returns at once and messages
-still pipeline (message 2 is not held back by message 1's latency).
+Bandwidth is a token bucket of depth zero (no burst: bytes leave at exactly the rate, like a
+busy WAN uplink); `release_i` is when the receiver may see message i (its last byte). Bytes are
+what the transport puts on the wire per message (its framing included). `LinkSender` is the
+thread that sleeps until each release time and then calls the real transport, so `send()`
+returns at once and messages still pipeline (message 2 is not held back by message 1's
+latency). A sender that sleeps inline per chunk instead (`LinkShapers.delay_s`) pays the
+latency once per chunk: give it whole messages.
 
 imports: stdlib only (no torch, no mesh, no cli).
 """

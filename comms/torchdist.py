@@ -214,7 +214,7 @@ class TorchTransport:
         self._closed = False
         self._lock = threading.Lock()
 
-        self._world = None
+        self._store = self._world = None
         self._groups: dict[str, _Group] = {}
         self._links: dict[str, _Link] = {}
         try:
@@ -346,6 +346,7 @@ class TorchTransport:
             with contextlib.suppress(Exception):
                 pg.shutdown()
         self._groups.clear()  # destroys the groups now (joins gloo's workers), not at exit
+        self._store = None  # peers[0]: stops the rendezvous server, frees its port
 
     def __enter__(self) -> TorchTransport:
         return self

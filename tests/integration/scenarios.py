@@ -113,6 +113,20 @@ def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) 
             equal[codec] &= msg.kind == Kind.ACTIVATION and msg.sender_step == i
             send(f"grad/{i}", Kind.GRADIENT, g, codec, i).wait(wait)
 
+    # one tag, frames alternating large (> 64 KiB: a second gloo message for torch) and small:
+    # taken in the order sent
+    mix = [tensor(400 + i, (300, 300) if i % 2 == 0 else (8,)) for i in range(4)]
+    if me == a:
+        for i, y in enumerate(mix):
+            h = send("mix", Kind.ACTIVATION, y, "fp32", i)
+        h.wait(wait)
+        in_order = True
+    else:
+        got = [t.recv(other, "mix", Expect(), wait) for _ in mix]
+        for i, y in enumerate(mix):
+            expect_from("mix", Kind.ACTIVATION, y, "fp32", i)
+        in_order = all(torch.equal(m.tensor(), y) for m, y in zip(got, mix, strict=True))
+
     t0 = time.monotonic()
     try:
         t.recv(other, "never", Expect(), 0.3)
@@ -140,6 +154,7 @@ def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) 
     kinds = ("activation", "gradient")
     return {
         "equal": equal,
+        "in_order": in_order,
         "out_of_order": out_of_order,
         "timeout_raised": timeout_raised,
         "timeout_elapsed_s": timeout_elapsed,
@@ -278,7 +293,8 @@ def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3
     return {
         "status": res.status.value,
         "reason": res.reason,
-        "mean_is_none": res.mean is None or res.status.value == "partial",
+        "no_silent_mean": (res.status.value == "failed" and res.mean is None)
+        or (res.status.value == "partial" and victim not in res.contributors),
         "first_s": first_s,
         "status2": res2.status.value,
         "second_s": second_s,

@@ -2,9 +2,11 @@
 
 Each peer is a spawned process with its own P2PTransport (its own DHT process and p2pd), driven
 over a pipe by the test; results are compared to one-process references (codecs.roundtrip, the
-member-order mean of dequantized payloads). Peers run in their own sessions so a test can kill
-one peer's whole tree; every test checks that the p2pd daemons it started are gone and removes
-the /tmp/hivemind-*.sock files of the processes it killed.
+member-order mean of dequantized payloads). A killed peer is killed alone (SIGKILL to its pid):
+its DHT process, averager and p2pd must exit and remove their /tmp/hivemind-*.sock files by
+themselves, which the fault tests check. Every test checks that the p2pd daemons it started are
+gone (peers run in their own sessions, so a hung one is killed with its whole group). The pure
+arithmetic of the exact all-gather is checked in one process first.
 """
 
 from __future__ import annotations
@@ -90,18 +92,22 @@ def _mean_result(_t, handles, key, timeout_s):
 
 
 def _die_mid_allreduce(t, handles, conn, *args):
-    """Start a mean, then SIGKILL this process (alone) 50 ms into the all-reduce (the section
-    2.6 hook counts attempts in shared memory as the all-reduce begins). Its DHT, averager and
-    p2pd must then exit by themselves; their pids go to the test first."""
+    """Start a mean, then SIGKILL this process (alone) as its all-reduce begins (the section
+    2.6 hook counts attempts in shared memory): the group is formed and the others are already
+    sending, but this peer's payload cannot have left. Its DHT, averager and p2pd must then exit
+    by themselves; their pids go to the test first."""
     _mean_start(t, handles, *args)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if any(int(av.status[av.ATTEMPTS]) for av in list(t._means._averagers.values())):
-            time.sleep(0.05)
-            tree = _tree(os.getpid())
-            conn.send(("dying", (tree, _sockets_of(tree))))
-            os.kill(os.getpid(), signal.SIGKILL)
+    while not t._means._averagers and time.monotonic() < deadline:
         time.sleep(0.002)
+    (av,) = t._means._averagers.values()
+    time.sleep(0.2)  # its replica socket is bound at start; the /proc scan must not delay the kill
+    tree = _tree(os.getpid())
+    conn.send(("dying", (tree, _sockets_of(tree))))
+    while time.monotonic() < deadline:
+        if int(av.status[av.ATTEMPTS]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.001)
 
 
 def _raw(t, _h, to, frame):

@@ -1,11 +1,12 @@
 """Two network namespaces joined by a veth pair, with kernel `tc` shaping, for tests and the bench.
 
-`netns_pair(rate_mbit)` creates namespaces "<tag>a" and "<tag>b" (unique per process), a veth
-pair between them with private addresses that exist only inside them (10.77.0.1 and 10.77.0.2;
-nothing routes out), optionally a `tbf` qdisc on a's side (a -> b is shaped), and always deletes
-both namespaces on exit (which removes the veths). Needs root and iproute2; `unavailable()` says
-why not, so callers skip cleanly. netem does not exist on our kernel: only bandwidth is shaped
-here (latency is emulated in the application, comms/throttle.py).
+`netns_pair(rate_mbit)` creates namespaces "mt<pid>x<n>a" and "...b" (first deleting such
+leftovers of processes that died), a veth pair between them with private addresses that exist
+only inside them (10.77.0.1 and 10.77.0.2; nothing routes out), optionally a `tbf` qdisc on a's
+side (a -> b is shaped), and always deletes both namespaces on exit (which removes the veths).
+Needs root and iproute2; `unavailable()` says why not, so callers skip cleanly. netem does not
+exist on our kernel: only bandwidth is shaped here (latency is emulated in the application,
+comms/throttle.py).
 
 `measure_mbps(pair, nbytes, app_mbps)` sends nbytes over plain TCP from a to b with this file's
 `send` / `recv` commands (small scripts run with `ip netns exec`) and returns the goodput the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -32,6 +34,8 @@ ADDR_A, ADDR_B = "10.77.0.1", "10.77.0.2"
 PORT = 5301
 CHUNK = 64 * 1024
 _SELF = str(Path(__file__).resolve())
+_NAME = re.compile(r"^mt(\d+)x\d+[ab]$")  # mt<pid>x<n>a / b
+_COUNT = 0
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,11 @@ def _run(*argv: str) -> None:
 @contextlib.contextmanager
 def netns_pair(rate_mbit: float | None = None, burst_kb: int = 32) -> Iterator[NetnsPair]:
     """Namespaces a, b joined by veth; tbf at rate_mbit on a's egress (None: unshaped)."""
-    tag = f"mt{os.getpid() % 100000}{int(time.monotonic() * 1000) % 1000}"
-    pair = NetnsPair(f"{tag}a", f"{tag}b", f"{tag}va", f"{tag}vb")  # names <= 15 chars
+    _sweep_stale()
+    global _COUNT
+    _COUNT += 1
+    tag = f"mt{os.getpid()}x{_COUNT % 1000}"
+    pair = NetnsPair(f"{tag}a", f"{tag}b", f"{tag}va", f"{tag}vb")  # veth names <= 15 chars
     try:
         _run("ip", "netns", "add", pair.a)
         _run("ip", "netns", "add", pair.b)
@@ -87,6 +94,15 @@ def netns_pair(rate_mbit: float | None = None, burst_kb: int = 32) -> Iterator[N
         for ns in (pair.a, pair.b):  # deleting a namespace deletes the veth end inside it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", pair.veth_a], capture_output=True)  # if never moved
+
+
+def _sweep_stale() -> None:
+    """Delete namespaces this helper made in a process that died before its cleanup ran."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        m = _NAME.match(line.split(" ")[0])
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)
 
 
 def set_rate(pair: NetnsPair, rate_mbit: float | None, burst_kb: int = 32) -> None:

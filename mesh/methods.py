@@ -17,6 +17,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "FullSync": {
         "pipeline.schedule": "gpipe",
         "optim.name": "adamw",
+        "optim.lr": 2e-3,
         "dp.mode": "grad_allreduce",
         "dp.codec": "fp32",
     },

@@ -49,10 +49,11 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
             "steps",
             "tokens",
             "tokens/s",
+            "of ideal",
             "val loss",
             "pp B/replica/step",
             "dp B/replica/step",
-            "rounds applied/failed",
+            "rounds started/applied/failed",
         ],
         [
             [
@@ -60,10 +61,14 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
                 summary["steps"],
                 summary["tokens"],
                 f"{summary['tokens_per_s']:,.0f}",
+                _fmt_fraction(summary.get("fraction_of_ideal")),
                 f"{summary['val_loss']:.4f}",
                 f"{summary['bytes']['pp_per_replica_step']:,.0f}",
                 f"{summary['bytes']['dp_per_replica_step']:,.0f}",
-                f"{summary['rounds']['rounds_applied']}/{summary['rounds']['rounds_failed']}",
+                "/".join(
+                    str(summary["rounds"][k])
+                    for k in ("rounds_started", "rounds_applied", "rounds_failed")
+                ),
             ]
         ],
     )

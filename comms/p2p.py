@@ -41,11 +41,11 @@ from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
 from comms.p2p_dht import PeerRecord, adopt_socket, parse_record, start_dht
-from comms.p2p_mailbox import Mailbox, expect_reject
+from comms.p2p_mailbox import Mailbox
 from comms.p2p_stream import HANDLER, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import MeanHandle, TransportStats
-from comms.wire import Expect, Kind, Message
+from comms.wire import Expect, Kind, Message, expect_reject
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

@@ -5,7 +5,7 @@ Role: the meeting point of the transport's receiving loop (puts, on the asyncio 
 messages and `max_bytes` bytes (stored plus reserved while a body is still arriving), so a
 flooding peer fills only its own box. Messages nobody takes expire after `ttl_s`. A sender that
 broke the stream protocol is marked lost: takes from it raise PeerLost when nothing with the tag
-is waiting, until it delivers a valid message again. `expect_reject` re-checks a filed message
+is waiting, until it delivers a valid message again. `wire.expect_reject` re-checks a filed message
 against what a `recv` caller expects.
 
 imports: stdlib and comms only.
@@ -20,7 +20,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from comms.errors import PeerLost
-from comms.wire import Expect, Kind, Message, Reject
+from comms.wire import Message
 
 
 class Mailbox:
@@ -124,18 +124,3 @@ class Mailbox:
                     self._on_drop("expired")
             if not q:
                 del box[tag]
-
-
-def expect_reject(msg: Message, expect: Expect) -> Reject | None:
-    """The metadata checks of wire.unpack for a message already validated on arrival."""
-    if expect.name is not None and msg.name != expect.name:
-        return Reject("unexpected_name", f"{msg.name!r} != {expect.name!r}")
-    if expect.kind is not None and msg.kind != expect.kind:
-        return Reject("unexpected_kind", f"{msg.kind.name} != {Kind(expect.kind).name}")
-    if expect.shape is not None and msg.encoded.shape != tuple(expect.shape):
-        return Reject("unexpected_shape", f"{msg.encoded.shape} != {tuple(expect.shape)}")
-    if expect.codecs is not None and msg.encoded.codec not in expect.codecs:
-        return Reject("unexpected_codec", msg.encoded.codec)
-    if msg.encoded.nbytes > expect.max_body_bytes:
-        return Reject("too_large", f"body {msg.encoded.nbytes} > {expect.max_body_bytes}")
-    return None

@@ -278,7 +278,7 @@ class TorchTransport:
             while True:
                 msg = self._take(link, tag)
                 if msg is not None:
-                    bad = _expect_reject(msg, expect)
+                    bad = wire.expect_reject(msg, expect)
                     if bad is None:
                         return msg
                     self.stats.add_reject(bad.reason)
@@ -635,21 +635,6 @@ def ordered_mean(parts: list[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         acc.add_(p)
     return acc.div_(len(parts))
-
-
-def _expect_reject(msg: Message, expect: Expect) -> Reject | None:
-    """The metadata checks of wire.unpack, for a message validated on arrival."""
-    if expect.name is not None and msg.name != expect.name:
-        return Reject("unexpected_name", f"{msg.name!r} != {expect.name!r}")
-    if expect.kind is not None and msg.kind != expect.kind:
-        return Reject("unexpected_kind", f"{msg.kind.name} != {Kind(expect.kind).name}")
-    if expect.shape is not None and msg.encoded.shape != tuple(expect.shape):
-        return Reject("unexpected_shape", f"{msg.encoded.shape} != {tuple(expect.shape)}")
-    if expect.codecs is not None and msg.encoded.codec not in expect.codecs:
-        return Reject("unexpected_codec", msg.encoded.codec)
-    if msg.encoded.nbytes > expect.max_body_bytes:
-        return Reject("too_large", f"body {msg.encoded.nbytes} > {expect.max_body_bytes}")
-    return None
 
 
 def _frame_bytes(name: str, numel: int, codec: str, step: int) -> int:

@@ -185,6 +185,22 @@ def unpack_or_raise(buf: bytes | bytearray | memoryview, expect: Expect | None =
     return r
 
 
+def expect_reject(msg: Message, expect: Expect) -> Reject | None:
+    """The metadata checks of unpack, for a message already validated on arrival (transports
+    validate bytes as they arrive, then match what a receiver expects when it asks)."""
+    if expect.name is not None and msg.name != expect.name:
+        return Reject("unexpected_name", f"{msg.name!r} != {expect.name!r}")
+    if expect.kind is not None and msg.kind != expect.kind:
+        return Reject("unexpected_kind", f"{msg.kind.name} != {Kind(expect.kind).name}")
+    if expect.shape is not None and msg.encoded.shape != tuple(expect.shape):
+        return Reject("unexpected_shape", f"{msg.encoded.shape} != {tuple(expect.shape)}")
+    if expect.codecs is not None and msg.encoded.codec not in expect.codecs:
+        return Reject("unexpected_codec", msg.encoded.codec)
+    if msg.encoded.nbytes > expect.max_body_bytes:
+        return Reject("too_large", f"body {msg.encoded.nbytes} > {expect.max_body_bytes}")
+    return None
+
+
 class RejectCounter:
     """Thread-safe count of rejects by reason (for metrics and for excluding noisy senders)."""
 

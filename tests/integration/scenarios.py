@@ -287,8 +287,9 @@ def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3
     nxt, prv = survivors[(k + 1) % len(survivors)], survivors[k - 1]
     x = tensor(950 + k, (32,))
     h = t.send(nxt, "after", Kind.ACTIVATION, codecs.encode(x, "bf16"), 1)
-    msg = t.recv(prv, "after", Expect(), deadline)
-    h.wait(deadline)
+    # prv may still be finishing its own two rounds (each up to deadline + 5 s): wait for that
+    msg = t.recv(prv, "after", Expect(), 2 * deadline + 10)
+    h.wait(2 * deadline + 10)
     want = codecs.roundtrip(tensor(950 + survivors.index(prv), (32,)), "bf16")
     return {
         "status": res.status.value,

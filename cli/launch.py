@@ -8,7 +8,6 @@ terminates every child (SIGTERM, then SIGKILL after a grace period) and reaps th
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from comms.build import local_rendezvous
 from mesh.checkpoint import CheckpointError, common_step
 from mesh.config import Config
 from mesh.emulate import resolve_window
+from mesh.metrics import read_metrics
 from mesh.trainer import run_cell
 
 
@@ -32,15 +32,6 @@ class GridRun:
     @property
     def ok(self) -> bool:
         return not self.interrupted and all(c == 0 for c in self.exit_codes.values())
-
-
-def read_metrics(out_dir: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
-    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for path in sorted((out_dir / "metrics").glob("*.jsonl")):
-        stage, replica = (int(x) for x in path.stem.split("-"))
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        rows[(stage, replica)] = [json.loads(ln) for ln in lines if ln.endswith("}")]
-    return rows
 
 
 def run_grid(

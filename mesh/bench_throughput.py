@@ -46,7 +46,7 @@ from mesh.emulate import (
     window_of,
 )
 from mesh.methods import apply_method
-from mesh.metrics import format_table
+from mesh.metrics import format_table, read_metrics
 from mesh.schedule import (
     microbatches_per_update,
     predicted_async_tokens_per_s,
@@ -234,26 +234,15 @@ def _bench_cell(
     """
     import torch
 
-    from comms.build import make_transport
     from mesh.cell import Cell
     from mesh.model import build_stage
-    from mesh.stage import StageWorker, cell_name
-    from mesh.trainer import grid_names
+    from mesh.stage import StageWorker
+    from mesh.trainer import cell_transport
 
     cfgs = [config_from_dict(tree) for _, tree, _, _ in plan]
     first = cfgs[0]
     torch.set_num_threads(first.run.threads)
-    names, groups = grid_names(first)
-    transport = make_transport(
-        first.runtime.backend,
-        cell_name(stage, replica),
-        names,
-        groups,
-        host=first.runtime.host,
-        timeout_s=first.runtime.timeout_s,
-        shaping=link_profile(first),
-        **options,
-    )
+    transport = cell_transport(first, stage, replica, options)
     module = build_stage(first.model, first.grid.stages, stage, first.run.seed)
     try:
         for (name, _, steps, base), cfg in zip(plan, cfgs, strict=True):
@@ -361,14 +350,6 @@ def _run_windows(
         raise RuntimeError(f"{out.name}: cells failed: {bad}")
 
 
-def _read_rows(path: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
-    rows = {}
-    for f in sorted((path / "metrics").glob("*.jsonl")):
-        j, i = (int(x) for x in f.stem.split("-"))
-        rows[(j, i)] = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-    return rows
-
-
 # ---- one grid ---------------------------------------------------------------------------------
 
 
@@ -394,7 +375,7 @@ def run_grid_bench(
     wall = time.perf_counter() - t0
     per: dict[str, list[Any]] = {label: [] for label in cfgs}
     for name, c, _, _ in plan:
-        rows = _read_rows(out / name)
+        rows = read_metrics(out / name)
         tp = throughput(c, rows, SKIP_FRAC)
         finals = [r for v in rows.values() for r in v if r.get("final")]
         per[c_label(name)].append((tp, finals))

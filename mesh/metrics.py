@@ -63,9 +63,21 @@ def plot_curves(
     plt.close(fig)
 
 
+def read_metrics(run_dir: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
+    writing (no closing brace yet) is skipped, so this is safe to call during a run."""
+    import json
+
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
+        stage, replica = (int(x) for x in path.stem.split("-"))
+        lines = path.read_text().splitlines()
+        rows[(stage, replica)] = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
+    return rows
+
+
 def summarize_run(cfg: Any, out_dir: Path, wall_s: float) -> dict[str, Any]:
     """summary.json of a multi-process run, from the cells' metrics files and checkpoints."""
-    import json
 
     import torch
 
@@ -74,10 +86,7 @@ def summarize_run(cfg: Any, out_dir: Path, wall_s: float) -> dict[str, Any]:
     from mesh.emulate import throughput
     from mesh.model import build_stages, lm_loss
 
-    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for path in sorted((out_dir / "metrics").glob("*.jsonl")):
-        stage, replica = (int(x) for x in path.stem.split("-"))
-        rows[(stage, replica)] = [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+    rows = read_metrics(out_dir)
     P, m = cfg.grid.stages, cfg.grid.replicas
     steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
     mpu = cfg.pipeline.microbatches if cfg.pipeline.schedule != "async" else 1

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from comms.build import make_transport
+from comms.transport import Transport
 from mesh.cell import Cell
 from mesh.checkpoint import checkpoint_path, load_cell, save_cell
 from mesh.config import Config, config_from_dict
@@ -32,6 +33,20 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     names = [cell_name(j, i) for i in range(m) for j in range(P)]
     groups = {group_name(j): [cell_name(j, i) for i in range(m)] for j in range(P)}
     return names, groups
+
+
+def cell_transport(cfg: Config, stage: int, replica: int, options: dict[str, Any]) -> Transport:
+    """This cell's transport: the grid's names and groups, the configured links shaped."""
+    names, groups = grid_names(cfg)
+    return make_transport(
+        cfg.runtime.backend,
+        cell_name(stage, replica),
+        names,
+        groups,
+        host=cfg.runtime.host,
+        timeout_s=cfg.runtime.timeout_s,
+        **{"shaping": link_profile(cfg), **options},
+    )
 
 
 def run_cell(
@@ -56,16 +71,7 @@ def run_cell(
     names, groups = grid_names(cfg)
     metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    transport_options = {"shaping": link_profile(cfg), **transport_options}
-    transport = make_transport(
-        cfg.runtime.backend,
-        cell_name(stage, replica),
-        names,
-        groups,
-        host=cfg.runtime.host,
-        timeout_s=cfg.runtime.timeout_s,
-        **transport_options,
-    )
+    transport = cell_transport(cfg, stage, replica, transport_options)
     # SIGTERM (the launcher stopping us, or a user): unwind through `finally` so the transport
     # is closed (p2pd children reaped) and the checkpoint written
     signal.signal(signal.SIGTERM, _exit_cleanly)

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.launch import read_metrics, run_grid
+from cli.launch import run_grid
 from mesh.checkpoint import checkpoint_path, common_step
 from mesh.config import load_config
+from mesh.metrics import read_metrics
 from mesh.sim import GridSim
 
 pytestmark = pytest.mark.integration

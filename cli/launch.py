@@ -20,7 +20,7 @@ from mesh.checkpoint import CheckpointError, common_step
 from mesh.config import Config
 from mesh.emulate import resolve_window
 from mesh.metrics import read_metrics
-from mesh.trainer import run_cell
+from mesh.trainer import cell_process_main
 
 
 @dataclass
@@ -34,6 +34,43 @@ class GridRun:
         return not self.interrupted and all(c == 0 for c in self.exit_codes.values())
 
 
+class LocalGrid:
+    """The cells of one grid as local processes: start, signal, restart, stop and reap them."""
+
+    def __init__(self, cfg: Config, out_dir: Path, options: dict[str, Any]) -> None:
+        self.out_dir, self.options = out_dir, options
+        # pipeline.window = "auto": sized once here, so every cell runs the same schedule
+        self.tree = resolve_window(cfg).model_dump(mode="json")
+        self.procs: dict[tuple[int, int], Any] = {}
+        self._ctx = mp.get_context("spawn")
+
+    def start(self, cell: tuple[int, int], resume_step: int | None = None) -> None:
+        """Start (or restart) a cell; resume_step -1: from its own latest checkpoint."""
+        j, i = cell
+        p = self._ctx.Process(
+            target=cell_process_main,
+            args=(self.tree, j, i, str(self.out_dir), self.options, resume_step),
+            name=f"cell-s{j}r{i}",
+        )
+        p.start()
+        self.procs[cell] = p
+
+    def pid(self, cell: tuple[int, int]) -> int:
+        return self.procs[cell].pid
+
+    def running(self) -> bool:
+        return any(p.is_alive() for p in self.procs.values())
+
+    def failed(self) -> bool:
+        return any(p.exitcode not in (None, 0) for p in self.procs.values())
+
+    def exit_codes(self) -> dict[tuple[int, int], int | None]:
+        return {k: p.exitcode for k, p in self.procs.items()}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        _stop_all(list(self.procs.values()), grace_s)
+
+
 def run_grid(
     cfg: Config,
     out_dir: Path,
@@ -45,8 +82,11 @@ def run_grid(
     """Run every cell to cfg.run.steps; returns exit codes (None: killed by us).
 
     resume: every cell restarts from the latest step all cells have a checkpoint of.
+    A failed cell does not stop the grid: the other replicas keep training (their rounds with
+    it fail fast and are counted). Its own replica waits for it: on torch.distributed until
+    runtime.timeout_s (a gloo world cannot re-admit a rank), on hivemind up to
+    runtime.rejoin_timeout_s for it to come back (restarted with its checkpoint, or a `join`).
     """
-    ctx = mp.get_context("spawn")
     out_dir.mkdir(parents=True, exist_ok=True)
     resume_step = None
     if resume:
@@ -54,28 +94,18 @@ def run_grid(
         resume_step = common_step(out_dir, cells)
         if resume_step is None:
             raise CheckpointError(f"{out_dir}: no step that every cell has a checkpoint of")
-    # pipeline.window = "auto": sized once here, so every cell runs the same schedule
-    tree = resolve_window(cfg).model_dump(mode="json")
     start = time.perf_counter()
-    procs: dict[tuple[int, int], Any] = {}
     interrupted = False
     with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+        grid = LocalGrid(cfg, out_dir, options)
         try:
             for i in range(cfg.grid.replicas):
                 for j in range(cfg.grid.stages):
-                    p = ctx.Process(
-                        target=run_cell,
-                        args=(tree, j, i, str(out_dir), options, resume_step),
-                        name=f"cell-s{j}r{i}",
-                    )
-                    p.start()
-                    procs[(j, i)] = p
+                    grid.start((j, i), resume_step)
             last_step = -1
-            while any(p.is_alive() for p in procs.values()):
+            while grid.running():
                 if timeout_s is not None and time.perf_counter() - start > timeout_s:
                     raise TimeoutError(f"grid did not finish within {timeout_s} s")
-                if any(p.exitcode not in (None, 0) for p in procs.values()):
-                    break  # one cell failed: its replica cannot go on; stop the rest below
                 time.sleep(0.2)
                 if on_progress:
                     step, loss = _progress(out_dir, cfg.grid.stages - 1)
@@ -85,10 +115,8 @@ def run_grid(
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            _stop_all(list(procs.values()), grace_s)
-    return GridRun(
-        {k: p.exitcode for k, p in procs.items()}, time.perf_counter() - start, interrupted
-    )
+            grid.stop(grace_s)
+    return GridRun(grid.exit_codes(), time.perf_counter() - start, interrupted)
 
 
 def _progress(out_dir: Path, last_stage: int) -> tuple[int, float | None]:

@@ -15,7 +15,7 @@ from mesh.checkpoint import CheckpointError
 from mesh.config import Config, ConfigError, load_config
 from mesh.data import DataError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError)  # join errors are ConfigErrors
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,11 +80,11 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
 @click.option(
     "--backend",
-    type=click.Choice(["logical", "torch", "hivemind"]),
-    default="logical",
-    show_default=True,
-    help="logical: one process on a logical clock (exact, fast); torch/hivemind: every cell "
-    "its own process talking over that transport on 127.0.0.1.",
+    type=click.Choice(["torch", "hivemind", "logical"]),
+    default=None,
+    help="torch/hivemind: every cell its own process talking over that transport on "
+    "127.0.0.1 (default: runtime.backend, torch); logical: the whole grid in one process on "
+    "a logical clock (exact, fast; for studies).",
 )
 @click.option(
     "--resume",
@@ -100,10 +100,10 @@ def simulate(
     steps: int | None,
     method: str | None,
     out: str | None,
-    backend: str,
+    backend: str | None,
     resume: str | None,
 ) -> None:
-    """Train a whole grid on this machine and print a summary."""
+    """Train a whole grid on this machine, every cell its own process, and print a summary."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
     if resume:
         if backend == "logical":
@@ -112,6 +112,7 @@ def simulate(
         config_files = (str(Path(resume) / "config.toml"), *config_files)
         out = resume
     cfg = resolve_config(config_files, overrides, extra)
+    backend = backend or cfg.runtime.backend
     # heavy imports after the config is known to be valid: a typo answers at once
     from cli.report import print_table, progress_bar
     from mesh.methods import METHODS, apply_method
@@ -247,6 +248,159 @@ def bench_optimizers(
 
     cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
     run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
+
+
+def p2p_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Where this peer listens and what it tells others (hivemind multiaddrs)."""
+    fn = click.option(
+        "--identity",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Private key file: a stable PeerID across restarts (created if missing).",
+    )(fn)
+    fn = click.option(
+        "--announce-maddrs",
+        multiple=True,
+        metavar="MADDR",
+        help="Addresses others should dial (NAT / port mapping), e.g. /ip4/203.0.113.5/tcp/31337.",
+    )(fn)
+    fn = click.option(
+        "--host-maddrs",
+        multiple=True,
+        metavar="MADDR",
+        help="Addresses to listen on (default /ip4/0.0.0.0/tcp/0: every interface, any port).",
+    )(fn)
+    return fn
+
+
+def run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--run-key",
+        envvar="MESHTRAIN_RUN_KEY",
+        default=None,
+        help="The run's shared secret (or MESHTRAIN_RUN_KEY): only holders can claim cells, "
+        "send activations or join averaging.",
+    )(fn)
+    fn = click.option(
+        "--run-id", default="meshtrain", show_default=True, help="Namespace of the run's DHT keys."
+    )(fn)
+    return fn
+
+
+@main.command()
+@p2p_options
+@user_errors
+def dht(
+    host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...], identity: str | None
+) -> None:
+    """A bootstrap DHT node: prints the multiaddrs to pass to --initial-peers, runs until
+    stopped (Ctrl-C / SIGTERM). Any hivemind DHT node works as a bootstrap too."""
+    import signal
+    import threading
+
+    import hivemind
+
+    kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"]}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    if identity:
+        kwargs["identity_path"] = identity
+    node = hivemind.DHT(start=True, **kwargs)
+    for maddr in node.get_visible_maddrs():
+        click.echo(str(maddr))
+    sys.stdout.flush()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.shutdown()
+
+
+@main.command()
+@config_options
+@click.option("--initial-peers", multiple=True, metavar="MADDR", help="Any DHT node of the run.")
+@click.option("--stage", type=int, default=None, help="Claim a cell of this stage.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
+@click.option("--client-mode", is_flag=True, help="Do not serve the DHT (a peer behind NAT).")
+@run_options
+@p2p_options
+@user_errors
+def join(
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    initial_peers: tuple[str, ...],
+    stage: int | None,
+    out: str | None,
+    client_mode: bool,
+    run_id: str,
+    run_key: str | None,
+    host_maddrs: tuple[str, ...],
+    announce_maddrs: tuple[str, ...],
+    identity: str | None,
+) -> None:
+    """Add this machine to a run: claim a free cell through the DHT, take its stage's state from
+    a live peer, train until the run ends or Ctrl-C (which saves and releases the cell)."""
+    from cli.join import run_join
+
+    local = resolve_config(config_files, overrides) if config_files else None
+    run_join(
+        local,
+        list(overrides),
+        list(initial_peers),
+        stage=stage,
+        out=Path(out) if out else None,
+        run_key=run_key,
+        run_id=run_id,
+        identity=identity,
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs),
+        client_mode=client_mode,
+    )
+
+
+@main.command()
+@click.option("--initial-peers", multiple=True, metavar="MADDR", help="Any DHT node of the run.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@run_options
+@user_errors
+def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: str | None) -> None:
+    """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat; free cells."""
+    from cli.join import open_scout, status_rows
+    from cli.report import print_table
+    from comms.p2p_auth import Auth
+    from mesh.registry import Registry
+
+    scout = open_scout(list(initial_peers), run_id, client_mode=True,
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    try:
+        rec = Registry(scout, None, 1.0).run()
+        cfg = None
+        if rec is not None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "run.toml").write_text(rec.toml)
+                cfg = load_config([Path(tmp) / "run.toml"])
+        auth = Auth.of(run_key, rec.fingerprint) if rec is not None else None
+        rows = status_rows(Registry(scout, auth, 1.0), cfg)
+    finally:
+        scout.close()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"run {run_id!r}: grid {rows['grid'] or 'unknown (no config record)'}")
+    print_table(
+        ["cell", "peer", "step", "tokens/s", "heartbeat", "session"],
+        [
+            [c["cell"], c["peer"][:12] + "...", c["step"], f"{c['tokens_per_s']:,.0f}",
+             f"{c['heartbeat_age_s']:.1f} s ago", c["session"]]
+            for c in rows["cells"]
+        ],
+    )  # fmt: skip
+    click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from cli.launch import run_grid
 from cli.report import print_table, progress_bar
 from mesh.config import Config, ConfigError, with_overrides
 from mesh.emulate import resolve_window
-from mesh.metrics import summarize_run
+from mesh.metrics import plot_curves, read_metrics, summarize_run
 
 
 def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool = False) -> None:
@@ -43,6 +43,7 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
         sys.exit(130 if run.interrupted else 1)
     summary = summarize_run(cfg, out, run.wall_s)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_run(cfg, out)
     print_table(
         [
             "grid",
@@ -73,6 +74,18 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
         ],
     )
     click.echo(f"run directory: {out}")
+
+
+def plot_run(cfg: Config, out: Path) -> None:
+    """DIR/loss.png: each replica's training loss (its last stage) against its step."""
+    rows = read_metrics(out)
+    last = cfg.grid.stages - 1
+    curves = {
+        f"replica {i}": [(r["step"], r["loss"]) for r in rows.get((last, i), []) if r.get("loss")]
+        for i in range(cfg.grid.replicas)
+    }
+    title = f"{cfg.grid.stages}x{cfg.grid.replicas} {cfg.pipeline.schedule}, {cfg.runtime.backend}"
+    plot_curves(curves, out / "loss.png", "update", "training loss (last stage)", title)
 
 
 def _fmt_fraction(x: float | None) -> str:

@@ -40,7 +40,15 @@ from hivemind.utils.timed_storage import get_dht_time
 from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
-from comms.p2p_dht import PeerRecord, adopt_socket, parse_record, start_dht
+from comms.p2p_auth import Auth
+from comms.p2p_dht import (
+    PeerRecord,
+    adopt_socket,
+    get_records,
+    parse_record,
+    start_dht,
+    store_record,
+)
 from comms.p2p_mailbox import Mailbox
 from comms.p2p_stream import HANDLER, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
@@ -109,6 +117,8 @@ class P2PTransport(StreamMixin):
             start, so a first message does not pay the DHT lookups.
         mean_path: "averager" (hivemind DecentralizedAverager) or "direct" (all-gather on streams).
             With shaping, means take the direct path: hivemind's own traffic cannot be paced.
+        auth: comms.p2p_auth.Auth: our record carries its token, and streams from peers whose
+            record lacks a valid token are refused ("unauthorized"); None accepts any peer.
     """
 
     backend = "hivemind"
@@ -132,6 +142,7 @@ class P2PTransport(StreamMixin):
         shaping: Shaping | LinkShapers = None,
         peers: Sequence[str] = (),
         mean_path: str = "averager",
+        auth: Auth | None = None,
     ) -> None:
         if mean_path not in ("averager", "direct"):
             raise ValueError(f"mean_path must be 'averager' or 'direct', got {mean_path!r}")
@@ -139,7 +150,7 @@ class P2PTransport(StreamMixin):
             raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
-        self.client_mode, self.mean_path = client_mode, mean_path
+        self.client_mode, self.mean_path, self.auth = client_mode, mean_path, auth
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
         self.shaped = shaping is not None
         startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
@@ -264,6 +275,18 @@ class P2PTransport(StreamMixin):
                 except PeerLost as e:
                     raise PeerTimeout(f"{n!r} did not appear within {timeout_s}s") from e
 
+    def admits(self, rec: PeerRecord) -> bool:
+        """Whether a peer's record proves membership of our run (always, without auth)."""
+        return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.auth)
+
+    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool:
+        """See comms.p2p_dht.store_record (keys under our run_id)."""
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, self.timeout_s)
+
+    def dht_get(self, key: str) -> dict[str, Any]:
+        """See comms.p2p_dht.get_records (keys under our run_id)."""
+        return get_records(self.dht, f"{self.run_id}.{key}", self.timeout_s)
+
     # ---------------------------------------------------------------- test hooks
 
     def _send_raw(self, to: str, data: bytes, declared_len: int | None = None) -> SendResult:
@@ -297,6 +320,8 @@ class P2PTransport(StreamMixin):
         own = Multiaddr(f"/p2p/{self.peer_id}")
         maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]
         self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs}
+        if self.auth is not None:
+            self._record["auth"] = self.auth.token(self.peer_id)
         if not await self._publish():
             raise PeerLost(f"could not publish {self.me!r} in the DHT")
         self._refresher = asyncio.create_task(self._refresh_forever())
@@ -358,6 +383,10 @@ class P2PTransport(StreamMixin):
         while True:
             found = await self.dht.get(self._key(name), latest=True, return_future=True)
             rec = parse_record(found.value if found is not None else None)
+            if rec is not None and not self.admits(rec):
+                # no run key, another config, or our name taken by an outsider: not waited for
+                self.stats.add_reject("unauthorized")
+                raise PeerLost(f"peer {name!r} is not a member of run {self.run_id!r}")
             if rec is not None:
                 # hivemind exposes no public connect; dial the published addresses so streams to
                 # peers we only know through the DHT find a route (the DHT itself does the same).

@@ -24,12 +24,14 @@ from typing import Any
 
 import hivemind
 from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 
 @dataclass(frozen=True)
 class PeerRecord:
     peer_id: PeerID
     maddrs: tuple[str, ...]
+    auth: str | None = None  # comms.p2p_auth token (None in records of peers without one)
 
 
 def parse_record(value: object) -> PeerRecord | None:
@@ -41,8 +43,11 @@ def parse_record(value: object) -> PeerRecord | None:
         return None
     if not all(isinstance(m, str) for m in maddrs):
         return None
+    auth = value.get("auth")
     try:
-        return PeerRecord(PeerID.from_base58(pid), tuple(maddrs))
+        return PeerRecord(
+            PeerID.from_base58(pid), tuple(maddrs), auth if isinstance(auth, str) else None
+        )
     except Exception:  # noqa: BLE001 - malformed base58 from a peer
         return None
 
@@ -124,3 +129,58 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
                 raise
             time.sleep(delay)
             delay *= 2
+
+
+def store_record(
+    dht: hivemind.DHT, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float
+) -> bool:
+    """Store a plain value (dict/list/str/number, MSGPack) under key/subkey for ttl_s; None
+    "deletes" it (a None that outlives the old value). False if the DHT did not take it."""
+    exp = get_dht_time() + ttl_s
+    fut = dht.store(key, value, exp, subkey=subkey, return_future=True)
+    try:
+        return bool(fut.result(timeout_s))
+    except Exception:  # noqa: BLE001 - an unreachable DHT: the caller retries (next beat)
+        return False
+
+
+def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]:
+    """Every live subkey -> value under key. Values are other peers' data: callers type-check
+    them. {} when nothing is there or the DHT cannot be reached."""
+    fut = dht.get(key, latest=True, return_future=True)
+    try:
+        found = fut.result(timeout_s)
+    except Exception:  # noqa: BLE001 - an unreachable DHT reads as empty
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {
+        str(k): v.value
+        for k, v in found.value.items()
+        if hasattr(v, "value") and v.value is not None
+    }
+
+
+class DhtClient:
+    """A DHT node that only reads and writes run records (join's scout, `meshtrain status`):
+    the Directory of mesh.registry without a transport. Dead bootstrap peers: start_dht raises
+    within timeout_s."""
+
+    def __init__(self, initial_peers: list[str], run_id: str, timeout_s: float, **kwargs: Any):
+        self.run_id, self.timeout_s = run_id, timeout_s
+        self.dht = start_dht(initial_peers, timeout_s, **kwargs)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool:
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, self.timeout_s)
+
+    def dht_get(self, key: str) -> dict[str, Any]:
+        return get_records(self.dht, f"{self.run_id}.{key}", self.timeout_s)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.dht.shutdown()
+        self.dht.join(10.0)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 
 from comms.errors import PeerLost
-from comms.wire import Message
+from comms.wire import Kind, Message
+
+_CLOSED_TAGS = 1024  # per sender
 
 
 class Mailbox:
@@ -39,11 +41,15 @@ class Mailbox:
         self._count: dict[str, int] = defaultdict(int)
         self._bytes: dict[str, int] = defaultdict(int)  # stored + reserved
         self._lost: dict[str, str] = {}  # sender -> why
+        # tags nobody will take any more (a finished round's missing payloads): dropped on
+        # arrival and counted as "late", so a frozen peer's stale contribution never lingers
+        self._closed: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
 
     def try_reserve(self, sender: str, nbytes: int) -> bool:
         """Reserve room for a message of nbytes (released by put or release)."""
         with self._cond:
             self._expire(sender, time.monotonic())
+            self._evict_rounds(sender, nbytes)
             used = self._bytes[sender]
             # An empty box takes one message of any size (the transport caps sizes already).
             if self._count[sender] >= self.max_messages or (
@@ -74,10 +80,30 @@ class Mailbox:
             self._lost[sender] = why
             self._cond.notify_all()
 
+    def close_tag(self, sender: str, tag: str) -> None:
+        """Nobody will take `tag` from sender any more: drop it now and when it arrives."""
+        with self._cond:
+            closed = self._closed[sender]
+            closed[tag] = None
+            while len(closed) > _CLOSED_TAGS:
+                closed.popitem(last=False)
+            q = self._boxes.get(sender, {}).pop(tag, None)
+            for _, _, nbytes in q or ():
+                self._bytes[sender] -= nbytes
+                self._count[sender] -= 1
+                if self._on_drop is not None:
+                    self._on_drop("late")
+
     def put(self, sender: str, msg: Message, nbytes: int) -> None:
         """File a message whose room was reserved with reserve/try_reserve."""
         with self._cond:
             self._lost.pop(sender, None)
+            if msg.name in self._closed.get(sender, ()):
+                self._bytes[sender] -= nbytes
+                self._count[sender] -= 1
+                if self._on_drop is not None:
+                    self._on_drop("late")
+                return
             self._boxes[sender].setdefault(msg.name, deque()).append(
                 (time.monotonic(), msg, nbytes)
             )
@@ -109,6 +135,28 @@ class Mailbox:
             if sender is not None:
                 return sum(len(q) for q in self._boxes.get(sender, {}).values())
             return sum(len(q) for box in self._boxes.values() for q in box.values())
+
+    def _evict_rounds(self, sender: str, nbytes: int) -> None:
+        """A full box makes room by dropping its oldest averaging payloads ("evicted"): those
+        of rounds this peer is not running (it stalled, or its state was replaced) must not
+        lock out a pipeline or state message behind them."""
+        box = self._boxes.get(sender)
+        while box and (
+            self._count[sender] >= self.max_messages
+            or (self._bytes[sender] and self._bytes[sender] + nbytes > self.max_bytes)
+        ):
+            rounds = [(q[0][0], tag) for tag, q in box.items() if q[0][1].kind == Kind.AVERAGE]
+            if not rounds:
+                return
+            _, tag = min(rounds)
+            q = box[tag]
+            _, _, size = q.popleft()
+            if not q:
+                del box[tag]
+            self._bytes[sender] -= size
+            self._count[sender] -= 1
+            if self._on_drop is not None:
+                self._on_drop("evicted")
 
     def _expire(self, sender: str, now: float) -> None:
         box = self._boxes.get(sender)

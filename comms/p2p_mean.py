@@ -236,6 +236,9 @@ class MeanService:
                     if lost is not None:
                         why.append(f"{m}: {lost}")
                         break  # its link is gone: do not wait for its payload
+        for m in others:
+            if m not in got:  # its payload, if it comes now, is stale: dropped and counted
+                self.t.mailbox.close_tag(m, job.name(m))
         # the round ran if another member took our payload or sent us theirs
         took = any(h.ack == Ack.OK for h in sends.values())
         deliver(job.verdict(got, took or len(got) > 1, me, "; ".join(why)))

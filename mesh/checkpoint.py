@@ -124,3 +124,68 @@ def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
     cell.history.clear()
     for v, w in zip(state["versions"].tolist(), stashes, strict=True):
         cell.history[int(v)] = w.clone()
+
+
+# ---- state transfer to a joining peer (mesh/state_sync.py) ------------------------------------
+# A joiner gets its stage's live state as ONE float32 vector: [flat, drift, optimizer state in
+# the sorted key order of state_dict()]. Both ends build the same layout from the same config, so
+# nothing but numbers crosses (no pickle); the receiver checks the length before anything else.
+
+
+def state_layout(cell: Cell) -> list[tuple[str, tuple[int, ...] | None]]:
+    """(optimizer state key, tensor shape or None for a number) in transfer order."""
+    sd = cell.optimizer.state_dict()
+    return [
+        (k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(sd.items())
+    ]
+
+
+def state_numel(cell: Cell) -> int:
+    n = 2 * cell.flat.numel()
+    for _, shape in state_layout(cell):
+        n += 1 if shape is None else int(torch.Size(shape).numel())
+    return n
+
+
+def state_vector(cell: Cell) -> torch.Tensor:
+    """The cell's live state as one float32 vector (8-bit optimizer codes and step counts are
+    exact in float32)."""
+    sd = cell.optimizer.state_dict()
+    parts = [cell.flat, cell.drift]
+    for key, shape in state_layout(cell):
+        v = sd[key]
+        parts.append(
+            v.detach().reshape(-1).to(torch.float32)
+            if shape is not None
+            else torch.tensor([float(v)], dtype=torch.float32)
+        )
+    return torch.cat(parts)
+
+
+def load_state_vector(cell: Cell, vec: torch.Tensor, step: int) -> None:
+    """Adopt a live peer's state (from state_vector) as this cell's, at `step`; the stashed
+    versions restart from the live weights. CheckpointError if the vector does not fit."""
+    if vec.dtype != torch.float32 or vec.shape != (state_numel(cell),):
+        raise CheckpointError(f"state of {tuple(vec.shape)} values does not fit this stage")
+    if not bool(torch.isfinite(vec).all()):
+        raise CheckpointError("state with non-finite values refused")
+    if step < 0:
+        raise CheckpointError(f"state for step {step} refused")
+    n = cell.flat.numel()
+    old = cell.optimizer.state_dict()
+    sd: dict[str, Any] = {}
+    offset = 2 * n
+    for key, shape in state_layout(cell):
+        if shape is None:
+            sd[key] = type(old[key])(vec[offset].item())
+            offset += 1
+        else:
+            k = int(torch.Size(shape).numel())
+            sd[key] = vec[offset : offset + k].view(shape).to(old[key].dtype)
+            offset += k
+    cell.optimizer.load_state_dict(sd)
+    cell.flat.copy_(vec[:n])
+    cell.drift.copy_(vec[n : 2 * n])
+    cell.step = step
+    cell.history.clear()
+    cell.history[step] = cell.flat.clone()

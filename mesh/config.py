@@ -131,6 +131,26 @@ class RuntimeConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
     round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
     host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
+    rejoin_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="hivemind: how long a cell waits for a lost neighbour of its replica to be "
+        "replaced (restart or join) before it gives up",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
+    )
+    max_lag_steps: int = Field(
+        20,
+        ge=0,
+        description="hivemind: a cell this many updates behind the most advanced live peer of "
+        "its stage reloads that peer's state before it trains (a joiner always does)",
+    )
+    mean_path: Literal["direct", "averager"] = Field(
+        "direct",
+        description="hivemind: averaging rounds as an all-gather on our streams (direct), or "
+        "through hivemind's DecentralizedAverager (one round per group at a time)",
+    )
     checkpoint_every: int = Field(
         50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
     )

@@ -63,16 +63,20 @@ def plot_curves(
     plt.close(fig)
 
 
-def read_metrics(run_dir: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
+def read_metrics(
+    run_dir: Path, events: bool = False
+) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
-    writing (no closing brace yet) is skipped, so this is safe to call during a run."""
+    writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
+    ({"event": "session_broken" | "state_loaded", "step"}) only with events=True."""
     import json
 
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
         stage, replica = (int(x) for x in path.stem.split("-"))
         lines = path.read_text().splitlines()
-        rows[(stage, replica)] = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
+        parsed = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
+        rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
     return rows
 
 

@@ -11,8 +11,10 @@ run reproduces the simulator's numbers.
 
 Faults are values: a round that fails is dropped and counted; a partial round (a member
 missing) is applied over the members that contributed, since every survivor computed the same
-mean; a neighbour that stops answering makes `recv` raise PeerTimeout after
-`runtime.timeout_s`, which ends this cell's run with a clear error rather than a hang.
+mean. The pipeline runs in sessions (mesh/session.py): on a fixed grid (torch) a neighbour that
+stops answering makes `recv` raise PeerTimeout after `runtime.timeout_s`, a clear error rather
+than a hang; on an elastic grid (hivemind) the cell drops its in-flight microbatches when its
+replica's session breaks and continues in the next one, once the lost cell is back.
 
 With `pipeline.window` (async) stage j runs window[j] extra warm-up forwards, so its forward of
 microbatch b reads version b - (P-1-j) - window[j] (schedule.version_for with the window) and
@@ -26,7 +28,9 @@ the real parameter subsets.
 from __future__ import annotations
 
 import collections
+import contextlib
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,7 @@ import torch
 from torch.func import functional_call
 
 from comms import codecs
+from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanHandle, MeanStatus, Transport
 from comms.wire import Expect, Kind
 from mesh.cell import Cell, Round
@@ -43,6 +48,7 @@ from mesh.data import Corpus, train_batch
 from mesh.emulate import ComputeClock, emulated_op_s, slowdown, window_of
 from mesh.model import lm_loss
 from mesh.schedule import Op, actions, microbatches_per_update, version_for
+from mesh.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
 from mesh.topology import Cell as Place
 
 
@@ -67,6 +73,7 @@ class StageStats:
     rounds_applied: int = 0
     rounds_partial: int = 0
     rounds_failed: int = 0
+    sessions_broken: int = 0  # pipeline sessions ended by a lost or replaced neighbour
     losses: list[float] = field(default_factory=list)  # last stage: one per update
     microbatches: int = 0  # backwards done
     busy_s: float = 0.0  # compute: emulated device time, or thread CPU time of real math
@@ -111,6 +118,10 @@ class StageWorker:
         self.pending: list[tuple[Round, MeanHandle]] = []
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = StageStats()
+        self.lock = threading.Lock()  # held while an update changes the cell's state
+        self.session = Session(0, 0, 0)
+        self.coord: Any = StaticCoordinator(0, 1)
+        self.first = cell.step
         self._update_loss = 0.0
         shape = (cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
         self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
@@ -118,40 +129,88 @@ class StageWorker:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, num_updates: int, on_step: Any = None) -> StageStats:
-        """Execute the schedule for `num_updates` updates starting at the cell's current step."""
-        first = self.cell.step
+        """Execute the schedule for `num_updates` updates from the cell's current step, as one
+        session of a fixed grid (every cell at the same step); then drain."""
+        step = self.cell.step
+        self.run_session(Session(0, step * self.mpu, num_updates), StaticCoordinator(0, 1), on_step)
+        self.finish()
+        return self.stats
+
+    def run_session(self, session: Session, coord: Any, on_step: Any = None) -> None:
+        """One pipeline session (mesh/session.py): `session.updates` updates with microbatches
+        numbered from session.base_mb. Raises SessionBroken when coord says the session ended
+        while this cell waited on a neighbour; the caller resets and takes the next one."""
+        self.session, self.coord = session, coord
+        self.first = self.cell.step  # weight versions are read relative to this step
         plan = actions(
             self.cfg.pipeline.schedule,
             self.j,
             self.P,
             self.cfg.pipeline.microbatches,
-            num_updates,
+            session.updates,
             self.window,
         )
-        offset = first * self.mpu  # microbatches are numbered globally across resumes
         for act in plan:
-            b = act.microbatch + (offset if act.op not in (Op.STEP, Op.FLUSH) else 0)
+            rel = act.microbatch
+            b = session.base_mb + rel  # the data index (and message tag) of the microbatch
             if act.op is Op.RECV_ACT:
                 self._recv_act(b)
             elif act.op is Op.FORWARD:
-                self._forward(b)
-            elif act.op is Op.SEND_ACT:
-                pass  # the forward queued it: sends never block
+                self._forward(b, rel)
             elif act.op is Op.RECV_GRAD:
                 self._recv_grad(b)
             elif act.op is Op.BACKWARD:
                 self._backward(b)
-            elif act.op is Op.SEND_GRAD:
-                pass
             elif act.op is Op.FLUSH:
                 self._flush()
             elif act.op is Op.STEP:
-                self._step()
+                with self.lock:  # a state download snapshots between updates, never inside one
+                    self._step()
                 if on_step:
                     on_step(self)
+            # SEND_ACT / SEND_GRAD: the forward / backward queued them; sends never block
+
+    def reset(self) -> None:
+        """After a broken session: drop the in-flight microbatches and the partial update."""
+        self.in_flight.clear()
+        for g in self.grads:
+            g.zero_()
+        self._update_loss = 0.0
+        self._last_send.clear()
+        self.stats.sessions_broken += 1
+
+    def drop_rounds(self) -> None:
+        """After the cell's state was replaced: rounds launched on the old state are void."""
+        self.stats.rounds_failed += len(self.pending)
+        self.pending.clear()
+
+    def finish(self) -> None:
+        """At the end: wait briefly for rounds and sends in flight (final byte counters)."""
         self._drain_rounds()
         self._drain_sends()
-        return self.stats
+
+    def _recv(self, frm: str, tag: str, expect: Expect) -> Any:
+        """transport.recv in short waits, asking between them whether the session still stands.
+        Fixed grid: PeerTimeout after runtime.timeout_s. Elastic (hivemind): a lost neighbour
+        is waited for up to runtime.rejoin_timeout_s, since the replica re-forms around it."""
+        elastic = getattr(self.coord, "elastic", False)
+        limit = self.cfg.runtime.rejoin_timeout_s if elastic else self._timeout()
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.transport.recv(frm, tag, expect, max(0.0, min(CHECK_EVERY_S, left)))
+            except (PeerTimeout, PeerLost) as e:
+                if self.coord.broken(self.session):
+                    raise SessionBroken(f"{self.cell_name}: session {self.session.epoch}") from e
+                if time.monotonic() >= deadline:
+                    if isinstance(e, PeerLost) and not elastic:
+                        raise
+                    raise PeerTimeout(f"no message {tag!r} from {frm!r} within {limit}s") from e
+                if isinstance(e, PeerLost) and not elastic:
+                    raise
+                if isinstance(e, PeerLost):
+                    time.sleep(CHECK_EVERY_S)
 
     def _timeout(self) -> float:
         return self.cfg.runtime.timeout_s
@@ -171,15 +230,16 @@ class StageWorker:
     def _recv_act(self, b: int) -> None:
         assert self.prev is not None
         t0 = time.perf_counter()
-        msg = self.transport.recv(self.prev, f"act/{b}", self._expect_act, self._timeout())
+        msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
         self.in_flight[b] = _InFlight(msg.tensor(), -1)
         if self.emu:
             self.emu.waited(t0)
 
-    def _forward(self, b: int) -> None:
-        version = version_for(
-            self.cfg.pipeline.schedule, self.j, self.P, b // self.mpu, self.window
-        )
+    def _forward(self, b: int, rel: int) -> None:
+        update = self.first + rel // self.mpu
+        version = version_for(self.cfg.pipeline.schedule, self.j, self.P, update, self.window)
+        # a cell that joined (or reloaded state) holds only its current version: the fill reads it
+        version = max(version, min(self.cell.history))
         if self.j == 0:
             tokens = self._fake_tokens if self.emu else self._batch(b)[0]
             self.in_flight[b] = _InFlight(tokens, version)
@@ -187,7 +247,8 @@ class StageWorker:
             self.in_flight[b].version = version
         self._track_stash()
         if self.emu:
-            self._emulated(self.t_f, self.next, f"act/{b}", Kind.ACTIVATION, self._fake_act)
+            tag = self.session.tag("act", b)
+            self._emulated(self.t_f, self.next, tag, Kind.ACTIVATION, self._fake_act)
             return
         if self.next is None:
             return  # the last stage's forward is recomputed with its backward, right after
@@ -198,7 +259,7 @@ class StageWorker:
             )
         self._busy(t0)
         enc = codecs.encode(out, self.cfg.pipeline.codec)
-        self._send(self.next, f"act/{b}", Kind.ACTIVATION, enc)
+        self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
 
     def _emulated(
         self, seconds: float, to: str | None, tag: str, kind: Kind, payload: torch.Tensor
@@ -232,7 +293,7 @@ class StageWorker:
     def _recv_grad(self, b: int) -> None:
         assert self.next is not None
         t0 = time.perf_counter()
-        msg = self.transport.recv(self.next, f"grad/{b}", self._expect_grad, self._timeout())
+        msg = self._recv(self.next, self.session.tag("grad", b), self._expect_grad)
         self.in_flight[b].grad_out = msg.tensor()
         if self.emu:
             self.emu.waited(t0)
@@ -245,7 +306,8 @@ class StageWorker:
         self.stats.staleness[self.cell.step - self.in_flight[b].version] += 1
         if self.emu:
             self.in_flight.pop(b)
-            self._emulated(self.t_b, self.prev, f"grad/{b}", Kind.GRADIENT, self._fake_grad)
+            tag = self.session.tag("grad", b)
+            self._emulated(self.t_b, self.prev, tag, Kind.GRADIENT, self._fake_grad)
             return
         t0 = time.thread_time()
         fl = self.in_flight.pop(b)
@@ -267,7 +329,7 @@ class StageWorker:
         if self.j > 0:
             enc = codecs.encode(grads[0], self.cfg.pipeline.codec)
             assert self.prev is not None
-            self._send(self.prev, f"grad/{b}", Kind.GRADIENT, enc)
+            self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
             grads = grads[1:]
         for acc, g in zip(self.grads, grads, strict=True):
             acc.add_(g)
@@ -366,7 +428,8 @@ class StageWorker:
         """At the end, wait until the last message to each neighbour left (links are FIFO), so
         the byte counters are final and nothing is lost in a shaped link's queue."""
         for handle in self._last_send.values():
-            handle.wait(self._timeout())
+            with contextlib.suppress(CommsError):  # a neighbour that left takes nothing more
+                handle.wait(self._timeout())
         self._last_send.clear()
 
     def _drain_rounds(self) -> None:

@@ -8,23 +8,30 @@ talking to the workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from comms.build import make_transport
+from comms.p2p_auth import Auth
 from comms.transport import Transport
 from mesh.cell import Cell
-from mesh.checkpoint import checkpoint_path, load_cell, save_cell
+from mesh.checkpoint import checkpoint_path, load_cell, save_cell, saved_steps
 from mesh.config import Config, config_from_dict
 from mesh.data import load_corpus
 from mesh.emulate import link_profile, resolve_window
 from mesh.model import build_stage
+from mesh.registry import Registry, RunRecord
+from mesh.schedule import microbatches_per_update
+from mesh.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.stage import StageWorker, cell_name, group_name
+from mesh.state_sync import StateServer, download_state
 
 
 def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
@@ -35,9 +42,19 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     return names, groups
 
 
-def cell_transport(cfg: Config, stage: int, replica: int, options: dict[str, Any]) -> Transport:
-    """This cell's transport: the grid's names and groups, the configured links shaped."""
+def cell_transport(
+    cfg: Config,
+    stage: int,
+    replica: int,
+    options: dict[str, Any],
+    run_key: str | None = None,
+) -> Transport:
+    """This cell's transport: the grid's names and groups, the configured links shaped; on
+    hivemind, records carry the membership token of (run key, config fingerprint)."""
     names, groups = grid_names(cfg)
+    extra: dict[str, Any] = {}
+    if cfg.runtime.backend == "hivemind":
+        extra = {"auth": Auth.of(run_key, cfg.fingerprint()), "mean_path": cfg.runtime.mean_path}
     return make_transport(
         cfg.runtime.backend,
         cell_name(stage, replica),
@@ -45,8 +62,58 @@ def cell_transport(cfg: Config, stage: int, replica: int, options: dict[str, Any
         groups,
         host=cfg.runtime.host,
         timeout_s=cfg.runtime.timeout_s,
-        **{"shaping": link_profile(cfg), **options},
+        **{"shaping": link_profile(cfg), **extra, **options},
     )
+
+
+def make_coordinator(
+    cfg: Config,
+    cell: Cell,
+    transport: Transport,
+    run_key: str | None,
+    since: float | None = None,
+) -> StaticCoordinator | DhtCoordinator:
+    """Fixed grid on torch.distributed; DHT sessions and heartbeats on hivemind."""
+    mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+    if cfg.runtime.backend != "hivemind":
+        return StaticCoordinator(cfg.run.steps, mpu)
+    auth = Auth.of(run_key, cfg.fingerprint())
+    registry = Registry(transport, auth, cfg.runtime.heartbeat_s)  # type: ignore[arg-type]
+    peer = transport.peer_id  # type: ignore[attr-defined]
+    return DhtCoordinator(
+        registry,
+        cell=cell_name(cell.stage, cell.replica),
+        peer=peer,
+        auth_token=auth.token(peer),
+        replica_cells=[cell_name(j, cell.replica) for j in range(cfg.grid.stages)],
+        leader=cell.stage == 0,
+        replica=cell.replica,
+        steps=cfg.run.steps,
+        mpu=mpu,
+        wait_s=cfg.runtime.rejoin_timeout_s,
+        run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check),
+        since=since,
+        step=cell.step,
+    )
+
+
+def catch_up(cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport) -> int:
+    """Reload state from the most advanced live peer of this stage when this cell is more than
+    runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled).
+    Returns the step adopted, or -1 when nothing was loaded."""
+    cell = worker.cell
+    owned = coord.reg.owners()
+    column = [cell_name(cell.stage, r) for r in range(cfg.grid.replicas) if r != cell.replica]
+    live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
+    for rec in live:
+        if rec.step - cell.step <= cfg.runtime.max_lag_steps:
+            return -1
+        with worker.lock:
+            ok = download_state(transport, cell, rec.cell, cfg.runtime.timeout_s)
+        if ok:
+            worker.drop_rounds()
+            return cell.step
+    return -1
 
 
 def run_cell(
@@ -56,7 +123,15 @@ def run_cell(
     out_dir: str,
     transport_options: dict[str, Any],
     resume_step: int | None = None,
+    run_key: str | None = None,
+    since: float | None = None,
 ) -> None:
+    """One cell's process: train until the run's last step (or until stopped: SIGTERM / Ctrl-C
+    save a checkpoint, release the cell and return normally).
+
+    resume_step: load this step's checkpoint first; -1: the latest one of this cell, if any.
+    since: claim time to publish (a join that won its claim keeps the same one).
+    """
     cfg = config_from_dict(cfg_tree)
     torch.set_num_threads(cfg.run.threads)
     emulated = cfg.runtime.compute == "emulated"
@@ -66,48 +141,69 @@ def run_cell(
         None if emulated else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
     )
     cell = Cell(cfg, stage, replica, build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed))
+    if resume_step == -1:
+        steps = saved_steps(out_dir, stage, replica)
+        resume_step = steps[-1] if steps else None
     if resume_step is not None:
         load_cell(cell, cfg.fingerprint(), checkpoint_path(out_dir, stage, replica, resume_step))
-    names, groups = grid_names(cfg)
     metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    transport = cell_transport(cfg, stage, replica, transport_options)
     # SIGTERM (the launcher stopping us, or a user): unwind through `finally` so the transport
-    # is closed (p2pd children reaped) and the checkpoint written
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    # is closed (p2pd children reaped), the cell released and the checkpoint written
+    signal.signal(signal.SIGTERM, _STOP.handler)
+    signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
+    transport = cell_transport(cfg, stage, replica, transport_options, run_key)
+    coord: StaticCoordinator | DhtCoordinator | None = None
+    server: StateServer | None = None
     start = time.perf_counter()
-    with metrics.open("a") as f:
-
-        def on_step(worker: StageWorker) -> None:
-            every = cfg.runtime.checkpoint_every
-            if every and cell.step % every == 0:
-                save_cell(cell, cfg.fingerprint(), out_dir)
-            st = worker.stats
-            row = {
-                "stage": stage,
-                "replica": replica,
-                "step": cell.step,
-                "time_s": round(time.perf_counter() - start, 4),
-                "loss": st.losses[-1] if st.losses else None,
-                "lr_scale": cell.lr_scale(),
-                "bytes_sent": transport.stats.sent_by_kind(),
-                "rounds_started": st.rounds_started,
-                "rounds_applied": st.rounds_applied,
-                "rounds_partial": st.rounds_partial,
-                "rounds_failed": st.rounds_failed,
-                "rejects": dict(transport.stats.rejects),
-                "microbatches": st.microbatches,
-                "busy_s": round(st.busy_s, 6),
-                "staleness_max": st.staleness_max,
-                "stash_bytes_peak": st.stash_bytes_peak,
-                "rss_peak_mb": round(st.rss_peak_mb(), 1),
-            }
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-
-        try:
+    tokens_per_update = (
+        microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+        * cfg.pipeline.microbatch_size
+        * cfg.model.seq_len
+    )
+    try:
+        with metrics.open("a") as f:
+            coord = make_coordinator(cfg, cell, transport, run_key, since)
             worker = StageWorker(cfg, cell, transport, corpus)
-            worker.run(cfg.run.steps - cell.step, on_step)
+            if coord.elastic:
+                column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
+                server = StateServer(transport, cell, worker.lock, column)
+            last = [time.perf_counter()]
+
+            def on_step(worker: StageWorker) -> None:
+                every = cfg.runtime.checkpoint_every
+                if every and cell.step % every == 0:
+                    with _STOP.deferred():
+                        save_cell(cell, cfg.fingerprint(), out_dir)
+                now = time.perf_counter()
+                if isinstance(coord, DhtCoordinator):
+                    dt, last[0] = now - last[0], now
+                    tps = tokens_per_update / dt if dt > 0 else 0.0
+                    coord.beat.step = cell.step
+                    coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
+                f.write(json.dumps(_row(worker, transport, now - start)) + "\n")
+                f.flush()
+
+            def align() -> int:
+                if isinstance(coord, DhtCoordinator):
+                    adopted = catch_up(cfg, worker, coord, transport)
+                    if adopted >= 0:
+                        coord.beat.step = adopted
+                        f.write(json.dumps({"event": "state_loaded", "step": adopted}) + "\n")
+                        f.flush()
+                return cell.step
+
+            while True:
+                session = coord.next_session(align)
+                if session is None:
+                    break
+                try:
+                    worker.run_session(session, coord, on_step)
+                except SessionBroken:
+                    worker.reset()
+                    f.write(json.dumps({"event": "session_broken", "step": cell.step}) + "\n")
+                    f.flush()
+            worker.finish()
             final = {
                 "final": True,
                 "stage": stage,
@@ -117,18 +213,96 @@ def run_cell(
                 "wall_s": time.perf_counter() - start,
                 "bytes_sent": transport.stats.sent_by_kind(),  # sends drained: final counts
                 "staleness_hist": {str(k): n for k, n in sorted(worker.stats.staleness.items())},
+                "rejects": dict(transport.stats.rejects),
+                "sessions_broken": worker.stats.sessions_broken,
             }
             f.write(json.dumps(final) + "\n")
+    finally:
+        if server is not None:
+            server.close()
+        if coord is not None:
+            coord.close()  # releases our claim: a joiner can take the cell at once
+        _STOP.exiting = True  # a second SIGTERM must not cut the last save short
+        transport.close()
+        save_cell(cell, cfg.fingerprint(), out_dir)
+
+
+def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:
+    st, cell = worker.stats, worker.cell
+    return {
+        "stage": cell.stage,
+        "replica": cell.replica,
+        "step": cell.step,
+        "time_s": round(time_s, 4),
+        "loss": st.losses[-1] if st.losses else None,
+        "lr_scale": cell.lr_scale(),
+        "bytes_sent": transport.stats.sent_by_kind(),
+        "rounds_started": st.rounds_started,
+        "rounds_applied": st.rounds_applied,
+        "rounds_partial": st.rounds_partial,
+        "rounds_failed": st.rounds_failed,
+        "rejects": dict(transport.stats.rejects),
+        "microbatches": st.microbatches,
+        "busy_s": round(st.busy_s, 6),
+        "staleness_max": st.staleness_max,
+        "stash_bytes_peak": st.stash_bytes_peak,
+        "rss_peak_mb": round(st.rss_peak_mb(), 1),
+    }
+
+
+class _StopSignal:
+    """SIGTERM -> SystemExit(0), except inside a checkpoint write: there it waits until the
+    write is complete (an exception inside torch.save would fail the stop, not the file: the
+    write is atomic either way), and once we are exiting further signals are ignored."""
+
+    def __init__(self) -> None:
+        self.depth, self.pending, self.exiting = 0, False, False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.depth or self.exiting:
+            self.pending = True
+            return
+        self.exiting = True
+        raise SystemExit(0)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
         finally:
-            transport.close()
-            save_cell(cell, cfg.fingerprint(), out_dir)
+            self.depth -= 1
+        if self.pending and not self.depth and not self.exiting:
+            self.exiting = True
+            raise SystemExit(0)
 
 
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+_STOP = _StopSignal()
 
 
 def _digest(t: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+
+
+def cell_process_main(*args: Any, **kwargs: Any) -> None:
+    """run_cell as a process's whole life: exit at once when it returns (0) or raises (1, with
+    the traceback), skipping interpreter finalization. Its files are closed and fsynced by then;
+    what is left are daemon threads (rounds past their deadline, libp2p readers) that must not be
+    torn down under a C++ thread at exit ("terminate called without an active exception")."""
+    import os
+    import sys
+    import traceback
+
+    code = 0
+    try:
+        run_cell(*args, **kwargs)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 - reported, then the exit code says it failed
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,250 @@
+"""`meshtrain dht`, `join` and `status`: a grid formed over the internet through a hivemind DHT.
+
+join: a scout DHT node reads the run's config record (refusing another fingerprint or another
+run key), picks a free cell (or one of --stage), claims it and checks the claim held, then the
+cell runs in a child process (mesh.trainer.run_cell: its own transport, heartbeats, state
+download from a live peer of its stage, sessions with its replica) while this process shows its
+progress. Ctrl-C or SIGTERM: the cell saves, releases its claim and exits; join exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mesh.config import Config, ConfigError, load_config, with_overrides
+from mesh.registry import CellRecord, Registry, RunRecord, free_cells, owners
+from mesh.stage import cell_name
+from mesh.trainer import cell_process_main
+
+SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
+CLAIM_SETTLE_S = 1.5  # after claiming, how long other claims of the same cell may still appear
+
+
+class JoinError(ConfigError):
+    """A join that cannot go on (unreachable DHT, no run, mismatched run, full grid): exit 2."""
+
+
+def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
+    from comms.p2p_dht import DhtClient
+
+    if not initial_peers:
+        raise JoinError("--initial-peers: give at least one multiaddr of a DHT node of the run")
+    try:
+        return DhtClient(list(initial_peers), run_id, SCOUT_TIMEOUT_S, **kwargs)
+    except Exception as e:  # noqa: BLE001 - p2pd's own error text says which address failed
+        raise JoinError(
+            f"could not reach the DHT through --initial-peers {' '.join(initial_peers)} "
+            f"within {SCOUT_TIMEOUT_S:.0f} s ({str(e).strip()[:200]}); check the address and "
+            "that the bootstrap node (meshtrain dht) is running"
+        ) from None
+
+
+def run_config(
+    registry: Registry, local: Config | None, sets: list[str], run_key: str | None
+) -> Config:
+    """The run's config: the DHT's record, checked against a local --config if one is given.
+    With no run yet, the local config starts one."""
+    from comms.p2p_auth import Auth
+
+    rec = registry.run()
+    if rec is None:
+        if local is None:
+            raise JoinError("no run found in the DHT: the first peer passes --config to start one")
+        return local
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.toml"
+        path.write_text(rec.toml)
+        try:
+            theirs = load_config([path], sets)
+        except ConfigError as e:
+            raise JoinError(f"the run's config with your --set: {e}") from None
+    if theirs.fingerprint() != rec.fingerprint:
+        raise JoinError(
+            f"the run's config record does not match its fingerprint {rec.fingerprint}; "
+            "a --set of a training key changes it: set only runtime.* keys when joining"
+        )
+    if local is not None and local.fingerprint() != rec.fingerprint:
+        raise JoinError(
+            f"config fingerprint {local.fingerprint()} differs from the run's {rec.fingerprint}: "
+            "drop --config (the run's own config is used) or use the run's exact settings"
+        )
+    if Auth.of(run_key, rec.fingerprint).key_check != rec.key_check:
+        raise JoinError(
+            "the run key does not match this run's (--run-key or MESHTRAIN_RUN_KEY): ask the "
+            "run's owner for it"
+        )
+    return theirs
+
+
+def claim_cell(
+    registry: Registry, cfg: Config, me: str, stage: int | None
+) -> tuple[int, int, float]:
+    """Claim the first free cell (of `stage` if given), replica by replica; returns (stage,
+    replica, since). A claim that loses a race (an earlier claim of the same cell shows up
+    within CLAIM_SETTLE_S) is withdrawn and the next free cell is tried."""
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    order = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
+    tried: set[str] = set()
+    while True:
+        owned = owners(registry.cells())
+        free = [c for c in free_cells([cell_name(j, i) for j, i in order], owned) if c not in tried]
+        if not free:
+            which = f"stage {stage}" if stage is not None else "the grid"
+            raise JoinError(f"no free cell in {which} ({P}x{m}); see `meshtrain status`")
+        name = free[0]
+        tried.add(name)
+        j, i = next((j, i) for j, i in order if cell_name(j, i) == name)
+        since = time.time()
+        rec = CellRecord(name, me, 0, since, 0, -1, 0.0, since, registry.token(me))
+        registry.beat(rec)
+        time.sleep(CLAIM_SETTLE_S)
+        winner = owners(registry.cells()).get(name)
+        if winner is not None and winner.peer == me:
+            return j, i, since
+        registry.release(name, me)
+
+
+def run_join(
+    cfg_local: Config | None,
+    sets: list[str],
+    initial_peers: list[str],
+    *,
+    stage: int | None,
+    out: Path | None,
+    run_key: str | None,
+    run_id: str,
+    identity: str | None,
+    host_maddrs: list[str],
+    announce_maddrs: list[str],
+    client_mode: bool,
+) -> None:
+    from comms.p2p_auth import Auth
+
+    maddr_kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or ["/ip4/0.0.0.0/tcp/0"]}
+    if announce_maddrs:
+        maddr_kwargs["announce_maddrs"] = announce_maddrs
+    scout = open_scout(initial_peers, run_id, client_mode=True, **maddr_kwargs)
+    try:
+        probe = Registry(scout, None, 1.0)
+        cfg = run_config(probe, cfg_local, sets, run_key)
+        cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
+        auth = Auth.of(run_key, cfg.fingerprint())
+        registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
+        if registry.run() is None:
+            registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check))
+        if stage is not None and not 0 <= stage < cfg.grid.stages:
+            raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
+        j, i, since = claim_cell(registry, cfg, scout.peer_id, stage)
+    finally:
+        scout.close()
+    out = out or Path("runs") / f"{run_id}-{cell_name(j, i)}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(cfg.to_toml())
+    options: dict[str, Any] = {
+        "initial_peers": list(initial_peers),
+        "run_id": run_id,
+        "client_mode": client_mode,
+        **maddr_kwargs,
+    }
+    if identity:
+        options["identity_path"] = identity
+    click.echo(f"joined run {run_id!r} as {cell_name(j, i)} (grid {cfg.grid.stages}x"
+               f"{cfg.grid.replicas}); metrics and checkpoints in {out}")  # fmt: skip
+    # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
+    # appears; the scout's claim (this process's DHT node is gone) expires by itself
+    _run_child(cfg, j, i, out, options, run_key, since - 1e-3)
+
+
+def _run_child(
+    cfg: Config, j: int, i: int, out: Path, options: dict[str, Any], run_key: str | None,
+    since: float,
+) -> None:  # fmt: skip
+    from cli.report import print_table, progress_bar
+    from mesh.metrics import read_metrics
+
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(
+        target=cell_process_main,
+        args=(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since),
+        name=f"cell-{cell_name(j, i)}",
+    )
+    stopping = {"asked": False}
+
+    def stop(signum: int, frame: Any) -> None:
+        stopping["asked"] = True
+        if proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()  # the cell saves, releases its claim and exits 0
+
+    proc.start()
+    old_term = signal.signal(signal.SIGTERM, stop)
+    old_int = signal.signal(signal.SIGINT, stop)
+    try:
+        with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
+            while proc.is_alive():
+                proc.join(0.5)
+                rows = read_metrics(out).get((j, i), [])
+                last = [r for r in rows if "step" in r and not r.get("final")]
+                if last:
+                    bar.bar.n = last[-1]["step"]
+                    if last[-1].get("loss") is not None:
+                        bar.bar.set_postfix(loss=f"{last[-1]['loss']:.3f}", refresh=False)
+                    bar.bar.refresh()
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+        if proc.is_alive():
+            proc.join(60)
+    rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    print_table(
+        ["cell", "steps", "last loss", "rounds applied/failed", "rejects"],
+        [
+            [
+                cell_name(j, i),
+                rows[-1]["step"] if rows else 0,
+                f"{losses[-1]:.4f}" if losses else "n/a",
+                f"{rows[-1]['rounds_applied']}/{rows[-1]['rounds_failed']}" if rows else "0/0",
+                json.dumps(rows[-1]["rejects"]) if rows else "{}",
+            ]
+        ],
+    )
+    if proc.exitcode != 0 and not stopping["asked"]:
+        click.echo(f"the cell stopped with exit code {proc.exitcode}; see above", err=True)
+        sys.exit(1)
+
+
+def status_rows(registry: Registry, cfg: Config | None) -> dict[str, Any]:
+    """The grid as the DHT sees it: one row per live cell, and the free cells."""
+    now = time.time()
+    owned = owners(registry.cells())
+    cells = []
+    for name, rec in sorted(owned.items()):
+        cells.append(
+            {
+                "cell": name,
+                "peer": rec.peer,
+                "step": rec.step,
+                "tokens_per_s": round(rec.tps, 1),
+                "heartbeat_age_s": round(now - rec.t, 1),
+                "session": rec.epoch,
+            }
+        )
+    grid = None
+    free: list[str] = []
+    if cfg is not None:
+        P, m = cfg.grid.stages, cfg.grid.replicas
+        grid = f"{P}x{m}"
+        free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
+    return {"grid": grid, "cells": cells, "free": free, "rejected_claims": registry.rejected}

@@ -1,0 +1,201 @@
+"""The grid as the DHT sees it: cell claims with heartbeats, replica sessions, the run's config.
+
+Records (values are plain dicts, MSGPack-encoded by hivemind; any peer can write any key, so every
+field is type-checked here and records without a valid membership token are ignored and counted):
+- `cells`, subkey `<cell>/<peer_id>`: a claim and its heartbeat, re-stored every
+  `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
+  process's incarnation), since (claim time), epoch, step, tps, t, auth}. A claim that stops
+  beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
+  it (ties: the smaller PeerID); the other claimer sees it lost and moves on.
+- `session.r<i>`, subkey `leader`: replica i's current pipeline session (mesh/session.py).
+- `config`, subkey `run`: the run's resolved config (TOML), its fingerprint and the run key's
+  check value; what `join` reads before it claims anything.
+
+Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
+
+imports: stdlib and comms.p2p_auth (the records come through a Directory:
+comms.p2p.P2PTransport, comms.p2p_dht.DhtClient, anything with dht_store / dht_get).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from comms.p2p_auth import Auth
+
+HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
+CONFIG_TTL_S = 600.0
+SESSION_TTL_S = 600.0
+
+
+class Directory(Protocol):
+    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool: ...
+
+    def dht_get(self, key: str) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    cell: str
+    peer: str
+    inc: int
+    since: float
+    epoch: int
+    step: int
+    tps: float
+    t: float
+    auth: str | None
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def parse_cell(value: object) -> CellRecord | None:
+    """A claim/heartbeat record, or None when any field is missing or of the wrong type."""
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    cell, peer = value.get("cell"), value.get("peer")
+    if not isinstance(cell, str) or not isinstance(peer, str):
+        return None
+    nums = [value.get(k) for k in ("inc", "since", "epoch", "step", "tps", "t")]
+    if not all(_num(x) for x in nums):
+        return None
+    auth = value.get("auth")
+    inc, since, epoch, step, tps, t = nums
+    return CellRecord(
+        cell,
+        peer,
+        int(inc),
+        float(since),
+        int(epoch),
+        int(step),
+        float(tps),
+        float(t),
+        auth if isinstance(auth, str) else None,
+    )
+
+
+def cell_value(rec: CellRecord) -> dict[str, Any]:
+    return {"v": 1, **{k: getattr(rec, k) for k in CellRecord.__dataclass_fields__}}
+
+
+def owners(records: list[CellRecord]) -> dict[str, CellRecord]:
+    """cell -> the claim that owns it: the earliest `since`, ties to the smaller PeerID."""
+    out: dict[str, CellRecord] = {}
+    for r in records:
+        cur = out.get(r.cell)
+        if cur is None or (r.since, r.peer) < (cur.since, cur.peer):
+            out[r.cell] = r
+    return out
+
+
+def free_cells(all_cells: list[str], owned: dict[str, CellRecord]) -> list[str]:
+    """Cells nobody holds, in the grid's order."""
+    return [c for c in all_cells if c not in owned]
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    epoch: int
+    base_mb: int  # data index of the session's first microbatch
+    updates: int  # updates each cell of the replica runs in the session
+    members: dict[str, int]  # cell -> incarnation the leader saw
+    done: bool = False  # the replica finished the run: followers stop
+
+
+def parse_session(value: object) -> SessionRecord | None:
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    epoch, base, updates, members = (value.get(k) for k in ("epoch", "base", "updates", "members"))
+    if not (isinstance(epoch, int) and isinstance(base, int) and isinstance(updates, int)):
+        return None
+    if not isinstance(members, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) for k, v in members.items()
+    ):
+        return None
+    return SessionRecord(epoch, base, updates, dict(members), bool(value.get("done", False)))
+
+
+def session_value(s: SessionRecord) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "epoch": s.epoch,
+        "base": s.base_mb,
+        "updates": s.updates,
+        "members": s.members,
+        "done": s.done,
+    }
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    fingerprint: str
+    toml: str
+    key_check: str
+
+
+def parse_run(value: object) -> RunRecord | None:
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    fp, toml, check = value.get("fingerprint"), value.get("toml"), value.get("key_check")
+    if not (isinstance(fp, str) and isinstance(toml, str) and isinstance(check, str)):
+        return None
+    return RunRecord(fp, toml, check)
+
+
+class Registry:
+    """Reads and writes the records above through a Directory. With an Auth, claims must carry
+    its token for their PeerID (others are ignored and counted in `rejected`); without one
+    (`status` before it knows the run), every well-formed claim counts."""
+
+    def __init__(self, directory: Directory, auth: Auth | None, heartbeat_s: float) -> None:
+        self.d, self.auth, self.heartbeat_s = directory, auth, heartbeat_s
+        self.rejected = 0  # claims ignored: malformed or without a valid token
+
+    def valid(self, peer: str, token: str | None) -> bool:
+        return self.auth is None or self.auth.valid(peer, token)
+
+    def token(self, peer: str) -> str | None:
+        return None if self.auth is None else self.auth.token(peer)
+
+    def cells(self) -> list[CellRecord]:
+        out = []
+        for value in self.d.dht_get("cells").values():
+            rec = parse_cell(value)
+            if rec is None or not self.valid(rec.peer, rec.auth):
+                self.rejected += 1
+                continue
+            out.append(rec)
+        return out
+
+    def owners(self) -> dict[str, CellRecord]:
+        return owners(self.cells())
+
+    def beat(self, rec: CellRecord) -> bool:
+        ttl = self.heartbeat_s * HEARTBEAT_LIVES
+        return self.d.dht_store("cells", f"{rec.cell}/{rec.peer}", cell_value(rec), ttl)
+
+    def release(self, cell: str, peer: str) -> None:
+        self.d.dht_store("cells", f"{cell}/{peer}", None, self.heartbeat_s * HEARTBEAT_LIVES + 1)
+
+    def session(self, replica: int) -> SessionRecord | None:
+        return parse_session(self.d.dht_get(f"session.r{replica}").get("leader"))
+
+    def put_session(self, replica: int, s: SessionRecord) -> bool:
+        return self.d.dht_store(f"session.r{replica}", "leader", session_value(s), SESSION_TTL_S)
+
+    def run(self) -> RunRecord | None:
+        return parse_run(self.d.dht_get("config").get("run"))
+
+    def put_run(self, rec: RunRecord) -> bool:
+        value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
+        return self.d.dht_store(
+            "config", "run", {**value, "key_check": rec.key_check}, CONFIG_TTL_S
+        )
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,220 @@
+"""Replica pipeline sessions: how the P cells of one replica (re)start their pipeline together.
+
+A session is (epoch, base microbatch, updates): every cell of the replica runs the schedule's
+action list for `updates` updates with microbatches numbered from `base`, tags prefixed by the
+epoch, so messages of an older session never mix into a newer one. Cells of one replica need not
+be at the same step (a cell that joined adopted its stage's step from a live peer): each reads
+weight versions relative to its own step at the session start (mesh/stage.py).
+
+Two coordinators:
+- `StaticCoordinator` (torch.distributed, where a restarted rank cannot rejoin a running world):
+  one session from the cells' common step; it never breaks.
+- `DhtCoordinator` (hivemind): every cell heartbeats a claim record (mesh/registry.py). Stage 0
+  leads its replica: once every cell of the replica has a live claim it writes a new session
+  record (epoch = wall-clock ms, so a restarted leader still moves forward) listing the
+  incarnation of each member it saw. A session is broken for the leader when a member's claim
+  expires or changes incarnation (killed, frozen past the heartbeat lifetime, replaced by a
+  join), and for a follower when the session record moves on. A cell blocked on a neighbour
+  checks that between short waits, drops its in-flight microbatches and waits for the next
+  session; nothing else in the grid waits on it (other replicas keep training).
+
+imports: mesh, comms (errors) and stdlib.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from comms.errors import PeerTimeout
+from mesh.registry import CellRecord, Registry, RunRecord, SessionRecord
+
+CHECK_EVERY_S = 0.25  # how often a blocked cell asks whether its session still stands
+
+
+class SessionBroken(Exception):
+    """The replica's pipeline session ended under us: start over with the next one."""
+
+
+@dataclass(frozen=True)
+class Session:
+    epoch: int
+    base_mb: int
+    updates: int
+
+    def tag(self, kind: str, microbatch: int) -> str:
+        return f"{self.epoch}/{kind}/{microbatch}"
+
+
+class StaticCoordinator:
+    """One session for a fixed grid (every cell starts at the same step)."""
+
+    elastic = False
+
+    def __init__(self, steps: int, mpu: int) -> None:
+        self.steps, self.mpu, self._given = steps, mpu, False
+
+    def next_session(self, align: Callable[[], int]) -> Session | None:
+        step = align()
+        if self._given or step >= self.steps:
+            return None
+        self._given = True
+        return Session(0, step * self.mpu, self.steps - step)
+
+    def _step_now(self) -> int:
+        return self.beat.step
+
+    def broken(self, session: Session) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Beat:
+    """What this cell reports in its heartbeat (filled by the worker as it trains)."""
+
+    step: int = 0
+    tps: float = 0.0
+    epoch: int = 0
+
+
+class DhtCoordinator:
+    """Sessions and heartbeats through the DHT registry (see the module docstring)."""
+
+    elastic = True
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        cell: str,
+        peer: str,
+        auth_token: str | None,
+        replica_cells: list[str],
+        leader: bool,
+        replica: int,
+        steps: int,
+        mpu: int,
+        wait_s: float,
+        run_record: RunRecord | None = None,
+        since: float | None = None,
+        step: int = 0,
+    ) -> None:
+        self.reg, self.cell, self.peer, self.token = registry, cell, peer, auth_token
+        self.replica_cells, self.leader, self.replica = replica_cells, leader, replica
+        self.steps, self.mpu, self.wait_s = steps, mpu, wait_s
+        self.run_record = run_record
+        self.inc = random.getrandbits(62)
+        self.since = time.time() if since is None else since
+        self.beat = Beat(step=step)
+        self._session: SessionRecord | None = None
+        self._checked_at, self._broken = 0.0, False
+        self._stop = threading.Event()
+        self.heartbeat()  # claim at once: the leader may be waiting for us
+        self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    # ---- heartbeats -------------------------------------------------------------------------
+    def record(self) -> CellRecord:
+        b = self.beat
+        now = time.time()
+        return CellRecord(
+            self.cell, self.peer, self.inc, self.since, b.epoch, b.step, b.tps, now, self.token
+        )
+
+    def heartbeat(self) -> None:
+        with contextlib.suppress(Exception):  # a missed beat is retried next period
+            self.reg.beat(self.record())
+            if self.run_record is not None:
+                self.reg.put_run(self.run_record)
+
+    def _beat_forever(self) -> None:
+        while not self._stop.wait(self.reg.heartbeat_s):
+            self.heartbeat()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with contextlib.suppress(Exception):
+            self.reg.release(self.cell, self.peer)
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def next_session(self, align: Callable[[], int]) -> Session | None:
+        """Block until the replica's next session (None: the run is over for this replica).
+        align() brings the cell up to its stage's live peers if it fell behind and returns its
+        step: the leader calls it right before it announces a session (whose updates count
+        from that step), a follower once it has its session. PeerTimeout after wait_s without
+        a session (a cell of the replica never came back)."""
+        deadline = time.monotonic() + self.wait_s
+        last = self._session.epoch if self._session else -1
+        while True:
+            if self.leader:
+                rec = self._lead(align, last)
+            else:
+                rec = self.reg.session(self.replica)
+                seen = rec is not None and (rec.done or rec.members.get(self.cell) == self.inc)
+                if rec is None or rec.epoch <= last or not seen:
+                    rec = None
+            if rec is not None:
+                self._session, self._broken = rec, False
+                self.beat.epoch = rec.epoch
+                if rec.done:
+                    return None
+                if not self.leader:
+                    align()
+                return Session(rec.epoch, rec.base_mb, rec.updates)
+            if time.monotonic() > deadline:
+                missing = [c for c in self.replica_cells if c not in self.reg.owners()]
+                raise PeerTimeout(
+                    f"{self.cell}: no pipeline session for replica {self.replica} within "
+                    f"{self.wait_s:.0f} s (cells without a live peer: {missing or 'none'})"
+                )
+            time.sleep(CHECK_EVERY_S)
+
+    def _lead(self, align: Callable[[], int], last: int) -> SessionRecord | None:
+        epoch = max(last + 1, int(time.time() * 1000))
+        done = SessionRecord(epoch, 0, 0, {}, True)  # the run is over: followers stop
+        if self._step_now() >= self.steps:
+            return done if self.reg.put_session(self.replica, done) else None
+        owned = self.reg.owners()
+        if any(c not in owned for c in self.replica_cells):
+            return None
+        mine = owned.get(self.cell)
+        if mine is None or mine.inc != self.inc:
+            return None  # our own claim is not visible yet (or someone else owns our cell)
+        step = align()  # every member is there: catch up now, the session counts from here
+        if step >= self.steps:
+            return done if self.reg.put_session(self.replica, done) else None
+        members = {c: owned[c].inc for c in self.replica_cells}
+        rec = SessionRecord(epoch, step * self.mpu, self.steps - step, members)
+        return rec if self.reg.put_session(self.replica, rec) else None
+
+    def _step_now(self) -> int:
+        return self.beat.step
+
+    def broken(self, session: Session) -> bool:
+        """Whether the session no longer stands (checked at most every CHECK_EVERY_S)."""
+        now = time.monotonic()
+        if self._broken or now - self._checked_at < CHECK_EVERY_S:
+            return self._broken
+        self._checked_at = now
+        if self.leader:
+            owned = self.reg.owners()
+            assert self._session is not None
+            self._broken = any(
+                owned.get(c) is None or owned[c].inc != inc
+                for c, inc in self._session.members.items()
+            )
+        else:
+            rec = self.reg.session(self.replica)
+            self._broken = rec is not None and rec.epoch != session.epoch
+        return self._broken
+
+
+Coordinator = StaticCoordinator | DhtCoordinator

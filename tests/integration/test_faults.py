@@ -1,0 +1,199 @@
+"""Faults in a running grid of real cell processes: a cell killed and restarted, a frozen cell.
+
+hivemind (elastic): the other replica keeps training while a cell is gone; the restarted cell
+(its own latest checkpoint, then its stage's live state since it fell behind) rejoins and its
+replica's pipeline resumes in a new session. torch.distributed (fixed world): the other replica
+keeps training and its rounds fail fast; the dead cell's neighbour gives up with a clear error
+after runtime.timeout_s instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.launch import LocalGrid
+from comms.build import local_rendezvous
+from mesh.config import load_config
+from mesh.metrics import read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TINY = [
+    "model.n_layers=2",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.seq_len=16",
+    "pipeline.microbatch_size=2",
+    "data.val_batches=2",
+    "optim.warmup_steps=2",
+    "grid.stages=2",
+    "grid.replicas=2",
+    "pipeline.schedule=async",
+    "dp.tau=2",
+    "dp.fraction=0.25",
+    "runtime.checkpoint_every=5",
+    "runtime.heartbeat_s=0.5",
+]
+
+
+def _rows(out: Path, cell: tuple[int, int]) -> list[dict]:
+    return read_metrics(out, events=True).get(cell, [])
+
+
+def _step(out: Path, cell: tuple[int, int]) -> int:
+    steps = [r["step"] for r in _rows(out, cell) if "step" in r and "event" not in r]
+    return max(steps, default=0)
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _events(out: Path, cell: tuple[int, int], name: str) -> list[dict]:
+    return [r for r in _rows(out, cell) if r.get("event") == name]
+
+
+def _stop_cleanly(grid: LocalGrid) -> dict:
+    """SIGTERM every cell (a clean stop: checkpoint, release, exit 0) and reap them."""
+    grid.stop(grace_s=20)
+    return grid.exit_codes()
+
+
+ENDLESS = "run.steps=100000"  # the tests stop the grid themselves once they saw the outcome
+
+
+def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            ENDLESS,
+            "runtime.backend=hivemind",
+            "runtime.max_lag_steps=5",
+            "runtime.round_timeout_s=5",
+            "runtime.rejoin_timeout_s=90",
+        ],
+    )
+    victim, partner, survivor = (1, 1), (0, 1), (1, 0)
+    with local_rendezvous("hivemind") as options:
+        grid = LocalGrid(cfg, tmp_path, options)
+        try:
+            for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+                grid.start(cell)
+            _wait(lambda: _step(tmp_path, victim) >= 10, 120, "the victim to reach step 10")
+            os.kill(grid.pid(victim), signal.SIGKILL)
+            at_kill = _step(tmp_path, survivor)
+            # the other replica keeps training while the victim is gone
+            _wait(lambda: _step(tmp_path, survivor) >= at_kill + 15, 60, "the other replica")
+            restarted = time.monotonic()
+            grid.start(victim, resume_step=-1)
+            # it restarts from its checkpoint, takes its stage's live state (it fell more than
+            # max_lag_steps behind) and its replica's pipeline trains again
+            _wait(lambda: _events(tmp_path, victim, "state_loaded"), 60, "the state download")
+            loaded = _events(tmp_path, victim, "state_loaded")[0]["step"]
+            _wait(lambda: _step(tmp_path, victim) >= loaded + 10, 60, "the replica to resume")
+            resumed_s = time.monotonic() - restarted
+        finally:
+            codes = _stop_cleanly(grid)
+    assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
+    assert loaded > at_kill  # the survivor's progress, not the victim's old checkpoint
+    assert _events(tmp_path, partner, "session_broken")  # its replica re-formed
+    last = [r for r in _rows(tmp_path, survivor) if "rounds_partial" in r][-1]
+    assert last["rounds_partial"] + last["rounds_failed"] > 0  # rounds with the dead cell
+    losses = [r["loss"] for r in _rows(tmp_path, victim) if r.get("loss") is not None]
+    assert losses and max(losses[-5:]) < losses[0]
+    assert resumed_s < 30, resumed_s
+
+
+def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_path):
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            ENDLESS,
+            "runtime.backend=hivemind",
+            "runtime.max_lag_steps=100000",  # it keeps its own state: its late rounds show
+            "runtime.round_timeout_s=2",
+            "runtime.rejoin_timeout_s=90",
+        ],
+    )
+    frozen, survivor, partner = (1, 1), (1, 0), (0, 1)
+    with local_rendezvous("hivemind") as options:
+        grid = LocalGrid(cfg, tmp_path, options)
+        try:
+            for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+                grid.start(cell)
+            _wait(lambda: _step(tmp_path, frozen) >= 10, 120, "the cell to reach step 10")
+            os.kill(grid.pid(frozen), signal.SIGSTOP)
+            at_stop, stopped = _step(tmp_path, survivor), time.monotonic()
+            try:
+                _wait(
+                    lambda: (
+                        _step(tmp_path, survivor) >= at_stop + 10
+                        and time.monotonic() - stopped > 4 * cfg.runtime.heartbeat_s + 1
+                    ),
+                    60,
+                    "the other replica to train past the frozen cell's deadline",
+                )
+            finally:
+                os.kill(grid.pid(frozen), signal.SIGCONT)
+            thawed = _step(tmp_path, frozen)
+            _wait(lambda: _step(tmp_path, frozen) >= thawed + 10, 60, "the thawed cell to train")
+
+            def late() -> int:
+                rows = [r for r in _rows(tmp_path, survivor) if "rejects" in r]
+                return rows[-1]["rejects"].get("late", 0) if rows else 0
+
+            _wait(lambda: late() > 0, 30, "its stale contributions to be dropped and counted")
+        finally:
+            codes = _stop_cleanly(grid)
+    assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
+    last = [r for r in _rows(tmp_path, survivor) if "rounds_partial" in r][-1]
+    # rounds went on without the frozen cell (with 2 replicas a round missing one is failed)
+    assert last["rounds_partial"] + last["rounds_failed"] > 0
+    assert _events(tmp_path, partner, "session_broken")  # its replica re-formed around it
+
+
+def test_torch_killed_cell_other_replica_keeps_training(text_file, tmp_path):
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            ENDLESS,
+            "runtime.backend=torch",
+            "runtime.timeout_s=8",
+            "runtime.round_timeout_s=3",
+        ],
+    )
+    victim, partner, survivor = (1, 1), (0, 1), (1, 0)
+    with local_rendezvous("torch") as options:
+        grid = LocalGrid(cfg, tmp_path, options)
+        try:
+            for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+                grid.start(cell)
+            _wait(lambda: _step(tmp_path, victim) >= 5, 120, "the victim to reach step 5")
+            os.kill(grid.pid(victim), signal.SIGKILL)
+            at_kill = _step(tmp_path, survivor)
+            # its neighbour gives up after runtime.timeout_s with a clear error: no hang
+            _wait(lambda: grid.exit_codes()[partner] is not None, 60, "the neighbour to give up")
+            _wait(lambda: _step(tmp_path, survivor) >= at_kill + 20, 60, "the other replica")
+            survivor_alive = grid.procs[survivor].is_alive()
+        finally:
+            codes = _stop_cleanly(grid)
+    assert survivor_alive
+    assert codes[partner] not in (0, None), codes
+    assert codes[(0, 0)] == 0 and codes[survivor] == 0, codes
+    last = [r for r in _rows(tmp_path, survivor) if "rounds_failed" in r][-1]
+    assert last["rounds_failed"] + last["rounds_partial"] > 0

@@ -9,10 +9,7 @@ progress. Ctrl-C or SIGTERM: the cell saves, releases its claim and exits; join 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing as mp
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,10 +17,10 @@ from typing import Any
 
 import click
 
+from cli.reach import any_reachable
 from mesh.config import Config, ConfigError, load_config, with_overrides
-from mesh.registry import CellRecord, Registry, RunRecord, free_cells, owners
+from mesh.registry import CellRecord, Registry, RunRecord, free_cells
 from mesh.stage import cell_name
-from mesh.trainer import cell_process_main
 
 SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
 CLAIM_SETTLE_S = 1.5  # after claiming, how long other claims of the same cell may still appear
@@ -38,6 +35,12 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
 
     if not initial_peers:
         raise JoinError("--initial-peers: give at least one multiaddr of a DHT node of the run")
+    if not any_reachable(initial_peers):
+        raise JoinError(
+            f"no DHT node answers at --initial-peers {' '.join(initial_peers)} (TCP connection "
+            "refused or timed out); check the address and that the bootstrap node "
+            "(meshtrain dht) is running"
+        )
     try:
         return DhtClient(list(initial_peers), run_id, SCOUT_TIMEOUT_S, **kwargs)
     except Exception as e:  # noqa: BLE001 - p2pd's own error text says which address failed
@@ -97,7 +100,9 @@ def claim_cell(
     order = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
     tried: set[str] = set()
     while True:
-        owned = owners(registry.cells())
+        owned = registry.owners()
+        if owned is None:
+            raise JoinError("the DHT does not answer (no claim can be checked); try again")
         free = [c for c in free_cells([cell_name(j, i) for j, i in order], owned) if c not in tried]
         if not free:
             which = f"stage {stage}" if stage is not None else "the grid"
@@ -109,7 +114,7 @@ def claim_cell(
         rec = CellRecord(name, me, 0, since, 0, -1, 0.0, since, registry.token(me))
         registry.beat(rec)
         time.sleep(CLAIM_SETTLE_S)
-        winner = owners(registry.cells()).get(name)
+        winner = (registry.owners() or {}).get(name)
         if winner is not None and winner.peer == me:
             return j, i, since
         registry.release(name, me)
@@ -163,37 +168,29 @@ def run_join(
                f"{cfg.grid.replicas}); metrics and checkpoints in {out}")  # fmt: skip
     # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
     # appears; the scout's claim (this process's DHT node is gone) expires by itself
-    _run_child(cfg, j, i, out, options, run_key, since - 1e-3)
+    _run_here(cfg, j, i, out, options, run_key, since - 1e-3)
 
 
-def _run_child(
+def _run_here(
     cfg: Config, j: int, i: int, out: Path, options: dict[str, Any], run_key: str | None,
     since: float,
 ) -> None:  # fmt: skip
+    """Run the cell in this process (no second interpreter to start: the replica resumes
+    sooner), a progress bar drawn from its metrics by a thread; then the summary, and exit:
+    0 after the run's end or a clean stop (Ctrl-C / SIGTERM), 1 after a failure."""
+    import os
+    import threading
+    import traceback
+
     from cli.report import print_table, progress_bar
     from mesh.metrics import read_metrics
+    from mesh.trainer import run_cell
 
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(
-        target=cell_process_main,
-        args=(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since),
-        name=f"cell-{cell_name(j, i)}",
-    )
-    stopping = {"asked": False}
+    done = threading.Event()
 
-    def stop(signum: int, frame: Any) -> None:
-        stopping["asked"] = True
-        if proc.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()  # the cell saves, releases its claim and exits 0
-
-    proc.start()
-    old_term = signal.signal(signal.SIGTERM, stop)
-    old_int = signal.signal(signal.SIGINT, stop)
-    try:
+    def draw() -> None:
         with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
-            while proc.is_alive():
-                proc.join(0.5)
+            while not done.wait(0.5):
                 rows = read_metrics(out).get((j, i), [])
                 last = [r for r in rows if "step" in r and not r.get("final")]
                 if last:
@@ -201,11 +198,20 @@ def _run_child(
                     if last[-1].get("loss") is not None:
                         bar.bar.set_postfix(loss=f"{last[-1]['loss']:.3f}", refresh=False)
                     bar.bar.refresh()
+
+    drawer = threading.Thread(target=draw, name="progress", daemon=True)
+    drawer.start()
+    code = 0
+    try:
+        run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except Exception:  # noqa: BLE001 - reported; the exit code says it failed
+        traceback.print_exc()
+        code = 1
     finally:
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGINT, old_int)
-        if proc.is_alive():
-            proc.join(60)
+        done.set()
+        drawer.join(2)
     rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     print_table(
@@ -220,15 +226,17 @@ def _run_child(
             ]
         ],
     )
-    if proc.exitcode != 0 and not stopping["asked"]:
-        click.echo(f"the cell stopped with exit code {proc.exitcode}; see above", err=True)
-        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown under libp2p / averaging daemon threads (see
+    # mesh.trainer.cell_process_main); files are closed and fsynced by now
+    os._exit(code)
 
 
 def status_rows(registry: Registry, cfg: Config | None) -> dict[str, Any]:
     """The grid as the DHT sees it: one row per live cell, and the free cells."""
     now = time.time()
-    owned = owners(registry.cells())
+    owned = registry.owners() or {}
     cells = []
     for name, rec in sorted(owned.items()):
         cells.append(

@@ -343,6 +343,14 @@ def join(
 ) -> None:
     """Add this machine to a run: claim a free cell through the DHT, take its stage's state from
     a live peer, train until the run ends or Ctrl-C (which saves and releases the cell)."""
+    from cli.reach import any_reachable
+
+    if initial_peers and not any_reachable(list(initial_peers)):  # before the heavy imports
+        raise ConfigError(
+            f"no DHT node answers at --initial-peers {' '.join(initial_peers)} (TCP connection "
+            "refused or timed out); check the address and that the bootstrap node "
+            "(meshtrain dht) is running"
+        )
     from cli.join import run_join
 
     local = resolve_config(config_files, overrides) if config_files else None

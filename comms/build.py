@@ -70,7 +70,7 @@ def make_transport(
             me,
             run_id=run_id,
             initial_peers=list(initial_peers or ()),
-            host_maddrs=[f"/ip4/{host}/tcp/0"],
+            host_maddrs=options.pop("host_maddrs", None) or [f"/ip4/{host}/tcp/0"],
             timeout_s=timeout_s,
             shaping=LinkShapers(me, shaping) if shaping is not None else None,
             peers=peers,

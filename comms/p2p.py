@@ -279,13 +279,17 @@ class P2PTransport(StreamMixin):
         """Whether a peer's record proves membership of our run (always, without auth)."""
         return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.auth)
 
-    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool:
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool:
         """See comms.p2p_dht.store_record (keys under our run_id)."""
-        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, self.timeout_s)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
 
-    def dht_get(self, key: str) -> dict[str, Any]:
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
         """See comms.p2p_dht.get_records (keys under our run_id)."""
-        return get_records(self.dht, f"{self.run_id}.{key}", self.timeout_s)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
 
     # ---------------------------------------------------------------- test hooks
 

@@ -84,6 +84,11 @@ class PeerDHT(hivemind.DHT):
     """hivemind.DHT whose process stops its p2pd and exits when our process dies."""
 
     def run(self) -> None:
+        # Ctrl-C in a terminal (or `timeout`) signals the whole process group: our peer process
+        # decides when this DHT stops (shutdown, or watch_parent once it is gone), so it can
+        # still withdraw its records on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # e.g. a request pickled by a peer process that was killed mid-send cannot be read
         logging.getLogger("hivemind.dht.dht").addFilter(one_line)
         watch_parent(self._orphaned)
@@ -144,14 +149,16 @@ def store_record(
         return False
 
 
-def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]:
-    """Every live subkey -> value under key. Values are other peers' data: callers type-check
-    them. {} when nothing is there or the DHT cannot be reached."""
+def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any] | None:
+    """Every live subkey -> value under key ({} when nothing is there); None when the DHT did
+    not answer within timeout_s (unknown is not empty: a slow DHT must not read as "every peer
+    left"). Values are other peers' data: callers type-check them."""
     fut = dht.get(key, latest=True, return_future=True)
     try:
         found = fut.result(timeout_s)
-    except Exception:  # noqa: BLE001 - an unreachable DHT reads as empty
-        return {}
+    except Exception:  # noqa: BLE001 - no answer
+        fut.cancel()
+        return None
     if found is None or not isinstance(found.value, dict):
         return {}
     return {
@@ -174,11 +181,15 @@ class DhtClient:
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
 
-    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool:
-        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, self.timeout_s)
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool:
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
 
-    def dht_get(self, key: str) -> dict[str, Any]:
-        return get_records(self.dht, f"{self.run_id}.{key}", self.timeout_s)
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -31,9 +31,11 @@ SESSION_TTL_S = 600.0
 
 
 class Directory(Protocol):
-    def dht_store(self, key: str, subkey: str, value: Any, ttl_s: float) -> bool: ...
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool: ...
 
-    def dht_get(self, key: str) -> dict[str, Any]: ...
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,16 @@ class Registry:
     def token(self, peer: str) -> str | None:
         return None if self.auth is None else self.auth.token(peer)
 
-    def cells(self) -> list[CellRecord]:
+    def _get(self, key: str) -> dict[str, Any] | None:
+        return self.d.dht_get(key, timeout_s=max(2.0, 2 * self.heartbeat_s))
+
+    def cells(self) -> list[CellRecord] | None:
+        """Every valid live claim; None when the DHT did not answer (unknown, not empty)."""
+        found = self._get("cells")
+        if found is None:
+            return None
         out = []
-        for value in self.d.dht_get("cells").values():
+        for value in found.values():
             rec = parse_cell(value)
             if rec is None or not self.valid(rec.peer, rec.auth):
                 self.rejected += 1
@@ -171,24 +180,28 @@ class Registry:
             out.append(rec)
         return out
 
-    def owners(self) -> dict[str, CellRecord]:
-        return owners(self.cells())
+    def owners(self) -> dict[str, CellRecord] | None:
+        cells = self.cells()
+        return None if cells is None else owners(cells)
 
     def beat(self, rec: CellRecord) -> bool:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
         return self.d.dht_store("cells", f"{rec.cell}/{rec.peer}", cell_value(rec), ttl)
 
     def release(self, cell: str, peer: str) -> None:
-        self.d.dht_store("cells", f"{cell}/{peer}", None, self.heartbeat_s * HEARTBEAT_LIVES + 1)
+        """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
+        the terminal's process group; the claim then expires by itself)."""
+        ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
+        self.d.dht_store("cells", f"{cell}/{peer}", None, ttl, timeout_s=2.0)
 
     def session(self, replica: int) -> SessionRecord | None:
-        return parse_session(self.d.dht_get(f"session.r{replica}").get("leader"))
+        return parse_session((self._get(f"session.r{replica}") or {}).get("leader"))
 
     def put_session(self, replica: int, s: SessionRecord) -> bool:
         return self.d.dht_store(f"session.r{replica}", "leader", session_value(s), SESSION_TTL_S)
 
     def run(self) -> RunRecord | None:
-        return parse_run(self.d.dht_get("config").get("run"))
+        return parse_run((self._get("config") or {}).get("run"))
 
     def put_run(self, rec: RunRecord) -> bool:
         value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from comms.errors import PeerTimeout
 from mesh.registry import CellRecord, Registry, RunRecord, SessionRecord
 
-CHECK_EVERY_S = 0.25  # how often a blocked cell asks whether its session still stands
+CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
 
 
 class SessionBroken(Exception):
@@ -114,7 +114,8 @@ class DhtCoordinator:
         self.since = time.time() if since is None else since
         self.beat = Beat(step=step)
         self._session: SessionRecord | None = None
-        self._checked_at, self._broken = 0.0, False
+        self._active: SessionRecord | None = None  # the session the worker is running
+        self._broken = False
         self._stop = threading.Event()
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
@@ -135,8 +136,16 @@ class DhtCoordinator:
                 self.reg.put_run(self.run_record)
 
     def _beat_forever(self) -> None:
+        """Heartbeats, and the check whether the running session still stands: here, off the
+        training thread, so a slow DHT delays a verdict but never a microbatch."""
         while not self._stop.wait(self.reg.heartbeat_s):
             self.heartbeat()
+            active = self._active
+            if active is not None and not self._broken:
+                with contextlib.suppress(Exception):
+                    verdict = self._check(active)
+                    if self._active is active:
+                        self._broken = verdict
 
     def close(self) -> None:
         self._stop.set()
@@ -162,15 +171,17 @@ class DhtCoordinator:
                 if rec is None or rec.epoch <= last or not seen:
                     rec = None
             if rec is not None:
-                self._session, self._broken = rec, False
+                self._session, self._active, self._broken = rec, None, False
                 self.beat.epoch = rec.epoch
                 if rec.done:
                     return None
                 if not self.leader:
                     align()
+                self._active = rec
                 return Session(rec.epoch, rec.base_mb, rec.updates)
             if time.monotonic() > deadline:
-                missing = [c for c in self.replica_cells if c not in self.reg.owners()]
+                owned = self.reg.owners() or {}
+                missing = [c for c in self.replica_cells if c not in owned]
                 raise PeerTimeout(
                     f"{self.cell}: no pipeline session for replica {self.replica} within "
                     f"{self.wait_s:.0f} s (cells without a live peer: {missing or 'none'})"
@@ -183,7 +194,7 @@ class DhtCoordinator:
         if self._step_now() >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
         owned = self.reg.owners()
-        if any(c not in owned for c in self.replica_cells):
+        if owned is None or any(c not in owned for c in self.replica_cells):
             return None
         mine = owned.get(self.cell)
         if mine is None or mine.inc != self.inc:
@@ -199,22 +210,21 @@ class DhtCoordinator:
         return self.beat.step
 
     def broken(self, session: Session) -> bool:
-        """Whether the session no longer stands (checked at most every CHECK_EVERY_S)."""
-        now = time.monotonic()
-        if self._broken or now - self._checked_at < CHECK_EVERY_S:
-            return self._broken
-        self._checked_at = now
+        """Whether the running session no longer stands (the heartbeat thread's verdict)."""
+        return self._broken
+
+    def _check(self, active: SessionRecord) -> bool:
+        """Leader: a member's claim expired or changed incarnation. Follower: the session
+        record moved on. Unknown (the DHT did not answer) is not broken."""
         if self.leader:
             owned = self.reg.owners()
-            assert self._session is not None
-            self._broken = any(
-                owned.get(c) is None or owned[c].inc != inc
-                for c, inc in self._session.members.items()
+            if owned is None:
+                return False
+            return any(
+                owned.get(c) is None or owned[c].inc != inc for c, inc in active.members.items()
             )
-        else:
-            rec = self.reg.session(self.replica)
-            self._broken = rec is not None and rec.epoch != session.epoch
-        return self._broken
+        rec = self.reg.session(self.replica)
+        return rec is not None and rec.epoch != active.epoch
 
 
 Coordinator = StaticCoordinator | DhtCoordinator

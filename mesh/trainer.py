@@ -103,6 +103,8 @@ def catch_up(cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport:
     Returns the step adopted, or -1 when nothing was loaded."""
     cell = worker.cell
     owned = coord.reg.owners()
+    if owned is None:
+        return -1  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in range(cfg.grid.replicas) if r != cell.replica]
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
     for rec in live:
@@ -155,6 +157,7 @@ def run_cell(
     transport = cell_transport(cfg, stage, replica, transport_options, run_key)
     coord: StaticCoordinator | DhtCoordinator | None = None
     server: StateServer | None = None
+    worker: StageWorker | None = None
     start = time.perf_counter()
     tokens_per_update = (
         microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
@@ -170,7 +173,7 @@ def run_cell(
                 server = StateServer(transport, cell, worker.lock, column)
             last = [time.perf_counter()]
 
-            def on_step(worker: StageWorker) -> None:
+            def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
                 if every and cell.step % every == 0:
                     with _STOP.deferred():
@@ -181,7 +184,7 @@ def run_cell(
                     tps = tokens_per_update / dt if dt > 0 else 0.0
                     coord.beat.step = cell.step
                     coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
-                f.write(json.dumps(_row(worker, transport, now - start)) + "\n")
+                f.write(json.dumps(_row(w, transport, now - start)) + "\n")
                 f.flush()
 
             def align() -> int:
@@ -218,13 +221,14 @@ def run_cell(
             }
             f.write(json.dumps(final) + "\n")
     finally:
+        _STOP.exiting = True  # a second SIGTERM must not cut the last save short
         if server is not None:
             server.close()
+        with worker.lock if worker is not None else contextlib.nullcontext():
+            save_cell(cell, cfg.fingerprint(), out_dir)  # first: nothing below can lose it
         if coord is not None:
             coord.close()  # releases our claim: a joiner can take the cell at once
-        _STOP.exiting = True  # a second SIGTERM must not cut the last save short
         transport.close()
-        save_cell(cell, cfg.fingerprint(), out_dir)
 
 
 def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:

@@ -106,3 +106,38 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path):
             load_cell(
                 fresh, cfg.fingerprint(), checkpoint_path(tmp_path / str(attempt), 0, 0, step)
             )
+
+
+@pytest.mark.parametrize("extra", [[], ["optim.state_8bit=true"], ["optim.name=rotated_adam"]])
+def test_state_vector_moves_a_live_cell_exactly(extra):
+    """A joiner adopting a peer's state (mesh/state_sync.py) trains on exactly as the peer."""
+    from mesh.checkpoint import load_state_vector, state_numel, state_vector
+
+    _, a = _cell(0, *extra)
+    torch.manual_seed(0)
+    _train(a, 3)
+    vec = state_vector(a)
+    assert vec.dtype == torch.float32 and vec.shape == (state_numel(a),)
+    _, b = _cell(0, *extra)
+    load_state_vector(b, vec.clone(), a.step)
+    assert b.step == 3 and torch.equal(a.flat, b.flat) and list(b.history) == [3]
+    torch.manual_seed(1)
+    _train(a, 2)
+    torch.manual_seed(1)
+    _train(b, 2)
+    assert torch.equal(a.flat, b.flat)
+
+
+def test_state_vector_that_does_not_fit_is_refused():
+    from mesh.checkpoint import load_state_vector, state_vector
+
+    _, a = _cell()
+    vec = state_vector(a)
+    before = a.flat.clone()
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_state_vector(a, vec[:-1], 5)
+    bad = vec.clone()
+    bad[0] = float("nan")
+    with pytest.raises(CheckpointError, match="non-finite"):
+        load_state_vector(a, bad, 5)
+    assert torch.equal(a.flat, before) and a.step == 0

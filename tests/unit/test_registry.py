@@ -1,0 +1,68 @@
+"""Claims, owners, free cells, sessions and run records: the pure parts of the DHT registry."""
+
+from fakes import FakeDirectory
+
+from comms.p2p_auth import Auth
+from mesh.registry import (
+    CellRecord,
+    Registry,
+    SessionRecord,
+    cell_value,
+    free_cells,
+    owners,
+    parse_cell,
+    parse_run,
+    parse_session,
+    session_value,
+)
+
+
+def rec(cell, peer, since, inc=1, auth=None):
+    return CellRecord(cell, peer, inc, since, 0, 10, 5.0, since, auth)
+
+
+def test_cell_record_round_trip_and_type_checks():
+    r = rec("s0r1", "Qm1", 12.5, inc=7, auth="ab")
+    assert parse_cell(cell_value(r)) == r
+    bad = cell_value(r)
+    for key, value in [("step", "10"), ("cell", 3), ("v", 2), ("inc", True)]:
+        assert parse_cell({**bad, key: value}) is None, key
+    assert parse_cell([1, 2]) is None
+    assert parse_cell({k: v for k, v in bad.items() if k != "since"}) is None
+
+
+def test_earliest_claim_owns_a_cell_ties_to_the_smaller_peer():
+    claims = [rec("s0r0", "B", 2.0), rec("s0r0", "A", 3.0), rec("s1r0", "Z", 5.0)]
+    assert owners(claims)["s0r0"].peer == "B"
+    assert owners([rec("s0r0", "B", 2.0), rec("s0r0", "A", 2.0)])["s0r0"].peer == "A"
+    assert free_cells(["s0r0", "s1r0", "s0r1"], owners(claims)) == ["s0r1"]
+
+
+def test_session_and_run_records_are_type_checked():
+    s = SessionRecord(1795000000000, 64, 100, {"s0r0": 5, "s1r0": 6})
+    assert parse_session(session_value(s)) == s
+    assert parse_session({**session_value(s), "members": {"s0r0": "5"}}) is None
+    assert parse_session({**session_value(s), "epoch": 1.5}) is None
+    assert parse_run({"v": 1, "fingerprint": "f", "toml": "x", "key_check": 3}) is None
+
+
+def test_claims_without_the_run_token_are_ignored_and_counted():
+    d = FakeDirectory()
+    auth = Auth.of("secret", "fp")
+    reg = Registry(d, auth, 1.0)
+    reg.beat(rec("s0r0", "good", 1.0, auth=auth.token("good")))
+    reg.beat(rec("s1r0", "outsider", 0.5, auth=Auth.of(None, "fp").token("outsider")))
+    reg.beat(rec("s1r0", "copycat", 0.4, auth=auth.token("good")))  # a token for another peer
+    assert set(reg.owners()) == {"s0r0"}
+    assert reg.rejected == 2
+    reg.release("s0r0", "good")
+    assert reg.owners() == {}
+
+
+def test_an_unanswering_dht_is_unknown_not_empty():
+    d = FakeDirectory()
+    reg = Registry(d, None, 1.0)
+    reg.beat(rec("s0r0", "p", 1.0))
+    d.answer = False
+    assert reg.cells() is None and reg.owners() is None
+    assert reg.run() is None and reg.session(0) is None

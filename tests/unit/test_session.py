@@ -1,0 +1,65 @@
+"""Replica sessions through the registry: who leads, when a session breaks, the run's end."""
+
+import pytest
+from fakes import FakeDirectory
+
+from comms.errors import PeerTimeout
+from mesh.registry import Registry
+from mesh.session import DhtCoordinator, Session, StaticCoordinator
+
+
+def coordinator(d, cell, leader, **kw):
+    reg = Registry(d, None, 60.0)  # no background beats within a test
+    c = DhtCoordinator(
+        reg,
+        cell=cell,
+        peer=f"peer-{cell}",
+        auth_token=None,
+        replica_cells=["s0r0", "s1r0"],
+        leader=leader,
+        replica=0,
+        steps=kw.pop("steps", 100),
+        mpu=1,
+        wait_s=kw.pop("wait_s", 2.0),
+        **kw,
+    )
+    return c
+
+
+def test_static_coordinator_gives_one_session_from_the_common_step():
+    c = StaticCoordinator(steps=10, mpu=4)
+    assert c.next_session(lambda: 3) == Session(0, 12, 7)
+    assert c.next_session(lambda: 10) is None
+    assert not c.broken(Session(0, 12, 7))
+
+
+def test_leader_announces_once_every_member_claims_and_breaks_on_a_new_incarnation():
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True)
+    follow = coordinator(d, "s1r0", False)
+    s = lead.next_session(lambda: 5)
+    assert (s.base_mb, s.updates) == (5, 95)
+    assert follow.next_session(lambda: 5) == s
+    assert not lead._check(lead._active) and not follow._check(follow._active)
+    # the follower's process is replaced (a restart or a join): new incarnation, same cell
+    again = coordinator(d, "s1r0", False)
+    assert lead._check(lead._active)
+    s2 = lead.next_session(lambda: 9)
+    assert s2.epoch > s.epoch
+    assert follow._check(follow._active)  # the old follower sees the record move on
+    assert again.next_session(lambda: 9) == s2
+
+
+def test_leader_waits_for_a_missing_member_then_gives_up_clearly():
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True, wait_s=0.6)
+    with pytest.raises(PeerTimeout, match="s1r0"):
+        lead.next_session(lambda: 0)
+
+
+def test_the_run_end_stops_followers():
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True, steps=10, step=10)
+    follow = coordinator(d, "s1r0", False, steps=10)
+    assert lead.next_session(lambda: 10) is None
+    assert follow.next_session(lambda: 3) is None

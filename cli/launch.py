@@ -44,11 +44,17 @@ class LocalGrid:
         self.procs: dict[tuple[int, int], Any] = {}
         self._ctx = mp.get_context("spawn")
 
-    def start(self, cell: tuple[int, int], resume_step: int | None = None) -> None:
-        """Start (or restart) a cell; resume_step -1: from its own latest checkpoint."""
+    def start(
+        self,
+        cell: tuple[int, int],
+        resume_step: int | None = None,
+        target: Callable[..., None] = cell_process_main,
+    ) -> None:
+        """Start (or restart) a cell; resume_step -1: from its own latest checkpoint. target:
+        the process's main (run_cell's arguments), e.g. a misbehaving peer in a test."""
         j, i = cell
         p = self._ctx.Process(
-            target=cell_process_main,
+            target=target,
             args=(self.tree, j, i, str(self.out_dir), self.options, resume_step),
             name=f"cell-s{j}r{i}",
         )

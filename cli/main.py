@@ -11,9 +11,8 @@ from typing import Any
 
 import click
 
-from mesh.checkpoint import CheckpointError
 from mesh.config import Config, ConfigError, load_config
-from mesh.data import DataError
+from mesh.errors import CheckpointError, DataError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)  # join errors are ConfigErrors
 

@@ -16,12 +16,9 @@ from typing import Any
 import torch
 
 from mesh.cell import Cell
+from mesh.errors import CheckpointError  # noqa: F401 - re-exported
 
 FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message says which file and why."""
 
 
 KEEP = 3  # checkpoints kept per cell: a consistent cut across cells needs older ones too

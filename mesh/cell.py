@@ -131,6 +131,7 @@ class Cell:
         idx = sparse.subset_indices(
             self.cfg.run.seed, self.stage, 0, index, self.flat.numel(), dp.fraction, dp.selector
         )
+        idx = idx.to(self.flat.device)
         snap = self.flat.index_select(0, idx)
         enc = codecs.encode(snap, dp.codec, dp.block_size)
         return Round(index, self.step, idx, snap, enc.nbytes), codecs.decode(enc)

@@ -120,7 +120,7 @@ def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
     cell.step = int(state["step"])
     cell.history.clear()
     for v, w in zip(state["versions"].tolist(), stashes, strict=True):
-        cell.history[int(v)] = w.clone()
+        cell.history[int(v)] = w.to(cell.flat.device, copy=True)
 
 
 # ---- state transfer to a joining peer (mesh/state_sync.py) ------------------------------------
@@ -148,11 +148,11 @@ def state_vector(cell: Cell) -> torch.Tensor:
     """The cell's live state as one float32 vector (8-bit optimizer codes and step counts are
     exact in float32)."""
     sd = cell.optimizer.state_dict()
-    parts = [cell.flat, cell.drift]
+    parts = [cell.flat.cpu(), cell.drift.cpu()]
     for key, shape in state_layout(cell):
         v = sd[key]
         parts.append(
-            v.detach().reshape(-1).to(torch.float32)
+            v.detach().reshape(-1).to("cpu", torch.float32)
             if shape is not None
             else torch.tensor([float(v)], dtype=torch.float32)
         )

@@ -131,6 +131,9 @@ class RuntimeConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
     round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
     host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where a cell computes: auto = cuda when present, else cpu"
+    )
     rejoin_timeout_s: float = Field(
         120.0,
         gt=0,

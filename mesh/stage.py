@@ -118,6 +118,7 @@ class StageWorker:
         self.pending: list[tuple[Round, MeanHandle]] = []
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = StageStats()
+        self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
         self.lock = threading.Lock()  # held while an update changes the cell's state
         self.session = Session(0, 0, 0)
         self.coord: Any = StaticCoordinator(0, 1)
@@ -218,20 +219,16 @@ class StageWorker:
     def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         assert self.corpus is not None, "real compute needs the corpus"
-        return train_batch(
-            self.corpus,
-            cfg.run.seed,
-            self.i,
-            b,
-            cfg.pipeline.microbatch_size,
-            cfg.model.seq_len,
+        x, y = train_batch(
+            self.corpus, cfg.run.seed, self.i, b, cfg.pipeline.microbatch_size, cfg.model.seq_len
         )
+        return x.to(self.device), y.to(self.device)
 
     def _recv_act(self, b: int) -> None:
         assert self.prev is not None
         t0 = time.perf_counter()
         msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
-        self.in_flight[b] = _InFlight(msg.tensor(), -1)
+        self.in_flight[b] = _InFlight(msg.tensor().to(self.device), -1)
         if self.emu:
             self.emu.waited(t0)
 
@@ -294,7 +291,7 @@ class StageWorker:
         assert self.next is not None
         t0 = time.perf_counter()
         msg = self._recv(self.next, self.session.tag("grad", b), self._expect_grad)
-        self.in_flight[b].grad_out = msg.tensor()
+        self.in_flight[b].grad_out = msg.tensor().to(self.device)
         if self.emu:
             self.emu.waited(t0)
 
@@ -338,7 +335,7 @@ class StageWorker:
         """FullSync: a blocking mean of the gradients over the replicas of this stage."""
         if self.cfg.dp.mode != "grad_allreduce" or self.m == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in self.grads])
+        flat = torch.cat([g.reshape(-1) for g in self.grads]).cpu()  # transports: host memory
         t0 = time.perf_counter()
         handle = self.transport.start_mean(
             group_name(self.j),
@@ -355,7 +352,7 @@ class StageWorker:
             raise RuntimeError(f"{self.cell}: gradient all-reduce failed: {res.reason}")
         offset = 0
         for g in self.grads:
-            g.copy_(res.mean[offset : offset + g.numel()].view_as(g))
+            g.copy_(res.mean[offset : offset + g.numel()].view_as(g))  # copy_ crosses devices
             offset += g.numel()
 
     def _step(self) -> None:
@@ -384,7 +381,7 @@ class StageWorker:
             group_name(self.j),
             self.column,
             index,
-            rnd.snapshot,
+            rnd.snapshot.cpu(),
             self.cfg.dp.codec,
             self.cfg.runtime.round_timeout_s,
         )
@@ -417,7 +414,7 @@ class StageWorker:
             return
         if res.status is MeanStatus.PARTIAL:
             self.stats.rounds_partial += 1
-        rnd.mean = res.mean
+        rnd.mean = res.mean.to(self.device)
         self.cell.apply_round(rnd)
         self.stats.rounds_applied += 1
 

@@ -23,7 +23,7 @@ from comms.p2p_auth import Auth
 from comms.transport import Transport
 from mesh.cell import Cell
 from mesh.checkpoint import checkpoint_path, load_cell, save_cell, saved_steps
-from mesh.config import Config, config_from_dict
+from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data import load_corpus
 from mesh.emulate import link_profile, resolve_window
 from mesh.model import build_stage
@@ -64,6 +64,20 @@ def cell_transport(
         timeout_s=cfg.runtime.timeout_s,
         **{"shaping": link_profile(cfg), **extra, **options},
     )
+
+
+def cell_device(cfg: Config, stage: int, replica: int) -> torch.device:
+    """runtime.device: "cpu"; "cuda": GPU (cell index mod the visible GPUs, so a simulated
+    grid spreads over them); "auto": cuda when this machine has one. Emulated compute: cpu."""
+    want = cfg.runtime.device
+    if cfg.runtime.compute == "emulated" or want == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if want == "cuda":
+            raise ConfigError("runtime.device = cuda, but torch sees no GPU; use auto or cpu")
+        return torch.device("cpu")
+    index = (replica * cfg.grid.stages + stage) % torch.cuda.device_count()
+    return torch.device("cuda", index)
 
 
 def make_coordinator(
@@ -142,7 +156,8 @@ def run_cell(
     corpus = (
         None if emulated else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
     )
-    cell = Cell(cfg, stage, replica, build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed))
+    module = build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed)
+    cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
     if resume_step == -1:
         steps = saved_steps(out_dir, stage, replica)
         resume_step = steps[-1] if steps else None
@@ -287,7 +302,7 @@ _STOP = _StopSignal()
 def _digest(t: torch.Tensor) -> str:
     import hashlib
 
-    return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def cell_process_main(*args: Any, **kwargs: Any) -> None:

@@ -55,12 +55,12 @@ def test_emulated_grid_summary_has_fraction_of_ideal_and_exact_bytes(text_file, 
     assert all(v > 0 for v in summary["peak_memory"]["stash_bytes"].values())
 
     # pipeline bytes, exactly: one activation and one gradient per microbatch, each an
-    # 8-byte length plus its wire frame (whose name is the tag)
+    # 8-byte length plus its wire frame (whose name is the tag: session epoch 0 on a fixed grid)
     shape = (4, 32, 32)
     pp = sum(
         2 * 8
-        + _frame(f"act/{b}", wire.Kind.ACTIVATION, shape, "bf16")
-        + _frame(f"grad/{b}", wire.Kind.GRADIENT, shape, "bf16")
+        + _frame(f"0/act/{b}", wire.Kind.ACTIVATION, shape, "bf16")
+        + _frame(f"0/grad/{b}", wire.Kind.GRADIENT, shape, "bf16")
         for b in range(steps)
     )
     assert summary["bytes"]["pp_per_replica_step"] == pytest.approx(pp / steps, abs=0)

@@ -181,3 +181,47 @@ if __name__ == "__main__":
         _recv(host, port)
     else:
         _send(host, port, int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else None)
+
+
+@dataclass
+class NetnsStar:
+    """n leaf namespaces on one bridge (inside a hub namespace), each leaf's link shaped."""
+
+    hub: str
+    leaves: list[str]
+    addrs: list[str]
+
+    def cmd(self, k: int, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", self.leaves[k], *argv]
+
+
+@contextlib.contextmanager
+def netns_star(n: int, rate_mbit: float, burst_kb: int = 32) -> Iterator[NetnsStar]:
+    """Leaves 10.78.0.1..n on a bridge in a hub namespace; tbf at rate_mbit on both directions
+    of every leaf's veth (its upload and its download). Everything is deleted on exit."""
+    tag = f"mt{os.getpid()}s"
+    star = NetnsStar(
+        f"{tag}h", [f"{tag}{k}" for k in range(n)], [f"10.78.0.{k + 1}" for k in range(n)]
+    )
+    tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency", "50ms"]
+    try:
+        _run("ip", "netns", "add", star.hub)
+        _run("ip", "-n", star.hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", star.hub, "link", "set", "br0", "up")
+        for k, ns in enumerate(star.leaves):
+            leaf, port = f"{tag}v{k}", f"{tag}p{k}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", leaf, "type", "veth", "peer", "name", port)
+            _run("ip", "link", "set", leaf, "netns", ns)
+            _run("ip", "link", "set", port, "netns", star.hub)
+            _run("ip", "-n", star.hub, "link", "set", port, "master", "br0")
+            _run("ip", "-n", star.hub, "link", "set", port, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{star.addrs[k]}/24", "dev", leaf)
+            _run("ip", "-n", ns, "link", "set", leaf, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", leaf, "root", *tbf)
+            _run("ip", "netns", "exec", star.hub, "tc", "qdisc", "add", "dev", port, "root", *tbf)
+        yield star
+    finally:
+        for ns in [*star.leaves, star.hub]:  # deleting a namespace deletes the veths inside
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

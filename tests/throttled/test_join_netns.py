@@ -1,0 +1,113 @@
+"""The 2x2 grid of `meshtrain dht` + four `meshtrain join`, each peer in its own network
+namespace behind a veth link shaped with kernel tbf (its upload and download). Root only;
+skipped cleanly otherwise. Checks that it trains and that each peer's measured averaging traffic
+stays within its link's budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from netns import netns_star, unavailable
+
+from mesh.metrics import read_metrics
+
+RATE_MBIT = 20.0
+pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def _rows(out: Path) -> list[dict]:
+    return next(iter(read_metrics(out).values()), [])
+
+
+def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
+    why = unavailable()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f"""
+[model]
+n_layers = 2
+d_model = 16
+n_heads = 2
+seq_len = 16
+[grid]
+stages = 2
+replicas = 2
+[pipeline]
+microbatch_size = 2
+[data]
+path = "{text_file}"
+val_batches = 2
+[run]
+steps = 100000
+[runtime]
+heartbeat_s = 1.0
+"""
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": "k"}
+    procs: list[subprocess.Popen] = []
+    with netns_star(5, RATE_MBIT) as star:
+
+        def start(k: int, *args: str, **kw) -> subprocess.Popen:
+            maddr = f"/ip4/{star.addrs[k]}/tcp/0"
+            cmd = star.cmd(k, sys.executable, "-m", "cli.main", *args, "--host-maddrs", maddr)
+            p = subprocess.Popen(cmd, env=env, start_new_session=True, text=True, **kw)
+            procs.append(p)
+            return p
+
+        try:
+            dht = start(0, "dht", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            bootstrap = dht.stdout.readline().strip()
+            assert bootstrap.startswith(f"/ip4/{star.addrs[0]}/"), bootstrap
+            outs = [tmp_path / f"j{k}" for k in range(1, 5)]
+            logs = [(tmp_path / f"j{k}.log").open("w") for k in range(1, 5)]
+            for k in range(1, 5):
+                extra = ["--config", str(cfg)] if k == 1 else []
+                start(k, "join", "--initial-peers", bootstrap, "--out", str(outs[k - 1]), *extra,
+                      stdout=logs[k - 1], stderr=subprocess.STDOUT)  # fmt: skip
+                if k == 1:
+                    time.sleep(3)  # the run's config record first
+            _wait(lambda: all(len(_rows(o)) > 40 for o in outs), 150, "four cells training")
+            time.sleep(10)  # a steady stretch to measure
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
+    budget_bytes_s = RATE_MBIT * 1e6 / 8
+    for out in outs:
+        rows = [r for r in _rows(out) if "bytes_sent" in r and not r.get("final")]
+        first, last = rows[len(rows) // 4], rows[-1]
+        dt = last["time_s"] - first["time_s"]
+        avg = last["bytes_sent"].get("average", 0) - first["bytes_sent"].get("average", 0)
+        sent = sum(last["bytes_sent"].values()) - sum(first["bytes_sent"].values())
+        assert avg > 0, out  # rounds ran across the shaped links
+        assert sent / dt <= budget_bytes_s * 1.05, (out, sent / dt, budget_bytes_s)
+        assert avg / dt <= budget_bytes_s, (out, avg / dt)
+    last_stages = 0
+    for out in outs:
+        losses = [r["loss"] for r in _rows(out) if r.get("loss") is not None]
+        if losses:
+            last_stages += 1
+            assert min(losses[-10:]) < losses[0], (out, losses[0], losses[-10:])
+    assert last_stages == 2

@@ -304,7 +304,10 @@ def dht(
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity:
         kwargs["identity_path"] = identity
-    node = hivemind.DHT(start=True, **kwargs)
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    # checks signed records (cell claims) before it stores them, as every peer does
+    node = hivemind.DHT(start=True, record_validators=[RSASignatureValidator()], **kwargs)
     for maddr in node.get_visible_maddrs():
         click.echo(str(maddr))
     sys.stdout.flush()
@@ -323,7 +326,11 @@ def dht(
 @click.option("--initial-peers", multiple=True, metavar="MADDR", help="Any DHT node of the run.")
 @click.option("--stage", type=int, default=None, help="Claim a cell of this stage.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
-@click.option("--client-mode", is_flag=True, help="Do not serve the DHT (a peer behind NAT).")
+@click.option(
+    "--client-mode",
+    is_flag=True,
+    help="A peer behind NAT: do not serve the DHT, and ask a public peer to relay for us.",
+)
 @run_options
 @p2p_options
 @user_errors

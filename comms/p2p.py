@@ -45,6 +45,7 @@ from comms.p2p_dht import (
     PeerRecord,
     adopt_socket,
     get_records,
+    owner_marker,
     parse_record,
     start_dht,
     store_record,
@@ -105,6 +106,8 @@ class P2PTransport(StreamMixin):
         announce_maddrs: addresses others should dial (NAT / port mapping); explicit ports.
         identity_path: private key file; makes the PeerID stable across restarts.
         client_mode: DHT client (does not serve DHT requests; for unreachable peers).
+        use_auto_relay: take a reservation on a public relay to be reachable behind NAT
+            (default: client_mode).
         timeout_s: default deadline of sends and name resolution.
         startup_timeout_s: deadline of starting the DHT and publishing our name (default
             max(timeout_s, 15): p2pd alone may need seconds on a busy host).
@@ -133,6 +136,7 @@ class P2PTransport(StreamMixin):
         announce_maddrs: Sequence[str] | None = None,
         identity_path: str | None = None,
         client_mode: bool = False,
+        use_auto_relay: bool | None = None,
         timeout_s: float = 30.0,
         startup_timeout_s: float | None = None,
         max_message_bytes: int = 256 << 20,
@@ -171,6 +175,9 @@ class P2PTransport(StreamMixin):
             announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
             identity_path=identity_path,
             client_mode=client_mode,
+            # unreachable peers take a relay reservation (hivemind's use_auto_relay); not
+            # verified on loopback, where no /p2p-circuit address appears (reference 3.3)
+            use_auto_relay=client_mode if use_auto_relay is None else use_auto_relay,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -274,6 +281,11 @@ class P2PTransport(StreamMixin):
                     self.resolve(n, max(0.0, deadline - time.monotonic()))
                 except PeerLost as e:
                     raise PeerTimeout(f"{n!r} did not appear within {timeout_s}s") from e
+
+    @property
+    def owner_marker(self) -> str:
+        """See comms.p2p_dht.owner_marker: put it in a subkey to make the record ours alone."""
+        return owner_marker()
 
     def admits(self, rec: PeerRecord) -> bool:
         """Whether a peer's record proves membership of our run (always, without auth)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -121,8 +122,18 @@ async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
     node.adopted = [*getattr(node, "adopted", []), path]
 
 
+def owner_marker() -> str:
+    """This process's hivemind RSA ownership marker "[owner:ssh-rsa ...]": a record whose subkey
+    contains it can only be written (or withdrawn) by this process; DHT nodes with an
+    RSASignatureValidator reject forged ones."""
+    return RSASignatureValidator().local_public_key.decode()
+
+
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
-    """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host."""
+    """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
+    Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
+    the process-wide key)."""
+    kwargs.setdefault("record_validators", [RSASignatureValidator()])
     deadline = time.monotonic() + timeout_s
     delay = 0.5
     while True:
@@ -180,6 +191,10 @@ class DhtClient:
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
+
+    @property
+    def owner_marker(self) -> str:
+        return owner_marker()
 
     def dht_store(
         self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None

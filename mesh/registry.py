@@ -2,7 +2,8 @@
 
 Records (values are plain dicts, MSGPack-encoded by hivemind; any peer can write any key, so every
 field is type-checked here and records without a valid membership token are ignored and counted):
-- `cells`, subkey `<cell>/<peer_id>`: a claim and its heartbeat, re-stored every
+- `cells`, subkey `<cell>/<peer_id>[owner:<RSA key>]`: a claim and its heartbeat, signed (only
+  the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
   `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
   process's incarnation), since (claim time), epoch, step, tps, t, auth}. A claim that stops
   beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
@@ -36,6 +37,9 @@ class Directory(Protocol):
     ) -> bool: ...
 
     def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
+
+    @property
+    def owner_marker(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -184,15 +188,19 @@ class Registry:
         cells = self.cells()
         return None if cells is None else owners(cells)
 
+    def _subkey(self, cell: str, peer: str) -> str:
+        # signed: only this process can write or withdraw its claim (comms.p2p_dht.owner_marker)
+        return f"{cell}/{peer}{self.d.owner_marker}"
+
     def beat(self, rec: CellRecord) -> bool:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
-        return self.d.dht_store("cells", f"{rec.cell}/{rec.peer}", cell_value(rec), ttl)
+        return self.d.dht_store("cells", self._subkey(rec.cell, rec.peer), cell_value(rec), ttl)
 
     def release(self, cell: str, peer: str) -> None:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
         the terminal's process group; the claim then expires by itself)."""
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
-        self.d.dht_store("cells", f"{cell}/{peer}", None, ttl, timeout_s=2.0)
+        self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
     def session(self, replica: int) -> SessionRecord | None:
         return parse_session((self._get(f"session.r{replica}") or {}).get("leader"))

@@ -223,3 +223,46 @@ def _outsider_sends_activation(maddr: str, to: str) -> None:
             handle.wait(10)
         except Exception:  # noqa: BLE001 - refused: the stream is closed on us
             pass
+
+
+def _forge(maddr: str, conn) -> None:
+    """Another process (another RSA key) tries to overwrite and to withdraw a signed claim."""
+    from comms.p2p_dht import DhtClient
+
+    other = DhtClient([maddr], "forge", 15, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        subkey = conn.recv()
+        fake = {"v": 1, "cell": "s0r0", "peer": "mallory"}
+        conn.send(
+            [other.dht_store("cells", subkey, fake, 30), other.dht_store("cells", subkey, None, 31)]
+        )
+    finally:
+        other.close()
+
+
+def test_a_signed_claim_cannot_be_overwritten_by_another_peer():
+    import multiprocessing as mp
+
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from comms.p2p_dht import DhtClient
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                        record_validators=[RSASignatureValidator()])  # fmt: skip
+    maddr = str(boot.get_visible_maddrs()[0])
+    mine = DhtClient([maddr], "forge", 15, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_forge, args=(maddr, there))
+    try:
+        subkey = f"s0r0/me{mine.owner_marker}"
+        assert mine.dht_store("cells", subkey, {"v": 1, "cell": "s0r0", "peer": "me"}, 30)
+        proc.start()
+        here.send(subkey)
+        assert here.recv() == [False, False]  # both refused by the validators
+        assert mine.dht_get("cells") == {subkey: {"v": 1, "cell": "s0r0", "peer": "me"}}
+    finally:
+        proc.join(30)
+        mine.close()
+        boot.shutdown()

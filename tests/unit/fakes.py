@@ -12,6 +12,8 @@ class FakeDirectory:
         self.data.setdefault(key, {})[subkey] = value
         return True
 
+    owner_marker = "[owner:test]"
+
     def dht_get(self, key, timeout_s=None):
         if not self.answer:
             return None

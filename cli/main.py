@@ -219,6 +219,21 @@ def bench_throughput(
     run_throughput(cfg, Path(out), quick=quick)
 
 
+@bench.command("runtime")
+@config_options
+@click.option("--quick", is_flag=True, help="40 updates instead of 200.")
+@click.option("--out", type=click.Path(file_okay=False), default="results/runtime")
+@user_errors
+def bench_runtime(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
+) -> None:
+    """Multi-process runs (torch, hivemind) against the simulator: same config and seed,
+    validation loss at equal tokens."""
+    from cli.bench_runtime import run_equivalence
+
+    run_equivalence(resolve_config(config_files, overrides), Path(out), quick=quick)
+
+
 @bench.command("optimizers")
 @config_options
 @click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
@@ -230,6 +245,12 @@ def bench_throughput(
     default=None,
     help="Validation loss to reach (default: delay-free adamw's at half the horizon).",
 )
+@click.option(
+    "--reanalyze",
+    is_flag=True,
+    help="Do not train: re-derive OUT/summary.json's async updates-to-target for --target "
+    "(default: the loosest loss every run reaches) and rewrite the outputs.",
+)
 @user_errors
 def bench_optimizers(
     config_files: tuple[str, ...],
@@ -238,12 +259,21 @@ def bench_optimizers(
     out: str,
     workers: int,
     target: float | None,
+    reanalyze: bool,
 ) -> None:
     """Depth study: adamw, nadamw, muon, rotated_adam (+stage-aware) at P = 1..16; 2bw +- EF.
 
     The study's 16-layer model applies before --set (which wins) and after --config files.
     """
     from mesh.bench_optimizers import STUDY_DEFAULTS, run_optimizers
+
+    if reanalyze:
+        from mesh.bench_optimizers import reanalyze as rederive
+
+        if not (Path(out) / "summary.json").is_file():
+            raise ConfigError(f"--reanalyze: no {out}/summary.json; run the study first")
+        rederive(Path(out), target)
+        return
 
     cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
     run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)

@@ -14,6 +14,8 @@ shares that daemon through a replica P2P on a private asyncio loop thread.
   bytes with `wire.unpack` (rejects are counted in stats, never raised into the peer), and files
   the message in a bounded per-sender mailbox keyed by tag (the wire name).
 - Group means: see comms/p2p_mean.py (hivemind's DecentralizedAverager, or a direct all-gather).
+- Run records (cell claims, sessions, the run's config) in the same DHT: `dht_store` / `dht_get`
+  (comms.p2p_dht.RunRecords); with `auth` (comms/p2p_auth.py) only members' streams are served.
 
 Nothing from a peer is unpickled: message bodies only go through `wire.unpack`; DHT records are
 hivemind's MSGPack of plain dicts we write, and are type-checked when read.
@@ -43,12 +45,10 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.p2p_auth import Auth
 from comms.p2p_dht import (
     PeerRecord,
+    RunRecords,
     adopt_socket,
-    get_records,
-    owner_marker,
     parse_record,
     start_dht,
-    store_record,
 )
 from comms.p2p_mailbox import Mailbox
 from comms.p2p_stream import HANDLER, Ack, StreamMixin
@@ -95,7 +95,7 @@ class SendResult:
         return cls(fut, to, tag)
 
 
-class P2PTransport(StreamMixin):
+class P2PTransport(StreamMixin, RunRecords):
     """Transport over hivemind's libp2p (see the module docstring).
 
     Args:
@@ -282,26 +282,9 @@ class P2PTransport(StreamMixin):
                 except PeerLost as e:
                     raise PeerTimeout(f"{n!r} did not appear within {timeout_s}s") from e
 
-    @property
-    def owner_marker(self) -> str:
-        """See comms.p2p_dht.owner_marker: put it in a subkey to make the record ours alone."""
-        return owner_marker()
-
     def admits(self, rec: PeerRecord) -> bool:
         """Whether a peer's record proves membership of our run (always, without auth)."""
         return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.auth)
-
-    def dht_store(
-        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
-    ) -> bool:
-        """See comms.p2p_dht.store_record (keys under our run_id)."""
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
-
-    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """See comms.p2p_dht.get_records (keys under our run_id)."""
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
 
     # ---------------------------------------------------------------- test hooks
 

@@ -179,7 +179,33 @@ def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]
     }
 
 
-class DhtClient:
+class RunRecords:
+    """Records of a run in a DHT (mesh.registry's Directory): keys under `{run_id}.`, our owner
+    marker for signed subkeys. Needs `dht`, `run_id` and `timeout_s` on the instance."""
+
+    dht: hivemind.DHT
+    run_id: str
+    timeout_s: float
+
+    @property
+    def owner_marker(self) -> str:
+        """See owner_marker(): put it in a subkey to make the record ours alone."""
+        return owner_marker()
+
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool:
+        """See store_record."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
+
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """See get_records."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
+
+
+class DhtClient(RunRecords):
     """A DHT node that only reads and writes run records (join's scout, `meshtrain status`):
     the Directory of mesh.registry without a transport. Dead bootstrap peers: start_dht raises
     within timeout_s."""
@@ -191,20 +217,6 @@ class DhtClient:
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
-
-    @property
-    def owner_marker(self) -> str:
-        return owner_marker()
-
-    def dht_store(
-        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
-    ) -> bool:
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
-
-    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

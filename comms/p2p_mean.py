@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,6 +92,7 @@ class _Round:
     enc: Encoded
     shape: tuple[int, ...]
     deadline: float
+    cut: threading.Event = field(default_factory=threading.Event)  # stop waiting for others
 
     def name(self, member: str) -> str:
         return frame_name(self.group, self.round_id, self.members.index(member))
@@ -121,8 +122,14 @@ class _Round:
 class MeanHandle:
     """comms.transport.MeanHandle of one round."""
 
-    def __init__(self, fut: cf.Future[MeanResult]) -> None:
-        self._fut = fut
+    def __init__(self, fut: cf.Future[MeanResult], job: _Round | None = None) -> None:
+        self._fut, self._job = fut, job
+
+    def cut(self) -> None:
+        """Stop waiting for members that have not contributed yet (direct path): the round
+        ends at once over the payloads it has (PARTIAL), as at its deadline."""
+        if self._job is not None:
+            self._job.cut.set()
 
     def done(self) -> bool:
         return self._fut.done()
@@ -183,7 +190,7 @@ class MeanService:
         target = self._direct if direct else self._via_averager
         name = f"mean-{group}-{round_id}"
         threading.Thread(target=self._run, args=(target, job, fut), daemon=True, name=name).start()
-        return MeanHandle(fut)
+        return MeanHandle(fut, job)
 
     def close(self) -> None:
         with self._lock:
@@ -226,7 +233,7 @@ class MeanService:
         except CodecError as e:
             why.append(f"own payload: {e}")
         for m in others:
-            while time.monotonic() < job.deadline:
+            while time.monotonic() < job.deadline and not job.cut.is_set():
                 try:
                     left = min(0.2, job.deadline - time.monotonic())
                     got[m] = self.t.recv(m, job.name(m), job.expect(m), left).tensor()

@@ -109,6 +109,12 @@ class DPConfig(_Section):
         description="runtime: wait for each round exactly tau updates after launch (reproduces "
         "the simulator); off: apply a round when it completes, at least tau updates late",
     )
+    max_round_lag_steps: int = Field(
+        20,
+        ge=0,
+        description="runtime (hivemind): a member whose payload is still missing this many "
+        "updates after a round was due is dropped from it; the round applies over the rest",
+    )
 
 
 class DataConfig(_Section):

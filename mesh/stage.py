@@ -399,7 +399,13 @@ class StageWorker:
             if rnd.launch_step + self.cfg.dp.tau > self.cell.step:
                 return
             if not handle.done() and not strict:
-                return
+                late = self.cell.step - rnd.launch_step - self.cfg.dp.tau
+                cut = getattr(handle, "cut", None)
+                if late < self.cfg.dp.max_round_lag_steps or cut is None:
+                    return
+                # members whose payload is this many updates late are dropped from the round:
+                # it ends now over the contributions it has (counted partial)
+                cut()
             self.pending.pop(0)
             t0 = time.perf_counter()
             res = handle.result(self.cfg.runtime.round_timeout_s)

@@ -616,3 +616,28 @@ def test_peer_killed_during_mean(path):
         assert c["a"].call("send", "b", "alive", "fp32", torch.ones(3), 0) == Ack.OK
     finally:
         c.close()
+
+
+def test_cut_round_ends_at_once_over_the_payloads_it_has():
+    """A member that never contributes is dropped when the caller cuts the round (the runtime
+    does so max_round_lag_steps updates after the round was due), long before its deadline."""
+    import hivemind
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    a = P2PTransport("a", initial_peers=peers, mean_path="direct", peers=["b"])
+    b = P2PTransport("b", initial_peers=peers, mean_path="direct", peers=["a"])
+    try:
+        a.wait_for_peers(["b"], 30)
+        handle = a.start_mean("g", ["a", "b"], 7, torch.ones(64), "fp32", timeout_s=60)
+        time.sleep(0.5)
+        assert not handle.done()  # b is alive but silent: the round waits for it
+        t0 = time.monotonic()
+        handle.cut()
+        res = handle.result(5)
+        assert time.monotonic() - t0 < 2
+        assert res.status is MeanStatus.PARTIAL and res.contributors == ("a",), res
+    finally:
+        a.close()
+        b.close()
+        boot.shutdown()

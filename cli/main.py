@@ -379,15 +379,7 @@ def join(
 ) -> None:
     """Add this machine to a run: claim a free cell through the DHT, take its stage's state from
     a live peer, train until the run ends or Ctrl-C (which saves and releases the cell)."""
-    from cli.reach import any_reachable
-
-    if initial_peers and not any_reachable(list(initial_peers)):  # before the heavy imports
-        raise ConfigError(
-            f"no DHT node answers at --initial-peers {' '.join(initial_peers)} (TCP connection "
-            "refused or timed out); check the address and that the bootstrap node "
-            "(meshtrain dht) is running"
-        )
-    from cli.join import run_join
+    from cli.join import run_join  # light: torch loads only once a cell is claimed
 
     local = resolve_config(config_files, overrides) if config_files else None
     run_join(
@@ -412,7 +404,7 @@ def join(
 @user_errors
 def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: str | None) -> None:
     """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat; free cells."""
-    from cli.join import open_scout, status_rows
+    from cli.join import config_of, open_scout, status_rows
     from cli.report import print_table
     from comms.p2p_auth import Auth
     from mesh.registry import Registry
@@ -421,13 +413,7 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
     try:
         rec = Registry(scout, None, 1.0).run()
-        cfg = None
-        if rec is not None:
-            import tempfile
-
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "run.toml").write_text(rec.toml)
-                cfg = load_config([Path(tmp) / "run.toml"])
+        cfg = config_of(rec) if rec is not None else None
         auth = Auth.of(run_key, rec.fingerprint) if rec is not None else None
         rows = status_rows(Registry(scout, auth, 1.0), cfg)
     finally:

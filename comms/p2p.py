@@ -47,7 +47,7 @@ from comms.p2p_dht import (
     PeerRecord,
     RunRecords,
     adopt_socket,
-    parse_record,
+    pick_record,
     start_dht,
 )
 from comms.p2p_mailbox import Mailbox
@@ -283,7 +283,7 @@ class P2PTransport(StreamMixin, RunRecords):
 
     def admits(self, rec: PeerRecord) -> bool:
         """Whether a peer's record proves membership of our run (always, without auth)."""
-        return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.auth)
+        return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.signer, rec.auth)
 
     # ---------------------------------------------------------------- test hooks
 
@@ -326,9 +326,10 @@ class P2PTransport(StreamMixin, RunRecords):
         # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
         own = Multiaddr(f"/p2p/{self.peer_id}")
         maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]
-        self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs}
+        self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs, "t": time.time()}
+        self._subkey = f"{self.peer_id}{self.owner_marker}"  # signed: only we can write it
         if self.auth is not None:
-            self._record["auth"] = self.auth.token(self.peer_id)
+            self._record["auth"] = self.auth.token(self.peer_id, self.owner_marker)
         if not await self._publish():
             raise PeerLost(f"could not publish {self.me!r} in the DHT")
         self._refresher = asyncio.create_task(self._refresh_forever())
@@ -348,7 +349,10 @@ class P2PTransport(StreamMixin, RunRecords):
         # skewed clock) outlives ours, outbid it once.
         for ttl in (self.record_ttl_s, 2 * self.record_ttl_s + 10):
             exp = get_dht_time() + ttl
-            if await self.dht.store(self._key(self.me), self._record, exp, return_future=True):
+            stored = self.dht.store(
+                self._key(self.me), self._record, exp, subkey=self._subkey, return_future=True
+            )
+            if await stored:
                 self._record_exp = exp
                 return True
         return False
@@ -368,7 +372,10 @@ class P2PTransport(StreamMixin, RunRecords):
             exp = self._record_exp + 1e-3  # so a restart under this name can publish at once
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
-                    self.dht.store(self._key(self.me), None, exp, return_future=True), 2
+                    self.dht.store(
+                        self._key(self.me), None, exp, subkey=self._subkey, return_future=True
+                    ),
+                    2,
                 )
         for streams in self._idle.values():
             for _, w in streams:
@@ -389,7 +396,13 @@ class P2PTransport(StreamMixin, RunRecords):
             return self._records[name]
         while True:
             found = await self.dht.get(self._key(name), latest=True, return_future=True)
-            rec = parse_record(found.value if found is not None else None)
+            value = found.value if found is not None else None
+            records = (
+                {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+                if isinstance(value, dict)
+                else {}
+            )
+            rec = pick_record(records, self.admits)
             if rec is not None:
                 # hivemind exposes no public connect; dial the published addresses so streams to
                 # peers we only know through the DHT find a route (the DHT itself does the same).

@@ -1,11 +1,13 @@
 """The DHT side of P2PTransport: its DHT process, and peer names as DHT records.
 
 Role: `start_dht` starts a `PeerDHT` (one hivemind DHT process owning one p2pd) with retries;
-`PeerRecord` / `parse_record` are the name records (`{run_id}.peer.{name}` ->
-{"v": 1, "peer_id": base58, "maddrs": [...]}, MSGPack-encoded by hivemind, type-checked here
-because any peer can write a key). `watch_parent` makes forked helpers (the DHT process, the
-averagers) stop their p2pd, remove their /tmp/hivemind-*.sock files and exit when the peer
-process dies, even by SIGKILL.
+`PeerRecord` / `parse_record` / `pick_record` are the name records (`{run_id}.peer.{name}`,
+subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs": [...],
+"t": publish time, "auth": token}, MSGPack-encoded by hivemind, type-checked here because any
+peer can write a key: a name holds one record per process that published it, and readers take
+the newest one that proves membership, so an outsider cannot shadow a member's name).
+`watch_parent` makes forked helpers (the DHT process, the averagers) stop their p2pd, remove
+their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
 imports: hivemind, stdlib only (no torch, no mesh, no cli).
 """
@@ -33,24 +35,39 @@ class PeerRecord:
     peer_id: PeerID
     maddrs: tuple[str, ...]
     auth: str | None = None  # comms.p2p_auth token (None in records of peers without one)
+    signer: str = ""  # owner marker of the subkey it was stored under
+    t: float = 0.0  # when the publishing process started (the newest one wins)
 
 
-def parse_record(value: object) -> PeerRecord | None:
-    """A DHT record written by a peer: type-check every field (None once the peer left)."""
+def parse_record(value: object, subkey: str) -> PeerRecord | None:
+    """A DHT record written by a peer under subkey: type-check every field; None once the peer
+    left, or when the subkey is not `<its peer_id><owner marker>`."""
     if not isinstance(value, dict) or value.get("v") != 1:
         return None
-    pid, maddrs = value.get("peer_id"), value.get("maddrs")
+    pid, maddrs, t = value.get("peer_id"), value.get("maddrs"), value.get("t", 0.0)
     if not isinstance(pid, str) or not isinstance(maddrs, list | tuple):
         return None
-    if not all(isinstance(m, str) for m in maddrs):
+    if not all(isinstance(m, str) for m in maddrs) or not isinstance(t, int | float):
+        return None
+    signer = subkey[len(pid) :]
+    if not subkey.startswith(pid) or not (signer == "" or signer.startswith("[owner:")):
         return None
     auth = value.get("auth")
     try:
-        return PeerRecord(
-            PeerID.from_base58(pid), tuple(maddrs), auth if isinstance(auth, str) else None
-        )
+        peer_id = PeerID.from_base58(pid)
     except Exception:  # noqa: BLE001 - malformed base58 from a peer
         return None
+    return PeerRecord(peer_id, tuple(maddrs), auth if isinstance(auth, str) else None, signer, t)
+
+
+def pick_record(
+    found: dict[str, object], admits: Callable[[PeerRecord], bool]
+) -> PeerRecord | None:
+    """The record a name resolves to: the newest admitted one; with none admitted, the newest
+    well-formed one (whose use the caller refuses and counts)."""
+    recs = [r for k, v in found.items() if (r := parse_record(v, k)) is not None]
+    recs.sort(key=lambda r: (admits(r), r.t), reverse=True)
+    return recs[0] if recs else None
 
 
 def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:
@@ -92,8 +109,20 @@ class PeerDHT(hivemind.DHT):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # e.g. a request pickled by a peer process that was killed mid-send cannot be read
         logging.getLogger("hivemind.dht.dht").addFilter(one_line)
+        parent = os.getppid()
         watch_parent(self._orphaned)
-        super().run()
+        try:
+            super().run()
+        except (EOFError, OSError):
+            # A request whose pipe our peer process was handing over when it was killed cannot
+            # be read (multiprocessing's resource sharer died with it). Our parent is gone or
+            # going: exit quietly, as watch_parent would, instead of a traceback on its stderr.
+            for _ in range(40):
+                if os.getppid() != parent:
+                    self._orphaned()
+                    os._exit(0)
+                time.sleep(0.05)
+            raise
 
     def _orphaned(self) -> None:
         # Plain syscalls only: this runs on the watchdog thread, and hivemind's client and

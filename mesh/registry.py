@@ -8,7 +8,11 @@ field is type-checked here and records without a valid membership token are igno
   process's incarnation), since (claim time), epoch, step, tps, t, auth}. A claim that stops
   beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
   it (ties: the smaller PeerID); the other claimer sees it lost and moves on.
-- `session.r<i>`, subkey `leader`: replica i's current pipeline session (mesh/session.py).
+  The membership token covers the PeerID and the signer (the subkey's owner marker), so a
+  token copied out of someone's record is worthless under another signer.
+- `session.r<i>`, subkey `leader<owner marker>`: replica i's current pipeline session
+  (mesh/session.py), signed; readers take only the record signed by the current owner of the
+  replica's leader cell, so nobody else can stop or redirect a replica.
 - `config`, subkey `run`: the run's resolved config (TOML), its fingerprint and the run key's
   check value; what `join` reads before it claims anything.
 
@@ -21,7 +25,7 @@ comms.p2p.P2PTransport, comms.p2p_dht.DhtClient, anything with dht_store / dht_g
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from comms.p2p_auth import Auth
@@ -53,6 +57,7 @@ class CellRecord:
     tps: float
     t: float
     auth: str | None
+    signer: str = ""  # the owner marker of the subkey it was stored under (not in the value)
 
 
 def _num(v: object) -> bool:
@@ -85,7 +90,25 @@ def parse_cell(value: object) -> CellRecord | None:
 
 
 def cell_value(rec: CellRecord) -> dict[str, Any]:
-    return {"v": 1, **{k: getattr(rec, k) for k in CellRecord.__dataclass_fields__}}
+    fields = (k for k in CellRecord.__dataclass_fields__ if k != "signer")
+    return {"v": 1, **{k: getattr(rec, k) for k in fields}}
+
+
+def signer_of(subkey: str, prefix: str) -> str | None:
+    """The owner marker after `prefix` in a record's subkey; None when the subkey is not
+    `prefix` + marker (a record filed under another cell or peer than it names)."""
+    if not subkey.startswith(prefix):
+        return None
+    rest = subkey[len(prefix) :]
+    return rest if rest == "" or (rest.startswith("[owner:") and rest.endswith("]")) else None
+
+
+CLAIMING = 0  # `inc` of a join's placeholder claim: the cell's process is not up yet
+
+
+def running(rec: CellRecord) -> bool:
+    """Whether a claim is a running cell's (not a join's placeholder, see cli/join.py)."""
+    return rec.inc != CLAIMING
 
 
 def owners(records: list[CellRecord]) -> dict[str, CellRecord]:
@@ -160,12 +183,14 @@ class Registry:
     def __init__(self, directory: Directory, auth: Auth | None, heartbeat_s: float) -> None:
         self.d, self.auth, self.heartbeat_s = directory, auth, heartbeat_s
         self.rejected = 0  # claims ignored: malformed or without a valid token
+        self._leaders: dict[str, str] = {}  # leader cell -> signer of its last owner seen
 
-    def valid(self, peer: str, token: str | None) -> bool:
-        return self.auth is None or self.auth.valid(peer, token)
+    def valid(self, peer: str, signer: str, token: str | None) -> bool:
+        return self.auth is None or self.auth.valid(peer, signer, token)
 
     def token(self, peer: str) -> str | None:
-        return None if self.auth is None else self.auth.token(peer)
+        """The membership token for our claims (signed with our directory's owner marker)."""
+        return None if self.auth is None else self.auth.token(peer, self.d.owner_marker)
 
     def _get(self, key: str) -> dict[str, Any] | None:
         return self.d.dht_get(key, timeout_s=max(2.0, 2 * self.heartbeat_s))
@@ -176,12 +201,13 @@ class Registry:
         if found is None:
             return None
         out = []
-        for value in found.values():
+        for subkey, value in found.items():
             rec = parse_cell(value)
-            if rec is None or not self.valid(rec.peer, rec.auth):
+            signer = None if rec is None else signer_of(subkey, f"{rec.cell}/{rec.peer}")
+            if rec is None or signer is None or not self.valid(rec.peer, signer, rec.auth):
                 self.rejected += 1
                 continue
-            out.append(rec)
+            out.append(replace(rec, signer=signer))
         return out
 
     def owners(self) -> dict[str, CellRecord] | None:
@@ -202,11 +228,22 @@ class Registry:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
         self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
-    def session(self, replica: int) -> SessionRecord | None:
-        return parse_session((self._get(f"session.r{replica}") or {}).get("leader"))
+    def session(self, replica: int, leader_cell: str) -> SessionRecord | None:
+        """Replica's session as written by the current owner of leader_cell, or by its last
+        owner we saw while none holds it (None: none yet, or the DHT did not answer)."""
+        lead = (self.owners() or {}).get(leader_cell)
+        if lead is not None:
+            self._leaders[leader_cell] = lead.signer
+        found = self._get(f"session.r{replica}")
+        if not found:
+            return None
+        # a leader that finished the run writes `done` and leaves: its last signer still counts
+        signer = self._leaders.get(leader_cell)
+        return None if signer is None else parse_session(found.get(f"leader{signer}"))
 
     def put_session(self, replica: int, s: SessionRecord) -> bool:
-        return self.d.dht_store(f"session.r{replica}", "leader", session_value(s), SESSION_TTL_S)
+        subkey = f"leader{self.d.owner_marker}"
+        return self.d.dht_store(f"session.r{replica}", subkey, session_value(s), SESSION_TTL_S)
 
     def run(self) -> RunRecord | None:
         return parse_run((self._get("config") or {}).get("run"))

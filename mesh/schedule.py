@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
@@ -145,13 +145,16 @@ class Action:
     microbatch: int
 
 
-def _one_f_one_b(mbs: list[int], warmup: int) -> list[tuple[bool, int]]:
+def _one_f_one_b(mbs: Sequence[int], warmup: int) -> Iterator[tuple[bool, int]]:
     """(is_forward, mb): `warmup` forwards, then 1F1B steady state, then the drain."""
     w = min(warmup, len(mbs))
-    seq = [(True, b) for b in mbs[:w]]
+    for b in mbs[:w]:
+        yield True, b
     for i in range(len(mbs) - w):
-        seq += [(True, mbs[w + i]), (False, mbs[i])]
-    return seq + [(False, b) for b in mbs[len(mbs) - w :]]
+        yield True, mbs[w + i]
+        yield False, mbs[i]
+    for b in mbs[len(mbs) - w :]:
+        yield False, b
 
 
 def actions(
@@ -170,43 +173,65 @@ def actions(
     over all microbatches, STEP after every B (PipeDream + stashing). 2bw: the same stream,
     STEP after every M-th B. `window` (async only): window[j] extra warm-up forwards.
     """
+    return list(iter_actions(schedule, stage, num_stages, num_microbatches, num_updates, window))
+
+
+def iter_actions(
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    num_updates: int,
+    window: Sequence[int] | None = None,
+) -> Iterator[Action]:
+    """`actions`, one at a time: a worker's session may run a whole run's updates (hundreds of
+    thousands of actions: a second to build as a list, at every session start). Arguments are
+    checked here, before the first action."""
     validate_schedule(schedule, num_stages, num_microbatches)
     _check_stage(stage, num_stages)
     validate_window(schedule, num_stages, window)
     if num_updates < 0:
         raise ValueError(f"num_updates must be >= 0, got {num_updates}")
-    P, j = num_stages, stage
-    mpu = microbatches_per_update(schedule, num_microbatches)
+    return _actions(schedule, stage, num_stages, num_microbatches, num_updates, window)
+
+
+def _actions(
+    schedule: str, j: int, P: int, M: int, num_updates: int, window: Sequence[int] | None
+) -> Iterator[Action]:
+    mpu = microbatches_per_update(schedule, M)
     # microbatches in flight below this stage (algorithms.md 1.1), plus the window's extra
     warmup = P - 1 - j + _extra(window, j)
-    out: list[Action] = []
 
-    def emit(is_forward: bool, b: int) -> None:
+    def emit(is_forward: bool, b: int) -> Iterator[Action]:
         if is_forward:
-            out.extend([Action(Op.RECV_ACT, b)] if j > 0 else [])
-            out.append(Action(Op.FORWARD, b))
-            out.extend([Action(Op.SEND_ACT, b)] if j < P - 1 else [])
+            if j > 0:
+                yield Action(Op.RECV_ACT, b)
+            yield Action(Op.FORWARD, b)
+            if j < P - 1:
+                yield Action(Op.SEND_ACT, b)
         else:
-            out.extend([Action(Op.RECV_GRAD, b)] if j < P - 1 else [])
-            out.append(Action(Op.BACKWARD, b))
-            out.extend([Action(Op.SEND_GRAD, b)] if j > 0 else [])
+            if j < P - 1:
+                yield Action(Op.RECV_GRAD, b)
+            yield Action(Op.BACKWARD, b)
+            if j > 0:
+                yield Action(Op.SEND_GRAD, b)
 
     if schedule in _SYNC:
         for u in range(num_updates):
-            mbs = list(range(u * mpu, (u + 1) * mpu))
+            mbs = range(u * mpu, (u + 1) * mpu)
             if schedule == "gpipe":
                 seq = [(True, b) for b in mbs] + [(False, b) for b in mbs]
             else:
-                seq = _one_f_one_b(mbs, warmup)
+                seq = list(_one_f_one_b(mbs, warmup))
             for is_forward, b in seq:
-                emit(is_forward, b)
-            out += [Action(Op.FLUSH, u), Action(Op.STEP, u)]
-        return out
-    for is_forward, b in _one_f_one_b(list(range(num_updates * mpu)), warmup):
-        emit(is_forward, b)
+                yield from emit(is_forward, b)
+            yield Action(Op.FLUSH, u)
+            yield Action(Op.STEP, u)
+        return
+    for is_forward, b in _one_f_one_b(range(num_updates * mpu), warmup):
+        yield from emit(is_forward, b)
         if not is_forward and (b + 1) % mpu == 0:  # backwards run in order: B_b is the (b+1)-th
-            out.append(Action(Op.STEP, b // mpu))
-    return out
+            yield Action(Op.STEP, b // mpu)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from comms.errors import PeerTimeout
-from mesh.registry import CellRecord, Registry, RunRecord, SessionRecord
+from mesh.registry import CellRecord, Registry, RunRecord, SessionRecord, running
 
 CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
 
@@ -110,7 +110,7 @@ class DhtCoordinator:
         self.replica_cells, self.leader, self.replica = replica_cells, leader, replica
         self.steps, self.mpu, self.wait_s = steps, mpu, wait_s
         self.run_record = run_record
-        self.inc = random.getrandbits(62)
+        self.inc = random.getrandbits(62) | 1  # never CLAIMING (a join's placeholder)
         self.since = time.time() if since is None else since
         self.beat = Beat(step=step)
         self._session: SessionRecord | None = None
@@ -166,7 +166,7 @@ class DhtCoordinator:
             if self.leader:
                 rec = self._lead(align, last)
             else:
-                rec = self.reg.session(self.replica)
+                rec = self.reg.session(self.replica, self.replica_cells[0])
                 seen = rec is not None and (rec.done or rec.members.get(self.cell) == self.inc)
                 if rec is None or rec.epoch <= last or not seen:
                     rec = None
@@ -194,7 +194,11 @@ class DhtCoordinator:
         if self._step_now() >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
         owned = self.reg.owners()
-        if owned is None or any(c not in owned for c in self.replica_cells):
+        # every member's own process must be up: a join's placeholder claim is not (a session
+        # with it would break as soon as the cell's process claims for itself)
+        if owned is None or any(
+            c not in owned or not running(owned[c]) for c in self.replica_cells
+        ):
             return None
         mine = owned.get(self.cell)
         if mine is None or mine.inc != self.inc:
@@ -223,7 +227,7 @@ class DhtCoordinator:
             return any(
                 owned.get(c) is None or owned[c].inc != inc for c, inc in active.members.items()
             )
-        rec = self.reg.session(self.replica)
+        rec = self.reg.session(self.replica, self.replica_cells[0])
         return rec is not None and rec.epoch != active.epoch
 
 

@@ -47,7 +47,7 @@ from mesh.config import Config
 from mesh.data import Corpus, train_batch
 from mesh.emulate import ComputeClock, emulated_op_s, slowdown, window_of
 from mesh.model import lm_loss
-from mesh.schedule import Op, actions, microbatches_per_update, version_for
+from mesh.schedule import Op, iter_actions, microbatches_per_update, version_for
 from mesh.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
 from mesh.topology import Cell as Place
 
@@ -144,7 +144,7 @@ class StageWorker:
         while this cell waited on a neighbour; the caller resets and takes the next one."""
         self.session, self.coord = session, coord
         self.first = self.cell.step  # weight versions are read relative to this step
-        plan = actions(
+        plan = iter_actions(
             self.cfg.pipeline.schedule,
             self.j,
             self.P,

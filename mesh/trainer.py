@@ -98,7 +98,7 @@ def make_coordinator(
         registry,
         cell=cell_name(cell.stage, cell.replica),
         peer=peer,
-        auth_token=auth.token(peer),
+        auth_token=registry.token(peer),
         replica_cells=[cell_name(j, cell.replica) for j in range(cfg.grid.stages)],
         leader=cell.stage == 0,
         replica=cell.replica,
@@ -189,6 +189,9 @@ def run_cell(
                 server = StateServer(transport, cell, worker.lock, column)
             last = [time.perf_counter()]
 
+            def _since() -> float:
+                return round(time.perf_counter() - start, 4)
+
             def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
                 if every and cell.step % every == 0:
@@ -208,7 +211,8 @@ def run_cell(
                     adopted = catch_up(cfg, worker, coord, transport)
                     if adopted >= 0:
                         coord.beat.step = adopted
-                        f.write(json.dumps({"event": "state_loaded", "step": adopted}) + "\n")
+                        event = {"event": "state_loaded", "step": adopted, "time_s": _since()}
+                        f.write(json.dumps(event) + "\n")
                         f.flush()
                 return cell.step
 
@@ -220,7 +224,8 @@ def run_cell(
                     worker.run_session(session, coord, on_step)
                 except SessionBroken:
                     worker.reset()
-                    f.write(json.dumps({"event": "session_broken", "step": cell.step}) + "\n")
+                    event = {"event": "session_broken", "step": cell.step, "time_s": _since()}
+                    f.write(json.dumps(event) + "\n")
                     f.flush()
             worker.finish()
             final = {

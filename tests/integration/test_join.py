@@ -184,7 +184,7 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         assert _cell_of(outs["j4"]) == (1, 1)
         loaded = [r for r in _rows(outs["j4"]) if r.get("event") == "state_loaded"]
         assert loaded and loaded[0]["step"] > at_kill
-        assert resumed_s < 30, resumed_s  # ~10 s here when the machine is quiet
+        assert resumed_s < 10, resumed_s  # the bound; ~4.5 s on this 2-core box
 
         # -- the bootstrap node dies: peers keep training; a join naming only it fails fast
         _stop(dht)

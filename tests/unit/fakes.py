@@ -2,17 +2,23 @@
 
 
 class FakeDirectory:
-    """A dict standing in for the DHT (the real one is exercised in tests/integration)."""
+    """A dict standing in for the DHT (the real one is exercised in tests/integration). Each
+    instance is one process with its own owner marker; `joined(other)` shares other's records.
+    Like hivemind's RSASignatureValidator, it refuses a store under another process's marker."""
 
-    def __init__(self):
-        self.data = {}
+    def __init__(self, marker="[owner:test]", data=None):
+        self.data = {} if data is None else data
         self.answer = True
+        self.owner_marker = marker
+
+    def joined(self, marker):
+        return FakeDirectory(marker, self.data)
 
     def dht_store(self, key, subkey, value, ttl_s, timeout_s=None):
+        if "[owner:" in subkey and not subkey.endswith(self.owner_marker):
+            return False
         self.data.setdefault(key, {})[subkey] = value
         return True
-
-    owner_marker = "[owner:test]"
 
     def dht_get(self, key, timeout_s=None):
         if not self.answer:

@@ -17,13 +17,14 @@ from mesh.registry import (
 )
 
 
-def rec(cell, peer, since, inc=1, auth=None):
-    return CellRecord(cell, peer, inc, since, 0, 10, 5.0, since, auth)
+def rec(cell, peer, since, inc=1, auth=None, signer=""):
+    return CellRecord(cell, peer, inc, since, 0, 10, 5.0, since, auth, signer)
 
 
 def test_cell_record_round_trip_and_type_checks():
     r = rec("s0r1", "Qm1", 12.5, inc=7, auth="ab")
     assert parse_cell(cell_value(r)) == r
+    assert "signer" not in cell_value(r)  # it comes from the subkey, which the DHT signs
     bad = cell_value(r)
     for key, value in [("step", "10"), ("cell", 3), ("v", 2), ("inc", True)]:
         assert parse_cell({**bad, key: value}) is None, key
@@ -50,11 +51,16 @@ def test_claims_without_the_run_token_are_ignored_and_counted():
     d = FakeDirectory()
     auth = Auth.of("secret", "fp")
     reg = Registry(d, auth, 1.0)
-    reg.beat(rec("s0r0", "good", 1.0, auth=auth.token("good")))
-    reg.beat(rec("s1r0", "outsider", 0.5, auth=Auth.of(None, "fp").token("outsider")))
-    reg.beat(rec("s1r0", "copycat", 0.4, auth=auth.token("good")))  # a token for another peer
-    assert set(reg.owners()) == {"s0r0"}
-    assert reg.rejected == 2
+    reg.beat(rec("s0r0", "good", 1.0, auth=reg.token("good")))
+    signer = d.owner_marker
+    other = Registry(d.joined("[owner:x]"), auth, 1.0)
+    other.beat(rec("s1r0", "outsider", 0.5, auth=Auth.of(None, "fp").token("outsider", signer)))
+    other.beat(rec("s1r0", "copycat", 0.4, auth=reg.token("good")))  # a token for another peer
+    other.beat(rec("s1r1", "good", 0.3, auth=reg.token("good")))  # good's token, other signer
+    misfiled = cell_value(rec("s1r1", "good", 0.2, auth=reg.token("good")))
+    d.data["cells"]["s1r1/bad[owner:test]"] = misfiled  # a subkey naming another peer
+    assert reg.owners() == {"s0r0": rec("s0r0", "good", 1.0, auth=reg.token("good"), signer=signer)}
+    assert reg.rejected == 4
     reg.release("s0r0", "good")
     assert reg.owners() == {}
 
@@ -65,4 +71,18 @@ def test_an_unanswering_dht_is_unknown_not_empty():
     reg.beat(rec("s0r0", "p", 1.0))
     d.answer = False
     assert reg.cells() is None and reg.owners() is None
-    assert reg.run() is None and reg.session(0) is None
+    assert reg.run() is None and reg.session(0, "s0r0") is None
+
+
+def test_a_replicas_session_is_the_one_its_leader_cells_owner_signed():
+    d = FakeDirectory("[owner:lead]")
+    lead = Registry(d, None, 1.0)
+    lead.beat(rec("s0r0", "L", 1.0))
+    s = SessionRecord(5, 0, 10, {"s0r0": 1})
+    assert lead.put_session(0, s) and lead.session(0, "s0r0") == s
+    outsider = Registry(d.joined("[owner:x]"), None, 1.0)
+    stop = SessionRecord(9, 0, 0, {}, True)
+    assert outsider.put_session(0, stop)  # under its own signed subkey: stored, never read
+    assert not outsider.d.dht_store("session.r0", "leader[owner:lead]", session_value(stop), 60)
+    assert outsider.session(0, "s0r0") == s
+    assert lead.session(0, "s0r1") is None  # no live owner of that leader cell: no session

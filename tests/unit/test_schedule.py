@@ -17,6 +17,7 @@ from mesh.schedule import (
     execute,
     ideal_tokens_per_s,
     inflight_window,
+    iter_actions,
     microbatches_per_update,
     predicted_async_tokens_per_s,
     predicted_sync_step_s,
@@ -235,3 +236,15 @@ def test_bench_table_a1_to_a4(P, bw_bits, shard_bytes, slow, frac_want, ratio_wa
     # async at ideal. So ours must be at least the table's and at most 25% above it.
     ratio = predicted_async_tokens_per_s(tok, times) / (2 * M * tok / step)
     assert ratio_want <= ratio <= 1.25 * ratio_want
+
+
+@pytest.mark.parametrize("schedule", ["async", "2bw", "1f1b", "gpipe"])
+def test_iter_actions_is_actions_one_at_a_time_checked_up_front(schedule):
+    import itertools
+
+    assert list(iter_actions(schedule, 1, 3, 4, 5)) == actions(schedule, 1, 3, 4, 5)
+    # a whole run's session: the first actions come at once, nothing is built ahead
+    head = list(itertools.islice(iter_actions(schedule, 0, 3, 4, 10**12), 8))
+    assert head == actions(schedule, 0, 3, 4, 6)[:8]
+    with pytest.raises(ValueError):
+        iter_actions(schedule, 0, 3, 4, -1)  # raised by the call, not by the first next()

@@ -4,12 +4,13 @@ import pytest
 from fakes import FakeDirectory
 
 from comms.errors import PeerTimeout
-from mesh.registry import Registry
+from mesh.registry import CLAIMING, CellRecord, Registry
 from mesh.session import DhtCoordinator, Session, StaticCoordinator
 
 
 def coordinator(d, cell, leader, **kw):
-    reg = Registry(d, None, 60.0)  # no background beats within a test
+    # each cell its own process: its own owner marker, one shared DHT
+    reg = Registry(d.joined(f"[owner:{cell}-{len(d.data)}]"), None, 60.0)  # no background beats
     c = DhtCoordinator(
         reg,
         cell=cell,
@@ -41,7 +42,9 @@ def test_leader_announces_once_every_member_claims_and_breaks_on_a_new_incarnati
     assert (s.base_mb, s.updates) == (5, 95)
     assert follow.next_session(lambda: 5) == s
     assert not lead._check(lead._active) and not follow._check(follow._active)
-    # the follower's process is replaced (a restart or a join): new incarnation, same cell
+    # the follower's process is replaced (a restart or a join): its claim expires, a new
+    # incarnation claims the same cell
+    follow.reg.release("s1r0", follow.peer)
     again = coordinator(d, "s1r0", False)
     assert lead._check(lead._active)
     s2 = lead.next_session(lambda: 9)
@@ -61,5 +64,21 @@ def test_the_run_end_stops_followers():
     d = FakeDirectory()
     lead = coordinator(d, "s0r0", True, steps=10, step=10)
     follow = coordinator(d, "s1r0", False, steps=10)
+    assert follow.reg.session(0, "s0r0") is None  # nothing announced yet
     assert lead.next_session(lambda: 10) is None
+    lead.close()  # the leader is done and gone; its `done` record still stops the follower
     assert follow.next_session(lambda: 3) is None
+
+
+def test_a_joins_placeholder_claim_is_not_a_member_yet():
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True, wait_s=0.6)
+    scout = Registry(d.joined("[owner:scout]"), None, 60.0)
+    scout.beat(CellRecord("s1r0", "scout", CLAIMING, 1.0, 0, -1, 0.0, 1.0, None))
+    with pytest.raises(PeerTimeout):  # the cell's own process has not claimed yet
+        lead.next_session(lambda: 0)
+    follow = coordinator(d, "s1r0", False)  # claims a hair earlier than the scout: owns it
+    follow.since = 0.5
+    follow.heartbeat()
+    s = lead.next_session(lambda: 0)
+    assert s.updates == 100 and lead._active.members["s1r0"] == follow.inc

@@ -216,17 +216,29 @@ def run_cell(
                         f.flush()
                 return cell.step
 
-            while True:
-                session = coord.next_session(align)
-                if session is None:
-                    break
-                try:
-                    worker.run_session(session, coord, on_step)
-                except SessionBroken:
-                    worker.reset()
-                    event = {"event": "session_broken", "step": cell.step, "time_s": _since()}
-                    f.write(json.dumps(event) + "\n")
-                    f.flush()
+            try:
+                while True:
+                    session = coord.next_session(align)
+                    if session is None:
+                        break
+                    try:
+                        worker.run_session(session, coord, on_step)
+                    except SessionBroken:
+                        worker.reset()
+                        event = {"event": "session_broken", "step": cell.step, "time_s": _since()}
+                        f.write(json.dumps(event) + "\n")
+                        f.flush()
+            except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
+                stopped = {  # has no other row that says what it refused)
+                    "event": "stopped",
+                    "step": cell.step,
+                    "time_s": _since(),
+                    "bytes_sent": transport.stats.sent_by_kind(),
+                    "rejects": dict(transport.stats.rejects),
+                }
+                f.write(json.dumps(stopped) + "\n")
+                f.flush()
+                raise
             worker.finish()
             final = {
                 "final": True,

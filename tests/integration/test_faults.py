@@ -259,3 +259,65 @@ def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pat
     assert clean["rounds_applied"] > 0
     a, c = _final_loss(runs["attacked"], (0, 0)), _final_loss(runs["clean"], (0, 0))
     assert abs(a - c) <= 0.05 * c, (a, c)
+
+
+def nan_activation_peer(*args, **kwargs) -> None:
+    """A first-stage cell whose every activation is NaN (a broken or hostile peer with the run's
+    key): the real runtime, its activations replaced by NaN in their own codec on the way out."""
+    import dataclasses
+
+    import torch
+
+    from comms.p2p import P2PTransport
+    from comms.wire import Kind
+    from mesh.trainer import cell_process_main
+
+    honest_send = P2PTransport.send
+
+    def poisoned(self, to, tag, kind, enc, step):
+        if kind is Kind.ACTIVATION:
+            enc = dataclasses.replace(enc, data=torch.full_like(enc.data, float("nan")))
+        return honest_send(self, to, tag, kind, enc, step)
+
+    P2PTransport.send = poisoned
+    cell_process_main(*args, **kwargs)
+
+
+def test_nan_activation_peer_is_rejected_and_honest_loss_holds(text_file, tmp_path):
+    """2x2, s0r1's every activation is NaN: s1r1 rejects each one (counted; with no gradient
+    back the rogue stops after its warm-up window) and never trains on them; replica 0 trains
+    on, its loss within 5% of a clean run's."""
+    base = [
+        *TINY,
+        f"data.path='{text_file}'",
+        "run.steps=80",
+        "runtime.backend=hivemind",
+        "runtime.round_timeout_s=5",
+    ]
+    cfg = load_config([], base)
+    runs = {}
+    for name, rogue in [("clean", False), ("attacked", True)]:
+        out = tmp_path / name
+        with local_rendezvous("hivemind") as options:
+            grid = LocalGrid(cfg, out, options)
+            try:
+                for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+                    if rogue and cell == (0, 1):
+                        grid.start(cell, target=nan_activation_peer)
+                    else:
+                        grid.start(cell)
+                _wait(
+                    lambda g=grid: all(g.procs[c].exitcode is not None for c in [(0, 0), (1, 0)]),
+                    180,
+                    "the honest replica to finish",
+                )
+                codes = _stop_cleanly(grid)
+                if rogue:  # its pipeline never moved; on the clean stop it reports what it refused
+                    (stopped,) = _events(out, (1, 1), "stopped")
+                    assert stopped["step"] == 0 and stopped["rejects"]["not_finite"] > 0, stopped
+            finally:
+                grid.stop()
+        assert codes[(0, 0)] == 0 and codes[(1, 0)] == 0, (name, codes)
+        runs[name] = out
+    a, c = _final_loss(runs["attacked"], (1, 0)), _final_loss(runs["clean"], (1, 0))
+    assert abs(a - c) <= 0.05 * c, (a, c)

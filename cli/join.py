@@ -101,13 +101,19 @@ def run_config(
 
 
 def claim_cell(
-    registry: Registry, cfg: Config, me: str, stage: int | None
+    registry: Registry,
+    cfg: Config,
+    me: str,
+    stage: int | None,
+    prefer: list[tuple[int, int]] = (),
 ) -> tuple[int, int, float]:
-    """Claim the first free cell (of `stage` if given), replica by replica; returns (stage,
-    replica, since). A claim that loses a race (an earlier claim of the same cell shows up
-    within CLAIM_SETTLE_S) is withdrawn and the next free cell is tried."""
+    """Claim the first free cell (of `stage` if given): the `prefer` ones first (cells this
+    peer has checkpoints of), then replica by replica; returns (stage, replica, since). A claim
+    that loses a race (an earlier claim of the same cell shows up within CLAIM_SETTLE_S) is
+    withdrawn and the next free cell is tried."""
     P, m = cfg.grid.stages, cfg.grid.replicas
-    order = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
+    grid = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
+    order = [c for c in prefer if c in grid] + [c for c in grid if c not in prefer]
     tried: set[str] = set()
     while True:
         owned = registry.owners()
@@ -128,6 +134,24 @@ def claim_cell(
         if winner is not None and winner.peer == me:
             return j, i, since
         registry.release(name, me)
+
+
+def default_out(run_id: str, j: int, i: int) -> Path:
+    return Path("runs") / f"{run_id}-{cell_name(j, i)}"
+
+
+def saved_cells(cfg: Config, out: Path | None, run_id: str) -> list[tuple[int, int]]:
+    """Cells this peer has checkpoints of (in --out, or in each cell's default --out), the
+    most advanced first: after a whole run stopped, each peer takes its own cell back."""
+    from mesh.checkpoint import saved_steps
+
+    found = []
+    for i in range(cfg.grid.replicas):
+        for j in range(cfg.grid.stages):
+            steps = saved_steps(out or default_out(run_id, j, i), j, i)
+            if steps:
+                found.append((steps[-1], (j, i)))
+    return [cell for _, cell in sorted(found, key=lambda f: -f[0])]
 
 
 def run_join(
@@ -160,10 +184,10 @@ def run_join(
             registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check))
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
-        j, i, since = claim_cell(registry, cfg, scout.peer_id, stage)
+        j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
     finally:
         scout.close()
-    out = out or Path("runs") / f"{run_id}-{cell_name(j, i)}"
+    out = out or default_out(run_id, j, i)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml())
     options: dict[str, Any] = {

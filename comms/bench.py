@@ -18,7 +18,7 @@ Definitions (what the numbers mean; every peer process runs with one torch threa
   bandwidth = wire bytes of one message / median gap between arrivals, in a stream of 16 that
   keeps the link busy; measured latency = half the round trip of a 64-value ping-pong. As
   root, the same bandwidth is also set with kernel tbf on a veth pair between two network
-  namespaces (tests/throttled/netns.py): kernel_mbps is what TCP got through tbf (it counts
+  namespaces (comms/netns.py): kernel_mbps is what TCP got through tbf (it counts
   IP/TCP headers, so ~95%), app_tcp_mbps what our LinkShaper paced over the same veth.
 
 imports: torch, comms only (no mesh, no cli).
@@ -26,12 +26,10 @@ imports: torch, comms only (no mesh, no cli).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -277,15 +275,8 @@ def _shaping_peer(t, me: str, names: list[str], nbytes: int) -> dict:
 
 def _kernel_check(mbps: float, nbytes: int) -> dict:
     """Kernel tbf vs our LinkShaper over the same veth (root only; else the reason)."""
-    helper = Path(__file__).resolve().parents[1] / "tests" / "throttled" / "netns.py"
-    if not helper.exists():
-        return {"kernel_check": "skipped: tests/throttled/netns.py not found"}
-    netns = sys.modules.get("meshtrain_netns")
-    if netns is None:
-        spec = importlib.util.spec_from_file_location("meshtrain_netns", helper)
-        netns = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = netns  # dataclasses look their module up there
-        spec.loader.exec_module(netns)
+    from comms import netns
+
     why = netns.unavailable()
     if why:
         return {"kernel_check": f"skipped: {why}"}

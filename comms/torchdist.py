@@ -30,21 +30,7 @@ Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
   receiver answers with its own; after `close_timeout_s`, threads still blocked on a frozen peer
   are woken by poisoning the p2p group on purpose (a 1 ms recv that times out), and then end.
 
-Group means. One process group per averaging group, created at init by its members in sorted
-group-name order (a total order, so overlapping groups cannot deadlock the rendezvous). A round
-all-gathers every member's contribution: one fixed-size frame `wire.pack(f"{group}#{round_id}",
-AVERAGE, encoded payload)` (a member whose own values are not finite sends zeros of that size,
-which every receiver rejects). Every member then validates all frames with `wire.unpack` and
-sums the accepted dequantized payloads in member order, then divides by their count, so the
-mean is bit-identical on every member. Rejected frames -> PARTIAL without that member (never
-local values in its place); own frame rejected -> FAILED. The all-gather is asynchronous, with a
-per-operation gloo timeout equal to the round deadline (gloo's worker is free by then); a
-per-group waiter thread polls it (collectives, unlike p2p, can be polled) until the deadline.
-A dead peer fails the round in ~ms (connection reset), a frozen one at the deadline. Either way
-the group is then marked broken and later rounds fail at once, without a collective (a gloo
-group cannot shrink, and a half-finished collective leaves it unusable; re-forming groups is out
-of scope: a new transport is). With CUDA the collective runs on NCCL instead (payload bytes moved
-to the GPU; a failed round aborts the NCCL group); untested here (no GPU), p2p stays on gloo.
+Group means (one process group per averaging group): comms/torchdist_mean.py.
 
 Bytes counted: p2p = 8 (length) + frame per message, goodbyes as kind "control". A completed
 round counts one frame sent to and one received from every other member (kind "average"): the
@@ -69,21 +55,19 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
-from comms import codecs, wire
+from comms import wire
 from comms.codecs import Encoded
-from comms.errors import NotFiniteError, PeerLost, PeerTimeout
+from comms.errors import PeerLost, PeerTimeout
 from comms.throttle import Delivery, LinkSender, LinkShapers, Shaping
-from comms.transport import MeanResult, MeanStatus, TransportStats
+from comms.torchdist_mean import MAX_GROUP_NAME, GroupMeans, MeanGroup, gloo_group, group_pg
+from comms.transport import TransportStats
 from comms.wire import Expect, Kind, Message, Reject
 
 _TAG_HEAD, _TAG_REST, _TAG_POISON = 1, 2, 3
 _HEAD = 64 << 10  # frame bytes that travel with the length: small frames take one gloo message
 _BYE = -1  # declared length of the goodbye frame (no body)
-_FOREVER = timedelta(days=30)  # p2p waits: a timed-out gloo recv would kill the pair
 _POISON_WAIT = timedelta(milliseconds=1)
-_MAX_GROUP_NAME = 200  # f"{group}#{round_id}" must fit wire.MAX_NAME_BYTES
 
 
 def parse_rendezvous(addr: str) -> tuple[str, int]:
@@ -111,47 +95,7 @@ class _Link:
     queued: int = 0  # items given to the validator and not yet done
 
 
-@dataclass(eq=False)
-class _Group:
-    name: str
-    members: tuple[str, ...]
-    pg: object  # ProcessGroupGloo / ProcessGroupNCCL
-    broken: str = ""
-    rounds: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    waiter: threading.Thread | None = None
-
-
-class _Round:
-    """One group-mean round: a comms.transport.MeanHandle."""
-
-    def __init__(self, members: tuple[str, ...], deadline: float) -> None:
-        self.members, self.deadline = members, deadline
-        self.work: object | None = None
-        self.outs: list[torch.Tensor] = []
-        self.expect = Expect()
-        self.shape: tuple[int, ...] = ()
-        self.frame_bytes = 0
-        self.release = 0.0  # earliest time the shaped links could have delivered the round
-        self._event = threading.Event()
-        self._result: MeanResult | None = None
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def result(self, timeout_s: float) -> MeanResult:
-        if not self._event.wait(max(0.0, timeout_s)) or self._result is None:
-            return MeanResult(MeanStatus.FAILED, None, (), "deadline")
-        return self._result
-
-    def _finish(self, result: MeanResult) -> bool:
-        if self._event.is_set():
-            return False
-        self._result = result
-        self._event.set()
-        return True
-
-
-class TorchTransport:
+class TorchTransport(GroupMeans):
     """Transport over torch.distributed (see the module docstring).
 
     Args:
@@ -189,11 +133,7 @@ class TorchTransport:
         if me not in peers or len(set(peers)) != len(peers):
             raise ValueError(f"peers must be unique names including me={me!r}: {peers}")
         for g, members in groups.items():
-            if (
-                len(g.encode()) > _MAX_GROUP_NAME
-                or not members
-                or len(set(members)) != len(members)
-            ):
+            if len(g.encode()) > MAX_GROUP_NAME or not members or len(set(members)) != len(members):
                 raise ValueError(f"group {g!r}: bad name or members {members}")
             if not set(members) <= set(peers):
                 raise ValueError(f"group {g!r} names unknown peers {set(members) - set(peers)}")
@@ -215,7 +155,7 @@ class TorchTransport:
         self._lock = threading.Lock()
 
         self._store = self._world = None
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, MeanGroup] = {}
         self._links: dict[str, _Link] = {}
         try:
             self._connect(rendezvous, groups, host)
@@ -242,13 +182,15 @@ class TorchTransport:
             rz_timeout,
             master_listen_fd=None if listen is None else listen.detach(),
         )
-        self._world = _gloo(dist.PrefixStore("mt/world", self._store), self.rank, len(peers), host)
+        self._world = gloo_group(
+            dist.PrefixStore("mt/world", self._store), self.rank, len(peers), host
+        )
         for g in sorted(groups):
             members = tuple(groups[g])
             if me in members:
                 pg_store = dist.PrefixStore(f"mt/group/{g}", self._store)
-                pg = _group_pg(self.collective, pg_store, members.index(me), len(members), host)
-                self._groups[g] = _Group(g, members, pg)
+                pg = group_pg(self.collective, pg_store, members.index(me), len(members), host)
+                self._groups[g] = MeanGroup(g, members, pg)
         self._links = {p: _Link(p, r) for r, p in enumerate(peers) if p != me}
         for link in self._links.values():
             link.receiver = threading.Thread(
@@ -289,25 +231,6 @@ class TorchTransport:
                 if remaining <= 0:
                     raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
                 link.cond.wait(remaining)
-
-    def start_mean(
-        self,
-        group: str,
-        members: list[str],
-        round_id: int,
-        values: torch.Tensor,
-        codec: str,
-        timeout_s: float,
-    ) -> _Round:
-        """Start the mean of a float payload over the group (see the module docstring)."""
-        g = self._group(group, members)
-        flat = values.detach().reshape(-1)
-        name = f"{group}#{round_id}"
-        try:
-            frame = wire.pack(name, Kind.AVERAGE, codecs.encode(flat, codec), round_id)
-        except NotFiniteError:  # own values not finite: contribute rejectable zeros, stay in step
-            frame = bytes(_frame_bytes(name, flat.numel(), codec, round_id))
-        return self._start_round(g, name, round_id, frame, flat.numel(), codec, timeout_s, values)
 
     def close(self) -> None:
         """Say goodbye to every peer, stop our threads, release the process groups; idempotent.
@@ -360,15 +283,6 @@ class TorchTransport:
         """Send arbitrary bytes as one frame (declared_len != len(data): length only, no body)."""
         n = len(data) if declared_len is None else declared_len
         return self._submit(self._link(to), bytes(data), "raw", n)
-
-    def _start_mean_encoded(
-        self, group: str, members: list[str], round_id: int, enc: Encoded, timeout_s: float
-    ) -> _Round:
-        """start_mean with a ready Encoded, skipping the sender-side finiteness check."""
-        g = self._group(group, members)
-        name = f"{group}#{round_id}"
-        frame = wire.pack(name, Kind.AVERAGE, enc, round_id)
-        return self._start_round(g, name, round_id, frame, enc.numel, enc.codec, timeout_s, None)
 
     # ---------------------------------------------------------------- point-to-point internals
 
@@ -510,154 +424,6 @@ class TorchTransport:
         self._mark_closed(link, "peer closed")
         self._sender(link).finish((b"", "control", _BYE), drop_pending=True)
 
-    # ---------------------------------------------------------------- group-mean internals
-
-    def _group(self, group: str, members: list[str]) -> _Group:
-        g = self._groups.get(group)
-        if g is None:
-            raise ValueError(f"{self.me!r} is not in a group {group!r} (closed: {self._closed})")
-        if tuple(members) != g.members:
-            raise ValueError(f"group {group!r} members are {list(g.members)}, got {members}")
-        return g
-
-    def _start_round(
-        self,
-        g: _Group,
-        name: str,
-        round_id: int,
-        frame: bytes,
-        numel: int,
-        codec: str,
-        timeout_s: float,
-        values: torch.Tensor | None,
-    ) -> _Round:
-        now = time.monotonic()
-        r = _Round(g.members, now + timeout_s)
-        if g.broken:
-            return self._finish(
-                r, MeanResult(MeanStatus.FAILED, None, (), f"group broken: {g.broken}")
-            )
-        r.shape = tuple(values.shape) if values is not None else (numel,)
-        r.expect = Expect(name, Kind.AVERAGE, (numel,), frozenset({codec}), len(frame))
-        r.frame_bytes = len(frame)
-        n = len(g.members)
-        r.release = now
-        right = g.members[(g.members.index(self.me) + 1) % n]
-        shaper = self._shapers.for_peer(right) if n > 1 else None
-        if shaper is not None:  # a ring all-gather: n-1 frames out over the link to the right
-            extra = (n - 2) * shaper.profile.latency_ms / 1e3
-            r.release = shaper.schedule((n - 1) * len(frame), now) + extra
-        device = torch.device("cuda") if self.collective == "nccl" else torch.device("cpu")
-        own = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
-        r.outs = [torch.empty(len(frame), dtype=torch.uint8, device=device) for _ in range(n)]
-        opts = AllgatherOptions()
-        opts.timeout = timedelta(seconds=max(timeout_s, 1e-3))
-        try:
-            r.work = g.pg.allgather([r.outs], [own], opts)
-        except Exception as e:  # noqa: BLE001 - a broken group raises at once
-            g.broken = f"{type(e).__name__}: {str(e)[:200]}"
-            return self._finish(r, MeanResult(MeanStatus.FAILED, None, (), g.broken))
-        with self._lock:
-            if g.waiter is None:
-                g.waiter = threading.Thread(
-                    target=self._wait_loop, args=(g,), name=f"mean-{g.name}", daemon=True
-                )
-                g.waiter.start()
-        g.rounds.put(r)
-        return r
-
-    def _wait_loop(self, g: _Group) -> None:
-        """Waiter thread of one group: rounds in order, each until done or its deadline. Polls
-        (sleeping in Python) instead of a blocking wait, so close() can stop it at once."""
-        while True:
-            r = g.rounds.get()
-            if r is None:
-                return
-            why = _poll(r.work, r.deadline, lambda: self._closed)
-            if not why:
-                try:
-                    r.work.wait()  # completed: returns at once, or raises the op's error
-                except Exception as e:  # noqa: BLE001 - a dead peer resets the group
-                    why = f"{type(e).__name__}: {str(e)[:200]}"
-            if why:
-                if why != "transport closed" and not g.broken:
-                    g.broken = why
-                    if self.collective == "nccl":
-                        with contextlib.suppress(Exception):
-                            g.pg.abort()
-                self._finish(r, MeanResult(MeanStatus.FAILED, None, (), why))
-                continue
-            result = self._reduce(g, r)
-            wait = r.release - time.monotonic()
-            if wait > 0:  # shaped links: the result cannot be here before the model says
-                if r.release > r.deadline:
-                    time.sleep(max(0.0, r.deadline - time.monotonic()))
-                    result = MeanResult(MeanStatus.FAILED, None, (), "deadline (shaped link)")
-                else:
-                    time.sleep(wait)
-            self._finish(r, result)
-
-    def _reduce(self, g: _Group, r: _Round) -> MeanResult:
-        """Validate every member's frame, sum the accepted ones in member order."""
-        parts, contributors, excluded = [], [], []
-        for member, out in zip(g.members, r.outs, strict=True):
-            got = wire.unpack(memoryview(out.cpu().numpy()), r.expect)
-            if isinstance(got, Reject):
-                excluded.append(f"{member}: {got.reason}")
-                if member != self.me:
-                    self.stats.add_reject(got.reason)
-                continue
-            parts.append(got.tensor().reshape(-1))
-            contributors.append(member)
-        for member in g.members:
-            if member != self.me:
-                self.stats.add_sent(member, "average", r.frame_bytes)
-                self.stats.add_received(member, "average", r.frame_bytes)
-        if self.me not in contributors:
-            return MeanResult(MeanStatus.FAILED, None, (), f"own payload rejected ({excluded})")
-        mean = ordered_mean(parts).reshape(r.shape)
-        if excluded:
-            why = "excluded " + ", ".join(excluded)
-            return MeanResult(MeanStatus.PARTIAL, mean, tuple(contributors), why)
-        return MeanResult(MeanStatus.OK, mean, tuple(contributors))
-
-    def _finish(self, r: _Round, result: MeanResult) -> _Round:
-        if r._finish(result):
-            with self.stats.lock:
-                self.stats.rounds[result.status.value] += 1
-        return r
-
-
-def ordered_mean(parts: list[torch.Tensor]) -> torch.Tensor:
-    """sum(parts) / len(parts), added strictly left to right: the same bits on every member
-    (and in a one-process reference) whatever the backend's reduction order."""
-    acc = parts[0].to(torch.float32).clone()
-    for p in parts[1:]:
-        acc.add_(p)
-    return acc.div_(len(parts))
-
-
-def _frame_bytes(name: str, numel: int, codec: str, step: int) -> int:
-    """Length of wire.pack(name, AVERAGE, encode(<numel values>, codec), step), without
-    encoding numel values: the header does not depend on numel (always one dim)."""
-    one = wire.pack(name, Kind.AVERAGE, codecs.encode(torch.zeros(1), codec), step)
-    return len(one) - codecs.encoded_nbytes(1, codec) + codecs.encoded_nbytes(numel, codec)
-
-
-def _gloo(store: dist.Store, rank: int, size: int, host: str, timeout: timedelta = _FOREVER):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
-def _group_pg(collective: str, store: dist.Store, rank: int, size: int, host: str):
-    if collective == "nccl":  # untested here: no multi-GPU machine in CI
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _FOREVER  # every op passes its own deadline
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return _gloo(store, rank, size, host)
-
 
 def _store_barrier(store: dist.Store, key: str, n: int, deadline: float) -> None:
     store.add(key, 1)
@@ -665,19 +431,6 @@ def _store_barrier(store: dist.Store, key: str, n: int, deadline: float) -> None
         if time.monotonic() > deadline:
             raise PeerTimeout(f"only {store.add(key, 0)} of {n} peers ready in time")
         time.sleep(0.01)
-
-
-def _poll(work, deadline: float, closed) -> str:
-    """ "" once work completed, else "deadline" or "transport closed"; sleeps 50 us..2 ms."""
-    nap = 5e-5
-    while not work.is_completed():
-        if closed():
-            return "transport closed"
-        if time.monotonic() >= deadline:
-            return "deadline"
-        time.sleep(nap)
-        nap = min(2 * nap, 2e-3)
-    return ""
 
 
 def _alive(link: _Link) -> bool:

@@ -115,6 +115,7 @@ def test_grid_formed_by_joins(text_file, tmp_path):
     cfg = _config(tmp_path, text_file)
     dht = _meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     joins: dict[str, subprocess.Popen] = {}
+    extra: list[subprocess.Popen] = []
     try:
         maddr = dht.stdout.readline().strip()
         assert maddr.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in maddr, maddr
@@ -203,8 +204,34 @@ def test_grid_formed_by_joins(text_file, tmp_path):
             saved = sorted((outs[n] / "checkpoints" / f"{c[0]}-{c[1]}").glob("step-*.pt"))
             last = torch.load(saved[-1], weights_only=True)
             assert last["step"] == _step(outs[n]) or last["step"] >= _step(outs[n]) - 1
+
+        # -- the whole run restarts on a new bootstrap: a peer takes back the cell it has
+        #    checkpoints of (not the first free one) and resumes from its checkpoint
+        dht2 = _meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        extra.append(dht2)
+        maddr2 = dht2.stdout.readline().strip()
+        back = "j4"  # the replacement join, which held s1r1
+        saved_step = max(
+            torch.load(p, weights_only=True)["step"]
+            for p in (outs[back] / "checkpoints" / "1-1").glob("step-*.pt")
+        )
+        again = _meshtrain(
+            "join", "--initial-peers", maddr2, *LOOPBACK, "--config", str(cfg),
+            "--out", str(outs[back]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        extra.append(again)
+        joined = next(line for line in again.stdout if "joined run" in line)
+        assert " as s1r1 " in joined, joined  # not s0r0, the first free cell in grid order
+        _wait(
+            lambda: (
+                [c["step"] for c in _status(maddr2)["cells"] if c["cell"] == "s1r1"] == [saved_step]
+            ),
+            30,
+            "the restarted peer's claim at its checkpoint's step",
+        )
+        assert _stop(again) == 0
     finally:
-        for p in [*joins.values(), dht]:
+        for p in [*joins.values(), dht, *extra]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import netns_star, unavailable
 
+from comms.netns import netns_star, unavailable
 from mesh.metrics import read_metrics
 
 RATE_MBIT = 20.0

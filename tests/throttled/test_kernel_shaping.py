@@ -4,7 +4,8 @@ network namespaces this test creates and deletes). Root only; skipped cleanly ot
 from __future__ import annotations
 
 import pytest
-from netns import measure_mbps, netns_pair, set_rate, unavailable
+
+from comms.netns import measure_mbps, netns_pair, set_rate, unavailable
 
 RATE_MBIT = 40.0
 NBYTES = 4 << 20  # 0.84 s at 40 Mbit/s

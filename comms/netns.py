@@ -13,6 +13,8 @@ comms/throttle.py).
 receiver saw; app_mbps paces the sender with comms.throttle instead of relying on the kernel.
 
 Run as a script: `python netns.py recv HOST PORT` / `python netns.py send HOST PORT NBYTES [MBPS]`.
+
+imports: stdlib and comms.throttle (used by tests/throttled and comms/bench.py).
 """
 
 from __future__ import annotations

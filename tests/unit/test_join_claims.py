@@ -1,0 +1,47 @@
+"""Which cell a join claims: free cells in grid order, its own checkpointed cells first."""
+
+import pytest
+from fakes import FakeDirectory
+
+import cli.join as join
+from mesh.config import load_config
+from mesh.registry import CellRecord, Registry
+
+
+@pytest.fixture(autouse=True)
+def no_settle(monkeypatch):
+    monkeypatch.setattr(join, "CLAIM_SETTLE_S", 0.0)  # no concurrent claimer in these tests
+
+
+def grid():
+    return load_config([], ["grid.stages=2", "grid.replicas=2", "model.n_layers=2"])
+
+
+def test_free_cells_in_grid_order_then_a_full_grid_is_a_clear_error():
+    d = FakeDirectory()
+    cfg = grid()
+    claims = []
+    for k in range(4):
+        reg = Registry(d.joined(f"[owner:{k}]"), None, 60.0)
+        claims.append(join.claim_cell(reg, cfg, f"peer{k}", None)[:2])
+    assert claims == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    with pytest.raises(join.JoinError, match="no free cell"):
+        join.claim_cell(Registry(d.joined("[owner:late]"), None, 60.0), cfg, "late", None)
+
+
+def test_a_peer_takes_back_the_cell_it_has_checkpoints_of(tmp_path):
+    cfg = grid()
+    ckpt = tmp_path / "checkpoints"
+    for cell, step in [("1-1", 40), ("0-1", 30)]:
+        (ckpt / cell).mkdir(parents=True)
+        (ckpt / cell / f"step-{step:08d}.pt").write_bytes(b"")
+    assert join.saved_cells(cfg, tmp_path, "run") == [(1, 1), (0, 1)]
+    d = FakeDirectory()
+    other = Registry(d.joined("[owner:o]"), None, 60.0)
+    other.beat(CellRecord("s1r1", "o", 5, 1.0, 0, 9, 0.0, 1.0, None))  # taken: the next one
+    reg = Registry(d, None, 60.0)
+    got = join.claim_cell(reg, cfg, "me", None, join.saved_cells(cfg, tmp_path, "run"))
+    assert got[:2] == (0, 1)
+    # --stage limits the preference to that stage
+    reg2 = Registry(d.joined("[owner:s]"), None, 60.0)
+    assert join.claim_cell(reg2, cfg, "s", 1, [(0, 1)])[:2] == (1, 0)

@@ -170,14 +170,28 @@ def bench() -> None:
 @click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
 @click.option("--out", type=click.Path(file_okay=False), default="results/convergence")
 @click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@click.option(
+    "--lr-sweep",
+    is_flag=True,
+    help="Instead: the DP study's learning-rate sweep (lr_sweep.md; about 12 minutes here).",
+)
 @user_errors
 def bench_convergence(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str, workers: int
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    workers: int,
+    lr_sweep: bool,
 ) -> None:
     """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
-    from mesh.bench_convergence import run_convergence
+    from mesh.bench_convergence import run_convergence, run_lr_sweep
 
     cfg = resolve_config(config_files, overrides)
+    if lr_sweep:
+        run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
+        click.echo((Path(out) / "lr_sweep.md").read_text())
+        return
     run_convergence(cfg, Path(out), quick=quick, workers=workers)
 
 

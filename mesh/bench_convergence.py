@@ -28,6 +28,17 @@ from mesh.methods import METHODS, NADAMW_LR
 from mesh.metrics import format_table, paired_gap, plot_curves
 
 DP_METHODS = list(METHODS)
+# The DP study's learning rates, from `meshtrain bench convergence --lr-sweep` (seed 0, 4x2 grid,
+# the full budget; results/convergence/lr_sweep.md): FullSync's AdamW on its 8-microbatch
+# updates, and the async NAdamW that every other DP method shares (swept on AsyncMesh-fp8).
+# NADAMW_LR (mesh/methods.py) was tuned on one replica with half the updates: lower.
+# NAdamW: 2e-3, the largest lr below the onset of loss spikes (2.5e-3 and 3.5e-3 end far worse;
+# 3e-3's good run between them is not a setting to rely on). AdamW (FullSync): its best, 6e-3.
+DP_LR = {"adamw": 6e-3, "nadamw": 2e-3}
+SWEEP_LRS = {
+    "FullSync": [1e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3, 1.2e-2],
+    "AsyncMesh-fp8": [1e-3, 2e-3, 2.5e-3, 3e-3, 3.5e-3, 4e-3, 5e-3],
+}
 
 
 @dataclass(frozen=True)
@@ -90,16 +101,64 @@ def _pp_specs(seed: int) -> list[Spec]:
     return specs
 
 
+def _dp_spec(method: str, seed: int, lr: float | None = None) -> Spec:
+    mpu = 4 if method == "FullSync" else 1
+    ov = dict(METHODS[method])
+    ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4})
+    ov["optim.lr"] = DP_LR[ov["optim.name"]] if lr is None else lr
+    return Spec("dp", method, seed, mpu, tuple(ov.items()))
+
+
 def build_specs(seeds: list[int]) -> list[Spec]:
     specs = []
     for seed in seeds:
-        for method in DP_METHODS:
-            mpu = 4 if method == "FullSync" else 1
-            ov = dict(METHODS[method])
-            ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4})
-            specs.append(Spec("dp", method, seed, mpu, tuple(ov.items())))
+        specs += [_dp_spec(method, seed) for method in DP_METHODS]
         specs += _pp_specs(seed)
     return specs
+
+
+def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dict[str, Any]]:
+    """The DP study's two optimizer arms over SWEEP_LRS, seed 0, the study's own budget:
+    writes lr_sweep.json and lr_sweep.md (what DP_LR was chosen from)."""
+    from tqdm import tqdm
+
+    budget = 160 if quick else 1600
+    specs = [_dp_spec(m, 0, lr) for m, lrs in SWEEP_LRS.items() for lr in lrs]
+    # points of an earlier sweep with the same config (fingerprint) and budget are kept
+    path = out / "lr_sweep.json"
+    old = json.loads(path.read_text()) if path.is_file() else []
+    have = {(r["config_fingerprint"], r["microbatches"]): r for r in old}
+    runs = [have.get((spec_config(base, s, budget).fingerprint(), budget)) for s in specs]
+    todo = [(base.model_dump(mode="json"), s, budget) for s, r in zip(specs, runs) if r is None]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        new = iter(tqdm(pool.imap(_run_one, todo), total=len(todo), desc="lr sweep"))
+        runs = [r if r is not None else next(new) for r in runs]
+    for spec, r in zip(specs, runs, strict=True):
+        r["lr"] = dict(spec.overrides)["optim.lr"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lr_sweep.json").write_text(json.dumps(runs, indent=1))
+    rows = [
+        [r["method"], f"{r['lr']:g}", "diverged" if r["diverged"] else f"{r['val_loss']:.4f}"]
+        for r in runs
+    ]
+    best = {
+        m: min((r for r in runs if r["method"] == m), key=lambda r: r["val_loss"] or math.inf)
+        for m in SWEEP_LRS
+    }
+    lines = [
+        "# Learning rates of the data-parallel study",
+        "",
+        f"Seed 0, 4x2 grid, {budget} microbatches per replica (the study's budget); the other "
+        "async methods share AsyncMesh-fp8's optimizer (NAdamW) and use its lr.",
+        "",
+        format_table(["method", "lr", "val loss"], rows),
+        "",
+        "Best: " + ", ".join(f"{m} {b['lr']:g}" for m, b in best.items()) + ". Used by the "
+        f"study (DP_LR in mesh/bench_convergence.py): adamw {DP_LR['adamw']:g}, nadamw "
+        f"{DP_LR['nadamw']:g}, the largest NAdamW lr below the onset of loss spikes.",
+    ]
+    (out / "lr_sweep.md").write_text("\n".join(lines) + "\n")
+    return runs
 
 
 def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
@@ -159,7 +218,11 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     # a long study that is stopped keeps what finished: the next start skips those runs
     partial = out / "runs.partial.jsonl"
-    runs = _finished_runs(partial, budget)
+    want = {
+        (s.study, s.method, s.seed): spec_config(base, s, budget[s.study]).fingerprint()
+        for s in specs
+    }
+    runs = _finished_runs(partial, budget, want)
     done = {(r["study"], r["method"], r["seed"]) for r in runs}
     specs = [s for s in specs if (s.study, s.method, s.seed) not in done]
     partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
@@ -187,11 +250,20 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     return summary
 
 
-def _finished_runs(partial: Path, budget: dict[str, int]) -> list[dict[str, Any]]:
+def _finished_runs(
+    partial: Path, budget: dict[str, int], want: dict[tuple[str, str, int], str]
+) -> list[dict[str, Any]]:
+    """Runs of a stopped study that are still valid: same budget and the same config
+    (fingerprint) as this study would run; anything else is run again."""
     if not partial.is_file():
         return []
     runs = [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
-    return [r for r in runs if r.get("microbatches") == budget[r["study"]]]
+    return [
+        r
+        for r in runs
+        if r.get("microbatches") == budget[r["study"]]
+        and want.get((r["study"], r["method"], r["seed"])) == r.get("config_fingerprint")
+    ]
 
 
 def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, float]]:

@@ -71,3 +71,24 @@ def test_outputs_are_written_and_targets_judged(tmp_path):
     verdicts = {name: ok for name, _, ok in targets(runs)}
     assert verdicts["AsyncMesh-fp8 averaging bytes <= 1/64 of FullSync"] is True
     assert len(verdicts) == 8
+
+
+def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path):
+    from mesh.bench_convergence import _finished_runs
+
+    base = load_config()
+    specs = [s for s in build_specs([0]) if s.method in ("FullSync", "AsyncMesh")]
+    want = {(s.study, s.method, s.seed): spec_config(base, s, 64).fingerprint() for s in specs}
+    fp_fs, fp_am = want[("dp", "FullSync", 0)], want[("dp", "AsyncMesh", 0)]
+    assert fp_fs != fp_am
+    rows = [
+        {"study": "dp", "method": "FullSync", "seed": 0, "microbatches": 64,
+         "config_fingerprint": fp_am},  # another config's run under FullSync's name
+        {"study": "dp", "method": "AsyncMesh", "seed": 0, "microbatches": 32,
+         "config_fingerprint": fp_am},  # another budget
+        {"study": "dp", "method": "AsyncMesh", "seed": 0, "microbatches": 64,
+         "config_fingerprint": fp_am},
+    ]  # fmt: skip
+    partial = tmp_path / "runs.partial.jsonl"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _finished_runs(partial, {"dp": 64, "pp": 64}, want) == [rows[2]]

@@ -222,6 +222,34 @@ def _final_loss(out: Path, cell: tuple[int, int]) -> float:
     return sum(losses[-10:]) / 10
 
 
+def _clean_and_attacked(cfg, tmp_path: Path, rogue: tuple[int, int], target) -> dict:
+    """The grid twice: clean, then with `rogue` running `target`. Each run goes until the cells
+    of the other replicas finish (the rogue's replica may never move), then stops cleanly.
+    Returns {"clean" | "attacked": (out dir, exit codes)}."""
+    cells = [(j, i) for i in range(cfg.grid.replicas) for j in range(cfg.grid.stages)]
+    honest = [c for c in cells if c[1] != rogue[1]]
+    runs = {}
+    for name in ("clean", "attacked"):
+        out = tmp_path / name
+        with local_rendezvous("hivemind") as options:
+            grid = LocalGrid(cfg, out, options)
+            try:
+                for cell in cells:
+                    if name == "attacked" and cell == rogue:
+                        grid.start(cell, target=target)
+                    else:
+                        grid.start(cell)
+                _wait(
+                    lambda g=grid: all(g.procs[c].exitcode is not None for c in honest),
+                    180,
+                    "the honest replica to finish",
+                )
+                runs[name] = (out, _stop_cleanly(grid))
+            finally:
+                grid.stop()
+    return runs
+
+
 def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_path):
     """Each replica is one whole model (1x2). With a NaN-sending replica the honest one rejects
     every payload (counted) and trains on as if alone: its loss stays within 5% of a clean run."""
@@ -234,30 +262,15 @@ def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pat
         "dp.codec=fp32",
         "runtime.round_timeout_s=5",
     ]
-    cfg = load_config([], base)
-    runs = {}
-    for name, rogue in [("clean", False), ("attacked", True)]:
-        out = tmp_path / name
-        with local_rendezvous("hivemind") as options:
-            grid = LocalGrid(cfg, out, options)
-            try:
-                grid.start((0, 0))
-                if rogue:
-                    grid.start((0, 1), target=nan_averaging_peer)
-                else:
-                    grid.start((0, 1))
-                _wait(lambda g=grid: not g.running(), 180, "both replicas to finish")
-                codes = grid.exit_codes()
-            finally:
-                grid.stop()
+    runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_averaging_peer)
+    for name, (_, codes) in runs.items():
         assert codes == {(0, 0): 0, (0, 1): 0}, (name, codes)
-        runs[name] = out
-    honest = [r for r in _rows(runs["attacked"], (0, 0)) if "rounds_applied" in r][-1]
+    attacked, clean = runs["attacked"][0], runs["clean"][0]
+    honest = [r for r in _rows(attacked, (0, 0)) if "rounds_applied" in r][-1]
     assert honest["rejects"].get("not_finite", 0) > 0  # every NaN payload refused, counted
     assert honest["rounds_applied"] == 0  # nothing of the rogue's ever landed in its weights
-    clean = [r for r in _rows(runs["clean"], (0, 0)) if "rounds_applied" in r][-1]
-    assert clean["rounds_applied"] > 0
-    a, c = _final_loss(runs["attacked"], (0, 0)), _final_loss(runs["clean"], (0, 0))
+    assert [r for r in _rows(clean, (0, 0)) if "rounds_applied" in r][-1]["rounds_applied"] > 0
+    a, c = _final_loss(attacked, (0, 0)), _final_loss(clean, (0, 0))
     assert abs(a - c) <= 0.05 * c, (a, c)
 
 
@@ -294,30 +307,12 @@ def test_nan_activation_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pa
         "runtime.backend=hivemind",
         "runtime.round_timeout_s=5",
     ]
-    cfg = load_config([], base)
-    runs = {}
-    for name, rogue in [("clean", False), ("attacked", True)]:
-        out = tmp_path / name
-        with local_rendezvous("hivemind") as options:
-            grid = LocalGrid(cfg, out, options)
-            try:
-                for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
-                    if rogue and cell == (0, 1):
-                        grid.start(cell, target=nan_activation_peer)
-                    else:
-                        grid.start(cell)
-                _wait(
-                    lambda g=grid: all(g.procs[c].exitcode is not None for c in [(0, 0), (1, 0)]),
-                    180,
-                    "the honest replica to finish",
-                )
-                codes = _stop_cleanly(grid)
-                if rogue:  # its pipeline never moved; on the clean stop it reports what it refused
-                    (stopped,) = _events(out, (1, 1), "stopped")
-                    assert stopped["step"] == 0 and stopped["rejects"]["not_finite"] > 0, stopped
-            finally:
-                grid.stop()
+    runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_activation_peer)
+    for name, (_, codes) in runs.items():
         assert codes[(0, 0)] == 0 and codes[(1, 0)] == 0, (name, codes)
-        runs[name] = out
-    a, c = _final_loss(runs["attacked"], (1, 0)), _final_loss(runs["clean"], (1, 0))
+    attacked, clean = runs["attacked"][0], runs["clean"][0]
+    # its pipeline never moved; on the clean stop it reports what it refused
+    (stopped,) = _events(attacked, (1, 1), "stopped")
+    assert stopped["step"] == 0 and stopped["rejects"]["not_finite"] > 0, stopped
+    a, c = _final_loss(attacked, (1, 0)), _final_loss(clean, (1, 0))
     assert abs(a - c) <= 0.05 * c, (a, c)

@@ -391,18 +391,21 @@ class P2PTransport(StreamMixin, RunRecords):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _resolve(self, name: str, deadline: float, refresh: bool = False) -> PeerRecord:
+    async def _lookup(self, name: str) -> dict[str, object]:
+        """Every record of a name in the DHT now (subkey -> value; {} when there is none)."""
+        found = await self.dht.get(self._key(name), latest=True, return_future=True)
+        value = found.value if found is not None else None
+        if not isinstance(value, dict):
+            return {}
+        return {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+
+    async def _resolve(
+        self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
+    ) -> PeerRecord:
         if not refresh and name in self._records:
             return self._records[name]
         while True:
-            found = await self.dht.get(self._key(name), latest=True, return_future=True)
-            value = found.value if found is not None else None
-            records = (
-                {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
-                if isinstance(value, dict)
-                else {}
-            )
-            rec = pick_record(records, self.admits)
+            rec = pick_record(await self._lookup(name), self.admits, avoid)
             if rec is not None:
                 # hivemind exposes no public connect; dial the published addresses so streams to
                 # peers we only know through the DHT find a route (the DHT itself does the same).

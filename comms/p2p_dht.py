@@ -60,13 +60,21 @@ def parse_record(value: object, subkey: str) -> PeerRecord | None:
     return PeerRecord(peer_id, tuple(maddrs), auth if isinstance(auth, str) else None, signer, t)
 
 
+def parse_records(found: dict[str, object]) -> list[PeerRecord]:
+    """The well-formed records of a name (subkey -> value, as the DHT returned them)."""
+    return [r for k, v in found.items() if (r := parse_record(v, k)) is not None]
+
+
 def pick_record(
-    found: dict[str, object], admits: Callable[[PeerRecord], bool]
+    found: dict[str, object],
+    admits: Callable[[PeerRecord], bool],
+    avoid: PeerID | None = None,
 ) -> PeerRecord | None:
-    """The record a name resolves to: the newest admitted one; with none admitted, the newest
-    well-formed one (whose use the caller refuses and counts)."""
-    recs = [r for k, v in found.items() if (r := parse_record(v, k)) is not None]
-    recs.sort(key=lambda r: (admits(r), r.t), reverse=True)
+    """The record a name resolves to: the newest admitted one (`t` is its publisher's clock, so
+    a caller that could not reach it names it in `avoid` and gets the next admitted one, if
+    any); with none admitted, the newest well-formed one (whose use the caller refuses)."""
+    recs = parse_records(found)
+    recs.sort(key=lambda r: (admits(r), r.peer_id != avoid, r.t), reverse=True)
     return recs[0] if recs else None
 
 

@@ -35,6 +35,7 @@ from hivemind.p2p import P2P, PeerID
 
 from comms import wire
 from comms.errors import PeerLost
+from comms.p2p_dht import parse_records
 from comms.p2p_mailbox import Mailbox
 from comms.transport import TransportStats
 from comms.wire import Expect, Message, Reject
@@ -70,7 +71,9 @@ class StreamMixin:
     _idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
     _slots: dict[PeerID, asyncio.Semaphore]
     _pool: cf.ThreadPoolExecutor
-    _resolve: Callable[..., Awaitable[Any]]  # (name, deadline, refresh) -> PeerRecord
+    _resolve: Callable[..., Awaitable[Any]]  # (name, deadline, refresh, avoid) -> PeerRecord
+    _lookup: Callable[[str], Awaitable[dict[str, object]]]  # name -> its records in the DHT
+    _records: dict[str, Any]  # name -> the PeerRecord it resolved to
     admits: Callable[[Any], bool]  # PeerRecord -> whether it proves membership of our run
 
     async def _deliver(
@@ -79,8 +82,9 @@ class StreamMixin:
         """Send on a reused stream; on failure re-resolve the name and retry once on a new one.
         declared_len (tests only): announce that many bytes instead of len(frame)."""
         errors = []
+        failed = None  # the peer attempt 0 could not reach: attempt 1 prefers another record
         for attempt in range(2):
-            rec = await self._resolve(to, deadline, refresh=attempt > 0)
+            rec = await self._resolve(to, deadline, refresh=attempt > 0, avoid=failed)
             if not self.admits(rec):  # no run key, another config, or an outsider took the name
                 self.stats.add_reject("unauthorized")
                 raise PeerLost(f"{to!r} is not a member of this run: not sending to it")
@@ -89,6 +93,7 @@ class StreamMixin:
                 return await self._send_on_stream(rec.peer_id, frame, declared_len)
             except Exception as e:  # noqa: BLE001 - any stream failure is a lost link
                 errors.append(f"{type(e).__name__}: {e}")
+                failed = rec.peer_id
                 if reused and attempt == 0:
                     self._drop_idle(rec.peer_id)  # the idle stream may just have gone stale
         raise PeerLost(f"send to {to!r} failed: {'; '.join(errors)}"[:500])
@@ -203,16 +208,24 @@ class StreamMixin:
         return False  # the body (if any) is never read: the stream is closed
 
     async def _is_sender(self, name: str, remote: PeerID) -> bool:
-        """The claimed name must resolve to the authenticated PeerID of the stream."""
+        """The claimed name must have a record of the authenticated PeerID of the stream that
+        proves membership (any of the name's records: during a replacement the old one may
+        still be the newest by its publisher's clock)."""
+        cached = self._records.get(name)
+        if cached is not None and cached.peer_id == remote and self.admits(cached):
+            return True
         deadline = time.monotonic() + min(self.timeout_s, 5.0)
-        for refresh in (False, True):
+        while True:
             try:
-                rec = await self._resolve(name, deadline, refresh=refresh)
-            except PeerLost:
+                records = parse_records(await self._lookup(name))
+            except Exception:  # noqa: BLE001 - no DHT answer: not proven
                 return False
-            if rec.peer_id == remote:
-                if not self.admits(rec):  # a peer without the run key or with another config
-                    self.stats.add_reject("unauthorized")
-                    return False
+            mine = [r for r in records if r.peer_id == remote]
+            if any(self.admits(r) for r in mine):
                 return True
-        return False
+            if mine:  # a peer without the run key or with another config
+                self.stats.add_reject("unauthorized")
+                return False
+            if records or time.monotonic() >= deadline:
+                return False  # the name is someone else's
+            await asyncio.sleep(0.2)  # its record may not have reached the DHT yet

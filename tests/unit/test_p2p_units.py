@@ -3,6 +3,7 @@
 import time
 
 import torch
+from hivemind.p2p import PeerID
 
 from comms import codecs
 from comms.p2p_auth import Auth
@@ -74,6 +75,10 @@ def test_a_name_resolves_to_its_newest_member_record_not_an_outsiders():
     picked = pick_record(found, admits)
     assert (picked.peer_id.to_base58(), picked.signer, picked.t) == (B_ID, "[owner:b]", 10.0)
     assert pick_record(dict([old]), admits).t == 5.0
+    # the newest could not be reached (dead, or its publisher's clock runs ahead): the next one
+    dead = PeerID.from_base58(B_ID)
+    assert pick_record(found, admits, avoid=dead).peer_id.to_base58() == A_ID
+    assert pick_record(dict([new]), admits, avoid=dead).peer_id == dead  # nothing else: still it
     alone = pick_record(dict([outsider]), admits)  # only an outsider: returned, and refused
     assert alone is not None and not admits(alone)
     assert pick_record({}, admits) is None

@@ -24,6 +24,15 @@ import hmac
 from dataclasses import dataclass
 
 
+def signer_of(subkey: str, prefix: str) -> str | None:
+    """The owner marker after `prefix` in a DHT record's subkey ("" when unsigned); None when
+    the subkey is not `prefix` + marker (a record filed under another name than it carries)."""
+    if not subkey.startswith(prefix):
+        return None
+    rest = subkey[len(prefix) :]
+    return rest if rest == "" or (rest.startswith("[owner:") and rest.endswith("]")) else None
+
+
 @dataclass(frozen=True)
 class Auth:
     key: bytes  # the run key (b"" when the run has none)

@@ -9,7 +9,7 @@ the newest one that proves membership, so an outsider cannot shadow a member's n
 `watch_parent` makes forked helpers (the DHT process, the averagers) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
-imports: hivemind, stdlib only (no torch, no mesh, no cli).
+imports: hivemind, comms.p2p_auth, stdlib (no torch, no mesh, no cli).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
+
+from comms.p2p_auth import signer_of
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,8 @@ def parse_record(value: object, subkey: str) -> PeerRecord | None:
         return None
     if not all(isinstance(m, str) for m in maddrs) or not isinstance(t, int | float):
         return None
-    signer = subkey[len(pid) :]
-    if not subkey.startswith(pid) or not (signer == "" or signer.startswith("[owner:")):
+    signer = signer_of(subkey, pid)
+    if signer is None:
         return None
     auth = value.get("auth")
     try:

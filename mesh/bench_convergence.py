@@ -126,11 +126,11 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
 
     budget = 160 if quick else 1600
     specs = [_dp_spec(m, 0, lr) for m, lrs in SWEEP_LRS.items() for lr in lrs]
-    # points of an earlier sweep with the same config (fingerprint) and budget are kept
+    # points of an earlier sweep with the same config and budget are kept
     path = out / "lr_sweep.json"
-    old = json.loads(path.read_text()) if path.is_file() else []
-    have = {(r["config_fingerprint"], r["microbatches"]): r for r in old}
-    runs = [have.get((spec_config(base, s, budget).fingerprint(), budget)) for s in specs]
+    runs = _reuse(
+        json.loads(path.read_text()) if path.is_file() else [], specs, base, {"dp": budget}
+    )
     todo = [(base.model_dump(mode="json"), s, budget) for s, r in zip(specs, runs) if r is None]
     with mp.get_context("spawn").Pool(workers) as pool:
         new = iter(tqdm(pool.imap(_run_one, todo), total=len(todo), desc="lr sweep"))
@@ -221,13 +221,9 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     # a long study that is stopped keeps what finished: the next start skips those runs
     partial = out / "runs.partial.jsonl"
-    want = {
-        (s.study, s.method, s.seed): spec_config(base, s, budget[s.study]).fingerprint()
-        for s in specs
-    }
-    runs = _finished_runs(partial, budget, want)
-    done = {(r["study"], r["method"], r["seed"]) for r in runs}
-    specs = [s for s in specs if (s.study, s.method, s.seed) not in done]
+    found = _reuse(_read_runs(partial), specs, base, budget)
+    runs = [r for r in found if r is not None]
+    specs = [s for s, r in zip(specs, found, strict=True) if r is None]
     partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
     ctx = mp.get_context("spawn")
     with ctx.Pool(workers) as pool:
@@ -253,20 +249,25 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     return summary
 
 
-def _finished_runs(
-    partial: Path, budget: dict[str, int], want: dict[tuple[str, str, int], str]
-) -> list[dict[str, Any]]:
-    """Runs of a stopped study that are still valid: same budget and the same config
-    (fingerprint) as this study would run; anything else is run again."""
+def _read_runs(partial: Path) -> list[dict[str, Any]]:
     if not partial.is_file():
         return []
-    runs = [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
-    return [
-        r
-        for r in runs
-        if r.get("microbatches") == budget[r["study"]]
-        and want.get((r["study"], r["method"], r["seed"])) == r.get("config_fingerprint")
-    ]
+    return [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
+
+
+def _reuse(
+    old: list[dict[str, Any]], specs: list[Spec], base: Config, budget: dict[str, int]
+) -> list[dict[str, Any] | None]:
+    """For each spec, its finished run among `old` (a stopped study, an earlier sweep): the same
+    method, seed, budget and config fingerprint; None where it must run (again)."""
+    fields = ("study", "method", "seed", "microbatches", "config_fingerprint")
+    have = {tuple(r.get(k) for k in fields): r for r in old}
+    out = []
+    for s in specs:
+        mbs = budget[s.study]
+        fp = spec_config(base, s, mbs).fingerprint()
+        out.append(have.get((s.study, s.method, s.seed, mbs, fp)))
+    return out
 
 
 def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, float]]:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from comms.p2p_auth import Auth
+from comms.p2p_auth import Auth, signer_of
 
 HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
 CONFIG_TTL_S = 600.0
@@ -92,15 +92,6 @@ def parse_cell(value: object) -> CellRecord | None:
 def cell_value(rec: CellRecord) -> dict[str, Any]:
     fields = (k for k in CellRecord.__dataclass_fields__ if k != "signer")
     return {"v": 1, **{k: getattr(rec, k) for k in fields}}
-
-
-def signer_of(subkey: str, prefix: str) -> str | None:
-    """The owner marker after `prefix` in a record's subkey; None when the subkey is not
-    `prefix` + marker (a record filed under another cell or peer than it names)."""
-    if not subkey.startswith(prefix):
-        return None
-    rest = subkey[len(prefix) :]
-    return rest if rest == "" or (rest.startswith("[owner:") and rest.endswith("]")) else None
 
 
 CLAIMING = 0  # `inc` of a join's placeholder claim: the cell's process is not up yet

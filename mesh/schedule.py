@@ -14,6 +14,7 @@ import enum
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
 _SYNC = ("gpipe", "1f1b")
@@ -157,23 +158,9 @@ def _one_f_one_b(mbs: Sequence[int], warmup: int) -> Iterator[tuple[bool, int]]:
         yield False, b
 
 
-def actions(
-    schedule: str,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    num_updates: int,
-    window: Sequence[int] | None = None,
-) -> list[Action]:
-    """The action list stage `stage` executes for `num_updates` updates.
-
-    Microbatches are numbered globally: update u consumes u*mpu .. (u+1)*mpu - 1 with
-    mpu = microbatches_per_update(schedule, M). gpipe: all F then all B, FLUSH, STEP per batch.
-    1f1b: warm-up P-1-j forwards, 1F1B, cooldown, FLUSH, STEP per batch. async: one 1F1B stream
-    over all microbatches, STEP after every B (PipeDream + stashing). 2bw: the same stream,
-    STEP after every M-th B. `window` (async only): window[j] extra warm-up forwards.
-    """
-    return list(iter_actions(schedule, stage, num_stages, num_microbatches, num_updates, window))
+def actions(*args: Any, **kwargs: Any) -> list[Action]:
+    """iter_actions(...) as a list (tests, the discrete-event executor)."""
+    return list(iter_actions(*args, **kwargs))
 
 
 def iter_actions(
@@ -184,9 +171,16 @@ def iter_actions(
     num_updates: int,
     window: Sequence[int] | None = None,
 ) -> Iterator[Action]:
-    """`actions`, one at a time: a worker's session may run a whole run's updates (hundreds of
-    thousands of actions: a second to build as a list, at every session start). Arguments are
-    checked here, before the first action."""
+    """The actions stage `stage` executes for `num_updates` updates, one at a time (a worker's
+    session may run a whole run's updates: hundreds of thousands of actions, a second to build
+    as a list at every session start); arguments are checked here, before the first action.
+
+    Microbatches are numbered globally: update u consumes u*mpu .. (u+1)*mpu - 1 with
+    mpu = microbatches_per_update(schedule, M). gpipe: all F then all B, FLUSH, STEP per batch.
+    1f1b: warm-up P-1-j forwards, 1F1B, cooldown, FLUSH, STEP per batch. async: one 1F1B stream
+    over all microbatches, STEP after every B (PipeDream + stashing). 2bw: the same stream,
+    STEP after every M-th B. `window` (async only): window[j] extra warm-up forwards.
+    """
     validate_schedule(schedule, num_stages, num_microbatches)
     _check_stage(stage, num_stages)
     validate_window(schedule, num_stages, window)

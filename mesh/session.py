@@ -95,7 +95,6 @@ class DhtCoordinator:
         *,
         cell: str,
         peer: str,
-        auth_token: str | None,
         replica_cells: list[str],
         leader: bool,
         replica: int,
@@ -106,7 +105,8 @@ class DhtCoordinator:
         since: float | None = None,
         step: int = 0,
     ) -> None:
-        self.reg, self.cell, self.peer, self.token = registry, cell, peer, auth_token
+        self.reg, self.cell, self.peer = registry, cell, peer
+        self.token = registry.token(peer)  # bound to the signer of our claims
         self.replica_cells, self.leader, self.replica = replica_cells, leader, replica
         self.steps, self.mpu, self.wait_s = steps, mpu, wait_s
         self.run_record = run_record

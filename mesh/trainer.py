@@ -98,7 +98,6 @@ def make_coordinator(
         registry,
         cell=cell_name(cell.stage, cell.replica),
         peer=peer,
-        auth_token=registry.token(peer),
         replica_cells=[cell_name(j, cell.replica) for j in range(cfg.grid.stages)],
         leader=cell.stage == 0,
         replica=cell.replica,
@@ -189,8 +188,10 @@ def run_cell(
                 server = StateServer(transport, cell, worker.lock, column)
             last = [time.perf_counter()]
 
-            def _since() -> float:
-                return round(time.perf_counter() - start, 4)
+            def event(name: str, **fields: Any) -> None:
+                row = {"event": name, "step": cell.step, **fields}
+                f.write(json.dumps({**row, "time_s": round(time.perf_counter() - start, 4)}) + "\n")
+                f.flush()
 
             def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
@@ -211,9 +212,7 @@ def run_cell(
                     adopted = catch_up(cfg, worker, coord, transport)
                     if adopted >= 0:
                         coord.beat.step = adopted
-                        event = {"event": "state_loaded", "step": adopted, "time_s": _since()}
-                        f.write(json.dumps(event) + "\n")
-                        f.flush()
+                        event("state_loaded")
                 return cell.step
 
             try:
@@ -225,19 +224,11 @@ def run_cell(
                         worker.run_session(session, coord, on_step)
                     except SessionBroken:
                         worker.reset()
-                        event = {"event": "session_broken", "step": cell.step, "time_s": _since()}
-                        f.write(json.dumps(event) + "\n")
-                        f.flush()
+                        event("session_broken")
             except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
-                stopped = {  # has no other row that says what it refused)
-                    "event": "stopped",
-                    "step": cell.step,
-                    "time_s": _since(),
-                    "bytes_sent": transport.stats.sent_by_kind(),
-                    "rejects": dict(transport.stats.rejects),
-                }
-                f.write(json.dumps(stopped) + "\n")
-                f.flush()
+                # has no other row that says what it refused)
+                sent, rejects = transport.stats.sent_by_kind(), dict(transport.stats.rejects)
+                event("stopped", bytes_sent=sent, rejects=rejects)
                 raise
             worker.finish()
             final = {

@@ -74,7 +74,7 @@ def test_outputs_are_written_and_targets_judged(tmp_path):
 
 
 def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path):
-    from mesh.bench_convergence import _finished_runs
+    from mesh.bench_convergence import _read_runs, _reuse
 
     base = load_config()
     specs = [s for s in build_specs([0]) if s.method in ("FullSync", "AsyncMesh")]
@@ -91,4 +91,5 @@ def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path)
     ]  # fmt: skip
     partial = tmp_path / "runs.partial.jsonl"
     partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _finished_runs(partial, {"dp": 64, "pp": 64}, want) == [rows[2]]
+    found = _reuse(_read_runs(partial), specs, base, {"dp": 64, "pp": 64})
+    assert [r for r in found if r is not None] == [rows[2]]

@@ -15,7 +15,6 @@ def coordinator(d, cell, leader, **kw):
         reg,
         cell=cell,
         peer=f"peer-{cell}",
-        auth_token=None,
         replica_cells=["s0r0", "s1r0"],
         leader=leader,
         replica=0,

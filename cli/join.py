@@ -1,10 +1,12 @@
 """`meshtrain dht`, `join` and `status`: a grid formed over the internet through a hivemind DHT.
 
-join: a scout DHT node reads the run's config record (refusing another fingerprint or another
-run key), picks a free cell (or one of --stage), claims it and checks the claim held, then the
-cell runs in a child process (mesh.trainer.run_cell: its own transport, heartbeats, state
-download from a live peer of its stage, sessions with its replica) while this process shows its
-progress. Ctrl-C or SIGTERM: the cell saves, releases its claim and exits; join exits 0.
+join: --initial-peers are checked by syntax (cli/reach.py), then a scout DHT node reads the
+run's config record (refusing another fingerprint or another run key), picks a free cell (or one
+of --stage), claims it and checks the claim held, then the cell runs in this process
+(mesh.trainer.run_cell: its own transport, heartbeats, state download from a live peer of its
+stage, sessions with its replica) while a thread draws its progress and prints a line for each
+of its events (cli/events.py). Ctrl-C or SIGTERM: the cell saves, releases its claim and says
+so; join exits 0. `status` is in cli/status.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import click
 
-from cli.reach import any_reachable
+from cli.reach import EXAMPLE_MADDR, any_reachable, maddr_problems
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
 from mesh.topology import Cell as Place
@@ -32,23 +34,34 @@ class JoinError(ConfigError):
 
 
 def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
-    from comms.p2p_dht import DhtClient
-
     if not initial_peers:
-        raise JoinError("--initial-peers: give at least one multiaddr of a DHT node of the run")
+        raise JoinError(
+            "--initial-peers: give at least one multiaddr of a DHT node of the run, "
+            f"e.g. {EXAMPLE_MADDR}"
+        )
+    bad = maddr_problems(initial_peers)
+    if bad:  # by syntax, before any daemon starts (p2pd would fail on it seconds later)
+        raise JoinError(
+            f"--initial-peers {'; '.join(bad)}. Expected /ip4/HOST/tcp/PORT/p2p/PEER_ID as "
+            f"`meshtrain dht` prints it, e.g. {EXAMPLE_MADDR}"
+        )
     if not any_reachable(initial_peers):  # fails in a moment, before p2pd tries for seconds
         raise JoinError(
             f"no DHT node answers at --initial-peers {' '.join(initial_peers)} (TCP connection "
             "refused or timed out); check the address and that the bootstrap node "
             "(meshtrain dht) is running"
         )
+    # heavy (hivemind imports torch and scipy: seconds, many on a busy box): only now
+    from comms.p2p_dht import DhtClient
+
     try:
         return DhtClient(list(initial_peers), run_id, SCOUT_TIMEOUT_S, **kwargs)
     except Exception as e:  # noqa: BLE001 - p2pd's own error text says which address failed
         raise JoinError(
             f"could not reach the DHT through --initial-peers {' '.join(initial_peers)} "
             f"within {SCOUT_TIMEOUT_S:.0f} s ({str(e).strip()[:200]}); check the address and "
-            "that the bootstrap node (meshtrain dht) is running"
+            "that the bootstrap node (meshtrain dht) is running (a bootstrap node restarted "
+            "without --identity has a new peer ID: use the address it prints now)"
         ) from None
 
 
@@ -168,6 +181,7 @@ def run_join(
     announce_maddrs: list[str],
     client_mode: bool,
 ) -> None:
+    from cli.preflight import check_data
     from comms.p2p_auth import Auth
 
     maddr_kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or ["/ip4/0.0.0.0/tcp/0"]}
@@ -178,6 +192,8 @@ def run_join(
         probe = Registry(scout, None, 1.0)
         cfg = run_config(probe, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
+        if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here
+            check_data(cfg)
         auth = Auth.of(run_key, cfg.fingerprint())
         registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
         if registry.run() is None:
@@ -210,23 +226,29 @@ def _run_here(
     since: float,
 ) -> None:  # fmt: skip
     """Run the cell in this process (no second interpreter to start: the replica resumes
-    sooner), a progress bar drawn from its metrics by a thread; then the summary, and exit:
-    0 after the run's end or a clean stop (Ctrl-C / SIGTERM), 1 after a failure."""
+    sooner), a progress bar drawn from its metrics by a thread, with a line above it for each
+    thing the cell does (cli/events.py); then the summary, and exit: 0 after the run's end or a
+    clean stop (Ctrl-C / SIGTERM), 2 after a user error, 1 after any other failure."""
     import os
     import threading
     import traceback
 
+    from cli.events import EventLines
     from cli.report import print_table, progress_bar
+    from comms.errors import CommsError
+    from mesh.errors import CheckpointError, DataError
     from mesh.metrics import read_metrics
     from mesh.trainer import run_cell
 
     done = threading.Event()
+    events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
 
     def draw() -> None:
         with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
             while not done.wait(0.5):
-                rows = read_metrics(out).get((j, i), [])
-                last = [r for r in rows if "step" in r and not r.get("final")]
+                rows = read_metrics(out, events=True).get((j, i), [])
+                events.say_new(rows, bar.bar.write)
+                last = [r for r in rows if "step" in r and "event" not in r and not r.get("final")]
                 if last:
                     bar.bar.n = last[-1]["step"]
                     if last[-1].get("loss") is not None:
@@ -235,17 +257,23 @@ def _run_here(
 
     drawer = threading.Thread(target=draw, name="progress", daemon=True)
     drawer.start()
-    code = 0
+    code, failure = 0, ""
     try:
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
+    except (ConfigError, DataError, CheckpointError) as e:  # the message says the fix
+        code, failure = 2, f"error: {e}"
+    except CommsError as e:  # e.g. the replica never formed: the message says which cell
+        code, failure = 1, f"error: {e}"
     except Exception:  # noqa: BLE001 - reported; the exit code says it failed
-        traceback.print_exc()
-        code = 1
+        code, failure = 1, traceback.format_exc()
     finally:
         done.set()
         drawer.join(2)
+    events.say_new(read_metrics(out, events=True).get((j, i), []), click.echo)
+    if failure:  # below the closed bar, not drawn into it
+        click.echo(failure.rstrip(), err=True)
     rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     print_table(
@@ -265,28 +293,3 @@ def _run_here(
     # skip interpreter teardown under libp2p / averaging daemon threads (see
     # mesh.trainer.cell_process_main); files are closed and fsynced by now
     os._exit(code)
-
-
-def status_rows(registry: Registry, cfg: Config | None) -> dict[str, Any]:
-    """The grid as the DHT sees it: one row per live cell, and the free cells."""
-    now = time.time()
-    owned = registry.owners() or {}
-    cells = []
-    for name, rec in sorted(owned.items()):
-        cells.append(
-            {
-                "cell": name,
-                "peer": rec.peer,
-                "step": rec.step,
-                "tokens_per_s": round(rec.tps, 1),
-                "heartbeat_age_s": round(now - rec.t, 1),
-                "session": rec.epoch,
-            }
-        )
-    grid = None
-    free: list[str] = []
-    if cfg is not None:
-        P, m = cfg.grid.stages, cfg.grid.replicas
-        grid = f"{P}x{m}"
-        free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
-    return {"grid": grid, "cells": cells, "free": free, "rejected_claims": registry.rejected}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -107,10 +108,18 @@ def simulate(
     if resume:
         if backend == "logical":
             raise ConfigError("--resume needs --backend torch or hivemind")
-        # the run's own resolved config comes first; later flags may extend it (e.g. --steps)
-        config_files = (str(Path(resume) / "config.toml"), *config_files)
+        if method:
+            raise ConfigError("--resume keeps the run's method (its config.toml); drop --method")
+        if out and Path(out) != Path(resume):
+            raise ConfigError(f"--resume {resume} continues in that directory; drop --out")
+        from cli.preflight import resume_config
+
+        # the run's stored config, with later flags on top if they leave the math so far alone
+        # (--steps extends it); nothing is written before every check passed
+        _, cfg = resume_config(Path(resume), list(config_files), [*overrides, *extra])
         out = resume
-    cfg = resolve_config(config_files, overrides, extra)
+    else:
+        cfg = resolve_config(config_files, overrides, extra)
     backend = backend or cfg.runtime.backend
     # heavy imports after the config is known to be valid: a typo answers at once
     from cli.report import print_table, progress_bar
@@ -248,6 +257,23 @@ def bench_runtime(
     run_equivalence(resolve_config(config_files, overrides), Path(out), quick=quick)
 
 
+@bench.command("join")
+@click.option("--out", type=click.Path(file_okay=False), default="results/join", show_default=True)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Grids to form, one after another (about a minute each on 2 cores).",
+)
+def bench_join(out: str, repeats: int) -> None:
+    """Joins on 127.0.0.1 (a 2x2 tiny grid): join to training, a killed peer's replacement to
+    its replica resumed, a join naming a dead bootstrap to its error."""
+    from cli.bench_join import run_join_bench
+
+    run_join_bench(Path(out), repeats=repeats)
+
+
 @bench.command("optimizers")
 @config_options
 @click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
@@ -367,7 +393,12 @@ def dht(
 
 @main.command()
 @config_options
-@click.option("--initial-peers", multiple=True, metavar="MADDR", help="Any DHT node of the run.")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MADDR",
+    help="Any DHT node of the run, as `meshtrain dht` prints it: /ip4/HOST/tcp/PORT/p2p/PEER_ID.",
+)
 @click.option("--stage", type=int, default=None, help="Claim a cell of this stage.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
 @click.option(
@@ -392,59 +423,79 @@ def join(
     identity: str | None,
 ) -> None:
     """Add this machine to a run: claim a free cell through the DHT, take its stage's state from
-    a live peer, train until the run ends or Ctrl-C (which saves and releases the cell)."""
+    a live peer, train until the run ends or Ctrl-C (which saves and releases the cell).
+
+    A line above the progress bar says each thing the cell does: whom its replica waits for,
+    where its state came from, the checkpoint saved and the cell released at the end. The
+    summary's rejects count refused messages by reason (unauthorized: not a run member;
+    late / evicted: averaging payloads of a round already done / pushed out of a full mailbox;
+    not_finite: NaN or Inf; truncated_stream: a sender stopped mid-message; the full list is
+    in the README, "Rejected messages")."""
     from cli.join import run_join  # light: torch loads only once a cell is claimed
 
     local = resolve_config(config_files, overrides) if config_files else None
-    run_join(
-        local,
-        list(overrides),
-        list(initial_peers),
-        stage=stage,
-        out=Path(out) if out else None,
-        run_key=run_key,
-        run_id=run_id,
-        identity=identity,
-        host_maddrs=list(host_maddrs),
-        announce_maddrs=list(announce_maddrs),
-        client_mode=client_mode,
-    )
+    try:
+        run_join(
+            local,
+            list(overrides),
+            list(initial_peers),
+            stage=stage,
+            out=Path(out) if out else None,
+            run_key=run_key,
+            run_id=run_id,
+            identity=identity,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs),
+            client_mode=client_mode,
+        )
+    except KeyboardInterrupt:  # once a cell runs, its own handler saves and releases it
+        click.echo(
+            "interrupted before this peer ran a cell: nothing to save (a claim being made "
+            "expires by itself within 4 heartbeats)",
+            err=True,
+        )
+        sys.exit(130)
 
 
 @main.command()
-@click.option("--initial-peers", multiple=True, metavar="MADDR", help="Any DHT node of the run.")
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MADDR",
+    help="Any DHT node of the run, as `meshtrain dht` prints it: /ip4/HOST/tcp/PORT/p2p/PEER_ID.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @run_options
 @user_errors
 def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: str | None) -> None:
-    """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat; free cells."""
-    from cli.join import config_of, open_scout, status_rows
+    """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat and session;
+    free cells. Without the run key (or with another one) claims cannot be verified: they are
+    shown marked unverified, and status exits 2 after showing them."""
+    from cli.join import open_scout
     from cli.report import print_table
-    from comms.p2p_auth import Auth
-    from mesh.registry import Registry
+    from cli.status import STATUS_HEADERS, key_error, read_status, status_table
 
     scout = open_scout(list(initial_peers), run_id, client_mode=True,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
     try:
-        rec = Registry(scout, None, 1.0).run()
-        cfg = config_of(rec) if rec is not None else None
-        auth = Auth.of(run_key, rec.fingerprint) if rec is not None else None
-        rows = status_rows(Registry(scout, auth, 1.0), cfg)
+        rows = read_status(scout, run_key)
     finally:
         scout.close()
+    problem = key_error(rows["run_key"])
     if as_json:
         click.echo(json.dumps(rows, indent=2))
-        return
-    click.echo(f"run {run_id!r}: grid {rows['grid'] or 'unknown (no config record)'}")
-    print_table(
-        ["cell", "peer", "step", "tokens/s", "heartbeat", "session"],
-        [
-            [c["cell"], c["peer"][:12] + "...", c["step"], f"{c['tokens_per_s']:,.0f}",
-             f"{c['heartbeat_age_s']:.1f} s ago", c["session"]]
-            for c in rows["cells"]
-        ],
-    )  # fmt: skip
-    click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
+    else:
+        grid = rows["grid"] or "unknown (no config record)"
+        click.echo(f"run {run_id!r}: grid {grid}, run key {rows['run_key']}")
+        print_table(STATUS_HEADERS, status_table(rows))
+        click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
+    if problem:
+        click.echo(f"error: {problem}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: with torch and hivemind loaded it takes 1-2 s, longer on a
+    # busy machine, and status has nothing left to clean up (the scout is shut down)
+    os._exit(2 if problem else 0)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,40 @@ from tqdm import tqdm
 
 from mesh.metrics import format_table
 
+# tqdm's ETA from the first step or two is mostly start-up (imports, rendezvous, warm-up), and
+# a user reads "2:31:07" as a promise: show it only once a few steps have been timed
+ETA_AFTER_STEPS = 5
+NO_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+WITH_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
 
 class _Bar:
     def __init__(self, bar: tqdm) -> None:
         self.bar = bar
+        self.first = bar.n  # a resumed run starts its bar where it stopped
 
     def update_loss(self, loss: float) -> None:
-        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        self.bar.update(1)
+        self.goto(self.bar.n + 1, loss)
+
+    def goto(self, step: int, loss: float | None = None) -> None:
+        if self.bar.bar_format == NO_ETA and step - self.first >= ETA_AFTER_STEPS:
+            self.bar.bar_format = WITH_ETA
+        if loss is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self.bar.update(step - self.bar.n)
 
 
 @contextmanager
-def progress_bar(total: int, desc: str) -> Iterator[_Bar]:
-    with tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True) as bar:
+def progress_bar(total: int, desc: str, initial: int = 0) -> Iterator[_Bar]:
+    with tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="step",
+        dynamic_ncols=True,
+        leave=True,
+        bar_format=NO_ETA,
+    ) as bar:
         yield _Bar(bar)
 
 

@@ -3,89 +3,153 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from cli.launch import run_grid
-from cli.report import print_table, progress_bar
+from cli.launch import GridRun, run_grid
+from cli.preflight import check_data, check_machine, check_resume
+from cli.report import progress_bar
 from mesh.config import Config, ConfigError, with_overrides
 from mesh.emulate import resolve_window
-from mesh.metrics import plot_curves, read_metrics, summarize_run
+from mesh.evaluate import ValTracker, read_val, tokens_at
+from mesh.metrics import format_table, metrics_offsets, plot_curves, read_metrics, summarize_run
 
 
 def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool = False) -> None:
+    """Check everything a cell would trip over, then run the grid as processes; one line and
+    exit 2 for a user error (here or in a cell), the summary table otherwise."""
     cfg = with_overrides(cfg, {"runtime.backend": backend})
+    # resolved here, so a --resume runs the same schedule (and fingerprint): the in-flight window
+    # and the lr / lambda horizon (a resume that extends run.steps keeps the one it started with)
+    cfg = resolve_window(cfg)
+    if cfg.run.schedule_steps is None:
+        cfg = with_overrides(cfg, {"run.schedule_steps": cfg.run.steps})
+    corpus = None if cfg.runtime.compute == "emulated" else check_data(cfg)
+    check_machine(cfg)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if (out / "metrics").exists() and not resume:
         raise ConfigError(f"--out {out} already holds a run; pick another or pass --resume {out}")
+    start_step = 0
+    if resume:
+        point = check_resume(cfg, out)
+        for note in point.notes:
+            click.echo(note, err=True)
+        start_step = point.step
+        if start_step >= cfg.run.steps:
+            click.echo(
+                f"nothing to do: the run is at step {start_step} of run.steps = {cfg.run.steps}; "
+                f"extend it with --resume {out} --steps N"
+            )
+            return
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    # the resolved window, so a --resume runs the same schedule (and fingerprint)
-    cfg = resolve_window(cfg)
-    (out / "config.toml").write_text(cfg.to_toml())
-    with progress_bar(cfg.run.steps, f"simulate {cfg.grid.stages}x{cfg.grid.replicas}") as bar:
+    write_atomic(out / "config.toml", cfg.to_toml())  # only now: every check passed
+    val = ValTracker(cfg, out, corpus, start_step) if corpus is not None else None
+    if val is not None and not resume:
+        val.start()
+    segment = metrics_offsets(out)  # a resume appends: its rates are of what it appends
+    title = f"simulate {cfg.grid.stages}x{cfg.grid.replicas}"
+    with progress_bar(cfg.run.steps, title, initial=start_step) as bar:
 
         def on_progress(step: int, loss: float | None) -> None:
-            bar.bar.n = step
-            if loss is not None:
-                bar.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            bar.bar.refresh()
+            bar.goto(step, loss)
+            if val is not None:
+                val.poll()
 
-        run = run_grid(cfg, out, resume=resume, on_progress=on_progress)
+        run = run_grid(
+            cfg, out, resume=resume, resume_step=start_step if resume else None,
+            on_progress=on_progress,
+        )  # fmt: skip
+        if run.ok:
+            bar.goto(cfg.run.steps)
     if not run.ok:
-        failed = {f"s{j}r{i}": c for (j, i), c in run.exit_codes.items() if c != 0}
-        click.echo(
-            f"stopped: {'interrupted' if run.interrupted else failed}; metrics kept in {out}",
-            err=True,
-        )
-        sys.exit(130 if run.interrupted else 1)
-    summary = summarize_run(cfg, out, run.wall_s)
+        _report_failure(run, out, created)
+    if val is not None:
+        val.poll(final=True)
+    summary = summarize_run(cfg, out, run.wall_s, start_step, segment)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(cfg, out)
-    print_table(
-        [
-            "grid",
-            "steps",
-            "tokens",
-            "tokens/s",
-            "of ideal",
-            "val loss",
-            "pp B/replica/step",
-            "dp B/replica/step",
-            "rounds started/applied/failed",
-        ],
-        [
-            [
-                summary["grid"],
-                summary["steps"],
-                summary["tokens"],
-                f"{summary['tokens_per_s']:,.0f}",
-                _fmt_fraction(summary.get("fraction_of_ideal")),
-                f"{summary['val_loss']:.4f}",
-                f"{summary['bytes']['pp_per_replica_step']:,.0f}",
-                f"{summary['bytes']['dp_per_replica_step']:,.0f}",
-                "/".join(
-                    str(summary["rounds"][k])
-                    for k in ("rounds_started", "rounds_applied", "rounds_failed")
-                ),
-            ]
-        ],
-    )
+    table = format_table(*summary_table(summary))
+    (out / "table.md").write_text(table + "\n")
+    click.echo(table)
     click.echo(f"run directory: {out}")
 
 
+def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    headers = [
+        "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "pp B/replica/step",
+        "dp B/replica/step", "rounds started/applied/failed",
+    ]  # fmt: skip
+    rounds = "/".join(
+        str(summary["rounds"][k]) for k in ("rounds_started", "rounds_applied", "rounds_failed")
+    )
+    row = [
+        summary["grid"],
+        summary["steps"],
+        summary["tokens"],
+        f"{summary['tokens_per_s']:,.0f}",
+        _fmt_fraction(summary.get("fraction_of_ideal")),
+        f"{summary['val_loss']:.4f}",
+        f"{summary['bytes']['pp_per_replica_step']:,.0f}",
+        f"{summary['bytes']['dp_per_replica_step']:,.0f}",
+        rounds,
+    ]
+    return headers, [[str(c) for c in row]]
+
+
+def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:
+    """One line for the user (the report of a bug, its traceback, follows it); a directory this
+    command made and nothing was saved into is removed again."""
+    f = run.failure
+    if run.interrupted or f is None:
+        codes = {f"s{j}r{i}": c for (j, i), c in run.exit_codes.items() if c != 0}
+        click.echo(
+            f"stopped: {'interrupted' if run.interrupted else codes}; run directory {out}",
+            err=True,
+        )
+        sys.exit(130 if run.interrupted else 1)
+    if f.exit_code == 2:
+        click.echo(f"error: cell {f.cell}: {f.message}", err=True)
+    else:
+        report = f.log.read_text() if f.log is not None else ""
+        click.echo(report.split("\n", 1)[-1].rstrip(), err=True)  # the traceback of a bug
+        click.echo(f"error: cell {f.cell} failed: {f.message}", err=True)
+    if created and not any((out / "checkpoints").glob("*/step-*.pt")):
+        shutil.rmtree(out, ignore_errors=True)
+    elif f.log is not None:
+        click.echo(f"(the cell's report: {f.log})", err=True)
+    sys.exit(2 if f.exit_code == 2 else 1)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def plot_run(cfg: Config, out: Path) -> None:
-    """DIR/loss.png: each replica's training loss (its last stage) against its step."""
+    """DIR/loss.png: each replica's training loss (its last stage's microbatches) and its
+    validation loss (DIR/val.jsonl) against the tokens the whole grid has seen."""
     rows = read_metrics(out)
     last = cfg.grid.stages - 1
-    curves = {
-        f"replica {i}": [(r["step"], r["loss"]) for r in rows.get((last, i), []) if r.get("loss")]
-        for i in range(cfg.grid.replicas)
-    }
+    curves: dict[str, list[tuple[float, float]]] = {}
+    styles: dict[str, dict] = {}
+    for i in range(cfg.grid.replicas):
+        train = [r for r in rows.get((last, i), []) if r.get("loss") is not None]
+        curves[f"replica {i} train"] = [(tokens_at(cfg, r["step"]), r["loss"]) for r in train]
+        styles[f"replica {i} train"] = {"alpha": 0.45, "linewidth": 0.8, "color": f"C{i}"}
+        val = [(r["tokens"], r["val_loss"]) for r in read_val(out) if r["replica"] == i]
+        curves[f"replica {i} validation"] = val
+        styles[f"replica {i} validation"] = {"marker": "o", "linewidth": 2, "color": f"C{i}"}
     title = f"{cfg.grid.stages}x{cfg.grid.replicas} {cfg.pipeline.schedule}, {cfg.runtime.backend}"
-    plot_curves(curves, out / "loss.png", "update", "training loss (last stage)", title)
+    plot_curves(curves, out / "loss.png", "tokens (all replicas)", "loss (nats/token)", title,
+                styles=styles)  # fmt: skip
 
 
 def _fmt_fraction(x: float | None) -> str:

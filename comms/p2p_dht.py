@@ -22,11 +22,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms.p2p_auth import signer_of
@@ -108,6 +109,30 @@ def one_line(record: logging.LogRecord) -> bool:
     return True
 
 
+class _RequestPipe:
+    """The DHT process's end of its request pipe. A request is unpickled as it is read, and one
+    whose sender (our peer process, or one of its averagers) was killed while handing it over
+    cannot be: its pipe ends wait in the dead sender's multiprocessing resource sharer, and the
+    read fails with EOFError or AuthenticationError instead of hivemind's expected OSError, which
+    would end the DHT process (every later request of the live sender then hangs). Any failure
+    to read a request becomes an OSError: hivemind logs it (one line, see one_line) and skips it.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (OSError, RuntimeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - unpickling runs arbitrary reducers
+            raise OSError(f"skipped a request that cannot be read: {type(e).__name__}: {e}") from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
 class PeerDHT(hivemind.DHT):
     """hivemind.DHT whose process stops its p2pd and exits when our process dies."""
 
@@ -117,12 +142,18 @@ class PeerDHT(hivemind.DHT):
         # still withdraw its records on the way out
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # e.g. a request pickled by a peer process that was killed mid-send cannot be read
+        # e.g. a request pickled by a process that was killed mid-send cannot be read
         logging.getLogger("hivemind.dht.dht").addFilter(one_line)
+        self._inner_pipe = _RequestPipe(self._inner_pipe)
         parent = os.getppid()
         watch_parent(self._orphaned)
+        # our p2pd's socket files carry our pid, so that a start that fails half-way (p2pd
+        # exits on a bootstrap peer it cannot reach and leaves its socket behind, or the DHT's
+        # first ping fails with p2pd still running) can find what is ours and remove it
+        P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
         try:
             super().run()
+            _stop_own_daemons()  # nothing left after a clean shutdown; a failed start's leftovers
         except (EOFError, OSError):
             # A request whose pipe our peer process was handing over when it was killed cannot
             # be read (multiprocessing's resource sharer died with it). Our parent is gone or
@@ -154,6 +185,27 @@ class PeerDHT(hivemind.DHT):
             except ChildProcessError:
                 return  # already reaped by the event loop's child watcher
             time.sleep(0.05)
+
+
+def _stop_own_daemons() -> None:
+    """Stop any p2pd this process started and remove the socket files named after it."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            ppid = int(text[text.rindex(")") + 1 :].split()[1])
+            if ppid == me and comm == "p2pd":
+                pid = int(stat.parent.name)
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(40):  # reap it: no zombie outlives us
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        break
+                    time.sleep(0.05)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+    for path in Path("/tmp").glob(f"hivemind-{me}-*"):
+        path.unlink(missing_ok=True)
 
 
 async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:

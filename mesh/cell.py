@@ -107,7 +107,7 @@ class Cell:
     # ---- optimizer ------------------------------------------------------------------------
     def lr_scale(self) -> float:
         o = self.cfg.optim
-        return lr_at(self.step, self.cfg.run.steps, 1.0, o.warmup_steps, o.min_lr_ratio)
+        return lr_at(self.step, self.cfg.schedule_horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
 
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""
@@ -141,7 +141,11 @@ class Cell:
         assert rnd.mean is not None
         dp = self.cfg.dp
         lam = lambda_at(
-            self.step, self.cfg.run.steps, dp.lambda_initial, dp.lambda_final, dp.lambda_hold_steps
+            self.step,
+            self.cfg.schedule_horizon,
+            dp.lambda_initial,
+            dp.lambda_final,
+            dp.lambda_hold_steps,
         )
         live = self.flat.index_select(0, rnd.indices)
         d = self.drift.index_select(0, rnd.indices)

@@ -10,6 +10,7 @@ checkpoint or the new one, never a torn file. Loading uses `torch.load(weights_o
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from mesh.errors import CheckpointError  # noqa: F401 - re-exported
 FORMAT = 1
 
 
+FOREIGN = "written by another config"
 KEEP = 3  # checkpoints kept per cell: a consistent cut across cells needs older ones too
 
 
@@ -49,6 +51,65 @@ def common_step(run_dir: str | Path, cells: list[tuple[int, int]]) -> int | None
         steps = set(saved_steps(run_dir, stage, replica))
         common = steps if common is None else common & steps
     return max(common) if common else None
+
+
+def check_checkpoint(path: Path, fingerprint: str, stage: int, replica: int) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None when it can: readable
+    (not torn or truncated), of this run's math (state fingerprint), this cell and the step its
+    name says, with finite weights. Reads the file; builds no model."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return "missing"
+    except Exception as e:  # noqa: BLE001 - torn, truncated or foreign: the reason is the type
+        return f"unreadable ({type(e).__name__}: truncated or not a checkpoint)"
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return "unknown checkpoint format"
+    if state.get("fingerprint") != fingerprint:
+        return f"{FOREIGN} (state fingerprint {state.get('fingerprint')})"
+    if (state.get("stage"), state.get("replica")) != (stage, replica):
+        return f"holds cell s{state.get('stage')}r{state.get('replica')}"
+    if f"step-{state.get('step', -1):08d}" != path.stem:
+        return f"holds step {state.get('step')}"
+    flat = state.get("flat")
+    if not isinstance(flat, torch.Tensor) or not bool(torch.isfinite(flat).all()):
+        return "non-finite weights"
+    return None
+
+
+Damage = tuple[int, int, int, str]  # (stage, replica, step, why the file cannot be used)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int | None  # None: no step that every cell has intact
+    damaged: list[Damage]  # newer files passed over: torn, truncated, not ours
+    foreign: list[Damage]  # files of another config (a wrong config, not damage)
+
+
+def resume_point(
+    run_dir: str | Path, cells: list[tuple[int, int]], fingerprint: str
+) -> ResumePoint:
+    """The newest step that every cell has an intact checkpoint of, after checking each file
+    newer than it (so a truncated newest file falls back to the step before)."""
+    steps = {cell: set(saved_steps(run_dir, *cell)) for cell in cells}
+    bad: list[Damage] = []
+    found = None
+    for step in sorted(set().union(*steps.values()), reverse=True):
+        intact = True
+        for cell in cells:
+            if step not in steps[cell]:
+                intact = False
+                continue
+            why = check_checkpoint(checkpoint_path(run_dir, *cell, step), fingerprint, *cell)
+            if why is not None:
+                bad.append((*cell, step, why))
+                intact = False
+        if intact:
+            found = step
+            break
+    foreign = [b for b in bad if b[3].startswith(FOREIGN)]
+    return ResumePoint(found, [b for b in bad if b not in foreign], foreign)
 
 
 def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:

@@ -126,6 +126,14 @@ class DataConfig(_Section):
 class RunConfig(_Section):
     seed: int = Field(0, ge=0)
     steps: int = Field(300, ge=1, description="optimizer updates per stage")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="horizon of the lr and lambda schedules (None: run.steps). `simulate` "
+        "writes the resolved value to the run's config.toml, so a resume that extends "
+        "run.steps keeps the horizon the run started with: lr and lambda stay at their floors "
+        "for the extra steps instead of jumping back up",
+    )
     eval_every: int = Field(100, ge=1, description="validation every N updates")
     threads: int = Field(1, ge=1, description="torch threads per process")
 
@@ -276,10 +284,31 @@ class Config(_Section):
         The torch minor version is part of it: averaging indices come from torch.randperm, whose
         stream may change between releases, and peers must draw the same indices.
         """
+        return self._hash(with_steps=True)
+
+    def state_fingerprint(self) -> str:
+        """Hash of what decides the math of every update so far: the fingerprint without
+        run.steps, which only says where the run stops (the schedules' horizon is
+        run.schedule_steps). Checkpoints carry it, so a resume may extend run.steps."""
+        return self._hash(with_steps=False)
+
+    @property
+    def schedule_horizon(self) -> int:
+        """Updates over which the lr and lambda schedules run (run.schedule_steps or run.steps)."""
+        return self.run.schedule_steps or self.run.steps
+
+    def _hash(self, with_steps: bool) -> str:
         import torch
 
         d = self.model_dump(mode="json")
-        d["run"] = {"seed": d["run"]["seed"], "steps": d["run"]["steps"]}
+        # resolved horizon: a config with schedule_steps unset hashes as one that spells it out
+        # (and a run's fingerprint is what it was before the key existed when they agree)
+        run: dict[str, int] = {"seed": self.run.seed}
+        if with_steps:
+            run["steps"] = self.run.steps
+        if not with_steps or self.schedule_horizon != self.run.steps:
+            run["schedule_steps"] = self.schedule_horizon
+        d["run"] = run
         del d["runtime"]  # how this peer connects is its own business
         d["torch"] = ".".join(torch.__version__.split(".")[:2])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -322,11 +351,56 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+# the names other trainers use for our keys' leaves: matched before edit distance, which would
+# turn optim.learning_rate into optim.warmup_steps' neighbours rather than optim.lr
+SYNONYMS = {
+    "learning_rate": "lr",
+    "lr_rate": "lr",
+    "momentum": "beta1",
+    "wd": "weight_decay",
+    "clip": "grad_clip",
+    "max_grad_norm": "grad_clip",
+    "warmup": "warmup_steps",
+    "layers": "n_layers",
+    "num_layers": "n_layers",
+    "num_hidden_layers": "n_layers",
+    "hidden_size": "d_model",
+    "num_heads": "n_heads",
+    "num_attention_heads": "n_heads",
+    "context_length": "seq_len",
+    "block_size": "seq_len",
+    "max_seq_len": "seq_len",
+    "batch_size": "microbatch_size",
+    "max_steps": "steps",
+    "num_steps": "steps",
+    "iterations": "steps",
+    "pipeline_stages": "stages",
+    "pp": "stages",
+    "dp": "replicas",
+    "data_parallel": "replicas",
+}
+
+
+def suggest_key(key: str, known: list[str]) -> str | None:
+    """The known key a mistyped one most likely means: a synonym of its leaf in the same
+    section, then the same leaf (or synonym) in another section, then the closest spelling."""
+    *parents, leaf = key.split(".")
+    section = ".".join(parents)
+    for name in (SYNONYMS.get(leaf.lower(), leaf.lower()), leaf.lower()):
+        if f"{section}.{name}" in known:
+            return f"{section}.{name}"
+        elsewhere = [k for k in known if k.rsplit(".", 1)[-1] == name]
+        if len(elsewhere) == 1:
+            return elsewhere[0]
+    hint = difflib.get_close_matches(key, known, n=1)
+    return hint[0] if hint else None
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, origin: str) -> None:
     known = _known_keys(Config)
     if key not in known:
-        hint = difflib.get_close_matches(key, known, n=1)
-        fix = f"did you mean {hint[0]}?" if hint else "see `meshtrain show-config` for the keys"
+        hint = suggest_key(key, known)
+        fix = f"did you mean {hint}?" if hint else "see `meshtrain show-config` for the keys"
         raise ConfigError(f"{key}: unknown key (from {origin}); {fix}")
     *parents, leaf = key.split(".")
     node = tree

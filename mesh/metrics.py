@@ -38,8 +38,10 @@ def plot_curves(
     ylabel: str,
     title: str,
     logx: bool = False,
+    styles: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """One line per label; written as PNG (matplotlib without a display)."""
+    """One line per label (styles: matplotlib keyword arguments per label); written as PNG
+    (matplotlib without a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,7 +51,8 @@ def plot_curves(
     for label, pts in curves.items():
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, label=label, marker="." if len(pts) < 30 else None)
+            style = {"marker": "." if len(pts) < 30 else None, **(styles or {}).get(label, {})}
+            ax.plot(xs, ys, label=label, **style)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -63,8 +66,14 @@ def plot_curves(
     plt.close(fig)
 
 
+def metrics_offsets(run_dir: Path) -> dict[str, int]:
+    """Each metrics file's size now: read_metrics(since=...) then reads only what comes after
+    (a resumed run appends to the files of the run it continues)."""
+    return {p.name: p.stat().st_size for p in (Path(run_dir) / "metrics").glob("*.jsonl")}
+
+
 def read_metrics(
-    run_dir: Path, events: bool = False
+    run_dir: Path, events: bool = False, since: dict[str, int] | None = None
 ) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
     writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
@@ -74,47 +83,37 @@ def read_metrics(
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
         stage, replica = (int(x) for x in path.stem.split("-"))
-        lines = path.read_text().splitlines()
+        with path.open("rb") as f:
+            f.seek((since or {}).get(path.name, 0))
+            lines = f.read().decode().splitlines()
         parsed = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
         rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
     return rows
 
 
-def summarize_run(cfg: Any, out_dir: Path, wall_s: float) -> dict[str, Any]:
-    """summary.json of a multi-process run, from the cells' metrics files and checkpoints."""
+def summarize_run(
+    cfg: Any, out_dir: Path, wall_s: float, start_step: int = 0, since: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """summary.json of a multi-process run, from the cells' metrics files and checkpoints.
+    A resumed run (from start_step; its rows after the file offsets `since`): rates and bytes
+    are of this segment, tokens and the loss of the whole run."""
 
-    import torch
-
-    from mesh.checkpoint import checkpoint_path, saved_steps
-    from mesh.data import load_corpus, val_batches
+    from mesh.data import load_corpus
     from mesh.emulate import throughput
-    from mesh.model import build_stages, lm_loss
+    from mesh.evaluate import common_steps, replica_loss, validation_batches
 
-    rows = read_metrics(out_dir)
+    rows = read_metrics(out_dir, since=since)
     P, m = cfg.grid.stages, cfg.grid.replicas
     steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
     mpu = cfg.pipeline.microbatches if cfg.pipeline.schedule != "async" else 1
     tokens = steps * mpu * cfg.tokens_per_microbatch * m
+    segment_tokens = max(0, steps - start_step) * mpu * cfg.tokens_per_microbatch * m
     last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
-    batches = val_batches(
-        corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
-    )
-    losses = []
-    for i in range(m):
-        stages = build_stages(cfg.model, P, cfg.run.seed)
-        for j, st in enumerate(stages):
-            path = checkpoint_path(out_dir, j, i, saved_steps(out_dir, j, i)[-1])
-            flat = torch.load(path, weights_only=True)["flat"]
-            torch.nn.utils.vector_to_parameters(flat, st.parameters())
-        with torch.no_grad():
-            total = 0.0
-            for x, y in batches:
-                h = x
-                for st in stages:
-                    h = st(h)
-                total += lm_loss(h, y).item()
-        losses.append(total / len(batches))
+    batches = validation_batches(cfg, corpus)
+    losses = [
+        replica_loss(cfg, out_dir, i, common_steps(out_dir, cfg, i)[-1], batches) for i in range(m)
+    ]
     rounds = {
         k: sum(r.get(k, 0) for r in last.values())
         for k in ("rounds_started", "rounds_applied", "rounds_partial", "rounds_failed")
@@ -126,7 +125,7 @@ def summarize_run(cfg: Any, out_dir: Path, wall_s: float) -> dict[str, Any]:
         "steps": steps,
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
-        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
         "val_loss": sum(losses) / m,
         "val_loss_replicas": losses,
         "bytes": {  # from the cells' final rows when present (written after sends drained)

@@ -213,11 +213,11 @@ class Registry:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
         return self.d.dht_store("cells", self._subkey(rec.cell, rec.peer), cell_value(rec), ttl)
 
-    def release(self, cell: str, peer: str) -> None:
+    def release(self, cell: str, peer: str) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
-        the terminal's process group; the claim then expires by itself)."""
+        the terminal's process group; the claim then expires by itself). Whether it was."""
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
-        self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
+        return self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
     def session(self, replica: int, leader_cell: str) -> SessionRecord | None:
         """Replica's session as written by the current owner of leader_cell, or by its last

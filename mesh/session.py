@@ -18,6 +18,12 @@ Two coordinators:
   checks that between short waits, drops its in-flight microbatches and waits for the next
   session; nothing else in the grid waits on it (other replicas keep training).
 
+A cell says what it waits for through `on_event(name, **fields)` (mesh/trainer.py writes them as
+event rows; `join` prints them): `waiting` (the cells of its replica that are free or still
+starting, once it has waited REPORT_EVERY_S, and again whenever that set changes; during a
+running session, when a neighbour's claim is gone on two heartbeats in a row) and `session`
+(a session started).
+
 imports: mesh, comms (errors) and stdlib.
 """
 
@@ -34,6 +40,8 @@ from comms.errors import PeerTimeout
 from mesh.registry import CellRecord, Registry, RunRecord, SessionRecord, running
 
 CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
+REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
+# re-checks whom at this period (a session that forms at once is not worth a line)
 
 
 class SessionBroken(Exception):
@@ -48,6 +56,19 @@ class Session:
 
     def tag(self, kind: str, microbatch: int) -> str:
         return f"{self.epoch}/{kind}/{microbatch}"
+
+
+def waiting_for(replica_cells: list[str], owned: dict[str, CellRecord], me: str) -> dict[str, str]:
+    """The cells of a replica, other than `me`, that keep its session from starting: cell ->
+    "free" (nobody claims it) or "joining" (a join's placeholder claim: its process is not up
+    yet)."""
+    out = {}
+    for c in replica_cells:
+        if c != me and c not in owned:
+            out[c] = "free"
+        elif c != me and not running(owned[c]):
+            out[c] = "joining"
+    return out
 
 
 class StaticCoordinator:
@@ -116,6 +137,9 @@ class DhtCoordinator:
         self._session: SessionRecord | None = None
         self._active: SessionRecord | None = None  # the session the worker is running
         self._broken = False
+        self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
+        self._reported: dict[str, str] = {}  # the last `waiting` set said
+        self._missing: dict[str, str] = {}  # during a session: what the last beat saw missing
         self._stop = threading.Event()
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
@@ -140,18 +164,36 @@ class DhtCoordinator:
         training thread, so a slow DHT delays a verdict but never a microbatch."""
         while not self._stop.wait(self.reg.heartbeat_s):
             self.heartbeat()
-            active = self._active
-            if active is not None and not self._broken:
-                with contextlib.suppress(Exception):
-                    verdict = self._check(active)
-                    if self._active is active:
-                        self._broken = verdict
+            self._watch()
 
-    def close(self) -> None:
+    def _watch(self) -> None:
+        """One heartbeat's look at the running session: is it broken, and is a neighbour gone
+        (said once it is missing on two beats in a row: a single read may miss a claim)."""
+        active = self._active
+        if active is None:
+            return
+        with contextlib.suppress(Exception):
+            owned = self.reg.owners()
+            if not self._broken:
+                verdict = self._check(active, owned)
+                if self._active is active:
+                    self._broken = verdict
+            if owned is None or self._active is not active:
+                return
+            missing = waiting_for(self.replica_cells, owned, self.cell)
+            if missing and missing == self._missing:
+                self._report(missing)
+            self._missing = missing
+
+    def close(self) -> bool:
+        """Stop beating and withdraw our claim; whether the DHT took the withdrawal (if not,
+        the claim expires by itself within HEARTBEAT_LIVES beats)."""
         self._stop.set()
         self._thread.join(5)
-        with contextlib.suppress(Exception):
-            self.reg.release(self.cell, self.peer)
+        try:
+            return self.reg.release(self.cell, self.peer)
+        except Exception:  # noqa: BLE001 - the DHT is gone: the claim expires by itself
+            return False
 
     # ---- sessions ---------------------------------------------------------------------------
     def next_session(self, align: Callable[[], int]) -> Session | None:
@@ -161,7 +203,9 @@ class DhtCoordinator:
         from that step), a follower once it has its session. PeerTimeout after wait_s without
         a session (a cell of the replica never came back)."""
         deadline = time.monotonic() + self.wait_s
+        report_at = time.monotonic() + REPORT_EVERY_S
         last = self._session.epoch if self._session else -1
+        self._active = None  # the worker runs no session now (one that broke is over)
         while True:
             if self.leader:
                 rec = self._lead(align, last)
@@ -177,8 +221,16 @@ class DhtCoordinator:
                     return None
                 if not self.leader:
                     align()
+                self._reported, self._missing = {}, {}
+                self._emit("session", replica=self.replica, epoch=rec.epoch,
+                           members=sorted(rec.members))  # fmt: skip
                 self._active = rec
                 return Session(rec.epoch, rec.base_mb, rec.updates)
+            if time.monotonic() >= report_at:
+                report_at = time.monotonic() + REPORT_EVERY_S
+                owned = self.reg.owners()
+                if owned is not None:
+                    self._report(waiting_for(self.replica_cells, owned, self.cell))
             if time.monotonic() > deadline:
                 owned = self.reg.owners() or {}
                 missing = [c for c in self.replica_cells if c not in owned]
@@ -187,6 +239,17 @@ class DhtCoordinator:
                     f"{self.wait_s:.0f} s (cells without a live peer: {missing or 'none'})"
                 )
             time.sleep(CHECK_EVERY_S)
+
+    def _report(self, missing: dict[str, str]) -> None:
+        """Say whom the replica waits for, once per change (nothing when that is nobody: the
+        session is then only moments away)."""
+        if missing and missing != self._reported:
+            self._emit("waiting", replica=self.replica, waiting_for=missing)
+        self._reported = missing
+
+    def _emit(self, name: str, **fields: object) -> None:
+        if self.on_event is not None:
+            self.on_event(name, **fields)
 
     def _lead(self, align: Callable[[], int], last: int) -> SessionRecord | None:
         epoch = max(last + 1, int(time.time() * 1000))
@@ -217,11 +280,12 @@ class DhtCoordinator:
         """Whether the running session no longer stands (the heartbeat thread's verdict)."""
         return self._broken
 
-    def _check(self, active: SessionRecord) -> bool:
-        """Leader: a member's claim expired or changed incarnation. Follower: the session
-        record moved on. Unknown (the DHT did not answer) is not broken."""
+    def _check(self, active: SessionRecord, owned: dict[str, CellRecord] | None = None) -> bool:
+        """Leader: a member's claim expired or changed incarnation (in `owned`, the claims
+        read this beat; None: read them now). Follower: the session record moved on. Unknown
+        (the DHT did not answer) is not broken."""
         if self.leader:
-            owned = self.reg.owners()
+            owned = self.reg.owners() if owned is None else owned
             if owned is None:
                 return False
             return any(

@@ -22,12 +22,19 @@ from comms.build import make_transport
 from comms.p2p_auth import Auth
 from comms.transport import Transport
 from mesh.cell import Cell
-from mesh.checkpoint import checkpoint_path, load_cell, save_cell, saved_steps
+from mesh.checkpoint import (
+    check_checkpoint,
+    checkpoint_path,
+    load_cell,
+    save_cell,
+    saved_steps,
+)
 from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data import load_corpus
 from mesh.emulate import link_profile, resolve_window
+from mesh.errors import CheckpointError, DataError
 from mesh.model import build_stage
-from mesh.registry import Registry, RunRecord
+from mesh.registry import CellRecord, Registry, RunRecord
 from mesh.schedule import microbatches_per_update
 from mesh.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.stage import StageWorker, cell_name, group_name
@@ -110,25 +117,28 @@ def make_coordinator(
     )
 
 
-def catch_up(cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport) -> int:
+def catch_up(
+    cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport
+) -> CellRecord | None:
     """Reload state from the most advanced live peer of this stage when this cell is more than
     runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled).
-    Returns the step adopted, or -1 when nothing was loaded."""
+    Returns the claim of the peer whose state was loaded (the cell is at its step now), or
+    None when nothing was loaded."""
     cell = worker.cell
     owned = coord.reg.owners()
     if owned is None:
-        return -1  # the DHT did not answer: train on, catch up at the next session
+        return None  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in range(cfg.grid.replicas) if r != cell.replica]
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
     for rec in live:
         if rec.step - cell.step <= cfg.runtime.max_lag_steps:
-            return -1
+            return None
         with worker.lock:
             ok = download_state(transport, cell, rec.cell, cfg.runtime.timeout_s)
         if ok:
             worker.drop_rounds()
-            return cell.step
-    return -1
+            return rec
+    return None
 
 
 def run_cell(
@@ -157,11 +167,18 @@ def run_cell(
     )
     module = build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed)
     cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
-    if resume_step == -1:
-        steps = saved_steps(out_dir, stage, replica)
-        resume_step = steps[-1] if steps else None
+    if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
+        fp = cfg.state_fingerprint()
+        intact = [
+            s
+            for s in saved_steps(out_dir, stage, replica)
+            if check_checkpoint(checkpoint_path(out_dir, stage, replica, s), fp, stage, replica)
+            is None
+        ]
+        resume_step = intact[-1] if intact else None
     if resume_step is not None:
-        load_cell(cell, cfg.fingerprint(), checkpoint_path(out_dir, stage, replica, resume_step))
+        path = checkpoint_path(out_dir, stage, replica, resume_step)
+        load_cell(cell, cfg.state_fingerprint(), path)
     metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     # SIGTERM (the launcher stopping us, or a user): unwind through `finally` so the transport
@@ -178,9 +195,23 @@ def run_cell(
         * cfg.pipeline.microbatch_size
         * cfg.model.seq_len
     )
+
+    def event(name: str, **fields: Any) -> None:
+        """An event row (`join` prints each as a line). Its own append, so the heartbeat thread
+        can write one too, and one can follow the cell's release after the rows' file closed."""
+        row = {"event": name, "step": cell.step, **fields}
+        line = json.dumps({**row, "time_s": round(time.perf_counter() - start, 4)}) + "\n"
+        with metrics.open("a") as g:
+            g.write(line)
+
     try:
         with metrics.open("a") as f:
+            if resume_step is not None:
+                saved_at = checkpoint_path(out_dir, stage, replica, resume_step)
+                event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
             coord = make_coordinator(cfg, cell, transport, run_key, since)
+            if isinstance(coord, DhtCoordinator):
+                coord.on_event = event  # waiting for whom, sessions
             worker = StageWorker(cfg, cell, transport, corpus)
             worker.critical = _STOP.deferred
             if coord.elastic:
@@ -188,16 +219,11 @@ def run_cell(
                 server = StateServer(transport, cell, worker.lock, column)
             last = [time.perf_counter()]
 
-            def event(name: str, **fields: Any) -> None:
-                row = {"event": name, "step": cell.step, **fields}
-                f.write(json.dumps({**row, "time_s": round(time.perf_counter() - start, 4)}) + "\n")
-                f.flush()
-
             def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
                 if every and cell.step % every == 0:
                     with _STOP.deferred():
-                        save_cell(cell, cfg.fingerprint(), out_dir)
+                        save_cell(cell, cfg.state_fingerprint(), out_dir)
                 now = time.perf_counter()
                 if isinstance(coord, DhtCoordinator):
                     dt, last[0] = now - last[0], now
@@ -209,10 +235,10 @@ def run_cell(
 
             def align() -> int:
                 if isinstance(coord, DhtCoordinator):
-                    adopted = catch_up(cfg, worker, coord, transport)
-                    if adopted >= 0:
-                        coord.beat.step = adopted
-                        event("state_loaded")
+                    source = catch_up(cfg, worker, coord, transport)
+                    if source is not None:
+                        coord.beat.step = cell.step
+                        event("state_loaded", from_cell=source.cell, from_peer=source.peer)
                 return cell.step
 
             try:
@@ -249,10 +275,13 @@ def run_cell(
         if server is not None:
             server.close()
         with worker.lock if worker is not None else contextlib.nullcontext():
-            save_cell(cell, cfg.fingerprint(), out_dir)  # first: nothing below can lose it
+            saved = save_cell(cell, cfg.state_fingerprint(), out_dir)  # first: nothing can lose it
+        released = None
         if coord is not None:
-            coord.close()  # releases our claim: a joiner can take the cell at once
+            released = coord.close()  # releases our claim: a joiner can take the cell at once
         transport.close()
+        with contextlib.suppress(OSError):  # `join` says so only now that it is true
+            event("saved", checkpoint=str(saved), released=released)
 
 
 def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:
@@ -314,23 +343,62 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def cell_process_main(*args: Any, **kwargs: Any) -> None:
-    """run_cell as a process's whole life: exit at once when it returns (0) or raises (1, with
-    the traceback), skipping interpreter finalization. Its files are closed and fsynced by then;
-    what is left are daemon threads (rounds past their deadline, libp2p readers) that must not be
-    torn down under a C++ thread at exit ("terminate called without an active exception")."""
+USER_ERRORS = (ConfigError, DataError, CheckpointError)  # the message says the fix: exit 2
+
+
+def failure_path(out_dir: str | Path, stage: int, replica: int) -> Path:
+    return Path(out_dir) / "logs" / f"s{stage}r{replica}.err"
+
+
+def write_failure(out_dir: str | Path, stage: int, replica: int, error: BaseException) -> int:
+    """A failed cell's report: its first line is the one line a user sees (a user error's
+    message, or a bug's exception), then the traceback for a bug. Returns the exit code."""
+    import traceback
+
+    user = isinstance(error, USER_ERRORS)
+    head = str(error) if user else f"{type(error).__name__}: {error}"
+    body = "" if user else "\n" + "".join(traceback.format_exception(error))
+    path = failure_path(out_dir, stage, replica)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(" ".join(head.split()) + "\n" + body)
+    return 2 if user else 1
+
+
+def failure_report(out_dir: str | Path, stage: int, replica: int) -> tuple[float, str, Path | None]:
+    """(when, one line, report path) of a failed cell; a cell that died without writing one
+    (killed, or out of memory) gets a generic line."""
+    path = failure_path(out_dir, stage, replica)
+    try:
+        text = path.read_text()
+        return path.stat().st_mtime, text.splitlines()[0] if text else "failed", path
+    except OSError:
+        return float("inf"), "exited without a report (killed, or out of memory?)", None
+
+
+def cell_process_main(
+    cfg_tree: dict[str, Any],
+    stage: int,
+    replica: int,
+    out_dir: str,
+    transport_options: dict[str, Any],
+    resume_step: int | None = None,
+) -> None:
+    """run_cell as a process's whole life: exit at once when it returns (0) or raises (2 for
+    a user error, 1 for anything else; the reason in DIR/logs/sJrI.err, not on the terminal,
+    where eight cells would print eight tracebacks), skipping interpreter finalization. Its
+    files are closed and fsynced by then; what is left are daemon threads (rounds past their
+    deadline, libp2p readers) that must not be torn down under a C++ thread at exit
+    ("terminate called without an active exception")."""
     import os
     import sys
-    import traceback
 
     code = 0
     try:
-        run_cell(*args, **kwargs)
+        run_cell(cfg_tree, stage, replica, out_dir, transport_options, resume_step)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
-    except BaseException:  # noqa: BLE001 - reported, then the exit code says it failed
-        traceback.print_exc()
-        code = 1
+    except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it failed
+        code = write_failure(out_dir, stage, replica, e)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -9,7 +9,10 @@ JSON-able dict comes back through a pipe. The parent holds the rendezvous
 Faults are scripted, never raced: a scenario calls `peer.checkpoint("point")`, which tells the
 parent it reached that point and waits for a go. For `faults={"p3": ("kill", "before_mean")}`
 the parent SIGKILLs p3 there; with ("stop", point) it SIGSTOPs p3 and, once every other peer
-has reported, lets it go and SIGCONTs it. Peers at points without a fault get a go at once.
+has reported, lets it go and SIGCONTs it. Peers at points without a fault get a go at once,
+except at STARTED, every peer's first checkpoint once its transport is built: a barrier, so the
+scenarios begin together (start-up on a loaded 2-core host can differ by more than a round's
+deadline; a member still starting is not what a scenario tests).
 
 Every child's stderr goes to a file; the parent asserts no child printed a traceback (this also
 catches exceptions in background threads) and that only the killed peers died. Children are
@@ -36,6 +39,8 @@ from typing import Any
 from comms.build import local_rendezvous, make_transport
 
 KILLED = {"killed": True}
+STARTED = "started"  # every peer's first checkpoint: its transport is built
+HANG_S = 60.0  # beyond the scenario's own deadlines, how long a run may take before it is hung
 
 
 @dataclass
@@ -73,7 +78,7 @@ def run_peers(
     """Run `scenario` on one process per name; results by name (KILLED for killed peers).
 
     Args:
-        timeout_s: the transports' deadline; the whole run gets a few times that.
+        timeout_s: the transports' deadline; the whole run gets HANG_S plus 4 times that.
         faults: name -> ("kill" | "stop", checkpoint name).
         build: extra make_transport kwargs (e.g. shaping).
         kwargs: passed to the scenario function.
@@ -100,7 +105,9 @@ def run_peers(
         for conn in (*to_parent, *from_parent):
             conn.close()  # the children hold their ends
         try:
-            results = _drive(procs, events, go, faults, time.monotonic() + 4 * timeout_s + 20)
+            # a hang guard, not a stopwatch: start-up of 4 peers alone can take half a minute
+            # on a loaded 2-core box
+            results = _drive(procs, events, go, faults, time.monotonic() + HANG_S + 4 * timeout_s)
         finally:
             _reap(procs)
         errs = {n: (Path(tmp) / f"{n}.err").read_text(errors="replace") for n in names}
@@ -121,11 +128,16 @@ def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
     """Answer checkpoints, apply faults, collect results until every live peer reported."""
     results: dict[str, dict] = {}
     stopped: dict[str, str] = {}  # name -> point where it waits
+    started: set[str] | None = set()  # peers waiting at STARTED; None once they all went on
     open_ = list(events)
     while True:
         live = [n for n in procs if n not in results]
         if not live:
             return results
+        if started is not None and set(live) <= started:  # a barrier: see run_peers
+            for n in started & set(live):
+                go[n].send(("go", STARTED))
+            started = None
         if set(live) <= set(stopped):  # everyone else reported: let the frozen peers go on
             for n, point in stopped.items():
                 go[n].send(("go", point))
@@ -145,7 +157,9 @@ def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
         if msg[0] == "ready":
             _, n, point = msg
             action, at = faults.get(n, ("", ""))
-            if at == point and action == "kill":
+            if point == STARTED:
+                started.add(n)
+            elif at == point and action == "kill":
                 os.kill(procs[n].pid, signal.SIGKILL)
                 procs[n].join(10)
                 results[n] = dict(KILLED)
@@ -160,7 +174,7 @@ def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
             results[msg[1]] = {"error": msg[2]}
 
 
-def _reap(procs: dict[str, mp.Process], grace_s: float = 10.0) -> None:
+def _reap(procs: dict[str, mp.Process], grace_s: float = 30.0) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs.values():
         p.join(max(0.0, deadline - time.monotonic()))
@@ -190,6 +204,7 @@ def _child(backend, name, names, groups, scenario, timeout_s, build, kwargs, eve
         peer = Peer(name, list(names), dict(groups), backend, timeout_s, events, go)
         t = make_transport(backend, name, names, groups, timeout_s=timeout_s, **build)
         try:
+            peer.checkpoint(STARTED)
             result = fn(t, peer, **kwargs)
         finally:
             t.close()

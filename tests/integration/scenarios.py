@@ -29,6 +29,9 @@ from comms.wire import Expect, Kind
 
 P2P_CODECS = codecs.CODECS
 MEAN_CODECS = ("fp32", "bf16", "fp8_e4m3")
+# how long mean_fault waits for a round's result: far past any round's deadline, so a round that
+# does not end by itself stands out in its time (the handle would report "deadline" either way)
+ROUND_WAIT_S = 60.0
 
 
 # ---- per-backend wire accounting: a new backend adds its entry here ----
@@ -251,7 +254,6 @@ def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
     got["mean1"] = r1.status.value
     ref1 = reference_mean([good[m] for m in members])
     got["mean1_ok"] = r1.mean is not None and bool(torch.equal(r1.mean, ref1))
-    t0 = time.monotonic()
     try:
         t.recv(a, "never", Expect(), wait)
         got["cut_off"] = "no"
@@ -259,7 +261,6 @@ def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
         got["cut_off"] = "lost"
     except PeerTimeout:
         got["cut_off"] = "timeout"
-    got["cut_off_s"] = time.monotonic() - t0
     t.send(a, "after", Kind.ACTIVATION, codecs.encode(x, "fp32"), 9).wait(wait)
     got["rejects"] = dict(t.stats.rejects)
     return got
@@ -277,19 +278,19 @@ def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3
         res = t.start_mean("g", members, 0, vals, codec, deadline).result(deadline + 2)
         return {"resumed": True, "status": res.status.value}
     t0 = time.monotonic()
-    res = t.start_mean("g", members, 0, vals, codec, deadline).result(deadline + 5)
+    res = t.start_mean("g", members, 0, vals, codec, deadline).result(ROUND_WAIT_S)
     first_s = time.monotonic() - t0
     t0 = time.monotonic()
-    res2 = t.start_mean("g", members, 1, vals, codec, deadline).result(deadline + 5)
+    res2 = t.start_mean("g", members, 1, vals, codec, deadline).result(ROUND_WAIT_S)
     second_s = time.monotonic() - t0
     survivors = [n for n in peer.names if n != victim]
     k = survivors.index(peer.name)
     nxt, prv = survivors[(k + 1) % len(survivors)], survivors[k - 1]
     x = tensor(950 + k, (32,))
     h = t.send(nxt, "after", Kind.ACTIVATION, codecs.encode(x, "bf16"), 1)
-    # prv may still be finishing its own two rounds (each up to deadline + 5 s): wait for that
-    msg = t.recv(prv, "after", Expect(), 2 * deadline + 10)
-    h.wait(2 * deadline + 10)
+    # prv may still be in its rounds (each ends by its deadline; a busy host is slow)
+    msg = t.recv(prv, "after", Expect(), 60.0)
+    h.wait(60.0)
     want = codecs.roundtrip(tensor(950 + survivors.index(prv), (32,)), "bf16")
     return {
         "status": res.status.value,

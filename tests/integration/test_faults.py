@@ -95,14 +95,12 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
             at_kill = _step(tmp_path, survivor)
             # the other replica keeps training while the victim is gone
             _wait(lambda: _step(tmp_path, survivor) >= at_kill + 15, 60, "the other replica")
-            restarted = time.monotonic()
             grid.start(victim, resume_step=-1)
             # it restarts from its checkpoint, takes its stage's live state (it fell more than
             # max_lag_steps behind) and its replica's pipeline trains again
             _wait(lambda: _events(tmp_path, victim, "state_loaded"), 60, "the state download")
             loaded = _events(tmp_path, victim, "state_loaded")[0]["step"]
             _wait(lambda: _step(tmp_path, victim) >= loaded + 10, 60, "the replica to resume")
-            resumed_s = time.monotonic() - restarted
         finally:
             codes = _stop_cleanly(grid)
     assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
@@ -112,7 +110,7 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
     assert last["rounds_partial"] + last["rounds_failed"] > 0  # rounds with the dead cell
     losses = [r["loss"] for r in _rows(tmp_path, victim) if r.get("loss") is not None]
     assert losses and max(losses[-5:]) < losses[0]
-    assert resumed_s < 30, resumed_s
+    # how long resuming takes is a `meshtrain bench join` number; the waits above catch a hang
 
 
 def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_path):

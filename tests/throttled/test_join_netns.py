@@ -80,10 +80,12 @@ heartbeat_s = 1.0
                 extra = ["--config", str(cfg)] if k == 1 else []
                 start(k, "join", "--initial-peers", bootstrap, "--out", str(outs[k - 1]), *extra,
                       stdout=logs[k - 1], stderr=subprocess.STDOUT)  # fmt: skip
-                if k == 1:
-                    time.sleep(3)  # the run's config record first
+                if k == 1:  # the run's config record first: it is stored before the claim
+                    first_log = tmp_path / "j1.log"
+                    _wait(lambda p=first_log: "joined run" in p.read_text(), 60, "the first claim")
             _wait(lambda: all(len(_rows(o)) > 40 for o in outs), 150, "four cells training")
-            time.sleep(10)  # a steady stretch to measure
+            at = [len(_rows(o)) for o in outs]  # then a steady stretch to measure
+            _wait(lambda: all(len(_rows(o)) > n + 40 for o, n in zip(outs, at)), 150, "40 more")
         finally:
             for p in procs:
                 if p.poll() is None:

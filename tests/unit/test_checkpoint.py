@@ -141,3 +141,64 @@ def test_state_vector_that_does_not_fit_is_refused():
     with pytest.raises(CheckpointError, match="non-finite"):
         load_state_vector(a, bad, 5)
     assert torch.equal(a.flat, before) and a.step == 0
+
+
+def test_resume_point_passes_over_a_truncated_newest_file(tmp_path):
+    """The newest step where every cell's file is intact; damaged newer files are named."""
+    from mesh.checkpoint import check_checkpoint, resume_point
+
+    cfg = load_config([], [*TINY, "grid.stages=2"])
+    fp = cfg.state_fingerprint()
+    cells = []
+    for stage in (0, 1):
+        _, cell = _cell(stage)
+        for _ in range(3):
+            _train(cell, 2)
+            save_cell(cell, fp, tmp_path)
+        cells.append((stage, 0))
+    assert resume_point(tmp_path, cells, fp).step == 6
+    newest = checkpoint_path(tmp_path, 1, 0, 6)
+    newest.write_bytes(newest.read_bytes()[:1000])
+    assert "unreadable" in check_checkpoint(newest, fp, 1, 0)
+    assert check_checkpoint(checkpoint_path(tmp_path, 0, 0, 6), fp, 0, 0) is None
+    point = resume_point(tmp_path, cells, fp)
+    assert point.step == 4 and point.foreign == []
+    assert [d[:3] for d in point.damaged] == [(1, 0, 6)]
+    for step in (2, 4):  # every older file of one cell torn too: no common step is left
+        path = checkpoint_path(tmp_path, 0, 0, step)
+        path.write_bytes(b"not a checkpoint")
+    assert resume_point(tmp_path, cells, fp).step is None
+
+
+def test_resume_point_tells_another_config_from_damage(tmp_path):
+    from mesh.checkpoint import resume_point
+
+    cfg, cell = _cell(0)
+    _train(cell, 2)
+    save_cell(cell, cfg.state_fingerprint(), tmp_path)
+    other = load_config([], [*TINY, "grid.stages=2", "dp.tau=7"]).state_fingerprint()
+    point = resume_point(tmp_path, [(0, 0)], other)
+    assert point.step is None and point.damaged == []
+    assert [d[:3] for d in point.foreign] == [(0, 0, 2)]
+
+
+def test_a_longer_run_keeps_its_schedule_horizon():
+    """run.steps only says where a run stops: the checkpoints' state fingerprint and the lr
+    and lambda schedules follow run.schedule_steps, so extending a run changes no past update,
+    and the extra updates run at the schedules' floors."""
+    short = [*TINY, "grid.stages=2", "optim.warmup_steps=2"]
+    base = load_config([], [*short, "run.steps=8", "run.schedule_steps=8"])
+    longer = load_config([], [*short, "run.steps=12", "run.schedule_steps=8"])
+    assert base.state_fingerprint() == longer.state_fingerprint()
+    assert base.fingerprint() != longer.fingerprint()  # peers of one run agree on its end
+    restretched = load_config([], [*short, "run.steps=12"])
+    assert restretched.state_fingerprint() != base.state_fingerprint()
+    # unset schedule_steps hashes as run.steps spelled out: fingerprints of old runs stand
+    assert load_config([], [*short, "run.steps=8"]).fingerprint() == base.fingerprint()
+    a = Cell(base, 0, 0, build_stage(base.model, 2, 0, 0))
+    b = Cell(longer, 0, 0, build_stage(longer.model, 2, 0, 0))
+    for step in (0, 3, 7, 8, 11):
+        a.step = b.step = step
+        assert a.lr_scale() == b.lr_scale()
+    b.step = 11
+    assert b.lr_scale() == pytest.approx(base.optim.min_lr_ratio)

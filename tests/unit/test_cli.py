@@ -76,3 +76,15 @@ def test_simulate_runs_a_tiny_grid(text_file, tmp_path, backend):
             "1-1.jsonl",
         ]
         assert (out / "loss.png").stat().st_size > 0
+
+
+def test_progress_bar_shows_no_eta_until_steps_were_timed():
+    """The first steps' rate is mostly start-up: an ETA from it would be a wild promise."""
+    from cli.report import ETA_AFTER_STEPS, progress_bar
+
+    with progress_bar(100, "t", initial=40) as bar:  # a resumed run starts where it stopped
+        assert bar.bar.n == 40
+        bar.goto(40 + ETA_AFTER_STEPS - 1, 2.5)
+        assert "remaining" not in bar.bar.bar_format
+        bar.goto(40 + ETA_AFTER_STEPS)
+        assert "remaining" in bar.bar.bar_format and bar.bar.n == 40 + ETA_AFTER_STEPS

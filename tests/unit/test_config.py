@@ -80,3 +80,18 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError
         cfg.grid.stages = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("optim.learning_rate", "optim.lr"),  # a synonym, not the nearest spelling
+        ("model.hidden_size", "model.d_model"),
+        ("run.max_steps", "run.steps"),
+        ("lr", "optim.lr"),  # the leaf alone: the one section that has it
+        ("dp.tua", "dp.tau"),  # no synonym: the closest spelling
+    ],
+)
+def test_unknown_key_suggests_what_was_meant(typo, meant):
+    with pytest.raises(ConfigError, match=f"did you mean {meant}\\?"):
+        load_config([], [f"{typo}=1"])

@@ -10,7 +10,6 @@ import math
 import pickle
 import struct
 import threading
-import time
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -242,15 +241,15 @@ def test_more_header_rejects() -> None:
 def test_huge_declared_body_rejected_before_allocation() -> None:
     buf = raw(dims=(2**38,), body=b"")  # 2**38 fp32 values = 2**40 bytes declared
     tracemalloc.start()
-    t0 = time.perf_counter()
     r1 = unpack(buf)
     r2 = unpack(buf, Expect(max_body_bytes=2**50))
     r3 = unpack(raw(data_len=2**40, scales_len=2**40, body=b"x" * 16))
-    elapsed = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    # rejects, not a MemoryError turned "malformed", and nothing near the declared size was
+    # allocated on the way
     assert (reason(r1), reason(r2), reason(r3)) == ("too_large", "truncated", "too_large")
-    assert elapsed < 0.05 and peak < 1 << 20
+    assert peak < 1 << 20
 
 
 def test_truncated_at_every_length() -> None:

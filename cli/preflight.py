@@ -1,0 +1,135 @@
+"""What a launcher checks before any cell process starts or any file is written: a mistake
+costs the user one line and exit 2 within seconds, not eight tracebacks after twenty.
+
+- the data: the corpus loads (path exists, UTF-8, long enough) and its tokens fit the
+  vocabulary;
+- the machine: runtime.host can be bound, runtime.device = cuda has a GPU;
+- a resume: the directory is a run, the new config changes nothing that the updates so far
+  depend on, and every cell has an intact checkpoint at a common step (newer damaged files are
+  passed over, and the user is told).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from mesh.config import Config, ConfigError, load_config, with_overrides
+from mesh.errors import CheckpointError
+
+# settings a resume may change: they decide where the run stops, how it is watched and how
+# its peers connect, never the math of an update (checked again through the state fingerprint)
+RESUMABLE = ("run.steps", "run.eval_every", "run.threads", "data.val_batches", "runtime.")
+
+
+def check_data(cfg: Config):  # -> mesh.data.Corpus (torch is imported only here)
+    """The corpus every cell will load, loaded once here; DataError / ConfigError if unusable."""
+    from mesh.data import load_corpus
+
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    top = int(max(corpus.train.max(), corpus.val.max()))
+    if top >= cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {cfg.model.vocab_size}, but the data has token ids up to {top} "
+            f"(byte-level text: 0..255); set model.vocab_size to at least {top + 1}"
+        )
+    return corpus
+
+
+def check_machine(cfg: Config) -> None:
+    host = cfg.runtime.host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError as e:
+        raise ConfigError(
+            f"runtime.host = {host!r}: cannot listen there ({e.strerror or e}); use an address "
+            "of this machine, e.g. 127.0.0.1"
+        ) from None
+    if cfg.runtime.device == "cuda" and cfg.runtime.compute == "real":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("runtime.device = cuda, but torch sees no GPU; use auto or cpu")
+
+
+def resume_config(
+    run_dir: Path, config_files: list[str], overrides: list[str]
+) -> tuple[Config, Config]:
+    """(the run's stored config, the config to resume with): the stored one with the user's
+    files and --set on top. ConfigError when run_dir is not a run, or when the new settings
+    would change the math of the updates already made."""
+    toml, ckpts = run_dir / "config.toml", run_dir / "checkpoints"
+    if not toml.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no config.toml)")
+    if not any(ckpts.glob("*/step-*.pt")):
+        raise ConfigError(
+            f"--resume {run_dir}: not a run directory (no checkpoints under {ckpts}); a run "
+            "saves every runtime.checkpoint_every updates and on a clean stop"
+        )
+    stored = load_config([toml])
+    new = load_config([toml, *config_files], overrides)
+    if new.run.schedule_steps is None:  # a longer run keeps the horizon it started with
+        new = with_overrides(new, {"run.schedule_steps": stored.schedule_horizon})
+    if new.state_fingerprint() != stored.state_fingerprint():
+        changed = [k for k in changed_keys(stored, new) if not k.startswith(RESUMABLE)]
+        raise ConfigError(
+            f"--resume {run_dir}: {', '.join(changed) or 'the config'} would change the math of "
+            f"the {stored.run.steps}-step run so far; a resume may change only "
+            "run.steps, run.eval_every, run.threads, data.val_batches and runtime.*"
+        )
+    return stored, new
+
+
+def changed_keys(a: Config, b: Config) -> list[str]:
+    flat_a, flat_b = _flat(a.model_dump(mode="json")), _flat(b.model_dump(mode="json"))
+    return sorted(k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@dataclass(frozen=True)
+class Resume:
+    step: int
+    notes: list[str]  # what the user should hear (damaged files passed over)
+
+
+def check_resume(cfg: Config, run_dir: Path) -> Resume:
+    """The step every cell resumes from: the newest one all cells have intact. Damaged newer
+    files are renamed *.pt.bad (kept for a post-mortem, out of every later resume's way)."""
+    from cli.launch import grid_cells
+    from mesh.checkpoint import checkpoint_path, resume_point
+
+    point = resume_point(run_dir, grid_cells(cfg), cfg.state_fingerprint())
+    if point.foreign:
+        raise CheckpointError(
+            f"--resume {run_dir}: checkpoints written by another config "
+            f"({describe(point.foreign[0])}); resume with the config.toml the run wrote"
+        )
+    if point.step is None:
+        why = f": {'; '.join(map(describe, point.damaged[:3]))}" if point.damaged else ""
+        raise CheckpointError(
+            f"--resume {run_dir}: no step that every cell has an intact checkpoint of{why}"
+        )
+    for stage, replica, step, _ in point.damaged:
+        path = checkpoint_path(run_dir, stage, replica, step)
+        if path.exists():
+            path.rename(path.with_name(path.name + ".bad"))
+    notes = []
+    if point.damaged:
+        notes.append(
+            f"resuming from step {point.step}, the newest step every cell has intact; passed "
+            f"over (renamed *.pt.bad): {'; '.join(map(describe, point.damaged))}"
+        )
+    return Resume(point.step, notes)
+
+
+def describe(damage: tuple[int, int, int, str]) -> str:
+    stage, replica, step, why = damage
+    return f"s{stage}r{replica} step {step}: {why}"

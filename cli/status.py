@@ -1,0 +1,142 @@
+"""`meshtrain status`: the grid as the DHT sees it, and whether this user can verify it.
+
+A claim counts only with a membership token made with the run key (mesh/registry.py). Without
+the key (or with another one) no claim can be verified: status then shows every well-formed
+claim marked unverified, never as a free cell (a cell is free only when nobody claims it), and
+says which key is missing. Sessions are named by their start time, not by the raw wall-clock-ms
+epoch the leaders write.
+
+imports: cli.join, mesh (config, registry), comms.p2p_auth, stdlib.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cli.join import JoinError, cell_name, config_of
+from comms.p2p_auth import Auth
+from mesh.config import Config, ConfigError
+from mesh.registry import Directory, Registry, RunRecord, free_cells, parse_run
+
+READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
+
+KEY_OK, KEY_MISSING, KEY_WRONG, KEY_UNKNOWN = "ok", "missing", "wrong", "unknown"
+
+
+def key_state(rec: RunRecord | None, run_key: str | None) -> str:
+    """ok: the key is the run's (or neither has one); missing: the run has a key and none was
+    given; wrong: another key; unknown: no run record to check it against."""
+    if rec is None:
+        return KEY_UNKNOWN
+    if Auth.of(run_key, rec.fingerprint).key_check == rec.key_check:
+        return KEY_OK
+    return KEY_MISSING if not run_key else KEY_WRONG
+
+
+def age_label(seconds: float) -> str:
+    """A duration for people: 42 s, 3 min 05 s, 2 h 07 min."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def session_label(epoch_ms: int, now_s: float) -> str:
+    """A replica session by its start (the epoch is the leader's wall clock in ms)."""
+    if epoch_ms <= 0:
+        return "none yet"
+    start_s = epoch_ms / 1000
+    clock = time.strftime("%H:%M:%S", time.localtime(start_s))
+    return f"{clock} ({age_label(now_s - start_s)} ago)"
+
+
+def status_rows(
+    registry: Registry, cfg: Config | None, key: str = KEY_OK, now: float | None = None
+) -> dict[str, Any]:
+    """The grid as the DHT sees it: one row per claimed cell, and the free cells (claimed by
+    nobody). With key != ok the registry has no Auth: every row is marked unverified."""
+    now = time.time() if now is None else now
+    owned = registry.owners()
+    if owned is None:
+        raise JoinError("the DHT did not answer (the grid cannot be read); try again")
+    verified = key == KEY_OK
+    cells = [
+        {
+            "cell": name,
+            "peer": rec.peer,
+            "verified": verified,
+            "step": rec.step,
+            "tokens_per_s": round(rec.tps, 1),
+            "heartbeat_age_s": round(now - rec.t, 1),
+            "session": rec.epoch,
+            "session_age_s": round(now - rec.epoch / 1000, 1) if rec.epoch > 0 else None,
+        }
+        for name, rec in sorted(owned.items())
+    ]
+    grid = None
+    free: list[str] = []
+    if cfg is not None:
+        P, m = cfg.grid.stages, cfg.grid.replicas
+        grid = f"{P}x{m}"
+        free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
+    return {
+        "run_key": key,
+        "grid": grid,
+        "cells": cells,
+        "free": free,
+        "rejected_claims": registry.rejected,
+    }
+
+
+def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
+    """The run's record, the key's state and the grid, read through a DHT client."""
+    found = directory.dht_get("config", timeout_s=READ_TIMEOUT_S)
+    if found is None:
+        raise JoinError("the DHT did not answer (the run's record cannot be read); try again")
+    rec = parse_run(found.get("run"))
+    cfg = None
+    if rec is not None:
+        try:
+            cfg = config_of(rec)
+        except ConfigError:  # a record this version cannot read: the claims still can be
+            cfg = None
+    key = key_state(rec, run_key)
+    auth = Auth.of(run_key, rec.fingerprint) if rec is not None and key == KEY_OK else None
+    # a Registry's reads wait 2 x heartbeat_s
+    return status_rows(Registry(directory, auth, READ_TIMEOUT_S / 2), cfg, key)
+
+
+def key_error(key: str) -> str | None:
+    """The line that explains a key state other than ok (None: nothing to explain)."""
+    unverified = "claims cannot be verified: any above are marked unverified, not free"
+    if key == KEY_MISSING:
+        return (
+            "this run has a run key and none was given (--run-key or MESHTRAIN_RUN_KEY): "
+            + unverified
+        )
+    if key == KEY_WRONG:
+        return (
+            "the run key does not match this run's (--run-key or MESHTRAIN_RUN_KEY): " + unverified
+        )
+    return None
+
+
+def status_table(rows: dict[str, Any], now: float | None = None) -> list[list[str]]:
+    now = time.time() if now is None else now
+    return [
+        [
+            c["cell"] if c["verified"] else f"{c['cell']} (unverified)",
+            c["peer"][:12] + "...",
+            str(c["step"]),
+            f"{c['tokens_per_s']:,.0f}",
+            f"{c['heartbeat_age_s']:.1f} s ago",
+            session_label(c["session"], now),
+        ]
+        for c in rows["cells"]
+    ]
+
+
+STATUS_HEADERS = ["cell", "peer", "step", "tokens/s", "heartbeat", "session since"]

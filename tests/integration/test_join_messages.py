@@ -1,0 +1,196 @@
+"""`join` and `status` say what is happening: real `meshtrain dht` + `meshtrain join` processes on
+127.0.0.1 forming a 2x1 grid of the tiny model.
+
+A lone join says whom its replica waits for; `status` without (or with another) run key shows
+the claims it cannot verify as unverified, not as free cells, and exits 2; a second join lets
+the replica start; Ctrl-C saves and releases, and says so; the neighbour left behind says it
+waits, and for whom; joining again resumes from the checkpoint and says so. Failed joins leave
+no /tmp/hivemind-* files of their own behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cli.join_procs import (
+    KEY,
+    LOOPBACK,
+    kill,
+    meshtrain,
+    run_meshtrain,
+    start_dht,
+    tiny_grid_config,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HANG_S = 120  # only to catch a hang: a loaded 2-core box needs far less
+
+
+def _run(*args: str, key: str | None = KEY) -> tuple[int, str]:
+    code, out, _ = run_meshtrain(*args, key=key, timeout_s=HANG_S)
+    return code, out
+
+
+def _json(out: str) -> dict:
+    return json.loads(out[out.index("{") : out.rindex("}") + 1])
+
+
+def _wait(cond, what: str) -> None:
+    wait_for(cond, HANG_S, what)
+
+
+class Join:
+    """A `meshtrain join` whose output (stdout and stderr) goes to a log file."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        with log.open("w") as f:
+            self.proc = meshtrain("join", *LOOPBACK, *args, stdout=f, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text().replace("\r", "\n")
+
+    def count(self, line: str) -> int:
+        return sum(1 for ln in self.text().splitlines() if ln.strip() == line)
+
+    def steps(self, out: Path, cell: str) -> int:
+        path = out / "metrics" / f"{cell[1]}-{cell[3]}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows = [json.loads(ln) for ln in lines if ln.endswith("}")]
+        return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+def test_join_and_status_say_what_is_happening(text_file, tmp_path):
+    cfg = tiny_grid_config(tmp_path, text_file, replicas=1, runtime="rejoin_timeout_s = 600")
+    dht, maddr = start_dht()
+    peers = ["--initial-peers", maddr]
+    procs = [dht]
+    try:
+        out_a, out_b = tmp_path / "a", tmp_path / "b"
+        first = Join(tmp_path / "j0.log", *peers, "--config", str(cfg), "--out", str(out_a))
+        procs.append(first.proc)
+        waiting = "waiting for s1r0 (free) to start replica 0"
+        _wait(lambda: first.count(waiting) >= 1, "the lone join to say whom it waits for")
+
+        # -- status without the key: the claim is shown, unverified and not free; exit 2
+        code, out = _run("status", *peers, "--json", key=None)
+        assert code == 2, out
+        rows = _json(out)
+        assert rows["run_key"] == "missing"
+        assert [(c["cell"], c["verified"]) for c in rows["cells"]] == [("s0r0", False)]
+        assert rows["free"] == ["s1r0"]
+        assert "none was given (--run-key or MESHTRAIN_RUN_KEY)" in out
+        code, out = _run("status", *peers, key="another key")
+        assert code == 2, out
+        assert "s0r0 (unverified)" in out and "run key does not match" in out
+
+        # -- a second join lets the replica start
+        second = Join(tmp_path / "j1.log", *peers, "--out", str(out_b))
+        procs.append(second.proc)
+        formed = "replica 0 formed (s0r0, s1r0)"
+        _wait(lambda: formed in first.text(), "the replica to form")
+        _wait(lambda: second.steps(out_b, "s1r0") >= 5, "the second join training")
+
+        def sessions_in_status() -> bool:  # a claim carries its session from the next beat
+            code, out = _run("status", *peers, "--json")
+            assert code == 0, out
+            rows = _json(out)
+            assert rows["run_key"] == "ok" and rows["free"] == []
+            assert all(c["verified"] for c in rows["cells"])
+            return all(c["session"] > 0 for c in rows["cells"])
+
+        _wait(sessions_in_status, "both claims to show their session")
+        code, out = _run("status", *peers)
+        assert code == 0, out
+        assert re.search(r"\| s1r0 .* \| \d\d:\d\d:\d\d \(\d+ (s|min \d\d s) ago\) +\|", out), out
+
+        # -- Ctrl-C (the whole process group, as a terminal sends it): saved, released, said
+        said_before = first.count(waiting)
+        os.killpg(second.proc.pid, signal.SIGINT)
+        assert second.proc.wait(HANG_S) == 0, second.text()
+        said = re.search(r"checkpoint saved to (\S+), released s1r0", second.text())
+        assert said, second.text()
+        saved = Path(said.group(1))
+        assert saved.is_file() and saved.parent == out_b / "checkpoints" / "1-0"
+        saved_step = int(saved.stem.split("-")[1])
+
+        # -- the neighbour left behind says it waits, and for whom
+        _wait(lambda: first.count(waiting) > said_before, "the neighbour to say it waits")
+
+        # -- the same peer joins again: it takes back its cell and says it resumed
+        formed_before = first.text().count(formed)
+        again = Join(tmp_path / "j2.log", *peers, "--out", str(out_b))
+        procs.append(again.proc)
+        resumed = f"resumed from my checkpoint at step {saved_step} ({saved})"
+        _wait(lambda: resumed in again.text(), "the rejoin to say it resumed")
+        _wait(lambda: first.text().count(formed) > formed_before, "the replica to re-form")
+        for j in (first, again):
+            os.killpg(j.proc.pid, signal.SIGINT)
+            assert j.proc.wait(HANG_S) == 0, j.text()
+        assert "Traceback" not in first.text() + second.text() + again.text()
+    finally:
+        for p in procs:
+            kill(p)
+
+
+def _hivemind_files() -> set[Path]:
+    return set(Path("/tmp").glob("hivemind-*"))
+
+
+def _bound_sockets() -> set[str]:
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return {parts[-1] for parts in map(str.split, lines) if len(parts) >= 8}
+
+
+def _p2pd_bootstrapping_to(maddr: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"p2pd") and any(maddr.encode() in a for a in args):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_a_failed_join_leaves_no_socket_files(tmp_path):
+    from hivemind.p2p import PeerID
+
+    dht, maddr = start_dht()
+    try:
+        before = _hivemind_files()
+        host, dht_id = maddr.split("/p2p/")
+        # the bootstrap's address with another peer's ID (it restarted without --identity):
+        # the TCP probe passes, then p2pd fails to bootstrap and exits
+        someone_else = PeerID(b"\x12\x20" + os.urandom(32)).to_base58()  # a sha256 multihash
+        stale = f"{host}/p2p/{someone_else}"
+        code, out = _run("join", "--initial-peers", stale, *LOOPBACK)
+        assert code == 2 and "could not reach the DHT" in out, out
+        # a scout that started, then found no run to join
+        code, out = _run("join", "--initial-peers", maddr, *LOOPBACK)
+        assert code == 2 and "no run found" in out, out
+        # the first peer's data cannot be read: one line, before it claims a cell
+        bad_data = tmp_path / "bad.toml"
+        bad_data.write_text('[data]\npath = "/nonexistent/corpus.txt"\n')
+        code, out = _run("join", "--initial-peers", maddr, *LOOPBACK, "--config", str(bad_data))
+        assert code == 2 and "error: data.path" in out and "Traceback" not in out, out
+        # malformed: refused by syntax before any daemon starts, with the right form
+        for bad in (host, f"{host[5:].replace('/tcp/', ':')}", f"{host}0000/p2p/{dht_id}"):
+            code, out = _run("join", "--initial-peers", bad, *LOOPBACK)
+            assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, (bad, out)
+        bound = _bound_sockets()
+        left = sorted(str(p) for p in _hivemind_files() - before if str(p) not in bound)
+        assert not left, left
+        assert not _p2pd_bootstrapping_to(host), "a failed join left its p2pd running"
+    finally:
+        kill(dht)

@@ -1,0 +1,232 @@
+"""What `join` and `status` tell people: multiaddr syntax, unverified claims, session names,
+whom a replica waits for, and the lines a join prints for its cell's events."""
+
+import time
+
+import pytest
+from click.testing import CliRunner
+from fakes import FakeDirectory
+
+import mesh.session as session_mod
+from cli.events import EventLines, event_line
+from cli.join import JoinError, open_scout
+from cli.main import main
+from cli.reach import EXAMPLE_MADDR, maddr_problem
+from cli.status import age_label, key_error, key_state, read_status, session_label
+from comms.errors import PeerTimeout
+from comms.p2p_auth import Auth
+from mesh.config import load_config
+from mesh.registry import CLAIMING, CellRecord, Registry, RunRecord
+from mesh.session import DhtCoordinator, waiting_for
+
+ID = "12D3KooWLmVKHJP3ztkbN8zXcZfBDMfZ9Go9tJ2ZeFmGyZ3M6fr5"
+QM = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+# ---- multiaddr syntax ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "maddr",
+    [
+        EXAMPLE_MADDR,
+        f"/ip4/127.0.0.1/tcp/31337/p2p/{ID}",
+        f"/ip6/::1/tcp/4001/p2p/{QM}",
+        f"/dns4/boot.example.org/tcp/31337/p2p/{QM}",
+        f"/ip4/1.2.3.4/udp/4001/quic-v1/p2p/{ID}",
+        f"/ip4/1.2.3.4/tcp/4001/p2p/{QM}/p2p-circuit/p2p/{ID}",
+    ],
+)
+def test_well_formed_multiaddrs_pass(maddr):
+    assert maddr_problem(maddr) is None
+
+
+@pytest.mark.parametrize(
+    ("maddr", "why"),
+    [
+        ("127.0.0.1:31337", "HOST:PORT is not a multiaddr"),
+        ("localhost:31337", "HOST:PORT is not a multiaddr"),
+        ("/ip4/127.0.0.1/tcp/31337", "no /p2p/PEER_ID part"),
+        (f"/ip4/127.0.0.1/tcp/70000/p2p/{ID}", "port must be a number from 1 to 65535"),
+        (f"/ip4/127.0.0.1/tcp/0/p2p/{ID}", "port must be a number from 1 to 65535"),
+        (f"/ip4/127.0.0.1/tcp/http/p2p/{ID}", "port must be a number"),
+        (f"/ip4/300.0.0.1/tcp/31337/p2p/{ID}", "not an IPv4 address"),
+        (f"/ip4/127.0.0.1/31337/p2p/{ID}", "expected /tcp/PORT or /udp/PORT"),
+        (f"/tcp/31337/ip4/127.0.0.1/p2p/{ID}", "expected /ip4, /ip6"),
+        ("/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...", "not a peer ID"),  # the README's
+        (f"/ip4/127.0.0.1/tcp/31337/p2p/{ID}/tcp", "must end with /p2p/PEER_ID"),
+    ],
+)
+def test_malformed_multiaddrs_say_what_is_wrong(maddr, why):
+    assert why in maddr_problem(maddr)
+
+
+def test_a_malformed_multiaddr_is_refused_before_any_daemon_with_the_right_form():
+    with pytest.raises(JoinError, match="e.g. /ip4/203.0.113.5/tcp/31337/p2p/"):
+        open_scout([EXAMPLE_MADDR, "127.0.0.1:31337"], "run")
+    runner = CliRunner()
+    for command in ("join", "status"):
+        res = runner.invoke(main, [command, "--initial-peers", "/ip4/127.0.0.1/tcp/31337"])
+        assert res.exit_code == 2, res.output
+        assert "no /p2p/PEER_ID part" in res.output and EXAMPLE_MADDR in res.output
+
+
+# ---- status: the key, unverified claims, sessions -----------------------------------------
+def _run_with_a_claim(key: str | None):
+    """A DHT holding a 2x1 run keyed `key`, s0r0 claimed by a member, s1r0 by nobody."""
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=1", "model.n_layers=2"])
+    d = FakeDirectory()
+    auth = Auth.of(key, cfg.fingerprint())
+    Registry(d, auth, 60.0).put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check))
+    member = Registry(d.joined("[owner:member]"), auth, 60.0)
+    now = time.time()
+    member.beat(CellRecord("s0r0", "peer0", 7, now, 0, 12, 3.0, now, member.token("peer0")))
+    return d, cfg
+
+
+def test_key_states():
+    rec = RunRecord("fp", "", Auth.of("k", "fp").key_check)
+    assert key_state(rec, "k") == "ok"
+    assert key_state(rec, None) == key_state(rec, "") == "missing"
+    assert key_state(rec, "other") == "wrong"
+    assert key_state(RunRecord("fp", "", Auth.of(None, "fp").key_check), None) == "ok"
+    assert key_state(None, "k") == "unknown"
+    assert key_error("ok") is None and key_error("unknown") is None
+    assert "MESHTRAIN_RUN_KEY" in key_error("missing") and "--run-key" in key_error("wrong")
+
+
+@pytest.mark.parametrize(("given", "state"), [(None, "missing"), ("another", "wrong")])
+def test_status_without_the_key_shows_claims_unverified_not_free(given, state):
+    d, _ = _run_with_a_claim("the key")
+    rows = read_status(d, given)
+    assert rows["run_key"] == state
+    assert [(c["cell"], c["verified"], c["step"]) for c in rows["cells"]] == [("s0r0", False, 12)]
+    assert rows["free"] == ["s1r0"]
+
+
+def test_status_with_the_key_verifies_claims_and_ignores_forged_ones():
+    d, _ = _run_with_a_claim("the key")
+    forger = Registry(d.joined("[owner:forger]"), Auth.of("guess", "x"), 60.0)
+    now = time.time()
+    forger.beat(CellRecord("s1r0", "mallory", 5, now, 0, 0, 0.0, now, forger.token("mallory")))
+    rows = read_status(d, "the key")
+    assert rows["run_key"] == "ok"
+    assert [(c["cell"], c["verified"]) for c in rows["cells"]] == [("s0r0", True)]
+    assert rows["free"] == ["s1r0"] and rows["rejected_claims"] == 1
+    # without the key the forged claim cannot be told from a member's: shown, unverified
+    assert [c["cell"] for c in read_status(d, None)["cells"]] == ["s0r0", "s1r0"]
+    assert read_status(d, None)["free"] == []
+
+
+def test_status_says_when_the_dht_does_not_answer():
+    d, _ = _run_with_a_claim(None)
+    d.answer = False
+    with pytest.raises(JoinError, match="did not answer"):
+        read_status(d, None)
+
+
+def test_sessions_are_named_by_their_start():
+    start = time.mktime((2026, 1, 2, 13, 4, 5, 0, 0, -1))
+    assert session_label(int(start * 1000), start + 65) == "13:04:05 (1 min 05 s ago)"
+    assert session_label(0, start) == "none yet"
+    assert age_label(42.7) == "42 s" and age_label(3 * 3600 + 7 * 60) == "3 h 07 min"
+
+
+# ---- whom a replica waits for ---------------------------------------------------------------
+def _coordinator(d, cell, leader, events, wait_s=60.0):
+    reg = Registry(d.joined(f"[owner:{cell}-{len(d.data)}]"), None, 60.0)  # no background beats
+    c = DhtCoordinator(
+        reg, cell=cell, peer=f"peer-{cell}", replica_cells=["s0r0", "s1r0"], leader=leader,
+        replica=0, steps=100, mpu=1, wait_s=wait_s,
+    )  # fmt: skip
+    c.on_event = lambda name, **fields: events.append((name, fields))
+    return c
+
+
+def test_waiting_for_names_free_and_starting_cells_but_never_the_asker():
+    placeholder = CellRecord("s1r0", "scout", CLAIMING, 1.0, 0, -1, 0.0, 1.0, None)
+    cells = ["s0r0", "s1r0", "s2r0"]
+    assert waiting_for(cells, {"s1r0": placeholder}, "s0r0") == {"s1r0": "joining", "s2r0": "free"}
+    assert waiting_for(cells, {}, "s2r0") == {"s0r0": "free", "s1r0": "free"}
+
+
+def test_a_lone_cell_says_whom_it_waits_for_once(monkeypatch):
+    monkeypatch.setattr(session_mod, "REPORT_EVERY_S", 0.0)
+    events = []
+    lead = _coordinator(FakeDirectory(), "s0r0", True, events, wait_s=0.6)
+    with pytest.raises(PeerTimeout):
+        lead.next_session(lambda: 0)
+    assert events == [("waiting", {"replica": 0, "waiting_for": {"s1r0": "free"}})]
+
+
+def test_a_neighbour_that_lost_its_partner_says_it_waits_and_for_whom():
+    d = FakeDirectory()
+    events = []
+    lead = _coordinator(d, "s0r0", True, [])
+    follow = _coordinator(d, "s1r0", False, events)
+    s = lead.next_session(lambda: 0)
+    assert follow.next_session(lambda: 0) == s
+    assert events == [("session", {"replica": 0, "epoch": s.epoch, "members": ["s0r0", "s1r0"]})]
+    events.clear()
+    follow._watch()
+    assert events == []  # everyone is there
+    lead.reg.release("s0r0", lead.peer)  # the leader is gone (its claim expired)
+    follow._watch()
+    assert events == []  # one read may miss a claim: not yet
+    follow._watch()
+    assert events == [("waiting", {"replica": 0, "waiting_for": {"s0r0": "free"}})]
+    follow._watch()
+    assert len(events) == 1  # said once
+
+
+# ---- the lines a join prints ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("row", "line"),
+    [
+        (
+            {"event": "waiting", "step": 0, "replica": 0, "waiting_for": {"s1r0": "free"}},
+            "waiting for s1r0 (free) to start replica 0",
+        ),
+        (
+            {"event": "waiting", "replica": 1, "waiting_for": {"s2r1": "joining", "s0r1": "free"}},
+            "waiting for s0r1 (free), s2r1 (joining) to start replica 1",
+        ),
+        (
+            {"event": "resumed", "step": 40, "from": "checkpoint", "checkpoint": "c/step.pt"},
+            "resumed from my checkpoint at step 40 (c/step.pt)",
+        ),
+        (
+            {"event": "state_loaded", "step": 90, "from_cell": "s1r1", "from_peer": ID},
+            "loaded state from s1r1 (peer 12D3KooWLmVK...6fr5) at step 90",
+        ),
+        ({"event": "state_loaded", "step": 9}, "loaded state from a live peer at step 9"),
+        (
+            {"event": "session", "step": 7, "replica": 0, "members": ["s0r0", "s1r0"]},
+            "replica 0 formed (s0r0, s1r0): training from step 7",
+        ),
+        (
+            {"event": "session_broken", "step": 398},
+            "replica 0 stopped at step 398: a neighbour left or was replaced",
+        ),
+        (
+            {"event": "saved", "step": 5, "checkpoint": "b/step.pt", "released": True},
+            "checkpoint saved to b/step.pt, released s1r0",
+        ),
+        ({"event": "stopped", "step": 5, "rejects": {}}, None),
+    ],
+)
+def test_event_lines(row, line):
+    assert event_line(row, "s1r0") == line
+
+
+def test_a_release_that_failed_is_not_claimed():
+    line = event_line({"event": "saved", "checkpoint": "x.pt", "released": False}, "s1r0")
+    assert line.startswith("checkpoint saved to x.pt;") and "could not release s1r0" in line
+
+
+def test_events_of_an_earlier_run_in_the_same_directory_are_not_said_again():
+    old = [{"event": "saved", "checkpoint": "old.pt", "released": True}, {"step": 3, "loss": 1}]
+    lines = EventLines(old, "s0r0")
+    said = []
+    new = {"event": "resumed", "step": 3, "checkpoint": "old.pt"}
+    lines.say_new([*old, new], said.append)
+    lines.say_new([*old, new], said.append)
+    assert said == ["resumed from my checkpoint at step 3 (old.pt)"]

@@ -1,6 +1,6 @@
-"""What a joined cell is doing, as lines for people: its event rows (mesh/trainer.py writes them
-to metrics/<stage>-<replica>.jsonl, mesh/session.py says whom a replica waits for) turned into
-sentences that `join` prints above its progress bar.
+"""What a joined cell is doing, as lines for people: its event rows (mesh/runtime/trainer.py
+writes them to metrics/<stage>-<replica>.jsonl, mesh/runtime/session.py says whom a replica waits
+for) turned into sentences that `join` prints above its progress bar.
 
 imports: stdlib only.
 """

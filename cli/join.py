@@ -3,10 +3,10 @@
 join: --initial-peers are checked by syntax (cli/reach.py), then a scout DHT node reads the
 run's config record (refusing another fingerprint or another run key), picks a free cell (or one
 of --stage), claims it and checks the claim held, then the cell runs in this process
-(mesh.trainer.run_cell: its own transport, heartbeats, state download from a live peer of its
-stage, sessions with its replica) while a thread draws its progress and prints a line for each
-of its events (cli/events.py). Ctrl-C or SIGTERM: the cell saves, releases its claim and says
-so; join exits 0. `status` is in cli/status.py.
+(mesh.runtime.trainer.run_cell: its own transport, heartbeats, state download from a live peer
+of its stage, sessions with its replica) while a thread draws its progress and prints a line for
+each of its events (cli/events.py). Ctrl-C or SIGTERM: the cell saves, releases its claim and
+says so; join exits 0. `status` is in cli/status.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import click
 
 from cli.reach import EXAMPLE_MADDR, any_reachable, maddr_problems
+from mesh.algo.topology import Cell as Place
 from mesh.config import Config, ConfigError, load_config, with_overrides
-from mesh.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
-from mesh.topology import Cell as Place
+from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
 
 SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
@@ -52,7 +52,7 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
             "(meshtrain dht) is running"
         )
     # heavy (hivemind imports torch and scipy: seconds, many on a busy box): only now
-    from comms.p2p_dht import DhtClient
+    from comms.p2p.dht import DhtClient
 
     try:
         return DhtClient(list(initial_peers), run_id, SCOUT_TIMEOUT_S, **kwargs)
@@ -66,7 +66,7 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
 
 
 def cell_name(stage: int, replica: int) -> str:
-    return str(Place(stage, replica))  # as mesh.stage names cells, without importing torch
+    return str(Place(stage, replica))  # as mesh.runtime.stage names cells, without importing torch
 
 
 def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
@@ -84,7 +84,7 @@ def run_config(
 ) -> Config:
     """The run's config: the DHT's record, checked against a local --config if one is given.
     With no run yet, the local config starts one."""
-    from comms.p2p_auth import Auth
+    from comms.p2p.auth import Auth
 
     rec = registry.run()
     if rec is None:
@@ -156,7 +156,7 @@ def default_out(run_id: str, j: int, i: int) -> Path:
 def saved_cells(cfg: Config, out: Path | None, run_id: str) -> list[tuple[int, int]]:
     """Cells this peer has checkpoints of (in --out, or in each cell's default --out), the
     most advanced first: after a whole run stopped, each peer takes its own cell back."""
-    from mesh.checkpoint import saved_steps
+    from mesh.runtime.checkpoint import saved_steps
 
     found = []
     for i in range(cfg.grid.replicas):
@@ -182,7 +182,7 @@ def run_join(
     client_mode: bool,
 ) -> None:
     from cli.preflight import check_data
-    from comms.p2p_auth import Auth
+    from comms.p2p.auth import Auth
 
     maddr_kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or ["/ip4/0.0.0.0/tcp/0"]}
     if announce_maddrs:
@@ -237,8 +237,8 @@ def _run_here(
     from cli.report import print_table, progress_bar
     from comms.errors import CommsError
     from mesh.errors import CheckpointError, DataError
-    from mesh.metrics import read_metrics
-    from mesh.trainer import run_cell
+    from mesh.runtime.metrics import read_metrics
+    from mesh.runtime.trainer import run_cell
 
     done = threading.Event()
     events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
@@ -291,5 +291,5 @@ def _run_here(
     sys.stdout.flush()
     sys.stderr.flush()
     # skip interpreter teardown under libp2p / averaging daemon threads (see
-    # mesh.trainer.cell_process_main); files are closed and fsynced by now
+    # mesh.runtime.trainer.cell_process_main); files are closed and fsynced by now
     os._exit(code)

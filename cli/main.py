@@ -123,8 +123,8 @@ def simulate(
     backend = backend or cfg.runtime.backend
     # heavy imports after the config is known to be valid: a typo answers at once
     from cli.report import print_table, progress_bar
+    from mesh.engine.sim import GridSim
     from mesh.methods import METHODS, apply_method
-    from mesh.sim import GridSim
 
     if method:
         if method not in METHODS:
@@ -194,7 +194,7 @@ def bench_convergence(
     lr_sweep: bool,
 ) -> None:
     """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
-    from mesh.bench_convergence import run_convergence, run_lr_sweep
+    from mesh.bench.convergence import run_convergence, run_lr_sweep
 
     cfg = resolve_config(config_files, overrides)
     if lr_sweep:
@@ -211,7 +211,7 @@ def bench_convergence(
 def bench_comms(quick: bool, out: str) -> None:
     """Codecs, transports (hivemind and torch.distributed), group means and link shaping."""
     # comms knows nothing of models: this benchmark needs no config
-    from comms.bench import run_comms_bench
+    from mesh.bench.comms import run_comms_bench
 
     run_comms_bench(Path(out), quick=quick)
     click.echo((Path(out) / "table.md").read_text())
@@ -236,7 +236,8 @@ def bench_throughput(
     The protocol's settings (d=128, L=4, T=128, B=8, M=4, t_f=10 ms, t_b=20 ms) apply after
     --config files and before --set (which wins).
     """
-    from mesh.bench_throughput import BENCH_SETS, run_throughput
+    from mesh.bench.throughput.protocol import BENCH_SETS
+    from mesh.bench.throughput.runs import run_throughput
 
     cfg = load_config(list(config_files), [*BENCH_SETS, *overrides])
     run_throughput(cfg, Path(out), quick=quick)
@@ -252,7 +253,7 @@ def bench_runtime(
 ) -> None:
     """Multi-process runs (torch, hivemind) against the simulator: same config and seed,
     validation loss at equal tokens."""
-    from cli.bench_runtime import run_equivalence
+    from mesh.bench.runtime import run_equivalence
 
     run_equivalence(resolve_config(config_files, overrides), Path(out), quick=quick)
 
@@ -269,7 +270,7 @@ def bench_runtime(
 def bench_join(out: str, repeats: int) -> None:
     """Joins on 127.0.0.1 (a 2x2 tiny grid): join to training, a killed peer's replacement to
     its replica resumed, a join naming a dead bootstrap to its error."""
-    from cli.bench_join import run_join_bench
+    from mesh.bench.join import run_join_bench
 
     run_join_bench(Path(out), repeats=repeats)
 
@@ -305,10 +306,11 @@ def bench_optimizers(
 
     The study's 16-layer model applies before --set (which wins) and after --config files.
     """
-    from mesh.bench_optimizers import STUDY_DEFAULTS, run_optimizers
+    from mesh.bench.optimizers.protocol import STUDY_DEFAULTS
+    from mesh.bench.optimizers.runs import run_optimizers
 
     if reanalyze:
-        from mesh.bench_optimizers import reanalyze as rederive
+        from mesh.bench.optimizers.runs import reanalyze as rederive
 
         if not (Path(out) / "summary.json").is_file():
             raise ConfigError(f"--reanalyze: no {out}/summary.json; run the study first")

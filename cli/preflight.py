@@ -25,7 +25,7 @@ RESUMABLE = ("run.steps", "run.eval_every", "run.threads", "data.val_batches", "
 
 def check_data(cfg: Config):  # -> mesh.data.Corpus (torch is imported only here)
     """The corpus every cell will load, loaded once here; DataError / ConfigError if unusable."""
-    from mesh.data import load_corpus
+    from mesh.data.corpus import load_corpus
 
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
     top = int(max(corpus.train.max(), corpus.val.max()))
@@ -103,8 +103,8 @@ class Resume:
 def check_resume(cfg: Config, run_dir: Path) -> Resume:
     """The step every cell resumes from: the newest one all cells have intact. Damaged newer
     files are renamed *.pt.bad (kept for a post-mortem, out of every later resume's way)."""
-    from cli.launch import grid_cells
-    from mesh.checkpoint import checkpoint_path, resume_point
+    from mesh.runtime.checkpoint import checkpoint_path, resume_point
+    from mesh.runtime.launch import grid_cells
 
     point = resume_point(run_dir, grid_cells(cfg), cfg.state_fingerprint())
     if point.foreign:

@@ -12,13 +12,14 @@ from typing import NoReturn
 
 import click
 
-from cli.launch import GridRun, run_grid
 from cli.preflight import check_data, check_machine, check_resume
 from cli.report import progress_bar
+from mesh.bench.report import format_table, plot_curves
 from mesh.config import Config, ConfigError, with_overrides
-from mesh.emulate import resolve_window
-from mesh.evaluate import ValTracker, read_val, tokens_at
-from mesh.metrics import format_table, metrics_offsets, plot_curves, read_metrics, summarize_run
+from mesh.runtime.emulate import resolve_window
+from mesh.runtime.evaluate import ValTracker, read_val, tokens_at
+from mesh.runtime.launch import GridRun, run_grid
+from mesh.runtime.metrics import metrics_offsets, read_metrics, summarize_run
 
 
 def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool = False) -> None:

@@ -1,12 +1,12 @@
 """`meshtrain status`: the grid as the DHT sees it, and whether this user can verify it.
 
-A claim counts only with a membership token made with the run key (mesh/registry.py). Without
-the key (or with another one) no claim can be verified: status then shows every well-formed
+A claim counts only with a membership token made with the run key (mesh/runtime/registry.py).
+Without the key (or with another one) no claim can be verified: status then shows every well-formed
 claim marked unverified, never as a free cell (a cell is free only when nobody claims it), and
 says which key is missing. Sessions are named by their start time, not by the raw wall-clock-ms
 epoch the leaders write.
 
-imports: cli.join, mesh (config, registry), comms.p2p_auth, stdlib.
+imports: cli.join, mesh (config, registry), comms.p2p.auth, stdlib.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from cli.join import JoinError, cell_name, config_of
-from comms.p2p_auth import Auth
+from comms.p2p.auth import Auth
 from mesh.config import Config, ConfigError
-from mesh.registry import Directory, Registry, RunRecord, free_cells, parse_run
+from mesh.runtime.registry import Directory, Registry, RunRecord, free_cells, parse_run
 
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
 

@@ -51,7 +51,7 @@ def make_transport(
     if backend == "torch":
         if rendezvous is None:
             raise ValueError("the torch backend needs rendezvous='tcp://HOST:PORT'")
-        from comms.torchdist import TorchTransport
+        from comms.torchdist.transport import TorchTransport
 
         return TorchTransport(
             me,
@@ -64,8 +64,8 @@ def make_transport(
             **options,
         )
     if backend == "hivemind":
-        # ---- hivemind branch (owned by the comms/p2p.py engineer) ----
-        p2p = _optional_module("comms.p2p")
+        # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
+        p2p = _optional_module("comms.p2p.transport")
         return p2p.P2PTransport(
             me,
             run_id=run_id,
@@ -92,8 +92,8 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
         yield {"rendezvous": f"tcp://{host}:{free_port(host)}"}
         return
     if backend == "hivemind":
-        # ---- hivemind branch (owned by the comms/p2p.py engineer) ----
-        _optional_module("comms.p2p")
+        # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
+        _optional_module("comms.p2p.transport")
         import hivemind
 
         dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"])

@@ -14,7 +14,7 @@ receiver saw; app_mbps paces the sender with comms.throttle instead of relying o
 
 Run as a script: `python netns.py recv HOST PORT` / `python netns.py send HOST PORT NBYTES [MBPS]`.
 
-imports: stdlib and comms.throttle (used by tests/throttled and comms/bench.py).
+imports: stdlib and comms.throttle (used by tests/throttled and mesh/bench/comms.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The Transport protocol: named tensors between named peers, background group means, counters.
 
-Two real implementations (comms/torchdist.py over gloo/NCCL, comms/p2p.py over hivemind's libp2p)
-pass the same test suite. Peers are named by strings (the grid calls them "s1r0"); each backend
-maps names to addresses its own way (ranks, or hivemind PeerIDs found through the DHT).
+Two real implementations (comms/torchdist/transport.py over gloo/NCCL, comms/p2p/transport.py over
+hivemind's libp2p) pass the same test suite. Peers are named by strings (the grid calls them
+"s1r0"); each backend maps names to addresses its own way (ranks, or hivemind PeerIDs found through
+the DHT).
 
 Point-to-point messages are matched by (sender, tag): the receiver keeps a bounded mailbox per
 sender, `recv` takes the message with that tag or waits until a deadline. Every received message

@@ -1,4 +1,5 @@
-"""What the numbers mean: config, model, schedules, optimizers, the grid and its engines.
+"""What the numbers mean: the run's vocabulary (config, errors, methods) at the top, then the
+rooms algo (pure math), model, data, engine (cell, sim), runtime (peer processes) and bench.
 
-Imports comms, never cli.
+Imports comms, never cli; inside, arrows point down (tests/unit/test_layering.py).
 """

@@ -268,7 +268,7 @@ class Config(_Section):
             )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
         if isinstance(p.window, list):
-            from mesh.schedule import validate_window
+            from mesh.algo.schedule import validate_window
 
             validate_window(p.schedule, g.stages, p.window)
         if self.optim.name != "rotated_adam" and self.optim.stage_aware:

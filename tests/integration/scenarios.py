@@ -48,7 +48,7 @@ def _hivemind_p2p_bytes(frame: bytes) -> int:
 
 
 def _hivemind_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
-    from comms.p2p_mean import frame_bytes  # per other member; the same length for every index
+    from comms.p2p.mean import frame_bytes  # per other member; the same length for every index
 
     return frame_bytes(group, round_id, 0, enc)
 

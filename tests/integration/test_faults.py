@@ -14,23 +14,19 @@ import signal
 import time
 from pathlib import Path
 
+import helpers
 import pytest
+from helpers import wait_for
 
-from cli.launch import LocalGrid
 from comms.build import local_rendezvous
 from mesh.config import load_config
-from mesh.metrics import read_metrics
+from mesh.runtime.launch import LocalGrid
+from mesh.runtime.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TINY = [
-    "model.n_layers=2",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.seq_len=16",
-    "pipeline.microbatch_size=2",
-    "data.val_batches=2",
-    "optim.warmup_steps=2",
+    *helpers.TINY,
     "grid.stages=2",
     "grid.replicas=2",
     "pipeline.schedule=async",
@@ -48,14 +44,6 @@ def _rows(out: Path, cell: tuple[int, int]) -> list[dict]:
 def _step(out: Path, cell: tuple[int, int]) -> int:
     steps = [r["step"] for r in _rows(out, cell) if "step" in r and "event" not in r]
     return max(steps, default=0)
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _events(out: Path, cell: tuple[int, int], name: str) -> list[dict]:
@@ -90,17 +78,17 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
         try:
             for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
                 grid.start(cell)
-            _wait(lambda: _step(tmp_path, victim) >= 10, 120, "the victim to reach step 10")
+            wait_for(lambda: _step(tmp_path, victim) >= 10, 120, "the victim to reach step 10")
             os.kill(grid.pid(victim), signal.SIGKILL)
             at_kill = _step(tmp_path, survivor)
             # the other replica keeps training while the victim is gone
-            _wait(lambda: _step(tmp_path, survivor) >= at_kill + 15, 60, "the other replica")
+            wait_for(lambda: _step(tmp_path, survivor) >= at_kill + 15, 60, "the other replica")
             grid.start(victim, resume_step=-1)
             # it restarts from its checkpoint, takes its stage's live state (it fell more than
             # max_lag_steps behind) and its replica's pipeline trains again
-            _wait(lambda: _events(tmp_path, victim, "state_loaded"), 60, "the state download")
+            wait_for(lambda: _events(tmp_path, victim, "state_loaded"), 60, "the state download")
             loaded = _events(tmp_path, victim, "state_loaded")[0]["step"]
-            _wait(lambda: _step(tmp_path, victim) >= loaded + 10, 60, "the replica to resume")
+            wait_for(lambda: _step(tmp_path, victim) >= loaded + 10, 60, "the replica to resume")
         finally:
             codes = _stop_cleanly(grid)
     assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
@@ -132,11 +120,11 @@ def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_pat
         try:
             for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
                 grid.start(cell)
-            _wait(lambda: _step(tmp_path, frozen) >= 10, 120, "the cell to reach step 10")
+            wait_for(lambda: _step(tmp_path, frozen) >= 10, 120, "the cell to reach step 10")
             os.kill(grid.pid(frozen), signal.SIGSTOP)
             at_stop, stopped = _step(tmp_path, survivor), time.monotonic()
             try:
-                _wait(
+                wait_for(
                     lambda: (
                         _step(tmp_path, survivor) >= at_stop + 10
                         and time.monotonic() - stopped > 4 * cfg.runtime.heartbeat_s + 1
@@ -147,13 +135,13 @@ def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_pat
             finally:
                 os.kill(grid.pid(frozen), signal.SIGCONT)
             thawed = _step(tmp_path, frozen)
-            _wait(lambda: _step(tmp_path, frozen) >= thawed + 10, 60, "the thawed cell to train")
+            wait_for(lambda: _step(tmp_path, frozen) >= thawed + 10, 60, "the thawed cell to train")
 
             def late() -> int:
                 rows = [r for r in _rows(tmp_path, survivor) if "rejects" in r]
                 return rows[-1]["rejects"].get("late", 0) if rows else 0
 
-            _wait(lambda: late() > 0, 30, "its stale contributions to be dropped and counted")
+            wait_for(lambda: late() > 0, 30, "its stale contributions to be dropped and counted")
         finally:
             codes = _stop_cleanly(grid)
     assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
@@ -181,12 +169,12 @@ def test_torch_killed_cell_other_replica_keeps_training(text_file, tmp_path):
         try:
             for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
                 grid.start(cell)
-            _wait(lambda: _step(tmp_path, victim) >= 5, 120, "the victim to reach step 5")
+            wait_for(lambda: _step(tmp_path, victim) >= 5, 120, "the victim to reach step 5")
             os.kill(grid.pid(victim), signal.SIGKILL)
             at_kill = _step(tmp_path, survivor)
             # its neighbour gives up after runtime.timeout_s with a clear error: no hang
-            _wait(lambda: grid.exit_codes()[partner] is not None, 60, "the neighbour to give up")
-            _wait(lambda: _step(tmp_path, survivor) >= at_kill + 20, 60, "the other replica")
+            wait_for(lambda: grid.exit_codes()[partner] is not None, 60, "the neighbour to give up")
+            wait_for(lambda: _step(tmp_path, survivor) >= at_kill + 20, 60, "the other replica")
             survivor_alive = grid.procs[survivor].is_alive()
         finally:
             codes = _stop_cleanly(grid)
@@ -203,8 +191,8 @@ def nan_averaging_peer(*args, **kwargs) -> None:
     import torch
 
     from comms.codecs import Encoded
-    from comms.p2p import P2PTransport
-    from mesh.trainer import cell_process_main
+    from comms.p2p.transport import P2PTransport
+    from mesh.runtime.trainer import cell_process_main
 
     def poisoned(self, group, members, round_id, values, codec, timeout_s):
         n = values.numel()
@@ -237,7 +225,7 @@ def _clean_and_attacked(cfg, tmp_path: Path, rogue: tuple[int, int], target) -> 
                         grid.start(cell, target=target)
                     else:
                         grid.start(cell)
-                _wait(
+                wait_for(
                     lambda g=grid: all(g.procs[c].exitcode is not None for c in honest),
                     180,
                     "the honest replica to finish",
@@ -279,9 +267,9 @@ def nan_activation_peer(*args, **kwargs) -> None:
 
     import torch
 
-    from comms.p2p import P2PTransport
+    from comms.p2p.transport import P2PTransport
     from comms.wire import Kind
-    from mesh.trainer import cell_process_main
+    from mesh.runtime.trainer import cell_process_main
 
     honest_send = P2PTransport.send
 

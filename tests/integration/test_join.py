@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from cli.join_procs import (
+from mesh.bench.join_procs import (
     LOOPBACK,
     cell_of,
     meshtrain,
@@ -161,7 +161,7 @@ def test_grid_formed_by_joins(text_file, tmp_path):
 def _outsider_sends_activation(maddr: str, to: str) -> None:
     """A transport without the run key (and another config) sends a cell an activation."""
     from comms import codecs
-    from comms.p2p import P2PTransport
+    from comms.p2p.transport import P2PTransport
     from comms.wire import Kind
 
     with P2PTransport("intruder", initial_peers=[maddr], timeout_s=10) as t:
@@ -175,7 +175,7 @@ def _outsider_sends_activation(maddr: str, to: str) -> None:
 
 def _forge(maddr: str, conn) -> None:
     """Another process (another RSA key) tries to overwrite and to withdraw a signed claim."""
-    from comms.p2p_dht import DhtClient
+    from comms.p2p.dht import DhtClient
 
     other = DhtClient([maddr], "forge", 15, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -194,7 +194,7 @@ def test_a_signed_claim_cannot_be_overwritten_by_another_peer():
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from comms.p2p_dht import DhtClient
+    from comms.p2p.dht import DhtClient
 
     boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                         record_validators=[RSASignatureValidator()])  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.join_procs import (
+from mesh.bench.join_procs import (
     KEY,
     LOOPBACK,
     kill,

@@ -1,4 +1,5 @@
-"""The hivemind backend (comms/p2p.py, comms/p2p_mean.py) with real processes on 127.0.0.1.
+"""The hivemind backend (comms/p2p/transport.py, comms/p2p/mean.py) with real processes on
+127.0.0.1.
 
 Each peer is a spawned process with its own P2PTransport (its own DHT process and p2pd), driven
 over a pipe by the test; results are compared to one-process references (codecs.roundtrip, the
@@ -28,16 +29,16 @@ from hivemind.proto import runtime_pb2
 
 from comms import codecs, wire
 from comms.codecs import Encoded
-from comms.p2p import LOOPBACK, P2PTransport
-from comms.p2p_carrier import (
+from comms.p2p.carrier import (
     CARRIER,
     carriers_to_frame,
     frame_to_carriers,
     member_weights,
     slot_carriers,
 )
-from comms.p2p_mean import mean_in_member_order
-from comms.p2p_stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION, Ack
+from comms.p2p.mean import mean_in_member_order
+from comms.p2p.stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION, Ack
+from comms.p2p.transport import LOOPBACK, P2PTransport
 from comms.throttle import LinkProfile
 from comms.transport import MeanStatus
 from comms.wire import Expect, Kind
@@ -658,7 +659,7 @@ class _UnreadableRequest:
 def test_dht_process_skips_a_request_it_cannot_read():
     """It logs one line and serves on (it used to die with a traceback, and its peer process's
     later requests hung)."""
-    from comms.p2p_dht import get_records, start_dht, store_record
+    from comms.p2p.dht import get_records, start_dht, store_record
 
     dht = start_dht([], 30, host_maddrs=[LOOPBACK])
     try:

@@ -2,25 +2,20 @@
 
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 
-from cli.launch import run_grid
-from mesh.checkpoint import checkpoint_path, common_step
 from mesh.config import load_config
-from mesh.metrics import read_metrics
-from mesh.sim import GridSim
+from mesh.engine.sim import GridSim
+from mesh.runtime.checkpoint import checkpoint_path, common_step
+from mesh.runtime.launch import run_grid
+from mesh.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 
 TINY = [
-    "model.n_layers=2",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.seq_len=16",
-    "pipeline.microbatch_size=2",
-    "data.val_batches=2",
-    "optim.warmup_steps=2",
+    *helpers.TINY,
     "runtime.timeout_s=30",
     "runtime.round_timeout_s=30",
 ]

@@ -9,25 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 
-from cli.launch import run_grid
-from mesh.checkpoint import checkpoint_path
 from mesh.config import load_config
+from mesh.runtime.checkpoint import checkpoint_path
+from mesh.runtime.launch import run_grid
 
 pytestmark = pytest.mark.integration
 
-TINY = [
-    "model.n_layers=2",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.seq_len=16",
-    "pipeline.microbatch_size=2",
-    "data.val_batches=2",
-    "optim.warmup_steps=2",
-    "runtime.checkpoint_every=2",
-    "runtime.timeout_s=30",
-]
+TINY = [*helpers.TINY, "runtime.checkpoint_every=2", "runtime.timeout_s=30"]
 
 
 def _meshtrain(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.launch import run_grid
 from comms import codecs, wire
-from mesh import sparse
+from mesh.algo import sparse
 from mesh.config import load_config
 from mesh.methods import apply_method
-from mesh.metrics import summarize_run
-from mesh.model import build_stage
+from mesh.model.gpt import build_stage
+from mesh.runtime.launch import run_grid
+from mesh.runtime.metrics import summarize_run
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,8 @@ def test_emulated_grid_summary_has_fraction_of_ideal_and_exact_bytes(text_file, 
 
 
 def test_bench_harness_writes_summary_and_table(tmp_path):
-    from mesh.bench_throughput import BENCH_SETS, Grid, run_throughput
+    from mesh.bench.throughput.protocol import BENCH_SETS, Grid
+    from mesh.bench.throughput.runs import run_throughput
 
     base = load_config(
         [],

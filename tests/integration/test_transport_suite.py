@@ -163,7 +163,7 @@ def test_torch_startup_deadline_and_bad_arguments() -> None:
 
     from comms.build import free_port
     from comms.errors import PeerTimeout
-    from comms.torchdist import TorchTransport
+    from comms.torchdist.transport import TorchTransport
 
     rz = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()

@@ -9,24 +9,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from comms.netns import netns_star, unavailable
-from mesh.metrics import read_metrics
+from mesh.bench.join_procs import tiny_grid_config
+from mesh.runtime.metrics import read_metrics
 
 RATE_MBIT = 20.0
 pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -37,28 +30,7 @@ def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
     why = unavailable()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(
-        f"""
-[model]
-n_layers = 2
-d_model = 16
-n_heads = 2
-seq_len = 16
-[grid]
-stages = 2
-replicas = 2
-[pipeline]
-microbatch_size = 2
-[data]
-path = "{text_file}"
-val_batches = 2
-[run]
-steps = 100000
-[runtime]
-heartbeat_s = 1.0
-"""
-    )
+    cfg = tiny_grid_config(tmp_path, text_file)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": "k"}
     procs: list[subprocess.Popen] = []
     with netns_star(5, RATE_MBIT) as star:
@@ -82,10 +54,10 @@ heartbeat_s = 1.0
                       stdout=logs[k - 1], stderr=subprocess.STDOUT)  # fmt: skip
                 if k == 1:  # the run's config record first: it is stored before the claim
                     first_log = tmp_path / "j1.log"
-                    _wait(lambda p=first_log: "joined run" in p.read_text(), 60, "the first claim")
-            _wait(lambda: all(len(_rows(o)) > 40 for o in outs), 150, "four cells training")
+                    wait_for(lambda p=first_log: "joined run" in p.read_text(), 60, "1st claim")
+            wait_for(lambda: all(len(_rows(o)) > 40 for o in outs), 150, "four cells training")
             at = [len(_rows(o)) for o in outs]  # then a steady stretch to measure
-            _wait(lambda: all(len(_rows(o)) > n + 40 for o, n in zip(outs, at)), 150, "40 more")
+            wait_for(lambda: all(len(_rows(o)) > n + 40 for o, n in zip(outs, at)), 150, "40 more")
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -2,7 +2,7 @@
 
 import json
 
-from mesh.bench_convergence import build_specs, spec_config, targets, write_outputs
+from mesh.bench.convergence import build_specs, spec_config, targets, write_outputs
 from mesh.config import load_config
 
 
@@ -22,7 +22,7 @@ def test_specs_cover_every_method_and_read_equal_tokens():
     base = load_config()
     for s in specs:
         cfg = spec_config(base, s, 64)
-        from mesh.schedule import microbatches_per_update
+        from mesh.algo.schedule import microbatches_per_update
 
         mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         assert cfg.run.steps * mpu == 64, s.method
@@ -74,7 +74,7 @@ def test_outputs_are_written_and_targets_judged(tmp_path):
 
 
 def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path):
-    from mesh.bench_convergence import _read_runs, _reuse
+    from mesh.bench.convergence import _read_runs, _reuse
 
     base = load_config()
     specs = [s for s in build_specs([0]) if s.method in ("FullSync", "AsyncMesh")]

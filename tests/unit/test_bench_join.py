@@ -1,6 +1,6 @@
-"""cli/bench_join.py's pure parts: statistics over repeats, the table, the generated text."""
+"""mesh/bench/join.py's pure parts: statistics over repeats, the table, the generated text."""
 
-from cli.bench_join import MEASURES, describe, generated_text, to_markdown, values_of
+from mesh.bench.join import MEASURES, describe, generated_text, to_markdown, values_of
 
 REPEATS = [
     {"join_to_training_s": [5.0, 7.0, 6.0], "replacement_to_resumed_s": 4.0,

@@ -4,11 +4,14 @@ import multiprocessing as mp
 import os
 import signal
 
+import helpers
 import pytest
 import torch
 
-from mesh.cell import Cell
-from mesh.checkpoint import (
+from mesh.config import load_config
+from mesh.engine.cell import Cell
+from mesh.model.gpt import build_stage
+from mesh.runtime.checkpoint import (
     CheckpointError,
     checkpoint_path,
     common_step,
@@ -16,10 +19,8 @@ from mesh.checkpoint import (
     save_cell,
     saved_steps,
 )
-from mesh.config import load_config
-from mesh.model import build_stage
 
-TINY = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+TINY = helpers.TINY_MODEL
 
 
 def _cell(stage=0, *extra):
@@ -110,8 +111,9 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["optim.state_8bit=true"], ["optim.name=rotated_adam"]])
 def test_state_vector_moves_a_live_cell_exactly(extra):
-    """A joiner adopting a peer's state (mesh/state_sync.py) trains on exactly as the peer."""
-    from mesh.checkpoint import load_state_vector, state_numel, state_vector
+    """A joiner adopting a peer's state (mesh/runtime/state_sync.py) trains on exactly as the
+    peer."""
+    from mesh.runtime.checkpoint import load_state_vector, state_numel, state_vector
 
     _, a = _cell(0, *extra)
     torch.manual_seed(0)
@@ -129,7 +131,7 @@ def test_state_vector_moves_a_live_cell_exactly(extra):
 
 
 def test_state_vector_that_does_not_fit_is_refused():
-    from mesh.checkpoint import load_state_vector, state_vector
+    from mesh.runtime.checkpoint import load_state_vector, state_vector
 
     _, a = _cell()
     vec = state_vector(a)
@@ -145,7 +147,7 @@ def test_state_vector_that_does_not_fit_is_refused():
 
 def test_resume_point_passes_over_a_truncated_newest_file(tmp_path):
     """The newest step where every cell's file is intact; damaged newer files are named."""
-    from mesh.checkpoint import check_checkpoint, resume_point
+    from mesh.runtime.checkpoint import check_checkpoint, resume_point
 
     cfg = load_config([], [*TINY, "grid.stages=2"])
     fp = cfg.state_fingerprint()
@@ -171,7 +173,7 @@ def test_resume_point_passes_over_a_truncated_newest_file(tmp_path):
 
 
 def test_resume_point_tells_another_config_from_damage(tmp_path):
-    from mesh.checkpoint import resume_point
+    from mesh.runtime.checkpoint import resume_point
 
     cfg, cell = _cell(0)
     _train(cell, 2)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mesh.data import (
+from mesh.data.corpus import (
     SHAKESPEARE_BYTES,
     DataError,
     decode_tokens,

@@ -8,8 +8,17 @@ import typing
 import pytest
 
 from comms.throttle import PROFILES
+from mesh.algo.schedule import (
+    actions,
+    execute,
+    extra_warmups,
+    inflight_window,
+    stage_delay,
+    version_for,
+    versions_kept,
+)
 from mesh.config import ConfigError, RuntimeConfig, load_config, parse_slowdowns
-from mesh.emulate import (
+from mesh.runtime.emulate import (
     ComputeClock,
     compute_table,
     emulated_op_s,
@@ -20,15 +29,6 @@ from mesh.emulate import (
     steady_rate,
     throughput,
     window_of,
-)
-from mesh.schedule import (
-    actions,
-    execute,
-    extra_warmups,
-    inflight_window,
-    stage_delay,
-    version_for,
-    versions_kept,
 )
 
 
@@ -315,14 +315,8 @@ def test_a_slow_link_sets_the_stage_time() -> None:
 def test_bench_predictions_follow_the_reference_table() -> None:
     """The schedule formulas with this repo's link model: the A1-A4 ratios are at least the
     reference's (whose parentheses leave out activation transfer and latency)."""
-    from mesh.bench_throughput import (
-        BENCH_SETS,
-        GRIDS,
-        grid_config,
-        method_configs,
-        predictions,
-        stage_params,
-    )
+    from mesh.bench.throughput.analysis import predictions, stage_params
+    from mesh.bench.throughput.protocol import BENCH_SETS, GRIDS, grid_config, method_configs
 
     base = load_config([], BENCH_SETS)
     want = {"A1": 2.2, "A2": 2.3, "A3": 7.0 * 0.6, "A4": 2.5}  # A3: both are link-bound here

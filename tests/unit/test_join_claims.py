@@ -5,7 +5,7 @@ from fakes import FakeDirectory
 
 import cli.join as join
 from mesh.config import load_config
-from mesh.registry import CellRecord, Registry
+from mesh.runtime.registry import CellRecord, Registry
 
 
 @pytest.fixture(autouse=True)

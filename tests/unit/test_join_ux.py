@@ -7,17 +7,17 @@ import pytest
 from click.testing import CliRunner
 from fakes import FakeDirectory
 
-import mesh.session as session_mod
+import mesh.runtime.session as session_mod
 from cli.events import EventLines, event_line
 from cli.join import JoinError, open_scout
 from cli.main import main
 from cli.reach import EXAMPLE_MADDR, maddr_problem
 from cli.status import age_label, key_error, key_state, read_status, session_label
 from comms.errors import PeerTimeout
-from comms.p2p_auth import Auth
+from comms.p2p.auth import Auth
 from mesh.config import load_config
-from mesh.registry import CLAIMING, CellRecord, Registry, RunRecord
-from mesh.session import DhtCoordinator, waiting_for
+from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord
+from mesh.runtime.session import DhtCoordinator, waiting_for
 
 ID = "12D3KooWLmVKHJP3ztkbN8zXcZfBDMfZ9Go9tJ2ZeFmGyZ3M6fr5"
 QM = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from mesh.algo.topology import partition_layers
 from mesh.config import ModelConfig
-from mesh.model import build_model, build_stages, lm_loss, split_model
-from mesh.topology import partition_layers
+from mesh.model.gpt import build_model, build_stages, lm_loss, split_model
 
 
 @pytest.mark.parametrize(("n_layers", "n_stages"), [(8, 1), (8, 3), (8, 8), (5, 2), (7, 4)])

@@ -1,4 +1,5 @@
-"""Unit tests for mesh.optim / mesh.muon: schedules, torch parity, Muon, error feedback, state."""
+"""Unit tests for mesh.algo.optim / mesh.algo.muon: schedules, torch parity, Muon, error feedback,
+state."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.optim import (
+from mesh.algo.optim import (
     OPTIMIZERS,
     OptimSpec,
     StageOptimizer,

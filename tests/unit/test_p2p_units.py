@@ -6,9 +6,9 @@ import torch
 from hivemind.p2p import PeerID
 
 from comms import codecs
-from comms.p2p_auth import Auth
-from comms.p2p_dht import pick_record
-from comms.p2p_mailbox import Mailbox
+from comms.p2p.auth import Auth
+from comms.p2p.dht import pick_record
+from comms.p2p.mailbox import Mailbox
 from comms.wire import Kind, Message
 
 

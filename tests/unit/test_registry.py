@@ -2,8 +2,8 @@
 
 from fakes import FakeDirectory
 
-from comms.p2p_auth import Auth
-from mesh.registry import (
+from comms.p2p.auth import Auth
+from mesh.runtime.registry import (
     CellRecord,
     Registry,
     SessionRecord,

@@ -1,4 +1,4 @@
-"""Unit tests for mesh.rotated: rotated-basis Adam against a dense hand computation, the
+"""Unit tests for mesh.algo.rotated: rotated-basis Adam against a dense hand computation, the
 AdamW limit, stage-aware refresh periods, error feedback, state round trip, and the cell wiring."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from mesh.cell import Cell, optim_spec
+from mesh.algo.optim import OptimSpec, StageOptimizer, get_planner
+from mesh.algo.rotated import RotatedAdamRule, refresh_due, refresh_period
 from mesh.config import load_config
-from mesh.model import build_stages
-from mesh.optim import OptimSpec, StageOptimizer, get_planner
-from mesh.rotated import RotatedAdamRule, refresh_due, refresh_period
+from mesh.engine.cell import Cell, optim_spec
+from mesh.model.gpt import build_stages
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.1
 HIDDEN = "blocks.0.attn.proj.weight"
@@ -359,7 +359,7 @@ def test_spec_validation() -> None:
 
 def test_sim_runs_with_averaging(text_file) -> None:
     # Composes with the sparse averaging axis and 2bw: the averaged quantity is the parameters.
-    from mesh.sim import GridSim
+    from mesh.engine.sim import GridSim
 
     cfg = load_config(
         [],
@@ -391,7 +391,7 @@ def test_sim_runs_with_averaging(text_file) -> None:
 
 
 def test_steps_to_target_interpolates() -> None:
-    from mesh.bench_optimizers import steps_to_target
+    from mesh.bench.optimizers.analysis import steps_to_target
 
     curve = [{"step": 10, "val_loss": 3.0}, {"step": 20, "val_loss": 2.0}]
     assert steps_to_target(curve, 2.5) == 15  # halfway between the two evaluations
@@ -403,10 +403,10 @@ def test_steps_to_target_interpolates() -> None:
 def test_bench_outputs_from_a_synthetic_summary(tmp_path) -> None:
     import json
 
-    from mesh import bench_optimizers as bo
+    from mesh.bench.optimizers import analysis, protocol, report
 
     runs = []
-    for s in bo.build_specs([1, 4], [0, 1]):
+    for s in protocol.build_specs([1, 4], [0, 1]):
         steps = 40 // s.microbatches_per_update
         slow = 1 + (0.5 if s.optimizer == "adamw" else 0.1) * (s.stages - 1)
         curve = [
@@ -428,11 +428,11 @@ def test_bench_outputs_from_a_synthetic_summary(tmp_path) -> None:
                 "curve": curve,
             }
         )
-    targets = {st: bo.default_target(runs, st) for st in ("async", "2bw")}
+    targets = {st: analysis.default_target(runs, st) for st in ("async", "2bw")}
     assert targets["async"] == pytest.approx(2.505)  # adamw P=1 at half the horizon, seed mean
     for r in runs:
         r["target_val_loss"] = targets[r["study"]]
-        r["steps_to_target"] = bo.steps_to_target(r["curve"], targets[r["study"]])
+        r["steps_to_target"] = analysis.steps_to_target(r["curve"], targets[r["study"]])
     summary = {
         "quick": True,
         "microbatches_per_replica": 40,
@@ -442,13 +442,13 @@ def test_bench_outputs_from_a_synthetic_summary(tmp_path) -> None:
         "stages": [1, 4],
         "targets": targets,
         "target_rule": "test",
-        "lr": {**bo.LR, "muon_lr": bo.MUON_LR},
+        "lr": {**protocol.LR, "muon_lr": protocol.MUON_LR},
         "rotate_every": 10,
         "model": {"n_layers": 16, "d_model": 32, "n_heads": 4, "seq_len": 64},
         "wall_s": 1.0,
         "runs": runs,
     }
-    bo.write_outputs(summary, tmp_path)
+    report.write_outputs(summary, tmp_path)
     data = json.loads((tmp_path / "summary.json").read_text())
     keys = {"optimizer", "schedule", "stages", "seed", "error_feedback", "stage_aware"}
     assert all(keys | {"steps_to_target", "val_loss"} <= set(r) for r in data["runs"])

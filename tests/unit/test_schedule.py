@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.schedule import (
+from mesh.algo.schedule import (
     SCHEDULES,
     Action,
     Op,
@@ -28,7 +28,7 @@ from mesh.schedule import (
     version_for,
     versions_kept,
 )
-from mesh.sparse import ring_allreduce_bytes
+from mesh.algo.sparse import ring_allreduce_bytes
 
 F, B, S = Op.FORWARD, Op.BACKWARD, Op.STEP
 

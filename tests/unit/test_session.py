@@ -4,8 +4,8 @@ import pytest
 from fakes import FakeDirectory
 
 from comms.errors import PeerTimeout
-from mesh.registry import CLAIMING, CellRecord, Registry
-from mesh.session import DhtCoordinator, Session, StaticCoordinator
+from mesh.runtime.registry import CLAIMING, CellRecord, Registry
+from mesh.runtime.session import DhtCoordinator, Session, StaticCoordinator
 
 
 def coordinator(d, cell, leader, **kw):

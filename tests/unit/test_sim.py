@@ -1,26 +1,22 @@
 """The one-process grid against hand-rolled references (same seed, same numbers)."""
 
+import helpers
 import pytest
 import torch
 
 from comms import codecs
-from mesh import sparse
-from mesh.cell import optim_spec
+from mesh.algo import sparse
+from mesh.algo.optim import StageOptimizer, lr_at
 from mesh.config import load_config
-from mesh.data import load_corpus, train_batch
-from mesh.model import build_model, lm_loss
-from mesh.optim import StageOptimizer, lr_at
-from mesh.sim import GridSim
+from mesh.data.corpus import load_corpus, train_batch
+from mesh.engine.cell import optim_spec
+from mesh.engine.sim import GridSim
+from mesh.model.gpt import build_model, lm_loss
 
 TINY = [
+    *helpers.TINY,
     "model.n_layers=4",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.seq_len=16",
-    "pipeline.microbatch_size=2",
-    "data.val_batches=2",
     "pipeline.codec=fp32",
-    "optim.warmup_steps=2",
     "optim.grad_clip=0",  # the references clip the whole model, the grid clips per stage
 ]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh import sparse
-from mesh.sparse import (
+from mesh.algo import sparse
+from mesh.algo.sparse import (
     apply_arrival,
     clear_index_cache,
     dp_bytes_per_replica_step,

@@ -1,5 +1,5 @@
 """comms/throttle.py: the link timing model (pure, no sleeping) and the sender thread's bookkeeping.
-Real timed measurements live in the bench (comms/bench.py) and in tests/throttled/."""
+Real timed measurements live in the bench (mesh/bench/comms.py) and in tests/throttled/."""
 
 from __future__ import annotations
 

@@ -1,0 +1,5 @@
+"""The hivemind transport: libp2p streams (transport, stream, mailbox), DHT names and records
+(dht, auth), group means (mean, carrier).
+
+Kept light: comms.p2p.auth is stdlib only and must import without hivemind.
+"""

@@ -1,0 +1,315 @@
+"""The DHT side of P2PTransport: its DHT process, and peer names as DHT records.
+
+Role: `start_dht` starts a `PeerDHT` (one hivemind DHT process owning one p2pd) with retries;
+`PeerRecord` / `parse_record` / `pick_record` are the name records (`{run_id}.peer.{name}`,
+subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs": [...],
+"t": publish time, "auth": token}, MSGPack-encoded by hivemind, type-checked here because any
+peer can write a key: a name holds one record per process that published it, and readers take
+the newest one that proves membership, so an outsider cannot shadow a member's name).
+`watch_parent` makes forked helpers (the DHT process, the averagers) stop their p2pd, remove
+their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
+
+imports: hivemind, comms.p2p.auth, stdlib (no torch, no mesh, no cli).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
+
+from comms.p2p.auth import signer_of
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    peer_id: PeerID
+    maddrs: tuple[str, ...]
+    auth: str | None = None  # comms.p2p.auth token (None in records of peers without one)
+    signer: str = ""  # owner marker of the subkey it was stored under
+    t: float = 0.0  # when the publishing process started (the newest one wins)
+
+
+def parse_record(value: object, subkey: str) -> PeerRecord | None:
+    """A DHT record written by a peer under subkey: type-check every field; None once the peer
+    left, or when the subkey is not `<its peer_id><owner marker>`."""
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    pid, maddrs, t = value.get("peer_id"), value.get("maddrs"), value.get("t", 0.0)
+    if not isinstance(pid, str) or not isinstance(maddrs, list | tuple):
+        return None
+    if not all(isinstance(m, str) for m in maddrs) or not isinstance(t, int | float):
+        return None
+    signer = signer_of(subkey, pid)
+    if signer is None:
+        return None
+    auth = value.get("auth")
+    try:
+        peer_id = PeerID.from_base58(pid)
+    except Exception:  # noqa: BLE001 - malformed base58 from a peer
+        return None
+    return PeerRecord(peer_id, tuple(maddrs), auth if isinstance(auth, str) else None, signer, t)
+
+
+def parse_records(found: dict[str, object]) -> list[PeerRecord]:
+    """The well-formed records of a name (subkey -> value, as the DHT returned them)."""
+    return [r for k, v in found.items() if (r := parse_record(v, k)) is not None]
+
+
+def pick_record(
+    found: dict[str, object],
+    admits: Callable[[PeerRecord], bool],
+    avoid: PeerID | None = None,
+) -> PeerRecord | None:
+    """The record a name resolves to: the newest admitted one (`t` is its publisher's clock, so
+    a caller that could not reach it names it in `avoid` and gets the next admitted one, if
+    any); with none admitted, the newest well-formed one (whose use the caller refuses)."""
+    recs = parse_records(found)
+    recs.sort(key=lambda r: (admits(r), r.peer_id != avoid, r.t), reverse=True)
+    return recs[0] if recs else None
+
+
+def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:
+    """In a forked helper process (DHT, averager): once the process that started it is gone
+    (we were re-parented), run on_orphan and exit. Each helper holds both ends of its control
+    pipe, so it never sees EOF; without this a SIGKILLed peer leaves its DHT, averager and p2pd
+    running forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        with contextlib.suppress(Exception):
+            on_orphan()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def one_line(record: logging.LogRecord) -> bool:
+    """Logging filter for hivemind loggers in our helper processes: an error logged with a
+    traceback (a failed averaging step, a control pipe whose peer process died) becomes one
+    warning line; the failure itself reaches our caller as a value."""
+    if record.exc_info:
+        record.msg, record.args = f"{record.getMessage()} (handled by meshtrain)", ()
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
+class _RequestPipe:
+    """The DHT process's end of its request pipe. A request is unpickled as it is read, and one
+    whose sender (our peer process, or one of its averagers) was killed while handing it over
+    cannot be: its pipe ends wait in the dead sender's multiprocessing resource sharer, and the
+    read fails with EOFError or AuthenticationError instead of hivemind's expected OSError, which
+    would end the DHT process (every later request of the live sender then hangs). Any failure
+    to read a request becomes an OSError: hivemind logs it (one line, see one_line) and skips it.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        try:
+            return self._conn.recv()
+        except (OSError, RuntimeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - unpickling runs arbitrary reducers
+            raise OSError(f"skipped a request that cannot be read: {type(e).__name__}: {e}") from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class PeerDHT(hivemind.DHT):
+    """hivemind.DHT whose process stops its p2pd and exits when our process dies."""
+
+    def run(self) -> None:
+        # Ctrl-C in a terminal (or `timeout`) signals the whole process group: our peer process
+        # decides when this DHT stops (shutdown, or watch_parent once it is gone), so it can
+        # still withdraw its records on the way out
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # e.g. a request pickled by a process that was killed mid-send cannot be read
+        logging.getLogger("hivemind.dht.dht").addFilter(one_line)
+        self._inner_pipe = _RequestPipe(self._inner_pipe)
+        parent = os.getppid()
+        watch_parent(self._orphaned)
+        # our p2pd's socket files carry our pid, so that a start that fails half-way (p2pd
+        # exits on a bootstrap peer it cannot reach and leaves its socket behind, or the DHT's
+        # first ping fails with p2pd still running) can find what is ours and remove it
+        P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
+        try:
+            super().run()
+            _stop_own_daemons()  # nothing left after a clean shutdown; a failed start's leftovers
+        except (EOFError, OSError):
+            # A request whose pipe our peer process was handing over when it was killed cannot
+            # be read (multiprocessing's resource sharer died with it). Our parent is gone or
+            # going: exit quietly, as watch_parent would, instead of a traceback on its stderr.
+            for _ in range(40):
+                if os.getppid() != parent:
+                    self._orphaned()
+                    os._exit(0)
+                time.sleep(0.05)
+            raise
+
+    def _orphaned(self) -> None:
+        # Plain syscalls only: this runs on the watchdog thread, and hivemind's client and
+        # (uv)loop objects must not be touched from outside their loop thread.
+        node = getattr(self, "_node", None)
+        if node is None:
+            return  # our parent died while we were starting: nothing of ours is up yet
+        p2p = node.p2p
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p2p._child.pid, signal.SIGTERM)
+        adopted = getattr(node, "adopted", [])
+        for path in [p2p._daemon_listen_maddr, p2p._client_listen_maddr, *adopted]:
+            with contextlib.suppress(OSError, KeyError, TypeError):
+                os.remove(path if isinstance(path, str) else path["unix"])
+        for _ in range(40):  # reap p2pd, so no zombie outlives us
+            try:
+                if os.waitpid(p2p._child.pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return  # already reaped by the event loop's child watcher
+            time.sleep(0.05)
+
+
+def _stop_own_daemons() -> None:
+    """Stop any p2pd this process started and remove the socket files named after it."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            ppid = int(text[text.rindex(")") + 1 :].split()[1])
+            if ppid == me and comm == "p2pd":
+                pid = int(stat.parent.name)
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(40):  # reap it: no zombie outlives us
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        break
+                    time.sleep(0.05)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+    for path in Path("/tmp").glob(f"hivemind-{me}-*"):
+        path.unlink(missing_ok=True)
+
+
+async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
+    """Runs in the DHT process: remove `path` (our replica's socket) if we die."""
+    node.adopted = [*getattr(node, "adopted", []), path]
+
+
+def owner_marker() -> str:
+    """This process's hivemind RSA ownership marker "[owner:ssh-rsa ...]": a record whose subkey
+    contains it can only be written (or withdrawn) by this process; DHT nodes with an
+    RSASignatureValidator reject forged ones."""
+    return RSASignatureValidator().local_public_key.decode()
+
+
+def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
+    """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
+    Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
+    the process-wide key)."""
+    kwargs.setdefault("record_validators", [RSASignatureValidator()])
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        try:
+            startup = max(5.0, min(15.0, deadline - time.monotonic()))
+            return PeerDHT(initial_peers or None, start=True, startup_timeout=startup, **kwargs)
+        except Exception:
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+            delay *= 2
+
+
+def store_record(
+    dht: hivemind.DHT, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float
+) -> bool:
+    """Store a plain value (dict/list/str/number, MSGPack) under key/subkey for ttl_s; None
+    "deletes" it (a None that outlives the old value). False if the DHT did not take it."""
+    exp = get_dht_time() + ttl_s
+    fut = dht.store(key, value, exp, subkey=subkey, return_future=True)
+    try:
+        return bool(fut.result(timeout_s))
+    except Exception:  # noqa: BLE001 - an unreachable DHT: the caller retries (next beat)
+        return False
+
+
+def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any] | None:
+    """Every live subkey -> value under key ({} when nothing is there); None when the DHT did
+    not answer within timeout_s (unknown is not empty: a slow DHT must not read as "every peer
+    left"). Values are other peers' data: callers type-check them."""
+    fut = dht.get(key, latest=True, return_future=True)
+    try:
+        found = fut.result(timeout_s)
+    except Exception:  # noqa: BLE001 - no answer
+        fut.cancel()
+        return None
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {
+        str(k): v.value
+        for k, v in found.value.items()
+        if hasattr(v, "value") and v.value is not None
+    }
+
+
+class RunRecords:
+    """Records of a run in a DHT (mesh.runtime.registry's Directory): keys under `{run_id}.`, our
+    owner marker for signed subkeys. Needs `dht`, `run_id` and `timeout_s` on the instance."""
+
+    dht: hivemind.DHT
+    run_id: str
+    timeout_s: float
+
+    @property
+    def owner_marker(self) -> str:
+        """See owner_marker(): put it in a subkey to make the record ours alone."""
+        return owner_marker()
+
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool:
+        """See store_record."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return store_record(self.dht, f"{self.run_id}.{key}", subkey, value, ttl_s, wait_s)
+
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """See get_records."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
+
+
+class DhtClient(RunRecords):
+    """A DHT node that only reads and writes run records (join's scout, `meshtrain status`):
+    the Directory of mesh.runtime.registry without a transport. Dead bootstrap peers: start_dht
+    raises within timeout_s."""
+
+    def __init__(self, initial_peers: list[str], run_id: str, timeout_s: float, **kwargs: Any):
+        self.run_id, self.timeout_s = run_id, timeout_s
+        self.dht = start_dht(initial_peers, timeout_s, **kwargs)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.dht.shutdown()
+        self.dht.join(10.0)

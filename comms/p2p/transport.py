@@ -1,0 +1,442 @@
+"""Transport over hivemind: named tensors on libp2p streams, peer names in the DHT.
+
+Role: `P2PTransport` implements `comms.transport.Transport` for peers that meet through a hivemind
+DHT (WAN, NAT, relays). Each transport starts its own `hivemind.DHT` (one p2pd per peer) and
+shares that daemon through a replica P2P on a private asyncio loop thread.
+
+- Names: `me -> (PeerID, maddrs)` is published under `{run_id}.peer.{me}` with an expiration and
+  refreshed; peers are resolved through the DHT, cached, and re-resolved when a send fails.
+- Point-to-point: our own binary stream handler `{run_id}::meshtrain.rpc_deliver`. A stream
+  carries messages back to back: a small header (magic, version, sender name, total length),
+  then `comms.wire.pack` bytes in chunks of <= 1 MiB, answered by one ack byte. The receiver
+  checks the declared length against `max_message_bytes` BEFORE buffering, checks that the
+  claimed sender name resolves to the libp2p-authenticated PeerID of the stream, validates the
+  bytes with `wire.unpack` (rejects are counted in stats, never raised into the peer), and files
+  the message in a bounded per-sender mailbox keyed by tag (the wire name).
+- Group means: see comms/p2p/mean.py (hivemind's DecentralizedAverager, or a direct all-gather).
+- Run records (cell claims, sessions, the run's config) in the same DHT: `dht_store` / `dht_get`
+  (comms.p2p.dht.RunRecords); with `auth` (comms/p2p/auth.py) only members' streams are served.
+
+Nothing from a peer is unpickled: message bodies only go through `wire.unpack`; DHT records are
+hivemind's MSGPack of plain dicts we write, and are type-checked when read.
+
+imports: torch, hivemind, comms only (no mesh, no cli).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from comms import wire
+from comms.codecs import Encoded
+from comms.errors import PeerLost, PeerTimeout
+from comms.p2p.auth import Auth
+from comms.p2p.dht import (
+    PeerRecord,
+    RunRecords,
+    adopt_socket,
+    pick_record,
+    start_dht,
+)
+from comms.p2p.mailbox import Mailbox
+from comms.p2p.mean import MeanService
+from comms.p2p.stream import HANDLER, Ack, StreamMixin
+from comms.throttle import LinkShapers, Shaping
+from comms.transport import MeanHandle, TransportStats
+from comms.wire import Expect, Kind, Message, expect_reject
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class SendResult:
+    """Handle of one send: done() when the receiver acked (or the send failed)."""
+
+    def __init__(self, fut: cf.Future[Ack], to: str, tag: str) -> None:
+        self._fut, self._to, self._tag = fut, to, tag
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the receiver acked. Raises PeerTimeout or PeerLost."""
+        try:
+            self._fut.result(timeout=timeout_s)
+        except cf.TimeoutError as e:
+            raise PeerTimeout(
+                f"send {self._tag!r} to {self._to!r}: not acked in {timeout_s}s"
+            ) from e
+
+    @property
+    def ack(self) -> Ack | None:
+        """The receiver's answer once done (REJECTED/FULL mean the message was dropped there)."""
+        if not self._fut.done() or self._fut.exception() is not None:
+            return None
+        return self._fut.result()
+
+    def error(self) -> BaseException | None:
+        """Why the send failed (PeerLost / PeerTimeout), once done; None otherwise."""
+        return self._fut.exception() if self._fut.done() else None
+
+    @classmethod
+    def failed(cls, to: str, tag: str, error: BaseException) -> SendResult:
+        fut: cf.Future[Ack] = cf.Future()
+        fut.set_exception(error)
+        return cls(fut, to, tag)
+
+
+class P2PTransport(StreamMixin, RunRecords):
+    """Transport over hivemind's libp2p (see the module docstring).
+
+    Args:
+        me: this peer's name (e.g. "s1r0"); unique within run_id.
+        run_id: namespace of DHT keys, stream handler and averager prefixes.
+        initial_peers: multiaddrs of ANY hivemind DHT node (ours, `meshtrain dht`, `hivemind-dht`).
+        host_maddrs: listen addresses; default loopback only.
+        announce_maddrs: addresses others should dial (NAT / port mapping); explicit ports.
+        identity_path: private key file; makes the PeerID stable across restarts.
+        client_mode: DHT client (does not serve DHT requests; for unreachable peers).
+        use_auto_relay: take a reservation on a public relay to be reachable behind NAT
+            (default: client_mode).
+        timeout_s: default deadline of sends and name resolution.
+        startup_timeout_s: deadline of starting the DHT and publishing our name (default
+            max(timeout_s, 15): p2pd alone may need seconds on a busy host).
+        max_message_bytes: largest frame accepted from a peer (checked before buffering).
+        mailbox_messages / mailbox_bytes: bound of each sender's mailbox.
+        record_ttl_s: expiration of our DHT name record; refreshed every ttl/3.
+        shaping: link profiles of our outgoing links (comms.throttle.Shaping): each message is
+            held until its release time under the link model, then sent.
+        peers: names this peer will talk to; resolved (and dialed) in the background from the
+            start, so a first message does not pay the DHT lookups.
+        mean_path: "averager" (hivemind DecentralizedAverager) or "direct" (all-gather on streams).
+            With shaping, means take the direct path: hivemind's own traffic cannot be paced.
+        auth: comms.p2p.auth.Auth: our record carries its token, and streams from peers whose
+            record lacks a valid token are refused ("unauthorized"); None accepts any peer.
+    """
+
+    backend = "hivemind"
+
+    def __init__(
+        self,
+        me: str,
+        *,
+        run_id: str = "meshtrain",
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = (LOOPBACK,),
+        announce_maddrs: Sequence[str] | None = None,
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        use_auto_relay: bool | None = None,
+        timeout_s: float = 30.0,
+        startup_timeout_s: float | None = None,
+        max_message_bytes: int = 256 << 20,
+        mailbox_messages: int = 256,
+        mailbox_bytes: int = 1 << 30,
+        record_ttl_s: float = 60.0,
+        shaping: Shaping | LinkShapers = None,
+        peers: Sequence[str] = (),
+        mean_path: str = "averager",
+        auth: Auth | None = None,
+    ) -> None:
+        if mean_path not in ("averager", "direct"):
+            raise ValueError(f"mean_path must be 'averager' or 'direct', got {mean_path!r}")
+        if not 0 < len(me.encode()) < 256:
+            raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
+        self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
+        self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
+        self.client_mode, self.mean_path, self.auth = client_mode, mean_path, auth
+        self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
+        self.shaped = shaping is not None
+        startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
+        self.stats = TransportStats()
+        self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
+        self._records: dict[str, PeerRecord] = {}
+        self._idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
+        self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
+        self._closed = False
+        self._inflight: set[cf.Future[Any]] = set()  # see _submit
+        self._handler_name = f"{run_id}::{HANDLER}"
+        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=f"p2p-{me}")
+        # The DHT forks its process: start it before our loop thread exists.
+        self.dht = start_dht(
+            list(initial_peers),
+            startup_s,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            # unreachable peers take a relay reservation (hivemind's use_auto_relay); not
+            # verified on loopback, where no /p2p-circuit address appears (reference 3.3)
+            use_auto_relay=client_mode if use_auto_relay is None else use_auto_relay,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"p2p-{me}", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._run(self._setup(), startup_s)
+            others = [n for n in peers if n != me]
+            self._submit(self._warm(others, startup_s))
+        except BaseException:
+            self.close()
+            raise
+        self._means = MeanService(self)
+
+    # ---------------------------------------------------------------- Transport protocol
+
+    def send(self, to: str, tag: str, kind: Kind, enc: Encoded, step: int) -> SendResult:
+        """Frame `enc` now (a snapshot), deliver it in the background; see SendResult."""
+        frame = wire.pack(tag, kind, enc, step)
+        if self._closed:
+            return SendResult.failed(to, tag, PeerLost(f"transport of {self.me!r} is closed"))
+        shaper = self._shapers.for_peer(to)
+        release = shaper.schedule(len(frame), time.monotonic()) if shaper is not None else 0.0
+        fut = self._submit(self._send(to, tag, kind, frame, release))
+        return SendResult(fut, to, tag)
+
+    def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
+        """The next message from `frm` named `tag` that matches `expect`; PeerTimeout otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.mailbox.take(frm, tag, deadline)
+            if msg is None:
+                raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
+            bad = expect_reject(msg, expect)
+            if bad is None:
+                return msg
+            self.stats.add_reject(bad.reason)  # dropped; keep waiting for a matching one
+
+    def start_mean(
+        self,
+        group: str,
+        members: list[str],
+        round_id: int,
+        values: torch.Tensor,
+        codec: str,
+        timeout_s: float,
+    ) -> MeanHandle:
+        """Background mean over `members`; see comms/p2p/mean.py for both paths."""
+        return self._means.start(group, list(members), round_id, values, codec, timeout_s)
+
+    def close(self) -> None:
+        """Stop averagers, streams, the loop thread and the DHT (which reaps its p2pd)."""
+        if self._closed:
+            return
+        self._closed = True
+        means = getattr(self, "_means", None)
+        if means is not None:
+            means.close()
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self._run(self._teardown(), 10.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self.dht.shutdown()
+        self.dht.join(10.0)
+
+    def __enter__(self) -> P2PTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- public extras
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<id>) that others can pass as initial_peers."""
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def resolve(self, name: str, timeout_s: float | None = None) -> PeerRecord:
+        """PeerRecord of a peer name, waiting up to timeout_s for it to appear in the DHT."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        return self._run(self._resolve(name, time.monotonic() + t, refresh=True), t + 5.0)
+
+    def wait_for_peers(self, names: Sequence[str], timeout_s: float) -> None:
+        """Block until every name resolves (PeerTimeout otherwise)."""
+        deadline = time.monotonic() + timeout_s
+        for n in names:
+            if n != self.me:
+                try:
+                    self.resolve(n, max(0.0, deadline - time.monotonic()))
+                except PeerLost as e:
+                    raise PeerTimeout(f"{n!r} did not appear within {timeout_s}s") from e
+
+    def admits(self, rec: PeerRecord) -> bool:
+        """Whether a peer's record proves membership of our run (always, without auth)."""
+        return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.signer, rec.auth)
+
+    # ---------------------------------------------------------------- test hooks
+
+    def _send_raw(self, to: str, data: bytes, declared_len: int | None = None) -> SendResult:
+        """Deliver arbitrary bytes as one frame (no wire.pack); with declared_len, announce that
+        length and send no body. For bad-input tests (tests/integration/scenarios.py)."""
+        deadline = time.monotonic() + self.timeout_s
+        body = data if declared_len is None else b""
+        coro = self._deliver(to, body, deadline, declared_len)
+        return SendResult(self._submit(coro), to, "<raw>")
+
+    def _start_mean_encoded(
+        self, group: str, members: list[str], round_id: int, enc: Encoded, timeout_s: float
+    ) -> MeanHandle:
+        """start_mean with a ready (unchecked) Encoded: a misbehaving member, for tests."""
+        return self._means.start_encoded(group, list(members), round_id, enc, timeout_s)
+
+    # ---------------------------------------------------------------- internals
+
+    def _submit(self, coro: Any) -> cf.Future[Any]:
+        """Run coro on our loop, fire and forget allowed. asyncio keeps only weak references to
+        tasks: a send whose handle the caller drops (the worker keeps only the last one per
+        neighbour) could be garbage-collected mid-flight, silently. We hold it until done."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return fut
+
+    def _run(self, coro: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _key(self, name: str) -> str:
+        return f"{self.run_id}.peer.{name}"
+
+    async def _setup(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        own_socket = self._p2p._client_listen_maddr["unix"]
+        await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
+        await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
+        # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
+        own = Multiaddr(f"/p2p/{self.peer_id}")
+        maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]
+        self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs, "t": time.time()}
+        self._subkey = f"{self.peer_id}{self.owner_marker}"  # signed: only we can write it
+        if self.auth is not None:
+            self._record["auth"] = self.auth.token(self.peer_id, self.owner_marker)
+        if not await self._publish():
+            raise PeerLost(f"could not publish {self.me!r} in the DHT")
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def _warm(self, names: list[str], within_s: float) -> None:
+        """Resolve and dial peers early (peers that start later are waited for)."""
+        deadline = time.monotonic() + within_s
+
+        async def one(name: str) -> None:
+            with contextlib.suppress(Exception):
+                await self._resolve(name, deadline)
+
+        await asyncio.gather(*(one(n) for n in names))
+
+    async def _publish(self) -> bool:
+        # A later expiration wins in the DHT; if an older record of this name (a crashed run, a
+        # skewed clock) outlives ours, outbid it once.
+        for ttl in (self.record_ttl_s, 2 * self.record_ttl_s + 10):
+            exp = get_dht_time() + ttl
+            stored = self.dht.store(
+                self._key(self.me), self._record, exp, subkey=self._subkey, return_future=True
+            )
+            if await stored:
+                self._record_exp = exp
+                return True
+        return False
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.record_ttl_s / 3)
+            with contextlib.suppress(Exception):
+                await self._publish()
+
+    async def _teardown(self) -> None:
+        """Undo _setup as far as it got; every step on its own (a failed start calls this too)."""
+        refresher = getattr(self, "_refresher", None)
+        if refresher is not None:
+            refresher.cancel()
+        if hasattr(self, "_record_exp"):  # "delete" our record: a None expiring just after it,
+            exp = self._record_exp + 1e-3  # so a restart under this name can publish at once
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.dht.store(
+                        self._key(self.me), None, exp, subkey=self._subkey, return_future=True
+                    ),
+                    2,
+                )
+        for streams in self._idle.values():
+            for _, w in streams:
+                w.close()
+        self._idle.clear()
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None:
+            with contextlib.suppress(Exception):
+                await p2p.remove_binary_stream_handler(self._handler_name)
+            await p2p.shutdown()  # a replica: closes our client sockets, not the daemon
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _lookup(self, name: str) -> dict[str, object]:
+        """Every record of a name in the DHT now (subkey -> value; {} when there is none)."""
+        found = await self.dht.get(self._key(name), latest=True, return_future=True)
+        value = found.value if found is not None else None
+        if not isinstance(value, dict):
+            return {}
+        return {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+
+    async def _resolve(
+        self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
+    ) -> PeerRecord:
+        if not refresh and name in self._records:
+            return self._records[name]
+        while True:
+            rec = pick_record(await self._lookup(name), self.admits, avoid)
+            if rec is not None:
+                # hivemind exposes no public connect; dial the published addresses so streams to
+                # peers we only know through the DHT find a route (the DHT itself does the same).
+                with contextlib.suppress(Exception):
+                    addrs = [Multiaddr(m) for m in rec.maddrs]
+                    await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
+                self._records[name] = rec
+                return rec
+            if time.monotonic() >= deadline:
+                raise PeerLost(f"peer {name!r} not found in the DHT (run {self.run_id!r})")
+            await asyncio.sleep(0.2)
+
+    async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
+        key = (to, tag)
+        lock, users = self._order.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._order[key] = (lock, users + 1)
+        try:
+            # Same (to, tag): delivered in send order. These coroutines start in send() order
+            # and the lock is FIFO; release times never decrease along a link.
+            async with lock:
+                await asyncio.sleep(max(0.0, release - time.monotonic()))  # link model
+                deadline = time.monotonic() + self.timeout_s
+                ack = await asyncio.wait_for(self._deliver(to, frame, deadline), self.timeout_s)
+        except TimeoutError as e:
+            raise PeerTimeout(f"send {tag!r} to {to!r}: no ack in {self.timeout_s}s") from e
+        finally:
+            lock, users = self._order[key]
+            if users == 1:
+                del self._order[key]  # tags are often unique (per microbatch): keep the dict small
+            else:
+                self._order[key] = (lock, users - 1)
+        if ack == Ack.OK:
+            self.stats.add_sent(to, kind, len(frame))
+        return ack

@@ -1,0 +1,1 @@
+"""The torch.distributed transport (gloo/NCCL): point-to-point (transport), group means (mean)."""

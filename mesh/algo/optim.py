@@ -1,0 +1,463 @@
+"""Update rules of ONE pipeline stage: lr/lambda schedules, NAdamW / AdamW / Muon, error feedback.
+
+Each stage owns a StageOptimizer over its own parameters only (design.md 1.2). The math follows
+algorithms.md 2.2 (torch NAdam with the mu_t ramp), 2.3 (schedules, per-stage clip), 3.3 (lambda),
+4.2 (error feedback) and 4.3 (Muon, in mesh/algo/muon.py). State is a flat dict of tensors and
+numbers.
+
+Extension point: OPTIMIZERS maps OptimSpec.name to a planner (param name, param, spec) -> rule.
+A new optimizer lives in its own module that calls register_optimizer; list that module in
+_PLUGIN_MODULES (one line) so it is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from mesh.algo.muon import MuonRule, is_hidden_matrix
+from mesh.algo.muon import newton_schulz as newton_schulz  # re-exported: part of this API
+
+OptimName = Literal["nadamw", "adamw", "muon", "rotated_adam"]
+State = dict[str, torch.Tensor | int | float]
+
+# beta1 when OptimSpec.beta1 is None (design.md 1.2); muon's value is for its AdamW part.
+DEFAULT_BETA1: dict[str, float] = {"nadamw": 0.99, "adamw": 0.9, "muon": 0.9}
+
+
+# ----------------------------------------------------------------------------------- schedules
+
+
+def lr_at(
+    step: int, total_steps: int, base_lr: float, warmup_steps: int, min_lr_ratio: float = 0.1
+) -> float:
+    """Learning rate at 0-based `step`: linear warmup, then cosine to min_lr_ratio * base_lr.
+
+    Warmup: base_lr * (step + 1) / warmup_steps for step < warmup_steps (base_lr / W at step 0,
+    base_lr at step W - 1). Then (algorithms.md 2.3)
+    lr = min + (base - min) * 0.5 * (1 + cos(pi * (step - W) / (total_steps - W))), which is
+    base_lr at step W and min at step >= total_steps.
+    """
+    if step < 0 or warmup_steps < 0:
+        raise ValueError(f"step and warmup_steps must be >= 0, got {step}, {warmup_steps}")
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    lo = min_lr_ratio * base_lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return lo + (base_lr - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lambda_at(
+    step: int,
+    total_steps: int,
+    initial: float = 0.5,
+    final: float = 0.01,
+    hold_steps: int = 1000,
+) -> float:
+    """AsyncMesh EMA coefficient (algorithms.md 3.3): `initial` while step < hold_steps, then
+    final + (initial - final) * 0.5 * (1 + cos(pi * (step - hold) / (total - hold))), clamped at
+    `final` past total_steps. Constant `initial` if hold_steps >= total_steps."""
+    if step < hold_steps or hold_steps >= total_steps:
+        return initial
+    progress = min(1.0, (step - hold_steps) / (total_steps - hold_steps))
+    return final + (initial - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def nadam_mu(step: int, beta1: float, momentum_decay: float) -> float:
+    """NAdam momentum cache mu_t = beta1 (1 - 0.5 * 0.96^(t psi)), t 1-based (algorithms.md 2.2).
+
+    With beta1 0.99, psi 0.004: ~0.495 at t=1, 0.57 at 1k, 0.69 at 3k, -> 0.99. psi=0 gives beta1/2.
+    """
+    return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+
+
+# ------------------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """What one stage's optimizer does; built by the run config (keys `optim.*`)."""
+
+    name: OptimName
+    lr: float
+    beta1: float | None = None  # None -> DEFAULT_BETA1[name]
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum_decay: float = 0.004  # NAdam psi
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    ns_steps: int = 5
+    rotate_every: int = 10  # rotated_adam: eigenbasis refresh period (steps)
+    stage_aware: bool = False  # rotated_adam: refresh period shrinks with the stage's delay
+    delay: int = 0  # this stage's gradient delay delta_j (filled in by the cell)
+    grad_clip: float = 10.0  # per-stage global norm; <= 0 disables
+    error_feedback: bool = False
+    state_8bit: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("lr", self.lr >= 0),
+            ("beta1", self.beta1 is None or 0 <= self.beta1 < 1),
+            ("beta2", 0 <= self.beta2 < 1),
+            ("eps", self.eps > 0),
+            ("weight_decay", self.weight_decay >= 0),
+            ("momentum_decay", self.momentum_decay >= 0),
+            ("muon_lr", self.muon_lr >= 0),
+            ("muon_momentum", 0 <= self.muon_momentum < 1),
+            ("ns_steps", self.ns_steps >= 1),
+            ("rotate_every", self.rotate_every >= 1),
+            ("delay", self.delay >= 0),
+        ]
+        for key, ok in checks:
+            if not ok:
+                raise ValueError(f"optim.{key} out of range: {getattr(self, key)!r}")
+
+    def resolved_beta1(self) -> float:
+        """beta1 with the per-optimizer default filled in."""
+        return self.beta1 if self.beta1 is not None else DEFAULT_BETA1.get(self.name, 0.9)
+
+
+# ---------------------------------------------------------------------------------- update rules
+
+
+class UpdateRule(Protocol):
+    """One parameter's update: state layout plus an in-place step (called under no_grad)."""
+
+    kind: str
+    quantized: dict[str, bool]  # state key -> signed, for optional 8-bit storage between steps
+
+    def init_state(self, p: torch.Tensor) -> State: ...
+
+    def apply(
+        self, p: torch.Tensor, g: torch.Tensor, state: State, step: int, lr_scale: float
+    ) -> None: ...
+
+
+class AdamWRule:
+    """torch.optim.AdamW, single-tensor path, decoupled weight decay (algorithms.md 2.3)."""
+
+    kind = "adamw"
+    quantized: dict[str, bool] = {"m": True, "v": False}
+
+    def __init__(
+        self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+    ) -> None:
+        self.lr, self.beta1, self.beta2 = lr, beta1, beta2
+        self.eps, self.weight_decay = eps, weight_decay
+
+    def init_state(self, p: torch.Tensor) -> State:
+        z = torch.zeros_like
+        return {"m": z(p, memory_format=torch.preserve_format), "v": z(p)}
+
+    def _moments(self, g: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        m, v = state["m"], state["v"]
+        assert isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)
+        m.lerp_(g, 1.0 - self.beta1)  # m = b1 m + (1 - b1) g
+        v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)  # v = b2 v + (1 - b2) g^2
+        return m, v
+
+    def apply(
+        self, p: torch.Tensor, g: torch.Tensor, state: State, step: int, lr_scale: float
+    ) -> None:
+        lr = self.lr * lr_scale
+        p.mul_(1.0 - lr * self.weight_decay)
+        m, v = self._moments(g, state)
+        bc1 = 1.0 - self.beta1**step
+        bc2 = 1.0 - self.beta2**step
+        # Same operation order as torch (denom = sqrt(v) / sqrt(bc2) + eps) for ~bitwise equality.
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+class NAdamWRule(AdamWRule):
+    """torch.optim.NAdam(decoupled_weight_decay=True), single-tensor path (algorithms.md 2.2):
+
+    theta <- theta (1 - lr wd);  Pi_t = Pi_{t-1} mu_t;  denom = sqrt(v_t / (1 - b2^t)) + eps;
+    theta <- theta - lr (1 - mu_t) / (1 - Pi_t) g / denom
+                   - lr mu_{t+1} / (1 - Pi_t mu_{t+1}) m / denom.
+    """
+
+    kind = "nadamw"
+
+    def __init__(
+        self,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        momentum_decay: float,
+    ) -> None:
+        super().__init__(lr, beta1, beta2, eps, weight_decay)
+        self.momentum_decay = momentum_decay
+
+    def init_state(self, p: torch.Tensor) -> State:
+        # Pi_0 = 1. Kept as a Python float (torch keeps an fp32 tensor: differences ~1e-7 rel).
+        return {**super().init_state(p), "mu_product": 1.0}
+
+    def apply(
+        self, p: torch.Tensor, g: torch.Tensor, state: State, step: int, lr_scale: float
+    ) -> None:
+        lr = self.lr * lr_scale
+        p.mul_(1.0 - lr * self.weight_decay)
+        mu = nadam_mu(step, self.beta1, self.momentum_decay)
+        mu_next = nadam_mu(step + 1, self.beta1, self.momentum_decay)
+        mu_product = float(state["mu_product"]) * mu
+        state["mu_product"] = mu_product
+        m, v = self._moments(g, state)
+        denom = v.div(1.0 - self.beta2**step).sqrt().add_(self.eps)
+        p.addcdiv_(g, denom, value=-lr * (1.0 - mu) / (1.0 - mu_product))
+        p.addcdiv_(m, denom, value=-lr * mu_next / (1.0 - mu_product * mu_next))
+
+
+# ------------------------------------------------------------------------------------- registry
+
+Planner = Callable[[str, torch.Tensor, OptimSpec], UpdateRule]
+OPTIMIZERS: dict[str, Planner] = {}
+# name -> module that registers it on import, e.g. "rotated_adam": "mesh.rotated_adam".
+_PLUGIN_MODULES: dict[str, str] = {"rotated_adam": "mesh.algo.rotated"}
+
+
+def register_optimizer(name: str) -> Callable[[Planner], Planner]:
+    """Decorator: make `name` a valid OptimSpec.name, planned per parameter by the function."""
+
+    def deco(fn: Planner) -> Planner:
+        OPTIMIZERS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_planner(name: str) -> Planner:
+    """The planner for an optimizer name, importing its plugin module on first use."""
+    if name not in OPTIMIZERS and name in _PLUGIN_MODULES:
+        importlib.import_module(_PLUGIN_MODULES[name])
+    if name not in OPTIMIZERS:
+        known = sorted(set(OPTIMIZERS) | set(_PLUGIN_MODULES))
+        raise ValueError(f"optim.name: unknown optimizer {name!r}; choose one of {known}")
+    return OPTIMIZERS[name]
+
+
+@register_optimizer("adamw")
+def _plan_adamw(name: str, p: torch.Tensor, spec: OptimSpec) -> UpdateRule:
+    return AdamWRule(spec.lr, spec.resolved_beta1(), spec.beta2, spec.eps, spec.weight_decay)
+
+
+@register_optimizer("nadamw")
+def _plan_nadamw(name: str, p: torch.Tensor, spec: OptimSpec) -> UpdateRule:
+    b1 = spec.resolved_beta1()
+    return NAdamWRule(spec.lr, b1, spec.beta2, spec.eps, spec.weight_decay, spec.momentum_decay)
+
+
+@register_optimizer("muon")
+def _plan_muon(name: str, p: torch.Tensor, spec: OptimSpec) -> UpdateRule:
+    # Muon for hidden matrices, AdamW (lr = spec.lr) for embeddings, head, norms, biases (4.3).
+    if not is_hidden_matrix(name, p):
+        return _plan_adamw(name, p, spec)
+    return MuonRule(
+        spec.muon_lr, spec.muon_momentum, spec.muon_nesterov, spec.weight_decay, spec.ns_steps
+    )
+
+
+# --------------------------------------------------------------------------- 8-bit state storage
+
+
+class _Blockwise8bit:
+    """bitsandbytes blockwise dynamic 8-bit codes for moments between steps (as bnb's 8-bit
+    optimizers: block 256, signed map for m, unsigned for v, tensors under 4096 stay fp32)."""
+
+    BLOCK = 256
+    MIN_NUMEL = 4096
+
+    def __init__(self) -> None:
+        try:
+            import bitsandbytes.functional as bnbf
+        except Exception as e:  # ImportError, or a broken native library
+            raise ValueError(
+                f"optim.state_8bit needs bitsandbytes ({e}); set optim.state_8bit=false"
+            ) from e
+        self._f = bnbf
+        self._maps = {s: bnbf.create_dynamic_map(signed=s) for s in (True, False)}
+        self._probed: set[torch.device] = set()
+
+    def probe(self, device: torch.device) -> None:
+        """Fail at construction, not mid-training, where bnb lacks this device."""
+        if device in self._probed:
+            return
+        try:
+            self.decode(*self.encode(torch.ones(self.BLOCK, device=device), True), True)
+        except Exception as e:
+            raise ValueError(
+                f"optim.state_8bit: bitsandbytes 8-bit states do not work on {device} ({e}); "
+                "set optim.state_8bit=false"
+            ) from e
+        self._probed.add(device)
+
+    def encode(self, x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        code = self._maps[signed].to(x.device)
+        q, qs = self._f.quantize_blockwise(x.float().contiguous(), code=code, blocksize=self.BLOCK)
+        return q, qs.absmax
+
+    def decode(self, q: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+        code = self._maps[signed].to(q.device)
+        return self._f.dequantize_blockwise(q, absmax=absmax, code=code, blocksize=self.BLOCK)
+
+
+# ---------------------------------------------------------------------------------- the optimizer
+
+
+class StageOptimizer:
+    """One stage's optimizer over its own named parameters; see OptimSpec and algorithms.md."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> None:
+        names = [n for n, _ in named_params]
+        if len(set(names)) != len(names):
+            raise ValueError("StageOptimizer: duplicate parameter names")
+        if any("/" in n for n in names):
+            raise ValueError("StageOptimizer: '/' is reserved in parameter names (state keys)")
+        self.spec = spec
+        self.params: dict[str, torch.nn.Parameter] = dict(named_params)
+        planner = get_planner(spec.name)
+        self.rules: dict[str, UpdateRule] = {n: planner(n, p, spec) for n, p in named_params}
+        self._q8 = _Blockwise8bit() if spec.state_8bit else None
+        # Eager state: state_bytes() and state_dict() keys are stable from the start.
+        self.state: dict[str, State] = {n: self._init_state(n, p) for n, p in named_params}
+
+    def _is_8bit(self, key: str, rule: UpdateRule, p: torch.Tensor) -> bool:
+        return self._q8 is not None and key in rule.quantized and p.numel() >= self._q8.MIN_NUMEL
+
+    def _init_state(self, name: str, p: torch.nn.Parameter) -> State:
+        rule = self.rules[name]
+        st: State = {"step": 0}
+        for key, val in rule.init_state(p.detach()).items():
+            if self._q8 is not None and self._is_8bit(key, rule, p):
+                self._q8.probe(p.device)
+                assert isinstance(val, torch.Tensor)
+                st[key + ".q"], st[key + ".absmax"] = self._q8.encode(val, rule.quantized[key])
+            else:
+                st[key] = val
+        if self.spec.error_feedback:
+            st["u_prev"] = torch.zeros_like(p.detach())
+        return st
+
+    def kinds(self) -> dict[str, str]:
+        """Parameter name -> update rule kind ("nadamw", "adamw", "muon", ...), for logs/tests."""
+        return {n: r.kind for n, r in self.rules.items()}
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def clip_grads(self) -> float:
+        """Per-stage global L2 norm of the grads (as torch.nn.utils.clip_grad_norm_), scaled down
+        to spec.grad_clip when above it (algorithms.md 2.3). Returns the pre-clip norm."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if self.spec.grad_clip > 0:
+            coef = torch.clamp(self.spec.grad_clip / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+        return float(total)
+
+    @torch.no_grad()
+    def step(self, lr_scale: float) -> float:
+        """Clip, then update every parameter with a grad in place: lr = spec.lr * lr_scale (Muon
+        matrices: spec.muon_lr * lr_scale). Parameters without .grad are skipped (their step
+        counter does not advance, as in torch). Returns the pre-clip gradient norm."""
+        norm = self.clip_grads()
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"StageOptimizer: sparse gradient for {name} is not supported")
+            st, rule = self.state[name], self.rules[name]
+            step = int(st["step"]) + 1
+            st["step"] = step
+            work = self._unpack(st, rule, p)
+            x_before = p.detach().clone() if self.spec.error_feedback else None
+            rule.apply(p, p.grad, work, step, lr_scale)
+            self._pack(st, work, rule, p)
+            if x_before is not None:
+                self._error_feedback(p, x_before, st, step)
+        return norm
+
+    def _unpack(self, st: State, rule: UpdateRule, p: torch.Tensor) -> State:
+        if self._q8 is None:
+            return st  # the rule mutates the stored tensors in place
+        work: State = {}
+        for key, val in st.items():
+            if key.endswith(".q"):
+                base = key[:-2]
+                absmax = st[base + ".absmax"]
+                assert isinstance(val, torch.Tensor) and isinstance(absmax, torch.Tensor)
+                work[base] = self._q8.decode(val, absmax, rule.quantized[base])
+            elif not key.endswith(".absmax"):
+                work[key] = val
+        return work
+
+    def _pack(self, st: State, work: State, rule: UpdateRule, p: torch.Tensor) -> None:
+        if work is st:
+            return
+        assert self._q8 is not None
+        for key, val in work.items():
+            if key + ".q" in st:
+                assert isinstance(val, torch.Tensor)
+                st[key + ".q"], st[key + ".absmax"] = self._q8.encode(val, rule.quantized[key])
+            else:
+                st[key] = val
+
+    @staticmethod
+    def _error_feedback(p: torch.Tensor, x_before: torch.Tensor, st: State, step: int) -> None:
+        # algorithms.md 4.2: with u_t = x_t - (x_t after the inner step, weight decay included),
+        # x_{t+1} = x_t - u_t - (u_t - u_{t-1}). u_prev := first u, so the first correction is 0.
+        u_prev = st["u_prev"]
+        assert isinstance(u_prev, torch.Tensor)
+        u = x_before.sub_(p)  # reuse the snapshot buffer for u_t
+        if step > 1:
+            p.sub_(u - u_prev)
+        u_prev.copy_(u)
+
+    def state_dict(self) -> dict[str, torch.Tensor | int | float]:
+        """Flat copy: "<param name>/<key>" -> tensor (cloned) or number. No nested objects."""
+        out: dict[str, torch.Tensor | int | float] = {}
+        for name, st in self.state.items():
+            for key, val in st.items():
+                out[f"{name}/{key}"] = (
+                    val.detach().clone() if isinstance(val, torch.Tensor) else val
+                )
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a state_dict() of an optimizer with the same parameters and spec."""
+        mine = {f"{n}/{k}" for n, st in self.state.items() for k in st}
+        if set(sd) != mine:
+            missing, extra = sorted(mine - set(sd)), sorted(set(sd) - mine)
+            raise ValueError(f"optimizer state mismatch: missing {missing[:5]}, extra {extra[:5]}")
+        for full, val in sd.items():
+            name, key = full.split("/", 1)
+            old = self.state[name][key]
+            if isinstance(old, torch.Tensor):
+                if not isinstance(val, torch.Tensor) or val.shape != old.shape:
+                    raise ValueError(f"optimizer state {full}: expected tensor {tuple(old.shape)}")
+                self.state[name][key] = val.detach().to(old.device, old.dtype).clone()
+            else:
+                self.state[name][key] = type(old)(val)
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer state tensors (moments, 8-bit codes and scales, EF buffer)."""
+        return sum(
+            v.numel() * v.element_size()
+            for st in self.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )

@@ -1,0 +1,137 @@
+"""A local grid of `meshtrain dht` / `join` / `status` processes on 127.0.0.1.
+
+Shared by `meshtrain bench join` (mesh/bench/join.py) and tests/integration/test_join.py: start a
+meshtrain subprocess, read a cell's progress from its metrics file, wait for a condition, stop a
+process. Every process runs in its own session, so a hung one is killed with its children
+(p2pd) by its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mesh.runtime.metrics import read_metrics
+
+KEY = "correct horse battery staple"  # the run key of these local grids
+LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+def tiny_grid_config(
+    directory: Path, text_file: Path, replicas: int = 2, runtime: str = ""
+) -> Path:
+    """A 2 x `replicas` grid of a tiny model on `text_file` that runs until stopped (run.toml);
+    `runtime`: more TOML lines for its [runtime] table."""
+    path = directory / "run.toml"
+    path.write_text(
+        f"""
+[model]
+n_layers = 2
+d_model = 16
+n_heads = 2
+seq_len = 16
+[grid]
+stages = 2
+replicas = {replicas}
+[pipeline]
+microbatch_size = 2
+[data]
+path = "{text_file}"
+val_batches = 2
+[run]
+steps = 100000
+[runtime]
+heartbeat_s = 1.0
+max_lag_steps = 5
+round_timeout_s = 5
+{runtime}
+"""
+    )
+    return path
+
+
+def meshtrain(*args: str, key: str | None = KEY, **popen_kw: Any) -> subprocess.Popen:
+    """Start `meshtrain ARGS` (this interpreter) in its own session, with run key `key`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MESHTRAIN_RUN_KEY", None)
+    if key is not None:
+        env["MESHTRAIN_RUN_KEY"] = key
+    cmd = [sys.executable, "-m", "cli.main", *args]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, text=True, **popen_kw)
+
+
+def run_meshtrain(
+    *args: str, key: str | None = KEY, timeout_s: float = 60
+) -> tuple[int, str, float]:
+    """Run `meshtrain ARGS` to its end: (exit code, stdout+stderr, seconds it took)."""
+    t0 = time.monotonic()
+    p = meshtrain(*args, key=key, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill(p)
+        raise
+    return p.returncode, out, time.monotonic() - t0
+
+
+def start_dht() -> tuple[subprocess.Popen, str]:
+    """A bootstrap node on 127.0.0.1 and the multiaddr it printed first."""
+    dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return dht, dht.stdout.readline().strip()
+
+
+def status(maddr: str, key: str | None = KEY) -> dict:
+    """`meshtrain status --json` of the run behind `maddr`."""
+    code, out, _ = run_meshtrain("status", "--initial-peers", maddr, "--json", key=key)
+    if code != 0:
+        raise AssertionError(f"status exited {code}: {out}")
+    return json.loads(out[out.index("{") :])
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, period_s: float = 0.3) -> None:
+    """Poll `cond` until it is true; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(period_s)
+
+
+def cell_of(out: Path) -> tuple[int, int] | None:
+    """(stage, replica) of the cell a join ran in run directory `out` (None before it wrote)."""
+    return next(iter(read_metrics(out, events=True)), None)
+
+
+def rows(out: Path) -> list[dict]:
+    """The metrics rows (events too) of the cell in run directory `out`."""
+    return next(iter(read_metrics(out, events=True).values()), [])
+
+
+def step(out: Path) -> int:
+    """The cell's last update in run directory `out` (0 before its first)."""
+    return max((r["step"] for r in rows(out) if "step" in r and "event" not in r), default=0)
+
+
+def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGTERM (a clean stop), then its exit code; -9 if it had to be killed."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        return p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        kill(p)
+        return -9
+
+
+def kill(p: subprocess.Popen) -> None:
+    """SIGKILL the process's whole group (its p2pd children too) and reap it."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)

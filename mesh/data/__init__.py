@@ -1,0 +1,1 @@
+"""Data: the byte-level corpus and its batches, a pure function of (seed, replica, index)."""

@@ -1,0 +1,161 @@
+"""The state of one grid cell (stage j of replica i) and the stage math both engines share.
+
+A cell owns its stage module (the live weights), its optimizer, the stashed weight versions its
+schedule needs, the AsyncMesh drift buffer d, and the averaging rounds in flight. The one-process
+simulator (sim.py) and the per-process runtime drive cells through the same methods, so the two
+engines compute the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from comms import codecs
+from mesh.algo import sparse
+from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at
+from mesh.algo.schedule import stage_delay, versions_kept
+from mesh.config import Config, OptimConfig
+from mesh.model.gpt import StageModule
+
+Params = dict[str, torch.Tensor]
+
+
+def optim_spec(cfg: OptimConfig, delay: int = 0) -> OptimSpec:
+    """The optimizer's plain dataclass from the config section (same field names), plus the
+    stage's gradient delay (stage-aware rotation uses it)."""
+    fields = OptimSpec.__dataclass_fields__
+    return OptimSpec(**{k: v for k, v in cfg.model_dump().items() if k in fields}, delay=delay)
+
+
+@dataclass
+class Round:
+    """One averaging round of one stage as seen by one cell."""
+
+    index: int
+    launch_step: int
+    indices: torch.Tensor  # into the stage's flat parameter vector (the same on every replica)
+    snapshot: torch.Tensor  # this cell's values at launch (its contribution)
+    payload_bytes: int  # what this cell puts on the wire for the round (encoded)
+    mean: torch.Tensor | None = None  # filled when the round completes
+
+
+@dataclass
+class Cell:
+    cfg: Config
+    stage: int
+    replica: int
+    module: StageModule
+    optimizer: StageOptimizer = field(init=False)
+    flat: torch.Tensor = field(init=False)  # all stage parameters; the module holds views
+    history: OrderedDict[int, torch.Tensor] = field(init=False)  # version -> flat weights used
+    drift: torch.Tensor = field(init=False)
+    pending: list[Round] = field(default_factory=list)
+    step: int = 0  # optimizer updates applied to the live weights
+
+    def __post_init__(self) -> None:
+        # One flat buffer per stage (as FSDP does): a version is one clone, a round one gather.
+        named = list(self.module.named_parameters())
+        self.flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        self._shapes, offset = [], 0
+        for name, p in named:
+            n = p.numel()
+            p.data = self.flat[offset : offset + n].view_as(p)
+            self._shapes.append((name, offset, n, p.shape))
+            offset += n
+        delay = stage_delay(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages)
+        self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim, delay))
+        self.drift = torch.zeros_like(self.flat)
+        self.history = OrderedDict()
+        self.history[0] = self.flat.clone()
+
+    # ---- weights and versions -------------------------------------------------------------
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.module.parameters())
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def as_params(self, flat: torch.Tensor) -> Params:
+        """Named views of a flat weight vector, shaped like the module's parameters."""
+        return {n: flat[o : o + k].view(shape) for n, o, k, shape in self._shapes}
+
+    def versions_to_keep(self) -> int:
+        """The stashed versions the schedule reads: delay + 1 (+ the in-flight window's)."""
+        w = self.cfg.pipeline.window
+        window = None if w in ("none", "auto") else list(w)
+        return versions_kept(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages, window)
+
+    def push_version(self) -> None:
+        """Record the live weights as version `self.step`: what the next forward will use.
+
+        Taken after the optimizer step and after averaging arrivals, so a stashed version is
+        exactly the weights its forward saw; averaging later changes only the live weights.
+        """
+        self.history[self.step] = self.flat.clone()
+        while len(self.history) > self.versions_to_keep():
+            self.history.popitem(last=False)
+
+    def weights(self, version: int) -> Params:
+        assert version in self.history, (version, list(self.history))
+        return self.as_params(self.history[version])
+
+    # ---- optimizer ------------------------------------------------------------------------
+    def lr_scale(self) -> float:
+        o = self.cfg.optim
+        return lr_at(self.step, self.cfg.schedule_horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
+
+    def apply_update(self, grads: list[torch.Tensor]) -> float:
+        """One optimizer step on the live weights with the given gradients; returns grad norm."""
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        norm = self.optimizer.step(self.lr_scale())
+        self.optimizer.zero_grad()
+        self.step += 1
+        return norm
+
+    # ---- data-parallel averaging ------------------------------------------------------------
+    def open_round(self, index: int) -> tuple[Round, torch.Tensor]:
+        """Snapshot this round's subset; returns the round and the dequantized payload to average.
+
+        The subset is drawn over the stage's flat parameter vector (tensor index 0), so a round
+        is one gather, one payload and one scatter. Every replica averages the dequantized
+        payloads of all replicas, its own included, so the mean is bit-identical everywhere
+        (design 1.3 step 3).
+        """
+        dp = self.cfg.dp
+        idx = sparse.subset_indices(
+            self.cfg.run.seed, self.stage, 0, index, self.flat.numel(), dp.fraction, dp.selector
+        )
+        idx = idx.to(self.flat.device)
+        snap = self.flat.index_select(0, idx)
+        enc = codecs.encode(snap, dp.codec, dp.block_size)
+        return Round(index, self.step, idx, snap, enc.nbytes), codecs.decode(enc)
+
+    def apply_round(self, rnd: Round) -> None:
+        """Roll the stale mean forward with the drift correction (only live weights change)."""
+        assert rnd.mean is not None
+        dp = self.cfg.dp
+        lam = lambda_at(
+            self.step,
+            self.cfg.schedule_horizon,
+            dp.lambda_initial,
+            dp.lambda_final,
+            dp.lambda_hold_steps,
+        )
+        live = self.flat.index_select(0, rnd.indices)
+        d = self.drift.index_select(0, rnd.indices)
+        new_live, new_d = sparse.apply_arrival(live, rnd.snapshot, rnd.mean, d, dp.correction, lam)
+        self.flat.index_copy_(0, rnd.indices, new_live)
+        self.drift.index_copy_(0, rnd.indices, new_d)
+
+    def due_rounds(self) -> list[Round]:
+        """Completed rounds whose delay tau has passed, in launch order; removed from pending."""
+        tau = self.cfg.dp.tau
+        due = [r for r in self.pending if r.mean is not None and r.launch_step + tau <= self.step]
+        self.pending = [r for r in self.pending if all(r is not d for d in due)]
+        return due

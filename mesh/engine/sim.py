@@ -1,0 +1,258 @@
+"""The whole P x m grid in one process on a logical clock: exact, repeatable, fast.
+
+At update u, replica i computes its microbatch(es) through the composed stages with the version
+vector of its schedule (stage j uses weights `version_for(schedule, j, P, u)`), each stage steps its
+newest weights with the gradient, and averaging rounds land exactly `dp.tau` updates after they
+were launched. Wall-clock effects are left out on purpose; stashing, staleness, codecs and the
+drift correction are all in. Every payload that would cross a link goes through its codec, and
+the bytes each cell would send are counted exactly (pipeline and averaging apart).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from comms import codecs
+from comms.errors import CodecError
+from mesh.algo import sparse
+from mesh.algo.schedule import microbatches_per_update, version_for
+from mesh.config import Config
+from mesh.data.corpus import Corpus, load_corpus, train_batch, val_batches
+from mesh.engine.cell import Cell, Params
+from mesh.model.gpt import StageModule, build_stages, lm_loss
+
+
+class _Boundary(torch.autograd.Function):
+    """A stage boundary: activations forward and their gradients backward cross the link."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, codec: str) -> torch.Tensor:
+        ctx.codec = codec
+        return codecs.roundtrip(x, codec)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return codecs.roundtrip(g, ctx.codec), None
+
+
+def cross_link(x: torch.Tensor, codec: str) -> torch.Tensor:
+    return x if codec == "fp32" else _Boundary.apply(x, codec)
+
+
+@dataclass
+class SimResult:
+    grid: str
+    steps: int
+    tokens: int
+    val_loss: float | None  # mean over replicas of each replica's own validation loss
+    val_loss_replicas: list[float | None]
+    val_loss_avg_model: float | None  # loss of the replicas' parameter average
+    pp_bytes_per_replica_step: float
+    dp_bytes_per_replica_step: float
+    wall_s: float
+    diverged: bool
+    curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, val_loss
+    train_curve: list[dict[str, float]] = field(default_factory=list)
+
+
+class GridSim:
+    def __init__(self, cfg: Config, corpus: Corpus | None = None) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.run.threads)
+        self.corpus = corpus or load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+        self.P, self.m = cfg.grid.stages, cfg.grid.replicas
+        self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+        # every replica starts from the same weights: sparse averaging cannot align strangers
+        self.cells = [
+            [
+                Cell(cfg, j, i, module)
+                for j, module in enumerate(build_stages(cfg.model, self.P, cfg.run.seed))
+            ]
+            for i in range(self.m)
+        ]
+        self.update = 0
+        self.pp_bytes = 0  # summed over replicas
+        self.dp_bytes = 0.0
+        self._val = val_batches(
+            self.corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.update * self.M * self.cfg.tokens_per_microbatch * self.m
+
+    # ---- one update of the whole grid ---------------------------------------------------
+    def _replica_grads(self, replica: int) -> tuple[float, list[list[torch.Tensor]]]:
+        cfg, cells = self.cfg, self.cells[replica]
+        versions = [
+            version_for(cfg.pipeline.schedule, j, self.P, self.update) for j in range(self.P)
+        ]
+        leaves: list[Params] = [
+            {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}
+            for c, v in zip(cells, versions, strict=True)
+        ]
+        flat = [t for stage in leaves for t in stage.values()]
+        grads = [torch.zeros_like(t) for t in flat]
+        total = 0.0
+        act_bytes = codecs.encoded_nbytes(
+            cfg.tokens_per_microbatch * cfg.model.d_model, cfg.pipeline.codec
+        )
+        for k in range(self.M):
+            x, y = train_batch(
+                self.corpus,
+                cfg.run.seed,
+                replica,
+                self.update * self.M + k,
+                cfg.pipeline.microbatch_size,
+                cfg.model.seq_len,
+            )
+            h = x
+            for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
+                h = functional_call(c.module, params, (h,))
+                if j < self.P - 1:
+                    h = cross_link(h, cfg.pipeline.codec)
+            loss = lm_loss(h, y)
+            for g, d in zip(grads, torch.autograd.grad(loss / self.M, flat), strict=True):
+                g.add_(d)
+            total += loss.item() / self.M
+            # each inner boundary carries one activation forward and one gradient back
+            self.pp_bytes += 2 * (self.P - 1) * act_bytes
+        out, pos = [], 0
+        for stage in leaves:
+            out.append(grads[pos : pos + len(stage)])
+            pos += len(stage)
+        return total, out
+
+    def _allreduce_grads(self, grads: list[list[list[torch.Tensor]]]) -> None:
+        """FullSync: blocking mean of every replica's (encoded) gradients, stage by stage."""
+        codec, block = self.cfg.dp.codec, self.cfg.dp.block_size
+        for j in range(self.P):
+            payload = sum(codecs.encoded_nbytes(g.numel(), codec, block) for g in grads[0][j])
+            self.dp_bytes += self.m * sparse.ring_allreduce_bytes(payload, self.m)
+            for k in range(len(grads[0][j])):
+                mean = sum(codecs.roundtrip(grads[i][j][k], codec, block) for i in range(self.m))
+                mean = mean / self.m
+                for i in range(self.m):
+                    grads[i][j][k] = mean.clone()
+
+    def _average(self) -> None:
+        """Apply the rounds due now, then launch this update's round (param_avg mode)."""
+        dp = self.cfg.dp
+        launch = (self.update % dp.interval_steps) == 0
+        for j in range(self.P):
+            column = [self.cells[i][j] for i in range(self.m)]
+            for c in column:
+                for rnd in c.due_rounds():
+                    c.apply_round(rnd)
+            if not launch:
+                continue
+            rounds, decoded = zip(
+                *(c.open_round(self.update // dp.interval_steps) for c in column), strict=True
+            )
+            mean = sum(decoded) / self.m
+            for c, rnd in zip(column, rounds, strict=True):
+                rnd.mean = mean
+                c.pending.append(rnd)
+                self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)
+            if dp.tau == 0:  # blocking (SPARTA, DPAvg): the mean is applied right away
+                for c in column:
+                    for rnd in c.due_rounds():
+                        c.apply_round(rnd)
+
+    def step(self) -> float:
+        """One update of every cell; returns the mean training loss over replicas."""
+        losses, grads = zip(*(self._replica_grads(i) for i in range(self.m)), strict=True)
+        grads = [list(g) for g in grads]
+        if self.cfg.dp.mode == "grad_allreduce" and self.m > 1:
+            self._allreduce_grads(grads)
+        for i in range(self.m):
+            for j in range(self.P):
+                self.cells[i][j].apply_update(grads[i][j])
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            self._average()
+        self.update += 1
+        for row in self.cells:
+            for c in row:
+                c.push_version()
+        return sum(losses) / self.m
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def _val_loss(self, modules: list[StageModule]) -> float:
+        total = 0.0
+        with torch.no_grad():
+            for x, y in self._val:
+                h = x
+                for mod in modules:
+                    h = mod(h)
+                total += lm_loss(h, y).item()
+        return total / len(self._val)
+
+    def evaluate(self) -> list[float]:
+        return [self._val_loss([c.module for c in row]) for row in self.cells]
+
+    def average_model_loss(self) -> float:
+        """The loss of the replicas' parameter average (one final blocking average)."""
+        modules = []
+        for j in range(self.P):
+            column = [self.cells[i][j] for i in range(self.m)]
+            avg = sum(c.flat for c in column) / self.m
+            modules.append(functional_module(column[0].module, column[0].as_params(avg)))
+        return self._val_loss(modules)
+
+    def run(self, on_step: Callable[[int, float], None] | None = None) -> SimResult:
+        cfg, start = self.cfg, time.perf_counter()
+        curve, train_curve, diverged = [], [], False
+        for _ in range(cfg.run.steps):
+            try:
+                loss = self.step()
+            except CodecError:  # a non-finite payload: the run has diverged
+                loss = math.nan
+            if not math.isfinite(loss):
+                diverged = True
+                break
+            train_curve.append({"step": self.update, "tokens": self.tokens, "loss": loss})
+            if self.update % cfg.run.eval_every == 0 or self.update == cfg.run.steps:
+                val = self.evaluate()
+                curve.append(
+                    {"step": self.update, "tokens": self.tokens, "val_loss": sum(val) / self.m}
+                )
+            if on_step:
+                on_step(self.update, loss)
+        finals: list[float | None] = [None] * self.m
+        avg_loss = None
+        if not diverged:
+            finals = list(self.evaluate())
+            avg_loss = self.average_model_loss() if self.m > 1 else finals[0]
+        steps = max(self.update, 1)
+        return SimResult(
+            grid=f"{self.P}x{self.m}",
+            steps=self.update,
+            tokens=self.tokens,
+            val_loss=None if diverged else sum(finals) / self.m,  # type: ignore[arg-type]
+            val_loss_replicas=finals,
+            val_loss_avg_model=avg_loss,
+            pp_bytes_per_replica_step=self.pp_bytes / self.m / steps,
+            dp_bytes_per_replica_step=self.dp_bytes / self.m / steps,
+            wall_s=time.perf_counter() - start,
+            diverged=diverged,
+            curve=curve,
+            train_curve=train_curve,
+        )
+
+
+class functional_module(torch.nn.Module):  # noqa: N801 - used like a function
+    """A stage module evaluated with other weights (no copy into the original)."""
+
+    def __init__(self, module: StageModule, params: Params) -> None:
+        super().__init__()
+        self.inner, self.params = module, params
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.inner, self.params, (x,))

@@ -1,0 +1,110 @@
+"""Validation loss of a multi-process run, from its cells' checkpoints.
+
+No cell holds a whole model, so a replica is evaluated where its checkpoints meet: the stages'
+weights at one step, chained on the fixed validation batches. `simulate` does it while the grid
+trains, each time every cell of a replica has saved a new step (at most once per
+run.eval_every updates, and at the end), and appends a row to DIR/val.jsonl; the run's loss
+plot and summary read them.
+
+imports: torch, mesh (config, data, model, checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesh.algo.schedule import microbatches_per_update
+from mesh.config import Config
+from mesh.data.corpus import Corpus, val_batches
+from mesh.model.gpt import build_stages, lm_loss
+from mesh.runtime.checkpoint import checkpoint_path, saved_steps
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def validation_batches(cfg: Config, corpus: Corpus) -> Batches:
+    return val_batches(
+        corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
+    )
+
+
+def tokens_at(cfg: Config, step: int) -> int:
+    """Training tokens the whole grid has seen when every replica is at `step`."""
+    mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+    return step * mpu * cfg.tokens_per_microbatch * cfg.grid.replicas
+
+
+def replica_loss(
+    cfg: Config, run_dir: Path, replica: int, step: int | None, batches: Batches
+) -> float:
+    """Mean validation loss of `replica`'s stages chained at checkpoint `step` (None: the
+    untrained model every run starts from)."""
+    stages = build_stages(cfg.model, cfg.grid.stages, cfg.run.seed)
+    if step is not None:
+        for j, st in enumerate(stages):
+            state = torch.load(checkpoint_path(run_dir, j, replica, step), weights_only=True)
+            torch.nn.utils.vector_to_parameters(state["flat"], st.parameters())
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            h = x
+            for st in stages:
+                h = st(h)
+            total += lm_loss(h, y).item()
+    return total / len(batches)
+
+
+def common_steps(run_dir: Path, cfg: Config, replica: int) -> list[int]:
+    """Steps that every cell of `replica` has a checkpoint of, oldest first."""
+    sets = [set(saved_steps(run_dir, j, replica)) for j in range(cfg.grid.stages)]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+class ValTracker:
+    """Evaluates each replica at its new common checkpoints during a run (DIR/val.jsonl)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, corpus: Corpus, start_step: int = 0) -> None:
+        self.cfg, self.dir = cfg, run_dir
+        self.batches = validation_batches(cfg, corpus)
+        self.done = {i: start_step for i in range(cfg.grid.replicas)}
+        self.path = run_dir / "val.jsonl"
+
+    def start(self) -> None:
+        """The untrained model's loss, once per fresh run (every replica starts from it)."""
+        loss = replica_loss(self.cfg, self.dir, 0, None, self.batches)
+        for i in range(self.cfg.grid.replicas):
+            self._write({"replica": i, "step": 0, "tokens": 0, "val_loss": loss})
+
+    def poll(self, final: bool = False) -> None:
+        """Evaluate every replica whose cells all saved a step at least run.eval_every past the
+        last one evaluated (final: the newest common step, whatever its distance)."""
+        every = self.cfg.run.eval_every
+        for i, last in self.done.items():
+            steps = common_steps(self.dir, self.cfg, i)
+            new = [s for s in steps if s > last and (final or s >= last + every)]
+            if not new:
+                continue
+            step = new[-1]
+            try:
+                loss = replica_loss(self.cfg, self.dir, i, step, self.batches)
+            except (FileNotFoundError, RuntimeError):  # pruned under us: the next poll has more
+                continue
+            self.done[i] = step
+            self._write(
+                {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step), "val_loss": loss}
+            )
+
+    def _write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_val(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "val.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip().endswith("}")]

@@ -1,0 +1,85 @@
+"""A run's metrics files read back: every cell's rows; the summary.json of a multi-process run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def metrics_offsets(run_dir: Path) -> dict[str, int]:
+    """Each metrics file's size now: read_metrics(since=...) then reads only what comes after
+    (a resumed run appends to the files of the run it continues)."""
+    return {p.name: p.stat().st_size for p in (Path(run_dir) / "metrics").glob("*.jsonl")}
+
+
+def read_metrics(
+    run_dir: Path, events: bool = False, since: dict[str, int] | None = None
+) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
+    writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
+    ({"event": "session_broken" | "state_loaded", "step"}) only with events=True."""
+    import json
+
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
+        stage, replica = (int(x) for x in path.stem.split("-"))
+        with path.open("rb") as f:
+            f.seek((since or {}).get(path.name, 0))
+            lines = f.read().decode().splitlines()
+        parsed = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
+        rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
+    return rows
+
+
+def summarize_run(
+    cfg: Any, out_dir: Path, wall_s: float, start_step: int = 0, since: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """summary.json of a multi-process run, from the cells' metrics files and checkpoints.
+    A resumed run (from start_step; its rows after the file offsets `since`): rates and bytes
+    are of this segment, tokens and the loss of the whole run."""
+
+    from mesh.data.corpus import load_corpus
+    from mesh.runtime.emulate import throughput
+    from mesh.runtime.evaluate import common_steps, replica_loss, validation_batches
+
+    rows = read_metrics(out_dir, since=since)
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
+    mpu = cfg.pipeline.microbatches if cfg.pipeline.schedule != "async" else 1
+    tokens = steps * mpu * cfg.tokens_per_microbatch * m
+    segment_tokens = max(0, steps - start_step) * mpu * cfg.tokens_per_microbatch * m
+    last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    batches = validation_batches(cfg, corpus)
+    losses = [
+        replica_loss(cfg, out_dir, i, common_steps(out_dir, cfg, i)[-1], batches) for i in range(m)
+    ]
+    rounds = {
+        k: sum(r.get(k, 0) for r in last.values())
+        for k in ("rounds_started", "rounds_applied", "rounds_partial", "rounds_failed")
+    }
+    # steady state (warm-up rows left out) against the ideal of the same run
+    # (mesh/runtime/emulate.py)
+    tp = throughput(cfg, rows)
+    return {
+        "grid": f"{P}x{m}",
+        "steps": steps,
+        "tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
+        "val_loss": sum(losses) / m,
+        "val_loss_replicas": losses,
+        "bytes": {  # from the cells' final rows when present (written after sends drained)
+            "pp_per_replica_step": tp.pp_bytes_per_replica_step,
+            "dp_per_replica_step": tp.dp_bytes_per_replica_step,
+        },
+        "rounds": rounds,
+        "rejects": sum(sum(r.get("rejects", {}).values()) for r in last.values()),
+        "compute": cfg.runtime.compute,
+        "steady_tokens_per_s": tp.tokens_per_s,
+        "ideal_tokens_per_s": tp.ideal_tokens_per_s,
+        "fraction_of_ideal": tp.fraction_of_ideal,
+        "stage_times_s": tp.stage_s,
+        "staleness": tp.staleness,
+        "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
+    }

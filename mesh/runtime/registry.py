@@ -1,0 +1,250 @@
+"""The grid as the DHT sees it: cell claims with heartbeats, replica sessions, the run's config.
+
+Records (values are plain dicts, MSGPack-encoded by hivemind; any peer can write any key, so every
+field is type-checked here and records without a valid membership token are ignored and counted):
+- `cells`, subkey `<cell>/<peer_id>[owner:<RSA key>]`: a claim and its heartbeat, signed (only
+  the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
+  `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
+  process's incarnation), since (claim time), epoch, step, tps, t, auth}. A claim that stops
+  beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
+  it (ties: the smaller PeerID); the other claimer sees it lost and moves on.
+  The membership token covers the PeerID and the signer (the subkey's owner marker), so a
+  token copied out of someone's record is worthless under another signer.
+- `session.r<i>`, subkey `leader<owner marker>`: replica i's current pipeline session
+  (mesh/runtime/session.py), signed; readers take only the record signed by the current owner of the
+  replica's leader cell, so nobody else can stop or redirect a replica.
+- `config`, subkey `run`: the run's resolved config (TOML), its fingerprint and the run key's
+  check value; what `join` reads before it claims anything.
+
+Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
+
+imports: stdlib and comms.p2p.auth (the records come through a Directory:
+comms.p2p.transport.P2PTransport, comms.p2p.dht.DhtClient, anything with dht_store / dht_get).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from comms.p2p.auth import Auth, signer_of
+
+HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
+CONFIG_TTL_S = 600.0
+SESSION_TTL_S = 600.0
+
+
+class Directory(Protocol):
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool: ...
+
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
+
+    @property
+    def owner_marker(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    cell: str
+    peer: str
+    inc: int
+    since: float
+    epoch: int
+    step: int
+    tps: float
+    t: float
+    auth: str | None
+    signer: str = ""  # the owner marker of the subkey it was stored under (not in the value)
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def parse_cell(value: object) -> CellRecord | None:
+    """A claim/heartbeat record, or None when any field is missing or of the wrong type."""
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    cell, peer = value.get("cell"), value.get("peer")
+    if not isinstance(cell, str) or not isinstance(peer, str):
+        return None
+    nums = [value.get(k) for k in ("inc", "since", "epoch", "step", "tps", "t")]
+    if not all(_num(x) for x in nums):
+        return None
+    auth = value.get("auth")
+    inc, since, epoch, step, tps, t = nums
+    return CellRecord(
+        cell,
+        peer,
+        int(inc),
+        float(since),
+        int(epoch),
+        int(step),
+        float(tps),
+        float(t),
+        auth if isinstance(auth, str) else None,
+    )
+
+
+def cell_value(rec: CellRecord) -> dict[str, Any]:
+    fields = (k for k in CellRecord.__dataclass_fields__ if k != "signer")
+    return {"v": 1, **{k: getattr(rec, k) for k in fields}}
+
+
+CLAIMING = 0  # `inc` of a join's placeholder claim: the cell's process is not up yet
+
+
+def running(rec: CellRecord) -> bool:
+    """Whether a claim is a running cell's (not a join's placeholder, see cli/join.py)."""
+    return rec.inc != CLAIMING
+
+
+def owners(records: list[CellRecord]) -> dict[str, CellRecord]:
+    """cell -> the claim that owns it: the earliest `since`, ties to the smaller PeerID."""
+    out: dict[str, CellRecord] = {}
+    for r in records:
+        cur = out.get(r.cell)
+        if cur is None or (r.since, r.peer) < (cur.since, cur.peer):
+            out[r.cell] = r
+    return out
+
+
+def free_cells(all_cells: list[str], owned: dict[str, CellRecord]) -> list[str]:
+    """Cells nobody holds, in the grid's order."""
+    return [c for c in all_cells if c not in owned]
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    epoch: int
+    base_mb: int  # data index of the session's first microbatch
+    updates: int  # updates each cell of the replica runs in the session
+    members: dict[str, int]  # cell -> incarnation the leader saw
+    done: bool = False  # the replica finished the run: followers stop
+
+
+def parse_session(value: object) -> SessionRecord | None:
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    epoch, base, updates, members = (value.get(k) for k in ("epoch", "base", "updates", "members"))
+    if not (isinstance(epoch, int) and isinstance(base, int) and isinstance(updates, int)):
+        return None
+    if not isinstance(members, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) for k, v in members.items()
+    ):
+        return None
+    return SessionRecord(epoch, base, updates, dict(members), bool(value.get("done", False)))
+
+
+def session_value(s: SessionRecord) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "epoch": s.epoch,
+        "base": s.base_mb,
+        "updates": s.updates,
+        "members": s.members,
+        "done": s.done,
+    }
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    fingerprint: str
+    toml: str
+    key_check: str
+
+
+def parse_run(value: object) -> RunRecord | None:
+    if not isinstance(value, dict) or value.get("v") != 1:
+        return None
+    fp, toml, check = value.get("fingerprint"), value.get("toml"), value.get("key_check")
+    if not (isinstance(fp, str) and isinstance(toml, str) and isinstance(check, str)):
+        return None
+    return RunRecord(fp, toml, check)
+
+
+class Registry:
+    """Reads and writes the records above through a Directory. With an Auth, claims must carry
+    its token for their PeerID (others are ignored and counted in `rejected`); without one
+    (`status` before it knows the run), every well-formed claim counts."""
+
+    def __init__(self, directory: Directory, auth: Auth | None, heartbeat_s: float) -> None:
+        self.d, self.auth, self.heartbeat_s = directory, auth, heartbeat_s
+        self.rejected = 0  # claims ignored: malformed or without a valid token
+        self._leaders: dict[str, str] = {}  # leader cell -> signer of its last owner seen
+
+    def valid(self, peer: str, signer: str, token: str | None) -> bool:
+        return self.auth is None or self.auth.valid(peer, signer, token)
+
+    def token(self, peer: str) -> str | None:
+        """The membership token for our claims (signed with our directory's owner marker)."""
+        return None if self.auth is None else self.auth.token(peer, self.d.owner_marker)
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        return self.d.dht_get(key, timeout_s=max(2.0, 2 * self.heartbeat_s))
+
+    def cells(self) -> list[CellRecord] | None:
+        """Every valid live claim; None when the DHT did not answer (unknown, not empty)."""
+        found = self._get("cells")
+        if found is None:
+            return None
+        out = []
+        for subkey, value in found.items():
+            rec = parse_cell(value)
+            signer = None if rec is None else signer_of(subkey, f"{rec.cell}/{rec.peer}")
+            if rec is None or signer is None or not self.valid(rec.peer, signer, rec.auth):
+                self.rejected += 1
+                continue
+            out.append(replace(rec, signer=signer))
+        return out
+
+    def owners(self) -> dict[str, CellRecord] | None:
+        cells = self.cells()
+        return None if cells is None else owners(cells)
+
+    def _subkey(self, cell: str, peer: str) -> str:
+        # signed: only this process can write or withdraw its claim (comms.p2p.dht.owner_marker)
+        return f"{cell}/{peer}{self.d.owner_marker}"
+
+    def beat(self, rec: CellRecord) -> bool:
+        ttl = self.heartbeat_s * HEARTBEAT_LIVES
+        return self.d.dht_store("cells", self._subkey(rec.cell, rec.peer), cell_value(rec), ttl)
+
+    def release(self, cell: str, peer: str) -> bool:
+        """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
+        the terminal's process group; the claim then expires by itself). Whether it was."""
+        ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
+        return self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
+
+    def session(self, replica: int, leader_cell: str) -> SessionRecord | None:
+        """Replica's session as written by the current owner of leader_cell, or by its last
+        owner we saw while none holds it (None: none yet, or the DHT did not answer)."""
+        lead = (self.owners() or {}).get(leader_cell)
+        if lead is not None:
+            self._leaders[leader_cell] = lead.signer
+        found = self._get(f"session.r{replica}")
+        if not found:
+            return None
+        # a leader that finished the run writes `done` and leaves: its last signer still counts
+        signer = self._leaders.get(leader_cell)
+        return None if signer is None else parse_session(found.get(f"leader{signer}"))
+
+    def put_session(self, replica: int, s: SessionRecord) -> bool:
+        subkey = f"leader{self.d.owner_marker}"
+        return self.d.dht_store(f"session.r{replica}", subkey, session_value(s), SESSION_TTL_S)
+
+    def run(self) -> RunRecord | None:
+        return parse_run((self._get("config") or {}).get("run"))
+
+    def put_run(self, rec: RunRecord) -> bool:
+        value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
+        return self.d.dht_store(
+            "config", "run", {**value, "key_check": rec.key_check}, CONFIG_TTL_S
+        )
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,298 @@
+"""Replica pipeline sessions: how the P cells of one replica (re)start their pipeline together.
+
+A session is (epoch, base microbatch, updates): every cell of the replica runs the schedule's
+action list for `updates` updates with microbatches numbered from `base`, tags prefixed by the
+epoch, so messages of an older session never mix into a newer one. Cells of one replica need not
+be at the same step (a cell that joined adopted its stage's step from a live peer): each reads
+weight versions relative to its own step at the session start (mesh/runtime/stage.py).
+
+Two coordinators:
+- `StaticCoordinator` (torch.distributed, where a restarted rank cannot rejoin a running world):
+  one session from the cells' common step; it never breaks.
+- `DhtCoordinator` (hivemind): every cell heartbeats a claim record
+  (mesh/runtime/registry.py). Stage 0 leads its replica: once every cell of the replica has a live
+  claim it writes a new session record (epoch = wall-clock ms, so a restarted leader still moves
+  forward) listing the incarnation of each member it saw. A session is broken for the leader when a
+  member's claim expires or changes incarnation (killed, frozen past the heartbeat lifetime,
+  replaced by a join), and for a follower when the session record moves on. A cell blocked on a
+  neighbour checks that between short waits, drops its in-flight microbatches and waits for the next
+  session; nothing else in the grid waits on it (other replicas keep training).
+
+A cell says what it waits for through `on_event(name, **fields)` (mesh/runtime/trainer.py writes
+them as event rows; `join` prints them): `waiting` (the cells of its replica that are free or still
+starting, once it has waited REPORT_EVERY_S, and again whenever that set changes; during a
+running session, when a neighbour's claim is gone on two heartbeats in a row) and `session`
+(a session started).
+
+imports: mesh, comms (errors) and stdlib.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from comms.errors import PeerTimeout
+from mesh.runtime.registry import CellRecord, Registry, RunRecord, SessionRecord, running
+
+CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
+REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
+# re-checks whom at this period (a session that forms at once is not worth a line)
+
+
+class SessionBroken(Exception):
+    """The replica's pipeline session ended under us: start over with the next one."""
+
+
+@dataclass(frozen=True)
+class Session:
+    epoch: int
+    base_mb: int
+    updates: int
+
+    def tag(self, kind: str, microbatch: int) -> str:
+        return f"{self.epoch}/{kind}/{microbatch}"
+
+
+def waiting_for(replica_cells: list[str], owned: dict[str, CellRecord], me: str) -> dict[str, str]:
+    """The cells of a replica, other than `me`, that keep its session from starting: cell ->
+    "free" (nobody claims it) or "joining" (a join's placeholder claim: its process is not up
+    yet)."""
+    out = {}
+    for c in replica_cells:
+        if c != me and c not in owned:
+            out[c] = "free"
+        elif c != me and not running(owned[c]):
+            out[c] = "joining"
+    return out
+
+
+class StaticCoordinator:
+    """One session for a fixed grid (every cell starts at the same step)."""
+
+    elastic = False
+
+    def __init__(self, steps: int, mpu: int) -> None:
+        self.steps, self.mpu, self._given = steps, mpu, False
+
+    def next_session(self, align: Callable[[], int]) -> Session | None:
+        step = align()
+        if self._given or step >= self.steps:
+            return None
+        self._given = True
+        return Session(0, step * self.mpu, self.steps - step)
+
+    def _step_now(self) -> int:
+        return self.beat.step
+
+    def broken(self, session: Session) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Beat:
+    """What this cell reports in its heartbeat (filled by the worker as it trains)."""
+
+    step: int = 0
+    tps: float = 0.0
+    epoch: int = 0
+
+
+class DhtCoordinator:
+    """Sessions and heartbeats through the DHT registry (see the module docstring)."""
+
+    elastic = True
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        cell: str,
+        peer: str,
+        replica_cells: list[str],
+        leader: bool,
+        replica: int,
+        steps: int,
+        mpu: int,
+        wait_s: float,
+        run_record: RunRecord | None = None,
+        since: float | None = None,
+        step: int = 0,
+    ) -> None:
+        self.reg, self.cell, self.peer = registry, cell, peer
+        self.token = registry.token(peer)  # bound to the signer of our claims
+        self.replica_cells, self.leader, self.replica = replica_cells, leader, replica
+        self.steps, self.mpu, self.wait_s = steps, mpu, wait_s
+        self.run_record = run_record
+        self.inc = random.getrandbits(62) | 1  # never CLAIMING (a join's placeholder)
+        self.since = time.time() if since is None else since
+        self.beat = Beat(step=step)
+        self._session: SessionRecord | None = None
+        self._active: SessionRecord | None = None  # the session the worker is running
+        self._broken = False
+        self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
+        self._reported: dict[str, str] = {}  # the last `waiting` set said
+        self._missing: dict[str, str] = {}  # during a session: what the last beat saw missing
+        self._stop = threading.Event()
+        self.heartbeat()  # claim at once: the leader may be waiting for us
+        self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    # ---- heartbeats -------------------------------------------------------------------------
+    def record(self) -> CellRecord:
+        b = self.beat
+        now = time.time()
+        return CellRecord(
+            self.cell, self.peer, self.inc, self.since, b.epoch, b.step, b.tps, now, self.token
+        )
+
+    def heartbeat(self) -> None:
+        with contextlib.suppress(Exception):  # a missed beat is retried next period
+            self.reg.beat(self.record())
+            if self.run_record is not None:
+                self.reg.put_run(self.run_record)
+
+    def _beat_forever(self) -> None:
+        """Heartbeats, and the check whether the running session still stands: here, off the
+        training thread, so a slow DHT delays a verdict but never a microbatch."""
+        while not self._stop.wait(self.reg.heartbeat_s):
+            self.heartbeat()
+            self._watch()
+
+    def _watch(self) -> None:
+        """One heartbeat's look at the running session: is it broken, and is a neighbour gone
+        (said once it is missing on two beats in a row: a single read may miss a claim)."""
+        active = self._active
+        if active is None:
+            return
+        with contextlib.suppress(Exception):
+            owned = self.reg.owners()
+            if not self._broken:
+                verdict = self._check(active, owned)
+                if self._active is active:
+                    self._broken = verdict
+            if owned is None or self._active is not active:
+                return
+            missing = waiting_for(self.replica_cells, owned, self.cell)
+            if missing and missing == self._missing:
+                self._report(missing)
+            self._missing = missing
+
+    def close(self) -> bool:
+        """Stop beating and withdraw our claim; whether the DHT took the withdrawal (if not,
+        the claim expires by itself within HEARTBEAT_LIVES beats)."""
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            return self.reg.release(self.cell, self.peer)
+        except Exception:  # noqa: BLE001 - the DHT is gone: the claim expires by itself
+            return False
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def next_session(self, align: Callable[[], int]) -> Session | None:
+        """Block until the replica's next session (None: the run is over for this replica).
+        align() brings the cell up to its stage's live peers if it fell behind and returns its
+        step: the leader calls it right before it announces a session (whose updates count
+        from that step), a follower once it has its session. PeerTimeout after wait_s without
+        a session (a cell of the replica never came back)."""
+        deadline = time.monotonic() + self.wait_s
+        report_at = time.monotonic() + REPORT_EVERY_S
+        last = self._session.epoch if self._session else -1
+        self._active = None  # the worker runs no session now (one that broke is over)
+        while True:
+            if self.leader:
+                rec = self._lead(align, last)
+            else:
+                rec = self.reg.session(self.replica, self.replica_cells[0])
+                seen = rec is not None and (rec.done or rec.members.get(self.cell) == self.inc)
+                if rec is None or rec.epoch <= last or not seen:
+                    rec = None
+            if rec is not None:
+                self._session, self._active, self._broken = rec, None, False
+                self.beat.epoch = rec.epoch
+                if rec.done:
+                    return None
+                if not self.leader:
+                    align()
+                self._reported, self._missing = {}, {}
+                self._emit("session", replica=self.replica, epoch=rec.epoch,
+                           members=sorted(rec.members))  # fmt: skip
+                self._active = rec
+                return Session(rec.epoch, rec.base_mb, rec.updates)
+            if time.monotonic() >= report_at:
+                report_at = time.monotonic() + REPORT_EVERY_S
+                owned = self.reg.owners()
+                if owned is not None:
+                    self._report(waiting_for(self.replica_cells, owned, self.cell))
+            if time.monotonic() > deadline:
+                owned = self.reg.owners() or {}
+                missing = [c for c in self.replica_cells if c not in owned]
+                raise PeerTimeout(
+                    f"{self.cell}: no pipeline session for replica {self.replica} within "
+                    f"{self.wait_s:.0f} s (cells without a live peer: {missing or 'none'})"
+                )
+            time.sleep(CHECK_EVERY_S)
+
+    def _report(self, missing: dict[str, str]) -> None:
+        """Say whom the replica waits for, once per change (nothing when that is nobody: the
+        session is then only moments away)."""
+        if missing and missing != self._reported:
+            self._emit("waiting", replica=self.replica, waiting_for=missing)
+        self._reported = missing
+
+    def _emit(self, name: str, **fields: object) -> None:
+        if self.on_event is not None:
+            self.on_event(name, **fields)
+
+    def _lead(self, align: Callable[[], int], last: int) -> SessionRecord | None:
+        epoch = max(last + 1, int(time.time() * 1000))
+        done = SessionRecord(epoch, 0, 0, {}, True)  # the run is over: followers stop
+        if self._step_now() >= self.steps:
+            return done if self.reg.put_session(self.replica, done) else None
+        owned = self.reg.owners()
+        # every member's own process must be up: a join's placeholder claim is not (a session
+        # with it would break as soon as the cell's process claims for itself)
+        if owned is None or any(
+            c not in owned or not running(owned[c]) for c in self.replica_cells
+        ):
+            return None
+        mine = owned.get(self.cell)
+        if mine is None or mine.inc != self.inc:
+            return None  # our own claim is not visible yet (or someone else owns our cell)
+        step = align()  # every member is there: catch up now, the session counts from here
+        if step >= self.steps:
+            return done if self.reg.put_session(self.replica, done) else None
+        members = {c: owned[c].inc for c in self.replica_cells}
+        rec = SessionRecord(epoch, step * self.mpu, self.steps - step, members)
+        return rec if self.reg.put_session(self.replica, rec) else None
+
+    def _step_now(self) -> int:
+        return self.beat.step
+
+    def broken(self, session: Session) -> bool:
+        """Whether the running session no longer stands (the heartbeat thread's verdict)."""
+        return self._broken
+
+    def _check(self, active: SessionRecord, owned: dict[str, CellRecord] | None = None) -> bool:
+        """Leader: a member's claim expired or changed incarnation (in `owned`, the claims
+        read this beat; None: read them now). Follower: the session record moved on. Unknown
+        (the DHT did not answer) is not broken."""
+        if self.leader:
+            owned = self.reg.owners() if owned is None else owned
+            if owned is None:
+                return False
+            return any(
+                owned.get(c) is None or owned[c].inc != inc for c, inc in active.members.items()
+            )
+        rec = self.reg.session(self.replica, self.replica_cells[0])
+        return rec is not None and rec.epoch != active.epoch
+
+
+Coordinator = StaticCoordinator | DhtCoordinator

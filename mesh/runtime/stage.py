@@ -1,0 +1,450 @@
+"""One cell's worker loop: run the schedule's actions for real, through a Transport.
+
+Stage j of replica i receives activations from stage j-1 of its replica, sends its own to stage
+j+1, gets the gradients back, and steps its own weights; nothing waits on other replicas except
+the averaging rounds, which run in the background. The math is the simulator's
+(mesh/engine/cell.py): the forward of microbatch b reads weight version
+`version_for(schedule, j, P, b // mpu)`, the backward recomputes the forward on that same stashed
+version, activations and their gradients cross the link through the pipeline codec, and rounds
+are applied with the same drift correction. With `dp.strict_tau` a round is applied exactly tau
+updates after its launch, so a run reproduces the simulator's numbers.
+
+Faults are values: a round that fails is dropped and counted; a partial round (a member
+missing) is applied over the members that contributed, since every survivor computed the same
+mean. The pipeline runs in sessions (mesh/runtime/session.py): on a fixed grid (torch) a neighbour
+that stops answering makes `recv` raise PeerTimeout after `runtime.timeout_s`, a clear error rather
+than a hang; on an elastic grid (hivemind) the cell drops its in-flight microbatches when its
+replica's session breaks and continues in the next one, once the lost cell is back.
+
+With `pipeline.window` (async) stage j runs window[j] extra warm-up forwards, so its forward of
+microbatch b reads version b - (P-1-j) - window[j] (schedule.version_for with the window) and
+it stashes that many more versions. With `runtime.compute = "emulated"` (mesh/runtime/emulate.py) a
+cell does no model math: forward and backward occupy an emulated device for forward_ms /
+backward_ms x the cell's slowdown, while real tensors of the real shapes go through the codecs
+and the transport; the optimizer step is skipped (weights stay), averaging rounds still run on
+the real parameter subsets.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from comms import codecs
+from comms.errors import CommsError, PeerLost, PeerTimeout
+from comms.transport import MeanHandle, MeanStatus, Transport
+from comms.wire import Expect, Kind
+from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
+from mesh.algo.topology import Cell as Place
+from mesh.config import Config
+from mesh.data.corpus import Corpus, train_batch
+from mesh.engine.cell import Cell, Round
+from mesh.model.gpt import lm_loss
+from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
+from mesh.runtime.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
+
+
+def cell_name(stage: int, replica: int) -> str:
+    return str(Place(stage, replica))
+
+
+def group_name(stage: int) -> str:
+    return f"stage{stage}"
+
+
+@dataclass
+class _InFlight:
+    inputs: torch.Tensor  # what the forward consumed (tokens on stage 0)
+    version: int
+    grad_out: torch.Tensor | None = None
+
+
+@dataclass
+class StageStats:
+    rounds_started: int = 0
+    rounds_applied: int = 0
+    rounds_partial: int = 0
+    rounds_failed: int = 0
+    sessions_broken: int = 0  # pipeline sessions ended by a lost or replaced neighbour
+    losses: list[float] = field(default_factory=list)  # last stage: one per update
+    microbatches: int = 0  # backwards done
+    busy_s: float = 0.0  # compute: emulated device time, or thread CPU time of real math
+    staleness: collections.Counter[int] = field(default_factory=collections.Counter)
+    stash_bytes_peak: int = 0  # weight versions + in-flight inputs and output gradients
+
+    @property
+    def staleness_max(self) -> int:
+        """Largest gap so far between a microbatch's read version and the live one at its
+        backward (the gradient delay actually seen)."""
+        return max(self.staleness, default=0)
+
+    @staticmethod
+    def rss_peak_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class StageWorker:
+    def __init__(
+        self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
+    ) -> None:
+        self.cfg, self.cell, self.transport, self.corpus = cfg, cell, transport, corpus
+        self.P, self.m = cfg.grid.stages, cfg.grid.replicas
+        self.j, self.i = cell.stage, cell.replica
+        self.mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+        self.window = window_of(cfg)
+        self.slowdown = slowdown(cfg, self.j, self.i)
+        self.emu: ComputeClock | None = None
+        if cfg.runtime.compute == "emulated":
+            self.emu = ComputeClock()
+            self.t_f, self.t_b = emulated_op_s(cfg, self.j, self.i)
+            gen = torch.Generator().manual_seed(cfg.run.seed * 1009 + self.j * 31 + self.i)
+            B, T, d = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
+            self._fake_tokens = torch.randint(0, cfg.model.vocab_size, (B, T), generator=gen)
+            self._fake_act = torch.randn(B, T, d, generator=gen)
+            self._fake_grad = torch.randn(B, T, d, generator=gen) * 1e-3
+        self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
+        self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
+        self.column = [cell_name(self.j, r) for r in range(self.m)]
+        self.in_flight: dict[int, _InFlight] = {}
+        self.grads = [torch.zeros_like(p) for p in cell.params]
+        self.pending: list[tuple[Round, MeanHandle]] = []
+        self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
+        self.stats = StageStats()
+        self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
+        self.lock = threading.Lock()  # held while an update changes the cell's state
+        self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
+        self.session = Session(0, 0, 0)
+        self.coord: Any = StaticCoordinator(0, 1)
+        self.first = cell.step
+        self._update_loss = 0.0
+        shape = (cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+        self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
+        self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, num_updates: int, on_step: Any = None) -> StageStats:
+        """Execute the schedule for `num_updates` updates from the cell's current step, as one
+        session of a fixed grid (every cell at the same step); then drain."""
+        step = self.cell.step
+        self.run_session(Session(0, step * self.mpu, num_updates), StaticCoordinator(0, 1), on_step)
+        self.finish()
+        return self.stats
+
+    def run_session(self, session: Session, coord: Any, on_step: Any = None) -> None:
+        """One pipeline session (mesh/runtime/session.py): `session.updates` updates with
+        microbatches numbered from session.base_mb. Raises SessionBroken when coord says the session
+        ended while this cell waited on a neighbour; the caller resets and takes the next one."""
+        self.session, self.coord = session, coord
+        self.first = self.cell.step  # weight versions are read relative to this step
+        plan = iter_actions(
+            self.cfg.pipeline.schedule,
+            self.j,
+            self.P,
+            self.cfg.pipeline.microbatches,
+            session.updates,
+            self.window,
+        )
+        for act in plan:
+            rel = act.microbatch
+            b = session.base_mb + rel  # the data index (and message tag) of the microbatch
+            if act.op is Op.RECV_ACT:
+                self._recv_act(b)
+            elif act.op is Op.FORWARD:
+                self._forward(b, rel)
+            elif act.op is Op.RECV_GRAD:
+                self._recv_grad(b)
+            elif act.op is Op.BACKWARD:
+                self._backward(b)
+            elif act.op is Op.FLUSH:
+                self._flush()
+            elif act.op is Op.STEP:
+                # a state download snapshots between updates, never inside one; a stop signal
+                # waits until the update (optimizer, rounds, new version) is whole
+                with self.lock, self.critical():
+                    self._step()
+                if on_step:
+                    on_step(self)
+            # SEND_ACT / SEND_GRAD: the forward / backward queued them; sends never block
+
+    def reset(self) -> None:
+        """After a broken session: drop the in-flight microbatches and the partial update."""
+        self.in_flight.clear()
+        for g in self.grads:
+            g.zero_()
+        self._update_loss = 0.0
+        self._last_send.clear()
+        self.stats.sessions_broken += 1
+
+    def drop_rounds(self) -> None:
+        """After the cell's state was replaced: rounds launched on the old state are void."""
+        self.stats.rounds_failed += len(self.pending)
+        self.pending.clear()
+
+    def finish(self) -> None:
+        """At the end: wait briefly for rounds and sends in flight (final byte counters)."""
+        self._drain_rounds()
+        self._drain_sends()
+
+    def _recv(self, frm: str, tag: str, expect: Expect) -> Any:
+        """transport.recv in short waits, asking between them whether the session still stands.
+        Fixed grid: PeerTimeout after runtime.timeout_s. Elastic (hivemind): a lost neighbour
+        is waited for up to runtime.rejoin_timeout_s, since the replica re-forms around it."""
+        elastic = getattr(self.coord, "elastic", False)
+        limit = self.cfg.runtime.rejoin_timeout_s if elastic else self._timeout()
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.transport.recv(frm, tag, expect, max(0.0, min(CHECK_EVERY_S, left)))
+            except (PeerTimeout, PeerLost) as e:
+                if self.coord.broken(self.session):
+                    raise SessionBroken(f"{self.cell_name}: session {self.session.epoch}") from e
+                if time.monotonic() >= deadline:
+                    if isinstance(e, PeerLost) and not elastic:
+                        raise
+                    raise PeerTimeout(f"no message {tag!r} from {frm!r} within {limit}s") from e
+                if isinstance(e, PeerLost) and not elastic:
+                    raise
+                if isinstance(e, PeerLost):
+                    time.sleep(CHECK_EVERY_S)
+
+    def _timeout(self) -> float:
+        return self.cfg.runtime.timeout_s
+
+    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        assert self.corpus is not None, "real compute needs the corpus"
+        x, y = train_batch(
+            self.corpus, cfg.run.seed, self.i, b, cfg.pipeline.microbatch_size, cfg.model.seq_len
+        )
+        return x.to(self.device), y.to(self.device)
+
+    def _recv_act(self, b: int) -> None:
+        assert self.prev is not None
+        t0 = time.perf_counter()
+        msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
+        self.in_flight[b] = _InFlight(msg.tensor().to(self.device), -1)
+        if self.emu:
+            self.emu.waited(t0)
+
+    def _forward(self, b: int, rel: int) -> None:
+        update = self.first + rel // self.mpu
+        version = version_for(self.cfg.pipeline.schedule, self.j, self.P, update, self.window)
+        # a cell that joined (or reloaded state) holds only its current version: the fill reads it
+        version = max(version, min(self.cell.history))
+        if self.j == 0:
+            tokens = self._fake_tokens if self.emu else self._batch(b)[0]
+            self.in_flight[b] = _InFlight(tokens, version)
+        else:
+            self.in_flight[b].version = version
+        self._track_stash()
+        if self.emu:
+            tag = self.session.tag("act", b)
+            self._emulated(self.t_f, self.next, tag, Kind.ACTIVATION, self._fake_act)
+            return
+        if self.next is None:
+            return  # the last stage's forward is recomputed with its backward, right after
+        t0 = time.thread_time()
+        with torch.no_grad():
+            out = functional_call(
+                self.cell.module, self.cell.weights(version), (self.in_flight[b].inputs,)
+            )
+        self._busy(t0)
+        enc = codecs.encode(out, self.cfg.pipeline.codec)
+        self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
+
+    def _emulated(
+        self, seconds: float, to: str | None, tag: str, kind: Kind, payload: torch.Tensor
+    ) -> None:
+        """One emulated op: reserve the device, encode the real payload, wait out the op's
+        time, then queue the payload (it leaves when the op would have produced it)."""
+        assert self.emu is not None
+        deadline = self.emu.begin(seconds)
+        enc = codecs.encode(payload, self.cfg.pipeline.codec) if to is not None else None
+        self.emu.finish(deadline)
+        self.stats.busy_s += seconds
+        if to is not None and enc is not None:
+            self._send(to, tag, kind, enc)
+
+    def _busy(self, t0: float) -> None:
+        """Real compute: count the thread CPU time since t0; a slowdown > 1 then waits
+        (factor - 1) x that time, as a slower peer would."""
+        spent = time.thread_time() - t0
+        self.stats.busy_s += spent * self.slowdown
+        if self.slowdown > 1:
+            time.sleep(spent * (self.slowdown - 1))
+
+    def _track_stash(self) -> None:
+        held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
+        for fl in self.in_flight.values():
+            held += fl.inputs.numel() * fl.inputs.element_size()
+            if fl.grad_out is not None:
+                held += fl.grad_out.numel() * fl.grad_out.element_size()
+        self.stats.stash_bytes_peak = max(self.stats.stash_bytes_peak, held)
+
+    def _recv_grad(self, b: int) -> None:
+        assert self.next is not None
+        t0 = time.perf_counter()
+        msg = self._recv(self.next, self.session.tag("grad", b), self._expect_grad)
+        self.in_flight[b].grad_out = msg.tensor().to(self.device)
+        if self.emu:
+            self.emu.waited(t0)
+
+    def _backward(self, b: int) -> None:
+        """Recompute the forward on the stashed version, backprop, queue dL/d(input)."""
+        self.stats.microbatches += 1
+        # staleness: updates between the version this microbatch read and the one its
+        # gradient is applied to (the live one now)
+        self.stats.staleness[self.cell.step - self.in_flight[b].version] += 1
+        if self.emu:
+            self.in_flight.pop(b)
+            tag = self.session.tag("grad", b)
+            self._emulated(self.t_b, self.prev, tag, Kind.GRADIENT, self._fake_grad)
+            return
+        t0 = time.thread_time()
+        fl = self.in_flight.pop(b)
+        params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(fl.version).items()}
+        leaves = list(params.values())
+        x = fl.inputs
+        if self.j > 0:
+            x = x.detach().requires_grad_()
+            leaves = [x, *leaves]
+        out = functional_call(self.cell.module, params, (x,))
+        if self.next is None:
+            loss = lm_loss(out, self._batch(b)[1])
+            grads = torch.autograd.grad(loss / self.mpu, leaves)
+            self._update_loss += loss.item() / self.mpu
+        else:
+            assert fl.grad_out is not None
+            grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
+        self._busy(t0)
+        if self.j > 0:
+            enc = codecs.encode(grads[0], self.cfg.pipeline.codec)
+            assert self.prev is not None
+            self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
+            grads = grads[1:]
+        for acc, g in zip(self.grads, grads, strict=True):
+            acc.add_(g)
+
+    def _flush(self) -> None:
+        """FullSync: a blocking mean of the gradients over the replicas of this stage."""
+        if self.cfg.dp.mode != "grad_allreduce" or self.m == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in self.grads]).cpu()  # transports: host memory
+        t0 = time.perf_counter()
+        handle = self.transport.start_mean(
+            group_name(self.j),
+            self.column,
+            self.cell.step,
+            flat,
+            self.cfg.dp.codec,
+            self._timeout(),
+        )
+        res = handle.result(self._timeout())
+        if self.emu:
+            self.emu.waited(t0)
+        if res.status is MeanStatus.FAILED or res.mean is None:
+            raise RuntimeError(f"{self.cell}: gradient all-reduce failed: {res.reason}")
+        offset = 0
+        for g in self.grads:
+            g.copy_(res.mean[offset : offset + g.numel()].view_as(g))  # copy_ crosses devices
+            offset += g.numel()
+
+    def _step(self) -> None:
+        if self.emu:
+            self.cell.step += 1  # emulated: no optimizer math, the weights stay
+        else:
+            self.cell.apply_update([g.clone() for g in self.grads])
+        for g in self.grads:
+            g.zero_()
+        if self.next is None and not self.emu:
+            self.stats.losses.append(self._update_loss)
+        self._update_loss = 0.0
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            self._apply_due_rounds()
+            update = self.cell.step - 1
+            if update % self.cfg.dp.interval_steps == 0:
+                self._launch_round(update // self.cfg.dp.interval_steps)
+            if self.cfg.dp.tau == 0:
+                self._apply_due_rounds()
+        self.cell.push_version()
+
+    # ---- averaging rounds -------------------------------------------------------------------
+    def _launch_round(self, index: int) -> None:
+        rnd, _ = self.cell.open_round(index)
+        handle = self.transport.start_mean(
+            group_name(self.j),
+            self.column,
+            index,
+            rnd.snapshot.cpu(),
+            self.cfg.dp.codec,
+            self.cfg.runtime.round_timeout_s,
+        )
+        self.pending.append((rnd, handle))
+        self.stats.rounds_started += 1
+
+    def _apply_due_rounds(self) -> None:
+        """Apply, in launch order, every round whose tau has passed and that has completed.
+
+        strict: a due round is waited for (deadline round_timeout_s), as the simulator assumes.
+        """
+        strict = self.cfg.dp.strict_tau
+        while self.pending:
+            rnd, handle = self.pending[0]
+            if rnd.launch_step + self.cfg.dp.tau > self.cell.step:
+                return
+            if not handle.done() and not strict:
+                late = self.cell.step - rnd.launch_step - self.cfg.dp.tau
+                cut = getattr(handle, "cut", None)
+                if late < self.cfg.dp.max_round_lag_steps or cut is None:
+                    return
+                # members whose payload is this many updates late are dropped from the round:
+                # it ends now over the contributions it has (counted partial)
+                cut()
+            self.pending.pop(0)
+            t0 = time.perf_counter()
+            res = handle.result(self.cfg.runtime.round_timeout_s)
+            if self.emu:
+                self.emu.waited(t0)  # strict: the next op cannot start before the round landed
+            self._finish_round(rnd, res)
+
+    def _finish_round(self, rnd: Round, res: Any) -> None:
+        usable = res.mean is not None and self.cell_name in res.contributors
+        if res.status is MeanStatus.FAILED or not usable or len(res.contributors) < 2:
+            self.stats.rounds_failed += 1
+            return
+        if res.status is MeanStatus.PARTIAL:
+            self.stats.rounds_partial += 1
+        rnd.mean = res.mean.to(self.device)
+        self.cell.apply_round(rnd)
+        self.stats.rounds_applied += 1
+
+    def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:
+        self._last_send[to] = self.transport.send(to, tag, kind, enc, self.cell.step)
+
+    def _drain_sends(self) -> None:
+        """At the end, wait until the last message to each neighbour left (links are FIFO), so
+        the byte counters are final and nothing is lost in a shaped link's queue."""
+        for handle in self._last_send.values():
+            with contextlib.suppress(CommsError):  # a neighbour that left takes nothing more
+                handle.wait(self._timeout())
+        self._last_send.clear()
+
+    def _drain_rounds(self) -> None:
+        """At the end, wait briefly for rounds in flight so peers are not left hanging."""
+        deadline = time.monotonic() + self.cfg.runtime.round_timeout_s
+        for _, handle in self.pending:
+            handle.result(max(0.0, deadline - time.monotonic()))
+        self.pending.clear()
+
+    @property
+    def cell_name(self) -> str:
+        return cell_name(self.j, self.i)

@@ -1,0 +1,404 @@
+"""Wires one cell: config -> corpus -> stage module -> transport -> worker loop -> metrics.
+
+`run_cell` is what each peer process runs (spawned by mesh/runtime/launch.py for `simulate`, or by
+`join`). It writes one JSON line per update to `metrics/<stage>-<replica>.jsonl` and a final
+line with the cell's totals, so the launcher can draw progress and build the summary without
+talking to the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comms.build import make_transport
+from comms.p2p.auth import Auth
+from comms.transport import Transport
+from mesh.algo.schedule import microbatches_per_update
+from mesh.config import Config, ConfigError, config_from_dict
+from mesh.data.corpus import load_corpus
+from mesh.engine.cell import Cell
+from mesh.errors import CheckpointError, DataError
+from mesh.model.gpt import build_stage
+from mesh.runtime.checkpoint import (
+    check_checkpoint,
+    checkpoint_path,
+    load_cell,
+    save_cell,
+    saved_steps,
+)
+from mesh.runtime.emulate import link_profile, resolve_window
+from mesh.runtime.registry import CellRecord, Registry, RunRecord
+from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
+from mesh.runtime.stage import StageWorker, cell_name, group_name
+from mesh.runtime.state_sync import StateServer, download_state
+
+
+def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
+    """All peer names in rank order (replica-major) and the averaging groups (one per stage)."""
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    names = [cell_name(j, i) for i in range(m) for j in range(P)]
+    groups = {group_name(j): [cell_name(j, i) for i in range(m)] for j in range(P)}
+    return names, groups
+
+
+def cell_transport(
+    cfg: Config,
+    stage: int,
+    replica: int,
+    options: dict[str, Any],
+    run_key: str | None = None,
+) -> Transport:
+    """This cell's transport: the grid's names and groups, the configured links shaped; on
+    hivemind, records carry the membership token of (run key, config fingerprint)."""
+    names, groups = grid_names(cfg)
+    extra: dict[str, Any] = {}
+    if cfg.runtime.backend == "hivemind":
+        extra = {"auth": Auth.of(run_key, cfg.fingerprint()), "mean_path": cfg.runtime.mean_path}
+    return make_transport(
+        cfg.runtime.backend,
+        cell_name(stage, replica),
+        names,
+        groups,
+        host=cfg.runtime.host,
+        timeout_s=cfg.runtime.timeout_s,
+        **{"shaping": link_profile(cfg), **extra, **options},
+    )
+
+
+def cell_device(cfg: Config, stage: int, replica: int) -> torch.device:
+    """runtime.device: "cpu"; "cuda": GPU (cell index mod the visible GPUs, so a simulated
+    grid spreads over them); "auto": cuda when this machine has one. Emulated compute: cpu."""
+    want = cfg.runtime.device
+    if cfg.runtime.compute == "emulated" or want == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if want == "cuda":
+            raise ConfigError("runtime.device = cuda, but torch sees no GPU; use auto or cpu")
+        return torch.device("cpu")
+    index = (replica * cfg.grid.stages + stage) % torch.cuda.device_count()
+    return torch.device("cuda", index)
+
+
+def make_coordinator(
+    cfg: Config,
+    cell: Cell,
+    transport: Transport,
+    run_key: str | None,
+    since: float | None = None,
+) -> StaticCoordinator | DhtCoordinator:
+    """Fixed grid on torch.distributed; DHT sessions and heartbeats on hivemind."""
+    mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+    if cfg.runtime.backend != "hivemind":
+        return StaticCoordinator(cfg.run.steps, mpu)
+    auth = Auth.of(run_key, cfg.fingerprint())
+    registry = Registry(transport, auth, cfg.runtime.heartbeat_s)  # type: ignore[arg-type]
+    peer = transport.peer_id  # type: ignore[attr-defined]
+    return DhtCoordinator(
+        registry,
+        cell=cell_name(cell.stage, cell.replica),
+        peer=peer,
+        replica_cells=[cell_name(j, cell.replica) for j in range(cfg.grid.stages)],
+        leader=cell.stage == 0,
+        replica=cell.replica,
+        steps=cfg.run.steps,
+        mpu=mpu,
+        wait_s=cfg.runtime.rejoin_timeout_s,
+        run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check),
+        since=since,
+        step=cell.step,
+    )
+
+
+def catch_up(
+    cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport
+) -> CellRecord | None:
+    """Reload state from the most advanced live peer of this stage when this cell is more than
+    runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled).
+    Returns the claim of the peer whose state was loaded (the cell is at its step now), or
+    None when nothing was loaded."""
+    cell = worker.cell
+    owned = coord.reg.owners()
+    if owned is None:
+        return None  # the DHT did not answer: train on, catch up at the next session
+    column = [cell_name(cell.stage, r) for r in range(cfg.grid.replicas) if r != cell.replica]
+    live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
+    for rec in live:
+        if rec.step - cell.step <= cfg.runtime.max_lag_steps:
+            return None
+        with worker.lock:
+            ok = download_state(transport, cell, rec.cell, cfg.runtime.timeout_s)
+        if ok:
+            worker.drop_rounds()
+            return rec
+    return None
+
+
+def run_cell(
+    cfg_tree: dict[str, Any],
+    stage: int,
+    replica: int,
+    out_dir: str,
+    transport_options: dict[str, Any],
+    resume_step: int | None = None,
+    run_key: str | None = None,
+    since: float | None = None,
+) -> None:
+    """One cell's process: train until the run's last step (or until stopped: SIGTERM / Ctrl-C
+    save a checkpoint, release the cell and return normally).
+
+    resume_step: load this step's checkpoint first; -1: the latest one of this cell, if any.
+    since: claim time to publish (a join that won its claim keeps the same one).
+    """
+    cfg = config_from_dict(cfg_tree)
+    torch.set_num_threads(cfg.run.threads)
+    emulated = cfg.runtime.compute == "emulated"
+    if emulated:
+        cfg = resolve_window(cfg)  # deterministic here; real compute: the launcher resolves it
+    corpus = (
+        None if emulated else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    )
+    module = build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed)
+    cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
+    if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
+        fp = cfg.state_fingerprint()
+        intact = [
+            s
+            for s in saved_steps(out_dir, stage, replica)
+            if check_checkpoint(checkpoint_path(out_dir, stage, replica, s), fp, stage, replica)
+            is None
+        ]
+        resume_step = intact[-1] if intact else None
+    if resume_step is not None:
+        path = checkpoint_path(out_dir, stage, replica, resume_step)
+        load_cell(cell, cfg.state_fingerprint(), path)
+    metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (the launcher stopping us, or a user): unwind through `finally` so the transport
+    # is closed (p2pd children reaped), the cell released and the checkpoint written
+    signal.signal(signal.SIGTERM, _STOP.handler)
+    signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
+    transport = cell_transport(cfg, stage, replica, transport_options, run_key)
+    coord: StaticCoordinator | DhtCoordinator | None = None
+    server: StateServer | None = None
+    worker: StageWorker | None = None
+    start = time.perf_counter()
+    tokens_per_update = (
+        microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+        * cfg.pipeline.microbatch_size
+        * cfg.model.seq_len
+    )
+
+    def event(name: str, **fields: Any) -> None:
+        """An event row (`join` prints each as a line). Its own append, so the heartbeat thread
+        can write one too, and one can follow the cell's release after the rows' file closed."""
+        row = {"event": name, "step": cell.step, **fields}
+        line = json.dumps({**row, "time_s": round(time.perf_counter() - start, 4)}) + "\n"
+        with metrics.open("a") as g:
+            g.write(line)
+
+    try:
+        with metrics.open("a") as f:
+            if resume_step is not None:
+                saved_at = checkpoint_path(out_dir, stage, replica, resume_step)
+                event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
+            coord = make_coordinator(cfg, cell, transport, run_key, since)
+            if isinstance(coord, DhtCoordinator):
+                coord.on_event = event  # waiting for whom, sessions
+            worker = StageWorker(cfg, cell, transport, corpus)
+            worker.critical = _STOP.deferred
+            if coord.elastic:
+                column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
+                server = StateServer(transport, cell, worker.lock, column)
+            last = [time.perf_counter()]
+
+            def on_step(w: StageWorker) -> None:
+                every = cfg.runtime.checkpoint_every
+                if every and cell.step % every == 0:
+                    with _STOP.deferred():
+                        save_cell(cell, cfg.state_fingerprint(), out_dir)
+                now = time.perf_counter()
+                if isinstance(coord, DhtCoordinator):
+                    dt, last[0] = now - last[0], now
+                    tps = tokens_per_update / dt if dt > 0 else 0.0
+                    coord.beat.step = cell.step
+                    coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
+                f.write(json.dumps(_row(w, transport, now - start)) + "\n")
+                f.flush()
+
+            def align() -> int:
+                if isinstance(coord, DhtCoordinator):
+                    source = catch_up(cfg, worker, coord, transport)
+                    if source is not None:
+                        coord.beat.step = cell.step
+                        event("state_loaded", from_cell=source.cell, from_peer=source.peer)
+                return cell.step
+
+            try:
+                while True:
+                    session = coord.next_session(align)
+                    if session is None:
+                        break
+                    try:
+                        worker.run_session(session, coord, on_step)
+                    except SessionBroken:
+                        worker.reset()
+                        event("session_broken")
+            except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
+                # has no other row that says what it refused)
+                sent, rejects = transport.stats.sent_by_kind(), dict(transport.stats.rejects)
+                event("stopped", bytes_sent=sent, rejects=rejects)
+                raise
+            worker.finish()
+            final = {
+                "final": True,
+                "stage": stage,
+                "replica": replica,
+                "step": cell.step,
+                "flat_sha": _digest(cell.flat),
+                "wall_s": time.perf_counter() - start,
+                "bytes_sent": transport.stats.sent_by_kind(),  # sends drained: final counts
+                "staleness_hist": {str(k): n for k, n in sorted(worker.stats.staleness.items())},
+                "rejects": dict(transport.stats.rejects),
+                "sessions_broken": worker.stats.sessions_broken,
+            }
+            f.write(json.dumps(final) + "\n")
+    finally:
+        _STOP.exiting = True  # a second SIGTERM must not cut the last save short
+        if server is not None:
+            server.close()
+        with worker.lock if worker is not None else contextlib.nullcontext():
+            saved = save_cell(cell, cfg.state_fingerprint(), out_dir)  # first: nothing can lose it
+        released = None
+        if coord is not None:
+            released = coord.close()  # releases our claim: a joiner can take the cell at once
+        transport.close()
+        with contextlib.suppress(OSError):  # `join` says so only now that it is true
+            event("saved", checkpoint=str(saved), released=released)
+
+
+def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:
+    st, cell = worker.stats, worker.cell
+    return {
+        "stage": cell.stage,
+        "replica": cell.replica,
+        "step": cell.step,
+        "time_s": round(time_s, 4),
+        "loss": st.losses[-1] if st.losses else None,
+        "lr_scale": cell.lr_scale(),
+        "bytes_sent": transport.stats.sent_by_kind(),
+        "rounds_started": st.rounds_started,
+        "rounds_applied": st.rounds_applied,
+        "rounds_partial": st.rounds_partial,
+        "rounds_failed": st.rounds_failed,
+        "rejects": dict(transport.stats.rejects),
+        "microbatches": st.microbatches,
+        "busy_s": round(st.busy_s, 6),
+        "staleness_max": st.staleness_max,
+        "stash_bytes_peak": st.stash_bytes_peak,
+        "rss_peak_mb": round(st.rss_peak_mb(), 1),
+    }
+
+
+class _StopSignal:
+    """SIGTERM -> SystemExit(0), except inside a checkpoint write: there it waits until the
+    write is complete (an exception inside torch.save would fail the stop, not the file: the
+    write is atomic either way), and once we are exiting further signals are ignored."""
+
+    def __init__(self) -> None:
+        self.depth, self.pending, self.exiting = 0, False, False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.depth or self.exiting:
+            self.pending = True
+            return
+        self.exiting = True
+        raise SystemExit(0)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.pending and not self.depth and not self.exiting:
+            self.exiting = True
+            raise SystemExit(0)
+
+
+_STOP = _StopSignal()
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)  # the message says the fix: exit 2
+
+
+def failure_path(out_dir: str | Path, stage: int, replica: int) -> Path:
+    return Path(out_dir) / "logs" / f"s{stage}r{replica}.err"
+
+
+def write_failure(out_dir: str | Path, stage: int, replica: int, error: BaseException) -> int:
+    """A failed cell's report: its first line is the one line a user sees (a user error's
+    message, or a bug's exception), then the traceback for a bug. Returns the exit code."""
+    import traceback
+
+    user = isinstance(error, USER_ERRORS)
+    head = str(error) if user else f"{type(error).__name__}: {error}"
+    body = "" if user else "\n" + "".join(traceback.format_exception(error))
+    path = failure_path(out_dir, stage, replica)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(" ".join(head.split()) + "\n" + body)
+    return 2 if user else 1
+
+
+def failure_report(out_dir: str | Path, stage: int, replica: int) -> tuple[float, str, Path | None]:
+    """(when, one line, report path) of a failed cell; a cell that died without writing one
+    (killed, or out of memory) gets a generic line."""
+    path = failure_path(out_dir, stage, replica)
+    try:
+        text = path.read_text()
+        return path.stat().st_mtime, text.splitlines()[0] if text else "failed", path
+    except OSError:
+        return float("inf"), "exited without a report (killed, or out of memory?)", None
+
+
+def cell_process_main(
+    cfg_tree: dict[str, Any],
+    stage: int,
+    replica: int,
+    out_dir: str,
+    transport_options: dict[str, Any],
+    resume_step: int | None = None,
+) -> None:
+    """run_cell as a process's whole life: exit at once when it returns (0) or raises (2 for
+    a user error, 1 for anything else; the reason in DIR/logs/sJrI.err, not on the terminal,
+    where eight cells would print eight tracebacks), skipping interpreter finalization. Its
+    files are closed and fsynced by then; what is left are daemon threads (rounds past their
+    deadline, libp2p readers) that must not be torn down under a C++ thread at exit
+    ("terminate called without an active exception")."""
+    import os
+    import sys
+
+    code = 0
+    try:
+        run_cell(cfg_tree, stage, replica, out_dir, transport_options, resume_step)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it failed
+        code = write_failure(out_dir, stage, replica, e)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

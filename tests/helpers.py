@@ -1,0 +1,24 @@
+"""What several test files share: the tiny model's overrides and a bounded wait (a tiny run's
+TOML for `join` peers: mesh.bench.join_procs.tiny_grid_config).
+
+Imported as `helpers` (pytest puts tests/, where conftest.py lives, on sys.path).
+"""
+
+from __future__ import annotations
+
+from mesh.bench import join_procs
+
+# --set overrides of the smallest model the tests train: 2 blocks of d=16.
+TINY_MODEL = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+# ... and of a run of it that is quick to train and evaluate.
+TINY = [
+    *TINY_MODEL,
+    "pipeline.microbatch_size=2",
+    "data.val_batches=2",
+    "optim.warmup_steps=2",
+]
+
+
+# the bounded wait lives with the local-grid helpers that `meshtrain bench join` shares with the
+# join tests (mesh/bench/join_procs.py); this is the same function
+wait_for = join_procs.wait_for

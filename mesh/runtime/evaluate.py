@@ -83,20 +83,19 @@ class ValTracker:
         """Evaluate every replica whose cells all saved a step at least run.eval_every past the
         last one evaluated (final: the newest common step, whatever its distance)."""
         every = self.cfg.run.eval_every
-        for i, last in self.done.items():
+        for i in self.done:
             steps = common_steps(self.dir, self.cfg, i)
-            new = [s for s in steps if s > last and (final or s >= last + every)]
-            if not new:
-                continue
-            step = new[-1]
-            try:
-                loss = replica_loss(self.cfg, self.dir, i, step, self.batches)
-            except (FileNotFoundError, RuntimeError):  # pruned under us: the next poll has more
-                continue
-            self.done[i] = step
-            self._write(
-                {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step), "val_loss": loss}
-            )
+            for step in steps:  # in order: a poll that comes late still evaluates each mark
+                last = self.done[i]
+                if step <= last or not (step >= last + every or (final and step == steps[-1])):
+                    continue
+                try:
+                    loss = replica_loss(self.cfg, self.dir, i, step, self.batches)
+                except (FileNotFoundError, RuntimeError):  # pruned under us: the next poll
+                    continue
+                self.done[i] = step
+                row = {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step)}
+                self._write({**row, "val_loss": loss})
 
     def _write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -1,0 +1,49 @@
+"""Validation from checkpoints while a grid trains: each replica at its eval_every marks."""
+
+import helpers
+import torch
+
+from mesh.config import load_config
+from mesh.data.corpus import load_corpus
+from mesh.engine.cell import Cell
+from mesh.model.gpt import build_stage
+from mesh.runtime.checkpoint import save_cell
+from mesh.runtime.evaluate import ValTracker, read_val, replica_loss, validation_batches
+
+
+def _saved_run(tmp_path, text_file, every: int):
+    cfg = load_config(
+        [], [*helpers.TINY, "grid.stages=2", "grid.replicas=1", f"run.eval_every={every}",
+             f"data.path='{text_file}'"],
+    )  # fmt: skip
+    cells = [Cell(cfg, j, 0, build_stage(cfg.model, 2, j, cfg.run.seed)) for j in range(2)]
+    torch.manual_seed(0)
+    for _ in range(3):  # saves at steps 2, 4 and 6
+        for cell in cells:
+            for _update in range(2):
+                cell.apply_update([torch.randn_like(p) * 0.01 for p in cell.params])
+                cell.push_version()
+            save_cell(cell, cfg.state_fingerprint(), tmp_path)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    return cfg, corpus
+
+
+def test_a_late_poll_still_evaluates_every_mark_in_order(tmp_path, text_file):
+    cfg, corpus = _saved_run(tmp_path, text_file, every=2)
+    tracker = ValTracker(cfg, tmp_path, corpus)
+    tracker.start()
+    tracker.poll()  # steps 2, 4 and 6 are all saved by now: each one is a mark
+    rows = read_val(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2, 4, 6]
+    batches = validation_batches(cfg, corpus)
+    assert rows[2]["val_loss"] == replica_loss(cfg, tmp_path, 0, 4, batches)
+    assert rows[0]["val_loss"] != rows[3]["val_loss"]  # the weights did change
+
+
+def test_final_poll_adds_the_last_step_between_marks(tmp_path, text_file):
+    cfg, corpus = _saved_run(tmp_path, text_file, every=4)
+    tracker = ValTracker(cfg, tmp_path, corpus)
+    tracker.poll()
+    assert [r["step"] for r in read_val(tmp_path)] == [4]
+    tracker.poll(final=True)
+    assert [r["step"] for r in read_val(tmp_path)] == [4, 6]

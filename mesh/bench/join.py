@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import tempfile
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from mesh.bench.join_procs import (
     LOOPBACK,
     cell_of,
+    generated_text,
     kill,
     meshtrain,
     run_meshtrain,
@@ -58,7 +58,6 @@ MEASURES = {
 }
 WAIT_S = 120  # a step that takes longer than this is a failure, not a slow measurement
 POLL_S = 0.1
-WORDS = "the king and queen speak to their lords with grace while the fool laughs".split()
 
 
 def run_join_bench(out: Path, repeats: int = 3) -> dict[str, Any]:
@@ -172,17 +171,6 @@ def _wait_stalled(out: Path, quiet_s: float) -> int:
         if now != last:
             last, since = now, time.monotonic()
     return last
-
-
-def generated_text(n_bytes: int, seed: int = 0) -> str:
-    """Sentences of random words: enough text for a tiny model to learn from."""
-    rng = random.Random(seed)
-    lines, size = [], 0
-    while size < n_bytes:
-        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ".\n"
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)
 
 
 def values_of(per_repeat: list[dict[str, Any]], name: str) -> list[float]:

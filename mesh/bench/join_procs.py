@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +23,24 @@ from mesh.runtime.metrics import read_metrics
 
 KEY = "correct horse battery staple"  # the run key of these local grids
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+WORDS = (
+    "the king and queen of the realm speak to their lords with grace and fury while the fool "
+    "laughs at all of them under a grey sky that will not rain though every man prays for it"
+).split()
+
+
+def generated_text(n_bytes: int, seed: int = 0) -> str:
+    """Sentences of random words: enough text for a tiny model to learn from (the local grids'
+    corpus, and the tests')."""
+    rng = random.Random(seed)
+    lines, size = [], 0
+    while size < n_bytes:
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ".\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
 
 
 def tiny_grid_config(

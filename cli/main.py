@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -12,54 +11,18 @@ from typing import Any
 
 import click
 
-from mesh.config import Config, ConfigError, load_config
-from mesh.errors import CheckpointError, DataError
-
-USER_ERRORS = (ConfigError, DataError, CheckpointError)  # join errors are ConfigErrors
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn our user-facing exceptions into a message and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except USER_ERRORS as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
-
-
-def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option(
-        "--set",
-        "overrides",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="Override one config key (repeatable), e.g. --set grid.stages=4.",
-    )(fn)
-    fn = click.option(
-        "--config",
-        "config_files",
-        multiple=True,
-        metavar="FILE",
-        help="TOML config file (repeatable; later files win).",
-    )(fn)
-    return fn
-
-
-def resolve_config(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], extra: list[str] = ()
-) -> Config:
-    return load_config(list(config_files), list(overrides) + list(extra))
+from cli.bench import bench
+from cli.options import config_options, resolve_config, user_errors
+from mesh.config import ConfigError
 
 
 @click.group()
 @click.version_option(package_name="meshtrain")
 def main() -> None:
     """meshtrain: decentralized LM training on a P x m grid of peers."""
+
+
+main.add_command(bench)
 
 
 @main.command("show-config")
@@ -167,158 +130,6 @@ def grid_overrides(grid: str | None) -> list[str]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise ConfigError(f"--grid {grid}: expected STAGESxREPLICAS, e.g. --grid 4x2")
     return [f"grid.stages={parts[0]}", f"grid.replicas={parts[1]}"]
-
-
-@main.group()
-def bench() -> None:
-    """Side-by-side benchmarks that write summary.json, table.md and plots."""
-
-
-@bench.command("convergence")
-@config_options
-@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/convergence")
-@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
-@click.option(
-    "--lr-sweep",
-    is_flag=True,
-    help="Instead: the DP study's learning-rate sweep (lr_sweep.md; about 12 minutes here).",
-)
-@user_errors
-def bench_convergence(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
-    lr_sweep: bool,
-) -> None:
-    """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
-    from mesh.bench.convergence import run_convergence, run_lr_sweep
-
-    cfg = resolve_config(config_files, overrides)
-    if lr_sweep:
-        run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
-        click.echo((Path(out) / "lr_sweep.md").read_text())
-        return
-    run_convergence(cfg, Path(out), quick=quick, workers=workers)
-
-
-@bench.command("comms")
-@click.option("--quick", is_flag=True, help="Fewer repetitions (about a minute).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/comms")
-@user_errors
-def bench_comms(quick: bool, out: str) -> None:
-    """Codecs, transports (hivemind and torch.distributed), group means and link shaping."""
-    # comms knows nothing of models: this benchmark needs no config
-    from mesh.bench.comms import run_comms_bench
-
-    run_comms_bench(Path(out), quick=quick)
-    click.echo((Path(out) / "table.md").read_text())
-
-
-@bench.command("throughput")
-@config_options
-@click.option("--quick", is_flag=True, help="One short window per method (about 2 minutes).")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    default="results/throughput",
-    show_default=True,
-    help="Where summary.json, table.md and each window's metrics go.",
-)
-@user_errors
-def bench_throughput(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
-) -> None:
-    """Grids A1-A4, emulated compute on shaped links: FullSync vs AsyncMesh, interleaved.
-
-    The protocol's settings (d=128, L=4, T=128, B=8, M=4, t_f=10 ms, t_b=20 ms) apply after
-    --config files and before --set (which wins).
-    """
-    from mesh.bench.throughput.protocol import BENCH_SETS
-    from mesh.bench.throughput.runs import run_throughput
-
-    cfg = load_config(list(config_files), [*BENCH_SETS, *overrides])
-    run_throughput(cfg, Path(out), quick=quick)
-
-
-@bench.command("runtime")
-@config_options
-@click.option("--quick", is_flag=True, help="40 updates instead of 200.")
-@click.option("--out", type=click.Path(file_okay=False), default="results/runtime")
-@user_errors
-def bench_runtime(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
-) -> None:
-    """Multi-process runs (torch, hivemind) against the simulator: same config and seed,
-    validation loss at equal tokens."""
-    from mesh.bench.runtime import run_equivalence
-
-    run_equivalence(resolve_config(config_files, overrides), Path(out), quick=quick)
-
-
-@bench.command("join")
-@click.option("--out", type=click.Path(file_okay=False), default="results/join", show_default=True)
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Grids to form, one after another (about a minute each on 2 cores).",
-)
-def bench_join(out: str, repeats: int) -> None:
-    """Joins on 127.0.0.1 (a 2x2 tiny grid): join to training, a killed peer's replacement to
-    its replica resumed, a join naming a dead bootstrap to its error."""
-    from mesh.bench.join import run_join_bench
-
-    run_join_bench(Path(out), repeats=repeats)
-
-
-@bench.command("optimizers")
-@config_options
-@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/optimizers")
-@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
-@click.option(
-    "--target",
-    type=float,
-    default=None,
-    help="Validation loss to reach (default: delay-free adamw's at half the horizon).",
-)
-@click.option(
-    "--reanalyze",
-    is_flag=True,
-    help="Do not train: re-derive OUT/summary.json's async updates-to-target for --target "
-    "(default: the loosest loss every run reaches) and rewrite the outputs.",
-)
-@user_errors
-def bench_optimizers(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
-    target: float | None,
-    reanalyze: bool,
-) -> None:
-    """Depth study: adamw, nadamw, muon, rotated_adam (+stage-aware) at P = 1..16; 2bw +- EF.
-
-    The study's 16-layer model applies before --set (which wins) and after --config files.
-    """
-    from mesh.bench.optimizers.protocol import STUDY_DEFAULTS
-    from mesh.bench.optimizers.runs import run_optimizers
-
-    if reanalyze:
-        from mesh.bench.optimizers.runs import reanalyze as rederive
-
-        if not (Path(out) / "summary.json").is_file():
-            raise ConfigError(f"--reanalyze: no {out}/summary.json; run the study first")
-        rederive(Path(out), target)
-        return
-
-    cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
-    run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
 
 
 def p2p_options(fn: Callable[..., Any]) -> Callable[..., Any]:

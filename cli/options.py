@@ -1,0 +1,57 @@
+"""What every command shares: config options (--config, --set), their resolution, and the
+decorator that turns our user errors into one line and exit code 2, never a traceback.
+
+imports: click, mesh.config, mesh.errors (light: no torch, no hivemind).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from mesh.config import Config, ConfigError, load_config
+from mesh.errors import CheckpointError, DataError
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)  # join errors are ConfigErrors
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn our user-facing exceptions into a message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one config key (repeatable), e.g. --set grid.stages=4.",
+    )(fn)
+    fn = click.option(
+        "--config",
+        "config_files",
+        multiple=True,
+        metavar="FILE",
+        help="TOML config file (repeatable; later files win).",
+    )(fn)
+    return fn
+
+
+def resolve_config(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], extra: list[str] = ()
+) -> Config:
+    return load_config(list(config_files), list(overrides) + list(extra))

@@ -76,9 +76,6 @@ class LocalGrid:
     def running(self) -> bool:
         return any(p.is_alive() for p in self.procs.values())
 
-    def failed(self) -> bool:
-        return any(p.exitcode not in (None, 0) for p in self.procs.values())
-
     def exit_codes(self) -> dict[tuple[int, int], int | None]:
         return {k: p.exitcode for k, p in self.procs.items()}
 

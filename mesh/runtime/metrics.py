@@ -40,14 +40,13 @@ def summarize_run(
 
     from mesh.data.corpus import load_corpus
     from mesh.runtime.emulate import throughput
-    from mesh.runtime.evaluate import common_steps, replica_loss, validation_batches
+    from mesh.runtime.evaluate import common_steps, replica_loss, tokens_at, validation_batches
 
     rows = read_metrics(out_dir, since=since)
     P, m = cfg.grid.stages, cfg.grid.replicas
     steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
-    mpu = cfg.pipeline.microbatches if cfg.pipeline.schedule != "async" else 1
-    tokens = steps * mpu * cfg.tokens_per_microbatch * m
-    segment_tokens = max(0, steps - start_step) * mpu * cfg.tokens_per_microbatch * m
+    tokens = tokens_at(cfg, steps)  # one formula with the validation rows (mesh.runtime.evaluate)
+    segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
     last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
     batches = validation_batches(cfg, corpus)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from comms.errors import PeerTimeout
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, SessionRecord, running
 
+_UNREAD = object()  # _check's "claims not read yet" (None means the DHT did not answer)
 CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
 REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
 # re-checks whom at this period (a session that forms at once is not worth a line)
@@ -280,13 +281,13 @@ class DhtCoordinator:
         """Whether the running session no longer stands (the heartbeat thread's verdict)."""
         return self._broken
 
-    def _check(self, active: SessionRecord, owned: dict[str, CellRecord] | None = None) -> bool:
-        """Leader: a member's claim expired or changed incarnation (in `owned`, the claims
-        read this beat; None: read them now). Follower: the session record moved on. Unknown
-        (the DHT did not answer) is not broken."""
+    def _check(self, active: SessionRecord, owned: object = _UNREAD) -> bool:
+        """Leader: a member's claim expired or changed incarnation (in `owned`, the claims this
+        beat read, None if the DHT did not answer; not given: read them now). Follower: the
+        session record moved on. Unknown (the DHT did not answer) is not broken."""
         if self.leader:
-            owned = self.reg.owners() if owned is None else owned
-            if owned is None:
+            owned = self.reg.owners() if owned is _UNREAD else owned
+            if not isinstance(owned, dict):  # a silent DHT once is not asked twice per beat
                 return False
             return any(
                 owned.get(c) is None or owned[c].inc != inc for c, inc in active.members.items()

@@ -27,12 +27,39 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    arch: Literal["gpt", "llama"] = Field(
+        "gpt",
+        description="gpt: byte-level demo GPT (LayerNorm, learned positions, GELU MLP); llama: "
+        "RMSNorm, rotary positions, SwiGLU, grouped-query attention, untied head (the Hugging "
+        "Face LlamaForCausalLM layout, so `meshtrain export` is a rename)",
+    )
     vocab_size: int = Field(256, ge=2, description="byte-level tokenizer: 256")
     d_model: int = Field(64, ge=8, description="residual width")
     n_layers: int = Field(8, ge=1, description="transformer blocks, split evenly over stages")
     n_heads: int = Field(4, ge=1, description="attention heads; must divide d_model")
     mlp_ratio: int = Field(4, ge=1, description="MLP hidden width / d_model")
     seq_len: int = Field(64, ge=2, description="context length in tokens")
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="llama: key/value heads (grouped-query attention); None: n_heads"
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, description="llama: SwiGLU hidden width; None: mlp_ratio x d_model"
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="llama: rotary embedding base")
+    norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm epsilon")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or self.mlp_ratio * self.d_model
+
+
+# keys added after the first release: left at their defaults they stay out of the fingerprint,
+# so the runs (and checkpoints) of configs that predate them keep theirs
+_LATER_MODEL_KEYS = ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps")
 
 
 class GridConfig(_Section):
@@ -199,6 +226,34 @@ class RuntimeConfig(_Section):
     link_latency_ms: float | None = Field(
         None, ge=0, description="overrides the link profile's one-way latency (ms)"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="compute of a stage's forward and backward: bf16 autocasts them (CPU and "
+        "CUDA); weights, optimizer states, drift and averaging stay fp32 masters, and what "
+        "crosses a link follows the codecs",
+    )
+
+
+def _check_arch(m: ModelConfig) -> None:
+    """The model keys that only one family reads, and llama's head shapes."""
+    if m.arch == "gpt":
+        for key in ("n_kv_heads", "intermediate_size"):
+            if getattr(m, key) is not None:
+                raise ValueError(
+                    f"model.{key} only applies to model.arch = 'llama'; drop it or set "
+                    "model.arch='llama'"
+                )
+        return
+    if m.n_heads % m.kv_heads:
+        raise ValueError(
+            f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads ({m.kv_heads}); "
+            "pick n_kv_heads that divides n_heads"
+        )
+    if (m.d_model // m.n_heads) % 2:
+        raise ValueError(
+            f"model.d_model / model.n_heads ({m.d_model // m.n_heads}) is odd: rotary embeddings "
+            "rotate pairs; pick an even head width"
+        )
 
 
 def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[int, int], float]:
@@ -271,6 +326,7 @@ class Config(_Section):
             from mesh.algo.schedule import validate_window
 
             validate_window(p.schedule, g.stages, p.window)
+        _check_arch(m)
         if self.optim.name != "rotated_adam" and self.optim.stage_aware:
             raise ValueError(
                 "optim.stage_aware only applies to optim.name = 'rotated_adam'; "
@@ -310,6 +366,9 @@ class Config(_Section):
             run["schedule_steps"] = self.schedule_horizon
         d["run"] = run
         del d["runtime"]  # how this peer connects is its own business
+        for key in _LATER_MODEL_KEYS:
+            if d["model"][key] == ModelConfig.model_fields[key].default:
+                del d["model"][key]
         d["torch"] = ".".join(torch.__version__.split(".")[:2])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

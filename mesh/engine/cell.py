@@ -12,13 +12,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from comms import codecs
 from mesh.algo import sparse
 from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.config import Config, OptimConfig
-from mesh.model.gpt import StageModule
 
 Params = dict[str, torch.Tensor]
 
@@ -47,7 +47,7 @@ class Cell:
     cfg: Config
     stage: int
     replica: int
-    module: StageModule
+    module: nn.Module  # a family's stage module (mesh.model.build)
     optimizer: StageOptimizer = field(init=False)
     flat: torch.Tensor = field(init=False)  # all stage parameters; the module holds views
     history: OrderedDict[int, torch.Tensor] = field(init=False)  # version -> flat weights used

@@ -26,7 +26,7 @@ from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
 from mesh.data.corpus import Corpus, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
-from mesh.model.gpt import StageModule, build_stages, lm_loss
+from mesh.model.build import autocast, build_stages, lm_loss, stage_forward
 
 
 class _Boundary(torch.autograd.Function):
@@ -115,7 +115,7 @@ class GridSim:
             )
             h = x
             for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
-                h = functional_call(c.module, params, (h,))
+                h = stage_forward(c.module, params, h, cfg.runtime.precision)
                 if j < self.P - 1:
                     h = cross_link(h, cfg.pipeline.codec)
             loss = lm_loss(h, y)
@@ -184,9 +184,9 @@ class GridSim:
         return sum(losses) / self.m
 
     # ---- evaluation ------------------------------------------------------------------------
-    def _val_loss(self, modules: list[StageModule]) -> float:
+    def _val_loss(self, modules: list[torch.nn.Module]) -> float:
         total = 0.0
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.cfg.runtime.precision, "cpu"):
             for x, y in self._val:
                 h = x
                 for mod in modules:
@@ -250,7 +250,7 @@ class GridSim:
 class functional_module(torch.nn.Module):  # noqa: N801 - used like a function
     """A stage module evaluated with other weights (no copy into the original)."""
 
-    def __init__(self, module: StageModule, params: Params) -> None:
+    def __init__(self, module: torch.nn.Module, params: Params) -> None:
         super().__init__()
         self.inner, self.params = module, params
 

@@ -1,4 +1,5 @@
-"""The staged model: a model family (gpt) and its cut into pipeline stage modules.
+"""The staged model: the families (gpt, llama), stage-only construction (build), the Hugging Face
+layout (hf) and sampling with a KV cache (generate).
 
 Imports mesh.algo and the config, never the engine, the runtime or the benchmarks.
 """

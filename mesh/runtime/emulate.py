@@ -177,7 +177,7 @@ def measure_compute_s(cfg: Config, repeats: int = 3) -> list[float]:
     """Real compute: thread CPU seconds of one forward + backward (with the backward's
     recomputed forward, as the worker does) per stage, median of `repeats` (window sizing)."""
 
-    from mesh.model.gpt import build_stages
+    from mesh.model.build import build_stages
 
     with torch_threads(cfg.run.threads):  # as the cells will run
         stages = build_stages(cfg.model, cfg.grid.stages, cfg.run.seed)
@@ -201,7 +201,7 @@ def torch_threads(n: int) -> Iterator[None]:
 def _time_stage(cfg: Config, j: int, st: Any, num_stages: int, repeats: int) -> float:
     import torch
 
-    from mesh.model.gpt import lm_loss
+    from mesh.model.build import lm_loss
 
     B, T, d = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
     times = []

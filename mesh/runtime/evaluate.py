@@ -20,7 +20,7 @@ import torch
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config
 from mesh.data.corpus import Corpus, val_batches
-from mesh.model.gpt import build_stages, lm_loss
+from mesh.model.build import build_stages, lm_loss
 from mesh.runtime.checkpoint import checkpoint_path, saved_steps
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

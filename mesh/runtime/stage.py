@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from comms import codecs
 from comms.errors import CommsError, PeerLost, PeerTimeout
@@ -47,7 +46,7 @@ from mesh.algo.topology import Cell as Place
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell, Round
-from mesh.model.gpt import lm_loss
+from mesh.model.build import lm_loss, stage_forward
 from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
 from mesh.runtime.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
 
@@ -119,6 +118,7 @@ class StageWorker:
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = StageStats()
         self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
+        self.precision = self.cfg.runtime.precision  # autocast of forward and backward
         self.lock = threading.Lock()  # held while an update changes the cell's state
         self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
         self.session = Session(0, 0, 0)
@@ -254,9 +254,8 @@ class StageWorker:
             return  # the last stage's forward is recomputed with its backward, right after
         t0 = time.thread_time()
         with torch.no_grad():
-            out = functional_call(
-                self.cell.module, self.cell.weights(version), (self.in_flight[b].inputs,)
-            )
+            weights, inputs = self.cell.weights(version), self.in_flight[b].inputs
+            out = stage_forward(self.cell.module, weights, inputs, self.precision)
         self._busy(t0)
         enc = codecs.encode(out, self.cfg.pipeline.codec)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
@@ -317,7 +316,7 @@ class StageWorker:
         if self.j > 0:
             x = x.detach().requires_grad_()
             leaves = [x, *leaves]
-        out = functional_call(self.cell.module, params, (x,))
+        out = stage_forward(self.cell.module, params, x, self.precision)
         if self.next is None:
             loss = lm_loss(out, self._batch(b)[1])
             grads = torch.autograd.grad(loss / self.mpu, leaves)

@@ -26,7 +26,7 @@ from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data.corpus import load_corpus
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError, DataError
-from mesh.model.gpt import build_stage
+from mesh.model.build import build_stage
 from mesh.runtime.checkpoint import (
     check_checkpoint,
     checkpoint_path,

@@ -13,7 +13,7 @@ from comms import codecs, wire
 from mesh.algo import sparse
 from mesh.config import load_config
 from mesh.methods import apply_method
-from mesh.model.gpt import build_stage
+from mesh.model.build import build_stage
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import summarize_run
 

@@ -10,7 +10,7 @@ import torch
 
 from mesh.config import load_config
 from mesh.engine.cell import Cell
-from mesh.model.gpt import build_stage
+from mesh.model.build import build_stage
 from mesh.runtime.checkpoint import (
     CheckpointError,
     checkpoint_path,

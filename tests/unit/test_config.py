@@ -95,3 +95,28 @@ def test_config_is_frozen():
 def test_unknown_key_suggests_what_was_meant(typo, meant):
     with pytest.raises(ConfigError, match=f"did you mean {meant}\\?"):
         load_config([], [f"{typo}=1"])
+
+
+def test_model_keys_added_later_keep_old_fingerprints_at_their_defaults():
+    cfg = load_config([])
+    spelled = with_overrides(cfg, {"model.arch": "gpt", "model.rope_theta": 10000.0})
+    assert spelled.fingerprint() == cfg.fingerprint()
+    assert with_overrides(cfg, {"runtime.precision": "bf16"}).fingerprint() == cfg.fingerprint()
+    llama = with_overrides(cfg, {"model.arch": "llama"})
+    assert llama.fingerprint() != cfg.fingerprint()
+    assert with_overrides(llama, {"model.rope_theta": 5e5}).fingerprint() != llama.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.n_kv_heads=2"], "model.n_kv_heads only applies to model.arch = 'llama'"),
+        (["model.arch='llama'", "model.n_kv_heads=3"], "not divisible by model.n_kv_heads"),
+        (["model.arch='llama'", "model.d_model=36", "model.n_heads=4"], "odd"),
+        (["model.arch='gpt2'"], "model.arch"),
+        (["runtime.precision='fp16'"], "runtime.precision"),
+    ],
+)
+def test_model_family_mistakes_name_the_key(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config([], overrides)

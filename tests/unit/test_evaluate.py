@@ -6,7 +6,7 @@ import torch
 from mesh.config import load_config
 from mesh.data.corpus import load_corpus
 from mesh.engine.cell import Cell
-from mesh.model.gpt import build_stage
+from mesh.model.build import build_stage
 from mesh.runtime.checkpoint import save_cell
 from mesh.runtime.evaluate import ValTracker, read_val, replica_loss, validation_batches
 

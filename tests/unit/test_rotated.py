@@ -12,7 +12,7 @@ from mesh.algo.optim import OptimSpec, StageOptimizer, get_planner
 from mesh.algo.rotated import RotatedAdamRule, refresh_due, refresh_period
 from mesh.config import load_config
 from mesh.engine.cell import Cell, optim_spec
-from mesh.model.gpt import build_stages
+from mesh.model.build import build_stages
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.1
 HIDDEN = "blocks.0.attn.proj.weight"

@@ -11,7 +11,7 @@ from mesh.config import load_config
 from mesh.data.corpus import load_corpus, train_batch
 from mesh.engine.cell import optim_spec
 from mesh.engine.sim import GridSim
-from mesh.model.gpt import build_model, lm_loss
+from mesh.model.build import build_model, lm_loss
 
 TINY = [
     *helpers.TINY,

@@ -24,7 +24,7 @@ from mesh.runtime.emulate import (
 
 
 def stage_params(cfg: Config) -> list[int]:
-    from mesh.model.gpt import build_stage
+    from mesh.model.build import build_stage
 
     P = cfg.grid.stages
     with torch_threads(cfg.run.threads):

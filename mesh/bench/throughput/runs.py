@@ -54,7 +54,7 @@ def _bench_cell(
     import torch
 
     from mesh.engine.cell import Cell
-    from mesh.model.gpt import build_stage
+    from mesh.model.build import build_stage
     from mesh.runtime.stage import StageWorker
     from mesh.runtime.trainer import cell_transport
 

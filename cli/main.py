@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from cli.bench import bench
+from cli.export import export
 from cli.options import config_options, resolve_config, user_errors
 from mesh.config import ConfigError
 
@@ -23,6 +24,7 @@ def main() -> None:
 
 
 main.add_command(bench)
+main.add_command(export)
 
 
 @main.command("show-config")

@@ -1,0 +1,107 @@
+"""`meshtrain export`: a run's checkpoints as a directory the real `transformers` loads."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import TINY
+
+from cli.main import main
+from mesh.config import load_config
+from mesh.engine.sim import GridSim
+from mesh.model.hf import hf_name, meshtrain_name
+from mesh.runtime.checkpoint import cell_dir, checkpoint_path, save_cell
+from mesh.runtime.export import load_export
+
+TINY_LLAMA = [
+    "model.arch='llama'", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.intermediate_size=48", "model.seq_len=16",
+]  # fmt: skip
+
+
+def llama_run(tmp_path, text_file, extra=()):
+    """A 2x1 llama grid trained 3 updates in the simulator, its cells saved as a run would."""
+    cfg = load_config(
+        [], [*TINY, *TINY_LLAMA, "grid.stages=2", "grid.replicas=1", "run.steps=3",
+             f"data.path='{text_file}'", *extra],
+    )  # fmt: skip
+    sim = GridSim(cfg)
+    for _ in range(3):
+        sim.step()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    for cell in sim.cells[0]:
+        save_cell(cell, cfg.state_fingerprint(), run)
+    return run, sim
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, text_file):
+    from transformers import AutoModelForCausalLM
+
+    run, sim = llama_run(tmp_path, text_file)
+    res = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.output
+    assert "model.safetensors" in res.output and "config.json" in res.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(x).logits
+        ours = x
+        for cell in sim.cells[0]:  # meshtrain's forward: the trained stages composed
+            ours = cell.module(ours)
+    assert theirs.shape == ours.shape == (3, 16, 256)
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    # and our own loader of an export gives the same model back
+    _, whole = load_export(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(whole(x), ours, atol=1e-6, rtol=0)
+    meta = json.loads((tmp_path / "hf" / "meshtrain.json").read_text())
+    assert (meta["step"], meta["replica"]) == (3, 0)
+
+
+def test_hf_names_round_trip():
+    for name in ["tok_emb.weight", "blocks.11.attn.k_proj.weight", "blocks.0.mlp_norm.weight",
+                 "blocks.3.mlp.gate_proj.weight", "norm.weight", "head.weight"]:  # fmt: skip
+        assert meshtrain_name(hf_name(name)) == name
+    assert hf_name("blocks.2.attn_norm.weight") == "model.layers.2.input_layernorm.weight"
+    with pytest.raises(KeyError):
+        hf_name("blocks.0.attn.qkv.weight")
+
+
+def _export(run, out):
+    return CliRunner().invoke(main, ["export", str(run), "--out", str(out)])
+
+
+def test_export_refuses_a_missing_stage(tmp_path, text_file):
+    run, _ = llama_run(tmp_path, text_file)
+    for f in cell_dir(run, 1, 0).iterdir():
+        f.unlink()
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 2
+    assert "stage 1 of replica 0 has no checkpoint" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "hf").exists()
+
+
+def test_export_refuses_stages_without_a_common_step(tmp_path, text_file):
+    run, _ = llama_run(tmp_path, text_file)
+    path = checkpoint_path(run, 1, 0, 3)
+    path.rename(path.with_name("step-00000002.pt"))  # stage 1 says it is at another step
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 2
+    assert "share no intact checkpoint step" in res.output
+
+
+def test_export_refuses_a_gpt_run_and_a_missing_replica(tmp_path, text_file):
+    run, _ = llama_run(tmp_path, text_file)
+    res = CliRunner().invoke(
+        main, ["export", str(run), "--out", str(tmp_path / "x"), "--replica", "1"]
+    )
+    assert res.exit_code == 2 and "--replica 1" in res.output
+    (run / "config.toml").write_text(load_config([], [*TINY, "grid.stages=2"]).to_toml())  # GPT
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 2 and "model.arch = 'gpt'" in res.output
+    res = _export(tmp_path, tmp_path / "hf")
+    assert res.exit_code == 2 and "not a run directory" in res.output

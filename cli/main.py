@@ -13,6 +13,7 @@ import click
 
 from cli.bench import bench
 from cli.export import export
+from cli.generate import generate
 from cli.options import config_options, resolve_config, user_errors
 from mesh.config import ConfigError
 
@@ -25,6 +26,7 @@ def main() -> None:
 
 main.add_command(bench)
 main.add_command(export)
+main.add_command(generate)
 
 
 @main.command("show-config")

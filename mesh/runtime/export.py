@@ -14,6 +14,7 @@ import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,7 +127,10 @@ def load_export(export_dir: str | Path) -> tuple[Config, nn.Module]:
 
     d = Path(export_dir)
     if not (d / "model.safetensors").is_file() or not (d / "config.json").is_file():
-        raise ConfigError(f"{d}: no config.json + model.safetensors (not an export directory)")
+        raise ConfigError(
+            f"{d}: neither a run directory (config.toml) nor an export (config.json + "
+            "model.safetensors)"
+        )
     if (d / PROVENANCE).is_file():
         cfg = config_from_dict(tomllib.loads(json.loads((d / PROVENANCE).read_text())["config"]))
     else:
@@ -141,3 +145,41 @@ def whole_model(cfg: Config, state: dict[str, torch.Tensor]) -> nn.Module:
     model = stage_module(cfg.model, range(cfg.model.n_layers), True, True)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+class _FileTokenizer:
+    """An export's tokenizer.json (the Hugging Face `tokenizers` format) behind the interface of
+    mesh.data.tokenizer's tokenizers."""
+
+    def __init__(self, path: Path, eot_id: int | None) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eot_id = eot_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_for_sampling(source: str | Path, replica: int = 0) -> tuple[Config, nn.Module, Any, str]:
+    """(config, whole model, tokenizer, where the weights came from) of a run directory (its
+    newest complete step, as export takes it) or of an export directory."""
+    from mesh.data.tokenizer import load_tokenizer
+
+    d = Path(source)
+    if (d / "config.toml").is_file():
+        cfg = run_config(d)
+        step = export_step(d, cfg, replica)
+        model = whole_model(cfg, run_weights(d, cfg, replica, step))
+        return cfg, model, load_tokenizer(cfg.data.path), f"step {step} of replica {replica}"
+    cfg, model = load_export(d)
+    hf = json.loads((d / "config.json").read_text())
+    if (d / "tokenizer.json").is_file():
+        tokenizer: Any = _FileTokenizer(d / "tokenizer.json", hf.get("eos_token_id"))
+    else:
+        tokenizer = load_tokenizer(None)  # an export without tokenizer files: bytes
+    return cfg, model, tokenizer, "export"

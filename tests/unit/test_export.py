@@ -20,11 +20,11 @@ TINY_LLAMA = [
 ]  # fmt: skip
 
 
-def llama_run(tmp_path, text_file, extra=()):
+def llama_run(tmp_path, text_file, model=TINY_LLAMA):
     """A 2x1 llama grid trained 3 updates in the simulator, its cells saved as a run would."""
     cfg = load_config(
-        [], [*TINY, *TINY_LLAMA, "grid.stages=2", "grid.replicas=1", "run.steps=3",
-             f"data.path='{text_file}'", *extra],
+        [], [*TINY, *model, "grid.stages=2", "grid.replicas=1", "run.steps=3",
+             f"data.path='{text_file}'"],
     )  # fmt: skip
     sim = GridSim(cfg)
     for _ in range(3):
@@ -105,3 +105,33 @@ def test_export_refuses_a_gpt_run_and_a_missing_replica(tmp_path, text_file):
     assert res.exit_code == 2 and "model.arch = 'gpt'" in res.output
     res = _export(tmp_path, tmp_path / "hf")
     assert res.exit_code == 2 and "not a run directory" in res.output
+
+
+def _generate(source, *extra):
+    args = ["generate", str(source), "--prompt", "ROMEO:", "--max-new-tokens", "12", *extra]
+    return CliRunner().invoke(main, args)
+
+
+def test_generate_from_a_run_and_from_its_export_agree(tmp_path, text_file):
+    run, _ = llama_run(tmp_path, text_file)
+    assert _export(run, tmp_path / "hf").exit_code == 0
+    from_run = _generate(run, "--temperature", "0")
+    from_export = _generate(tmp_path / "hf", "--temperature", "0")
+    assert from_run.exit_code == 0, from_run.output
+    assert from_run.stdout == from_export.stdout
+    assert from_run.stdout.startswith("ROMEO:") and len(from_run.stdout) > len("ROMEO:")
+    sampled = _generate(run, "--temperature", "1.0", "--top-k", "5", "--seed", "1")
+    assert (
+        sampled.exit_code == 0
+        and sampled.stdout
+        == _generate(run, "--temperature", "1.0", "--top-k", "5", "--seed", "1").stdout
+    )
+
+
+def test_generate_from_a_gpt_run_and_its_mistakes(tmp_path, text_file):
+    run, _ = llama_run(tmp_path, text_file, model=["grid.stages=2"])  # the tiny GPT
+    res = _generate(run, "--temperature", "0")
+    assert res.exit_code == 0 and res.stdout.startswith("ROMEO:")
+    assert _generate(run, "--top-k", "0").exit_code == 2
+    res = _generate(tmp_path / "run" / "checkpoints")
+    assert res.exit_code == 2 and "neither a run directory" in res.output

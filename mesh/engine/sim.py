@@ -26,7 +26,7 @@ from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
 from mesh.data.corpus import Corpus, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
-from mesh.model.build import autocast, build_stages, lm_loss, stage_forward
+from mesh.model.build import build_stages, lm_loss, stage_forward
 
 
 class _Boundary(torch.autograd.Function):
@@ -186,7 +186,7 @@ class GridSim:
     # ---- evaluation ------------------------------------------------------------------------
     def _val_loss(self, modules: list[torch.nn.Module]) -> float:
         total = 0.0
-        with torch.no_grad(), autocast(self.cfg.runtime.precision, "cpu"):
+        with torch.no_grad():  # the fp32 masters, whatever the compute precision (as runtime)
             for x, y in self._val:
                 h = x
                 for mod in modules:

@@ -15,6 +15,7 @@ from cli.bench import bench
 from cli.export import export
 from cli.generate import generate
 from cli.options import config_options, resolve_config, user_errors
+from cli.plan import plan
 from mesh.config import ConfigError
 
 
@@ -27,6 +28,7 @@ def main() -> None:
 main.add_command(bench)
 main.add_command(export)
 main.add_command(generate)
+main.add_command(plan)
 
 
 @main.command("show-config")

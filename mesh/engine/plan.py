@@ -1,0 +1,189 @@
+"""`meshtrain plan`: what each cell of a run holds and sends, from the config alone.
+
+Per stage (every replica's cell of a stage is the same): the fp32 master weights, the stashed
+versions its schedule keeps, gradients, optimizer states (8-bit when optim.state_8bit), the
+drift and error-feedback buffers, the averaging rounds in flight, the inputs of the microbatches
+in flight and what one microbatch's forward keeps for its backward; and the link bandwidth the
+cell needs at a given pipeline throughput (tokens/s of one replica). Shapes come from the stage
+built on the meta device, so the parameter figures are exact; tests/unit/test_plan.py checks the
+rest against a real cell.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from comms import codecs
+from mesh.algo import sparse
+from mesh.algo.optim import _Blockwise8bit, get_planner
+from mesh.algo.schedule import microbatches_per_update, versions_kept
+from mesh.config import Config
+from mesh.engine.cell import optim_spec
+from mesh.model.build import stage_layers, stage_module
+from mesh.model.memory import output_bytes, saved_bytes
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    stage: int
+    layers: int
+    params: int
+    weights_bytes: int  # the live fp32 masters
+    stash_bytes: int  # weight versions the schedule keeps (one flat copy each)
+    versions: int
+    grad_bytes: int  # the accumulated gradients + the backward's own
+    optimizer_bytes: int
+    drift_bytes: int  # AsyncMesh's drift buffer (a cell always holds it)
+    error_feedback_bytes: int
+    averaging_bytes: int  # rounds in flight (indices, snapshot, mean) + the cached permutation
+    inflight: int  # microbatches between forward and backward at once
+    inflight_bytes: int  # their stashed inputs and one incoming gradient
+    activation_bytes: int  # one microbatch's forward kept for its backward, and its output
+    pp_up_bytes_per_token: float  # activations forward + gradients back, encoded
+    dp_bytes_per_update: float  # averaging payload each cell sends per update (ring)
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes + self.stash_bytes + self.grad_bytes + self.optimizer_bytes
+            + self.drift_bytes + self.error_feedback_bytes + self.averaging_bytes
+            + self.inflight_bytes + self.activation_bytes
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
+    """(optimizer state bytes, error-feedback bytes) of one stage, from the rules' own state on
+    meta tensors; with state_8bit the quantized moments take 1 byte a value plus a fp32 scale per
+    block of 256 (tensors under 4096 values stay fp32), as bitsandbytes stores them."""
+    module = stage_module(cfg.model, *stage_layers(cfg.model, cfg.grid.stages, stage))
+    spec = optim_spec(cfg.optim)
+    planner = get_planner(spec.name)
+    total = 0
+    for name, p in module.named_parameters():
+        rule = planner(name, p, spec)
+        for key, val in rule.init_state(p.detach()).items():
+            if not isinstance(val, torch.Tensor):
+                continue
+            n = val.numel()
+            q8 = _Blockwise8bit
+            if cfg.optim.state_8bit and key in rule.quantized and p.numel() >= q8.MIN_NUMEL:
+                total += n + 4 * math.ceil(n / q8.BLOCK)
+            else:
+                total += n * val.element_size()
+    params = sum(p.numel() for p in module.parameters())
+    return total, 4 * params if cfg.optim.error_feedback else 0
+
+
+def inflight_microbatches(cfg: Config, stage: int) -> int:
+    """Microbatches whose input stage j holds between forward and backward at most."""
+    p = cfg.pipeline
+    if p.schedule == "gpipe":
+        return p.microbatches
+    kept = versions_kept(p.schedule, stage, cfg.grid.stages, _window(cfg))
+    if p.schedule == "async":
+        return kept  # P - j (+ the window's extra warm-ups)
+    return min(cfg.grid.stages - stage, p.microbatches)
+
+
+def _window(cfg: Config) -> list[int] | None:
+    w = cfg.pipeline.window
+    return None if w in ("none", "auto") else list(w)
+
+
+def plan_cell(cfg: Config, stage: int) -> CellPlan:
+    m, P = cfg.model, cfg.grid.stages
+    layers, first, last = stage_layers(m, P, stage)
+    module = stage_module(m, layers, first, last)
+    n = sum(p.numel() for p in module.parameters())
+    flat = 4 * n
+    versions = versions_kept(cfg.pipeline.schedule, stage, P, _window(cfg))
+    opt, ef = optimizer_state_bytes(cfg, stage)
+    B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
+    inflight = inflight_microbatches(cfg, stage)
+    act_in = B * T * (8 if first else 4 * d)  # token ids, or the decoded fp32 activations
+    grad_in = 0 if last else B * T * 4 * d
+    dp, reps = cfg.dp, cfg.grid.replicas
+    averaging, dp_update = 0, 0.0
+    if dp.mode == "param_avg" and reps > 1:
+        k = max(sparse.subset_sizes([n], dp.fraction))
+        rounds = dp.tau // dp.interval_steps + 1
+        averaging = rounds * k * (8 + 4 + 4)  # int64 indices, fp32 snapshot and mean
+        if dp.selector == "partition" and dp.fraction < 1 and n <= sparse._CACHE_MAX_ELEMENTS:
+            averaging += 4 * n  # the int32 permutation of the current cycle, cached
+        payload = codecs.encoded_nbytes(k, dp.codec, dp.block_size)
+        dp_update = sparse.ring_allreduce_bytes(payload, reps) / dp.interval_steps
+    elif dp.mode == "grad_allreduce" and reps > 1:
+        payload = codecs.encoded_nbytes(n, dp.codec, dp.block_size)
+        dp_update = sparse.ring_allreduce_bytes(payload, reps)
+    return CellPlan(
+        stage=stage,
+        layers=len(layers),
+        params=n,
+        weights_bytes=flat,
+        stash_bytes=versions * flat,
+        versions=versions,
+        grad_bytes=2 * flat,
+        optimizer_bytes=opt,
+        drift_bytes=flat,
+        error_feedback_bytes=ef,
+        averaging_bytes=averaging,
+        inflight=inflight,
+        inflight_bytes=inflight * act_in + grad_in,
+        activation_bytes=saved_bytes(m, len(layers), first, last, B, cfg.runtime.precision)
+        + output_bytes(m, last, B),
+        pp_up_bytes_per_token=pp_bytes_per_token(cfg, stage, cfg.pipeline.codec),
+        dp_bytes_per_update=dp_update,
+    )
+
+
+def pp_bytes_per_token(cfg: Config, stage: int, codec: str) -> float:
+    """Pipeline bytes a cell sends per token: activations to the next stage, gradients to the
+    previous one (each d values a token, through the codec)."""
+    tokens = cfg.tokens_per_microbatch
+    one_way = codecs.encoded_nbytes(tokens * cfg.model.d_model, codec) / tokens
+    return one_way * ((stage < cfg.grid.stages - 1) + (stage > 0))
+
+
+def plan(cfg: Config) -> list[CellPlan]:
+    return [plan_cell(cfg, j) for j in range(cfg.grid.stages)]
+
+
+def link_mbps(cell: CellPlan, cfg: Config, tokens_per_s: float) -> tuple[float, float]:
+    """(pipeline, averaging) uplink Mbit/s a cell needs when its replica moves tokens_per_s."""
+    per_update = cfg.tokens_per_microbatch * microbatches_per_update(
+        cfg.pipeline.schedule, cfg.pipeline.microbatches
+    )
+    pp = cell.pp_up_bytes_per_token * tokens_per_s * 8 / 1e6
+    dp = cell.dp_bytes_per_update * tokens_per_s / per_update * 8 / 1e6
+    return pp, dp
+
+
+def uplink_by_codec(cfg: Config, tokens_per_s: float) -> list[tuple[str, float | None, float]]:
+    """(codec, pipeline Mbit/s of the busiest cell or None where the pipeline has no such codec,
+    averaging Mbit/s of the largest stage's cell) for every codec."""
+    from typing import get_args
+
+    from mesh.config import DPConfig, PipelineConfig, with_overrides
+
+    pp_codecs = get_args(PipelineConfig.model_fields["codec"].annotation)
+    dp_codecs = get_args(DPConfig.model_fields["codec"].annotation)
+    busiest = max(range(cfg.grid.stages), key=lambda j: pp_bytes_per_token(cfg, j, "fp32"))
+    out = []
+    for codec in dp_codecs:
+        pp = None
+        if codec in pp_codecs:
+            pp = pp_bytes_per_token(cfg, busiest, codec) * tokens_per_s * 8 / 1e6
+        other = with_overrides(cfg, {"dp.codec": codec})
+        dp = max(
+            link_mbps(plan_cell(other, j), other, tokens_per_s)[1] for j in (0, cfg.grid.stages - 1)
+        )
+        out.append((codec, pp, dp))
+    return out

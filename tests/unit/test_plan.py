@@ -1,0 +1,113 @@
+"""`meshtrain plan`'s figures against the real tensors of built cells (tiny presets)."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from comms import codecs
+from mesh.config import load_config
+from mesh.engine.plan import plan, plan_cell
+from mesh.engine.sim import GridSim
+from mesh.model.build import build_stage, lm_loss, stage_forward, stage_layers
+
+TINY_LLAMA = [
+    "model.arch='llama'", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.intermediate_size=48", "model.seq_len=32",
+]  # fmt: skip
+PRESETS = {
+    "tiny": (["configs/models/tiny.toml"], []),
+    "tiny-llama": ([], TINY_LLAMA),
+}
+
+
+def saved_and_output_bytes(module, x, precision, targets=None):
+    """What autograd really keeps from one forward (+ the loss), and the output's bytes."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {n: p.detach().requires_grad_() for n, p in module.named_parameters()}
+    own = {p.untyped_storage().data_ptr() for p in params.values()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage_forward(module, params, x, precision)
+        if targets is not None:
+            lm_loss(out, targets)
+    return sum(n for ptr, n in seen.items() if ptr not in own) + out.numel() * out.element_size()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_figures_match_what_autograd_keeps(preset, precision):
+    files, sets = PRESETS[preset]
+    cfg = load_config(
+        files, [*sets, f"runtime.precision='{precision}'", "pipeline.microbatch_size=2"]
+    )
+    B, T, V = 2, cfg.model.seq_len, cfg.model.vocab_size
+    for j in range(cfg.grid.stages):
+        _, first, last = stage_layers(cfg.model, cfg.grid.stages, j)
+        module = build_stage(cfg.model, cfg.grid.stages, j, 0)
+        # a later stage's input needs its gradient (it goes back over the link)
+        x = (
+            torch.randint(0, V, (B, T))
+            if first
+            else torch.randn(B, T, cfg.model.d_model, requires_grad=True)
+        )
+        y = torch.randint(0, V, (B, T)) if last else None
+        real = saved_and_output_bytes(module, x, precision, y)
+        assert plan_cell(cfg, j).activation_bytes == pytest.approx(real, rel=0.01), j
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_state_figures_match_a_trained_cell(preset, text_file):
+    files, sets = PRESETS[preset]
+    cfg = load_config(
+        files, [*sets, "optim.error_feedback=true", "run.steps=8", f"data.path='{text_file}'",
+                "pipeline.microbatch_size=2", "data.val_batches=1"],
+    )  # fmt: skip
+    sim = GridSim(cfg)
+    for _ in range(8):  # past every stage's stash depth and tau
+        sim.step()
+    for j, planned in enumerate(plan(cfg)):
+        cell = sim.cells[0][j]
+        flat = cell.flat.numel() * 4
+        assert planned.params == cell.num_params
+        assert planned.weights_bytes == flat == planned.drift_bytes
+        assert planned.stash_bytes == sum(v.numel() * 4 for v in cell.history.values())
+        assert planned.versions == len(cell.history) == cell.versions_to_keep()
+        assert (
+            planned.optimizer_bytes + planned.error_feedback_bytes == cell.optimizer.state_bytes()
+        )
+        assert planned.error_feedback_bytes == flat
+        held = sum(
+            r.indices.numel() * 8 + r.snapshot.numel() * 4 + (r.mean.numel() * 4)
+            for r in cell.pending
+        )
+        rounds_planned = (cfg.dp.tau + 1) * max(len(r.indices) for r in cell.pending) * 16
+        assert held <= rounds_planned <= planned.averaging_bytes
+        tokens = cfg.tokens_per_microbatch
+        act = torch.randn(tokens, cfg.model.d_model)
+        one_way = codecs.encode(act, cfg.pipeline.codec).nbytes / tokens
+        links = (j < cfg.grid.stages - 1) + (j > 0)
+        assert planned.pp_up_bytes_per_token == pytest.approx(one_way * links)
+
+
+def test_8bit_states_shrink_the_moments():
+    cfg = load_config(["configs/models/llama-20m.toml"])
+    full = plan_cell(cfg, 1).optimizer_bytes
+    q8 = plan_cell(load_config(["configs/models/llama-20m.toml"], ["optim.state_8bit=true"]), 1)
+    assert full == 2 * 4 * q8.params  # m and v in fp32
+    assert q8.optimizer_bytes < 0.27 * full  # 1 byte a value + a scale per 256 (norms stay fp32)
+
+
+def test_plan_command_shows_llama_1b(tmp_path):
+    res = CliRunner().invoke(
+        main, ["plan", "--config", "configs/models/llama-1b.toml", "--memory-gb", "24"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "1,166,747,904 parameters on 4 stages" in res.output
+    assert "fits 24 GB" in res.output and "int8_blockwise" in res.output
+    res = CliRunner().invoke(main, ["plan", "--tokens-per-s", "0"])
+    assert res.exit_code == 2

@@ -161,3 +161,33 @@ def bench_optimizers(
 
     cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
     run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
+
+
+@bench.command("model")
+@click.option("--quick", is_flag=True, help="llama-20m only, short sequences (about a minute).")
+@click.option("--out", type=click.Path(file_okay=False), default="results/model", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="auto: cuda when present.",
+)
+@user_errors
+def bench_model(quick: bool, out: str, device: str) -> None:
+    """Per stage of llama-20m and llama-160m, fp32 and bf16: a cell's forward+backward against a
+    plain torch loop over the same layers, tokens/s, FLOP/s (MFU on CUDA) and peak memory
+    against `meshtrain plan`."""
+    import torch
+
+    from cli.report import progress_bar
+    from mesh.bench.model import PRESETS, run_model_bench
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch sees no GPU; use auto or cpu")
+    presets = PRESETS[:1] if quick else PRESETS
+    total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in presets)
+    with progress_bar(total, "bench model") as bar:
+        summary = run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
+    click.echo((Path(out) / "table.md").read_text())
+    del summary

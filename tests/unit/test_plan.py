@@ -111,3 +111,10 @@ def test_plan_command_shows_llama_1b(tmp_path):
     assert "fits 24 GB" in res.output and "int8_blockwise" in res.output
     res = CliRunner().invoke(main, ["plan", "--tokens-per-s", "0"])
     assert res.exit_code == 2
+
+
+def test_show_config_prints_parameters_per_stage():
+    res = CliRunner().invoke(main, ["show-config", "--config", "configs/models/llama-1b.toml"])
+    assert res.exit_code == 0, res.output
+    assert "# parameters per stage: s0 328,550,400, s1 254,822,400" in res.output
+    assert "(total 1,166,747,904)" in res.output

@@ -188,6 +188,5 @@ def bench_model(quick: bool, out: str, device: str) -> None:
     presets = PRESETS[:1] if quick else PRESETS
     total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in presets)
     with progress_bar(total, "bench model") as bar:
-        summary = run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
+        run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
     click.echo((Path(out) / "table.md").read_text())
-    del summary

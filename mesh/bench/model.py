@@ -28,7 +28,14 @@ from mesh.bench.report import format_table
 from mesh.config import Config, load_config
 from mesh.engine.cell import Cell
 from mesh.engine.plan import plan_cell
-from mesh.model.build import build_stage, lm_loss, stage_forward, stage_layers
+from mesh.model.build import (
+    autocast,
+    build_stage,
+    lm_loss,
+    stage_forward,
+    stage_layers,
+    stage_module,
+)
 
 PRESETS = ("llama-20m", "llama-160m")
 # dense bf16 tensor-core peaks (FLOP/s) by device name fragment, from the vendors' sheets
@@ -74,15 +81,9 @@ class LiveBytes(TorchDispatchMode):
 def stage_flops_per_token(cfg: Config, stage: int) -> float:
     """6 x matmul parameters (the embedding is a lookup) + attention's 12 x L x T x d."""
     layers, first, last = stage_layers(cfg.model, cfg.grid.stages, stage)
-    module = build_stage_meta(cfg, stage)
+    module = stage_module(cfg.model, layers, first, last)  # shapes only
     matmul = sum(p.numel() for n, p in module.named_parameters() if p.ndim == 2 and "emb" not in n)
     return 6.0 * matmul + 12.0 * len(layers) * cfg.model.seq_len * cfg.model.d_model
-
-
-def build_stage_meta(cfg: Config, stage: int) -> torch.nn.Module:
-    from mesh.model.build import stage_module
-
-    return stage_module(cfg.model, *stage_layers(cfg.model, cfg.grid.stages, stage))
 
 
 def _inputs(cfg: Config, stage: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +128,6 @@ def _plain_step(
     module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, last: bool
 ) -> None:
     """The same layers as a plain torch training loop would run them."""
-    from mesh.model.build import autocast
-
     if x.is_floating_point():
         x = x.detach().requires_grad_()
     with autocast(precision, x.device):

@@ -2,7 +2,7 @@
 
 Per stage of llama-20m and llama-160m, fp32 against bf16: the cell's forward+backward time per
 microbatch (the runtime's own path: the stashed version's recompute-and-backward through
-stage_forward, gradients accumulated) against a plain torch loop over the same layers
+stage_forward, as the worker runs it) against a plain torch loop over the same layers
 (module(x), backward) - the runtime's overhead; the no-grad forward an async cell runs first to
 send activations early, apart; tokens/s and achieved FLOP/s (6 x matmul parameters per token +
 12 x layers x seq_len x d for attention); and the cell's peak memory (its build, a full stash,
@@ -106,10 +106,9 @@ def _inputs(cfg: Config, stage: int, device: torch.device) -> tuple[torch.Tensor
     return x.to(device), y.to(device)
 
 
-def _cell_step(
-    cell: Cell, x: torch.Tensor, y: torch.Tensor, acc: list[torch.Tensor], last: bool
-) -> None:
-    """The runtime's backward of one microbatch (mesh.runtime.stage.Stage._backward's math)."""
+def _cell_step(cell: Cell, x: torch.Tensor, y: torch.Tensor, last: bool) -> list[torch.Tensor]:
+    """The runtime's backward of an update's first (async: only) microbatch, as
+    mesh.runtime.stage.StageWorker._backward computes it: the parameters' gradients."""
     params = {n: t.detach().requires_grad_() for n, t in cell.weights(max(cell.history)).items()}
     leaves = list(params.values())
     if x.is_floating_point():
@@ -120,8 +119,7 @@ def _cell_step(
         grads = torch.autograd.grad(lm_loss(out, y), leaves)
     else:
         grads = torch.autograd.grad(out, leaves, grad_outputs=y)
-    for a, g in zip(acc, grads[len(leaves) - len(acc) :], strict=True):
-        a.add_(g)
+    return list(grads[len(leaves) - len(params) :])
 
 
 def _plain_step(
@@ -169,10 +167,8 @@ def peak_memory_bytes(cfg: Config, stage: int, device: torch.device) -> int:
         for _ in range(cell.versions_to_keep() - 1):
             cell.step += 1
             cell.push_version()
-        acc = [torch.zeros_like(p) for p in cell.params]
         x, y = _inputs(cfg, stage, device)
-        _cell_step(cell, x, y, acc, last)
-        cell.apply_update(acc)
+        cell.apply_update(_cell_step(cell, x, y, last))
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -190,7 +186,6 @@ def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dic
     _, _, last = stage_layers(cfg.model, cfg.grid.stages, stage)
     precision = cfg.runtime.precision
     cell = Cell(cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device))
-    acc = [torch.zeros_like(p) for p in cell.params]
     plain = build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device)
     x, y = _inputs(cfg, stage, device)
 
@@ -199,7 +194,7 @@ def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dic
             stage_forward(cell.module, cell.weights(max(cell.history)), x, precision)
 
     fns = {
-        "cell": lambda: _cell_step(cell, x, y, acc, last),
+        "cell": lambda: _cell_step(cell, x, y, last),
         "plain": lambda: _plain_step(plain, x, y, precision, last),
     }
     if not last:  # the last stage's forward is its backward's recompute

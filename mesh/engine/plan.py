@@ -36,7 +36,7 @@ class CellPlan:
     weights_bytes: int  # the live fp32 masters
     stash_bytes: int  # weight versions the schedule keeps (one flat copy each)
     versions: int
-    grad_bytes: int  # the accumulated gradients + the backward's own
+    grad_bytes: int  # an update's gradients (+ the backward's own while they are added)
     optimizer_bytes: int
     drift_bytes: int  # AsyncMesh's drift buffer (a cell always holds it)
     error_feedback_bytes: int
@@ -110,6 +110,9 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
     inflight = inflight_microbatches(cfg, stage)
     act_in = B * T * (8 if first else 4 * d)  # token ids, or the decoded fp32 activations
     grad_in = 0 if last else B * T * 4 * d
+    # async: an update's gradients are its one backward's; the flushed schedules add each
+    # microbatch's into them (two sets at once)
+    mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
     dp, reps = cfg.dp, cfg.grid.replicas
     averaging, dp_update = 0, 0.0
     if dp.mode == "param_avg" and reps > 1:
@@ -130,7 +133,7 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
         weights_bytes=flat,
         stash_bytes=versions * flat,
         versions=versions,
-        grad_bytes=2 * flat,
+        grad_bytes=flat * (1 if mpu == 1 else 2),
         optimizer_bytes=opt,
         drift_bytes=flat,
         error_feedback_bytes=ef,

@@ -50,7 +50,8 @@ def export_step(run_dir: str | Path, cfg: Config, replica: int) -> int:
     point = resume_point(run_dir, cells, cfg.state_fingerprint())
     if point.step is None:
         held = "; ".join(f"stage {j}: steps {saved_steps(run_dir, j, i)}" for j, i in cells)
-        why = f" ({len(point.damaged + point.foreign)} unusable files)" if point.damaged else ""
+        unusable = len(point.damaged + point.foreign)
+        why = f" ({unusable} unusable files)" if unusable else ""
         raise CheckpointError(
             f"{run_dir}: the stages of replica {replica} share no intact checkpoint step{why} "
             f"({held}); resume the run so every stage saves the same step, or export another "

@@ -245,7 +245,7 @@ def run_model_bench(
         "cpu": ["pipeline.microbatch_size=1"] + (["model.seq_len=128"] if quick else []),
         "cuda": ["pipeline.microbatch_size=8"],
     }[dev.type]
-    reps = 5 if quick else 7
+    reps = 5 if quick else 11
     rows = []
     for preset in presets:
         for precision in ("fp32", "bf16"):

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from cli.bench import bench
+from cli.data import data
 from cli.options import config_options, resolve_config, user_errors
 from mesh.config import ConfigError
 
@@ -23,6 +24,14 @@ def main() -> None:
 
 
 main.add_command(bench)
+main.add_command(data)
+
+verify_data_option = click.option(
+    "--verify-data",
+    is_flag=True,
+    help="Hash every shard of a prepared dataset against its manifest before training "
+    "(sizes are always checked).",
+)
 
 
 @main.command("show-config")
@@ -55,6 +64,7 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
     default=None,
     help="Continue a stopped run (torch/hivemind backends) from its checkpoints.",
 )
+@verify_data_option
 @user_errors
 def simulate(
     config_files: tuple[str, ...],
@@ -65,6 +75,7 @@ def simulate(
     out: str | None,
     backend: str | None,
     resume: str | None,
+    verify_data: bool,
 ) -> None:
     """Train a whole grid on this machine, every cell its own process, and print a summary."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
@@ -96,9 +107,11 @@ def simulate(
     if backend != "logical":
         from cli.simulate import simulate_processes
 
-        simulate_processes(cfg, backend, Path(out) if out else None, resume=bool(resume))
+        simulate_processes(cfg, backend, Path(out) if out else None, bool(resume), verify_data)
         return
-    sim = GridSim(cfg)
+    from cli.preflight import check_data
+
+    sim = GridSim(cfg, check_data(cfg, verify_data))
     with progress_bar(cfg.run.steps, "simulate") as bar:
         result = sim.run(lambda step, loss: bar.update_loss(loss))
     summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
@@ -108,13 +121,23 @@ def simulate(
         (path / "config.toml").write_text(cfg.to_toml())
         (path / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(
-        ["grid", "steps", "tokens", "val loss", "pp B/replica/step", "dp B/replica/step", "wall s"],
+        [
+            "grid",
+            "steps",
+            "tokens",
+            "val loss",
+            "val bits/byte",
+            "pp B/replica/step",
+            "dp B/replica/step",
+            "wall s",
+        ],  # fmt: skip
         [
             [
                 result.grid,
                 result.steps,
                 result.tokens,
                 "diverged" if result.val_loss is None else f"{result.val_loss:.4f}",
+                "n/a" if result.val_bpb is None else f"{result.val_bpb:.4f}",
                 f"{result.pp_bytes_per_replica_step:,.0f}",
                 f"{result.dp_bytes_per_replica_step:,.0f}",
                 f"{result.wall_s:.1f}",
@@ -219,6 +242,7 @@ def dht(
     is_flag=True,
     help="A peer behind NAT: do not serve the DHT, and ask a public peer to relay for us.",
 )
+@verify_data_option
 @run_options
 @p2p_options
 @user_errors
@@ -229,6 +253,7 @@ def join(
     stage: int | None,
     out: str | None,
     client_mode: bool,
+    verify_data: bool,
     run_id: str,
     run_key: str | None,
     host_maddrs: tuple[str, ...],
@@ -260,6 +285,7 @@ def join(
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs),
             client_mode=client_mode,
+            verify_data=verify_data,
         )
     except KeyboardInterrupt:  # once a cell runs, its own handler saves and releases it
         click.echo(
@@ -286,7 +312,7 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
     shown marked unverified, and status exits 2 after showing them."""
     from cli.join import open_scout
     from cli.report import print_table
-    from cli.status import STATUS_HEADERS, key_error, read_status, status_table
+    from cli.status import STATUS_HEADERS, data_label, key_error, read_status, status_table
 
     scout = open_scout(list(initial_peers), run_id, client_mode=True,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
@@ -300,6 +326,7 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
     else:
         grid = rows["grid"] or "unknown (no config record)"
         click.echo(f"run {run_id!r}: grid {grid}, run key {rows['run_key']}")
+        click.echo(f"data: {data_label(rows['data'])}")
         print_table(STATUS_HEADERS, status_table(rows))
         click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
     if problem:

@@ -118,7 +118,12 @@ class DPConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str | None = Field(None, description="UTF-8 text file; None = Shakespeare corpus")
+    path: str | None = Field(None, description="`data prepare` DIR, UTF-8 file, None: Shakespeare")
+    digest: str | None = Field(
+        None,
+        description="a prepared dataset's identity (from its manifest): in the fingerprint, "
+        "instead of data.path (where each peer keeps its copy is its own business)",
+    )
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out tail of each document")
     val_batches: int = Field(16, ge=1, description="fixed validation batches")
 
@@ -243,6 +248,24 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_the_data(cls, tree: Any) -> Any:
+        """A prepared dataset sets model.vocab_size and data.digest unless given: every config
+        naming one has them before any model is built (data.path/manifest.json, which
+        mesh.data.prepare writes; an unreadable one is the data loader's error to report)."""
+        data = tree.get("data") if isinstance(tree, dict) else None
+        try:
+            manifest = json.loads((Path(data["path"]) / "manifest.json").read_text())
+            found = {"vocab_size": manifest["vocab_size"], "digest": manifest["digest"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return tree
+        model = tree.get("model", {})
+        if not isinstance(model, dict):
+            return tree
+        model = {"vocab_size": found["vocab_size"], **model}
+        return {**tree, "model": model, "data": {"digest": found["digest"], **data}}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         m, g, p = self.model, self.grid, self.pipeline
@@ -309,6 +332,8 @@ class Config(_Section):
         if not with_steps or self.schedule_horizon != self.run.steps:
             run["schedule_steps"] = self.schedule_horizon
         d["run"] = run
+        # the digest says what a peer's data holds, not its path (None: hash as before the key)
+        del d["data"]["digest" if self.data.digest is None else "path"]
         del d["runtime"]  # how this peer connects is its own business
         d["torch"] = ".".join(torch.__version__.split(".")[:2])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

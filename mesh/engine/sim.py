@@ -24,7 +24,7 @@ from comms.errors import CodecError
 from mesh.algo import sparse
 from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
-from mesh.data.corpus import Corpus, load_corpus, train_batch, val_batches
+from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
 from mesh.model.gpt import StageModule, build_stages, lm_loss
 
@@ -60,13 +60,16 @@ class SimResult:
     diverged: bool
     curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, val_loss
     train_curve: list[dict[str, float]] = field(default_factory=list)
+    val_bpb: float | None = None  # val_loss in bits per byte of text (across tokenizers)
 
 
 class GridSim:
     def __init__(self, cfg: Config, corpus: Corpus | None = None) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.run.threads)
-        self.corpus = corpus or load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+        self.corpus = corpus or load_corpus(
+            cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest
+        )
         self.P, self.m = cfg.grid.stages, cfg.grid.replicas
         self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # every replica starts from the same weights: sparse averaging cannot align strangers
@@ -231,6 +234,7 @@ class GridSim:
             finals = list(self.evaluate())
             avg_loss = self.average_model_loss() if self.m > 1 else finals[0]
         steps = max(self.update, 1)
+        bpt = self.corpus.val_bytes_per_token
         return SimResult(
             grid=f"{self.P}x{self.m}",
             steps=self.update,
@@ -244,6 +248,7 @@ class GridSim:
             diverged=diverged,
             curve=curve,
             train_curve=train_curve,
+            val_bpb=None if diverged else bits_per_byte(sum(finals) / self.m, bpt),  # type: ignore[arg-type]
         )
 
 

@@ -226,3 +226,21 @@ def test_a_bpe_is_trained_and_transformers_loads_it(tmp_path):
     assert hf(text)["input_ids"] == tok.encode(text)
     assert hf.eos_token == "<|endoftext|>" and hf.eos_token_id == tok.eot_id
     assert hf.decode(tok.encode(text)) == text
+
+
+def test_the_command_shows_rejects_and_a_summary_and_exits_2_on_a_mistake(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS) + "{oops\n")
+    out = tmp_path / "ds"
+    res = CliRunner().invoke(main, ["data", "prepare", str(src), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"{src}:{len(DOCS) + 1}: malformed JSON" in res.output
+    assert "| val " in res.output and "MB/s" in res.output
+    assert f"--set data.path={out}" in res.output
+    res = CliRunner().invoke(main, ["data", "prepare", str(src), "--out", str(tmp_path / "x"),
+                                    "--tokenizer", "bpe"])  # fmt: skip
+    assert res.exit_code == 2 and "error: --tokenizer bpe: no such file" in res.output

@@ -80,19 +80,21 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
 
 
 def run_config(
-    registry: Registry,
-    local: Config | None,
-    sets: list[str],
-    run_key: str | None,
-    rec: RunRecord | None = None,
+    registry: Registry, local: Config | None, sets: list[str], run_key: str | None
 ) -> Config:
-    """The run's config: the DHT's record (rec, or read now), checked against a local --config
-    if one is given; a local dataset that is not the run's is refused naming what differs.
+    """The run's config: the DHT's record, checked against a local --config if one is given.
     With no run yet, the local config starts one."""
+    return config_of_record(registry.run(), local, sets, run_key)
+
+
+def config_of_record(
+    rec: RunRecord | None, local: Config | None, sets: list[str], run_key: str | None
+) -> Config:
+    """run_config on a record already read (None: no run yet). A local dataset that is not
+    the run's is refused naming what differs (the record carries the run's data identity)."""
     from cli.preflight import check_data
     from comms.p2p.auth import Auth
 
-    rec = rec or registry.run()
     if rec is None:
         if local is None:
             raise JoinError("no run found in the DHT: the first peer passes --config to start one")
@@ -205,7 +207,7 @@ def run_join(
     try:
         probe = Registry(scout, None, 1.0)
         rec = probe.run()
-        cfg = run_config(probe, cfg_local, sets, run_key, rec)
+        cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
         data = None
         if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here

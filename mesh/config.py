@@ -255,16 +255,18 @@ class Config(_Section):
         naming one has them before any model is built (data.path/manifest.json, which
         mesh.data.prepare writes; an unreadable one is the data loader's error to report)."""
         data = tree.get("data") if isinstance(tree, dict) else None
+        model = tree.get("model", {}) if isinstance(tree, dict) else None
+        if not (isinstance(model, dict) and isinstance(data, dict)):
+            return tree
+        if data.get("digest") and "vocab_size" in model:
+            return tree  # both given (a run's own config.toml): nothing to read
         try:
             manifest = json.loads((Path(data["path"]) / "manifest.json").read_text())
-            found = {"vocab_size": manifest["vocab_size"], "digest": manifest["digest"]}
+            vocab, digest = manifest["vocab_size"], manifest["digest"]
         except (OSError, ValueError, KeyError, TypeError):
             return tree
-        model = tree.get("model", {})
-        if not isinstance(model, dict):
-            return tree
-        model = {"vocab_size": found["vocab_size"], **model}
-        return {**tree, "model": model, "data": {"digest": found["digest"], **data}}
+        data = {**data, "digest": data.get("digest") or digest}
+        return {**tree, "model": {"vocab_size": vocab, **model}, "data": data}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

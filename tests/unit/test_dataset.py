@@ -21,7 +21,7 @@ from cli.preflight import check_data
 from cli.status import data_label, read_status
 from comms.p2p.auth import Auth
 from mesh.bench.join_procs import generated_text
-from mesh.config import ConfigError, load_config
+from mesh.config import ConfigError, load_config, with_overrides
 from mesh.data.corpus import bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.data.manifest import describe_difference, identity, run_record_data
 from mesh.data.prepare import prepare
@@ -99,6 +99,9 @@ def test_the_config_takes_vocab_and_digest_from_the_manifest(dataset, bpe_datase
     small = load_config([], [f"data.path='{bpe_dataset}'", "model.vocab_size=256"])
     with pytest.raises(ConfigError, match=r"model.vocab_size = 256, but the dataset's tokenizer"):
         check_data(small)
+    # a config derived from another (benchmarks: with_overrides) gets the digest too
+    moved = with_overrides(load_config([], []), {"data.path": str(bpe_dataset)})
+    assert moved.data.digest == manifest["digest"]
     # the resolved config round-trips through its TOML (what a run's config.toml holds)
     path = tmp_path / "run.toml"
     path.write_text(cfg.to_toml())

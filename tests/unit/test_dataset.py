@@ -190,3 +190,25 @@ def test_a_grid_trains_on_a_bpe_dataset_and_reports_bits_per_byte(bpe_dataset):
         bits_per_byte(result.val_loss, corpus.val_bytes_per_token)
     )
     assert bits_per_byte(math.log(2), 1.0) == pytest.approx(1.0)
+
+
+def test_a_process_grid_trains_on_a_dataset_and_logs_bits_per_byte(bpe_dataset, tmp_path):
+    out = tmp_path / "run"
+    args = ["simulate", "--grid", "2x1", "--steps", "4", "--out", str(out)]
+    for item in [*TINY, "run.eval_every=2", f"data.path='{bpe_dataset}'"]:
+        args += ["--set", item]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "val bits/byte" in res.output
+    rows = [json.loads(ln) for ln in (out / "val.jsonl").read_text().splitlines()]
+    corpus = load_corpus(str(bpe_dataset), 0.05, 16)
+    for r in rows:
+        assert r["val_bpb"] == pytest.approx(
+            bits_per_byte(r["val_loss"], corpus.val_bytes_per_token)
+        )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_bpb"] == pytest.approx(
+        bits_per_byte(summary["val_loss"], corpus.val_bytes_per_token)
+    )
+    stored = load_config([out / "config.toml"])
+    assert stored.data.digest == corpus.digest and stored.model.vocab_size == corpus.vocab_size

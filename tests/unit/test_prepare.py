@@ -244,3 +244,21 @@ def test_the_command_shows_rejects_and_a_summary_and_exits_2_on_a_mistake(tmp_pa
     res = CliRunner().invoke(main, ["data", "prepare", str(src), "--out", str(tmp_path / "x"),
                                     "--tokenizer", "bpe"])  # fmt: skip
     assert res.exit_code == 2 and "error: --tokenizer bpe: no such file" in res.output
+
+
+def test_a_tokenizer_without_end_of_text_gets_one(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(DOCS, trainer=trainer)
+    tok.save(str(tmp_path / "plain.json"))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    manifest = prepare([str(tmp_path / "a.jsonl")], tmp_path / "ds", str(tmp_path / "plain.json"))
+    assert manifest["tokenizer"]["vocab_size"] == tok.get_vocab_size() + 1
+    loaded = load_tokenizer(str(tmp_path / "ds"))
+    assert loaded.eot_id == tok.get_vocab_size() and loaded.name == "file:plain.json"
+    assert sorted(documents(tmp_path / "ds")) == sorted(tok.encode(d).ids for d in DOCS)

@@ -120,17 +120,10 @@ def simulate(
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.toml").write_text(cfg.to_toml())
         (path / "summary.json").write_text(json.dumps(summary, indent=2))
+    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "pp B/replica/step",
+               "dp B/replica/step", "wall s"]  # fmt: skip
     print_table(
-        [
-            "grid",
-            "steps",
-            "tokens",
-            "val loss",
-            "val bits/byte",
-            "pp B/replica/step",
-            "dp B/replica/step",
-            "wall s",
-        ],  # fmt: skip
+        headers,
         [
             [
                 result.grid,

@@ -234,12 +234,13 @@ class GridSim:
             finals = list(self.evaluate())
             avg_loss = self.average_model_loss() if self.m > 1 else finals[0]
         steps = max(self.update, 1)
-        bpt = self.corpus.val_bytes_per_token
+        val_loss = None if diverged else sum(finals) / self.m  # type: ignore[arg-type]
+        bpt = self.corpus.val_bytes_per_token  # text bytes per validation token
         return SimResult(
             grid=f"{self.P}x{self.m}",
             steps=self.update,
             tokens=self.tokens,
-            val_loss=None if diverged else sum(finals) / self.m,  # type: ignore[arg-type]
+            val_loss=val_loss,
             val_loss_replicas=finals,
             val_loss_avg_model=avg_loss,
             pp_bytes_per_replica_step=self.pp_bytes / self.m / steps,
@@ -248,7 +249,7 @@ class GridSim:
             diverged=diverged,
             curve=curve,
             train_curve=train_curve,
-            val_bpb=None if diverged else bits_per_byte(sum(finals) / self.m, bpt),  # type: ignore[arg-type]
+            val_bpb=None if val_loss is None else bits_per_byte(val_loss, bpt),
         )
 
 

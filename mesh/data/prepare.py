@@ -75,6 +75,7 @@ def prepare(
     total = sum(f.stat().st_size for f in files)
     on_phase = on_phase or (lambda name, n: None)
     on_bytes = on_bytes or (lambda n: None)
+    _remove_stale_stages(out)
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     stage.mkdir(parents=True)
     try:
@@ -92,6 +93,25 @@ def prepare(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return manifest
+
+
+def _remove_stale_stages(out: Path) -> None:
+    """Staging directories of earlier prepares of DIR that were killed (their process is
+    gone): never a dataset, only litter."""
+    for old in out.parent.glob(f".{out.name}.partial-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _sample(

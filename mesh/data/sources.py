@@ -238,7 +238,8 @@ def _parquet(path: Path, text_field: str, rejects: Rejects) -> Iterator[Piece]:
             "--text-field"
         )
     kind = pf.schema_arrow.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    text_types = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    if not any(is_text(kind) for is_text in text_types):
         raise DataError(f"{path}: column {text_field!r} holds {kind}, not text; see --text-field")
     size, rows = path.stat().st_size, max(1, pf.metadata.num_rows)
     row, done = 0, 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +170,12 @@ def test_an_interrupted_prepare_leaves_no_manifest(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         prepare([str(tmp_path / "a.jsonl")], tmp_path / "ds", "bytes", on_bytes=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+    # a killed prepare's staging directory (its process gone) is cleared by the next one
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (tmp_path / f".ds.partial-{dead}").mkdir()
+    prepare([str(tmp_path / "a.jsonl")], tmp_path / "ds", "bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "ds"]
 
 
 def test_user_mistakes_name_the_flag(tmp_path):

@@ -115,6 +115,14 @@ def test_a_truncated_shard_is_refused_at_start_a_corrupted_one_on_verify(dataset
     cfg = load_config([], [f"data.path='{bad}'"])
     with pytest.raises(DataError, match=r"train-00001.bin holds .* bytes, the manifest says"):
         check_data(cfg)
+    res = CliRunner().invoke(
+        main, ["simulate", "--backend", "logical", "--set", f"data.path='{bad}'"]
+    )
+    assert res.exit_code == 2 and "train-00001.bin holds" in res.output, res.output
+    missing = _copy(dataset, tmp_path / "missing")
+    (missing / "val-00000.bin").unlink()
+    with pytest.raises(DataError, match=r"val-00000.bin is missing, the manifest says"):
+        check_data(load_config([], [f"data.path='{missing}'"]))
     bad = _copy(dataset, tmp_path / "flip")
     raw = bytearray((bad / "val-00000.bin").read_bytes())
     raw[100] ^= 1

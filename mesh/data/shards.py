@@ -2,7 +2,7 @@
 in bounded buffers with their sha256 taken on the way, and read back through np.memmap, so a
 peer's memory holds the windows it reads, not the dataset.
 
-imports: numpy, torch, stdlib.
+imports: numpy, stdlib; torch only where windows are read (`data prepare` never loads it).
 """
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_right
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 BUFFER_TOKENS = 1 << 20  # tokens held before a write
 HASH_CHUNK_BYTES = 16 << 20
@@ -110,6 +113,8 @@ class Tokens:
 
     def windows(self, offsets: torch.Tensor, n: int) -> torch.Tensor:
         """(len(offsets), n) int64: tokens[o : o + n] for each offset o."""
+        import torch
+
         if len(self.parts) == 1:
             idx = offsets.numpy()[:, None] + np.arange(n)
             return torch.from_numpy(self.parts[0][idx].astype(np.int64))

@@ -55,7 +55,10 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             if not found:
                 raise DataError(f"{item}: the pattern matches no {', '.join(SUFFIXES)} file")
         else:
-            raise DataError(f"{item}: no such file or directory")
+            raise DataError(
+                f"{item}: no such file or directory; give {', '.join(SUFFIXES)} files, "
+                "directories of them or glob patterns"
+            )
         out += [f for f in found if f not in out]
     return out
 

@@ -2,8 +2,9 @@
 directories of them and glob patterns.
 
 A .txt file is one document, read in pieces of about PIECE_BYTES cut after a newline that a
-non-space character follows (a byte-level BPE never merges across such a cut, so the pieces
-tokenize to the same ids as the whole); a line that is not UTF-8 is dropped and counted. A
+non-space character follows, or before a space between two words (a byte-level BPE never merges
+across such a cut, so the pieces tokenize to the same ids as the whole); a line that is not
+UTF-8 is dropped and counted. A
 .jsonl line, or a .parquet row, is one document: its text field. A bad record (not UTF-8,
 malformed JSON, no such field, not a string, empty) is counted with its file and line and
 skipped; a file with no usable record at all is an error.
@@ -29,6 +30,7 @@ PIECE_BYTES = 4 << 20
 PARQUET_ROWS = 1024
 EXAMPLES = 20  # rejected records listed by file and line (all are counted)
 _CUT = re.compile(rb"\n(?=[^\s])")  # a newline followed by a non-space (ASCII sense)
+_WORD_CUT = re.compile(rb"(?<=[^\s]) (?=[^\s])")  # a space between two words
 
 
 def kind_of(path: Path) -> str | None:
@@ -142,16 +144,23 @@ def _txt(path: Path, rejects: Rejects) -> Iterator[Piece]:
 
 
 def _last_cut(data: bytes) -> int:
-    """Where a piece may end: after the last newline a non-space follows; else after the last
-    newline; else the whole buffer (a long line is read on: bounded by the next newline)."""
+    """Where a piece may end without changing how a byte-level BPE splits the text into words:
+    after the newline before a non-space, else before a space between two words (the last of
+    either); with neither in a buffer of twice PIECE_BYTES, at its last character boundary
+    (memory stays bounded; only such a space-free run may tokenize differently). 0: read on."""
     tail = max(0, len(data) - PIECE_BYTES)  # search the newest part only (a long carry)
-    found = None
-    for m in _CUT.finditer(data, tail):
-        found = m.end()
-    if found is None:
-        nl = data.rfind(b"\n")
-        found = nl + 1 if nl >= 0 else 0
-    return found
+    for pattern, at in ((_CUT, "end"), (_WORD_CUT, "start")):
+        found = None
+        for m in pattern.finditer(data, tail):
+            found = getattr(m, at)()
+        if found:
+            return found
+    if len(data) < 2 * PIECE_BYTES:
+        return 0
+    cut = len(data) - 1
+    while cut > 0 and data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: back up
+        cut -= 1
+    return cut  # the next piece starts with a whole character
 
 
 def _decode_lines(data: bytes, path: Path, first_line: int, rejects: Rejects) -> tuple[str, int]:

@@ -105,6 +105,16 @@ def test_a_long_text_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch, 
     prepare([str(tmp_path / "in")], tmp_path / "ds", str(bpe_file), val_fraction=0.45)
     tok = load_tokenizer(str(tmp_path / "ds"))
     assert tok.encode(text) in documents(tmp_path / "ds")
+    # one long line: cut before the spaces between words, the same ids again
+    line = text.replace("\n", " ")
+    (tmp_path / "in" / "long.txt").write_text(line)
+    prepare([str(tmp_path / "in")], tmp_path / "ds2", str(bpe_file), val_fraction=0.45)
+    assert tok.encode(line) in documents(tmp_path / "ds2")
+    # no space at all: bounded pieces, cut between whole characters (the text is all there)
+    (tmp_path / "in" / "long.txt").write_text("\u00e9" * 20000)
+    prepare([str(tmp_path / "in")], tmp_path / "ds3", "bytes", val_fraction=0.45)
+    as_text = [ByteTokenizer().decode(d) for d in documents(tmp_path / "ds3")]
+    assert "\u00e9" * 20000 in as_text
 
 
 def test_bad_records_are_counted_by_file_and_line(tmp_path):

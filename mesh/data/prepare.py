@@ -32,7 +32,7 @@ from mesh.data.sources import Piece, Rejects, expand_inputs, read_pieces
 from mesh.data.tokenizer import ByteTokenizer, Tokenizer, parse_spec, tokenizer_from_spec
 from mesh.errors import DataError
 
-BATCH_BYTES = 8 << 20  # text tokenized at once
+BATCH_BYTES = 1 << 20  # text tokenized at once (an HF encoding holds ~40 bytes per byte)
 BPE_SAMPLE_BYTES = 32 << 20  # a BPE is trained on at most this much text
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VAL_FRACTION = 0.05

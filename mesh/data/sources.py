@@ -26,7 +26,7 @@ from pathlib import Path
 from mesh.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 1 << 20
 PARQUET_ROWS = 1024
 EXAMPLES = 20  # rejected records listed by file and line (all are counted)
 _CUT = re.compile(rb"\n(?=[^\s])")  # a newline followed by a non-space (ASCII sense)

@@ -101,3 +101,15 @@ def test_prepare_and_training_memory_do_not_follow_the_data_size(tmp_path, recor
     assert on_big["tokens"] > 100 * on_small["tokens"]
     shard_mb = 2 * on_big["tokens"] / 1e6  # uint16
     assert on_big["anon_mb"] - on_small["anon_mb"] < 0.05 * shard_mb, (on_small, on_big)
+
+
+def test_a_bpe_prepare_stays_bounded_too(tmp_path, record_property):
+    """bpe:4096 on 50 MB: the BPE trains on a capped sample (32 MB) and text is tokenized in
+    1 MB batches, so the peak is the same on 50 MB as on 200 MB (measured: 544 MB there)."""
+    size = _write_input(tmp_path / "in", 50)
+    run = _run(PREPARE, str(tmp_path / "ds"), str(tmp_path / "in"), "--tokenizer", "bpe:4096")
+    mb_per_s = size / 1e6 / run["wall_s"]
+    record_property("bpe_prepare_mb_per_s", round(mb_per_s, 1))
+    print(f"prepare bpe:4096: {size / 1e6:.0f} MB in {run['wall_s']:.1f} s ({mb_per_s:.1f} MB/s), "
+          f"peak RSS {run['rss_mb']:.0f} MB")  # fmt: skip
+    assert run["rss_mb"] < PREPARE_RSS_LIMIT_MB

@@ -59,6 +59,19 @@ class PipelineConfig(_Section):
         "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
+    def extra_warmups(self) -> list[int] | None:
+        """The resolved window as the schedule functions take it (None for 'none').
+
+        'auto' is sized from a link and stage times (mesh.runtime.emulate.resolve_window) before
+        any cell is built; a cell or the simulator meeting it unresolved is a user error.
+        """
+        if self.window == "auto":
+            raise ConfigError(
+                "pipeline.window = 'auto' is sized from a link at launch; the simulator has "
+                "none: give the extra warm-ups as a list (e.g. [1, 1, 0, 0]) or 'none'"
+            )
+        return None if self.window == "none" else list(self.window)
+
 
 class OptimConfig(_Section):
     name: Literal["nadamw", "adamw", "muon", "rotated_adam"] = "nadamw"

@@ -65,7 +65,9 @@ class Cell:
             p.data = self.flat[offset : offset + n].view_as(p)
             self._shapes.append((name, offset, n, p.shape))
             offset += n
-        delay = stage_delay(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages)
+        # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
+        pipe = self.cfg.pipeline
+        delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
         self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim, delay))
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
@@ -86,9 +88,8 @@ class Cell:
 
     def versions_to_keep(self) -> int:
         """The stashed versions the schedule reads: delay + 1 (+ the in-flight window's)."""
-        w = self.cfg.pipeline.window
-        window = None if w in ("none", "auto") else list(w)
-        return versions_kept(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages, window)
+        pipe = self.cfg.pipeline
+        return versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
 
     def push_version(self) -> None:
         """Record the live weights as version `self.step`: what the next forward will use.

@@ -12,7 +12,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -84,7 +84,11 @@ class OptimConfig(_Section):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.01, ge=0)
-    momentum_decay: float = Field(0.004, ge=0, description="NAdam psi: the mu_t ramp")
+    momentum_decay: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        0.004,
+        description="NAdam psi: the mu_t ramp (>= 0). 'auto': the paper's 0.004 over its 30k "
+        "updates, scaled to this run's schedule horizon (mu_t follows the same curve)",
+    )
     muon_lr: float = Field(0.02, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     ns_steps: int = Field(5, ge=1)
@@ -112,6 +116,17 @@ class DPConfig(_Section):
     lambda_initial: float = Field(0.5, gt=0, le=1)
     lambda_final: float = Field(0.01, gt=0, le=1)
     lambda_hold_steps: int = Field(1000, ge=0, description="lambda_initial for this many steps")
+    lambda_clock: Literal["steps", "arrivals"] = Field(
+        "steps",
+        description="what lambda's schedule counts. steps: optimizer updates (hold "
+        "dp.lambda_hold_steps, cosine to lambda_final at the horizon); arrivals: the averages a "
+        "coordinate has received (one per K = 1/p rounds), hold dp.lambda_hold_arrivals, "
+        "cosine over the run's arrivals per coordinate, so the EMA's memory (1/lambda arrivals) "
+        "means what it means in the paper however short the run",
+    )
+    lambda_hold_arrivals: int = Field(
+        50, ge=0, description="lambda_clock = arrivals: the paper's 1,000 steps at K = 20"
+    )
     selector: Literal["partition", "bernoulli"] = "partition"
     codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise"] = Field(
         "fp8_e4m3", description="codec of averaging payloads (and of gradients in grad_allreduce)"

@@ -115,6 +115,27 @@ def subset_sizes(numels: list[int], fraction: float, round_index: int = 0) -> li
     return [hi - lo for lo, hi in lo_hi]
 
 
+def arrivals_before(round_index: int, fraction: float, selector: str = "partition") -> float:
+    """Averages a coordinate of round `round_index` has received before this one lands: exactly
+    round // K for the partition selector (each coordinate once per K rounds), the expected
+    round x p for bernoulli. lambda's arrivals clock (dp.lambda_clock = 'arrivals')."""
+    if round_index < 0:
+        raise ValueError(f"round_index must be >= 0, got {round_index}")
+    if selector == "bernoulli":
+        return round_index * fraction
+    return float(round_index // num_parts(fraction))
+
+
+def arrivals_per_coordinate(horizon_steps: int, fraction: float, interval_steps: int = 1) -> int:
+    """Averages each coordinate receives over the schedule horizon: rounds / K (>= 1)."""
+    if horizon_steps < 1 or interval_steps < 1:
+        raise ValueError(
+            f"horizon and interval must be >= 1, got {horizon_steps}, {interval_steps}"
+        )
+    rounds = -(-horizon_steps // interval_steps)  # a round is launched at steps 0, H, 2H, ...
+    return max(1, rounds // num_parts(fraction))
+
+
 def apply_arrival(
     live: torch.Tensor,
     snapshot: torch.Tensor,

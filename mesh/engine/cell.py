@@ -15,7 +15,7 @@ import torch
 
 from comms import codecs
 from mesh.algo import sparse
-from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at
+from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at, momentum_decay_for
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.config import Config, OptimConfig
 from mesh.model.gpt import StageModule
@@ -23,11 +23,16 @@ from mesh.model.gpt import StageModule
 Params = dict[str, torch.Tensor]
 
 
-def optim_spec(cfg: OptimConfig, delay: int = 0) -> OptimSpec:
+def optim_spec(cfg: OptimConfig, delay: int = 0, horizon_steps: int | None = None) -> OptimSpec:
     """The optimizer's plain dataclass from the config section (same field names), plus the
-    stage's gradient delay (stage-aware rotation uses it)."""
+    stage's gradient delay (stage-aware rotation uses it) and momentum_decay = 'auto' resolved
+    for the run's schedule horizon."""
     fields = OptimSpec.__dataclass_fields__
-    return OptimSpec(**{k: v for k, v in cfg.model_dump().items() if k in fields}, delay=delay)
+    values = {k: v for k, v in cfg.model_dump().items() if k in fields}
+    if values["momentum_decay"] == "auto":
+        assert horizon_steps is not None, "momentum_decay = 'auto' needs the schedule horizon"
+        values["momentum_decay"] = momentum_decay_for(horizon_steps)
+    return OptimSpec(**values, delay=delay)
 
 
 @dataclass
@@ -68,7 +73,8 @@ class Cell:
         # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
         pipe = self.cfg.pipeline
         delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
-        self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim, delay))
+        spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon)
+        self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
         self.history[0] = self.flat.clone()
@@ -141,18 +147,26 @@ class Cell:
         """Roll the stale mean forward with the drift correction (only live weights change)."""
         assert rnd.mean is not None
         dp = self.cfg.dp
-        lam = lambda_at(
-            self.step,
-            self.cfg.schedule_horizon,
-            dp.lambda_initial,
-            dp.lambda_final,
-            dp.lambda_hold_steps,
-        )
+        lam = self.lambda_for(rnd.index)
         live = self.flat.index_select(0, rnd.indices)
         d = self.drift.index_select(0, rnd.indices)
         new_live, new_d = sparse.apply_arrival(live, rnd.snapshot, rnd.mean, d, dp.correction, lam)
         self.flat.index_copy_(0, rnd.indices, new_live)
         self.drift.index_copy_(0, rnd.indices, new_d)
+
+    def lambda_for(self, round_index: int) -> float:
+        """lambda of the EMA at the arrival of round `round_index`, on the config's clock: this
+        cell's update count now (steps) or the averages its coordinates have had (arrivals)."""
+        dp = self.cfg.dp
+        if dp.lambda_clock == "steps":
+            hold, now, total = dp.lambda_hold_steps, self.step, self.cfg.schedule_horizon
+        else:
+            hold = dp.lambda_hold_arrivals
+            now = sparse.arrivals_before(round_index, dp.fraction, dp.selector)
+            total = sparse.arrivals_per_coordinate(
+                self.cfg.schedule_horizon, dp.fraction, dp.interval_steps
+            )
+        return lambda_at(now, total, dp.lambda_initial, dp.lambda_final, hold)
 
     def due_rounds(self) -> list[Round]:
         """Completed rounds whose delay tau has passed, in launch order; removed from pending."""

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from mesh.algo import sparse
+from mesh.algo.optim import lambda_at
 from mesh.algo.sparse import (
     apply_arrival,
+    arrivals_before,
+    arrivals_per_coordinate,
     clear_index_cache,
     dp_bytes_per_replica_step,
     num_parts,
@@ -16,6 +19,9 @@ from mesh.algo.sparse import (
     subset_indices,
     subset_sizes,
 )
+from mesh.config import load_config
+from mesh.engine.cell import Cell
+from mesh.model.gpt import build_stages
 
 
 def test_stable_seed_is_fixed_and_63_bit() -> None:
@@ -168,3 +174,36 @@ def test_byte_formulas() -> None:
     assert ring_allreduce_bytes(1000, 2) == 1000 and ring_allreduce_bytes(1000, 5) == 1600
     with pytest.raises(ValueError, match="interval_steps"):
         dp_bytes_per_replica_step(n, 2, 4, 0.05, 0)
+
+
+def test_arrivals_clock_counts_the_averages_a_coordinate_has_had() -> None:
+    """K = 1/p rounds make one arrival per coordinate: the paper's 1,000-step hold at p = 5% is 50
+    arrivals, and a 1,600-update run gives each coordinate 80 of them."""
+    k = num_parts(0.05)
+    assert [arrivals_before(r, 0.05) for r in (0, k - 1, k, 2 * k + 3)] == [0, 0, 1, 2]
+    assert arrivals_before(40, 0.05, "bernoulli") == pytest.approx(2.0)
+    assert arrivals_per_coordinate(30_000, 0.05) == 1500
+    assert arrivals_per_coordinate(1600, 0.05) == 80
+    assert arrivals_per_coordinate(1600, 0.05, interval_steps=4) == 20
+    assert arrivals_per_coordinate(10, 0.05) == 1  # never a zero horizon
+    # every coordinate of round r has had exactly arrivals_before(r) earlier rounds
+    seen = torch.zeros(400, dtype=torch.int64)
+    for r in range(3 * 8):
+        idx = subset_indices(3, 0, 0, r, 400, 1 / 8)
+        assert (seen[idx] == arrivals_before(r, 1 / 8)).all()
+        seen[idx] += 1
+    with pytest.raises(ValueError):
+        arrivals_before(-1, 0.05)
+
+
+def test_cell_lambda_on_the_arrivals_clock() -> None:
+    base = ["grid.stages=1", "grid.replicas=2", "run.steps=1600", "dp.fraction=0.05"]
+    cfg = load_config([], [*base, "dp.lambda_clock=arrivals", "dp.lambda_hold_arrivals=10"])
+    cell = Cell(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
+    # rounds 0..199 are arrivals 0..9: held; the cosine then runs over arrivals 10..80
+    assert cell.lambda_for(0) == cell.lambda_for(199) == 0.5
+    assert cell.lambda_for(20 * 45) == pytest.approx(0.01 + 0.49 * 0.5)  # midway: 45 of 10..80
+    assert cell.lambda_for(1599) == pytest.approx(0.01, abs=2e-3)
+    steps = Cell(load_config([], base), 0, 0, build_stages(cfg.model, 1, 0)[0])
+    steps.step = 1200  # the steps clock reads the cell's update count, not the round
+    assert steps.lambda_for(0) == pytest.approx(lambda_at(1200, 1600, 0.5, 0.01, 1000))

@@ -3,8 +3,6 @@ AdamW limit, stage-aware refresh periods, error feedback, state round trip, and 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

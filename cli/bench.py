@@ -46,6 +46,22 @@ def bench_convergence(
     run_convergence(cfg, Path(out), quick=quick, workers=workers)
 
 
+@bench.command("ablations")
+@config_options
+@click.option("--quick", is_flag=True, help="1 seed, 160 microbatches (a few minutes here).")
+@click.option("--out", type=click.Path(file_okay=False), default="results/ablations")
+@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@user_errors
+def bench_ablations(
+    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str, workers: int
+) -> None:
+    """The AsyncMesh paper's ablation table on an 8x2 grid, the paper's numbers beside ours."""
+    from mesh.bench.ablations import run_ablations
+
+    run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers)
+    click.echo((Path(out) / "table.md").read_text())
+
+
 @bench.command("comms")
 @click.option("--quick", is_flag=True, help="Fewer repetitions (about a minute).")
 @click.option("--out", type=click.Path(file_okay=False), default="results/comms")

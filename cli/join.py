@@ -84,9 +84,17 @@ def run_config(
 ) -> Config:
     """The run's config: the DHT's record, checked against a local --config if one is given.
     With no run yet, the local config starts one."""
+    return config_of_record(registry.run(), local, sets, run_key)
+
+
+def config_of_record(
+    rec: RunRecord | None, local: Config | None, sets: list[str], run_key: str | None
+) -> Config:
+    """run_config on a record already read (None: no run yet). A local dataset that is not
+    the run's is refused naming what differs (the record carries the run's data identity)."""
+    from cli.preflight import check_data
     from comms.p2p.auth import Auth
 
-    rec = registry.run()
     if rec is None:
         if local is None:
             raise JoinError("no run found in the DHT: the first peer passes --config to start one")
@@ -101,9 +109,15 @@ def run_config(
             "a --set of a training key changes it: set only runtime.* keys when joining"
         )
     if local is not None and local.fingerprint() != rec.fingerprint:
+        from cli.preflight import changed_keys
+
+        changed = [k for k in changed_keys(local, theirs) if not k.startswith("runtime.")]
+        if "data.digest" in changed:  # the data's own check says what differs
+            check_data(with_overrides(theirs, {"data.path": local.data.path}), run_data=rec.data)
         raise JoinError(
-            f"config fingerprint {local.fingerprint()} differs from the run's {rec.fingerprint}: "
-            "drop --config (the run's own config is used) or use the run's exact settings"
+            f"config fingerprint {local.fingerprint()} differs from the run's {rec.fingerprint} "
+            f"({', '.join(changed) or 'settings'}): drop --config (the run's own config is "
+            "used) or use the run's exact settings"
         )
     if Auth.of(run_key, rec.fingerprint).key_check != rec.key_check:
         raise JoinError(
@@ -180,9 +194,11 @@ def run_join(
     host_maddrs: list[str],
     announce_maddrs: list[str],
     client_mode: bool,
+    verify_data: bool = False,
 ) -> None:
     from cli.preflight import check_data
     from comms.p2p.auth import Auth
+    from mesh.data.manifest import run_record_data
 
     maddr_kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or ["/ip4/0.0.0.0/tcp/0"]}
     if announce_maddrs:
@@ -190,14 +206,17 @@ def run_join(
     scout = open_scout(initial_peers, run_id, client_mode=True, **maddr_kwargs)
     try:
         probe = Registry(scout, None, 1.0)
-        cfg = run_config(probe, cfg_local, sets, run_key)
+        rec = probe.run()
+        cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
+        data = None
         if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here
-            check_data(cfg)
+            run_data = rec.data if rec is not None else None
+            data = run_record_data(check_data(cfg, verify_data, run_data).manifest)
         auth = Auth.of(run_key, cfg.fingerprint())
         registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
         if registry.run() is None:
-            registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check))
+            registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data))
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
         j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))

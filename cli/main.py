@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from cli.bench import bench
+from cli.data import data
 from cli.export import export
 from cli.generate import generate
 from cli.options import config_options, resolve_config, user_errors
@@ -26,9 +27,17 @@ def main() -> None:
 
 
 main.add_command(bench)
+main.add_command(data)
 main.add_command(export)
 main.add_command(generate)
 main.add_command(plan)
+
+verify_data_option = click.option(
+    "--verify-data",
+    is_flag=True,
+    help="Hash every shard of a prepared dataset against its manifest before training "
+    "(sizes are always checked).",
+)
 
 
 @main.command("show-config")
@@ -66,6 +75,7 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
     default=None,
     help="Continue a stopped run (torch/hivemind backends) from its checkpoints.",
 )
+@verify_data_option
 @user_errors
 def simulate(
     config_files: tuple[str, ...],
@@ -76,6 +86,7 @@ def simulate(
     out: str | None,
     backend: str | None,
     resume: str | None,
+    verify_data: bool,
 ) -> None:
     """Train a whole grid on this machine, every cell its own process, and print a summary."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
@@ -107,9 +118,11 @@ def simulate(
     if backend != "logical":
         from cli.simulate import simulate_processes
 
-        simulate_processes(cfg, backend, Path(out) if out else None, resume=bool(resume))
+        simulate_processes(cfg, backend, Path(out) if out else None, bool(resume), verify_data)
         return
-    sim = GridSim(cfg)
+    from cli.preflight import check_data
+
+    sim = GridSim(cfg, check_data(cfg, verify_data))
     with progress_bar(cfg.run.steps, "simulate") as bar:
         result = sim.run(lambda step, loss: bar.update_loss(loss))
     summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
@@ -118,14 +131,17 @@ def simulate(
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.toml").write_text(cfg.to_toml())
         (path / "summary.json").write_text(json.dumps(summary, indent=2))
+    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "pp B/replica/step",
+               "dp B/replica/step", "wall s"]  # fmt: skip
     print_table(
-        ["grid", "steps", "tokens", "val loss", "pp B/replica/step", "dp B/replica/step", "wall s"],
+        headers,
         [
             [
                 result.grid,
                 result.steps,
                 result.tokens,
                 "diverged" if result.val_loss is None else f"{result.val_loss:.4f}",
+                "n/a" if result.val_bpb is None else f"{result.val_bpb:.4f}",
                 f"{result.pp_bytes_per_replica_step:,.0f}",
                 f"{result.dp_bytes_per_replica_step:,.0f}",
                 f"{result.wall_s:.1f}",
@@ -230,6 +246,7 @@ def dht(
     is_flag=True,
     help="A peer behind NAT: do not serve the DHT, and ask a public peer to relay for us.",
 )
+@verify_data_option
 @run_options
 @p2p_options
 @user_errors
@@ -240,6 +257,7 @@ def join(
     stage: int | None,
     out: str | None,
     client_mode: bool,
+    verify_data: bool,
     run_id: str,
     run_key: str | None,
     host_maddrs: tuple[str, ...],
@@ -271,6 +289,7 @@ def join(
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs),
             client_mode=client_mode,
+            verify_data=verify_data,
         )
     except KeyboardInterrupt:  # once a cell runs, its own handler saves and releases it
         click.echo(
@@ -297,7 +316,7 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
     shown marked unverified, and status exits 2 after showing them."""
     from cli.join import open_scout
     from cli.report import print_table
-    from cli.status import STATUS_HEADERS, key_error, read_status, status_table
+    from cli.status import STATUS_HEADERS, data_label, key_error, read_status, status_table
 
     scout = open_scout(list(initial_peers), run_id, client_mode=True,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
@@ -311,6 +330,7 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
     else:
         grid = rows["grid"] or "unknown (no config record)"
         click.echo(f"run {run_id!r}: grid {grid}, run key {rows['run_key']}")
+        click.echo(f"data: {data_label(rows['data'])}")
         print_table(STATUS_HEADERS, status_table(rows))
         click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
     if problem:

@@ -1,8 +1,9 @@
 """What a launcher checks before any cell process starts or any file is written: a mistake
 costs the user one line and exit 2 within seconds, not eight tracebacks after twenty.
 
-- the data: the corpus loads (path exists, UTF-8, long enough) and its tokens fit the
-  vocabulary;
+- the data: the corpus loads (path exists, UTF-8, long enough; a prepared dataset's manifest
+  and shard sizes, and with --verify-data its shards' hashes), it is the run's (data.digest),
+  and its tokens fit the vocabulary;
 - the machine: runtime.host can be bound, runtime.device = cuda has a GPU;
 - a resume: the directory is a run, the new config changes nothing that the updates so far
   depend on, and every cell has an intact checkpoint at a common step (newer damaged files are
@@ -23,11 +24,39 @@ from mesh.errors import CheckpointError
 RESUMABLE = ("run.steps", "run.eval_every", "run.threads", "data.val_batches", "runtime.")
 
 
-def check_data(cfg: Config):  # -> mesh.data.Corpus (torch is imported only here)
-    """The corpus every cell will load, loaded once here; DataError / ConfigError if unusable."""
+def check_data(cfg: Config, verify: bool = False, run_data: dict | None = None):
+    """The corpus every cell will load, loaded once here; DataError / ConfigError if unusable.
+    (Returns a mesh.data.Corpus; torch is imported only here.)
+
+    verify: hash every shard of a prepared dataset against its manifest (--verify-data).
+    run_data: the identity of the run's dataset (its DHT record), to say what differs when
+    this peer's data is not the run's."""
     from mesh.data.corpus import load_corpus
+    from mesh.data.manifest import describe_difference, identity, verify_shards
+    from mesh.errors import DataError
 
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    want = cfg.data.digest
+    if want is not None and corpus.digest != want:
+        what = (
+            describe_difference(identity(corpus.manifest), run_data)
+            if run_data is not None and corpus.manifest is not None
+            else f"digest {corpus.digest[:16]} here"
+        )
+        raise DataError(
+            f"data.path = {cfg.data.path!r} is not the run's dataset (data.digest "
+            f"{want[:16]}): {what}; use a copy of the run's data (--set data.path=YOUR_COPY)"
+        )
+    if corpus.manifest is not None:
+        if verify:
+            verify_shards(Path(cfg.data.path), corpus.manifest)
+        if corpus.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size = {cfg.model.vocab_size}, but the dataset's tokenizer has "
+                f"{corpus.vocab_size} tokens ({cfg.data.path}/manifest.json); set "
+                f"model.vocab_size to at least {corpus.vocab_size}, or leave it unset"
+            )
+        return corpus
     top = int(max(corpus.train.max(), corpus.val.max()))
     if top >= cfg.model.vocab_size:
         raise ConfigError(

@@ -48,5 +48,12 @@ def progress_bar(total: int, desc: str, initial: int = 0) -> Iterator[_Bar]:
         yield _Bar(bar)
 
 
+def byte_bar(total: int, desc: str) -> tqdm:
+    """A bar over bytes of input (data prepare, verify): MB done, MB/s, time left."""
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True
+    )
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     click.echo(format_table(headers, rows))

@@ -22,7 +22,9 @@ from mesh.runtime.launch import GridRun, run_grid
 from mesh.runtime.metrics import metrics_offsets, read_metrics, summarize_run
 
 
-def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool = False) -> None:
+def simulate_processes(
+    cfg: Config, backend: str, out: Path | None, resume: bool = False, verify_data: bool = False
+) -> None:
     """Check everything a cell would trip over, then run the grid as processes; one line and
     exit 2 for a user error (here or in a cell), the summary table otherwise."""
     cfg = with_overrides(cfg, {"runtime.backend": backend})
@@ -31,7 +33,7 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
     cfg = resolve_window(cfg)
     if cfg.run.schedule_steps is None:
         cfg = with_overrides(cfg, {"run.schedule_steps": cfg.run.steps})
-    corpus = None if cfg.runtime.compute == "emulated" else check_data(cfg)
+    corpus = None if cfg.runtime.compute == "emulated" else check_data(cfg, verify_data)
     check_machine(cfg)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if (out / "metrics").exists() and not resume:
@@ -84,7 +86,8 @@ def simulate_processes(cfg: Config, backend: str, out: Path | None, resume: bool
 
 def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     headers = [
-        "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "pp B/replica/step",
+        "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "val bits/byte",
+        "pp B/replica/step",
         "dp B/replica/step", "rounds started/applied/failed",
     ]  # fmt: skip
     rounds = "/".join(
@@ -97,6 +100,7 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
         f"{summary['tokens_per_s']:,.0f}",
         _fmt_fraction(summary.get("fraction_of_ideal")),
         f"{summary['val_loss']:.4f}",
+        f"{summary['val_bpb']:.4f}" if summary.get("val_bpb") is not None else "n/a",
         f"{summary['bytes']['pp_per_replica_step']:,.0f}",
         f"{summary['bytes']['dp_per_replica_step']:,.0f}",
         rounds,

@@ -76,15 +76,17 @@ def status_rows(
         }
         for name, rec in sorted(owned.items())
     ]
-    grid = None
+    grid, data = None, None
     free: list[str] = []
     if cfg is not None:
         P, m = cfg.grid.stages, cfg.grid.replicas
         grid = f"{P}x{m}"
+        data = {"path": cfg.data.path, "digest": cfg.data.digest}
         free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
     return {
         "run_key": key,
         "grid": grid,
+        "data": data,
         "cells": cells,
         "free": free,
         "rejected_claims": registry.rejected,
@@ -137,6 +139,16 @@ def status_table(rows: dict[str, Any], now: float | None = None) -> list[list[st
         ]
         for c in rows["cells"]
     ]
+
+
+def data_label(data: dict[str, Any] | None) -> str:
+    """The run's data for the status line: a prepared dataset by its digest (what every peer
+    must hold), a text by its path."""
+    if data is None:
+        return "unknown"
+    if data.get("digest"):
+        return f"dataset {data['digest'][:16]} ({data['path']})"
+    return f"text {data['path']}" if data.get("path") else "the default corpus"
 
 
 STATUS_HEADERS = ["cell", "peer", "step", "tokens/s", "heartbeat", "session since"]

@@ -12,7 +12,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -86,6 +86,19 @@ class PipelineConfig(_Section):
         "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
+    def extra_warmups(self) -> list[int] | None:
+        """The resolved window as the schedule functions take it (None for 'none').
+
+        'auto' is sized from a link and stage times (mesh.runtime.emulate.resolve_window) before
+        any cell is built; a cell or the simulator meeting it unresolved is a user error.
+        """
+        if self.window == "auto":
+            raise ConfigError(
+                "pipeline.window = 'auto' is sized from a link at launch; the simulator has "
+                "none: give the extra warm-ups as a list (e.g. [1, 1, 0, 0]) or 'none'"
+            )
+        return None if self.window == "none" else list(self.window)
+
 
 class OptimConfig(_Section):
     name: Literal["nadamw", "adamw", "muon", "rotated_adam"] = "nadamw"
@@ -98,7 +111,11 @@ class OptimConfig(_Section):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.01, ge=0)
-    momentum_decay: float = Field(0.004, ge=0, description="NAdam psi: the mu_t ramp")
+    momentum_decay: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        0.004,
+        description="NAdam psi: the mu_t ramp (>= 0). 'auto': the paper's 0.004 over its 30k "
+        "updates, scaled to this run's schedule horizon (mu_t follows the same curve)",
+    )
     muon_lr: float = Field(0.02, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     ns_steps: int = Field(5, ge=1)
@@ -126,6 +143,17 @@ class DPConfig(_Section):
     lambda_initial: float = Field(0.5, gt=0, le=1)
     lambda_final: float = Field(0.01, gt=0, le=1)
     lambda_hold_steps: int = Field(1000, ge=0, description="lambda_initial for this many steps")
+    lambda_clock: Literal["steps", "arrivals"] = Field(
+        "steps",
+        description="what lambda's schedule counts. steps: optimizer updates (hold "
+        "dp.lambda_hold_steps, cosine to lambda_final at the horizon); arrivals: the averages a "
+        "coordinate has received (one per K = 1/p rounds), hold dp.lambda_hold_arrivals, "
+        "cosine over the run's arrivals per coordinate, so the EMA's memory (1/lambda arrivals) "
+        "means what it means in the paper however short the run",
+    )
+    lambda_hold_arrivals: int = Field(
+        50, ge=0, description="lambda_clock = arrivals: the paper's 1,000 steps at K = 20"
+    )
     selector: Literal["partition", "bernoulli"] = "partition"
     codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise"] = Field(
         "fp8_e4m3", description="codec of averaging payloads (and of gradients in grad_allreduce)"
@@ -145,7 +173,12 @@ class DPConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str | None = Field(None, description="UTF-8 text file; None = Shakespeare corpus")
+    path: str | None = Field(None, description="`data prepare` DIR, UTF-8 file, None: Shakespeare")
+    digest: str | None = Field(
+        None,
+        description="a prepared dataset's identity (from its manifest): in the fingerprint, "
+        "instead of data.path (where each peer keeps its copy is its own business)",
+    )
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out tail of each document")
     val_batches: int = Field(16, ge=1, description="fixed validation batches")
 
@@ -298,6 +331,26 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_the_data(cls, tree: Any) -> Any:
+        """A prepared dataset sets model.vocab_size and data.digest unless given: every config
+        naming one has them before any model is built (data.path/manifest.json, which
+        mesh.data.prepare writes; an unreadable one is the data loader's error to report)."""
+        data = tree.get("data") if isinstance(tree, dict) else None
+        model = tree.get("model", {}) if isinstance(tree, dict) else None
+        if not (isinstance(model, dict) and isinstance(data, dict)):
+            return tree
+        if data.get("digest") and "vocab_size" in model:
+            return tree  # both given (a run's own config.toml): nothing to read
+        try:
+            manifest = json.loads((Path(data["path"]) / "manifest.json").read_text())
+            vocab, digest = manifest["vocab_size"], manifest["digest"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return tree
+        data = {**data, "digest": data.get("digest") or digest}
+        return {**tree, "model": {"vocab_size": vocab, **model}, "data": data}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         m, g, p = self.model, self.grid, self.pipeline
@@ -365,6 +418,8 @@ class Config(_Section):
         if not with_steps or self.schedule_horizon != self.run.steps:
             run["schedule_steps"] = self.schedule_horizon
         d["run"] = run
+        # the digest says what a peer's data holds, not its path (None: hash as before the key)
+        del d["data"]["digest" if self.data.digest is None else "path"]
         del d["runtime"]  # how this peer connects is its own business
         for key in _LATER_MODEL_KEYS:
             if d["model"][key] == ModelConfig.model_fields[key].default:

@@ -19,9 +19,9 @@ import torch
 SELECTORS = ("partition", "bernoulli")
 CORRECTIONS = ("ema", "delta", "replace")
 
-# Permutation cache: consecutive rounds of one cycle reuse a permutation (randperm of 10M
+# Permutation cache: every round of a tensor reuses its one permutation (randperm of 10M
 # elements costs ~0.3 s). Bounded by entries and by elements; stored as int32 where it fits.
-_CACHE: OrderedDict[tuple[int, int, int, int, int], torch.Tensor] = OrderedDict()
+_CACHE: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
 _CACHE_MAX_ENTRIES = 256
 _CACHE_MAX_ELEMENTS = 1 << 27  # 512 MiB of int32
 
@@ -45,20 +45,17 @@ def _part_bounds(numel: int, k: int, part: int) -> tuple[int, int]:
     return part * numel // k, (part + 1) * numel // k
 
 
-def _permutation(seed: int, stage: int, tensor_index: int, cycle: int, numel: int) -> torch.Tensor:
-    key = (seed, stage, tensor_index, cycle, numel)
+def _permutation(seed: int, stage: int, tensor_index: int, numel: int) -> torch.Tensor:
+    key = (seed, stage, tensor_index, numel)
     perm = _CACHE.get(key)
     if perm is not None:
         _CACHE.move_to_end(key)
         return perm
-    gen = torch.Generator(device="cpu").manual_seed(stable_seed(seed, stage, tensor_index, cycle))
+    gen = torch.Generator(device="cpu").manual_seed(stable_seed(seed, stage, tensor_index))
     perm = torch.randperm(numel, generator=gen, dtype=torch.int64)
     if numel < 2**31:
         perm = perm.to(torch.int32)
     if numel <= _CACHE_MAX_ELEMENTS:
-        # Rounds only move forward: an older cycle of the same tensor will not be asked again.
-        for old in [k for k in _CACHE if k[:3] == key[:3] and k[4] == numel and k[3] < cycle]:
-            del _CACHE[old]
         _CACHE[key] = perm
         while len(_CACHE) > _CACHE_MAX_ENTRIES or (
             sum(t.numel() for t in _CACHE.values()) > _CACHE_MAX_ELEMENTS
@@ -83,9 +80,13 @@ def subset_indices(
 ) -> torch.Tensor:
     """Sorted int64 flat indices of round `round_index` for one tensor of one stage.
 
-    partition: a permutation seeded by (seed, stage, tensor, cycle = r // K) cut into K parts;
-    round r takes part r % K, so every coordinate is averaged exactly once per cycle and no
-    coordinate is in flight twice while tau <= K (algorithms.md 3.1, 3.3 overlap caveat).
+    partition: one permutation per (seed, stage, tensor) for the whole run, cut into K parts;
+    round r takes part r % K. Every coordinate is averaged exactly once in any K consecutive
+    rounds, always K rounds apart, so none is in flight twice while tau <= K x
+    dp.interval_steps (algorithms.md 3.3 overlap caveat). A permutation re-drawn every cycle
+    would break that at the seams: a coordinate late in cycle c can come early in cycle c+1
+    while its first round is still in flight (about 2% of launches at p = 0.05, tau = 5), and
+    its measured drift would then include that round's jump.
     bernoulli: each coordinate independently with probability `fraction` (variable size).
     fraction 1.0 selects everything.
     """
@@ -98,11 +99,11 @@ def subset_indices(
         return torch.arange(numel, dtype=torch.int64)
     if selector == "bernoulli":
         gen = torch.Generator(device="cpu").manual_seed(
-            stable_seed(seed, stage, tensor_index, round_index, 1)  # trailing 1: not a cycle seed
+            stable_seed(seed, stage, tensor_index, round_index, 1)  # not a permutation seed
         )
         mask = torch.rand(numel, generator=gen) < fraction
         return mask.nonzero().flatten()
-    perm = _permutation(seed, stage, tensor_index, round_index // k, numel)
+    perm = _permutation(seed, stage, tensor_index, numel)
     lo, hi = _part_bounds(numel, k, round_index % k)
     return perm[lo:hi].sort().values.to(torch.int64)
 
@@ -112,6 +113,27 @@ def subset_sizes(numels: list[int], fraction: float, round_index: int = 0) -> li
     k = num_parts(fraction)
     lo_hi = [_part_bounds(n, k, round_index % k) for n in numels]
     return [hi - lo for lo, hi in lo_hi]
+
+
+def arrivals_before(round_index: int, fraction: float, selector: str = "partition") -> float:
+    """Averages a coordinate of round `round_index` has received before this one lands: exactly
+    round // K for the partition selector (each coordinate once per K rounds), the expected
+    round x p for bernoulli. lambda's arrivals clock (dp.lambda_clock = 'arrivals')."""
+    if round_index < 0:
+        raise ValueError(f"round_index must be >= 0, got {round_index}")
+    if selector == "bernoulli":
+        return round_index * fraction
+    return float(round_index // num_parts(fraction))
+
+
+def arrivals_per_coordinate(horizon_steps: int, fraction: float, interval_steps: int = 1) -> int:
+    """Averages each coordinate receives over the schedule horizon: rounds / K (>= 1)."""
+    if horizon_steps < 1 or interval_steps < 1:
+        raise ValueError(
+            f"horizon and interval must be >= 1, got {horizon_steps}, {interval_steps}"
+        )
+    rounds = -(-horizon_steps // interval_steps)  # a round is launched at steps 0, H, 2H, ...
+    return max(1, rounds // num_parts(fraction))
 
 
 def apply_arrival(

@@ -19,12 +19,12 @@ import math
 import multiprocessing as mp
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import format_table, paired_gap, plot_curves
-from mesh.config import Config, with_overrides
+from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench.simruns import Spec, reuse, run_one, run_specs
+from mesh.config import Config
 from mesh.methods import METHODS, NADAMW_LR
 
 DP_METHODS = list(METHODS)
@@ -39,15 +39,6 @@ SWEEP_LRS = {
     "FullSync": [1e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3, 1.2e-2],
     "AsyncMesh-fp8": [1e-3, 2e-3, 2.5e-3, 3e-3, 3.5e-3, 4e-3, 5e-3],
 }
-
-
-@dataclass(frozen=True)
-class Spec:
-    study: str
-    method: str
-    seed: int
-    microbatches_per_update: int
-    overrides: tuple[tuple[str, Any], ...]
 
 
 def _pp_specs(seed: int) -> list[Spec]:
@@ -128,12 +119,12 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
     specs = [_dp_spec(m, 0, lr) for m, lrs in SWEEP_LRS.items() for lr in lrs]
     # points of an earlier sweep with the same config and budget are kept
     path = out / "lr_sweep.json"
-    runs = _reuse(
+    runs = reuse(
         json.loads(path.read_text()) if path.is_file() else [], specs, base, {"dp": budget}
     )
     todo = [(base.model_dump(mode="json"), s, budget) for s, r in zip(specs, runs) if r is None]
     with mp.get_context("spawn").Pool(workers) as pool:
-        new = iter(tqdm(pool.imap(_run_one, todo), total=len(todo), desc="lr sweep"))
+        new = iter(tqdm(pool.imap(run_one, todo), total=len(todo), desc="lr sweep"))
         runs = [r if r is not None else next(new) for r in runs]
     for spec, r in zip(specs, runs, strict=True):
         r["lr"] = dict(spec.overrides)["optim.lr"]
@@ -163,51 +154,7 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
     return runs
 
 
-def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
-    """The run's config: equal tokens, warmup and lambda hold as fixed shares of the run."""
-    steps = max(1, microbatches // spec.microbatches_per_update)
-    ov = dict(spec.overrides)
-    ov.update(
-        {
-            "run.seed": spec.seed,
-            "run.steps": steps,
-            "run.eval_every": max(1, steps // 12),
-            "run.threads": 1,
-            "optim.warmup_steps": max(1, steps // 20),
-            # AsyncMesh holds lambda for 1k of 30k steps: keep that share
-            "dp.lambda_hold_steps": max(1, steps // 30),
-        }
-    )
-    return with_overrides(base, ov)
-
-
-def _run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
-    from mesh.config import config_from_dict
-    from mesh.engine.sim import GridSim
-
-    base_tree, spec, microbatches = args
-    cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
-    r = GridSim(cfg).run()
-    return {
-        "microbatches": microbatches,
-        "config_fingerprint": cfg.fingerprint(),
-        "study": spec.study,
-        "method": spec.method,
-        "seed": spec.seed,
-        "val_loss": r.val_loss,
-        "val_loss_avg_model": r.val_loss_avg_model,
-        "tokens": r.tokens,
-        "steps": r.steps,
-        "dp_bytes_per_replica_step": r.dp_bytes_per_replica_step,
-        "pp_bytes_per_replica_step": r.pp_bytes_per_replica_step,
-        "diverged": r.diverged,
-        "wall_s": round(r.wall_s, 2),
-        "curve": r.curve,
-    }
-
-
 def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-    from tqdm import tqdm
 
     # the DP methods differ by a few hundredths of a nat, about their seed-to-seed spread: 4 seeds
     seeds = {"dp": [0, 1], "pp": [0, 1]} if quick else {"dp": [0, 1, 2, 3], "pp": [0, 1]}
@@ -216,23 +163,8 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
     specs = build_specs(seeds["dp"], seeds["pp"])
     # longest first so the pool's tail is short
     specs.sort(key=lambda s: -(2 if s.study == "dp" else 1))
-    tree = base.model_dump(mode="json")
     start = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    # a long study that is stopped keeps what finished: the next start skips those runs
-    partial = out / "runs.partial.jsonl"
-    found = _reuse(_read_runs(partial), specs, base, budget)
-    runs = [r for r in found if r is not None]
-    specs = [s for s, r in zip(specs, found, strict=True) if r is None]
-    partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers) as pool:
-        jobs = [(tree, s, budget[s.study]) for s in specs]
-        for res in tqdm(pool.imap_unordered(_run_one, jobs), total=len(jobs), desc="convergence"):
-            runs.append(res)
-            with partial.open("a") as f:
-                f.write(json.dumps(res) + "\n")
-    runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
+    runs = run_specs(base, specs, budget, out, workers, "convergence")
     summary = {
         "microbatches_per_replica": budget,
         "seeds": seeds,
@@ -245,29 +177,8 @@ def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[
         "runs": runs,
     }
     write_outputs(summary, out)
-    partial.unlink()
+    (out / "runs.partial.jsonl").unlink()
     return summary
-
-
-def _read_runs(partial: Path) -> list[dict[str, Any]]:
-    if not partial.is_file():
-        return []
-    return [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
-
-
-def _reuse(
-    old: list[dict[str, Any]], specs: list[Spec], base: Config, budget: dict[str, int]
-) -> list[dict[str, Any] | None]:
-    """For each spec, its finished run among `old` (a stopped study, an earlier sweep): the same
-    method, seed, budget and config fingerprint; None where it must run (again)."""
-    fields = ("study", "method", "seed", "microbatches", "config_fingerprint")
-    have = {tuple(r.get(k) for k in fields): r for r in old}
-    out = []
-    for s in specs:
-        mbs = budget[s.study]
-        fp = spec_config(base, s, mbs).fingerprint()
-        out.append(have.get((s.study, s.method, s.seed, mbs, fp)))
-    return out
 
 
 def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, float]]:
@@ -281,12 +192,6 @@ def _by_method(runs: list[dict[str, Any]], study: str) -> dict[str, dict[int, fl
 
 def _mean(vals: dict[int, float]) -> float:
     return statistics.mean(vals.values()) if vals else math.nan
-
-
-def _fmt_gap(g: tuple[float, float] | None) -> str:
-    if g is None:
-        return "n/a"
-    return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
 
 
 def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
@@ -367,7 +272,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
             [
                 method,
                 f"{_mean(dp[method]):.4f}",
-                _fmt_gap(paired_gap(dp[method], fs)),
+                fmt_gap(paired_gap(dp[method], fs)),
                 f"{dpb[method]:,.0f}",
                 f"{ratio:.4f}",
             ]
@@ -405,7 +310,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         gap = (
             "(reference)"
             if base is None or base is pp[method]
-            else _fmt_gap(paired_gap(pp[method], base))
+            else fmt_gap(paired_gap(pp[method], base))
         )
         prow.append([method, f"{_mean(pp[method]):.4f}", gap])
     lines += [

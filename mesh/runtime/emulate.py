@@ -258,10 +258,9 @@ def resolve_window(cfg: Config, headroom: float = 0.25) -> Config:
 
 def window_of(cfg: Config) -> list[int] | None:
     """The resolved window as `actions` takes it (None for 'none'); 'auto' must be resolved."""
-    w = cfg.pipeline.window
-    if w == "auto":
+    if cfg.pipeline.window == "auto":
         raise ValueError("pipeline.window = 'auto' must be resolved first (resolve_window)")
-    return None if w == "none" else list(w)
+    return cfg.pipeline.extra_warmups()
 
 
 # ---- throughput accounting ------------------------------------------------------------------

@@ -3,8 +3,9 @@
 No cell holds a whole model, so a replica is evaluated where its checkpoints meet: the stages'
 weights at one step, chained on the fixed validation batches. `simulate` does it while the grid
 trains, each time every cell of a replica has saved a new step (at most once per
-run.eval_every updates, and at the end), and appends a row to DIR/val.jsonl; the run's loss
-plot and summary read them.
+run.eval_every updates, and at the end), and appends a row to DIR/val.jsonl (the loss in nats
+per token, and in bits per byte of text: comparable across tokenizers); the run's loss plot and
+summary read them.
 
 imports: torch, mesh (config, data, model, checkpoint).
 """
@@ -19,7 +20,7 @@ import torch
 
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config
-from mesh.data.corpus import Corpus, val_batches
+from mesh.data.corpus import Corpus, bits_per_byte, val_batches
 from mesh.model.build import build_stages, lm_loss
 from mesh.runtime.checkpoint import checkpoint_path, saved_steps
 
@@ -70,6 +71,7 @@ class ValTracker:
     def __init__(self, cfg: Config, run_dir: Path, corpus: Corpus, start_step: int = 0) -> None:
         self.cfg, self.dir = cfg, run_dir
         self.batches = validation_batches(cfg, corpus)
+        self.bytes_per_token = corpus.val_bytes_per_token
         self.done = {i: start_step for i in range(cfg.grid.replicas)}
         self.path = run_dir / "val.jsonl"
 
@@ -98,6 +100,8 @@ class ValTracker:
                 self._write({**row, "val_loss": loss})
 
     def _write(self, row: dict[str, Any]) -> None:
+        """A row with the loss in nats per token and in bits per byte of text."""
+        row = {**row, "val_bpb": bits_per_byte(row["val_loss"], self.bytes_per_token)}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -148,24 +148,6 @@ def whole_model(cfg: Config, state: dict[str, torch.Tensor]) -> nn.Module:
     return model.eval()
 
 
-class _FileTokenizer:
-    """An export's tokenizer.json (the Hugging Face `tokenizers` format) behind the interface of
-    mesh.data.tokenizer's tokenizers."""
-
-    def __init__(self, path: Path, eot_id: int | None) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size()
-        self.eot_id = eot_id
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
-
-
 def load_for_sampling(source: str | Path, replica: int = 0) -> tuple[Config, nn.Module, Any, str]:
     """(config, whole model, tokenizer, where the weights came from) of a run directory (its
     newest complete step, as export takes it) or of an export directory."""
@@ -178,9 +160,18 @@ def load_for_sampling(source: str | Path, replica: int = 0) -> tuple[Config, nn.
         model = whole_model(cfg, run_weights(d, cfg, replica, step))
         return cfg, model, load_tokenizer(cfg.data.path), f"step {step} of replica {replica}"
     cfg, model = load_export(d)
-    hf = json.loads((d / "config.json").read_text())
-    if (d / "tokenizer.json").is_file():
-        tokenizer: Any = _FileTokenizer(d / "tokenizer.json", hf.get("eos_token_id"))
-    else:
-        tokenizer = load_tokenizer(None)  # an export without tokenizer files: bytes
-    return cfg, model, tokenizer, "export"
+    return cfg, model, export_tokenizer(d), "export"
+
+
+def export_tokenizer(export_dir: Path) -> Any:
+    """The tokenizer an export carries (its tokenizer.json), else bytes (with the end-of-text
+    token 256 when config.json names it, as a prepared byte dataset has)."""
+    from mesh.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    if (export_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(export_dir / "tokenizer.json"))
+        return HFTokenizer(tok, "tokenizer.json", export_dir)
+    hf = json.loads((export_dir / "config.json").read_text())
+    return ByteTokenizer(eot=hf.get("eos_token_id") == 256)

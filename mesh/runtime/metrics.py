@@ -38,7 +38,7 @@ def summarize_run(
     A resumed run (from start_step; its rows after the file offsets `since`): rates and bytes
     are of this segment, tokens and the loss of the whole run."""
 
-    from mesh.data.corpus import load_corpus
+    from mesh.data.corpus import bits_per_byte, load_corpus
     from mesh.runtime.emulate import throughput
     from mesh.runtime.evaluate import common_steps, replica_loss, tokens_at, validation_batches
 
@@ -48,7 +48,7 @@ def summarize_run(
     tokens = tokens_at(cfg, steps)  # one formula with the validation rows (mesh.runtime.evaluate)
     segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
     last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
     losses = [
         replica_loss(cfg, out_dir, i, common_steps(out_dir, cfg, i)[-1], batches) for i in range(m)
@@ -67,6 +67,7 @@ def summarize_run(
         "wall_s": round(wall_s, 2),
         "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
         "val_loss": sum(losses) / m,
+        "val_bpb": bits_per_byte(sum(losses) / m, corpus.val_bytes_per_token),
         "val_loss_replicas": losses,
         "bytes": {  # from the cells' final rows when present (written after sends drained)
             "pp_per_replica_step": tp.pp_bytes_per_replica_step,

@@ -155,6 +155,9 @@ class RunRecord:
     fingerprint: str
     toml: str
     key_check: str
+    # a prepared dataset's identity (mesh.data.manifest.identity): a joiner whose data differs
+    # is told what differs (tokenizer, which shard), not only that the digests do
+    data: dict[str, Any] | None = None
 
 
 def parse_run(value: object) -> RunRecord | None:
@@ -163,7 +166,8 @@ def parse_run(value: object) -> RunRecord | None:
     fp, toml, check = value.get("fingerprint"), value.get("toml"), value.get("key_check")
     if not (isinstance(fp, str) and isinstance(toml, str) and isinstance(check, str)):
         return None
-    return RunRecord(fp, toml, check)
+    data = value.get("data")
+    return RunRecord(fp, toml, check, data if isinstance(data, dict) else None)
 
 
 class Registry:
@@ -241,6 +245,8 @@ class Registry:
 
     def put_run(self, rec: RunRecord) -> bool:
         value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
+        if rec.data is not None:
+            value["data"] = rec.data
         return self.d.dht_store(
             "config", "run", {**value, "key_check": rec.key_check}, CONFIG_TTL_S
         )

@@ -24,6 +24,7 @@ from comms.transport import Transport
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data.corpus import load_corpus
+from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError, DataError
 from mesh.model.build import build_stage
@@ -93,8 +94,10 @@ def make_coordinator(
     transport: Transport,
     run_key: str | None,
     since: float | None = None,
+    data: dict[str, Any] | None = None,
 ) -> StaticCoordinator | DhtCoordinator:
-    """Fixed grid on torch.distributed; DHT sessions and heartbeats on hivemind."""
+    """Fixed grid on torch.distributed; DHT sessions and heartbeats on hivemind (data: the
+    dataset's identity for the run's record, mesh.data.manifest.run_record_data)."""
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
     if cfg.runtime.backend != "hivemind":
         return StaticCoordinator(cfg.run.steps, mpu)
@@ -111,7 +114,7 @@ def make_coordinator(
         steps=cfg.run.steps,
         mpu=mpu,
         wait_s=cfg.runtime.rejoin_timeout_s,
-        run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check),
+        run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data),
         since=since,
         step=cell.step,
     )
@@ -163,7 +166,9 @@ def run_cell(
     if emulated:
         cfg = resolve_window(cfg)  # deterministic here; real compute: the launcher resolves it
     corpus = (
-        None if emulated else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+        None
+        if emulated
+        else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     )
     module = build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed)
     cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
@@ -209,7 +214,8 @@ def run_cell(
             if resume_step is not None:
                 saved_at = checkpoint_path(out_dir, stage, replica, resume_step)
                 event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
-            coord = make_coordinator(cfg, cell, transport, run_key, since)
+            data = run_record_data(corpus.manifest) if corpus is not None else None
+            coord = make_coordinator(cfg, cell, transport, run_key, since, data)
             if isinstance(coord, DhtCoordinator):
                 coord.on_event = event  # waiting for whom, sessions
             worker = StageWorker(cfg, cell, transport, corpus)

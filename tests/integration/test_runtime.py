@@ -35,6 +35,8 @@ def _final_flats(out: Path, cfg) -> dict:
     "extra",
     [
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25"],
+        # an in-flight window: stage 0 reads one version older (design 4), in both engines
+        ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25", "pipeline.window=[1,0]"],
         [
             "pipeline.schedule=gpipe",
             "pipeline.microbatches=2",
@@ -43,7 +45,7 @@ def _final_flats(out: Path, cfg) -> dict:
             "optim.name=adamw",
         ],
     ],
-    ids=["asyncmesh-fp8", "fullsync"],
+    ids=["asyncmesh-fp8", "asyncmesh-window", "fullsync"],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):
     cfg = load_config(

@@ -2,7 +2,8 @@
 
 import json
 
-from mesh.bench.convergence import build_specs, spec_config, targets, write_outputs
+from mesh.bench.convergence import build_specs, targets, write_outputs
+from mesh.bench.simruns import read_runs, reuse, spec_config
 from mesh.config import load_config
 
 
@@ -74,8 +75,6 @@ def test_outputs_are_written_and_targets_judged(tmp_path):
 
 
 def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path):
-    from mesh.bench.convergence import _read_runs, _reuse
-
     base = load_config()
     specs = [s for s in build_specs([0]) if s.method in ("FullSync", "AsyncMesh")]
     want = {(s.study, s.method, s.seed): spec_config(base, s, 64).fingerprint() for s in specs}
@@ -91,5 +90,5 @@ def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path)
     ]  # fmt: skip
     partial = tmp_path / "runs.partial.jsonl"
     partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    found = _reuse(_read_runs(partial), specs, base, {"dp": 64, "pp": 64})
+    found = reuse(read_runs(partial), specs, base, {"dp": 64, "pp": 64})
     assert [r for r in found if r is not None] == [rows[2]]

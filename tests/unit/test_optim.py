@@ -13,15 +13,19 @@ from hypothesis import strategies as st
 
 from mesh.algo.optim import (
     OPTIMIZERS,
+    PAPER_STEPS,
     OptimSpec,
     StageOptimizer,
     is_hidden_matrix,
     lambda_at,
     lr_at,
+    momentum_decay_for,
     nadam_mu,
     newton_schulz,
     register_optimizer,
 )
+from mesh.config import load_config
+from mesh.engine.cell import optim_spec
 
 LRS = [1e-2 * (0.5 + 0.5 * math.sin(i)) + 1e-3 for i in range(30)]  # changing lr per step
 
@@ -452,3 +456,21 @@ def test_state_8bit_close_to_fp32(name: str) -> None:
     assert "blocks.0.ln1.weight/m" in sd
     if name == "nadamw":
         _check_round_trip(OptimSpec(name, lr=1e-2, state_8bit=True, error_feedback=True))
+
+
+@pytest.mark.parametrize("horizon", [300, 1600, 6400, 30_000])
+def test_auto_momentum_decay_follows_the_papers_mu_curve_over_any_horizon(horizon) -> None:
+    """psi = 'auto' maps the paper's 30k-update ramp onto the run: at the same share of the run
+    mu_t is the paper's, ending at its 0.986 (psi 0.004 over 1,600 updates reached only 0.61)."""
+    psi = momentum_decay_for(horizon)
+    for share in (0.01, 0.1, 0.5, 1.0):
+        ours = nadam_mu(round(share * horizon), 0.99, psi)
+        paper = nadam_mu(round(share * PAPER_STEPS), 0.99, 0.004)
+        assert ours == pytest.approx(paper, abs=2e-3)
+    assert nadam_mu(horizon, 0.99, psi) == pytest.approx(0.9863, abs=1e-4)
+    assert momentum_decay_for(1600) == pytest.approx(0.075)
+    cfg = load_config([], ["optim.momentum_decay=auto", f"run.steps={horizon}"])
+    assert optim_spec(cfg.optim, 0, cfg.schedule_horizon).momentum_decay == pytest.approx(psi)
+    assert optim_spec(load_config([], []).optim).momentum_decay == 0.004  # the default: fixed
+    with pytest.raises(ValueError):
+        momentum_decay_for(0)

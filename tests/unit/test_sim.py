@@ -1,10 +1,12 @@
 """The one-process grid against hand-rolled references (same seed, same numbers)."""
 
+import math
+
 import helpers
 import pytest
 import torch
 
-from comms import codecs
+from comms import codecs, wire
 from mesh.algo import sparse
 from mesh.algo.optim import StageOptimizer, lr_at
 from mesh.config import load_config
@@ -172,7 +174,15 @@ def test_rounds_land_exactly_tau_updates_late(text_file):
         torch.testing.assert_close(sim.cells[i][0].flat[idx], expected)
 
 
+def _framed_payload_bytes(x: torch.Tensor, codec: str, kind: wire.Kind) -> int:
+    """What a tensor adds to a real wire frame: the frame's length less an empty frame's."""
+    frame = wire.pack("t", kind, codecs.encode(x.reshape(-1), codec), 0)
+    empty = wire.pack("t", kind, codecs.encode(torch.zeros(0), codec), 0)
+    return len(frame) - len(empty)
+
+
 def test_bytes_are_counted_exactly(text_file):
+    """The simulator's byte counts equal what the real payloads take in real wire frames."""
     cfg = tiny(
         text_file,
         "run.steps=4",
@@ -183,17 +193,17 @@ def test_bytes_are_counted_exactly(text_file):
         "pipeline.codec=bf16",
     )
     sim = GridSim(cfg)
+    expected_dp = 0.0
     for _ in range(4):
         sim.step()
-    act = cfg.tokens_per_microbatch * cfg.model.d_model
-    assert sim.pp_bytes == 2 * 4 * 2 * codecs.encoded_nbytes(act, "bf16")  # m x steps x 2 ways
-    expected = 0.0
-    for r in range(4):
-        for j in range(2):
-            n = sim.cells[0][j].flat.numel()
-            size = len(sparse.subset_indices(0, j, 0, r, n, 0.05))
-            expected += 2 * sparse.ring_allreduce_bytes(codecs.encoded_nbytes(size, "fp8_e4m3"), 2)
-    assert sim.dp_bytes == pytest.approx(expected)
+        for j in range(2):  # the round just launched (tau = 1: still pending), as framed
+            payload = sim.cells[0][j].pending[-1].snapshot
+            framed = _framed_payload_bytes(payload, "fp8_e4m3", wire.Kind.AVERAGE)
+            expected_dp += 2 * sparse.ring_allreduce_bytes(framed, 2)  # m replicas send
+    act = torch.randn(cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+    framed_act = _framed_payload_bytes(act, "bf16", wire.Kind.ACTIVATION)
+    assert sim.pp_bytes == 2 * 4 * 2 * framed_act  # m x steps x (activation + its gradient)
+    assert sim.dp_bytes == pytest.approx(expected_dp)
 
 
 def test_asyncmesh_fp8_moves_far_fewer_bytes_than_fullsync(text_file):
@@ -226,3 +236,60 @@ def test_nan_loss_stops_the_run_as_diverged(text_file):
     )
     result = GridSim(cfg).run()
     assert result.diverged and result.val_loss is None and result.steps < 5
+
+
+def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file):
+    """The EMA drift correction as the paper writes it, by hand: a round launched after update u
+    snapshots the raw fp32 subset, every replica averages the decoded fp8 payloads (its own
+    included), and tau updates later lambda is taken at that arrival step and d is read and
+    written on the round's subset only."""
+    steps, tau, frac = 9, 2, 0.25
+    cfg = tiny(
+        text_file,
+        f"run.steps={steps}",
+        "grid.stages=1",
+        "grid.replicas=2",
+        "optim.name=adamw",
+        f"dp.tau={tau}",
+        f"dp.fraction={frac}",
+        "dp.codec=fp8_e4m3",
+        "dp.correction=ema",
+        "dp.lambda_initial=0.5",
+        "dp.lambda_final=0.05",
+        "dp.lambda_hold_steps=3",
+    )
+    sim = GridSim(cfg)
+    for _ in range(steps):
+        sim.step()
+
+    dp, o = cfg.dp, cfg.optim
+    corpus = load_corpus(str(cfg.data.path), cfg.data.val_fraction, cfg.model.seq_len)
+    models = [build_model(cfg.model, cfg.run.seed) for _ in range(2)]
+    opts = [StageOptimizer(list(m.named_parameters()), optim_spec(o)) for m in models]
+    flats = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    drift = [torch.zeros_like(f) for f in flats]
+    in_flight = []  # (lands after update, indices, raw snapshots, mean of decoded payloads)
+    for u in range(steps):
+        for i, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            x, y = train_batch(corpus, cfg.run.seed, i, u, 2, cfg.model.seq_len)
+            lm_loss(model(x), y).backward()
+            opt.step(lr_at(u, steps, 1.0, o.warmup_steps, o.min_lr_ratio))
+            opt.zero_grad()
+        live = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+        for _, idx, snaps, mean in [r for r in in_flight if r[0] == u]:
+            t = u + 1  # the arrival step (updates applied): hold 0.5 for 3, cosine to 0.05
+            cos = math.cos(math.pi * (t - 3) / (steps - 3))
+            lam = 0.5 if t < 3 else 0.05 + 0.45 * 0.5 * (1 + cos)
+            for i in range(2):
+                d = (1 - lam) * drift[i][idx] + lam * (live[i][idx] - snaps[i])
+                drift[i][idx] = d
+                live[i][idx] = mean + d
+        idx = sparse.subset_indices(cfg.run.seed, 0, 0, u, live[0].numel(), frac)
+        snaps = [live[i][idx].clone() for i in range(2)]
+        mean = sum(codecs.roundtrip(s, "fp8_e4m3", dp.block_size) for s in snaps) / 2
+        in_flight.append((u + tau, idx, snaps, mean))
+        for model, flat in zip(models, live, strict=True):
+            torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    for i in range(2):
+        torch.testing.assert_close(flat_replica(sim, i), live[i], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sim.cells[i][0].drift, drift[i], rtol=1e-5, atol=1e-6)

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from mesh.algo import sparse
+from mesh.algo.optim import lambda_at
 from mesh.algo.sparse import (
     apply_arrival,
+    arrivals_before,
+    arrivals_per_coordinate,
     clear_index_cache,
     dp_bytes_per_replica_step,
     num_parts,
@@ -16,6 +19,9 @@ from mesh.algo.sparse import (
     subset_indices,
     subset_sizes,
 )
+from mesh.config import load_config
+from mesh.engine.cell import Cell
+from mesh.model.build import build_stages
 
 
 def test_stable_seed_is_fixed_and_63_bit() -> None:
@@ -31,9 +37,9 @@ def test_stable_seed_is_fixed_and_63_bit() -> None:
 def test_partition_indices_are_pinned() -> None:
     # Replicas in other processes must get exactly these (seed 1234, stage 1, tensor 2, p=1/4).
     clear_index_cache()
-    want = [[1, 9, 12, 15, 19], [3, 5, 8, 13, 17], [2, 4, 10, 14, 18], [0, 6, 7, 11, 16]]
+    want = [[3, 4, 10, 15, 18], [0, 8, 13, 14, 19], [1, 5, 9, 11, 17], [2, 6, 7, 12, 16]]
     assert [subset_indices(1234, 1, 2, r, 20, 0.25).tolist() for r in range(4)] == want
-    assert subset_indices(1234, 1, 2, 4, 20, 0.25).tolist() == [2, 3, 5, 6, 15]  # next cycle
+    assert subset_indices(1234, 1, 2, 4, 20, 0.25).tolist() == want[0]  # the next cycle repeats
     assert subset_indices(1234, 1, 2, 0, 20, 0.25, "bernoulli").tolist() == [2, 12, 19]
 
 
@@ -43,7 +49,7 @@ def test_two_replicas_agree_and_keys_differ() -> None:
     b = subset_indices(7, 2, 3, 11, 5000, 0.05)
     assert a.dtype == torch.int64 and torch.equal(a, b)
     assert torch.equal(a, a.sort().values)
-    for other in [(8, 2, 3, 11), (7, 1, 3, 11), (7, 2, 4, 11), (7, 2, 3, 12), (7, 2, 3, 31)]:
+    for other in [(8, 2, 3, 11), (7, 1, 3, 11), (7, 2, 4, 11), (7, 2, 3, 12), (7, 2, 3, 30)]:
         assert not torch.equal(subset_indices(*other, 5000, 0.05), a)
     for sel in ("bernoulli",):
         x = subset_indices(7, 2, 3, 11, 5000, 0.05, sel)
@@ -60,6 +66,23 @@ def test_partition_covers_each_coordinate_once_per_cycle(numel: int, fraction: f
         assert torch.equal(torch.cat(parts).sort().values, torch.arange(numel))
         assert [len(p) for p in parts] == [subset_sizes([numel], fraction, r)[0] for r in rounds]
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.parametrize("fraction, interval", [(0.05, 1), (0.25, 1), (0.25, 3), (0.3, 2)])
+def test_no_coordinate_is_in_flight_twice_while_tau_fits_a_cycle(fraction, interval) -> None:
+    """Design 1.3: a round launched at step s lands at s + tau; with tau <= K x interval no
+    coordinate of it is launched again before it lands, across many cycles (the seams too)."""
+    numel, k = 997, num_parts(fraction)
+    launches: dict[int, list[int]] = {}  # coordinate -> launch steps
+    for r in range(5 * k + 3):
+        for c in subset_indices(11, 2, 0, r, numel, fraction).tolist():
+            launches.setdefault(c, []).append(r * interval)
+    assert sorted(launches) == list(range(numel))
+    for tau in range(k * interval + 1):
+        twice = sum(b < a + tau for steps in launches.values() for a, b in zip(steps, steps[1:]))
+        assert twice == 0, (tau, twice)
+    gaps = {b - a for steps in launches.values() for a, b in zip(steps, steps[1:])}
+    assert gaps == {k * interval}  # every coordinate exactly one cycle apart
 
 
 def test_sizes_and_parts() -> None:
@@ -84,9 +107,8 @@ def test_cache_is_reused_bounded_and_not_aliased() -> None:
     a = subset_indices(9, 0, 0, 0, 1000, 0.1)
     a[:] = -1  # a caller mutating its result must not corrupt the next round
     assert (subset_indices(9, 0, 0, 1, 1000, 0.1) >= 0).all()
-    assert len(sparse._CACHE) == 1  # rounds 0 and 1 share cycle 0's permutation
-    subset_indices(9, 0, 0, 10, 1000, 0.1)  # cycle 1 supersedes cycle 0
-    assert [k[3] for k in sparse._CACHE] == [1]
+    subset_indices(9, 0, 0, 10, 1000, 0.1)  # the next cycle
+    assert len(sparse._CACHE) == 1  # every round of a tensor shares its one permutation
     for t in range(sparse._CACHE_MAX_ENTRIES + 5):
         subset_indices(9, 0, t, 0, 10, 0.1)
     assert len(sparse._CACHE) == sparse._CACHE_MAX_ENTRIES
@@ -152,3 +174,36 @@ def test_byte_formulas() -> None:
     assert ring_allreduce_bytes(1000, 2) == 1000 and ring_allreduce_bytes(1000, 5) == 1600
     with pytest.raises(ValueError, match="interval_steps"):
         dp_bytes_per_replica_step(n, 2, 4, 0.05, 0)
+
+
+def test_arrivals_clock_counts_the_averages_a_coordinate_has_had() -> None:
+    """K = 1/p rounds make one arrival per coordinate: the paper's 1,000-step hold at p = 5% is 50
+    arrivals, and a 1,600-update run gives each coordinate 80 of them."""
+    k = num_parts(0.05)
+    assert [arrivals_before(r, 0.05) for r in (0, k - 1, k, 2 * k + 3)] == [0, 0, 1, 2]
+    assert arrivals_before(40, 0.05, "bernoulli") == pytest.approx(2.0)
+    assert arrivals_per_coordinate(30_000, 0.05) == 1500
+    assert arrivals_per_coordinate(1600, 0.05) == 80
+    assert arrivals_per_coordinate(1600, 0.05, interval_steps=4) == 20
+    assert arrivals_per_coordinate(10, 0.05) == 1  # never a zero horizon
+    # every coordinate of round r has had exactly arrivals_before(r) earlier rounds
+    seen = torch.zeros(400, dtype=torch.int64)
+    for r in range(3 * 8):
+        idx = subset_indices(3, 0, 0, r, 400, 1 / 8)
+        assert (seen[idx] == arrivals_before(r, 1 / 8)).all()
+        seen[idx] += 1
+    with pytest.raises(ValueError):
+        arrivals_before(-1, 0.05)
+
+
+def test_cell_lambda_on_the_arrivals_clock() -> None:
+    base = ["grid.stages=1", "grid.replicas=2", "run.steps=1600", "dp.fraction=0.05"]
+    cfg = load_config([], [*base, "dp.lambda_clock=arrivals", "dp.lambda_hold_arrivals=10"])
+    cell = Cell(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
+    # rounds 0..199 are arrivals 0..9: held; the cosine then runs over arrivals 10..80
+    assert cell.lambda_for(0) == cell.lambda_for(199) == 0.5
+    assert cell.lambda_for(20 * 45) == pytest.approx(0.01 + 0.49 * 0.5)  # midway: 45 of 10..80
+    assert cell.lambda_for(1599) == pytest.approx(0.01, abs=2e-3)
+    steps = Cell(load_config([], base), 0, 0, build_stages(cfg.model, 1, 0)[0])
+    steps.step = 1200  # the steps clock reads the cell's update count, not the round
+    assert steps.lambda_for(0) == pytest.approx(lambda_at(1200, 1600, 0.5, 0.01, 1000))

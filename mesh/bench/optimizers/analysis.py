@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from mesh.bench.optimizers.protocol import ASYNC_OPTIMIZERS, TWO_BW_P
-from mesh.bench.report import paired_gap
+from mesh.bench.report import fmt_gap, paired_gap
 
 
 def steps_to_target(curve: list[dict[str, float]], target: float) -> int | None:
@@ -72,12 +72,6 @@ def _loss(rs: list[dict[str, Any]] | None) -> float:
 
 def _by_seed(rs: list[dict[str, Any]] | None, key: str = "val_loss") -> dict[int, float]:
     return {r["seed"]: (math.nan if r[key] is None else r[key]) for r in rs or []}
-
-
-def _fmt_gap(g: tuple[float, float] | None) -> str:
-    if g is None:
-        return "n/a"
-    return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
 
 
 def _mean_field(rs: list[dict[str, Any]] | None, key: str) -> float:
@@ -155,7 +149,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, bool | None, str]]:
         out.append(
             (
                 f"2bw: error feedback reduces {opt}'s gap to gpipe (val loss)",
-                f"{_fmt_gap(g0)} -> {_fmt_gap(g1)}",
+                f"{fmt_gap(g0)} -> {fmt_gap(g1)}",
                 None if g0 is None or g1 is None else g1[0] < g0[0],
                 "",
             )

@@ -10,7 +10,6 @@ from typing import Any
 from mesh.bench.optimizers.analysis import (
     _async_labels,
     _by_seed,
-    _fmt_gap,
     _group,
     _loss,
     _memory_rows,
@@ -19,7 +18,7 @@ from mesh.bench.optimizers.analysis import (
     targets,
 )
 from mesh.bench.optimizers.protocol import TWO_BW_M, TWO_BW_OPTIMIZERS, TWO_BW_P
-from mesh.bench.report import format_table, paired_gap, plot_curves
+from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 
 
 def _fmt_s2t(rs: list[dict[str, Any]] | None) -> str:
@@ -97,7 +96,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         rows.append(
             [f"{lab} - adamw (paired)"]
             + [
-                _fmt_gap(paired_gap(_by_seed(a.get((lab, p))), _by_seed(a.get(("adamw", p)))))
+                fmt_gap(paired_gap(_by_seed(a.get((lab, p))), _by_seed(a.get(("adamw", p)))))
                 for p in stages
             ]
         )
@@ -119,8 +118,8 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 _fmt_s2t(v0),
                 _fmt_s2t(v1),
                 f"{_loss(ref):.4f}",
-                _fmt_gap(paired_gap(_by_seed(v0), _by_seed(ref))),
-                _fmt_gap(paired_gap(_by_seed(v1), _by_seed(ref))),
+                fmt_gap(paired_gap(_by_seed(v0), _by_seed(ref))),
+                fmt_gap(paired_gap(_by_seed(v1), _by_seed(ref))),
             ]
         )
     lines += [

@@ -93,7 +93,9 @@ def _time_paired(args: tuple[dict[str, Any], list[int], int]) -> list[dict[str, 
 
     base_tree, stages, steps = args
     base = config_from_dict(base_tree)
-    corpus = load_corpus(base.data.path, base.data.val_fraction, base.model.seq_len)
+    corpus = load_corpus(
+        base.data.path, base.data.val_fraction, base.model.seq_len, base.data.digest
+    )
     out = []
     for p in stages:
         sims, step_s, opt_s = {}, {}, {}

@@ -1,0 +1,113 @@
+"""Studies on the one-process simulator: a run's spec, its config at a budget, a pool of worker
+processes, and resuming a stopped study (the runs already finished are kept, keyed by method,
+seed, budget and config fingerprint). `bench convergence` and `bench ablations` share it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mesh.config import Config, with_overrides
+
+
+@dataclass(frozen=True)
+class Spec:
+    study: str
+    method: str
+    seed: int
+    microbatches_per_update: int
+    overrides: tuple[tuple[str, Any], ...]
+
+
+def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
+    """The run's config: equal tokens, warmup and lambda hold as fixed shares of the run."""
+    steps = max(1, microbatches // spec.microbatches_per_update)
+    ov = dict(spec.overrides)
+    ov.update(
+        {
+            "run.seed": spec.seed,
+            "run.steps": steps,
+            "run.eval_every": max(1, steps // 12),
+            "run.threads": 1,
+            "optim.warmup_steps": max(1, steps // 20),
+            # AsyncMesh holds lambda for 1k of 30k steps: keep that share
+            "dp.lambda_hold_steps": max(1, steps // 30),
+        }
+    )
+    return with_overrides(base, ov)
+
+
+def run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
+    """One simulator run (in a worker process): its record for summary.json."""
+    from mesh.config import config_from_dict
+    from mesh.engine.sim import GridSim
+
+    base_tree, spec, microbatches = args
+    cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
+    r = GridSim(cfg).run()
+    return {
+        "microbatches": microbatches,
+        "config_fingerprint": cfg.fingerprint(),
+        "study": spec.study,
+        "method": spec.method,
+        "seed": spec.seed,
+        "val_loss": r.val_loss,
+        "val_loss_avg_model": r.val_loss_avg_model,
+        "tokens": r.tokens,
+        "steps": r.steps,
+        "dp_bytes_per_replica_step": r.dp_bytes_per_replica_step,
+        "pp_bytes_per_replica_step": r.pp_bytes_per_replica_step,
+        "diverged": r.diverged,
+        "wall_s": round(r.wall_s, 2),
+        "curve": r.curve,
+    }
+
+
+def read_runs(partial: Path) -> list[dict[str, Any]]:
+    if not partial.is_file():
+        return []
+    return [json.loads(ln) for ln in partial.read_text().splitlines() if ln.strip()]
+
+
+def reuse(
+    old: list[dict[str, Any]], specs: list[Spec], base: Config, budget: dict[str, int]
+) -> list[dict[str, Any] | None]:
+    """For each spec, its finished run among `old` (a stopped study, an earlier sweep): the same
+    method, seed, budget and config fingerprint; None where it must run (again)."""
+    fields = ("study", "method", "seed", "microbatches", "config_fingerprint")
+    have = {tuple(r.get(k) for k in fields): r for r in old}
+    out = []
+    for s in specs:
+        mbs = budget[s.study]
+        fp = spec_config(base, s, mbs).fingerprint()
+        out.append(have.get((s.study, s.method, s.seed, mbs, fp)))
+    return out
+
+
+def run_specs(
+    base: Config, specs: list[Spec], budget: dict[str, int], out: Path, workers: int, desc: str
+) -> list[dict[str, Any]]:
+    """Every spec's run at its study's budget, `workers` at a time, with a progress bar. Each
+    finished run is appended to out/runs.partial.jsonl at once, so a stopped study resumes
+    where it stopped; the caller removes that file once its outputs are written."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "runs.partial.jsonl"
+    found = reuse(read_runs(partial), specs, base, budget)
+    runs = [r for r in found if r is not None]
+    todo = [s for s, r in zip(specs, found, strict=True) if r is None]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    tree = base.model_dump(mode="json")
+    with mp.get_context("spawn").Pool(workers) as pool:
+        jobs = [(tree, s, budget[s.study]) for s in todo]
+        for res in tqdm(pool.imap_unordered(run_one, jobs), total=len(jobs), desc=desc):
+            runs.append(res)
+            with partial.open("a") as f:
+                f.write(json.dumps(res) + "\n")
+    runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
+    return runs

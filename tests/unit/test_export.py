@@ -135,3 +135,32 @@ def test_generate_from_a_gpt_run_and_its_mistakes(tmp_path, text_file):
     assert _generate(run, "--top-k", "0").exit_code == 2
     res = _generate(tmp_path / "run" / "checkpoints")
     assert res.exit_code == 2 and "neither a run directory" in res.output
+
+
+def test_export_of_a_run_on_a_prepared_bpe_dataset_carries_its_tokenizer(tmp_path):
+    """The end-to-end path of the two issues: a BPE dataset, a llama trained on it (vocab from
+    the manifest), exported with the tokenizer files that transformers loads, and sampled."""
+    from transformers import AutoTokenizer
+
+    from mesh.bench.join_procs import generated_text
+    from mesh.data.prepare import prepare
+
+    src = tmp_path / "src.jsonl"
+    src.write_text(
+        "".join(json.dumps({"text": generated_text(2000, seed=i)}) + "\n" for i in range(20))
+    )
+    prepare([str(src)], tmp_path / "ds", "bpe:320")
+    run, _ = llama_run(tmp_path, tmp_path / "ds")
+    cfg = load_config([run / "config.toml"])
+    assert (
+        cfg.model.vocab_size
+        == json.loads((tmp_path / "ds" / "manifest.json").read_text())["vocab_size"]
+    )
+    assert _export(run, tmp_path / "hf").exit_code == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == cfg.model.vocab_size
+    assert config["eos_token_id"] == hf_tok.eos_token_id is not None
+    res = _generate(tmp_path / "hf", "--temperature", "0")
+    assert res.exit_code == 0 and res.stdout.startswith("ROMEO:")

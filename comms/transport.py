@@ -120,5 +120,10 @@ class Transport(Protocol):
         result is the mean of all contributors' DEQUANTIZED payloads, own included, summed in
         member order, so it is bit-identical on every member."""
 
+    def drop_tags(self, prefix: str) -> int:
+        """Nobody will take a message whose tag starts with `prefix` (a broken pipeline
+        session's): drop those waiting and those that arrive later, counted in stats.rejects as
+        "stale". Returns how many were waiting."""
+
     def close(self) -> None:
         """Stop threads and daemons, release ports; idempotent."""

@@ -277,7 +277,32 @@ def suggest_key(key: str, known: list[str]) -> str | None:
     return hint[0] if hint else None
 
 
+# keys that no longer exist: key -> (the value that is what every run now does, why). A config
+# that spells out that value (every run's config.toml written while the key existed does) still
+# loads; any other value is a ConfigError, since the run would not do what it asks.
+REMOVED_KEYS = {
+    "runtime.mean_path": (
+        "direct",
+        "removed (issue 16): hivemind's averager path is gone and averaging rounds always take "
+        "the direct all-gather on the peers' streams; delete the key",
+    ),
+}
+
+
+def _removed(key: str, value: Any, origin: str) -> bool:
+    """Whether `key` is a removed key (to be left out of the tree); ConfigError if its value
+    asks for what was removed."""
+    if key not in REMOVED_KEYS:
+        return False
+    kept, why = REMOVED_KEYS[key]
+    if value != kept:
+        raise ConfigError(f"{key} = {value!r}: {why} (from {origin})")
+    return True
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, origin: str) -> None:
+    if _removed(key, value, origin):
+        return
     known = _known_keys(Config)
     if key not in known:
         hint = suggest_key(key, known)
@@ -327,6 +352,11 @@ def load_config(
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
+    for key in REMOVED_KEYS:  # a tree from an older peer or file
+        section, leaf = key.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and leaf in node and _removed(key, node[leaf], "config"):
+            tree = {**tree, section: {k: v for k, v in node.items() if k != leaf}}
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

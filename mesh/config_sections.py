@@ -211,11 +211,6 @@ class RuntimeConfig(_Section):
         description="hivemind: a cell this many updates behind the most advanced live peer of "
         "its stage reloads that peer's state before it trains (a joiner always does)",
     )
-    mean_path: Literal["direct", "averager"] = Field(
-        "direct",
-        description="hivemind: averaging rounds as an all-gather on our streams (direct), or "
-        "through hivemind's DecentralizedAverager (one round per group at a time)",
-    )
     checkpoint_every: int = Field(
         50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
     )

@@ -178,7 +178,10 @@ class StageWorker:
             # SEND_ACT / SEND_GRAD: the forward / backward queued them; sends never block
 
     def reset(self) -> None:
-        """After a broken session: drop the in-flight microbatches and the partial update."""
+        """After a broken session: drop the in-flight microbatches and the partial update, and
+        the session's messages waiting in (or still coming to) the mailbox: nobody will take
+        them, and they would hold a neighbour's mailbox room until they expired."""
+        self.transport.drop_tags(self.session.prefix)
         self.in_flight.clear()
         self._grads_empty = True
         self._update_loss = 0.0

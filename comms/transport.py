@@ -43,6 +43,9 @@ class MeanResult:
     mean: torch.Tensor | None  # float32, same shape as the payload; None when FAILED
     contributors: tuple[str, ...]  # peer names whose dequantized payloads were averaged
     reason: str = ""  # why not OK
+    # the contributors' dequantized payloads (flat, in contributor order): what a caller that
+    # combines them another way (a robust mean, a deviation bound) starts from
+    parts: tuple[torch.Tensor, ...] = ()
 
 
 class SendHandle(Protocol):

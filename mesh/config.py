@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,15 @@ def _check_arch(m: ModelConfig) -> None:
 def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[int, int], float]:
     """runtime.slowdowns ["s2r0=2.0", ...] -> {(stage, replica): factor}; ValueError naming
     the key and the entry when a cell is not in the grid, repeated, or a factor is not > 0."""
+    return parse_cell_factors(items, stages, replicas, "runtime.slowdowns", positive=True)
+
+
+def parse_cell_factors(
+    items: list[str], stages: int, replicas: int, key: str, positive: bool = False
+) -> dict[tuple[int, int], float]:
+    """Per-cell factors ["sJrI=FACTOR", ...] of config `key` -> {(stage, replica): factor};
+    ValueError naming the key and the entry when a cell is not in the grid, repeated, or a
+    factor is not finite (not > 0 with `positive`)."""
     import re
 
     out: dict[tuple[int, int], float] = {}
@@ -70,19 +80,18 @@ def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[
             except ValueError:
                 factor = None
         if m is None or factor is None:
-            raise ValueError(
-                f"runtime.slowdowns entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'"
-            )
+            raise ValueError(f"{key} entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'")
         j, i = int(m.group(1)), int(m.group(2))
         if not (0 <= j < stages and 0 <= i < replicas):
             raise ValueError(
-                f"runtime.slowdowns entry {item!r}: cell s{j}r{i} is not in the "
+                f"{key} entry {item!r}: cell s{j}r{i} is not in the "
                 f"{stages}x{replicas} grid (stages s0..s{stages - 1}, replicas r0..r{replicas - 1})"
             )
-        if not (factor > 0 and factor < float("inf")):
-            raise ValueError(f"runtime.slowdowns entry {item!r}: the factor must be > 0")
+        if not math.isfinite(factor) or (positive and factor <= 0):
+            must = "> 0" if positive else "finite"
+            raise ValueError(f"{key} entry {item!r}: the factor must be {must}")
         if (j, i) in out:
-            raise ValueError(f"runtime.slowdowns lists cell s{j}r{i} twice")
+            raise ValueError(f"{key} lists cell s{j}r{i} twice")
         out[(j, i)] = factor
     return out
 
@@ -141,6 +150,15 @@ class Config(_Section):
                 "set pipeline.schedule='gpipe' or dp.mode='param_avg'"
             )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
+        parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
+        from mesh.algo.robust import ROBUST_MIN_MEMBERS
+
+        if self.dp.aggregate != "mean" and g.replicas < ROBUST_MIN_MEMBERS:
+            raise ValueError(
+                f"dp.aggregate = {self.dp.aggregate!r} needs grid.replicas >= "
+                f"{ROBUST_MIN_MEMBERS} (got {g.replicas}): with fewer there is no majority to "
+                "keep; set dp.aggregate='mean' (dp.outlier_k works for any replicas)"
+            )
         if isinstance(p.window, list):
             from mesh.algo.schedule import validate_window
 

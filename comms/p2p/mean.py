@@ -108,11 +108,13 @@ class _Round:
         who = tuple(m for m in self.members if m in got)
         if me not in got or not ran:
             return MeanResult(MeanStatus.FAILED, None, (), why or "no other member took part")
-        mean = mean_in_member_order([got[m] for m in who]).reshape(self.shape)
+        parts = tuple(got[m].reshape(-1) for m in who)
+        mean = mean_in_member_order(list(parts)).reshape(self.shape)
         if len(who) == len(self.members):
-            return MeanResult(MeanStatus.OK, mean, who)
+            return MeanResult(MeanStatus.OK, mean, who, parts=parts)
         missing = [m for m in self.members if m not in got]
-        return MeanResult(MeanStatus.PARTIAL, mean, who, f"missing {missing}; {why}".strip("; "))
+        why = f"missing {missing}; {why}".strip("; ")
+        return MeanResult(MeanStatus.PARTIAL, mean, who, why, parts)
 
 
 class MeanHandle:

@@ -117,20 +117,22 @@ class Mailbox:
                         dropped += 1
         return dropped
 
-    def put(self, sender: str, msg: Message, nbytes: int) -> None:
-        """File a message whose room was reserved with reserve/try_reserve."""
+    def put(self, sender: str, msg: Message, nbytes: int) -> bool:
+        """File a message whose room was reserved with reserve/try_reserve; False when its tag
+        is closed (dropped, counted, its room given back)."""
         with self._cond:
             self._lost.pop(sender, None)
             if msg.name in self._closed.get(sender, ()):
                 self._drop(sender, nbytes, "late")
-                return
+                return False
             if any(msg.name.startswith(p) for p in self._closed_prefixes):
                 self._drop(sender, nbytes, "stale")
-                return
+                return False
             self._boxes[sender].setdefault(msg.name, deque()).append(
                 (time.monotonic(), msg, nbytes)
             )
             self._cond.notify_all()
+            return True
 
     def take(self, sender: str, tag: str, deadline: float) -> Message | None:
         """Oldest message from sender with tag; None if none arrived by `deadline` (monotonic).

@@ -38,6 +38,8 @@ from comms.wire import Expect, Kind, Message
 class Sent(Protocol):
     """A send as the direct path reads it (comms.p2p.transport.SendResult)."""
 
+    def done(self) -> bool: ...
+
     @property
     def ack(self) -> Ack | None: ...
 
@@ -230,9 +232,13 @@ class MeanService:
                     if lost is not None:
                         why.append(f"{m}: {lost}")
                         break  # its link is gone: do not wait for its payload
+        for h in sends.values():  # their acks: whether ours was taken (and the byte counts)
+            while not h.done() and time.monotonic() < job.deadline and not job.cut.is_set():
+                time.sleep(0.005)
         for m in others:
             if m not in got:  # its payload, if it comes now, is stale: dropped and counted
                 self.t.mailbox.close_tag(m, job.name(m))
-        # the round ran if another member took our payload or sent us theirs
+        # the round ran if another member took our payload (filed it: not DROPPED as late)
+        # or sent us theirs
         took = any(h.ack == Ack.OK for h in sends.values())
         deliver(job.verdict(got, took or len(got) > 1, me, "; ".join(why)))

@@ -34,7 +34,7 @@ def test_late_payload_of_a_closed_round_is_dropped_and_counted():
     box = Mailbox(8, 1 << 20, on_drop=drops.append)
     box.close_tag("s1r1", "mean/stage1/7/1")
     assert box.try_reserve("s1r1", 16)
-    box.put("s1r1", _msg("mean/stage1/7/1", Kind.AVERAGE), 16)
+    assert not box.put("s1r1", _msg("mean/stage1/7/1", Kind.AVERAGE), 16)
     assert box.pending() == 0 and drops == ["late"]
     assert box.try_reserve("s1r1", 16)  # its room was given back
 
@@ -51,7 +51,7 @@ def test_a_broken_sessions_messages_are_dropped_at_once_and_on_arrival():
     assert box.close_prefix("17/") == 2
     assert drops == ["stale", "stale"] and box.pending() == 1
     assert box.try_reserve("s0r0", 16)  # a late message of the broken session: dropped too
-    box.put("s0r0", _msg("17/act/4", Kind.ACTIVATION), 16)
+    assert not box.put("s0r0", _msg("17/act/4", Kind.ACTIVATION), 16)
     assert drops == ["stale"] * 3 and box.pending() == 1
     assert box.take("s0r0", "18/act/0", time.monotonic() + 0.1) is not None
     for _ in range(4):  # every byte and slot was given back

@@ -24,6 +24,7 @@ from pathlib import Path
 import hivemind
 import pytest
 import torch
+from p2p_procs import assert_gone, p2pd_descendants, process_tree, sockets_of, sweep_sockets
 
 from comms import codecs, wire
 from comms.codecs import Encoded
@@ -143,11 +144,11 @@ class Peer:
     def kill(self) -> None:
         """SIGKILL the peer process alone: its DHT and p2pd must notice, exit, and
         remove their socket files."""
-        tree = _tree(self.proc.pid)
-        socks = _sockets_of(tree)
+        tree = process_tree(self.proc.pid)
+        socks = sockets_of(tree)
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
-        _assert_gone(tree[1:], socks)
+        assert_gone(tree[1:], socks)
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -194,111 +195,30 @@ class Cluster:
         self.boot.join(10)
 
 
-# ------------------------------------------------------------------ process hygiene
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    return kids
-
-
-def _tree(pid: int) -> list[int]:
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
-
-
-def _assert_gone(pids: list[int], sockets: set[str], timeout_s: float = 10.0) -> None:
-    """Each pid exited (or is a zombie waiting for init) and each socket file is gone."""
-
-    def alive(p: int) -> bool:
-        try:
-            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(alive(p) for p in pids) and not any(map(os.path.exists, sockets)):
-            return
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "helpers of a killed peer outlived it"
-    assert not [s for s in sockets if os.path.exists(s)], "a killed peer left socket files"
-
-
-def _p2pd_descendants() -> set[int]:
-    found = set()
-    for p in _tree(os.getpid())[1:]:
-        try:
-            if Path(f"/proc/{p}/comm").read_text().strip() == "p2pd":
-                found.add(p)
-        except OSError:
-            pass
-    return found
-
-
-def _sockets_of(pids: list[int]) -> set[str]:
-    """The /tmp/hivemind-*.sock files these processes have bound."""
-    inodes = set()
-    for p in pids:
-        try:
-            for fd in Path(f"/proc/{p}/fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    found = set()
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
-            found.add(parts[7])
-    return found
-
-
-def _sweep_sockets(existing: set[Path]) -> None:
-    """Remove hivemind socket files that appeared during the test and that no process has
-    bound any more (left by a peer this test killed; a live socket is never touched)."""
-    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
-    for path in set(Path("/tmp").glob("hivemind-*.sock")) - existing:
-        if str(path) not in bound:
-            path.unlink(missing_ok=True)
-
-
 @pytest.fixture(autouse=True)
 def hygiene():
     """After each test: no p2pd started by it is left, and the sockets of killed peers are gone."""
-    before, socks = _p2pd_descendants(), set(Path("/tmp").glob("hivemind-*.sock"))
+    before, socks = p2pd_descendants(), set(Path("/tmp").glob("hivemind-*.sock"))
     yield
     deadline = time.monotonic() + 15
-    while _p2pd_descendants() - before and time.monotonic() < deadline:
+    while p2pd_descendants() - before and time.monotonic() < deadline:
         time.sleep(0.2)
-    _sweep_sockets(socks)
-    assert not _p2pd_descendants() - before, "p2pd daemons left running"
+    sweep_sockets(socks)
+    assert not p2pd_descendants() - before, "p2pd daemons left running"
 
 
 @pytest.fixture(scope="module")
 def four():
-    before = _p2pd_descendants()
+    before = p2pd_descendants()
     c = Cluster(["r0", "r1", "r2", "r3"], run_id="t4")
     try:
         yield c
     finally:
         c.close()
         deadline = time.monotonic() + 15
-        while _p2pd_descendants() - before and time.monotonic() < deadline:
+        while p2pd_descendants() - before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _p2pd_descendants() - before, "p2pd daemons left running"
+        assert not p2pd_descendants() - before, "p2pd daemons left running"
 
 
 # ------------------------------------------------------------------ point to point

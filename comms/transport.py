@@ -43,6 +43,9 @@ class MeanResult:
     mean: torch.Tensor | None  # float32, same shape as the payload; None when FAILED
     contributors: tuple[str, ...]  # peer names whose dequantized payloads were averaged
     reason: str = ""  # why not OK
+    # the contributors' dequantized payloads (flat, in contributor order): what a caller that
+    # combines them another way (a robust mean, a deviation bound) starts from
+    parts: tuple[torch.Tensor, ...] = ()
 
 
 class SendHandle(Protocol):
@@ -119,6 +122,11 @@ class Transport(Protocol):
         blocking. Every member must call it with the same group, members and round_id. The
         result is the mean of all contributors' DEQUANTIZED payloads, own included, summed in
         member order, so it is bit-identical on every member."""
+
+    def drop_tags(self, prefix: str) -> int:
+        """Nobody will take a message whose tag starts with `prefix` (a broken pipeline
+        session's): drop those waiting and those that arrive later, counted in stats.rejects as
+        "stale". Returns how many were waiting."""
 
     def close(self) -> None:
         """Stop threads and daemons, release ports; idempotent."""

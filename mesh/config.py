@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,15 @@ def _check_arch(m: ModelConfig) -> None:
 def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[int, int], float]:
     """runtime.slowdowns ["s2r0=2.0", ...] -> {(stage, replica): factor}; ValueError naming
     the key and the entry when a cell is not in the grid, repeated, or a factor is not > 0."""
+    return parse_cell_factors(items, stages, replicas, "runtime.slowdowns", positive=True)
+
+
+def parse_cell_factors(
+    items: list[str], stages: int, replicas: int, key: str, positive: bool = False
+) -> dict[tuple[int, int], float]:
+    """Per-cell factors ["sJrI=FACTOR", ...] of config `key` -> {(stage, replica): factor};
+    ValueError naming the key and the entry when a cell is not in the grid, repeated, or a
+    factor is not finite (not > 0 with `positive`)."""
     import re
 
     out: dict[tuple[int, int], float] = {}
@@ -70,19 +80,18 @@ def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[
             except ValueError:
                 factor = None
         if m is None or factor is None:
-            raise ValueError(
-                f"runtime.slowdowns entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'"
-            )
+            raise ValueError(f"{key} entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'")
         j, i = int(m.group(1)), int(m.group(2))
         if not (0 <= j < stages and 0 <= i < replicas):
             raise ValueError(
-                f"runtime.slowdowns entry {item!r}: cell s{j}r{i} is not in the "
+                f"{key} entry {item!r}: cell s{j}r{i} is not in the "
                 f"{stages}x{replicas} grid (stages s0..s{stages - 1}, replicas r0..r{replicas - 1})"
             )
-        if not (factor > 0 and factor < float("inf")):
-            raise ValueError(f"runtime.slowdowns entry {item!r}: the factor must be > 0")
+        if not math.isfinite(factor) or (positive and factor <= 0):
+            must = "> 0" if positive else "finite"
+            raise ValueError(f"{key} entry {item!r}: the factor must be {must}")
         if (j, i) in out:
-            raise ValueError(f"runtime.slowdowns lists cell s{j}r{i} twice")
+            raise ValueError(f"{key} lists cell s{j}r{i} twice")
         out[(j, i)] = factor
     return out
 
@@ -141,6 +150,15 @@ class Config(_Section):
                 "set pipeline.schedule='gpipe' or dp.mode='param_avg'"
             )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
+        parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
+        from mesh.algo.robust import ROBUST_MIN_MEMBERS
+
+        if self.dp.aggregate != "mean" and g.replicas < ROBUST_MIN_MEMBERS:
+            raise ValueError(
+                f"dp.aggregate = {self.dp.aggregate!r} needs grid.replicas >= "
+                f"{ROBUST_MIN_MEMBERS} (got {g.replicas}): with fewer there is no majority to "
+                "keep; set dp.aggregate='mean' (dp.outlier_k works for any replicas)"
+            )
         if isinstance(p.window, list):
             from mesh.algo.schedule import validate_window
 
@@ -277,7 +295,32 @@ def suggest_key(key: str, known: list[str]) -> str | None:
     return hint[0] if hint else None
 
 
+# keys that no longer exist: key -> (the value that is what every run now does, why). A config
+# that spells out that value (every run's config.toml written while the key existed does) still
+# loads; any other value is a ConfigError, since the run would not do what it asks.
+REMOVED_KEYS = {
+    "runtime.mean_path": (
+        "direct",
+        "removed (issue 16): hivemind's averager path is gone and averaging rounds always take "
+        "the direct all-gather on the peers' streams; delete the key",
+    ),
+}
+
+
+def _removed(key: str, value: Any, origin: str) -> bool:
+    """Whether `key` is a removed key (to be left out of the tree); ConfigError if its value
+    asks for what was removed."""
+    if key not in REMOVED_KEYS:
+        return False
+    kept, why = REMOVED_KEYS[key]
+    if value != kept:
+        raise ConfigError(f"{key} = {value!r}: {why} (from {origin})")
+    return True
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, origin: str) -> None:
+    if _removed(key, value, origin):
+        return
     known = _known_keys(Config)
     if key not in known:
         hint = suggest_key(key, known)
@@ -327,6 +370,11 @@ def load_config(
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
+    for key in REMOVED_KEYS:  # a tree from an older peer or file
+        section, leaf = key.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and leaf in node and _removed(key, node[leaf], "config"):
+            tree = {**tree, section: {k: v for k, v in node.items() if k != leaf}}
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -158,6 +158,19 @@ class DPConfig(_Section):
         description="runtime (hivemind): a member whose payload is still missing this many "
         "updates after a round was due is dropped from it; the round applies over the rest",
     )
+    aggregate: Literal["mean", "trimmed_mean", "median"] = Field(
+        "mean",
+        description="how a round combines the dequantized payloads, coordinate-wise: mean; "
+        "trimmed_mean (drops the largest and smallest quarter, at least one each) or median "
+        "keep one poisoning replica from steering the average (grid.replicas >= 3)",
+    )
+    outlier_k: float = Field(
+        0.0,
+        ge=0,
+        description="reject a payload whose RMS distance to this replica's own exceeds k x the "
+        "lower median of recent accepted distances (counted as 'outlier'); 0: off. 10 leaves a "
+        "clean run alone and catches scaled or sign-flipped weights",
+    )
 
 
 class DataConfig(_Section):
@@ -211,10 +224,11 @@ class RuntimeConfig(_Section):
         description="hivemind: a cell this many updates behind the most advanced live peer of "
         "its stage reloads that peer's state before it trains (a joiner always does)",
     )
-    mean_path: Literal["direct", "averager"] = Field(
-        "direct",
-        description="hivemind: averaging rounds as an all-gather on our streams (direct), or "
-        "through hivemind's DecentralizedAverager (one round per group at a time)",
+    poison: list[str] = Field(
+        [],
+        description="emulated hostile peers (tests, benchmarks): per-cell factors its averaging "
+        'payloads are multiplied by before they are sent, e.g. ["s0r3=-1000"]; such a cell '
+        "takes no averages itself",
     )
     checkpoint_every: int = Field(
         50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
@@ -259,7 +273,7 @@ class RuntimeConfig(_Section):
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
-    "dp": ("lambda_clock", "lambda_hold_arrivals"),
+    "dp": ("lambda_clock", "lambda_hold_arrivals", "aggregate", "outlier_k"),
 }
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,

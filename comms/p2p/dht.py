@@ -6,7 +6,7 @@ subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs
 "t": publish time, "auth": token}, MSGPack-encoded by hivemind, type-checked here because any
 peer can write a key: a name holds one record per process that published it, and readers take
 the newest one that proves membership, so an outsider cannot shadow a member's name).
-`watch_parent` makes forked helpers (the DHT process, the averagers) stop their p2pd, remove
+`watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
 imports: hivemind, comms.p2p.auth, stdlib (no torch, no mesh, no cli).
@@ -82,9 +82,9 @@ def pick_record(
 
 
 def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:
-    """In a forked helper process (DHT, averager): once the process that started it is gone
+    """In a forked helper process (the DHT's): once the process that started it is gone
     (we were re-parented), run on_orphan and exit. Each helper holds both ends of its control
-    pipe, so it never sees EOF; without this a SIGKILLed peer leaves its DHT, averager and p2pd
+    pipe, so it never sees EOF; without this a SIGKILLed peer leaves its DHT and p2pd
     running forever."""
     parent = os.getppid()
 
@@ -111,7 +111,7 @@ def one_line(record: logging.LogRecord) -> bool:
 
 class _RequestPipe:
     """The DHT process's end of its request pipe. A request is unpickled as it is read, and one
-    whose sender (our peer process, or one of its averagers) was killed while handing it over
+    whose sender (our peer process) was killed while handing it over
     cannot be: its pipe ends wait in the dead sender's multiprocessing resource sharer, and the
     read fails with EOFError or AuthenticationError instead of hivemind's expected OSError, which
     would end the DHT process (every later request of the live sender then hangs). Any failure

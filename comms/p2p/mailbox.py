@@ -6,7 +6,9 @@ messages and `max_bytes` bytes (stored plus reserved while a body is still arriv
 flooding peer fills only its own box. Messages nobody takes expire after `ttl_s`. A sender that
 broke the stream protocol is marked lost: takes from it raise PeerLost when nothing with the tag
 is waiting, until it delivers a valid message again. `wire.expect_reject` re-checks a filed message
-against what a `recv` caller expects.
+against what a `recv` caller expects. Tags nobody will take any more are closed (`close_tag`: a
+finished round's missing payloads; `close_prefix`: every message of a broken pipeline session):
+what waits is dropped at once and what arrives later is dropped on arrival, both counted.
 
 imports: stdlib and comms only.
 """
@@ -23,6 +25,7 @@ from comms.errors import PeerLost
 from comms.wire import Kind, Message
 
 _CLOSED_TAGS = 1024  # per sender
+_CLOSED_PREFIXES = 64  # broken sessions remembered (a neighbour notices a break within beats)
 
 
 class Mailbox:
@@ -44,6 +47,8 @@ class Mailbox:
         # tags nobody will take any more (a finished round's missing payloads): dropped on
         # arrival and counted as "late", so a frozen peer's stale contribution never lingers
         self._closed: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
+        # tag prefixes nobody will take from anyone (a broken session's "epoch/"): "stale"
+        self._closed_prefixes: OrderedDict[str, None] = OrderedDict()
 
     def try_reserve(self, sender: str, nbytes: int) -> bool:
         """Reserve room for a message of nbytes (released by put or release)."""
@@ -94,20 +99,40 @@ class Mailbox:
                 if self._on_drop is not None:
                     self._on_drop("late")
 
-    def put(self, sender: str, msg: Message, nbytes: int) -> None:
-        """File a message whose room was reserved with reserve/try_reserve."""
+    def close_prefix(self, prefix: str) -> int:
+        """Nobody will take a tag starting with `prefix` from anyone (the messages of a broken
+        pipeline session): drop those waiting now ("stale") and those that arrive later.
+        Returns how many were dropped now."""
+        if not prefix:
+            raise ValueError("an empty prefix would close every tag")
+        dropped = 0
+        with self._cond:
+            self._closed_prefixes[prefix] = None
+            while len(self._closed_prefixes) > _CLOSED_PREFIXES:
+                self._closed_prefixes.popitem(last=False)
+            for sender, box in self._boxes.items():
+                for tag in [t for t in box if t.startswith(prefix)]:
+                    for _, _, nbytes in box.pop(tag):
+                        self._drop(sender, nbytes, "stale")
+                        dropped += 1
+        return dropped
+
+    def put(self, sender: str, msg: Message, nbytes: int) -> bool:
+        """File a message whose room was reserved with reserve/try_reserve; False when its tag
+        is closed (dropped, counted, its room given back)."""
         with self._cond:
             self._lost.pop(sender, None)
             if msg.name in self._closed.get(sender, ()):
-                self._bytes[sender] -= nbytes
-                self._count[sender] -= 1
-                if self._on_drop is not None:
-                    self._on_drop("late")
-                return
+                self._drop(sender, nbytes, "late")
+                return False
+            if any(msg.name.startswith(p) for p in self._closed_prefixes):
+                self._drop(sender, nbytes, "stale")
+                return False
             self._boxes[sender].setdefault(msg.name, deque()).append(
                 (time.monotonic(), msg, nbytes)
             )
             self._cond.notify_all()
+            return True
 
     def take(self, sender: str, tag: str, deadline: float) -> Message | None:
         """Oldest message from sender with tag; None if none arrived by `deadline` (monotonic).
@@ -135,6 +160,13 @@ class Mailbox:
             if sender is not None:
                 return sum(len(q) for q in self._boxes.get(sender, {}).values())
             return sum(len(q) for box in self._boxes.values() for q in box.values())
+
+    def _drop(self, sender: str, nbytes: int, why: str) -> None:
+        """Give back the room of a message not filed (or taken out unread), and count it."""
+        self._bytes[sender] -= nbytes
+        self._count[sender] -= 1
+        if self._on_drop is not None:
+            self._on_drop(why)
 
     def _evict_rounds(self, sender: str, nbytes: int) -> None:
         """A full box makes room by dropping its oldest averaging payloads ("evicted"): those

@@ -56,6 +56,8 @@ class Ack(IntEnum):
     BAD_SENDER = 3  # claimed name does not resolve to the stream's PeerID
     TOO_LARGE = 4  # declared length > max_message_bytes; the body was never read
     BAD_STREAM = 5  # header magic/version/name unreadable
+    DROPPED = 6  # valid, but nobody there will take it: a finished round's or a broken
+    # session's message (counted late / stale there)
 
 
 class StreamMixin:
@@ -122,7 +124,8 @@ class StreamMixin:
                 await writer.drain()
             await writer.drain()
             ack = Ack((await reader.readexactly(1))[0])
-            ok = ack in (Ack.OK, Ack.REJECTED)  # the receiver keeps the stream open after these
+            # the receiver keeps the stream open after these
+            ok = ack in (Ack.OK, Ack.REJECTED, Ack.DROPPED)
             return ack
         finally:
             pool = self._idle.setdefault(peer, [])
@@ -173,19 +176,20 @@ class StreamMixin:
             return await self._refuse(writer, Ack.BAD_SENDER, "bad_sender")
         if not await self.mailbox.reserve(sender, total, self.timeout_s):
             return await self._refuse(writer, Ack.FULL, "mailbox_full")
-        filed = False
+        answer, handed = Ack.REJECTED, False
         try:
             res = await self._read_body(reader, total)
             if isinstance(res, Reject):
                 self.stats.add_reject(res.reason)
             else:
-                self.mailbox.put(sender, res, total)
+                handed = True  # put files it, or drops it and gives its room back itself
+                filed = self.mailbox.put(sender, res, total)
                 self.stats.add_received(sender, res.kind, total)
-                filed = True
+                answer = Ack.OK if filed else Ack.DROPPED
         finally:
-            if not filed:
+            if not handed:
                 self.mailbox.release(sender, total)
-        writer.write(bytes([Ack.OK if filed else Ack.REJECTED]))
+        writer.write(bytes([answer]))
         await writer.drain()
         return True
 

@@ -13,7 +13,7 @@ shares that daemon through a replica P2P on a private asyncio loop thread.
   claimed sender name resolves to the libp2p-authenticated PeerID of the stream, validates the
   bytes with `wire.unpack` (rejects are counted in stats, never raised into the peer), and files
   the message in a bounded per-sender mailbox keyed by tag (the wire name).
-- Group means: see comms/p2p/mean.py (hivemind's DecentralizedAverager, or a direct all-gather).
+- Group means: see comms/p2p/mean.py (an all-gather of payload frames on our streams).
 - Run records (cell claims, sessions, the run's config) in the same DHT: `dht_store` / `dht_get`
   (comms.p2p.dht.RunRecords); with `auth` (comms/p2p/auth.py) only members' streams are served.
 
@@ -101,7 +101,7 @@ class P2PTransport(StreamMixin, RunRecords):
 
     Args:
         me: this peer's name (e.g. "s1r0"); unique within run_id.
-        run_id: namespace of DHT keys, stream handler and averager prefixes.
+        run_id: namespace of DHT keys and the stream handler.
         initial_peers: multiaddrs of ANY hivemind DHT node (ours, `meshtrain dht`, `hivemind-dht`).
         host_maddrs: listen addresses; default loopback only.
         announce_maddrs: addresses others should dial (NAT / port mapping); explicit ports.
@@ -119,8 +119,6 @@ class P2PTransport(StreamMixin, RunRecords):
             held until its release time under the link model, then sent.
         peers: names this peer will talk to; resolved (and dialed) in the background from the
             start, so a first message does not pay the DHT lookups.
-        mean_path: "averager" (hivemind DecentralizedAverager) or "direct" (all-gather on streams).
-            With shaping, means take the direct path: hivemind's own traffic cannot be paced.
         auth: comms.p2p.auth.Auth: our record carries its token, and streams from peers whose
             record lacks a valid token are refused ("unauthorized"); None accepts any peer.
     """
@@ -146,18 +144,14 @@ class P2PTransport(StreamMixin, RunRecords):
         record_ttl_s: float = 60.0,
         shaping: Shaping | LinkShapers = None,
         peers: Sequence[str] = (),
-        mean_path: str = "averager",
         auth: Auth | None = None,
     ) -> None:
-        if mean_path not in ("averager", "direct"):
-            raise ValueError(f"mean_path must be 'averager' or 'direct', got {mean_path!r}")
         if not 0 < len(me.encode()) < 256:
             raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
-        self.client_mode, self.mean_path, self.auth = client_mode, mean_path, auth
+        self.client_mode, self.auth = client_mode, auth
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
-        self.shaped = shaping is not None
         startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
@@ -219,6 +213,10 @@ class P2PTransport(StreamMixin, RunRecords):
                 return msg
             self.stats.add_reject(bad.reason)  # dropped; keep waiting for a matching one
 
+    def drop_tags(self, prefix: str) -> int:
+        """See comms.transport.Transport.drop_tags (the mailbox counts drops as "stale")."""
+        return self.mailbox.close_prefix(prefix)
+
     def start_mean(
         self,
         group: str,
@@ -228,11 +226,11 @@ class P2PTransport(StreamMixin, RunRecords):
         codec: str,
         timeout_s: float,
     ) -> MeanHandle:
-        """Background mean over `members`; see comms/p2p/mean.py for both paths."""
+        """Background mean over `members`; see comms/p2p/mean.py."""
         return self._means.start(group, list(members), round_id, values, codec, timeout_s)
 
     def close(self) -> None:
-        """Stop averagers, streams, the loop thread and the DHT (which reaps its p2pd)."""
+        """Stop streams, the loop thread and the DHT (which reaps its p2pd)."""
         if self._closed:
             return
         self._closed = True

@@ -230,8 +230,8 @@ class GroupMeans:
         mean = ordered_mean(parts).reshape(r.shape)
         if excluded:
             why = "excluded " + ", ".join(excluded)
-            return MeanResult(MeanStatus.PARTIAL, mean, tuple(contributors), why)
-        return MeanResult(MeanStatus.OK, mean, tuple(contributors))
+            return MeanResult(MeanStatus.PARTIAL, mean, tuple(contributors), why, tuple(parts))
+        return MeanResult(MeanStatus.OK, mean, tuple(contributors), parts=tuple(parts))
 
     def _finish(self, r: MeanRound, result: MeanResult) -> MeanRound:
         if r._finish(result):

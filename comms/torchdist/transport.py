@@ -152,6 +152,7 @@ class TorchTransport(GroupMeans):
         self._limit = Expect(max_body_bytes=max_message_bytes)
         self._shapers = LinkShapers(me, shaping)
         self._closed = False
+        self._stale: collections.deque[str] = collections.deque(maxlen=64)  # see drop_tags
         self._lock = threading.Lock()
 
         self._store = self._world = None
@@ -231,6 +232,23 @@ class TorchTransport(GroupMeans):
                 if remaining <= 0:
                     raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
                 link.cond.wait(remaining)
+
+    def drop_tags(self, prefix: str) -> int:
+        """Drop waiting and later messages whose tag starts with prefix (a broken session's;
+        a fixed grid's one session never breaks, so this serves the protocol and tests)."""
+        if not prefix:
+            raise ValueError("an empty prefix would close every tag")
+        self._stale.append(prefix)
+        dropped = 0
+        for link in self._links.values():
+            with link.cond:
+                for msg in [m for m in link.box if m.name.startswith(prefix)]:
+                    link.box.remove(msg)
+                    link.box_bytes -= msg.encoded.nbytes
+                    self.stats.add_reject("stale")
+                    dropped += 1
+                link.cond.notify_all()
+        return dropped
 
     def close(self) -> None:
         """Say goodbye to every peer, stop our threads, release the process groups; idempotent.
@@ -391,6 +409,9 @@ class TorchTransport(GroupMeans):
 
     def _file(self, link: _Link, msg: Message) -> None:
         nbytes = msg.encoded.nbytes
+        if any(msg.name.startswith(p) for p in self._stale):
+            self.stats.add_reject("stale")
+            return
         with link.cond:
             while link.box and (
                 len(link.box) >= self.mailbox_messages

@@ -8,17 +8,18 @@ engines compute the same numbers.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from comms import codecs
-from mesh.algo import sparse
+from mesh.algo import robust, sparse
 from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at, momentum_decay_for
 from mesh.algo.schedule import stage_delay, versions_kept
-from mesh.config import Config, OptimConfig
+from mesh.config import Config, OptimConfig, parse_cell_factors
 
 Params = dict[str, torch.Tensor]
 
@@ -45,6 +46,13 @@ class Round:
     snapshot: torch.Tensor  # this cell's values at launch (its contribution)
     payload_bytes: int  # what this cell puts on the wire for the round (encoded)
     mean: torch.Tensor | None = None  # filled when the round completes
+    sent: torch.Tensor | None = None  # what this cell puts in the round instead of its
+    # snapshot: an emulated hostile peer's scaled values (runtime.poison)
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The values this cell contributes to the round."""
+        return self.snapshot if self.sent is None else self.sent
 
 
 @dataclass
@@ -59,6 +67,8 @@ class Cell:
     drift: torch.Tensor = field(init=False)
     pending: list[Round] = field(default_factory=list)
     step: int = 0  # optimizer updates applied to the live weights
+    # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
+    distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
     def __post_init__(self) -> None:
         # One flat buffer per stage (as FSDP does): a version is one clone, a round one gather.
@@ -78,6 +88,9 @@ class Cell:
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
         self.history[0] = self.flat.clone()
+        g = self.cfg.grid
+        poison = parse_cell_factors(self.cfg.runtime.poison, g.stages, g.replicas, "poison")
+        self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
 
     # ---- weights and versions -------------------------------------------------------------
     @property
@@ -140,12 +153,34 @@ class Cell:
         )
         idx = idx.to(self.flat.device)
         snap = self.flat.index_select(0, idx)
-        enc = codecs.encode(snap, dp.codec, dp.block_size)
-        return Round(index, self.step, idx, snap, enc.nbytes), codecs.decode(enc)
+        sent = None if self.poison is None else snap * self.poison
+        enc = codecs.encode(snap if sent is None else sent, dp.codec, dp.block_size)
+        return Round(index, self.step, idx, snap, enc.nbytes, sent=sent), codecs.decode(enc)
+
+    def combine_round(
+        self, names: Sequence[str], parts: Sequence[torch.Tensor], me: str
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The round's result from the members' dequantized payloads (in member order, this
+        cell's `me` among them): the deviation bound (dp.outlier_k) rejects payloads too far
+        from ours, then dp.aggregate combines the rest (mesh/algo/robust.py). Returns the
+        result and the names rejected."""
+        dp = self.cfg.dp
+        rejected: set[str] = set()
+        if dp.outlier_k > 0:
+            mine = parts[list(names).index(me)]
+            dist = {n: robust.rms_distance(p, mine) for n, p in zip(names, parts) if n != me}
+            rejected = robust.outliers(dist, self.distances, dp.outlier_k)
+            self.distances.extend(d for n, d in dist.items() if n not in rejected)
+        kept = [p for n, p in zip(names, parts, strict=True) if n not in rejected]
+        return robust.aggregate(kept, dp.aggregate), sorted(rejected)
 
     def apply_round(self, rnd: Round) -> None:
-        """Roll the stale mean forward with the drift correction (only live weights change)."""
+        """Roll the stale mean forward with the drift correction (only live weights change).
+        An emulated hostile cell (runtime.poison) takes no averages: it trains on its own, so a
+        grid with one stays finite wherever the honest cells keep the poison out."""
         assert rnd.mean is not None
+        if self.poison is not None:
+            return
         dp = self.cfg.dp
         lam = self.lambda_for(rnd.index)
         live = self.flat.index_select(0, rnd.indices)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class SimResult:
     curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, val_loss
     train_curve: list[dict[str, float]] = field(default_factory=list)
     val_bpb: float | None = None  # val_loss in bits per byte of text (across tokenizers)
+    rejects: dict[str, int] = field(default_factory=dict)  # averaging payloads refused, by reason
 
 
 class GridSim:
@@ -84,6 +86,7 @@ class GridSim:
         self.update = 0
         self.pp_bytes = 0  # summed over replicas
         self.dp_bytes = 0.0
+        self.rejects: Counter[str] = Counter()  # payloads refused by the deviation bound
         self._val = val_batches(
             self.corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
         )
@@ -160,9 +163,15 @@ class GridSim:
             rounds, decoded = zip(
                 *(c.open_round(self.update // dp.interval_steps) for c in column), strict=True
             )
-            mean = sum(decoded) / self.m
+            screened = dp.aggregate != "mean" or dp.outlier_k > 0
+            mean = None if screened else sum(decoded) / self.m
+            names = [f"r{i}" for i in range(self.m)]
             for c, rnd in zip(column, rounds, strict=True):
-                rnd.mean = mean
+                if mean is None:  # each replica screens against its own payload
+                    rnd.mean, rejected = c.combine_round(names, decoded, f"r{c.replica}")
+                    self.rejects["outlier"] += len(rejected)
+                else:
+                    rnd.mean = mean
                 c.pending.append(rnd)
                 self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)
             if dp.tau == 0:  # blocking (SPARTA, DPAvg): the mean is applied right away
@@ -251,6 +260,7 @@ class GridSim:
             curve=curve,
             train_curve=train_curve,
             val_bpb=None if val_loss is None else bits_per_byte(val_loss, bpt),
+            rejects=dict(self.rejects),
         )
 
 

@@ -130,9 +130,11 @@ def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
 
 
 def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
-    """Write the cell's checkpoint for its current step atomically; prune old ones."""
+    """Write the cell's checkpoint for its current step atomically; prune old ones, and the
+    temporary files of earlier writers of this cell that were killed mid-save."""
     path = checkpoint_path(run_dir, cell.stage, cell.replica, cell.step)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_torn(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as f:
         torch.save(cell_state(cell, fingerprint), f)
@@ -147,6 +149,28 @@ def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
     for old in saved_steps(run_dir, cell.stage, cell.replica)[:-KEEP]:
         checkpoint_path(run_dir, cell.stage, cell.replica, old).unlink(missing_ok=True)
     return path
+
+
+def _sweep_torn(folder: Path) -> None:
+    """Remove the temporary files of writers that died mid-save (a SIGKILL leaves one per
+    kill, each as large as a checkpoint); a live writer's file is left alone."""
+    for tmp in folder.glob(".step-*.pt.*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 2)[-2])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:

@@ -58,6 +58,11 @@ class Session:
     def tag(self, kind: str, microbatch: int) -> str:
         return f"{self.epoch}/{kind}/{microbatch}"
 
+    @property
+    def prefix(self) -> str:
+        """What every tag of this session starts with (and no other session's does)."""
+        return f"{self.epoch}/"
+
 
 def waiting_for(replica_cells: list[str], owned: dict[str, CellRecord], me: str) -> dict[str, str]:
     """The cells of a replica, other than `me`, that keep its session from starting: cell ->

@@ -178,7 +178,10 @@ class StageWorker:
             # SEND_ACT / SEND_GRAD: the forward / backward queued them; sends never block
 
     def reset(self) -> None:
-        """After a broken session: drop the in-flight microbatches and the partial update."""
+        """After a broken session: drop the in-flight microbatches and the partial update, and
+        the session's messages waiting in (or still coming to) the mailbox: nobody will take
+        them, and they would hold a neighbour's mailbox room until they expired."""
+        self.transport.drop_tags(self.session.prefix)
         self.in_flight.clear()
         self._grads_empty = True
         self._update_loss = 0.0
@@ -389,7 +392,7 @@ class StageWorker:
             group_name(self.j),
             self.column,
             index,
-            rnd.snapshot.cpu(),
+            rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
             self.cfg.dp.codec,
             self.cfg.runtime.round_timeout_s,
         )
@@ -426,9 +429,18 @@ class StageWorker:
         if res.status is MeanStatus.FAILED or not usable or len(res.contributors) < 2:
             self.stats.rounds_failed += 1
             return
+        mean, dp = res.mean, self.cfg.dp
+        if dp.aggregate != "mean" or dp.outlier_k > 0:  # robust combination (mesh/algo/robust.py)
+            parts = [p.to(self.device) for p in res.parts]
+            mean, rejected = self.cell.combine_round(res.contributors, parts, self.cell_name)
+            for _ in rejected:
+                self.transport.stats.add_reject("outlier")
+            if len(res.contributors) - len(rejected) < 2:  # only our own payload is left
+                self.stats.rounds_failed += 1
+                return
         if res.status is MeanStatus.PARTIAL:
             self.stats.rounds_partial += 1
-        rnd.mean = res.mean.to(self.device)
+        rnd.mean = mean.to(self.device)
         self.cell.apply_round(rnd)
         self.stats.rounds_applied += 1
 

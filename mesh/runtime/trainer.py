@@ -62,7 +62,7 @@ def cell_transport(
     names, groups = grid_names(cfg)
     extra: dict[str, Any] = {}
     if cfg.runtime.backend == "hivemind":
-        extra = {"auth": Auth.of(run_key, cfg.fingerprint()), "mean_path": cfg.runtime.mean_path}
+        extra = {"auth": Auth.of(run_key, cfg.fingerprint())}
     return make_transport(
         cfg.runtime.backend,
         cell_name(stage, replica),

@@ -102,3 +102,40 @@ def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):
             a = torch.load(checkpoint_path(stopped, j, i, 8), weights_only=True)["flat"]
             b = torch.load(checkpoint_path(straight, j, i, 8), weights_only=True)["flat"]
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hivemind"])
+def test_poisoning_replica_is_refused_and_counted_by_the_runtime(text_file, tmp_path, backend):
+    """1x3 (gloo, or libp2p streams), s0r2 sends its weights x -1000 every round: each honest
+    cell refuses the payload in every round it applies (counted `outlier`), combines the rest
+    by the median, and ends with the simulator's weights (mesh/algo/robust.py in both)."""
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            "grid.stages=1",
+            "grid.replicas=3",
+            "run.steps=6",
+            "dp.strict_tau=true",
+            "dp.tau=1",
+            "dp.fraction=0.25",
+            "dp.aggregate=median",
+            "dp.outlier_k=10",
+            'runtime.poison=["s0r2=-1000"]',
+            f"runtime.backend={backend}",
+        ],
+    )
+    run = run_grid(cfg, tmp_path, timeout_s=240)
+    assert run.ok, run.exit_codes
+    rows = read_metrics(tmp_path)
+    for i in (0, 1):
+        last = [r for r in rows[(0, i)] if "rounds_applied" in r][-1]
+        assert last["rounds_applied"] > 0, last
+        assert last["rejects"].get("outlier") == last["rounds_applied"], last
+    sim = GridSim(cfg)
+    for _ in range(cfg.run.steps):
+        sim.step()
+    flats = _final_flats(tmp_path, cfg)
+    for i in (0, 1):
+        torch.testing.assert_close(flats[(0, i)], sim.cells[i][0].flat, rtol=1e-5, atol=1e-6)

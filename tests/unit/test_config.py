@@ -136,3 +136,17 @@ def test_model_keys_added_later_keep_old_fingerprints_at_their_defaults():
 def test_model_family_mistakes_name_the_key(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_config([], overrides)
+
+
+def test_removed_mean_path_key_says_so_and_old_run_configs_still_load(tmp_path):
+    """runtime.mean_path is gone (issue 16): asking for the averager path is a one-line error
+    naming the key; "direct", which every run's config.toml of that time spells out, loads."""
+    with pytest.raises(ConfigError, match=r"^runtime\.mean_path = 'averager': removed .*delete"):
+        load_config([], ['runtime.mean_path="averager"'])
+    stored = tmp_path / "config.toml"  # as a run of that time wrote it
+    stored.write_text(
+        load_config().to_toml().replace("[runtime]\n", '[runtime]\nmean_path = "direct"\n')
+    )
+    assert 'mean_path = "direct"' in stored.read_text()
+    assert load_config([stored]) == load_config()
+    assert "mean_path" not in load_config().to_toml()

@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from hivemind.p2p import PeerID
 
@@ -33,9 +34,30 @@ def test_late_payload_of_a_closed_round_is_dropped_and_counted():
     box = Mailbox(8, 1 << 20, on_drop=drops.append)
     box.close_tag("s1r1", "mean/stage1/7/1")
     assert box.try_reserve("s1r1", 16)
-    box.put("s1r1", _msg("mean/stage1/7/1", Kind.AVERAGE), 16)
+    assert not box.put("s1r1", _msg("mean/stage1/7/1", Kind.AVERAGE), 16)
     assert box.pending() == 0 and drops == ["late"]
     assert box.try_reserve("s1r1", 16)  # its room was given back
+
+
+def test_a_broken_sessions_messages_are_dropped_at_once_and_on_arrival():
+    """close_prefix (a broken pipeline session, mesh/runtime/stage.py reset): waiting messages
+    of that session go now, not after the mailbox's ttl; later ones go on arrival; other
+    sessions' messages and rounds stay; the room is given back."""
+    drops = []
+    box = Mailbox(4, 1 << 20, on_drop=drops.append)
+    for sender, name in [("s0r0", "17/act/3"), ("s2r0", "17/grad/2"), ("s0r0", "18/act/0")]:
+        assert box.try_reserve(sender, 16)
+        box.put(sender, _msg(name, Kind.ACTIVATION), 16)
+    assert box.close_prefix("17/") == 2
+    assert drops == ["stale", "stale"] and box.pending() == 1
+    assert box.try_reserve("s0r0", 16)  # a late message of the broken session: dropped too
+    assert not box.put("s0r0", _msg("17/act/4", Kind.ACTIVATION), 16)
+    assert drops == ["stale"] * 3 and box.pending() == 1
+    assert box.take("s0r0", "18/act/0", time.monotonic() + 0.1) is not None
+    for _ in range(4):  # every byte and slot was given back
+        assert box.try_reserve("s2r0", 16)
+    with pytest.raises(ValueError):
+        box.close_prefix("")
 
 
 def test_full_box_evicts_oldest_round_payloads_not_pipeline_messages():

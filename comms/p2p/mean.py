@@ -105,8 +105,8 @@ class _Round:
         )
 
     def verdict(self, got: dict[str, torch.Tensor], ran: bool, me: str, why: str) -> MeanResult:
-        """OK with every payload; PARTIAL when the round ran with others and ours is among the
-        verified ones (even if alone: theirs were rejected); FAILED otherwise."""
+        """OK with every payload; PARTIAL when the round ran (another member took ours) and ours
+        is among the verified ones (even if alone: theirs were rejected); FAILED otherwise."""
         who = tuple(m for m in self.members if m in got)
         if me not in got or not ran:
             return MeanResult(MeanStatus.FAILED, None, (), why or "no other member took part")
@@ -238,7 +238,8 @@ class MeanService:
         for m in others:
             if m not in got:  # its payload, if it comes now, is stale: dropped and counted
                 self.t.mailbox.close_tag(m, job.name(m))
-        # the round ran if another member took our payload (filed it: not DROPPED as late)
-        # or sent us theirs
+        # the round ran only if another member took our payload (filed it: not DROPPED as
+        # late). Theirs alone is not enough: a peer frozen through the round finds the others'
+        # payloads buffered by its p2pd when it resumes, after they ended the round without it
         took = any(h.ack == Ack.OK for h in sends.values())
-        deliver(job.verdict(got, took or len(got) > 1, me, "; ".join(why)))
+        deliver(job.verdict(got, took, me, "; ".join(why)))

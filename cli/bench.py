@@ -3,12 +3,30 @@ imports its own when it runs, so `meshtrain --help` stays light)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from cli.options import config_options, resolve_config, user_errors
 from mesh.config import ConfigError, load_config
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def study_options(name: str, quick_help: str) -> Callable[[F], F]:
+    """The options of a simulator study: the config, --quick, --out results/NAME, --workers."""
+
+    def wrap(f: F) -> F:
+        f = click.option(
+            "--workers", type=int, default=2, help="Runs in parallel (one core each)."
+        )(f)
+        f = click.option("--out", type=click.Path(file_okay=False), default=f"results/{name}")(f)
+        f = click.option("--quick", is_flag=True, help=quick_help)(f)
+        return config_options(f)
+
+    return wrap
 
 
 @click.group()
@@ -17,10 +35,7 @@ def bench() -> None:
 
 
 @bench.command("convergence")
-@config_options
-@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/convergence")
-@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@study_options("convergence", "A short version (under 5 minutes here).")
 @click.option(
     "--lr-sweep",
     is_flag=True,
@@ -47,10 +62,7 @@ def bench_convergence(
 
 
 @bench.command("ablations")
-@config_options
-@click.option("--quick", is_flag=True, help="1 seed, 160 microbatches (a few minutes here).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/ablations")
-@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@study_options("ablations", "1 seed, 160 microbatches (a few minutes here).")
 @user_errors
 def bench_ablations(
     config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str, workers: int
@@ -134,10 +146,7 @@ def bench_join(out: str, repeats: int) -> None:
 
 
 @bench.command("optimizers")
-@config_options
-@click.option("--quick", is_flag=True, help="A short version (under 5 minutes here).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/optimizers")
-@click.option("--workers", type=int, default=2, help="Runs in parallel (one core each).")
+@study_options("optimizers", "A short version (under 5 minutes here).")
 @click.option(
     "--target",
     type=float,

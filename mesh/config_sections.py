@@ -82,8 +82,9 @@ class PipelineConfig(_Section):
         """
         if self.window == "auto":
             raise ConfigError(
-                "pipeline.window = 'auto' is sized from a link at launch; the simulator has "
-                "none: give the extra warm-ups as a list (e.g. [1, 1, 0, 0]) or 'none'"
+                "pipeline.window = 'auto' is sized from the link when a grid launches, and here "
+                "there is none (simulator, plan): give the extra warm-ups as a list (e.g. "
+                "[1, 1, 0, 0]) or 'none'"
             )
         return None if self.window == "none" else list(self.window)
 

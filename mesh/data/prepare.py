@@ -10,7 +10,7 @@ spread over the inputs, the same whatever the tokenizer).
 Everything is written into a staging directory beside DIR that is renamed to DIR at the very
 end, after the manifest: an interrupted prepare leaves no DIR (and no manifest) behind.
 
-imports: numpy, mesh.data (sources, shards, manifest, tokenizer), mesh.errors.
+imports: numpy, mesh.data (sources, shards, manifest, tokenizer), mesh.errors, mesh.procs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mesh.data.shards import ShardWriter, file_sha256, token_dtype
 from mesh.data.sources import Piece, Rejects, expand_inputs, read_pieces
 from mesh.data.tokenizer import ByteTokenizer, Tokenizer, parse_spec, tokenizer_from_spec
 from mesh.errors import DataError
+from mesh.procs import pid_alive
 
 BATCH_BYTES = 1 << 20  # text tokenized at once (an HF encoding holds ~40 bytes per byte)
 BPE_SAMPLE_BYTES = 32 << 20  # a BPE is trained on at most this much text
@@ -100,18 +101,8 @@ def _remove_stale_stages(out: Path) -> None:
     gone): never a dataset, only litter."""
     for old in out.parent.glob(f".{out.name}.partial-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _sample(

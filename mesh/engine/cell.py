@@ -81,8 +81,10 @@ class Cell:
             self._shapes.append((name, offset, n, p.shape))
             offset += n
         # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
-        pipe = self.cfg.pipeline
-        delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
+        pipe, window = self.cfg.pipeline, self.cfg.pipeline.extra_warmups()
+        delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, window)
+        # read by push_version every update: worked out once
+        self._versions_kept = versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, window)
         spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon)
         self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
@@ -107,8 +109,7 @@ class Cell:
 
     def versions_to_keep(self) -> int:
         """The stashed versions the schedule reads: delay + 1 (+ the in-flight window's)."""
-        pipe = self.cfg.pipeline
-        return versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, pipe.extra_warmups())
+        return self._versions_kept
 
     def push_version(self) -> None:
         """Record the live weights as version `self.step`: what the next forward will use.

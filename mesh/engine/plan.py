@@ -87,15 +87,10 @@ def inflight_microbatches(cfg: Config, stage: int) -> int:
     p = cfg.pipeline
     if p.schedule == "gpipe":
         return p.microbatches
-    kept = versions_kept(p.schedule, stage, cfg.grid.stages, _window(cfg))
+    kept = versions_kept(p.schedule, stage, cfg.grid.stages, cfg.pipeline.extra_warmups())
     if p.schedule == "async":
         return kept  # P - j (+ the window's extra warm-ups)
     return min(cfg.grid.stages - stage, p.microbatches)
-
-
-def _window(cfg: Config) -> list[int] | None:
-    w = cfg.pipeline.window
-    return None if w in ("none", "auto") else list(w)
 
 
 def plan_cell(cfg: Config, stage: int) -> CellPlan:
@@ -104,7 +99,7 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
     module = stage_module(m, layers, first, last)
     n = sum(p.numel() for p in module.parameters())
     flat = 4 * n
-    versions = versions_kept(cfg.pipeline.schedule, stage, P, _window(cfg))
+    versions = versions_kept(cfg.pipeline.schedule, stage, P, cfg.pipeline.extra_warmups())
     opt, ef = optimizer_state_bytes(cfg, stage)
     B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
     inflight = inflight_microbatches(cfg, stage)

@@ -73,7 +73,8 @@ class GridSim:
             cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest
         )
         self.P, self.m = cfg.grid.stages, cfg.grid.replicas
-        cfg.pipeline.extra_warmups()  # 'auto' needs a link: refused here, before any work
+        # the runtime's stage j reads the same versions; 'auto' needs a link: refused here
+        self.window = cfg.pipeline.extra_warmups()
         self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # every replica starts from the same weights: sparse averaging cannot align strangers
         self.cells = [
@@ -98,8 +99,7 @@ class GridSim:
     # ---- one update of the whole grid ---------------------------------------------------
     def _replica_grads(self, replica: int) -> tuple[float, list[list[torch.Tensor]]]:
         cfg, cells = self.cfg, self.cells[replica]
-        window = cfg.pipeline.extra_warmups()  # the runtime's stage j reads the same versions
-        schedule = cfg.pipeline.schedule
+        schedule, window = cfg.pipeline.schedule, self.window
         versions = [version_for(schedule, j, self.P, self.update, window) for j in range(self.P)]
         leaves: list[Params] = [
             {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}

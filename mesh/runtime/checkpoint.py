@@ -18,6 +18,7 @@ import torch
 
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError  # noqa: F401 - re-exported
+from mesh.procs import pid_alive
 
 FORMAT = 1
 
@@ -159,18 +160,8 @@ def _sweep_torn(folder: Path) -> None:
             pid = int(tmp.name.rsplit(".", 2)[-2])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:

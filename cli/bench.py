@@ -41,6 +41,17 @@ def bench() -> None:
     is_flag=True,
     help="Instead: the DP study's learning-rate sweep (lr_sweep.md; about 12 minutes here).",
 )
+@click.option(
+    "--tune",
+    is_flag=True,
+    help="Instead: tune FullSync and AsyncMesh-fp8 with the same budget (tuning.md; about 15 "
+    "minutes here with 2 workers).",
+)
+@click.option(
+    "--dp-only",
+    is_flag=True,
+    help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
+)
 @user_errors
 def bench_convergence(
     config_files: tuple[str, ...],
@@ -49,16 +60,24 @@ def bench_convergence(
     out: str,
     workers: int,
     lr_sweep: bool,
+    tune: bool,
+    dp_only: bool,
 ) -> None:
     """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
     from mesh.bench.convergence import run_convergence, run_lr_sweep
 
     cfg = resolve_config(config_files, overrides)
+    if tune:
+        from mesh.bench.tuning import run_tuning
+
+        run_tuning(cfg, Path(out), quick=quick, workers=workers)
+        click.echo((Path(out) / "tuning.md").read_text())
+        return
     if lr_sweep:
         run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
         click.echo((Path(out) / "lr_sweep.md").read_text())
         return
-    run_convergence(cfg, Path(out), quick=quick, workers=workers)
+    run_convergence(cfg, Path(out), quick=quick, workers=workers, pipeline=not dp_only)
 
 
 @bench.command("ablations")
@@ -72,6 +91,27 @@ def bench_ablations(
 
     run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers)
     click.echo((Path(out) / "table.md").read_text())
+
+
+@bench.command("fidelity")
+@click.argument("study", type=click.Choice(["precision", "horizon", "scaling"]))
+@study_options("fidelity", "1 seed at a tenth of the budget (a few minutes here).")
+@user_errors
+def bench_fidelity(
+    study: str,
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    workers: int,
+) -> None:
+    """The paper's other claims: payload precision, the gap against the horizon, grid scaling
+    (results/fidelity/STUDY; reads results/convergence/tuning.json)."""
+    from mesh.bench.fidelity import run_fidelity
+
+    where = Path(out) / study
+    run_fidelity(resolve_config(config_files, overrides), study, where, quick, workers)
+    click.echo((where / "table.md").read_text())
 
 
 @bench.command("comms")

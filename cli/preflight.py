@@ -67,6 +67,11 @@ def check_data(cfg: Config, verify: bool = False, run_data: dict | None = None):
 
 
 def check_machine(cfg: Config) -> None:
+    if cfg.dp.noise_codec != "none":
+        raise ConfigError(
+            f"dp.noise_codec = {cfg.dp.noise_codec!r} is a study instrument of the simulator; "
+            "set it to 'none' (or use `meshtrain simulate`)"
+        )
     host = cfg.runtime.host
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -165,6 +165,12 @@ class DPConfig(_Section):
         "trimmed_mean (drops the largest and smallest quarter, at least one each) or median "
         "keep one poisoning replica from steering the average (grid.replicas >= 3)",
     )
+    noise_codec: Literal["none", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "none",
+        description="studies, simulator only: add this codec's error on a shuffled copy of "
+        "each round's mean to the mean (its noise's size, none of its bias); the processes "
+        "refuse it",
+    )
     outlier_k: float = Field(
         0.0,
         ge=0,
@@ -274,7 +280,7 @@ class RuntimeConfig(_Section):
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
-    "dp": ("lambda_clock", "lambda_hold_arrivals", "aggregate", "outlier_k"),
+    "dp": ("lambda_clock", "lambda_hold_arrivals", "aggregate", "outlier_k", "noise_codec"),
 }
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,

@@ -3,10 +3,10 @@
 The paper (seed 003: 8x2 grid, WikiText, perplexity) removes one ingredient per row: full
 AsyncMesh 21.14; constant lambda 0.5 21.32; 1% subsets 21.45; current drift only (the delta rule)
 21.65; tau = 50 21.80; AsyncSPARTA 24.80. We run the same rows on an 8x2 grid of the simulator,
-each as AsyncMesh-fp8 with one setting changed, at the convergence study's settings (its lr, its
-schedule shares), and set our validation loss beside the paper's log-perplexity. Both are nats
-per token of their own tokenizer, so the gaps to the full method are compared by sign and order,
-not size.
+each as AsyncMesh-fp8 with one setting changed, at the convergence study's settings (its tuned
+lr, tau and clip from results/convergence/tuning.json; its schedule shares), and set our
+validation loss beside the paper's log-perplexity. Both are nats per token of their own
+tokenizer, so the gaps to the full method are compared by sign and order, not size.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.convergence import DP_LR
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench.simruns import Spec, run_specs
+from mesh.bench.tuning import DEFAULT_TUNED, load_tuned, method_overrides
 from mesh.config import Config
-from mesh.methods import METHODS
 
 FULL = "full AsyncMesh"
 # (row, the one change against full AsyncMesh-fp8, the paper's perplexity)
@@ -36,11 +35,11 @@ ROWS: list[tuple[str, dict[str, Any], float]] = [
 ]
 
 
-def build_specs(seeds: list[int]) -> list[Spec]:
+def build_specs(seeds: list[int], tuned: dict[str, Any] | None = None) -> list[Spec]:
     specs = []
     for seed in seeds:
         for row, change, _ in ROWS:
-            ov = {**METHODS["AsyncMesh-fp8"], "optim.lr": DP_LR["nadamw"]}
+            ov = method_overrides("AsyncMesh-fp8", tuned or DEFAULT_TUNED)
             ov.update({"grid.stages": 8, "grid.replicas": 2, **change})
             specs.append(Spec("ablation", row, seed, 1, tuple(ov.items())))
     return specs
@@ -50,12 +49,14 @@ def run_ablations(base: Config, out: Path, quick: bool, workers: int) -> dict[st
     seeds = [0] if quick else [0, 1]
     budget = {"ablation": 160 if quick else 1600}
     start = time.perf_counter()
-    runs = run_specs(base, build_specs(seeds), budget, out, workers, "ablations")
+    tuned, _ = (DEFAULT_TUNED, False) if quick else load_tuned()
+    runs = run_specs(base, build_specs(seeds, tuned), budget, out, workers, "ablations")
     summary = {
         "grid": "8x2",
         "microbatches_per_replica": budget["ablation"],
         "seeds": seeds,
         "quick": quick,
+        "settings": tuned["AsyncMesh-fp8"],
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s_of_runs": round(sum(r["wall_s"] for r in runs), 1),
         "base_config_fingerprint": base.fingerprint(),

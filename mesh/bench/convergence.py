@@ -24,16 +24,13 @@ from typing import Any
 
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench.simruns import Spec, reuse, run_one, run_specs
+from mesh.bench.tuning import DEFAULT_TUNED, known_runs, load_tuned, method_overrides
 from mesh.config import Config
 from mesh.methods import METHODS, NADAMW_LR
 
 DP_METHODS = list(METHODS)
-# The DP study's learning rates, from `meshtrain bench convergence --lr-sweep` (seed 0, 4x2 grid,
-# the full budget; results/convergence/lr_sweep.md): FullSync's AdamW on its 8-microbatch
-# updates, and the async NAdamW that every other DP method shares (swept on AsyncMesh-fp8).
-# NADAMW_LR (mesh/methods.py) was tuned on one replica with half the updates: lower.
-# NAdamW: 2e-3, the largest lr below the onset of loss spikes (2.5e-3 and 3.5e-3 end far worse;
-# 3e-3's good run between them is not a setting to rely on). AdamW (FullSync): its best, 6e-3.
+# The DP study's learning rates before tuning.md (`--lr-sweep`, seed 0; lr_sweep.md). The
+# study now reads each arm's tuned settings (mesh/bench/tuning.py); these stay for --lr-sweep.
 DP_LR = {"adamw": 6e-3, "nadamw": 2e-3}
 SWEEP_LRS = {
     "FullSync": [1e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3, 1.2e-2],
@@ -92,19 +89,24 @@ def _pp_specs(seed: int) -> list[Spec]:
     return specs
 
 
-def _dp_spec(method: str, seed: int, lr: float | None = None) -> Spec:
+def _dp_spec(
+    method: str, seed: int, lr: float | None = None, tuned: dict[str, Any] | None = None
+) -> Spec:
     mpu = 4 if method == "FullSync" else 1
-    ov = dict(METHODS[method])
+    ov = method_overrides(method, tuned or DEFAULT_TUNED)
     ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4})
-    ov["optim.lr"] = DP_LR[ov["optim.name"]] if lr is None else lr
+    if lr is not None:
+        ov["optim.lr"] = lr
     return Spec("dp", method, seed, mpu, tuple(ov.items()))
 
 
-def build_specs(seeds: list[int], pp_seeds: list[int] | None = None) -> list[Spec]:
+def build_specs(
+    seeds: list[int], pp_seeds: list[int] | None = None, tuned: dict[str, Any] | None = None
+) -> list[Spec]:
     """Every run of both studies; the pipeline study on pp_seeds (default: the same seeds)."""
     specs = []
     for seed in seeds:
-        specs += [_dp_spec(method, seed) for method in DP_METHODS]
+        specs += [_dp_spec(method, seed, tuned=tuned) for method in DP_METHODS]
     for seed in seeds if pp_seeds is None else pp_seeds:
         specs += _pp_specs(seed)
     return specs
@@ -154,21 +156,32 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
     return runs
 
 
-def run_convergence(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-
+def run_convergence(
+    base: Config, out: Path, quick: bool, workers: int, pipeline: bool = True
+) -> dict[str, Any]:
+    """Both studies (pipeline=False: the DP study alone; the pipeline study's runs of the last
+    summary.json are kept as they were, and the table says so)."""
     # the DP methods differ by a few hundredths of a nat, about their seed-to-seed spread: 4 seeds
     seeds = {"dp": [0, 1], "pp": [0, 1]} if quick else {"dp": [0, 1, 2, 3], "pp": [0, 1]}
     # microbatches per replica per study; the pipeline study has 2x the runs, so it is shorter
     budget = {"dp": 160, "pp": 100} if quick else {"dp": 1600, "pp": 800}
-    specs = build_specs(seeds["dp"], seeds["pp"])
+    tuned, is_tuned = load_tuned(out / "tuning.json") if not quick else (DEFAULT_TUNED, False)
+    specs = build_specs(seeds["dp"], seeds["pp"] if pipeline else [], tuned)
     # longest first so the pool's tail is short
     specs.sort(key=lambda s: -(2 if s.study == "dp" else 1))
+    kept: list[dict[str, Any]] = []
+    old = out / "summary.json"
+    if not pipeline and old.is_file():
+        kept = [r for r in json.loads(old.read_text())["runs"] if r["study"] == "pp"]
     start = time.perf_counter()
-    runs = run_specs(base, specs, budget, out, workers, "convergence")
+    known = known_runs(out / "tuning.json")
+    runs = run_specs(base, specs, budget, out, workers, "convergence", known) + kept
     summary = {
         "microbatches_per_replica": budget,
         "seeds": seeds,
         "quick": quick,
+        "tuned": tuned if is_tuned else None,
+        "pipeline_study_kept": bool(kept),
         # this invocation's time; runs resumed from a stopped study carry their own wall_s
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s_of_runs": round(sum(r["wall_s"] for r in runs), 1),
@@ -282,11 +295,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         "",
         f"Microbatches per replica: {summary['microbatches_per_replica']} (of "
         f"{summary['tokens_per_microbatch']} tokens); seeds {summary['seeds']}; "
-        f"quick={summary['quick']}; {summary['wall_s']:.0f} s in all. Data-parallel study: "
-        f"FullSync's AdamW at lr {DP_LR['adamw']:g}, every async method's NAdamW at "
-        f"{DP_LR['nadamw']:g} (lr_sweep.md). Pipeline study: adamw 2e-3, nadamw 1e-3, muon 0.02 "
-        "with AdamW 2e-3 for the rest. Per-stage gradient clip 1.0; warmup 5% of updates; cosine "
-        "to 10%.",
+        f"quick={summary['quick']}; {summary['wall_s']:.0f} s in all. {_settings(summary)}",
         "",
         "## Data-parallel baselines, 4x2 grid",
         "",
@@ -334,6 +343,33 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _plot(runs, "dp", out / "loss.png", "Validation loss at equal tokens, 4x2 grid")
     _plot(runs, "pp", out / "pipeline.png", "Pipeline axis (1 replica): validation loss")
+
+
+def _settings(summary: dict[str, Any]) -> str:
+    tuned = summary.get("tuned")
+    if tuned:
+        fs = ", ".join(f"{k} {v:g}" for k, v in tuned["FullSync"].items())
+        am = ", ".join(f"{k} {v:g}" for k, v in tuned["AsyncMesh-fp8"].items())
+        dp = (
+            f"Data-parallel study: each arm's best of the same tuning budget (tuning.md): "
+            f"FullSync (AdamW) {fs}; every async method (NAdamW) AsyncMesh-fp8's {am}, where "
+            "the method does not pin it (SPARTA and DPAvg keep tau 0)."
+        )
+    else:
+        dp = (
+            f"Data-parallel study (untuned): FullSync's AdamW at lr {DP_LR['adamw']:g}, every "
+            f"async method's NAdamW at {DP_LR['nadamw']:g}."
+        )
+    pp = (
+        " Pipeline study: kept from the previous summary.json (not re-run)."
+        if summary.get("pipeline_study_kept")
+        else " Pipeline study: adamw 2e-3, nadamw 1e-3, muon 0.02 with AdamW 2e-3 for the rest."
+    )
+    return (
+        dp + pp + " Per-stage gradient clip 1.0 unless tuned; warmup 10% of updates, cosine to "
+        "10%; NAdam's momentum ramp and lambda's schedule as shares of the run "
+        "(optim.momentum_decay = auto, dp.lambda_clock = arrivals; mesh/bench/simruns.py)."
+    )
 
 
 def _plot(runs: list[dict[str, Any]], study: str, path: Path, title: str) -> None:

@@ -67,6 +67,7 @@ class Cell:
     drift: torch.Tensor = field(init=False)
     pending: list[Round] = field(default_factory=list)
     step: int = 0  # optimizer updates applied to the live weights
+    clipped: int = 0  # updates whose gradient norm was above optim.grad_clip (the clip rate)
     # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
     distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
@@ -137,6 +138,8 @@ class Cell:
         norm = self.optimizer.step(self.lr_scale())
         self.optimizer.zero_grad()
         self.step += 1
+        clip = self.cfg.optim.grad_clip
+        self.clipped += int(clip > 0 and norm > clip)
         return norm
 
     # ---- data-parallel averaging ------------------------------------------------------------

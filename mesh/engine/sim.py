@@ -63,6 +63,7 @@ class SimResult:
     train_curve: list[dict[str, float]] = field(default_factory=list)
     val_bpb: float | None = None  # val_loss in bits per byte of text (across tokenizers)
     rejects: dict[str, int] = field(default_factory=dict)  # averaging payloads refused, by reason
+    clip_rate: float = 0.0  # share of the cells' updates whose gradient norm was clipped
 
 
 class GridSim:
@@ -165,6 +166,9 @@ class GridSim:
             )
             screened = dp.aggregate != "mean" or dp.outlier_k > 0
             mean = None if screened else sum(decoded) / self.m
+            if mean is not None and dp.noise_codec != "none":
+                seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
+                mean = mean + sparse.codec_noise(mean, dp.noise_codec, dp.block_size, seed)
             names = [f"r{i}" for i in range(self.m)]
             for c, rnd in zip(column, rounds, strict=True):
                 if mean is None:  # each replica screens against its own payload
@@ -261,7 +265,12 @@ class GridSim:
             train_curve=train_curve,
             val_bpb=None if val_loss is None else bits_per_byte(val_loss, bpt),
             rejects=dict(self.rejects),
+            clip_rate=self.clip_rate(),
         )
+
+    def clip_rate(self) -> float:
+        cells = [c for column in self.cells for c in column]
+        return sum(c.clipped for c in cells) / max(1, sum(c.step for c in cells))
 
 
 class functional_module(torch.nn.Module):  # noqa: N801 - used like a function

@@ -293,3 +293,29 @@ def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file
     for i in range(2):
         torch.testing.assert_close(flat_replica(sim, i), live[i], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sim.cells[i][0].drift, drift[i], rtol=1e-5, atol=1e-6)
+
+
+def test_clip_rate_counts_the_updates_whose_norm_was_clipped(text_file):
+    always = GridSim(tiny(text_file, "run.steps=3", "optim.grad_clip=1e-9")).run()
+    never = GridSim(tiny(text_file, "run.steps=3", "optim.grad_clip=0")).run()
+    assert always.clip_rate == 1.0
+    assert never.clip_rate == 0.0
+
+
+def test_fp8_noise_moves_an_fp32_run_by_about_what_fp8_payloads_do(text_file):
+    """dp.noise_codec adds fp8's error on a shuffled mean: the replicas end elsewhere than a
+    clean fp32 run, and by the order of the change real fp8 payloads make."""
+    ov = ["run.steps=6", "grid.stages=2", "grid.replicas=2", "dp.tau=1", "dp.fraction=0.5"]
+    runs = {}
+    for name, extra in {
+        "fp32": ["dp.codec=fp32"],
+        "noise": ["dp.codec=fp32", "dp.noise_codec=fp8_e4m3"],
+        "fp8": ["dp.codec=fp8_e4m3"],
+    }.items():
+        sim = GridSim(tiny(text_file, *ov, *extra))
+        sim.run()
+        runs[name] = flat_replica(sim, 0)
+    moved_by_noise = (runs["noise"] - runs["fp32"]).norm().item()
+    moved_by_fp8 = (runs["fp8"] - runs["fp32"]).norm().item()
+    assert moved_by_noise > 0 and moved_by_fp8 > 0
+    assert 0.1 < moved_by_noise / moved_by_fp8 < 10

@@ -1,0 +1,166 @@
+"""`meshtrain bench convergence --tune`: the same tuning budget for both arms of the headline
+claim (AsyncMesh-fp8 within 1% of FullSync), picked by the same rule.
+
+Each arm gets 5 settings, each run at the study's own budget (1,600 microbatches per replica)
+on TUNE_SEEDS. FullSync: 5 learning rates. AsyncMesh-fp8: 2 learning rates at the defaults
+(tau 5, grad clip 1), then, at the better one, tau 2 and tau 10 (clip 1) and clip 10 (tau 5): a
+coordinate search over the issue's tau {2, 5, 10} x clip {1, 10}, not the full grid. The rule:
+lowest mean final validation loss over the seeds; a diverged run counts as infinite. The other
+async methods are AsyncMesh with one thing changed, so they share its setting. One seed, because
+a run costs about 2 core-minutes here: the study's other seeds (1-3) are the check on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from mesh.bench.report import format_table
+from mesh.bench.simruns import Spec, run_specs
+from mesh.config import Config
+from mesh.methods import METHODS
+
+# Where the studies read the tuned settings (written by --tune; committed with the results)
+TUNING_FILE = Path("results/convergence/tuning.json")
+# What a study uses without a tuning file (a --quick run, a fresh checkout's tests): the
+# untuned lrs of the earlier sweep (lr_sweep.md), tau 5 and clip 1
+DEFAULT_TUNED: dict[str, dict[str, Any]] = {
+    "FullSync": {"optim.lr": 6e-3},
+    "AsyncMesh-fp8": {"optim.lr": 2e-3},
+}
+TUNE_SEEDS = [0]
+FULLSYNC_LRS = [3e-3, 4e-3, 6e-3, 8e-3, 1e-2]
+ASYNC_LRS = [1e-3, 2e-3]
+# the second stage, each at the async arm's best lr
+ASYNC_STAGE2 = [{"dp.tau": 2}, {"dp.tau": 10}, {"optim.grad_clip": 10.0}]
+ARMS = ("FullSync", "AsyncMesh-fp8")
+
+
+def _spec(arm: str, settings: dict[str, Any], seed: int) -> Spec:
+    ov = dict(METHODS[arm])
+    ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4, **settings})
+    label = ", ".join(f"{k.split('.')[-1]}={v:g}" for k, v in sorted(settings.items()))
+    return Spec("tune", f"{arm} | {label}", seed, 4 if arm == "FullSync" else 1, tuple(ov.items()))
+
+
+def mean_loss(runs: list[dict[str, Any]]) -> float:
+    """The rule's score: mean final validation loss; any diverged run makes it infinite."""
+    vals = [r["val_loss"] for r in runs]
+    if any(v is None or not math.isfinite(v) for v in vals):
+        return math.inf
+    return statistics.mean(vals)
+
+
+def best_settings(runs: list[dict[str, Any]], arm: str) -> tuple[dict[str, Any], float]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r["method"].startswith(arm + " |"):
+            groups.setdefault(r["method"], []).append(r)
+    name = min(groups, key=lambda k: mean_loss(groups[k]))
+    return groups[name][0]["settings"], mean_loss(groups[name])
+
+
+def _run(base: Config, specs: list[tuple[Spec, dict[str, Any]]], out: Path, workers: int,
+         budget: int, known: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    runs = run_specs(base, [s for s, _ in specs], {"tune": budget}, out, workers, "tuning", known)
+    settings = {s.method: st for s, st in specs}
+    for r in runs:
+        r["settings"] = settings[r["method"]]
+    return runs
+
+
+def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
+    """Both stages; writes tuning.json and tuning.md in `out` (the convergence study's folder)."""
+    budget = 160 if quick else 1600
+    path = out / "tuning.json"
+    known = json.loads(path.read_text())["runs"] if path.is_file() else []
+    work = out / "tuning"
+    stage1 = [({"optim.lr": lr}, "FullSync") for lr in FULLSYNC_LRS]
+    stage1 += [({"optim.lr": lr}, "AsyncMesh-fp8") for lr in ASYNC_LRS]
+    specs = [(_spec(arm, st, seed), st) for st, arm in stage1 for seed in TUNE_SEEDS]
+    runs = _run(base, specs, work, workers, budget, known)
+    lr_best, _ = best_settings(runs, "AsyncMesh-fp8")
+    specs += [
+        (_spec("AsyncMesh-fp8", {**lr_best, **ov}, seed), {**lr_best, **ov})
+        for ov in ASYNC_STAGE2
+        for seed in TUNE_SEEDS
+    ]
+    runs = _run(base, specs, work, workers, budget, known)
+    best = {arm: best_settings(runs, arm) for arm in ARMS}
+    summary = {
+        "microbatches_per_replica": budget,
+        "seeds": TUNE_SEEDS,
+        "quick": quick,
+        "best": {arm: {"settings": st, "val_loss": v} for arm, (st, v) in best.items()},
+        "runs": runs,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1))
+    (work / "runs.partial.jsonl").unlink()
+    work.rmdir()
+    write_table(summary, out / "tuning.md")
+    return summary
+
+
+def write_table(summary: dict[str, Any], path: Path) -> None:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in summary["runs"]:
+        groups.setdefault(r["method"], []).append(r)
+    rows = []
+    for name, rs in groups.items():
+        arm, label = name.split(" | ")
+        loss = mean_loss(rs)
+        per_seed = " / ".join("div" if r["diverged"] else f"{r['val_loss']:.4f}" for r in rs)
+        clip = statistics.mean(r.get("clip_rate", math.nan) for r in rs)
+        shown = "diverged" if math.isinf(loss) else f"{loss:.4f}"
+        rows.append([arm, label, shown, per_seed, f"{clip:.1%}"])
+    best = summary["best"]
+    lines = [
+        "# Tuning the two arms of the headline claim",
+        "",
+        f"4x2 grid, {summary['microbatches_per_replica']} microbatches per replica, seeds "
+        f"{summary['seeds']}; 5 settings per arm; best = lowest mean final validation loss "
+        "(mesh/bench/tuning.py). Clip rate: share of the cells' updates whose gradient norm "
+        "was above the clip.",
+        "",
+        format_table(["arm", "setting", "val loss (mean)", "per seed", "clip rate"], rows),
+        "",
+        "Best: "
+        + "; ".join(
+            f"{arm} {', '.join(f'{k}={v:g}' for k, v in b['settings'].items())} "
+            f"({b['val_loss']:.4f})"
+            for arm, b in best.items()
+        ),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def load_tuned(path: Path = TUNING_FILE) -> tuple[dict[str, dict[str, Any]], bool]:
+    """(each arm's best settings, whether they come from a full tuning run); DEFAULT_TUNED
+    where there is no tuning file or only a --quick one."""
+    if not path.is_file():
+        return DEFAULT_TUNED, False
+    summary = json.loads(path.read_text())
+    if summary.get("quick"):
+        return DEFAULT_TUNED, False
+    return {arm: b["settings"] for arm, b in summary["best"].items()}, True
+
+
+def method_overrides(method: str, tuned: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A DP method's settings with its arm's tuned ones: FullSync's for FullSync, AsyncMesh-
+    fp8's for every async method (each is AsyncMesh with one thing changed). What the method
+    pins itself wins (SPARTA's and DPAvg's tau = 0), except the lr, which is the arm's."""
+    own = METHODS[method]
+    ov = dict(own)
+    for key, value in tuned["FullSync" if method == "FullSync" else "AsyncMesh-fp8"].items():
+        if key == "optim.lr" or key not in own:
+            ov[key] = value
+    return ov
+
+
+def known_runs(path: Path = TUNING_FILE) -> list[dict[str, Any]]:
+    """The tuning's runs, for a study to reuse where its config is the same."""
+    return json.loads(path.read_text())["runs"] if path.is_file() else []

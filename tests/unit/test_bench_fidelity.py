@@ -1,0 +1,97 @@
+"""The tuning and fidelity studies' machinery (tiny models and budgets: the bookkeeping, the
+selection rule and the reports, not the claims)."""
+
+import json
+import math
+
+import pytest
+
+from mesh.bench import fidelity, tuning
+from mesh.bench.simruns import spec_config
+from mesh.config import load_config
+
+SMALL = ["model.n_layers=4", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
+         "pipeline.microbatch_size=2", "data.val_batches=1"]  # fmt: skip
+
+
+def test_study_runs_use_the_papers_settings_as_shares_of_the_run():
+    base = load_config([], [])
+    cfg = spec_config(base, fidelity.build_specs("precision", [0], tuning.DEFAULT_TUNED)[0], 1600)
+    assert cfg.optim.warmup_steps == 160  # 10%, as the paper's 3k of 30k
+    assert cfg.optim.momentum_decay == "auto"
+    assert cfg.dp.lambda_clock == "arrivals"
+
+
+def test_async_methods_share_the_tuned_setting_but_keep_what_they_pin():
+    tuned = {"FullSync": {"optim.lr": 3e-3}, "AsyncMesh-fp8": {"optim.lr": 1.5e-3, "dp.tau": 2}}
+    assert tuning.method_overrides("FullSync", tuned)["optim.lr"] == 3e-3
+    am = tuning.method_overrides("AsyncMesh", tuned)
+    assert (am["optim.lr"], am["dp.tau"], am["dp.codec"]) == (1.5e-3, 2, "fp32")
+    sparta = tuning.method_overrides("SPARTA", tuned)
+    assert (sparta["optim.lr"], sparta["dp.tau"]) == (1.5e-3, 0)  # blocking stays blocking
+
+
+def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
+    def run(name, seed, loss, settings):
+        return {"method": name, "seed": seed, "val_loss": loss, "settings": settings,
+                "diverged": loss is None}  # fmt: skip
+
+    runs = [
+        run("A | lr=1", 0, 2.0, {"optim.lr": 1}), run("A | lr=1", 1, 2.2, {"optim.lr": 1}),
+        run("A | lr=2", 0, 1.0, {"optim.lr": 2}), run("A | lr=2", 1, None, {"optim.lr": 2}),
+        run("A | lr=3", 0, 2.1, {"optim.lr": 3}), run("A | lr=3", 1, 2.0, {"optim.lr": 3}),
+    ]  # fmt: skip
+    settings, loss = tuning.best_settings(runs, "A")
+    assert settings == {"optim.lr": 3} and loss == pytest.approx(2.05)
+
+
+def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
+    # the study's own lists give both arms the same budget
+    assert len(tuning.FULLSYNC_LRS) == len(tuning.ASYNC_LRS) + len(tuning.ASYNC_STAGE2)
+    # the study's two stages with fewer settings (3 per arm), to keep the test short
+    monkeypatch.setattr(tuning, "FULLSYNC_LRS", [3e-3, 6e-3, 1e-2])
+    monkeypatch.setattr(tuning, "ASYNC_STAGE2", [{"dp.tau": 2}])
+    base = load_config([], [f"data.path='{text_file}'", *SMALL])
+    summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
+    groups = {r["method"] for r in summary["runs"]}
+    per_arm = {arm: sum(g.startswith(arm + " |") for g in groups) for arm in tuning.ARMS}
+    assert per_arm == {"FullSync": 3, "AsyncMesh-fp8": 3}
+    seeds = len(tuning.TUNE_SEEDS)
+    assert all(len([r for r in summary["runs"] if r["method"] == g]) == seeds for g in groups)
+    best_lr = summary["best"]["AsyncMesh-fp8"]["settings"]["optim.lr"]
+    stage2 = [r for r in summary["runs"] if "tau" in r["method"]]
+    assert stage2 and all(r["settings"]["optim.lr"] == best_lr for r in stage2)
+    assert all(0.0 <= r["clip_rate"] <= 1.0 for r in summary["runs"])
+    table = (tmp_path / "tuning.md").read_text()
+    assert "clip rate" in table and "Best: FullSync" in table
+    # a --quick tuning is not a choice a study may use
+    assert tuning.load_tuned(tmp_path / "tuning.json") == (tuning.DEFAULT_TUNED, False)
+    full = json.loads((tmp_path / "tuning.json").read_text()) | {"quick": False}
+    (tmp_path / "tuning.json").write_text(json.dumps(full))
+    tuned, is_tuned = tuning.load_tuned(tmp_path / "tuning.json")
+    assert is_tuned and tuned["AsyncMesh-fp8"]["optim.lr"] == best_lr
+
+
+def test_precision_study_writes_its_tables(text_file, tmp_path):
+    base = load_config([], [f"data.path='{text_file}'", *SMALL])
+    summary = fidelity.run_fidelity(base, "precision", tmp_path, quick=True, workers=2)
+    assert {r["method"] for r in summary["runs"]} == {r for r, _, _ in fidelity.PRECISION_ROWS}
+    assert all(math.isfinite(r["val_loss"]) for r in summary["runs"] if not r["diverged"])
+    table = (tmp_path / "table.md").read_text()
+    assert "gap to DPAvg fp32" in table and "fp8's noise only" in table
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert not (tmp_path / "runs.partial.jsonl").exists()
+
+
+def test_horizon_and_scaling_specs():
+    h = fidelity.build_specs("horizon", [0], tuning.DEFAULT_TUNED)
+    assert {s.study for s in h} == {f"h{n}" for n in fidelity.HORIZONS}
+    base = load_config([], [])
+    grids = set()
+    for s in fidelity.build_specs("scaling", [0], tuning.DEFAULT_TUNED):
+        cfg = spec_config(base, s, 64)
+        grids.add((cfg.grid.stages, cfg.grid.replicas))
+        assert cfg.run.steps == 64  # equal microbatches per replica on every grid
+    assert grids == set(fidelity.GRIDS)
+    with pytest.raises(ValueError, match="unknown study"):
+        fidelity.build_specs("nope", [0], tuning.DEFAULT_TUNED)

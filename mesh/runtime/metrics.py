@@ -83,3 +83,43 @@ def summarize_run(
         "staleness": tp.staleness,
         "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
     }
+
+
+def beat_stats(row: dict[str, Any]) -> dict[str, Any]:
+    """What a heartbeat carries of a metrics row for `status --json` and the dashboard
+    (mesh.runtime.registry.parse_stats reads it back)."""
+    out: dict[str, Any] = {
+        "rounds": [int(row.get(f"rounds_{k}", 0)) for k in ("applied", "partial", "failed")],
+        "rejects": sum(int(n) for n in (row.get("rejects") or {}).values()),
+        "bytes": {k: int(n) for k, n in (row.get("bytes_sent") or {}).items()},
+    }
+    if row.get("loss") is not None:
+        out["loss"] = float(row["loss"])
+    return out
+
+
+class MetricsSink:
+    """Where a cell's per-update rows go: one JSON line each, flushed (the record everything
+    else reads), then the exporters runtime.tensorboard / runtime.prometheus_port ask for
+    (mesh/runtime/exporters.py), which see the same rows."""
+
+    def __init__(
+        self, f: Any, cfg: Any, stage: int, replica: int, out_dir: Path, tokens_per_update: int
+    ) -> None:
+        from mesh.runtime.exporters import open_exporters
+
+        self.f = f
+        self.exporters = open_exporters(cfg, stage, replica, Path(out_dir), tokens_per_update)
+
+    def write(self, row: dict[str, Any]) -> None:
+        import json
+
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        for e in self.exporters:
+            e.write(row)
+
+    def close(self) -> None:
+        for e in self.exporters:
+            e.close()
+        self.exporters = []

@@ -25,7 +25,7 @@ from typing import Any
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config, load_config
 from mesh.procs import pid_alive
-from mesh.runtime.dashboard.state import FREE, Seen, StepClock, cell_state
+from mesh.runtime.dashboard.state import FREE, Seen, cell_state
 
 RATE_ROWS = 20  # tokens/s over a cell's last this many updates
 MAX_POINTS = 300  # per curve: enough for a chart, small enough to poll every second
@@ -89,9 +89,7 @@ def thin(points: list[Any], n: int = MAX_POINTS) -> list[Any]:
     return out + [points[-1]]
 
 
-def seen_of(
-    tail: CellTail | None, failed: bool, clock_still_s: float, now: float, host: str
-) -> Seen:
+def seen_of(tail: CellTail | None, failed: bool, now: float, host: str) -> Seen:
     """What a cell's files say of it."""
     if tail is None or (tail.last is None and tail.last_event is None and tail.final is None):
         return Seen(claimed=False)
@@ -100,13 +98,13 @@ def seen_of(
         alive = False
     elif tail.started is not None and tail.started.get("host") == host:
         pid = tail.started.get("pid")
-        alive = pid_alive(pid) if isinstance(pid, int) else None
+        alive = _running(pid) if isinstance(pid, int) else None
     age = None if tail.mtime is None else max(0.0, now - tail.mtime)
     event = tail.last_event.get("event") if tail.last_is_event and tail.last_event else None
     return Seen(
         claimed=True,
         heartbeat_age_s=age,
-        step_still_s=clock_still_s,
+        step_still_s=age,  # a row per update: the file's age is how long the step stood
         alive=alive,
         final=tail.final is not None,
         waiting_event=event == "waiting",
@@ -128,12 +126,11 @@ class RunDirView:
         self.cfg: Config = load_config([self.dir / "config.toml"])
         self.fingerprint = self.cfg.fingerprint()
         self.tails: dict[tuple[int, int], CellTail] = {}
-        self.clock = StepClock()
         self.host = socket.gethostname()
 
     def json(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
-        return build_json(self.cfg, self.dir, self.fingerprint, self.poll(), self.clock, now,
+        return build_json(self.cfg, self.dir, self.fingerprint, self.poll(), now,
                           self.host)  # fmt: skip
 
     def poll(self) -> dict[tuple[int, int], CellTail]:
@@ -144,6 +141,17 @@ class RunDirView:
                 continue
             self.tails.setdefault(key, CellTail(path)).poll()  # type: ignore[arg-type]
         return self.tails
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie its parent has yet to reap (Linux)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc here, or not ours to read: it exists
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def tokens_per_step(cfg: Config) -> int:
@@ -157,7 +165,6 @@ def build_json(
     run_dir: Path,
     fingerprint: str,
     tails: dict[tuple[int, int], CellTail],
-    clock: StepClock,
     now: float,
     host: str,
 ) -> dict[str, Any]:
@@ -170,8 +177,7 @@ def build_json(
             tail = tails.get((j, i))
             failed = (run_dir / "logs" / f"s{j}r{i}.err").is_file()
             row = (tail.final or tail.last) if tail is not None else None
-            step = int((row or {}).get("step", 0))
-            seen = seen_of(tail, failed, clock.still_s(name, step, now), now, host)
+            seen = seen_of(tail, failed, now, host)
             state = cell_state(seen, cfg.runtime.heartbeat_s)
             if state == FREE:
                 free.append(name)

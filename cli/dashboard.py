@@ -109,6 +109,10 @@ def dashboard(
         if scout is not None:
             scout.close()
         raise ConfigError(f"--host {host} --port {port}: cannot serve there ({e})") from None
+    import signal
+
+    # SIGTERM as Ctrl-C: the scout's p2pd is shut down and its socket file removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     bound_host, bound_port = server.server_address[:2]
     click.echo(f"dashboard: http://{bound_host}:{bound_port}/  (Ctrl-C stops it)")
     sys.stdout.flush()

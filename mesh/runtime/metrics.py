@@ -1,4 +1,6 @@
-"""A run's metrics files read back: every cell's rows; the summary.json of a multi-process run."""
+"""A run's metrics files: a cell's rows written (MetricsSink: the JSONL record, then the
+TensorBoard / Prometheus exporters), read back (every cell's rows), and the summary.json of a
+multi-process run."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ def read_metrics(
 ) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
     writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
-    ({"event": "session_broken" | "state_loaded", "step"}) only with events=True."""
+    ({"event": "started" | "session_broken" | "state_loaded" | ..., "step"}) only with
+    events=True."""
     import json
 
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}

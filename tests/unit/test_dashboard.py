@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import urllib.request
 from dataclasses import replace
 
@@ -88,7 +87,7 @@ def _write_run(tmp_path, cells):
 
 
 def _dead_pid():
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p = subprocess.Popen(["true"])  # a process that has exited and been reaped
     p.wait()
     return p.pid
 
@@ -235,3 +234,27 @@ def test_server_serves_the_page_and_the_json_on_loopback():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_dashboard_user_errors_are_one_line_and_exit_2(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    runner = CliRunner()
+    for args, says in [
+        ([], "either --initial-peers"),
+        (["--run", str(tmp_path), "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/Qm"], "not both"),
+        (["--run", str(tmp_path)], "no config.toml"),
+        (["--initial-peers", "not-an-address"], "--initial-peers"),
+    ]:
+        res = runner.invoke(main, ["dashboard", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert says in res.output and "Traceback" not in res.output, (args, res.output)
+    _write_run(tmp_path, {})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = runner.invoke(main, ["dashboard", "--run", str(tmp_path), "--port", str(port)])
+    assert res.exit_code == 2 and f"--port {port}" in res.output, res.output

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from cli.bench import bench
+from cli.dashboard import dashboard
 from cli.data import data
 from cli.export import export
 from cli.generate import generate
@@ -27,6 +28,7 @@ def main() -> None:
 
 
 main.add_command(bench)
+main.add_command(dashboard)
 main.add_command(data)
 main.add_command(export)
 main.add_command(generate)

@@ -17,7 +17,15 @@ from typing import Any
 from cli.join import JoinError, cell_name, config_of
 from comms.p2p.auth import Auth
 from mesh.config import Config, ConfigError
-from mesh.runtime.registry import Directory, Registry, RunRecord, free_cells, parse_run
+from mesh.runtime.dashboard.rundir import tokens_per_step
+from mesh.runtime.registry import (
+    Directory,
+    Registry,
+    RunRecord,
+    free_cells,
+    parse_run,
+    running,
+)
 
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
 
@@ -73,6 +81,9 @@ def status_rows(
             "heartbeat_age_s": round(now - rec.t, 1),
             "session": rec.epoch,
             "session_age_s": round(now - rec.epoch / 1000, 1) if rec.epoch > 0 else None,
+            "since": rec.since,  # claim time (wall clock)
+            "running": running(rec),  # False: a join's placeholder claim, its cell not up yet
+            **stats_json(rec.stats),
         }
         for name, rec in sorted(owned.items())
     ]
@@ -93,6 +104,19 @@ def status_rows(
     }
 
 
+def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
+    """A heartbeat's counters (registry.parse_stats) as status --json shows them; a peer of an
+    older version sends none: null."""
+    stats = stats or {}
+    rounds = stats.get("rounds")
+    return {
+        "rounds": dict(zip(("applied", "partial", "failed"), rounds)) if rounds else None,
+        "rejects": stats.get("rejects"),
+        "loss": stats.get("loss"),
+        "bytes_sent": stats.get("bytes"),
+    }
+
+
 def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
     """The run's record, the key's state and the grid, read through a DHT client."""
     found = directory.dht_get("config", timeout_s=READ_TIMEOUT_S)
@@ -108,7 +132,12 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
     key = key_state(rec, run_key)
     auth = Auth.of(run_key, rec.fingerprint) if rec is not None and key == KEY_OK else None
     # a Registry's reads wait 2 x heartbeat_s
-    return status_rows(Registry(directory, auth, READ_TIMEOUT_S / 2), cfg, key)
+    rows = status_rows(Registry(directory, auth, READ_TIMEOUT_S / 2), cfg, key)
+    rows["run"] = None if rec is None else {"fingerprint": rec.fingerprint}
+    if cfg is not None:
+        rows["run"].update(heartbeat_s=cfg.runtime.heartbeat_s, steps=cfg.run.steps)
+        rows["tokens_per_step"] = tokens_per_step(cfg)  # per replica: the loss curves' x
+    return rows
 
 
 def key_error(key: str) -> str | None:

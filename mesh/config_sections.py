@@ -274,6 +274,19 @@ class RuntimeConfig(_Section):
         "CUDA); weights, optimizer states, drift and averaging stay fp32 masters, and what "
         "crosses a link follows the codecs",
     )
+    # not in LATER_KEYS: the whole [runtime] table stays out of the fingerprint
+    tensorboard: bool = Field(
+        False,
+        description="also write each cell's metrics rows as TensorBoard event files, "
+        "DIR/tensorboard/s<stage>r<replica>/ (the JSONL rows stay the record)",
+    )
+    prometheus_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve each cell's metrics for Prometheus on runtime.host, port "
+        "prometheus_port + replica x stages + stage (one port per cell of the grid)",
+    )
 
 
 # Keys added after the first release, by section: left at their defaults they stay out of the

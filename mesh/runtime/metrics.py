@@ -1,4 +1,6 @@
-"""A run's metrics files read back: every cell's rows; the summary.json of a multi-process run."""
+"""A run's metrics files: a cell's rows written (MetricsSink: the JSONL record, then the
+TensorBoard / Prometheus exporters), read back (every cell's rows), and the summary.json of a
+multi-process run."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ def read_metrics(
 ) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
     writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
-    ({"event": "session_broken" | "state_loaded", "step"}) only with events=True."""
+    ({"event": "started" | "session_broken" | "state_loaded" | ..., "step"}) only with
+    events=True."""
     import json
 
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
@@ -83,3 +86,43 @@ def summarize_run(
         "staleness": tp.staleness,
         "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
     }
+
+
+def beat_stats(row: dict[str, Any]) -> dict[str, Any]:
+    """What a heartbeat carries of a metrics row for `status --json` and the dashboard
+    (mesh.runtime.registry.parse_stats reads it back)."""
+    out: dict[str, Any] = {
+        "rounds": [int(row.get(f"rounds_{k}", 0)) for k in ("applied", "partial", "failed")],
+        "rejects": sum(int(n) for n in (row.get("rejects") or {}).values()),
+        "bytes": {k: int(n) for k, n in (row.get("bytes_sent") or {}).items()},
+    }
+    if row.get("loss") is not None:
+        out["loss"] = float(row["loss"])
+    return out
+
+
+class MetricsSink:
+    """Where a cell's per-update rows go: one JSON line each, flushed (the record everything
+    else reads), then the exporters runtime.tensorboard / runtime.prometheus_port ask for
+    (mesh/runtime/exporters.py), which see the same rows."""
+
+    def __init__(
+        self, f: Any, cfg: Any, stage: int, replica: int, out_dir: Path, tokens_per_update: int
+    ) -> None:
+        from mesh.runtime.exporters import open_exporters
+
+        self.f = f
+        self.exporters = open_exporters(cfg, stage, replica, Path(out_dir), tokens_per_update)
+
+    def write(self, row: dict[str, Any]) -> None:
+        import json
+
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        for e in self.exporters:
+            e.write(row)
+
+    def close(self) -> None:
+        for e in self.exporters:
+            e.close()
+        self.exporters = []

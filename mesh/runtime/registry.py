@@ -5,7 +5,8 @@ field is type-checked here and records without a valid membership token are igno
 - `cells`, subkey `<cell>/<peer_id>[owner:<RSA key>]`: a claim and its heartbeat, signed (only
   the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
   `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
-  process's incarnation), since (claim time), epoch, step, tps, t, auth}. A claim that stops
+  process's incarnation), since (claim time), epoch, step, tps, t, auth, and optionally stats
+  (loss, rounds, rejects, bytes: what `status --json` and the dashboard show)}. A claim that stops
   beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
   it (ties: the smaller PeerID); the other claimer sees it lost and moves on.
   The membership token covers the PeerID and the signer (the subkey's owner marker), so a
@@ -24,6 +25,7 @@ comms.p2p.transport.P2PTransport, comms.p2p.dht.DhtClient, anything with dht_sto
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -58,6 +60,38 @@ class CellRecord:
     t: float
     auth: str | None
     signer: str = ""  # the owner marker of the subkey it was stored under (not in the value)
+    stats: dict[str, Any] | None = None  # what a dashboard shows of it (parse_stats); optional
+
+
+STAT_KINDS_MAX = 8  # bytes sent by link kind: a few kinds (pp, dp, state), never a peer's essay
+
+
+def parse_stats(value: object) -> dict[str, Any] | None:
+    """A heartbeat's counters for dashboards ({loss, rounds: [applied, partial, failed],
+    rejects, bytes: {kind: n}}), each kept only when well-typed; None when none is."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, Any] = {}
+    loss = value.get("loss")
+    if _num(loss) and math.isfinite(loss):
+        out["loss"] = float(loss)
+    rounds = value.get("rounds")
+    if isinstance(rounds, list) and len(rounds) == 3 and all(_count(x) for x in rounds):
+        out["rounds"] = [int(x) for x in rounds]
+    if _count(value.get("rejects")):
+        out["rejects"] = int(value["rejects"])
+    sent = value.get("bytes")
+    if (
+        isinstance(sent, dict)
+        and len(sent) <= STAT_KINDS_MAX
+        and all(isinstance(k, str) and len(k) <= 32 and _count(n) for k, n in sent.items())
+    ):
+        out["bytes"] = {k: int(n) for k, n in sent.items()}
+    return out or None
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _num(v: object) -> bool:
@@ -86,12 +120,14 @@ def parse_cell(value: object) -> CellRecord | None:
         float(tps),
         float(t),
         auth if isinstance(auth, str) else None,
+        stats=parse_stats(value.get("stats")),
     )
 
 
 def cell_value(rec: CellRecord) -> dict[str, Any]:
-    fields = (k for k in CellRecord.__dataclass_fields__ if k != "signer")
-    return {"v": 1, **{k: getattr(rec, k) for k in fields}}
+    fields = (k for k in CellRecord.__dataclass_fields__ if k not in ("signer", "stats"))
+    value = {"v": 1, **{k: getattr(rec, k) for k in fields}}
+    return value if rec.stats is None else {**value, "stats": rec.stats}
 
 
 CLAIMING = 0  # `inc` of a join's placeholder claim: the cell's process is not up yet

@@ -109,6 +109,7 @@ class Beat:
     step: int = 0
     tps: float = 0.0
     epoch: int = 0
+    stats: dict | None = None  # registry.parse_stats: loss, rounds, rejects, bytes
 
 
 class DhtCoordinator:
@@ -156,7 +157,16 @@ class DhtCoordinator:
         b = self.beat
         now = time.time()
         return CellRecord(
-            self.cell, self.peer, self.inc, self.since, b.epoch, b.step, b.tps, now, self.token
+            self.cell,
+            self.peer,
+            self.inc,
+            self.since,
+            b.epoch,
+            b.step,
+            b.tps,
+            now,
+            self.token,
+            stats=b.stats,
         )
 
     def heartbeat(self) -> None:

@@ -78,6 +78,7 @@ class StageStats:
     busy_s: float = 0.0  # compute: emulated device time, or thread CPU time of real math
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
     stash_bytes_peak: int = 0  # weight versions + in-flight inputs and output gradients
+    grad_norm: float | None = None  # the last update's, before clipping (None: emulated)
 
     @property
     def staleness_max(self) -> int:
@@ -371,7 +372,7 @@ class StageWorker:
         else:
             # the optimizer clips them in place: they are this update's, and the next
             # backward replaces them
-            self.cell.apply_update(self.grads)
+            self.stats.grad_norm = self.cell.apply_update(self.grads)
         self._grads_empty = True
         if self.next is None and not self.emu:
             self.stats.losses.append(self._update_loss)

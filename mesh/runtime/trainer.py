@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,7 @@ from mesh.runtime.checkpoint import (
     saved_steps,
 )
 from mesh.runtime.emulate import link_profile, resolve_window
+from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.registry import CellRecord, Registry, RunRecord
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageWorker, cell_name, group_name
@@ -194,6 +197,7 @@ def run_cell(
     coord: StaticCoordinator | DhtCoordinator | None = None
     server: StateServer | None = None
     worker: StageWorker | None = None
+    sink: MetricsSink | None = None
     start = time.perf_counter()
     tokens_per_update = (
         microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
@@ -211,6 +215,9 @@ def run_cell(
 
     try:
         with metrics.open("a") as f:
+            # whose rows these are: a dashboard on this machine tells a dead cell by its pid
+            event("started", pid=os.getpid(), host=socket.gethostname())
+            sink = MetricsSink(f, cfg, stage, replica, Path(out_dir), tokens_per_update)
             if resume_step is not None:
                 saved_at = checkpoint_path(out_dir, stage, replica, resume_step)
                 event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
@@ -236,8 +243,10 @@ def run_cell(
                     tps = tokens_per_update / dt if dt > 0 else 0.0
                     coord.beat.step = cell.step
                     coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
-                f.write(json.dumps(_row(w, transport, now - start)) + "\n")
-                f.flush()
+                row = _row(w, transport, now - start)
+                if isinstance(coord, DhtCoordinator):
+                    coord.beat.stats = beat_stats(row)
+                sink.write(row)
 
             def align() -> int:
                 if isinstance(coord, DhtCoordinator):
@@ -278,6 +287,8 @@ def run_cell(
             f.write(json.dumps(final) + "\n")
     finally:
         _STOP.exiting = True  # a second SIGTERM must not cut the last save short
+        if sink is not None:
+            sink.close()
         if server is not None:
             server.close()
         with worker.lock if worker is not None else contextlib.nullcontext():
@@ -299,6 +310,7 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "time_s": round(time_s, 4),
         "loss": st.losses[-1] if st.losses else None,
         "lr_scale": cell.lr_scale(),
+        "grad_norm": st.grad_norm,
         "bytes_sent": transport.stats.sent_by_kind(),
         "rounds_started": st.rounds_started,
         "rounds_applied": st.rounds_applied,

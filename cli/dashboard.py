@@ -1,0 +1,128 @@
+"""`meshtrain dashboard`: watch a run in a browser. The page (mesh/runtime/dashboard/page.html)
+polls /api/status: a run directory's files (--run DIR), or the DHT as `meshtrain status` reads
+it (--initial-peers), each cell with its state.
+
+imports: click, cli (join, status, options), mesh.runtime.dashboard.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cli.options import user_errors
+from mesh.config import ConfigError
+from mesh.runtime.dashboard.server import Source, SourceError, make_server
+
+
+def dht_source(initial_peers: list[str], run_id: str, run_key: str | None) -> tuple[Source, Any]:
+    """The JSON of a live run from the DHT, and the scout to close. A run with a key is shown
+    only with that key: a dashboard without it (or with another) says so and exits 2."""
+    from cli.join import JoinError, open_scout
+    from cli.status import KEY_OK, key_error, read_status
+    from mesh.runtime.dashboard.live import LiveView
+
+    scout = open_scout(initial_peers, run_id, client_mode=True,
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    view = LiveView()
+
+    def source() -> dict[str, Any]:
+        try:
+            rows = read_status(scout, run_key)
+        except JoinError as e:  # the DHT did not answer this time: the page polls again
+            raise SourceError(str(e)) from None
+        if rows["run_key"] != KEY_OK:
+            raise SourceError(key_error(rows["run_key"]) or "no run record in the DHT yet")
+        return view.json(rows, time.time())
+
+    try:
+        first = read_status(scout, run_key)
+    except BaseException:
+        scout.close()
+        raise
+    problem = key_error(first["run_key"])
+    if problem:
+        scout.close()
+        raise ConfigError(problem)
+    return source, scout
+
+
+def run_dir_source(run_dir: Path) -> Source:
+    from mesh.runtime.dashboard.rundir import RunDirView
+
+    view = RunDirView(run_dir)
+    return view.json
+
+
+@click.command()
+@click.option(
+    "--initial-peers",
+    multiple=True,
+    metavar="MADDR",
+    help="A live WAN run: any DHT node of it, as `meshtrain dht` prints it.",
+)
+@click.option(
+    "--run",
+    "run_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="A run directory (`simulate --out`, `join --out`), running or finished: files only.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
+@click.option("--port", type=int, default=8080, show_default=True, help="Port (0: any free).")
+@click.option(
+    "--run-key",
+    envvar="MESHTRAIN_RUN_KEY",
+    default=None,
+    help="The run's shared secret (or MESHTRAIN_RUN_KEY): a run with a key is shown only to it.",
+)
+@click.option(
+    "--run-id", default="meshtrain", show_default=True, help="Namespace of the run's DHT keys."
+)
+@user_errors
+def dashboard(
+    initial_peers: tuple[str, ...],
+    run_dir: str | None,
+    host: str,
+    port: int,
+    run_key: str | None,
+    run_id: str,
+) -> None:
+    """Serve a page that shows the grid as it trains: every cell's peer, step, tokens/s,
+    heartbeat, rounds, rejects and state; the loss curves; bytes sent per link kind. It polls
+    GET /api/status, the JSON of `meshtrain status --json` with each cell's state."""
+    if bool(initial_peers) == bool(run_dir):
+        raise ConfigError("give either --initial-peers MADDR (a live run) or --run DIR, not both")
+    scout = None
+    if run_dir:
+        source = run_dir_source(Path(run_dir))
+    else:
+        source, scout = dht_source(list(initial_peers), run_id, run_key)
+    try:
+        server = make_server(source, host, port)
+    except OSError as e:
+        if scout is not None:
+            scout.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot serve there ({e})") from None
+    import signal
+
+    # SIGTERM as Ctrl-C: the scout's p2pd is shut down and its socket file removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    bound_host, bound_port = server.server_address[:2]
+    click.echo(f"dashboard: http://{bound_host}:{bound_port}/  (Ctrl-C stops it)")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        if scout is not None:
+            scout.close()
+    sys.stdout.flush()
+    os._exit(0)  # as `status`: nothing left to tear down once the scout is closed

@@ -48,8 +48,9 @@ MIN_INTERVAL_S = 3.0
 ASK_S = READ_S + BUSY_S + PROBE_START_S + DIAL_S + 5.0  # an asker's wait for one answer
 
 
-async def _read_frame(reader: asyncio.StreamReader, limit: int) -> Any:
-    size = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), READ_S), "big")
+async def _read_frame(reader: asyncio.StreamReader, limit: int, first_s: float = READ_S) -> Any:
+    """One frame; first_s: how long its first bytes may take (an answer waits for a probe)."""
+    size = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), first_s), "big")
     if size > limit:
         raise ValueError(f"frame of {size} bytes (at most {limit})")
     return json.loads((await asyncio.wait_for(reader.readexactly(size), READ_S)).decode())
@@ -185,7 +186,7 @@ async def _ask_one(p2p: P2P, helper: str, maddrs: list[str]) -> dict[str, Any] |
             p2p.call_binary_stream_handler(PeerID.from_base58(helper), PROTOCOL), READ_S
         )
         await _write_frame(writer, {"v": 1, "maddrs": maddrs})
-        answer = await asyncio.wait_for(_read_frame(reader, MAX_ANSWER_BYTES), ASK_S)
+        answer = await _read_frame(reader, MAX_ANSWER_BYTES, ASK_S)
     except Exception:  # noqa: BLE001 - unreachable, no such protocol, closed, malformed
         return None
     finally:

@@ -150,7 +150,8 @@ async def ask(
 ) -> dict[str, Any]:
     """Run in the asker's DHT process: ask `helpers` (base58 PeerIDs), then the other peers of
     its routing table, to dial it back at `own_maddrs` (default: the addresses its p2pd
-    announces), until one answers ok, `max_answers` have answered or `within_s` passed
+    announces), until one answers ok, `max_answers` have tried (a refusal, e.g. busy, does not
+    count) or `within_s` passed
     (no helper is asked after that; the one being asked may take ASK_S more). Returns
     {"maddrs": what was asked, "answers": [{"helper": base58, **answer}], "silent": [base58
     that did not answer, or do not serve dial-backs]}."""
@@ -173,7 +174,7 @@ async def ask(
             silent.append(helper)
             continue
         answers.append({"helper": helper, **answer})
-        if answer["ok"] or len(answers) >= max_answers:
+        if answer["ok"] or sum(not a["refused"] for a in answers) >= max_answers:
             break
     return {"maddrs": own_maddrs, "answers": answers, "silent": silent}
 

@@ -323,7 +323,8 @@ class P2PTransport(StreamMixin, RunRecords):
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
         await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
         if not self.client_mode:  # joiners may ask any DHT server to dial them back
-            await self.dht.run_coroutine(dialback.serve, return_future=True)
+            with contextlib.suppress(Exception):  # a service to others: never fails our start
+                await self.dht.run_coroutine(dialback.serve, return_future=True)
         # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
         own = Multiaddr(f"/p2p/{self.peer_id}")
         maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]

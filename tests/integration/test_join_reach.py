@@ -106,3 +106,42 @@ def _p2pds(pid: int) -> int:
         except OSError:
             pass
     return found
+
+
+def test_any_dht_peer_answers_when_the_bootstrap_does_not():
+    """A plain hivemind bootstrap serves no dial-back: with nobody else the verdict is unknown
+    (join goes on and says so); once a peer's transport serves the DHT, it answers instead."""
+    from functools import partial
+
+    import hivemind
+
+    from cli.reach import peer_id_of, reach_verdict
+    from comms.p2p import dialback
+    from comms.p2p.dht import start_dht
+    from comms.p2p.transport import P2PTransport
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    ask = partial(dialback.ask, [peer_id_of(maddrs[0])], 2, 30.0, None)
+    scout = peer = None
+    try:
+        scout = start_dht(maddrs, 30, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        alone = scout.run_coroutine(ask, return_future=True).result(HANG_S)
+        assert alone["answers"] == [] and alone["silent"] == [peer_id_of(maddrs[0])]
+        assert reach_verdict(alone, [])[0] == "unknown"
+
+        peer = P2PTransport("s0r0", initial_peers=maddrs)
+        scout.shutdown()
+        scout.join(10)
+        scout = start_dht(maddrs, 30, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        helped = scout.run_coroutine(ask, return_future=True).result(HANG_S)
+        assert [a["helper"] for a in helped["answers"]] == [peer.peer_id], helped
+        verdict, text = reach_verdict(helped, [])
+        assert verdict == "reachable" and "/ip4/127.0.0.1/tcp/" in text
+    finally:
+        for node in (scout, boot):
+            if node is not None:
+                node.shutdown()
+                node.join(10)
+        if peer is not None:
+            peer.close()

@@ -9,8 +9,10 @@ handshake authenticates the PeerID, so "ok" means the asker itself answered ther
 Bounds, so that a helper cannot be made into a dialer of other machines or a fork bomb: only
 the asker's own PeerID is dialed, only at addresses on the host it connected from
 (comms.addrs.dial_plan, at most MAX_DIALS), at most PROBES probes run at once (a request that
-waits more than BUSY_S is answered "busy"), one request per peer per MIN_INTERVAL_S, requests
-of at most MAX_REQUEST_BYTES, every step under a timeout.
+waits more than BUSY_S, or finds MAX_WAITING others waiting, is answered "busy"), one request
+per peer per MIN_INTERVAL_S, requests of at most MAX_REQUEST_BYTES, every step under a timeout.
+A probe p2pd is reaped when its check ends (one whose helper process is killed exits within
+seconds by itself).
 
 Wire: one stream of protocol PROTOCOL per question; each side sends one frame, a 4-byte
 big-endian length then UTF-8 JSON. Request {"v": 1, "maddrs": [str]}; answer {"v": 1,
@@ -44,6 +46,7 @@ DIAL_S = 6.0  # the probe's connect (a firewall that drops SYNs makes it wait th
 PROBE_START_S = 15.0  # starting the probe p2pd (seconds on a busy machine)
 BUSY_S = 10.0  # how long a request waits for a probe slot before it is answered "busy"
 PROBES = 2
+MAX_WAITING = 8
 MIN_INTERVAL_S = 3.0
 ASK_S = READ_S + BUSY_S + PROBE_START_S + DIAL_S + 5.0  # an asker's wait for one answer
 
@@ -65,9 +68,9 @@ async def _write_frame(writer: asyncio.StreamWriter, value: Any) -> None:
 class DialBackService:
     """The helper side (see the module docstring); one per DHT process."""
 
-    def __init__(self, p2p: P2P) -> None:
-        self.p2p = p2p
+    def __init__(self) -> None:
         self._slots = asyncio.Semaphore(PROBES)
+        self._waiting = 0  # requests waiting for a slot: beyond MAX_WAITING, answered "busy"
         self._last: dict[PeerID, float] = {}  # when each peer last asked
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
@@ -93,12 +96,19 @@ class DialBackService:
         answer = {"v": 1, "observed": observed, "ok": False, "via": None, "skipped": skipped}
         if not dial:
             return {**answer, "why": "no address to dial"}
+        if self._waiting >= MAX_WAITING:
+            return _refusal(observed, "busy")
+        self._waiting += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), BUSY_S)
         except TimeoutError:
             return _refusal(observed, "busy")
+        finally:
+            self._waiting -= 1
         try:
             ok, via, why = await _probe(info.peer_id, dial)
+        except Exception as e:  # noqa: BLE001 - our own probe did not start: we cannot tell
+            return _refusal(observed, f"could not start a probe ({str(e)[:200]})")
         finally:
             self._slots.release()
         return {**answer, "ok": ok, "via": via, "why": why}
@@ -136,7 +146,7 @@ async def _probe(peer_id: PeerID, dial: list[str]) -> tuple[bool, str | None, st
 async def serve(_dht: Any, node: Any) -> None:
     """Run in a DHT process: answer dial-back requests on its p2pd from now on."""
     if getattr(node, "dial_back", None) is None:
-        node.dial_back = DialBackService(node.p2p)
+        node.dial_back = DialBackService()
         await node.p2p.add_binary_stream_handler(PROTOCOL, node.dial_back._on_stream)
 
 

@@ -48,10 +48,19 @@ def test_unreachable_join_claims_nothing_and_a_reachable_one_does(text_file, tmp
         assert f"--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/{port}" in out, out
         assert "--client-mode" in out and "Traceback" not in out, out
         seen = status(maddr)
-        assert seen["grid"] is None and seen["cells"] == [], seen  # no record, no claim
+        assert seen["grid"] is None and seen["cells"] == [], seen  # no run record, no claim
         assert not (tmp_path / "j0").exists()
         # the bootstrap's probe p2pd (started for the dial-back) is gone: only its own is left
         assert _p2pds(dht.pid) == 1
+        # the overrides get past the check (then stop at a --stage the run does not have)
+        for flag in ("--skip-reach-check", "--client-mode"):
+            code, out, _ = run_meshtrain(
+                "join", "--initial-peers", maddr, *LOOPBACK, "--config", str(cfg), flag,
+                "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--stage", "9",
+                timeout_s=HANG_S,
+            )  # fmt: skip
+            assert code == 2 and f"reachability: not checked ({flag}" in out, out
+            assert "--stage 9: the run has stages 0..1" in out, out
 
         log = tmp_path / "j1.log"
         with log.open("w") as f:

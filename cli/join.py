@@ -1,12 +1,13 @@
 """`meshtrain dht`, `join` and `status`: a grid formed over the internet through a hivemind DHT.
 
 join: --initial-peers are checked by syntax (cli/reach.py), then a scout DHT node reads the
-run's config record (refusing another fingerprint or another run key), picks a free cell (or one
-of --stage), claims it and checks the claim held, then the cell runs in this process
-(mesh.runtime.trainer.run_cell: its own transport, heartbeats, state download from a live peer
-of its stage, sessions with its replica) while a thread draws its progress and prints a line for
-each of its events (cli/events.py). Ctrl-C or SIGTERM: the cell saves, releases its claim and
-says so; join exits 0. `status` is in cli/status.py.
+run's config record (refusing another fingerprint or another run key), asks a peer of the run
+to dial it back (check_reach: an unreachable peer is told the fix and claims nothing), picks a
+free cell (or one of --stage), claims it and checks the claim held, then the cell runs in this
+process (mesh.runtime.trainer.run_cell: its own transport, heartbeats, state download from a
+live peer of its stage, sessions with its replica) while a thread draws its progress and prints
+a line for each of its events (cli/events.py). Ctrl-C or SIGTERM: the cell saves, releases its
+claim and says so; join exits 0. `status` is in cli/status.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,20 @@ from typing import Any
 
 import click
 
-from cli.reach import EXAMPLE_MADDR, any_reachable, maddr_problems
+from cli.reach import (
+    EXAMPLE_MADDR,
+    any_reachable,
+    maddr_problems,
+    p2pd_failure,
+    peer_id_of,
+    reach_verdict,
+)
 from mesh.algo.topology import Cell as Place
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
 
 SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
+REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
 
@@ -57,12 +66,47 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
     try:
         return DhtClient(list(initial_peers), run_id, SCOUT_TIMEOUT_S, **kwargs)
     except Exception as e:  # noqa: BLE001 - p2pd's own error text says which address failed
+        started = p2pd_failure(e)  # ours (a port in use, ...), not the bootstrap's
+        if started is not None:
+            raise JoinError(started) from None
         raise JoinError(
             f"could not reach the DHT through --initial-peers {' '.join(initial_peers)} "
             f"within {SCOUT_TIMEOUT_S:.0f} s ({str(e).strip()[:200]}); check the address and "
             "that the bootstrap node (meshtrain dht) is running (a bootstrap node restarted "
             "without --identity has a new peer ID: use the address it prints now)"
         ) from None
+
+
+def check_reach(
+    scout: Any, initial_peers: list[str], announce_maddrs: list[str], client_mode: bool,
+    skip: bool,
+) -> None:  # fmt: skip
+    """Before a claim: can the other peers dial this one? A peer of the run (the bootstrap
+    first) dials the scout back at its announced addresses (comms/p2p/dialback.py); the scout
+    listens where the cell will (--host-maddrs; with /tcp/0 on another port, which tells the
+    same for a machine that is not behind NAT). Unreachable: JoinError with the fix, no claim.
+    A client-mode peer is reached through a relay instead: not checked."""
+    if client_mode:
+        click.echo("reachability: not checked (--client-mode: other peers reach this one "
+                   "through a relay, which a reachable peer of the run provides)")  # fmt: skip
+        return
+    if skip:
+        click.echo("reachability: not checked (--skip-reach-check)")
+        return
+    from functools import partial
+
+    from comms.p2p import dialback
+
+    helpers = [p for m in initial_peers if (p := peer_id_of(m)) is not None]
+    ask = partial(dialback.ask, helpers, 2, REACH_S, None)
+    try:
+        result = scout.dht.run_coroutine(ask, return_future=True).result(REACH_S + dialback.ASK_S)
+    except Exception:  # noqa: BLE001 - nobody answered in time: unknown, said below
+        result = {"maddrs": [], "answers": []}
+    verdict, text = reach_verdict(result, announce_maddrs)
+    if verdict == "unreachable":
+        raise JoinError(text)
+    click.echo(f"reachability: {text}")
 
 
 def cell_name(stage: int, replica: int) -> str:
@@ -195,6 +239,7 @@ def run_join(
     announce_maddrs: list[str],
     client_mode: bool,
     verify_data: bool = False,
+    skip_reach_check: bool = False,
 ) -> None:
     from cli.preflight import check_data
     from comms.p2p.auth import Auth
@@ -213,6 +258,7 @@ def run_join(
         if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here
             run_data = rec.data if rec is not None else None
             data = run_record_data(check_data(cfg, verify_data, run_data).manifest)
+        check_reach(scout, initial_peers, announce_maddrs, client_mode, skip_reach_check)
         auth = Auth.of(run_key, cfg.fingerprint())
         registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
         if registry.run() is None:
@@ -285,8 +331,10 @@ def _run_here(
         code, failure = 2, f"error: {e}"
     except CommsError as e:  # e.g. the replica never formed: the message says which cell
         code, failure = 1, f"error: {e}"
-    except Exception:  # noqa: BLE001 - reported; the exit code says it failed
-        code, failure = 1, traceback.format_exc()
+    except Exception as e:  # noqa: BLE001 - reported; the exit code says it failed
+        started = p2pd_failure(e)  # e.g. its port taken since the scout listened there
+        code = 1 if started is None else 2
+        failure = traceback.format_exc() if started is None else f"error: {started}"
     finally:
         done.set()
         drawer.join(2)

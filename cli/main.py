@@ -218,8 +218,17 @@ def dht(
         kwargs["identity_path"] = identity
     from hivemind.dht.crypto import RSASignatureValidator
 
-    # checks signed records (cell claims) before it stores them, as every peer does
-    node = hivemind.DHT(start=True, record_validators=[RSASignatureValidator()], **kwargs)
+    from cli.reach import p2pd_failure
+    from comms.p2p import dialback
+
+    try:  # checks signed records (cell claims) before it stores them, as every peer does
+        node = hivemind.DHT(start=True, record_validators=[RSASignatureValidator()], **kwargs)
+    except Exception as e:
+        why = p2pd_failure(e)
+        if why is None:
+            raise
+        raise ConfigError(why) from None
+    node.run_coroutine(dialback.serve)  # joiners ask us to dial them back before they claim
     for maddr in node.get_visible_maddrs():
         click.echo(str(maddr))
     sys.stdout.flush()
@@ -248,6 +257,12 @@ def dht(
     is_flag=True,
     help="A peer behind NAT: do not serve the DHT, and ask a public peer to relay for us.",
 )
+@click.option(
+    "--skip-reach-check",
+    is_flag=True,
+    help="Claim a cell even if no peer of the run can dial this one back (e.g. your peers "
+    "reach it over a network the checking peer is not on).",
+)
 @verify_data_option
 @run_options
 @p2p_options
@@ -259,6 +274,7 @@ def join(
     stage: int | None,
     out: str | None,
     client_mode: bool,
+    skip_reach_check: bool,
     verify_data: bool,
     run_id: str,
     run_key: str | None,
@@ -268,6 +284,10 @@ def join(
 ) -> None:
     """Add this machine to a run: claim a free cell through the DHT, take its stage's state from
     a live peer, train until the run ends or Ctrl-C (which saves and releases the cell).
+
+    Before it claims, a peer of the run dials this one back at its announced addresses; if it
+    cannot, join says what to do (forward a port and pass --announce-maddrs, or --client-mode)
+    and exits 2 without a cell.
 
     A line above the progress bar says each thing the cell does: whom its replica waits for,
     where its state came from, the checkpoint saved and the cell released at the end. The
@@ -292,6 +312,7 @@ def join(
             announce_maddrs=list(announce_maddrs),
             client_mode=client_mode,
             verify_data=verify_data,
+            skip_reach_check=skip_reach_check,
         )
     except KeyboardInterrupt:  # once a cell runs, its own handler saves and releases it
         click.echo(

@@ -116,6 +116,23 @@ def set_rate(pair: NetnsPair, rate_mbit: float | None, burst_kb: int = 32) -> No
         _run(*qdisc, "add", "dev", pair.veth_a, "root", "tbf", *tbf)
 
 
+def drop_new_connections(pair: NetnsPair) -> None:
+    """From now on a cannot open TCP connections to b (its SYNs are dropped on the way out),
+    while b's connections to a work both ways: b is behind a NAT or a firewall, as a seen from
+    a. (htb + u32 + a zero-length pfifo: this kernel has no prio qdisc or drop action.)"""
+    tc = pair.cmd(pair.a, "tc")
+    dev = ["dev", pair.veth_a]
+    _run(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "10")
+    _run(*tc, "class", "add", *dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
+    _run(*tc, "class", "add", *dev, "parent", "1:", "classid", "1:20", "htb", "rate", "8kbit")
+    _run(*tc, "qdisc", "add", *dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
+    # TCP (protocol 6) with SYN set and ACK clear (flags byte at 20 + 13 behind an optionless
+    # IPv4 header): a new connection's first packet
+    syn = ["match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12", "at", "33"]
+    _run(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *syn,
+         "flowid", "1:20")  # fmt: skip
+
+
 def measure_mbps(pair: NetnsPair, nbytes: int, app_mbps: float | None = None) -> float:
     """Goodput a -> b in Mbit/s as the receiver saw it (first to last byte)."""
     py = sys.executable

@@ -220,6 +220,16 @@ def owner_marker() -> str:
     return RSASignatureValidator().local_public_key.decode()
 
 
+def permanent(start_error: BaseException) -> bool:
+    """Whether a failed DHT start fails the same way when retried: p2pd cannot listen where it
+    was told (a port in use, an address not of this machine), a malformed or port-0 multiaddr,
+    a missing identity directory or p2pd binary."""
+    text = str(start_error)
+    return isinstance(start_error, ValueError | FileNotFoundError) or any(
+        s in text for s in ("bind:", "failed to parse multiaddr", "no transport", "binary")
+    )
+
+
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
@@ -231,8 +241,8 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
         try:
             startup = max(5.0, min(15.0, deadline - time.monotonic()))
             return PeerDHT(initial_peers or None, start=True, startup_timeout=startup, **kwargs)
-        except Exception:
-            if time.monotonic() + delay >= deadline:
+        except Exception as e:
+            if permanent(e) or time.monotonic() + delay >= deadline:
                 raise
             time.sleep(delay)
             delay *= 2

@@ -14,6 +14,7 @@ shares that daemon through a replica P2P on a private asyncio loop thread.
   bytes with `wire.unpack` (rejects are counted in stats, never raised into the peer), and files
   the message in a bounded per-sender mailbox keyed by tag (the wire name).
 - Group means: see comms/p2p/mean.py (an all-gather of payload frames on our streams).
+- Dial-backs: a peer that serves the DHT also answers joiners' "dial me back" (dialback.py).
 - Run records (cell claims, sessions, the run's config) in the same DHT: `dht_store` / `dht_get`
   (comms.p2p.dht.RunRecords); with `auth` (comms/p2p/auth.py) only members' streams are served.
 
@@ -42,6 +43,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
+from comms.p2p import dialback
 from comms.p2p.auth import Auth
 from comms.p2p.dht import (
     PeerRecord,
@@ -320,6 +322,9 @@ class P2PTransport(StreamMixin, RunRecords):
         own_socket = self._p2p._client_listen_maddr["unix"]
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
         await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
+        if not self.client_mode:  # joiners may ask any DHT server to dial them back
+            with contextlib.suppress(Exception):  # a service to others: never fails our start
+                await self.dht.run_coroutine(dialback.serve, return_future=True)
         # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
         own = Multiaddr(f"/p2p/{self.peer_id}")
         maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]

@@ -2,7 +2,7 @@
 
 Inside mesh: algo <- model, data <- engine <- runtime <- bench <- cli, with the run's vocabulary
 (config, errors, methods) at mesh's top; inside comms: the core (codecs, wire, transport,
-throttle, netns, errors) <- the transports (p2p, torchdist) <- build, their factory.
+throttle, netns, addrs, errors) <- the transports (p2p, torchdist) <- build, their factory.
 
 Checked on the import statements themselves: every one counts, at module level, inside a
 function or under TYPE_CHECKING alike (a lazy import is still an arrow: it runs when the function

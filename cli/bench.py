@@ -82,14 +82,29 @@ def bench_convergence(
 
 @bench.command("ablations")
 @study_options("ablations", "1 seed, 160 microbatches (a few minutes here).")
+@click.option(
+    "--seeds",
+    default=None,
+    help="Comma-separated seeds (default 0,1; runs of a stopped study with other seeds are kept "
+    "in runs.partial.jsonl and reused).",
+)
 @user_errors
 def bench_ablations(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str, workers: int
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    workers: int,
+    seeds: str | None,
 ) -> None:
     """The AsyncMesh paper's ablation table on an 8x2 grid, the paper's numbers beside ours."""
     from mesh.bench.ablations import run_ablations
 
-    run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers)
+    try:
+        chosen = [int(s) for s in seeds.split(",")] if seeds else None
+    except ValueError:
+        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+    run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers, chosen)
     click.echo((Path(out) / "table.md").read_text())
 
 

@@ -45,8 +45,10 @@ def build_specs(seeds: list[int], tuned: dict[str, Any] | None = None) -> list[S
     return specs
 
 
-def run_ablations(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-    seeds = [0] if quick else [0, 1]
+def run_ablations(
+    base: Config, out: Path, quick: bool, workers: int, seeds: list[int] | None = None
+) -> dict[str, Any]:
+    seeds = seeds or ([0] if quick else [0, 1])
     budget = {"ablation": 160 if quick else 1600}
     start = time.perf_counter()
     tuned, _ = (DEFAULT_TUNED, False) if quick else load_tuned()

@@ -48,14 +48,15 @@ def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
 def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
     # the study's own lists give both arms the same budget
     assert len(tuning.FULLSYNC_LRS) == len(tuning.ASYNC_LRS) + len(tuning.ASYNC_STAGE2)
-    # the study's two stages with fewer settings (3 per arm), to keep the test short
+    # the study's stages with fewer settings, to keep the test short
     monkeypatch.setattr(tuning, "FULLSYNC_LRS", [3e-3, 6e-3, 1e-2])
     monkeypatch.setattr(tuning, "ASYNC_STAGE2", [{"dp.tau": 2}])
+    monkeypatch.setattr(tuning, "SCHEDULE_PROBE", [{"dp.lambda_clock": "steps"}])
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
     groups = {r["method"] for r in summary["runs"]}
     per_arm = {arm: sum(g.startswith(arm + " |") for g in groups) for arm in tuning.ARMS}
-    assert per_arm == {"FullSync": 3, "AsyncMesh-fp8": 3}
+    assert per_arm == {"FullSync": 3, "AsyncMesh-fp8": 4}  # + the schedule probe
     seeds = len(tuning.TUNE_SEEDS)
     assert all(len([r for r in summary["runs"] if r["method"] == g]) == seeds for g in groups)
     best_lr = summary["best"]["AsyncMesh-fp8"]["settings"]["optim.lr"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +219,7 @@ def run_cell(
             coord = make_coordinator(cfg, cell, transport, run_key, since, data)
             if isinstance(coord, DhtCoordinator):
                 coord.on_event = event  # waiting for whom, sessions
+                coord.on_beat = _health_rows(event, transport)
             worker = StageWorker(cfg, cell, transport, corpus)
             worker.critical = _STOP.deferred
             if coord.elastic:
@@ -288,6 +290,28 @@ def run_cell(
         transport.close()
         with contextlib.suppress(OSError):  # `join` says so only now that it is true
             event("saved", checkpoint=str(saved), released=released)
+
+
+HEALTH_EVERY_S = 5.0  # a `health` row at most this often (on the heartbeat thread)
+
+
+def _health_rows(event: Any, transport: Transport) -> Any:
+    """A heartbeat hook writing a `health` event row every HEALTH_EVERY_S: what only the
+    process itself can see of a leak (threads, live asyncio tasks, mailbox depth, its own DHT
+    calls); `meshtrain bench soak` reads /proc for the rest (RSS, descriptors). unix_s ties the
+    row's time_s to the wall clock."""
+    last = [-HEALTH_EVERY_S]
+
+    def beat() -> None:
+        now = time.monotonic()
+        if now - last[0] < HEALTH_EVERY_S:
+            return
+        last[0] = now
+        inner = getattr(transport, "health", None)
+        fields = inner() if inner is not None else {}
+        event("health", threads=threading.active_count(), unix_s=round(time.time(), 3), **fields)
+
+    return beat
 
 
 def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:

@@ -145,6 +145,27 @@ def bench_join(out: str, repeats: int) -> None:
     run_join_bench(Path(out), repeats=repeats)
 
 
+@bench.command("soak")
+@click.option("--out", type=click.Path(file_okay=False), default="results/soak", show_default=True)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="How long the grid trains (default 60; 3 with --quick); a peer is killed and "
+    "replaced about every 10 minutes (at least once).",
+)
+@click.option("--quick", is_flag=True, help="3 minutes, one kill, a sample every 5 s.")
+def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
+    """A 2x2 hivemind grid of joins on wan100-shaped loopback links for an hour, one peer
+    SIGKILLed and replaced every ~10 minutes: per peer RSS, descriptors, threads, asyncio tasks,
+    mailbox depth and socket files over time; leftovers after the run; the loss by window."""
+    from mesh.bench.soak import run_soak
+
+    summary = run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick)
+    if not summary["all_targets_met"]:
+        click.echo(f"some targets missed: see {out}/table.md", err=True)
+
+
 @bench.command("optimizers")
 @study_options("optimizers", "A short version (under 5 minutes here).")
 @click.option(

@@ -166,6 +166,22 @@ def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
         click.echo(f"some targets missed: see {out}/table.md", err=True)
 
 
+@bench.command("scale")
+@click.option("--out", type=click.Path(file_okay=False), default="results/scale", show_default=True)
+@click.option(
+    "--quick", is_flag=True, help="A 4x2 grid, one status call, a 20 s window (a smoke test)."
+)
+@user_errors
+def bench_scale(out: str, quick: bool) -> None:
+    """32 joins (an 8x4 grid, emulated compute) over one bootstrap on 127.0.0.1: time until
+    all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
+    from mesh.bench.scale import run_scale
+
+    summary = run_scale(Path(out), quick)  # too little memory: a user error, exit 2
+    if not summary["all_targets_met"]:
+        click.echo(f"some targets missed: see {out}/table.md", err=True)
+
+
 @bench.command("optimizers")
 @study_options("optimizers", "A short version (under 5 minutes here).")
 @click.option(

@@ -309,7 +309,8 @@ def _health_rows(event: Any, transport: Transport) -> Any:
         last[0] = now
         inner = getattr(transport, "health", None)
         fields = inner() if inner is not None else {}
-        event("health", threads=threading.active_count(), unix_s=round(time.time(), 3), **fields)
+        event("health", threads=threading.active_count(), torch_threads=torch.get_num_threads(),
+              unix_s=round(time.time(), 3), **fields)  # fmt: skip
 
     return beat
 

@@ -21,10 +21,8 @@ from mesh.bench.join_procs import LOOPBACK, meshtrain, start_dht, stop, wait_for
 from mesh.bench.procstat import (
     alive,
     comm,
-    hivemind_socket_files,
     hivemind_sockets,
     process_tree,
-    stale_sockets,
 )
 
 # one torch/OpenMP thread per peer process: on a 2-core box more only contend
@@ -43,7 +41,6 @@ class LocalGrid:
         self.dht: subprocess.Popen | None = None
         self.maddr = ""
         self.leftovers: dict[str, Any] = {}
-        self._before = hivemind_socket_files()
 
     def __enter__(self) -> LocalGrid:
         self.dht, self.maddr = start_dht()
@@ -122,6 +119,15 @@ class LocalGrid:
             "sockets_left": left,
         }
 
+    def own_socket_files(self) -> list[str]:
+        """Socket files of ours that still exist: those our processes were seen holding, and
+        those named after the pid of one of our processes (a peer's DHT process names its
+        p2pd's files hivemind-PID-*). Other files in /tmp may be other programs' (and a socket
+        bound in another network namespace does not show in our /proc/net/unix): never
+        guessed to be ours."""
+        named = {str(f) for p in self.seen for f in Path("/tmp").glob(f"hivemind-{p}-*.sock")}
+        return sorted({s for s in self.sockets if os.path.exists(s)} | named)
+
     def close(self) -> None:
         for p in self.live().values():  # remember the trees first: their p2pd pids
             self.remember(p.pid)
@@ -138,9 +144,7 @@ class LocalGrid:
         self.leftovers = {
             "orphan_processes": [f"{p} ({self.seen[p]})" for p in orphans],
             "orphan_p2pd": sum(1 for p in orphans if self.seen[p] == "p2pd"),
-            "socket_files_left": sorted(
-                {s for s in self.sockets if os.path.exists(s)} | set(stale_sockets(self._before))
-            ),
+            "socket_files_left": self.own_socket_files(),
         }
         for p in orphans:
             _kill_pid(p, self.seen[p])

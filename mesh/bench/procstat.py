@@ -121,15 +121,3 @@ def tree_sample(root: int) -> dict[str, Any]:
     total = {k: round(sum(r[k] for r in roles.values()), 2) for k in keys}
     socks = sorted(hivemind_sockets(pids))
     return {"roles": roles, "total": total, "pids": by_role, "sockets": socks}
-
-
-def stale_sockets(existing: set[Path]) -> list[str]:
-    """hivemind socket files that appeared since `existing` was listed and that no process has
-    bound any more (a dead peer's leftovers)."""
-    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
-    fresh = set(Path("/tmp").glob("hivemind-*.sock")) - existing
-    return sorted(str(p) for p in fresh if str(p) not in bound)
-
-
-def hivemind_socket_files() -> set[Path]:
-    return set(Path("/tmp").glob("hivemind-*.sock"))

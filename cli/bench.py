@@ -3,6 +3,7 @@ imports its own when it runs, so `meshtrain --help` stays light)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -161,7 +162,11 @@ def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
     mailbox depth and socket files over time; leftovers after the run; the loss by window."""
     from mesh.bench.soak import run_soak
 
-    summary = run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick)
+    try:
+        summary = run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick)
+    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     if not summary["all_targets_met"]:
         click.echo(f"some targets missed: see {out}/table.md", err=True)
 
@@ -177,7 +182,11 @@ def bench_scale(out: str, quick: bool) -> None:
     all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
     from mesh.bench.scale import run_scale
 
-    summary = run_scale(Path(out), quick)  # too little memory: a user error, exit 2
+    try:
+        summary = run_scale(Path(out), quick)  # too little memory: a user error, exit 2
+    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     if not summary["all_targets_met"]:
         click.echo(f"some targets missed: see {out}/table.md", err=True)
 

@@ -129,8 +129,9 @@ def run_scale(out: Path, quick: bool) -> dict[str, Any]:
 def form(grid: LocalGrid, cfg: Path, n: int, note: Any) -> dict[str, Any]:
     """The first join with the config, then n-1 more STAGGER_S apart; when each cell first
     updated. A join that gave up on start-up (p2pd not up within join's scout timeout on a box
-    this loaded, the DHT not answering its claim, or no cell free yet) is started again, as a
-    user would (join's message says to), and counted; its time runs from its first start."""
+    this loaded, the DHT not answering its claim or reading the run's record as absent, or no
+    cell free yet) is started again, as a user would, and counted; its time runs from its
+    first start."""
     t0 = time.monotonic()
     grid.join("p00", "--config", str(cfg))
     grid.wait_joined("p00", TRAIN_WAIT_S)
@@ -184,6 +185,8 @@ def _retryable(code: int | None, log: str) -> str | None:
         return None
     if "could not reach the DHT" in log:
         return "p2pd or the DHT not up within the scout's timeout"
+    if "no run found in the DHT" in log:  # the run's record exists: the read came back empty
+        return "the DHT read of the run's record came back empty"
     if "the DHT does not answer" in log:
         return "the DHT did not answer the claim"
     if "no free cell" in log:

@@ -38,6 +38,10 @@ from mesh.config import ConfigError
 from mesh.runtime.metrics import read_metrics
 
 TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measured on anyway
+# 32 claims beating every second, each beat reading all claims, swamp a loaded 2-core box's
+# DHT: replicas then see their cells come and go and (runtime.rejoin_timeout_s, 120 s by
+# default) give up forming. A claim lives 4 beats either way.
+HEARTBEAT_S = 2.0
 STAGGER_S = 0.5  # between join starts: 31 interpreters importing torch at once only thrash
 JOIN_TRIES = 3  # starts of one join after its first
 PEER_MB = 600  # what one peer needs (PSS of cell + DHT process + p2pd was ~480 MB here)
@@ -65,7 +69,8 @@ steps = 10000000
 threads = 1
 [runtime]
 compute = "emulated"
-heartbeat_s = 1.0
+heartbeat_s = {HEARTBEAT_S}
+rejoin_timeout_s = {TRAIN_WAIT_S}
 max_lag_steps = 5
 round_timeout_s = 10
 """
@@ -105,6 +110,7 @@ def run_scale(out: Path, quick: bool) -> dict[str, Any]:
             text = Path(tmp) / "text.txt"
             text.write_text(generated_text(60_000))
             cfg = scale_config(Path(tmp), text, stages, replicas)
+            meta["config"] = cfg.read_text()
             with grid:
                 t0 = time.monotonic()
                 meta.update(form(grid, cfg, meta["peers"], note))

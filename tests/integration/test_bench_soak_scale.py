@@ -39,8 +39,8 @@ def test_soak_quick_kills_and_replaces_a_peer_and_leaves_nothing_behind(tmp_path
         mine = [x for x in samples if x["kind"] == "sample" and x["peer"] == peer]
         assert all(x["rss_mb_cell"] > 0 for x in mine), peer
         assert any(x.get("fds_p2pd", 0) > 0 and x.get("threads_dht", 0) > 0 for x in mine), peer
-        assert any(isinstance(x["asyncio_tasks"], int) for x in mine), peer
-        assert any(isinstance(x["mailbox_pending"], int) for x in mine), peer
+        assert any(isinstance(x.get("asyncio_tasks"), int) for x in mine), peer
+        assert any(isinstance(x.get("mailbox_pending"), int) for x in mine), peer
     assert s["rss_growth_mb_max"] < 100  # a 1.5-minute run: far below; a leak shows at once
     losses = [w["train_loss"] for w in s["loss_by_window"] if w["train_loss"] is not None]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, losses

@@ -43,7 +43,7 @@ TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measur
 # default) give up forming. A claim lives 4 beats either way.
 HEARTBEAT_S = 2.0
 STAGGER_S = 0.5  # between join starts: 31 interpreters importing torch at once only thrash
-JOIN_TRIES = 3  # starts of one join after its first
+JOIN_TRIES = 6  # starts of one join after its first
 PEER_MB = 600  # what one peer needs (PSS of cell + DHT process + p2pd was ~480 MB here)
 
 

@@ -3,6 +3,7 @@ imports its own when it runs, so `meshtrain --help` stays light)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -198,6 +199,51 @@ def bench_join(out: str, repeats: int) -> None:
     from mesh.bench.join import run_join_bench
 
     run_join_bench(Path(out), repeats=repeats)
+
+
+@bench.command("soak")
+@click.option("--out", type=click.Path(file_okay=False), default="results/soak", show_default=True)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="How long the grid trains (default 60; 3 with --quick); a peer is killed and "
+    "replaced about every 10 minutes (at least once).",
+)
+@click.option("--quick", is_flag=True, help="3 minutes, one kill, a sample every 5 s.")
+def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
+    """A 2x2 hivemind grid of joins on wan100-shaped loopback links for an hour, one peer
+    SIGKILLed and replaced every ~10 minutes: per peer RSS, descriptors, threads, asyncio tasks,
+    mailbox depth and socket files over time; leftovers after the run; the loss by window."""
+    from mesh.bench.soak import run_soak
+
+    try:
+        summary = run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick)
+    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    if not summary["all_targets_met"]:
+        click.echo(f"some targets missed: see {out}/table.md", err=True)
+
+
+@bench.command("scale")
+@click.option("--out", type=click.Path(file_okay=False), default="results/scale", show_default=True)
+@click.option(
+    "--quick", is_flag=True, help="A 4x2 grid, one status call, a 20 s window (a smoke test)."
+)
+@user_errors
+def bench_scale(out: str, quick: bool) -> None:
+    """32 joins (an 8x4 grid, emulated compute) over one bootstrap on 127.0.0.1: time until
+    all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
+    from mesh.bench.scale import run_scale
+
+    try:
+        summary = run_scale(Path(out), quick)  # too little memory: a user error, exit 2
+    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    if not summary["all_targets_met"]:
+        click.echo(f"some targets missed: see {out}/table.md", err=True)
 
 
 @bench.command("optimizers")

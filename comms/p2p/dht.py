@@ -28,6 +28,7 @@ from typing import Any
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms.p2p.auth import signer_of
@@ -248,12 +249,44 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
             delay *= 2
 
 
+class DhtCounts:
+    """This process's own DHT calls (store_record / get_records): calls and the MSGPack bytes
+    of the values stored and of the values a get returned. hivemind's own routing, replication
+    and ping traffic is not in it (it happens inside the DHT process); the health rows of a
+    cell (mesh/runtime/trainer.py) and `meshtrain bench scale` report these."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stores = self.store_bytes = self.gets = self.get_records = self.get_bytes = 0
+
+    def add(self, **fields: int) -> None:
+        with self._lock:
+            for name, n in fields.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            names = ("stores", "store_bytes", "gets", "get_records", "get_bytes")
+            return {n: getattr(self, n) for n in names}
+
+
+DHT_COUNTS = DhtCounts()
+
+
+def msgpack_bytes(value: Any) -> int:
+    """The size of a DHT value on the wire (0 if it does not encode)."""
+    with contextlib.suppress(Exception):  # a count, never a failure
+        return len(MSGPackSerializer.dumps(value))
+    return 0
+
+
 def store_record(
     dht: hivemind.DHT, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float
 ) -> bool:
     """Store a plain value (dict/list/str/number, MSGPack) under key/subkey for ttl_s; None
     "deletes" it (a None that outlives the old value). False if the DHT did not take it."""
     exp = get_dht_time() + ttl_s
+    DHT_COUNTS.add(stores=1, store_bytes=msgpack_bytes(value) + len(key) + len(subkey))
     fut = dht.store(key, value, exp, subkey=subkey, return_future=True)
     try:
         return bool(fut.result(timeout_s))
@@ -272,12 +305,16 @@ def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]
         fut.cancel()
         return None
     if found is None or not isinstance(found.value, dict):
+        DHT_COUNTS.add(gets=1)
         return {}
-    return {
+    records = {
         str(k): v.value
         for k, v in found.value.items()
         if hasattr(v, "value") and v.value is not None
     }
+    size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
+    DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
+    return records
 
 
 class RunRecords:

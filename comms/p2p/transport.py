@@ -46,9 +46,11 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.p2p import dialback
 from comms.p2p.auth import Auth
 from comms.p2p.dht import (
+    DHT_COUNTS,
     PeerRecord,
     RunRecords,
     adopt_socket,
+    msgpack_bytes,
     pick_record,
     start_dht,
 )
@@ -231,6 +233,24 @@ class P2PTransport(StreamMixin, RunRecords):
         """Background mean over `members`; see comms/p2p/mean.py."""
         return self._means.start(group, list(members), round_id, values, codec, timeout_s)
 
+    def health(self, timeout_s: float = 1.0) -> dict[str, Any]:
+        """What leaks would show in: live asyncio tasks on our loop (None when the loop did not
+        answer within timeout_s: it is blocked, which is worth seeing too), messages waiting in
+        the mailbox, and this process's own DHT calls so far (comms.p2p.dht.DhtCounts)."""
+
+        async def count() -> int:
+            return len(asyncio.all_tasks()) - 1  # not this one
+
+        tasks = None
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                tasks = self._run(count(), timeout_s)
+        return {
+            "asyncio_tasks": tasks,
+            "mailbox_pending": self.mailbox.pending(),
+            "dht": DHT_COUNTS.as_dict(),
+        }
+
     def close(self) -> None:
         """Stop streams, the loop thread and the DHT (which reaps its p2pd)."""
         if self._closed:
@@ -351,6 +371,7 @@ class P2PTransport(StreamMixin, RunRecords):
         # skewed clock) outlives ours, outbid it once.
         for ttl in (self.record_ttl_s, 2 * self.record_ttl_s + 10):
             exp = get_dht_time() + ttl
+            DHT_COUNTS.add(stores=1, store_bytes=msgpack_bytes(self._record))
             stored = self.dht.store(
                 self._key(self.me), self._record, exp, subkey=self._subkey, return_future=True
             )
@@ -398,8 +419,12 @@ class P2PTransport(StreamMixin, RunRecords):
         found = await self.dht.get(self._key(name), latest=True, return_future=True)
         value = found.value if found is not None else None
         if not isinstance(value, dict):
+            DHT_COUNTS.add(gets=1)
             return {}
-        return {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+        records = {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+        size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
+        DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
+        return records
 
     async def _resolve(
         self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None

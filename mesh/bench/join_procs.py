@@ -44,10 +44,10 @@ def generated_text(n_bytes: int, seed: int = 0) -> str:
 
 
 def tiny_grid_config(
-    directory: Path, text_file: Path, replicas: int = 2, runtime: str = ""
+    directory: Path, text_file: Path, replicas: int = 2, runtime: str = "", steps: int = 100000
 ) -> Path:
     """A 2 x `replicas` grid of a tiny model on `text_file` that runs until stopped (run.toml);
-    `runtime`: more TOML lines for its [runtime] table."""
+    `runtime`: more TOML lines for its [runtime] table; `steps`: the run's horizon."""
     path = directory / "run.toml"
     path.write_text(
         f"""
@@ -65,7 +65,7 @@ microbatch_size = 2
 path = "{text_file}"
 val_batches = 2
 [run]
-steps = 100000
+steps = {steps}
 [runtime]
 heartbeat_s = 1.0
 max_lag_steps = 5
@@ -76,9 +76,12 @@ round_timeout_s = 5
     return path
 
 
-def meshtrain(*args: str, key: str | None = KEY, **popen_kw: Any) -> subprocess.Popen:
-    """Start `meshtrain ARGS` (this interpreter) in its own session, with run key `key`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def meshtrain(
+    *args: str, key: str | None = KEY, env_extra: dict[str, str] | None = None, **popen_kw: Any
+) -> subprocess.Popen:
+    """Start `meshtrain ARGS` (this interpreter) in its own session, with run key `key` (and
+    the environment variables env_extra)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("MESHTRAIN_RUN_KEY", None)
     if key is not None:
         env["MESHTRAIN_RUN_KEY"] = key

@@ -145,6 +145,7 @@ class DhtCoordinator:
         self._active: SessionRecord | None = None  # the session the worker is running
         self._broken = False
         self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
+        self.on_beat: Callable[[], None] | None = None  # after each heartbeat (health rows)
         self._reported: dict[str, str] = {}  # the last `waiting` set said
         self._missing: dict[str, str] = {}  # during a session: what the last beat saw missing
         self._stop = threading.Event()
@@ -181,6 +182,9 @@ class DhtCoordinator:
         while not self._stop.wait(self.reg.heartbeat_s):
             self.heartbeat()
             self._watch()
+            if self.on_beat is not None:
+                with contextlib.suppress(Exception):  # a health row is never worth a beat
+                    self.on_beat()
 
     def _watch(self) -> None:
         """One heartbeat's look at the running session: is it broken, and is a neighbour gone

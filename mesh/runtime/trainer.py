@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +226,7 @@ def run_cell(
             coord = make_coordinator(cfg, cell, transport, run_key, since, data)
             if isinstance(coord, DhtCoordinator):
                 coord.on_event = event  # waiting for whom, sessions
+                coord.on_beat = _health_rows(event, transport)
             worker = StageWorker(cfg, cell, transport, corpus)
             worker.critical = _STOP.deferred
             if coord.elastic:
@@ -299,6 +301,29 @@ def run_cell(
         transport.close()
         with contextlib.suppress(OSError):  # `join` says so only now that it is true
             event("saved", checkpoint=str(saved), released=released)
+
+
+HEALTH_EVERY_S = 5.0  # a `health` row at most this often (on the heartbeat thread)
+
+
+def _health_rows(event: Any, transport: Transport) -> Any:
+    """A heartbeat hook writing a `health` event row every HEALTH_EVERY_S: what only the
+    process itself can see of a leak (threads, live asyncio tasks, mailbox depth, its own DHT
+    calls); `meshtrain bench soak` reads /proc for the rest (RSS, descriptors). unix_s ties the
+    row's time_s to the wall clock."""
+    last = [-HEALTH_EVERY_S]
+
+    def beat() -> None:
+        now = time.monotonic()
+        if now - last[0] < HEALTH_EVERY_S:
+            return
+        last[0] = now
+        inner = getattr(transport, "health", None)
+        fields = inner() if inner is not None else {}
+        event("health", threads=threading.active_count(), torch_threads=torch.get_num_threads(),
+              unix_s=round(time.time(), 3), **fields)  # fmt: skip
+
+    return beat
 
 
 def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:

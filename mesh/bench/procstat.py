@@ -1,0 +1,123 @@
+"""What a peer's processes hold, read from /proc: the benches' leak sampler.
+
+A joined peer is a process tree: the `meshtrain join` process (the cell), its forked hivemind
+DHT process and that one's p2pd. For each, RSS, open descriptors and threads
+(/proc/PID/status, /proc/PID/fd), and the /tmp/hivemind-*.sock files the tree has bound
+(/proc/net/unix). Linux only; a process that exits while it is read is skipped.
+(tests/integration/p2p_procs.py reads the same files for the hygiene tests.)
+
+imports: stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (pid first)."""
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped does not count)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def proc_stats(pid: int) -> dict[str, float] | None:
+    """{rss_mb, pss_mb, fds, threads} of one process; None once it is gone. PSS splits pages
+    shared with other processes among them: the forked DHT process shares most of the cell's
+    RSS, so a tree's RSS counts those pages twice and its PSS once."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    pss_kb = next((ln.split()[1] for ln in rollup.splitlines() if ln.startswith("Pss:")), "0")
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        return {
+            "rss_mb": round(int(fields["VmRSS"].split()[0]) / 1024, 2),
+            "pss_mb": round(int(pss_kb) / 1024, 2),
+            "fds": fds,
+            "threads": int(fields["Threads"]),
+        }
+    except (KeyError, ValueError, IndexError):  # a zombie has no VmRSS
+        return None
+
+
+def role(pid: int, root: int) -> str:
+    """cell (the tree's root), p2pd, or dht (the forked DHT process, any other helper)."""
+    if pid == root:
+        return "cell"
+    return "p2pd" if comm(pid) == "p2pd" else "dht"
+
+
+def hivemind_sockets(pids: list[int]) -> set[str]:
+    """The /tmp/hivemind-*.sock files these processes have bound or connected to."""
+    inodes = set()
+    for p in pids:
+        try:
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
+            found.add(parts[7])
+    return found
+
+
+def tree_sample(root: int) -> dict[str, Any]:
+    """One sample of a peer: per role {rss_mb, fds, threads} (summed if a role has several
+    processes), the total, the pids by role and the socket files the tree holds."""
+    pids = process_tree(root)
+    roles: dict[str, dict[str, float]] = {}
+    by_role: dict[str, list[int]] = {}
+    for p in pids:
+        st = proc_stats(p)
+        if st is None:
+            continue
+        r = role(p, root)
+        by_role.setdefault(r, []).append(p)
+        acc = roles.setdefault(r, {"rss_mb": 0.0, "pss_mb": 0.0, "fds": 0, "threads": 0})
+        for k, v in st.items():
+            acc[k] = round(acc[k] + v, 2)
+    keys = ("rss_mb", "pss_mb", "fds", "threads")
+    total = {k: round(sum(r[k] for r in roles.values()), 2) for k in keys}
+    socks = sorted(hivemind_sockets(pids))
+    return {"roles": roles, "total": total, "pids": by_role, "sockets": socks}

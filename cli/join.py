@@ -32,7 +32,12 @@ from mesh.algo.topology import Cell as Place
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
 
-SCOUT_TIMEOUT_S = 5.0  # a dead bootstrap fails the join within ~5 s (p2pd's own connect try)
+# p2pd's start and first DHT contact; a dead bootstrap fails at once anyway (any_reachable's
+# TCP probe comes first), so this only needs room for a loaded machine (5 s was too short with
+# 32 peers starting on 2 cores)
+SCOUT_TIMEOUT_S = 30.0
+# reads of the run's record before concluding there is none: a busy DHT can answer empty once
+RUN_READS = 5
 REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
@@ -121,6 +126,18 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
         path = Path(tmp) / "run.toml"
         path.write_text(rec.toml)
         return load_config([path], list(sets))
+
+
+def read_run_record(registry: Registry, reads: int) -> RunRecord | None:
+    """The run's record, read again (a second apart) while the DHT answers empty, up to
+    `reads` times: one empty answer from a busy DHT would otherwise tell a joiner that there
+    is no run, or let a joiner with --config start a second one."""
+    for k in range(reads):
+        rec = registry.run()
+        if rec is not None or k == reads - 1:
+            return rec
+        time.sleep(1.0)
+    return None
 
 
 def run_config(
@@ -250,8 +267,8 @@ def run_join(
         maddr_kwargs["announce_maddrs"] = announce_maddrs
     scout = open_scout(initial_peers, run_id, client_mode=True, **maddr_kwargs)
     try:
-        probe = Registry(scout, None, 1.0)
-        rec = probe.run()
+        # a joiner without --config can only follow a run: it waits longer for the record
+        rec = read_run_record(Registry(scout, None, 1.0), RUN_READS if cfg_local is None else 2)
         cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
         data = None

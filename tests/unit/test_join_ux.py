@@ -230,3 +230,25 @@ def test_events_of_an_earlier_run_in_the_same_directory_are_not_said_again():
     lines.say_new([*old, new], said.append)
     lines.say_new([*old, new], said.append)
     assert said == ["resumed from my checkpoint at step 3 (old.pt)"]
+
+
+def test_an_empty_answer_of_a_busy_dht_is_read_again_before_there_is_no_run():
+    from cli.join import read_run_record
+
+    class EmptyOnce(FakeDirectory):
+        def __init__(self):
+            super().__init__()
+            self.gets = 0
+
+        def dht_get(self, key, timeout_s=None):
+            self.gets += 1
+            return None if self.gets == 1 else super().dht_get(key, timeout_s)
+
+    d = EmptyOnce()
+    cfg = load_config()
+    check = Auth.of(None, cfg.fingerprint()).key_check
+    Registry(d, None, 1.0).put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), check))
+    rec = read_run_record(Registry(d, None, 1.0), reads=3)
+    assert rec is not None and rec.fingerprint == cfg.fingerprint() and d.gets == 2
+    nothing = FakeDirectory()
+    assert read_run_record(Registry(nothing, None, 1.0), reads=2) is None

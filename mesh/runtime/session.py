@@ -40,6 +40,10 @@ from comms.errors import PeerTimeout
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, SessionRecord, running
 
 _UNREAD = object()  # _check's "claims not read yet" (None means the DHT did not answer)
+# reads in a row without a member's claim before the leader calls the session broken: after a
+# DHT node dies, a read can miss a live claim stored on it (the soak saw a replica re-form every
+# few seconds, each time for a member that was alive); a new incarnation breaks it at once
+ABSENT_READS = 2
 CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
 REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
 # re-checks whom at this period (a session that forms at once is not worth a line)
@@ -144,6 +148,7 @@ class DhtCoordinator:
         self._session: SessionRecord | None = None
         self._active: SessionRecord | None = None  # the session the worker is running
         self._broken = False
+        self._absent: dict[str, int] = {}  # member -> reads in a row without its claim
         self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
         self.on_beat: Callable[[], None] | None = None  # after each heartbeat (health rows)
         self._reported: dict[str, str] = {}  # the last `waiting` set said
@@ -236,6 +241,7 @@ class DhtCoordinator:
                     rec = None
             if rec is not None:
                 self._session, self._active, self._broken = rec, None, False
+                self._absent = {}
                 self.beat.epoch = rec.epoch
                 if rec.done:
                     return None
@@ -301,16 +307,18 @@ class DhtCoordinator:
         return self._broken
 
     def _check(self, active: SessionRecord, owned: object = _UNREAD) -> bool:
-        """Leader: a member's claim expired or changed incarnation (in `owned`, the claims this
-        beat read, None if the DHT did not answer; not given: read them now). Follower: the
-        session record moved on. Unknown (the DHT did not answer) is not broken."""
+        """Leader: a member's claim changed incarnation, or is missing from ABSENT_READS reads
+        in a row (in `owned`, the claims this beat read, None if the DHT did not answer; not
+        given: read them now). Follower: the session record moved on. Unknown (the DHT did not
+        answer) is not broken."""
         if self.leader:
             owned = self.reg.owners() if owned is _UNREAD else owned
             if not isinstance(owned, dict):  # a silent DHT once is not asked twice per beat
                 return False
-            return any(
-                owned.get(c) is None or owned[c].inc != inc for c, inc in active.members.items()
-            )
+            gone = [c for c in active.members if owned.get(c) is None]
+            self._absent = {c: self._absent.get(c, 0) + 1 for c in gone}
+            changed = any(owned[c].inc != inc for c, inc in active.members.items() if c not in gone)
+            return changed or any(n >= ABSENT_READS for n in self._absent.values())
         rec = self.reg.session(self.replica, self.replica_cells[0])
         return rec is not None and rec.epoch != active.epoch
 

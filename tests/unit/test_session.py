@@ -81,3 +81,16 @@ def test_a_joins_placeholder_claim_is_not_a_member_yet():
     follow.heartbeat()
     s = lead.next_session(lambda: 0)
     assert s.updates == 100 and lead._active.members["s1r0"] == follow.inc
+
+
+def test_one_read_that_misses_a_members_claim_does_not_break_the_session():
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True)
+    coordinator(d, "s1r0", False)  # its claim is in the DHT
+    lead.next_session(lambda: 0)
+    owned = lead.reg.owners()
+    partial = {c: r for c, r in owned.items() if c != "s1r0"}  # a read that missed s1r0
+    assert not lead._check(lead._active, partial)
+    assert not lead._check(lead._active, owned)  # it is back: the count starts again
+    assert not lead._check(lead._active, partial)
+    assert lead._check(lead._active, partial)  # missing twice in a row: gone

@@ -210,16 +210,19 @@ def _progress(run_dir: Path) -> tuple[str, int]:
 
 def status_latency(maddr: str, note: Any, runs: int = 3) -> dict[str, Any]:
     """`meshtrain status --json`, `runs` times: seconds each, and the cells it listed."""
-    took, listed = [], []
+    took, listed, failed = [], [], []
     for _ in range(runs):
         code, text, s = run_meshtrain("status", "--initial-peers", maddr, "--json", key=KEY,
                                       timeout_s=120)  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"status exited {code}: {text[-1500:]}")
+        if code != 0:  # an answer too (p2pd not up in time on a loaded box): said, not fatal
+            failed.append(f"exit {code} after {s:.1f} s: {text.strip().splitlines()[-1][:200]}")
+            note(event="status_failed", s=round(s, 2), why=failed[-1])
+            continue
         took.append(round(s, 2))
         listed.append(len(json.loads(text[text.index("{") :])["cells"]))
         note(event="status", s=took[-1], cells=listed[-1])
-    return {"runs_s": took, "median_s": statistics.median(took), "cells_listed": listed}
+    median = statistics.median(took) if took else None
+    return {"runs_s": took, "median_s": median, "cells_listed": listed, "failed": failed}
 
 
 def _health_and_rounds(grid: LocalGrid) -> dict[str, dict[str, Any]]:

@@ -82,13 +82,14 @@ def to_markdown(s: dict[str, Any]) -> str:
     rows = [
         ["peers", s["peers"], f"grid {s['grid']}, emulated compute, one bootstrap"],
         ["time to all training", v(s.get("time_to_all_training_s"), " s"),
-         f"target <= {ALL_TRAINING_S:.0f} s; not training: {s.get('not_training') or 'none'}"],
+         f"target <= {ALL_TRAINING_S:.0f} s; not training: {len(s.get('not_training') or [])}"],
         ["join to training", f"median {v(j['median'], ' s')}, max {v(j['max'], ' s')}",
          "each join's (first) start to its first update"],
         ["joins started again", sum(map(len, (s.get("join_retries") or {}).values())),
          f"gave up on start-up: {s.get('join_retries') or 'none'}"],
         ["status latency", v(s.get("status_latency_s"), " s"),
-         f"`meshtrain status --json`, runs {st.get('runs_s')}, cells {st.get('cells_listed')}"],
+         f"`meshtrain status --json`, runs {st.get('runs_s')}, cells {st.get('cells_listed')}, "
+         f"failed {len(st.get('failed') or [])}"],
         ["DHT records / peer / min", f"median {v(r['median'])}, max {v(r['max'])}",
          "stores + records returned by gets"],
         ["DHT bytes / peer / min", f"median {v(b['median'])}, max {v(b['max'])}",

@@ -367,8 +367,9 @@ def _settings(summary: dict[str, Any]) -> str:
     )
     return (
         dp + pp + " Per-stage gradient clip 1.0 unless tuned; warmup 10% of updates, cosine to "
-        "10%; NAdam's momentum ramp and lambda's schedule as shares of the run "
-        "(optim.momentum_decay = auto, dp.lambda_clock = arrivals; mesh/bench/simruns.py)."
+        "10%; lambda on the arrivals clock (dp.lambda_clock = arrivals) and NAdam's momentum "
+        "ramp as the paper's share of the run (optim.momentum_decay = auto) unless the tuning "
+        "chose otherwise (mesh/bench/simruns.py)."
     )
 
 

@@ -70,7 +70,7 @@ def check_machine(cfg: Config) -> None:
     if cfg.dp.noise_codec != "none":
         raise ConfigError(
             f"dp.noise_codec = {cfg.dp.noise_codec!r} is a study instrument of the simulator; "
-            "set it to 'none' (or use `meshtrain simulate`)"
+            "set it to 'none', or run on one process (`simulate --backend logical`)"
         )
     host = cfg.runtime.host
     try:

@@ -36,6 +36,14 @@ def test_unknown_key_and_bad_grid_exit_2():
     assert res.exit_code == 2 and "--grid" in res.output
 
 
+def test_the_simulators_noise_instrument_is_refused_by_the_processes(text_file, tmp_path):
+    args = ["simulate", "--backend", "torch", "--steps", "1", "--out", str(tmp_path / "r"),
+            "--set", f"data.path='{text_file}'", "--set", "dp.noise_codec=fp8_e4m3"]  # fmt: skip
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "dp.noise_codec" in res.output and "logical" in res.output
+    assert not (tmp_path / "r" / "config.toml").exists()
+
+
 @pytest.mark.parametrize("backend", ["torch", "hivemind", "logical"])
 def test_simulate_runs_a_tiny_grid(text_file, tmp_path, backend):
     out = tmp_path / "run"

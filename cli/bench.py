@@ -217,9 +217,15 @@ def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
     mailbox depth and socket files over time; leftovers after the run; the loss by window."""
     from mesh.bench.soak import run_soak
 
+    _grid_bench(lambda: run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick), out)
+
+
+def _grid_bench(run: Callable[[], dict[str, Any]], out: str) -> None:
+    """A grid bench: exit 1 with one line when the grid failed (what it measured is written,
+    the reason in error.txt); a line pointing at table.md when a target was missed."""
     try:
-        summary = run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick)
-    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
+        summary = run()
+    except RuntimeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     if not summary["all_targets_met"]:
@@ -237,13 +243,8 @@ def bench_scale(out: str, quick: bool) -> None:
     all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
     from mesh.bench.scale import run_scale
 
-    try:
-        summary = run_scale(Path(out), quick)  # too little memory: a user error, exit 2
-    except RuntimeError as e:  # the grid failed: what we have is written, the reason in error.txt
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
-    if not summary["all_targets_met"]:
-        click.echo(f"some targets missed: see {out}/table.md", err=True)
+    # too little memory: a user error, exit 2
+    _grid_bench(lambda: run_scale(Path(out), quick), out)
 
 
 @bench.command("optimizers")

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from cli.options import user_errors
+from cli.options import run_options, user_errors
 from mesh.config import ConfigError
 from mesh.runtime.dashboard.server import Source, SourceError, make_server
 
@@ -75,14 +75,8 @@ def run_dir_source(run_dir: Path) -> Source:
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
 @click.option("--port", type=int, default=8080, show_default=True, help="Port (0: any free).")
-@click.option(
-    "--run-key",
-    envvar="MESHTRAIN_RUN_KEY",
-    default=None,
-    help="The run's shared secret (or MESHTRAIN_RUN_KEY): a run with a key is shown only to it.",
-)
-@click.option(
-    "--run-id", default="meshtrain", show_default=True, help="Namespace of the run's DHT keys."
+@run_options(
+    "The run's shared secret (or MESHTRAIN_RUN_KEY): a run with a key is shown only to it."
 )
 @user_errors
 def dashboard(

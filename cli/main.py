@@ -16,7 +16,7 @@ from cli.dashboard import dashboard
 from cli.data import data
 from cli.export import export
 from cli.generate import generate
-from cli.options import config_options, resolve_config, user_errors
+from cli.options import config_options, resolve_config, run_options, user_errors
 from cli.plan import plan
 from mesh.config import ConfigError
 
@@ -184,20 +184,6 @@ def p2p_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option(
-        "--run-key",
-        envvar="MESHTRAIN_RUN_KEY",
-        default=None,
-        help="The run's shared secret (or MESHTRAIN_RUN_KEY): only holders can claim cells, "
-        "send activations or join averaging.",
-    )(fn)
-    fn = click.option(
-        "--run-id", default="meshtrain", show_default=True, help="Namespace of the run's DHT keys."
-    )(fn)
-    return fn
-
-
 @main.command()
 @p2p_options
 @user_errors
@@ -264,7 +250,7 @@ def dht(
     "reach it over a network the checking peer is not on).",
 )
 @verify_data_option
-@run_options
+@run_options()
 @p2p_options
 @user_errors
 def join(
@@ -331,7 +317,7 @@ def join(
     help="Any DHT node of the run, as `meshtrain dht` prints it: /ip4/HOST/tcp/PORT/p2p/PEER_ID.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@run_options
+@run_options()
 @user_errors
 def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: str | None) -> None:
     """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat and session;

@@ -55,3 +55,24 @@ def resolve_config(
     config_files: tuple[str, ...], overrides: tuple[str, ...], extra: list[str] = ()
 ) -> Config:
     return load_config(list(config_files), list(overrides) + list(extra))
+
+
+KEY_HELP = (
+    "The run's shared secret (or MESHTRAIN_RUN_KEY): only holders can claim cells, send "
+    "activations or join averaging."
+)
+
+
+def run_options(key_help: str = KEY_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--run-key (also from MESHTRAIN_RUN_KEY) and --run-id: which run on the DHT, and its key."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option("--run-key", envvar="MESHTRAIN_RUN_KEY", default=None, help=key_help)(fn)
+        return click.option(
+            "--run-id",
+            default="meshtrain",
+            show_default=True,
+            help="Namespace of the run's DHT keys.",
+        )(fn)
+
+    return wrap

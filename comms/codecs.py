@@ -321,3 +321,12 @@ def _dynamic_map() -> torch.Tensor:
         data += (-(10 ** (i - 6)) * means).tolist()
     data += [0, 1.0]
     return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+def shuffled_error(x: torch.Tensor, codec: str, block_size: int, seed: int) -> torch.Tensor:
+    """The codec's rounding error on a shuffled copy of x (dp.noise_codec): noise of the size
+    the codec adds to a payload like x, but not tied to x's own coordinates, so adding it to a
+    mean separates what the codec's noise does from what its bias on particular values does."""
+    g = torch.Generator().manual_seed(seed)
+    shuffled = x[torch.randperm(x.numel(), generator=g)]
+    return roundtrip(shuffled, codec, block_size) - shuffled

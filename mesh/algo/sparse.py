@@ -16,8 +16,6 @@ from collections import OrderedDict
 
 import torch
 
-from comms import codecs
-
 SELECTORS = ("partition", "bernoulli")
 CORRECTIONS = ("ema", "delta", "replace")
 
@@ -199,12 +197,3 @@ def dp_bytes_per_replica_step(
         raise ValueError(f"dp.interval_steps must be >= 1, got {interval_steps}")
     payload = fraction * numel * bytes_per_value
     return ring_allreduce_bytes(payload, num_replicas) / interval_steps
-
-
-def codec_noise(x: torch.Tensor, codec: str, block_size: int, seed: int) -> torch.Tensor:
-    """A codec's rounding error on a shuffled copy of x (dp.noise_codec): noise of the size the
-    codec adds to a payload like x, but not tied to x's own coordinates, so adding it to a mean
-    separates what the codec's noise does from what its bias on particular values does."""
-    g = torch.Generator().manual_seed(seed)
-    shuffled = x[torch.randperm(x.numel(), generator=g)]
-    return codecs.roundtrip(shuffled, codec, block_size) - shuffled

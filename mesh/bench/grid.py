@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,13 @@ def _unlink_unbound(path: str) -> None:
     bound = {ln.split()[-1] for ln in Path("/proc/net/unix").read_text().splitlines()[1:]}
     if path not in bound:
         Path(path).unlink(missing_ok=True)
+
+
+def record_failure(grid: LocalGrid, meta: dict[str, Any], out: Path, e: BaseException) -> None:
+    """A bench's failure into meta["error"] and out/error.txt (traceback and each join's log
+    tail); an interrupt (not an Exception) is raised again once recorded."""
+    tails = "\n".join(f"--- {n}.log\n{grid.log(n)[-1500:]}" for n in grid.joins)
+    meta["error"] = f"{type(e).__name__}: {e}"
+    (out / "error.txt").write_text(traceback.format_exc() + "\n" + tails)
+    if not isinstance(e, Exception):
+        raise e

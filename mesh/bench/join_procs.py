@@ -44,20 +44,28 @@ def generated_text(n_bytes: int, seed: int = 0) -> str:
 
 
 def tiny_grid_config(
-    directory: Path, text_file: Path, replicas: int = 2, runtime: str = "", steps: int = 100000
+    directory: Path,
+    text_file: Path,
+    replicas: int = 2,
+    runtime: str = "",
+    steps: int = 100000,
+    stages: int = 2,
+    heartbeat_s: float = 1.0,
+    round_timeout_s: float = 5,
 ) -> Path:
-    """A 2 x `replicas` grid of a tiny model on `text_file` that runs until stopped (run.toml);
-    `runtime`: more TOML lines for its [runtime] table; `steps`: the run's horizon."""
+    """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` that
+    runs until stopped (run.toml); `runtime`: more TOML lines for its [runtime] table; `steps`:
+    the run's horizon."""
     path = directory / "run.toml"
     path.write_text(
         f"""
 [model]
-n_layers = 2
+n_layers = {stages}
 d_model = 16
 n_heads = 2
 seq_len = 16
 [grid]
-stages = 2
+stages = {stages}
 replicas = {replicas}
 [pipeline]
 microbatch_size = 2
@@ -67,9 +75,9 @@ val_batches = 2
 [run]
 steps = {steps}
 [runtime]
-heartbeat_s = 1.0
+heartbeat_s = {heartbeat_s}
 max_lag_steps = 5
-round_timeout_s = 5
+round_timeout_s = {round_timeout_s}
 {runtime}
 """
     )

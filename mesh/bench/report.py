@@ -22,6 +22,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([fmt(cells[0]), sep, *map(fmt, cells[1:])])
 
 
+def checks_table(checks: dict[str, bool]) -> str:
+    """A bench's targets as a table: yes, or MISSED."""
+    return format_table(
+        ["target", "met"], [[k, "yes" if ok else "MISSED"] for k, ok in checks.items()]
+    )
+
+
 def paired_gap(values: dict[int, float], reference: dict[int, float]) -> tuple[float, float] | None:
     """Mean and standard error of (value - reference) over the seeds both have."""
     seeds = sorted(set(values) & set(reference))

@@ -24,14 +24,13 @@ import json
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from mesh.bench.grid import LocalGrid
-from mesh.bench.join_procs import KEY, generated_text, run_meshtrain
+from mesh.bench.grid import LocalGrid, record_failure
+from mesh.bench.join_procs import KEY, generated_text, run_meshtrain, tiny_grid_config
 from mesh.bench.procstat import tree_sample
 from mesh.bench.scale_report import write_reports
 from mesh.config import ConfigError
@@ -48,34 +47,16 @@ PEER_MB = 600  # what one peer needs (PSS of cell + DHT process + p2pd was ~480 
 
 
 def scale_config(directory: Path, text_file: Path, stages: int, replicas: int) -> Path:
-    path = directory / "run.toml"
-    path.write_text(
-        f"""
-[model]
-n_layers = {stages}
-d_model = 16
-n_heads = 2
-seq_len = 16
-[grid]
-stages = {stages}
-replicas = {replicas}
-[pipeline]
-microbatch_size = 2
-[data]
-path = "{text_file}"
-val_batches = 2
-[run]
-steps = 10000000
-threads = 1
-[runtime]
-compute = "emulated"
-heartbeat_s = {HEARTBEAT_S}
-rejoin_timeout_s = {TRAIN_WAIT_S}
-max_lag_steps = 5
-round_timeout_s = 10
-"""
+    return tiny_grid_config(
+        directory,
+        text_file,
+        replicas,
+        runtime=f'compute = "emulated"\nrejoin_timeout_s = {TRAIN_WAIT_S}',
+        steps=10_000_000,
+        stages=stages,
+        heartbeat_s=HEARTBEAT_S,
+        round_timeout_s=10,
     )
-    return path
 
 
 def run_scale(out: Path, quick: bool) -> dict[str, Any]:
@@ -119,11 +100,7 @@ def run_scale(out: Path, quick: bool) -> dict[str, Any]:
                 meta["resources"] = resources(grid)
                 meta["completed"] = True
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report what we have
-            tails = "\n".join(f"--- {n}.log\n{grid.log(n)[-1500:]}" for n in grid.joins)
-            meta["error"] = f"{type(e).__name__}: {e}"
-            (out / "error.txt").write_text(traceback.format_exc() + "\n" + tails)
-            if not isinstance(e, Exception):
-                raise
+            record_failure(grid, meta, out, e)
         finally:
             meta["leftovers"] = grid.leftovers
             summary = write_reports(out, meta)

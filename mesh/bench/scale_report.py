@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import format_table
+from mesh.bench.report import checks_table, format_table
 
 ALL_TRAINING_S = 180.0
 ROUNDS_COMPLETE = 0.95
@@ -102,9 +102,7 @@ def to_markdown(s: dict[str, Any]) -> str:
         ["memory", f"{v((s.get('resources') or {}).get('pss_mb_per_peer_median'), ' MB')} PSS/peer",
          f"all peers {v((s.get('resources') or {}).get('pss_mb_all_peers'), ' MB')}"],
     ]  # fmt: skip
-    checks = format_table(
-        ["target", "met"], [[k, "yes" if x else "MISSED"] for k, x in s["checks"].items()]
-    )
+    checks = checks_table(s["checks"])
     left = s.get("leftovers") or {}
     return (
         f"{format_table(['measure', 'value', 'what'], rows)}\n\n{checks}\n\n"

@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from mesh.bench.grid import LocalGrid
+from mesh.bench.grid import LocalGrid, record_failure
 from mesh.bench.join_procs import generated_text, tiny_grid_config, wait_for
 from mesh.bench.procstat import tree_sample
 from mesh.bench.soak_report import write_reports
@@ -164,11 +164,7 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
                 soak_loop(grid, sampler, p, t0)
                 meta["completed"] = True
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report what we have
-            tails = "\n".join(f"--- {n}.log\n{grid.log(n)[-1500:]}" for n in grid.joins)
-            meta["error"] = f"{type(e).__name__}: {e}"
-            (out / "error.txt").write_text(traceback.format_exc() + "\n" + tails)
-            if not isinstance(e, Exception):
-                raise
+            record_failure(grid, meta, out, e)
         finally:
             if sampler is not None:
                 sampler.stop.set()

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import format_table
+from mesh.bench.report import checks_table, format_table
 
 RSS_LIMIT_MB = 100.0
 FLAT_ABS, FLAT_FRAC = 4, 0.10
@@ -198,9 +198,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
           r.get("join_to_training_s", "n/a")]
          for k, r in zip(summary["kills"], summary["replacements"] + [{}] * 9)],
     )  # fmt: skip
-    checks = format_table(
-        ["target", "met"], [[k, "yes" if v else "MISSED"] for k, v in summary["checks"].items()]
-    )
+    checks = checks_table(summary["checks"])
     left = summary.get("leftovers") or {}
     return (
         f"Growth = median of the last 3 samples - median of the first 3 after the warm-up "

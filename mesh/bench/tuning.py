@@ -84,30 +84,26 @@ def _run(base: Config, specs: list[tuple[Spec, dict[str, Any]]], out: Path, work
     return runs
 
 
+def _specs(settings: list[tuple[str, dict[str, Any]]]) -> list[tuple[Spec, dict[str, Any]]]:
+    """(arm, settings) on every tuning seed: each spec with the settings it carries."""
+    return [(_spec(arm, st, seed), st) for arm, st in settings for seed in TUNE_SEEDS]
+
+
 def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
     """The three stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
     budget = 160 if quick else 1600
     path = out / "tuning.json"
     known = json.loads(path.read_text())["runs"] if path.is_file() else []
     work = out / "tuning"
-    stage1 = [({"optim.lr": lr}, "FullSync") for lr in FULLSYNC_LRS]
-    stage1 += [({"optim.lr": lr}, "AsyncMesh-fp8") for lr in ASYNC_LRS]
-    specs = [(_spec(arm, st, seed), st) for st, arm in stage1 for seed in TUNE_SEEDS]
+    stage1 = [("FullSync", {"optim.lr": lr}) for lr in FULLSYNC_LRS]
+    stage1 += [("AsyncMesh-fp8", {"optim.lr": lr}) for lr in ASYNC_LRS]
+    specs = _specs(stage1)
     runs = _run(base, specs, work, workers, budget, known)
-    lr_best, _ = best_settings(runs, "AsyncMesh-fp8")
-    specs += [
-        (_spec("AsyncMesh-fp8", {**lr_best, **ov}, seed), {**lr_best, **ov})
-        for ov in ASYNC_STAGE2
-        for seed in TUNE_SEEDS
-    ]
-    runs = _run(base, specs, work, workers, budget, known)
-    so_far, _ = best_settings(runs, "AsyncMesh-fp8")
-    specs += [
-        (_spec("AsyncMesh-fp8", {**so_far, **ov}, seed), {**so_far, **ov})
-        for ov in SCHEDULE_PROBE
-        for seed in TUNE_SEEDS
-    ]
-    runs = _run(base, specs, work, workers, budget, known)
+    # stages 2 and 3, each on top of the async arm's best so far
+    for changes in (ASYNC_STAGE2, SCHEDULE_PROBE):
+        so_far, _ = best_settings(runs, "AsyncMesh-fp8")
+        specs += _specs([("AsyncMesh-fp8", {**so_far, **ov}) for ov in changes])
+        runs = _run(base, specs, work, workers, budget, known)
     best = {arm: best_settings(runs, arm) for arm in ARMS}
     summary = {
         "microbatches_per_replica": budget,

@@ -168,7 +168,7 @@ class GridSim:
             mean = None if screened else sum(decoded) / self.m
             if mean is not None and dp.noise_codec != "none":
                 seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
-                mean = mean + sparse.codec_noise(mean, dp.noise_codec, dp.block_size, seed)
+                mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
             names = [f"r{i}" for i in range(self.m)]
             for c, rnd in zip(column, rounds, strict=True):
                 if mean is None:  # each replica screens against its own payload

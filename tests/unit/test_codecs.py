@@ -306,3 +306,15 @@ def test_decode_rejects_inconsistent_encoded() -> None:
             decode(e)
     with pytest.raises(CodecError):
         decode("not an Encoded")  # type: ignore[arg-type]
+
+
+def test_shuffled_error_is_the_codecs_error_on_a_shuffled_payload() -> None:
+    x = torch.randn(4096) * 0.02
+    noise = codecs.shuffled_error(x, "fp8_e4m3", 128, seed=7)
+    assert torch.equal(noise, codecs.shuffled_error(x, "fp8_e4m3", 128, seed=7))
+    assert not torch.equal(noise, codecs.shuffled_error(x, "fp8_e4m3", 128, seed=8))
+    own = codecs.roundtrip(x, "fp8_e4m3", 128) - x
+    # the size of fp8's error on x, but not x's own error coordinate by coordinate
+    assert 0.7 < noise.norm() / own.norm() < 1.4
+    assert abs(torch.nn.functional.cosine_similarity(noise, own, dim=0)) < 0.2
+    assert torch.count_nonzero(codecs.shuffled_error(x, "fp32", 128, seed=7)) == 0

@@ -8,10 +8,13 @@ terminates every child (SIGTERM, then SIGKILL after a grace period) and reaps th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,14 +63,16 @@ class LocalGrid:
         target: Callable[..., None] = cell_process_main,
     ) -> None:
         """Start (or restart) a cell; resume_step -1: from its own latest checkpoint. target:
-        the process's main (run_cell's arguments), e.g. a misbehaving peer in a test."""
+        the process's main (run_cell's arguments), e.g. a misbehaving peer in a test; it must
+        install its own SIGTERM handler (run_cell does), since it starts with SIGTERM ignored."""
         j, i = cell
         p = self._ctx.Process(
             target=target,
             args=(self.tree, j, i, str(self.out_dir), self.options, resume_step),
             name=f"cell-s{j}r{i}",
         )
-        p.start()
+        with _sigterm_ignored():
+            p.start()
         self.procs[cell] = p
 
     def pid(self, cell: tuple[int, int]) -> int:
@@ -180,14 +185,37 @@ class MetricsTail:
         return min(r["step"] for r in rows), rows[-1].get("loss")
 
 
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """Spawn children with SIGTERM ignored (an ignored signal stays ignored across exec): a
+    child still importing torch when a stop comes would otherwise die of it (exit -15) before
+    run_cell installs its handler, which makes SIGTERM a clean stop (checkpoint, release,
+    exit 0). _stop_all repeats the signal until then. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+RESIGNAL_S = 0.5  # a stop repeats SIGTERM this often: a starting child ignores it until ready
+
+
 def _stop_all(procs: list[Any], grace_s: float) -> None:
-    """SIGTERM the children still running, SIGKILL what is left after grace_s, reap all."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
+    """SIGTERM the children still running (again every RESIGNAL_S, for children that were
+    still starting), SIGKILL what is left after grace_s, reap all."""
     deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        left = deadline - time.monotonic()
+        if not alive or left <= 0:
+            break
+        for p in alive:
+            p.terminate()  # idempotent in a cell: its handler ignores a second one
+        alive[0].join(min(RESIGNAL_S, left))
     for p in procs:
         if p.is_alive():
             p.kill()

@@ -164,6 +164,11 @@ def run_cell(
     resume_step: load this step's checkpoint first; -1: the latest one of this cell, if any.
     since: claim time to publish (a join that won its claim keeps the same one).
     """
+    # SIGTERM (the launcher stopping us, or a user): first of all, so a stop while we load is
+    # a clean exit 0 too; from the transport on, it unwinds through `finally` so the transport
+    # is closed (p2pd children reaped), the cell released and the checkpoint written
+    signal.signal(signal.SIGTERM, _STOP.handler)
+    signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
     cfg = config_from_dict(cfg_tree)
     torch.set_num_threads(cfg.run.threads)
     emulated = cfg.runtime.compute == "emulated"
@@ -190,11 +195,7 @@ def run_cell(
         load_cell(cell, cfg.state_fingerprint(), path)
     metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    # SIGTERM (the launcher stopping us, or a user): unwind through `finally` so the transport
-    # is closed (p2pd children reaped), the cell released and the checkpoint written
-    signal.signal(signal.SIGTERM, _STOP.handler)
-    signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
-    transport = cell_transport(cfg, stage, replica, transport_options, run_key)
+    transport: Transport | None = None
     coord: StaticCoordinator | DhtCoordinator | None = None
     server: StateServer | None = None
     worker: StageWorker | None = None
@@ -215,6 +216,8 @@ def run_cell(
             g.write(line)
 
     try:
+        with _STOP.deferred():  # a stop while p2pd starts waits until `finally` can close it
+            transport = cell_transport(cfg, stage, replica, transport_options, run_key)
         with metrics.open("a") as f:
             # whose rows these are: a dashboard on this machine tells a dead cell by its pid
             event("started", pid=os.getpid(), host=socket.gethostname())
@@ -298,7 +301,8 @@ def run_cell(
         released = None
         if coord is not None:
             released = coord.close()  # releases our claim: a joiner can take the cell at once
-        transport.close()
+        if transport is not None:
+            transport.close()
         with contextlib.suppress(OSError):  # `join` says so only now that it is true
             event("saved", checkpoint=str(saved), released=released)
 

@@ -41,13 +41,23 @@ def _rows(out: Path, cell: tuple[int, int]) -> list[dict]:
     return read_metrics(out, events=True).get(cell, [])
 
 
-def _step(out: Path, cell: tuple[int, int]) -> int:
-    steps = [r["step"] for r in _rows(out, cell) if "step" in r and "event" not in r]
+def _rows_of(out: Path, cell: tuple[int, int], pid: int | None) -> list[dict]:
+    """The cell's rows, or (pid given) only those of that process: a restarted cell's file
+    still holds its first life's rows, which must not satisfy a wait on the second."""
+    rows = _rows(out, cell)
+    if pid is None:
+        return rows
+    starts = [k for k, r in enumerate(rows) if r.get("event") == "started" and r["pid"] == pid]
+    return rows[starts[-1] :] if starts else []
+
+
+def _step(out: Path, cell: tuple[int, int], pid: int | None = None) -> int:
+    steps = [r["step"] for r in _rows_of(out, cell, pid) if "step" in r and "event" not in r]
     return max(steps, default=0)
 
 
-def _events(out: Path, cell: tuple[int, int], name: str) -> list[dict]:
-    return [r for r in _rows(out, cell) if r.get("event") == name]
+def _events(out: Path, cell: tuple[int, int], name: str, pid: int | None = None) -> list[dict]:
+    return [r for r in _rows_of(out, cell, pid) if r.get("event") == name]
 
 
 def _stop_cleanly(grid: LocalGrid) -> dict:
@@ -84,19 +94,19 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
             # the other replica keeps training while the victim is gone
             wait_for(lambda: _step(tmp_path, survivor) >= at_kill + 15, 60, "the other replica")
             grid.start(victim, resume_step=-1)
+            again = grid.pid(victim)  # its second life's rows only: the file holds both
             # it restarts from its checkpoint, takes its stage's live state (it fell more than
             # max_lag_steps behind) and its replica's pipeline trains again
-            wait_for(lambda: _events(tmp_path, victim, "state_loaded"), 60, "the state download")
-            loaded = _events(tmp_path, victim, "state_loaded")[0]["step"]
-            wait_for(lambda: _step(tmp_path, victim) >= loaded + 10, 60, "the replica to resume")
+            loads = lambda: _events(tmp_path, victim, "state_loaded", again)  # noqa: E731
+            wait_for(loads, 60, "the state download")
+            loaded = loads()[0]["step"]
+            wait_for(
+                lambda: _step(tmp_path, victim, again) >= loaded + 10, 60, "the replica to resume"
+            )
         finally:
             codes = _stop_cleanly(grid)
-    # KNOWN BUG (session 7's note): the restarted victim sometimes dies of the stop's SIGTERM
-    # (-15) instead of unwinding through its handler; seen since the dashboard, soak and
-    # reachability merges, cause not found yet. The cells that were not restarted must stop
-    # cleanly.
-    assert codes[victim] in (0, -signal.SIGTERM), codes
-    assert {c: v for c, v in codes.items() if c != victim} == {(0, 0): 0, (1, 0): 0, (0, 1): 0}
+    assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes  # all stopped cleanly
+    assert _events(tmp_path, victim, "resumed", again)  # from its own checkpoint first
     assert loaded > at_kill  # the survivor's progress, not the victim's old checkpoint
     assert _events(tmp_path, partner, "session_broken")  # its replica re-formed
     last = [r for r in _rows(tmp_path, survivor) if "rounds_partial" in r][-1]
@@ -104,6 +114,25 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
     losses = [r["loss"] for r in _rows(tmp_path, victim) if r.get("loss") is not None]
     assert losses and max(losses[-5:]) < losses[0]
     # how long resuming takes is a `meshtrain bench join` number; the waits above catch a hang
+
+
+@pytest.mark.parametrize("backend", ["hivemind", "torch"])
+def test_cells_stopped_while_starting_exit_cleanly(text_file, tmp_path, backend):
+    """A stop that comes while the cells are still importing and loading (spawned a moment ago)
+    is a clean stop too: exit 0, no death by SIGTERM. Before the fix a cell stopped in that
+    window died with -15 (its handler was not installed yet), and so did a restarted cell that
+    a test stopped as soon as it saw its first life's rows."""
+    cfg = load_config(
+        [], [*TINY, f"data.path='{text_file}'", ENDLESS, f"runtime.backend={backend}"]
+    )
+    with local_rendezvous(backend) as options:
+        grid = LocalGrid(cfg, tmp_path, options)
+        try:
+            for cell in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+                grid.start(cell)
+        finally:
+            codes = _stop_cleanly(grid)  # at once: every cell is still starting
+    assert codes == {(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, codes
 
 
 def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_path):

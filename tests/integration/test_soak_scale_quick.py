@@ -49,9 +49,6 @@ def test_soak_quick_kills_and_replaces_a_peer_and_leaves_nothing_behind(tmp_path
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skip(
-    reason="failed in the pre-submission CI run of session 7; cause not read yet (closing note)"
-)
 def test_scale_quick_forms_the_grid_and_measures_it(tmp_path):
     out = tmp_path / "scale"
     res = CliRunner().invoke(main, ["bench", "scale", "--quick", "--out", str(out)])

@@ -274,6 +274,19 @@ class RuntimeConfig(_Section):
         "CUDA); weights, optimizer states, drift and averaging stay fp32 masters, and what "
         "crosses a link follows the codecs",
     )
+    malloc_arenas: int = Field(
+        2,
+        ge=0,
+        description="glibc malloc arenas of a cell process (MALLOC_ARENA_MAX; 0: glibc's 8 per "
+        "core): short-lived round and link threads otherwise each keep an arena of freed, "
+        "fragmented memory, and a long run's RSS grows (mesh/runtime/memory.py)",
+    )
+    trim_every_s: float = Field(
+        60.0,
+        ge=0,
+        description="hand the heap's free pages back to the OS (malloc_trim) this often, on "
+        "the heartbeat thread, and after every broken session; 0: never",
+    )
     # not in LATER_KEYS: the whole [runtime] table stays out of the fingerprint
     tensorboard: bool = Field(
         False,

@@ -45,33 +45,35 @@ def generated_text(n_bytes: int, seed: int = 0) -> str:
 
 def tiny_grid_config(
     directory: Path,
-    text_file: Path,
+    text_file: Path | None,
     replicas: int = 2,
     runtime: str = "",
     steps: int = 100000,
     stages: int = 2,
     heartbeat_s: float = 1.0,
     round_timeout_s: float = 5,
+    d_model: int = 16,
+    seq_len: int = 16,
 ) -> Path:
-    """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` that
-    runs until stopped (run.toml); `runtime`: more TOML lines for its [runtime] table; `steps`:
-    the run's horizon."""
+    """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
+    the default corpus, Shakespeare) that runs until stopped (run.toml); `runtime`: more TOML
+    lines for its [runtime] table; `steps`: the run's horizon."""
     path = directory / "run.toml"
+    data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(
         f"""
 [model]
 n_layers = {stages}
-d_model = 16
+d_model = {d_model}
 n_heads = 2
-seq_len = 16
+seq_len = {seq_len}
 [grid]
 stages = {stages}
 replicas = {replicas}
 [pipeline]
 microbatch_size = 2
 [data]
-path = "{text_file}"
-val_batches = 2
+{data}val_batches = 2
 [run]
 steps = {steps}
 [runtime]

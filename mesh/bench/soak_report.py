@@ -157,7 +157,8 @@ def summarize(samples: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     }
     return {
         **meta,
-        "grid": "2x2 tiny gpt (2 layers, d_model 16), real compute x4 slowdown, wan100 links",
+        "grid": "2x2 gpt (2 layers, d_model 48, seq 32, Shakespeare bytes), real compute x4 "
+        "slowdown, wan100 links",
         "rss_growth_mb": rss,
         "rss_growth_mb_max": max(rss.values()) if rss else None,
         "threads_growth": thr,

@@ -31,6 +31,7 @@ from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError, DataError
 from mesh.model.build import build_stage
+from mesh.runtime import memory
 from mesh.runtime.checkpoint import (
     check_checkpoint,
     checkpoint_path,
@@ -170,6 +171,7 @@ def run_cell(
     signal.signal(signal.SIGTERM, _STOP.handler)
     signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
     cfg = config_from_dict(cfg_tree)
+    memory.limit_arenas(cfg.runtime.malloc_arenas)  # before the transport's threads start
     torch.set_num_threads(cfg.run.threads)
     emulated = cfg.runtime.compute == "emulated"
     if emulated:
@@ -236,6 +238,7 @@ def run_cell(
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
                 server = StateServer(transport, cell, worker.lock, column)
             last = [time.perf_counter()]
+            trimmed = [time.perf_counter()]
 
             def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
@@ -243,6 +246,10 @@ def run_cell(
                     with _STOP.deferred():
                         save_cell(cell, cfg.state_fingerprint(), out_dir)
                 now = time.perf_counter()
+                trim_s = cfg.runtime.trim_every_s
+                if trim_s and now - trimmed[0] >= trim_s:
+                    trimmed[0] = now
+                    memory.trim()
                 if isinstance(coord, DhtCoordinator):
                     dt, last[0] = now - last[0], now
                     tps = tokens_per_update / dt if dt > 0 else 0.0
@@ -270,6 +277,8 @@ def run_cell(
                         worker.run_session(session, coord, on_step)
                     except SessionBroken:
                         worker.reset()
+                        if cfg.runtime.trim_every_s:
+                            memory.trim()  # the old session's buffers and threads are gone
                         event("session_broken")
             except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
                 # has no other row that says what it refused)

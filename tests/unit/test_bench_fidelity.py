@@ -48,20 +48,29 @@ def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
 def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
     # the study's own lists give both arms the same budget
     assert len(tuning.FULLSYNC_LRS) == len(tuning.ASYNC_LRS) + len(tuning.ASYNC_STAGE2)
+    assert len({len(b) for b in tuning.MOMENTUM_PROBE.values()}) == 1
     # the study's stages with fewer settings, to keep the test short
     monkeypatch.setattr(tuning, "FULLSYNC_LRS", [3e-3, 6e-3, 1e-2])
     monkeypatch.setattr(tuning, "ASYNC_STAGE2", [{"dp.tau": 2}])
     monkeypatch.setattr(tuning, "SCHEDULE_PROBE", [{"dp.lambda_clock": "steps"}])
+    monkeypatch.setattr(tuning, "MOMENTUM_PROBE", {"FullSync": [0.8], "AsyncMesh-fp8": [0.9]})
+    monkeypatch.setattr(tuning, "LR_REFINE", [0.75])
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
     groups = {r["method"] for r in summary["runs"]}
     per_arm = {arm: sum(g.startswith(arm + " |") for g in groups) for arm in tuning.ARMS}
-    assert per_arm == {"FullSync": 3, "AsyncMesh-fp8": 4}  # + the schedule probe
+    # lrs, momentum, lr refined; the async arm also tau and the schedule probe
+    assert per_arm == {"FullSync": 3 + 1 + 1, "AsyncMesh-fp8": 2 + 1 + 1 + 1 + 1}
     seeds = len(tuning.TUNE_SEEDS)
     assert all(len([r for r in summary["runs"] if r["method"] == g]) == seeds for g in groups)
     best_lr = summary["best"]["AsyncMesh-fp8"]["settings"]["optim.lr"]
-    stage2 = [r for r in summary["runs"] if "tau" in r["method"]]
-    assert stage2 and all(r["settings"]["optim.lr"] == best_lr for r in stage2)
+    lr_only = [r for r in summary["runs"] if r["method"].startswith("AsyncMesh-fp8 | lr=")]
+    stage1_lr = min(lr_only, key=lambda r: r["val_loss"])["settings"]["optim.lr"]
+    # stage 2 builds on stage 1's best lr
+    assert any(r["settings"] == {"optim.lr": stage1_lr, "dp.tau": 2} for r in summary["runs"])
+    # the momentum stage builds on each arm's best of the stages before it
+    beta = [r for r in summary["runs"] if "optim.beta1" in r["settings"]]
+    assert {r["settings"]["optim.beta1"] for r in beta} >= {0.8, 0.9}
     assert all(0.0 <= r["clip_rate"] <= 1.0 for r in summary["runs"])
     table = (tmp_path / "tuning.md").read_text()
     assert "clip rate" in table and "Best: FullSync" in table

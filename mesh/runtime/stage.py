@@ -73,7 +73,8 @@ class StageStats:
     rounds_partial: int = 0
     rounds_failed: int = 0
     sessions_broken: int = 0  # pipeline sessions ended by a lost or replaced neighbour
-    losses: list[float] = field(default_factory=list)  # last stage: one per update
+    # last stage: the last update's loss (a list of every update's grew for the run's life)
+    loss: float | None = None
     microbatches: int = 0  # backwards done
     busy_s: float = 0.0  # compute: emulated device time, or thread CPU time of real math
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -375,7 +376,7 @@ class StageWorker:
             self.stats.grad_norm = self.cell.apply_update(self.grads)
         self._grads_empty = True
         if self.next is None and not self.emu:
-            self.stats.losses.append(self._update_loss)
+            self.stats.loss = self._update_loss
         self._update_loss = 0.0
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             self._apply_due_rounds()

@@ -55,6 +55,16 @@ class EventLines:
         self.seen = sum(1 for r in rows_before if "event" in r)
         self._lock = threading.Lock()  # the drawing thread, then the main thread at the end
 
+    def say_appended(self, rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
+        """Say the events among rows just appended to the file (a RowTail's read)."""
+        with self._lock:
+            for row in rows:
+                if "event" in row:
+                    self.seen += 1
+                    line = event_line(row, self.cell)
+                    if line is not None:
+                        say(line)
+
     def say_new(self, rows: list[dict[str, Any]], say: Callable[[str], None]) -> None:
         with self._lock:
             events = [r for r in rows if "event" in r]

@@ -319,17 +319,19 @@ def _run_here(
     from cli.report import print_table, progress_bar
     from comms.errors import CommsError
     from mesh.errors import CheckpointError, DataError
-    from mesh.runtime.metrics import read_metrics
+    from mesh.runtime.metrics import RowTail, read_metrics
     from mesh.runtime.trainer import run_cell
 
     done = threading.Event()
     events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
+    path = out / "metrics" / f"{j}-{i}.jsonl"
+    tail = RowTail(path, path.stat().st_size if path.exists() else 0)
 
     def draw() -> None:
         with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
             while not done.wait(0.5):
-                rows = read_metrics(out, events=True).get((j, i), [])
-                events.say_new(rows, bar.bar.write)
+                rows = tail.read()  # only what was appended: the file grows for days
+                events.say_appended(rows, bar.bar.write)
                 last = [r for r in rows if "step" in r and "event" not in r and not r.get("final")]
                 if last:
                     bar.bar.n = last[-1]["step"]

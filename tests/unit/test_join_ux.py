@@ -252,3 +252,27 @@ def test_an_empty_answer_of_a_busy_dht_is_read_again_before_there_is_no_run():
     assert rec is not None and rec.fingerprint == cfg.fingerprint() and d.gets == 2
     nothing = FakeDirectory()
     assert read_run_record(Registry(nothing, None, 1.0), reads=2) is None
+
+
+def test_the_progress_reads_only_what_was_appended(tmp_path):
+    """`join`'s progress bar tails its metrics file: each read parses the new complete lines
+    only (re-parsing the whole file every half second grew the process for the run's life),
+    and the events among them are said once."""
+    from mesh.runtime.metrics import RowTail
+
+    path = tmp_path / "0-0.jsonl"
+    path.write_text('{"event": "started", "step": 0, "pid": 1, "host": "h"}\n')
+    tail, said = RowTail(path, path.stat().st_size), []
+    lines = EventLines([{"event": "started", "step": 0}], "s0r0")
+    assert tail.read() == []
+    with path.open("a") as f:
+        f.write('{"step": 1, "loss": 4.0}\n{"event": "session_broken", "step": 1}\n{"step": 2,')
+    rows = tail.read()
+    assert [r.get("step") for r in rows] == [1, 1]  # the half-written line waits
+    lines.say_appended(rows, said.append)
+    assert len(said) == 1 and "stopped at step 1" in said[0]
+    with path.open("a") as f:
+        f.write(' "loss": 3.5}\n')
+    assert tail.read() == [{"step": 2, "loss": 3.5}]
+    lines.say_new([{"event": "started"}, {"event": "session_broken", "step": 1}], said.append)
+    assert len(said) == 1  # the whole file read at the end says nothing twice

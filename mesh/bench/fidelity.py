@@ -125,6 +125,8 @@ def _mean(vals: dict[int, float]) -> float:
 
 
 def _show(vals: dict[int, float]) -> str:
+    if not vals:
+        return "not run"  # a stopped study's table, written from its runs so far
     m = _mean(vals)
     return "diverged" if not math.isfinite(m) else f"{m:.4f}"
 

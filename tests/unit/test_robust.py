@@ -93,9 +93,12 @@ def test_honest_loss_holds_against_a_poisoning_replica(text_file, clean, defence
         assert rejects == {"outlier": 3 * 2 * 120}, rejects
 
 
-def test_undefended_grid_is_poisoned(text_file):
+def test_undefended_grid_is_poisoned(text_file, clean):
     cfg = load_config([], [*SIM, f"data.path='{text_file}'", POISON])
-    assert GridSim(cfg).run().diverged  # what the defences above are for
+    res = GridSim(cfg).run()
+    # what the defences above are for: the run diverges, or (the same numbers on another BLAS
+    # kernel) ends finite but far off the clean run's loss
+    assert res.diverged or res.val_loss > 10 * clean, res.val_loss
 
 
 def test_the_bound_rejects_nothing_in_a_clean_run(text_file, clean):

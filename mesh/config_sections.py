@@ -284,8 +284,8 @@ class RuntimeConfig(_Section):
     trim_every_s: float = Field(
         60.0,
         ge=0,
-        description="hand the heap's free pages back to the OS (malloc_trim) this often, on "
-        "the heartbeat thread, and after every broken session; 0: never",
+        description="hand the heap's free pages back to the OS (malloc_trim) this often "
+        "(checked after each update), and after every broken session; 0: never",
     )
     # not in LATER_KEYS: the whole [runtime] table stays out of the fingerprint
     tensorboard: bool = Field(

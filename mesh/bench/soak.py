@@ -31,6 +31,7 @@ from mesh.bench.grid import LocalGrid, record_failure
 from mesh.bench.join_procs import tiny_grid_config, wait_for
 from mesh.bench.procstat import tree_sample
 from mesh.bench.soak_report import write_reports
+from mesh.runtime.metrics import RowTail
 
 CELLS = ["s0r0", "s1r1", "s1r0", "s0r1"]  # the kill order: each cell in turn
 FORM_S = 240  # forming the grid or replacing a peer longer than this is a failure
@@ -60,7 +61,8 @@ class Tail:
     """The rows a cell appended to its metrics file since the last read."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.offset, self.cell = run_dir, 0, ""
+        self.run_dir, self.cell = run_dir, ""
+        self.tail: RowTail | None = None
         self.health: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
 
@@ -68,20 +70,11 @@ class Tail:
         files = sorted((self.run_dir / "metrics").glob("*.jsonl"))
         if not files:
             return {}
-        path = files[0]
-        stage, replica = path.stem.split("-")
-        self.cell = f"s{stage}r{replica}"
-        with path.open("rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
-        self.offset += end
+        if self.tail is None:
+            stage, replica = files[0].stem.split("-")
+            self.cell, self.tail = f"s{stage}r{replica}", RowTail(files[0])
         losses = []
-        for line in chunk[:end].decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
+        for row in self.tail.read():
             if row.get("event") == "health":
                 self.health = row
             elif "event" not in row and not row.get("final"):

@@ -9,7 +9,6 @@ terminates every child (SIGTERM, then SIGKILL after a grace period) and reaps th
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import signal
 import threading
@@ -23,6 +22,7 @@ from comms.build import local_rendezvous
 from mesh.config import Config
 from mesh.runtime.checkpoint import CheckpointError, resume_point
 from mesh.runtime.emulate import resolve_window
+from mesh.runtime.metrics import RowTail
 from mesh.runtime.trainer import cell_process_main, failure_report
 
 
@@ -164,19 +164,13 @@ class MetricsTail:
 
     def __init__(self, out_dir: Path, last_stage: int, start_step: int) -> None:
         self.dir, self.last_stage, self.start_step = out_dir / "metrics", last_stage, start_step
-        self.offsets = {p: p.stat().st_size for p in self.dir.glob("*.jsonl")}
+        self.tails = {p: RowTail(p, p.stat().st_size) for p in self.dir.glob("*.jsonl")}
         self.last: dict[str, dict[str, Any]] = {}
 
     def progress(self) -> tuple[int, float | None]:
         """The slowest replica's step and the latest loss seen on a last stage."""
         for path in sorted(self.dir.glob(f"{self.last_stage}-*.jsonl")):
-            with path.open("rb") as f:
-                f.seek(self.offsets.get(path, 0))
-                chunk = f.read()
-            end = chunk.rfind(b"\n") + 1  # a line still being written waits for next time
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in chunk[:end].splitlines():
-                row = json.loads(line)
+            for row in self.tails.setdefault(path, RowTail(path)).read():
                 if "step" in row and "event" not in row and not row.get("final"):
                     self.last[path.stem] = row
         if not self.last:

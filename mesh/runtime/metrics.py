@@ -53,7 +53,13 @@ class RowTail:
             return []
         end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
         self.offset += end
-        return [json.loads(ln) for ln in chunk[:end].splitlines() if ln.strip()]
+        rows = []
+        for line in chunk[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # another process's file: a torn line is skipped, not fatal
+                continue
+        return rows
 
 
 def summarize_run(

@@ -20,6 +20,8 @@ from cli.options import config_options, resolve_config, run_options, user_errors
 from cli.plan import plan
 from mesh.config import ConfigError
 
+BOOTSTRAP_START_S = 60.0  # `meshtrain dht`: p2pd's start retried with backoff this long
+
 
 @click.group()
 @click.version_option(package_name="meshtrain")
@@ -195,20 +197,20 @@ def dht(
     import signal
     import threading
 
-    import hivemind
-
     kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"]}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity:
         kwargs["identity_path"] = identity
-    from hivemind.dht.crypto import RSASignatureValidator
-
     from cli.reach import p2pd_failure
     from comms.p2p import dialback
+    from comms.p2p.dht import start_dht
 
-    try:  # checks signed records (cell claims) before it stores them, as every peer does
-        node = hivemind.DHT(start=True, record_validators=[RSASignatureValidator()], **kwargs)
+    # the peers' DHT (comms.p2p.dht.PeerDHT): it checks signed records (cell claims) before it
+    # stores them, and its process stops its p2pd and removes its socket files when this one
+    # dies, even by SIGKILL (a plain hivemind.DHT's would run on, orphaned)
+    try:
+        node = start_dht([], BOOTSTRAP_START_S, **kwargs)
     except Exception as e:
         why = p2pd_failure(e)
         if why is None:

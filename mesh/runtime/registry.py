@@ -259,10 +259,13 @@ class Registry:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
         return self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
-    def session(self, replica: int, leader_cell: str) -> SessionRecord | None:
+    def session(
+        self, replica: int, leader_cell: str, owned: dict[str, CellRecord] | None = None
+    ) -> SessionRecord | None:
         """Replica's session as written by the current owner of leader_cell, or by its last
-        owner we saw while none holds it (None: none yet, or the DHT did not answer)."""
-        lead = (self.owners() or {}).get(leader_cell)
+        owner we saw while none holds it (None: none yet, or the DHT did not answer). `owned`:
+        claims the caller read lately (not given: read them now)."""
+        lead = ((self.owners() if owned is None else owned) or {}).get(leader_cell)
         if lead is not None:
             self._leaders[leader_cell] = lead.signer
         found = self._get(f"session.r{replica}")

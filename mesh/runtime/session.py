@@ -30,6 +30,7 @@ imports: mesh, comms (errors) and stdlib.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import threading
 import time
@@ -37,14 +38,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from comms.errors import PeerTimeout
-from mesh.runtime.registry import CellRecord, Registry, RunRecord, SessionRecord, running
+from mesh.runtime.registry import (
+    CONFIG_TTL_S,
+    CellRecord,
+    Registry,
+    RunRecord,
+    SessionRecord,
+    running,
+)
 
 _UNREAD = object()  # _check's "claims not read yet" (None means the DHT did not answer)
 # reads in a row without a member's claim before the leader calls the session broken: after a
 # DHT node dies, a read can miss a live claim stored on it (the soak saw a replica re-form every
 # few seconds, each time for a member that was alive); a new incarnation breaks it at once
 ABSENT_READS = 2
-CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the poll period while no session
+CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the first poll period while no session
+# the poll for a session backs off by this factor per empty poll, up to one heartbeat: 32 cells
+# polling two records every 0.25 s swamped a 2-core box's DHT (bench scale: 200 gets/s)
+POLL_BACKOFF = 1.5
+REUSE_MAX_S = 1.0
+CONFIG_PUTS_PER_TTL = 10  # the run's record is re-stored this many times per its lifetime
 REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
 # re-checks whom at this period (a session that forms at once is not worth a line)
 
@@ -154,6 +167,14 @@ class DhtCoordinator:
         self._reported: dict[str, str] = {}  # the last `waiting` set said
         self._missing: dict[str, str] = {}  # during a session: what the last beat saw missing
         self._stop = threading.Event()
+        # the claims as last read (monotonic time, owners or None): the heartbeat thread reads
+        # them once a beat and the waits use that read, so a cell reads the grid's claims about
+        # once per heartbeat, not once per poll
+        self._owned: tuple[float, dict[str, CellRecord] | None] = (-math.inf, None)
+        self._run_put_at = -math.inf
+        # claims change once a heartbeat: a read is reused that long, but at most REUSE_MAX_S
+        # (a leader sees a member that just claimed within about a second)
+        self._reuse_s = min(registry.heartbeat_s, REUSE_MAX_S)
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         self._thread.start()
@@ -178,14 +199,30 @@ class DhtCoordinator:
     def heartbeat(self) -> None:
         with contextlib.suppress(Exception):  # a missed beat is retried next period
             self.reg.beat(self.record())
-            if self.run_record is not None:
-                self.reg.put_run(self.run_record)
+            # the run's record lives CONFIG_TTL_S: re-stored a few times per lifetime, not per
+            # beat (32 cells re-storing a few KB of TOML each beat is most of a DHT's traffic)
+            due = time.monotonic() - self._run_put_at >= CONFIG_TTL_S / CONFIG_PUTS_PER_TTL
+            if self.run_record is not None and due and self.reg.put_run(self.run_record):
+                self._run_put_at = time.monotonic()
+
+    def owners(self, max_age_s: float | None = None) -> dict[str, CellRecord] | None:
+        """The live claims, read now or (max_age_s given) reused from a read that recent."""
+        at, owned = self._owned
+        if max_age_s is not None and owned is not None and time.monotonic() - at <= max_age_s:
+            return owned
+        owned = self.reg.owners()
+        if owned is not None:
+            self._owned = (time.monotonic(), owned)
+        return owned
 
     def _beat_forever(self) -> None:
         """Heartbeats, and the check whether the running session still stands: here, off the
         training thread, so a slow DHT delays a verdict but never a microbatch."""
         while not self._stop.wait(self.reg.heartbeat_s):
             self.heartbeat()
+            if self._active is None:
+                with contextlib.suppress(Exception):
+                    self.owners()  # for the session waits (next_session, _lead)
             self._watch()
             if self.on_beat is not None:
                 with contextlib.suppress(Exception):  # a health row is never worth a beat
@@ -198,7 +235,7 @@ class DhtCoordinator:
         if active is None:
             return
         with contextlib.suppress(Exception):
-            owned = self.reg.owners()
+            owned = self.owners()
             if not self._broken:
                 verdict = self._check(active, owned)
                 if self._active is active:
@@ -231,11 +268,13 @@ class DhtCoordinator:
         report_at = time.monotonic() + REPORT_EVERY_S
         last = self._session.epoch if self._session else -1
         self._active = None  # the worker runs no session now (one that broke is over)
+        poll_s = CHECK_EVERY_S
         while True:
             if self.leader:
                 rec = self._lead(align, last)
             else:
-                rec = self.reg.session(self.replica, self.replica_cells[0])
+                owned = self.owners(self._reuse_s)
+                rec = self.reg.session(self.replica, self.replica_cells[0], owned)
                 seen = rec is not None and (rec.done or rec.members.get(self.cell) == self.inc)
                 if rec is None or rec.epoch <= last or not seen:
                     rec = None
@@ -254,17 +293,18 @@ class DhtCoordinator:
                 return Session(rec.epoch, rec.base_mb, rec.updates)
             if time.monotonic() >= report_at:
                 report_at = time.monotonic() + REPORT_EVERY_S
-                owned = self.reg.owners()
+                owned = self.owners(self._reuse_s)
                 if owned is not None:
                     self._report(waiting_for(self.replica_cells, owned, self.cell))
             if time.monotonic() > deadline:
-                owned = self.reg.owners() or {}
+                owned = self.owners() or {}
                 missing = [c for c in self.replica_cells if c not in owned]
                 raise PeerTimeout(
                     f"{self.cell}: no pipeline session for replica {self.replica} within "
                     f"{self.wait_s:.0f} s (cells without a live peer: {missing or 'none'})"
                 )
-            time.sleep(CHECK_EVERY_S)
+            time.sleep(poll_s)
+            poll_s = min(poll_s * POLL_BACKOFF, max(CHECK_EVERY_S, self.reg.heartbeat_s))
 
     def _report(self, missing: dict[str, str]) -> None:
         """Say whom the replica waits for, once per change (nothing when that is nobody: the
@@ -282,7 +322,7 @@ class DhtCoordinator:
         done = SessionRecord(epoch, 0, 0, {}, True)  # the run is over: followers stop
         if self._step_now() >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
-        owned = self.reg.owners()
+        owned = self.owners(self._reuse_s)
         # every member's own process must be up: a join's placeholder claim is not (a session
         # with it would break as soon as the cell's process claims for itself)
         if owned is None or any(
@@ -292,6 +332,11 @@ class DhtCoordinator:
         mine = owned.get(self.cell)
         if mine is None or mine.inc != self.inc:
             return None  # our own claim is not visible yet (or someone else owns our cell)
+        owned = self.owners()  # a session is announced on claims read now, not a beat ago
+        if owned is None or any(
+            c not in owned or not running(owned[c]) for c in self.replica_cells
+        ):
+            return None
         step = align()  # every member is there: catch up now, the session counts from here
         if step >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
@@ -312,14 +357,16 @@ class DhtCoordinator:
         given: read them now). Follower: the session record moved on. Unknown (the DHT did not
         answer) is not broken."""
         if self.leader:
-            owned = self.reg.owners() if owned is _UNREAD else owned
+            owned = self.owners() if owned is _UNREAD else owned
             if not isinstance(owned, dict):  # a silent DHT once is not asked twice per beat
                 return False
             gone = [c for c in active.members if owned.get(c) is None]
             self._absent = {c: self._absent.get(c, 0) + 1 for c in gone}
             changed = any(owned[c].inc != inc for c, inc in active.members.items() if c not in gone)
             return changed or any(n >= ABSENT_READS for n in self._absent.values())
-        rec = self.reg.session(self.replica, self.replica_cells[0])
+        read = self.owners(self._reuse_s) if owned is _UNREAD else owned
+        owned_now = read if isinstance(read, dict) else None
+        rec = self.reg.session(self.replica, self.replica_cells[0], owned_now)
         return rec is not None and rec.epoch != active.epoch
 
 

@@ -5,12 +5,15 @@ namespace with no route back to it: tests/throttled/test_join_reach_netns.py.)""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from p2p_procs import process_tree
+from p2p_procs import assert_gone, process_tree, sockets_of
 
 from mesh.bench.join_procs import (
     LOOPBACK,
@@ -154,3 +157,25 @@ def test_any_dht_peer_answers_when_the_bootstrap_does_not():
                 node.join(10)
         if peer is not None:
             peer.close()
+
+
+def test_a_killed_bootstrap_node_leaves_no_daemon_or_socket_behind():
+    # `meshtrain dht` runs the peers' DHT (comms.p2p.dht.PeerDHT): SIGKILLed, its DHT process
+    # and p2pd still stop and remove their socket files (a plain hivemind.DHT's ran on)
+    dht = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert "/ip4/127.0.0.1/tcp/" in dht.stdout.readline()  # it is up
+        helpers = process_tree(dht.pid)[1:]
+        assert _p2pds(dht.pid) == 1 and len(helpers) >= 2  # its DHT process and p2pd
+        sockets = sockets_of(helpers)
+        assert sockets  # p2pd's control sockets
+        os.kill(dht.pid, signal.SIGKILL)
+        dht.wait(10)
+        assert_gone(helpers, sockets, timeout_s=30.0)
+    finally:
+        if dht.poll() is None:
+            dht.kill()
+            dht.wait()

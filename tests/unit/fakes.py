@@ -10,6 +10,7 @@ class FakeDirectory:
         self.data = {} if data is None else data
         self.answer = True
         self.owner_marker = marker
+        self.reads: dict[str, int] = {}  # key -> reads through this instance
 
     def joined(self, marker):
         return FakeDirectory(marker, self.data)
@@ -21,6 +22,7 @@ class FakeDirectory:
         return True
 
     def dht_get(self, key, timeout_s=None):
+        self.reads[key] = self.reads.get(key, 0) + 1
         if not self.answer:
             return None
         return {k: v for k, v in self.data.get(key, {}).items() if v is not None}

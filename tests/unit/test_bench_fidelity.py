@@ -43,6 +43,11 @@ def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
     ]  # fmt: skip
     settings, loss = tuning.best_settings(runs, "A")
     assert settings == {"optim.lr": 3} and loss == pytest.approx(2.05)
+    # on one seed alone, lr=2 wins; a setting not run on every seed asked for is not ranked
+    assert tuning.best_settings(runs, "A", [0]) == ({"optim.lr": 2}, 1.0)
+    runs.append(run("A | lr=4", 0, 0.5, {"optim.lr": 4}))
+    assert tuning.ranked(runs, "A", [0, 1]) == ["A | lr=3", "A | lr=1", "A | lr=2"]
+    assert tuning.ranked(runs, "A", [0])[0] == "A | lr=4"
 
 
 def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
@@ -55,14 +60,26 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     monkeypatch.setattr(tuning, "SCHEDULE_PROBE", [{"dp.lambda_clock": "steps"}])
     monkeypatch.setattr(tuning, "MOMENTUM_PROBE", {"FullSync": [0.8], "AsyncMesh-fp8": [0.9]})
     monkeypatch.setattr(tuning, "LR_REFINE", [0.75])
+    monkeypatch.setattr(tuning, "CONFIRM_TOP", 2)
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
     groups = {r["method"] for r in summary["runs"]}
     per_arm = {arm: sum(g.startswith(arm + " |") for g in groups) for arm in tuning.ARMS}
     # lrs, momentum, lr refined; the async arm also tau and the schedule probe
     assert per_arm == {"FullSync": 3 + 1 + 1, "AsyncMesh-fp8": 2 + 1 + 1 + 1 + 1}
+    # every setting on the tuning seeds; each arm's best two on the confirmation seed too, and
+    # the pick is one of those, by its mean over all seeds
     seeds = len(tuning.TUNE_SEEDS)
-    assert all(len([r for r in summary["runs"] if r["method"] == g]) == seeds for g in groups)
+    runs_of = {g: [r for r in summary["runs"] if r["method"] == g] for g in groups}
+    confirmed = {g for g, rs in runs_of.items() if len(rs) == seeds + len(tuning.CONFIRM_SEEDS)}
+    assert all(len(rs) == seeds for g, rs in runs_of.items() if g not in confirmed)
+    for arm in tuning.ARMS:
+        assert sum(g.startswith(arm + " |") for g in confirmed) == 2
+        best = summary["best"][arm]
+        pick = min((g for g in confirmed if g.startswith(arm + " |")),
+                   key=lambda g: tuning.mean_loss(runs_of[g]))  # fmt: skip
+        assert best["settings"] == runs_of[pick][0]["settings"]
+        assert best["val_loss"] == pytest.approx(tuning.mean_loss(runs_of[pick]))
     best_lr = summary["best"]["AsyncMesh-fp8"]["settings"]["optim.lr"]
     lr_only = [r for r in summary["runs"] if r["method"].startswith("AsyncMesh-fp8 | lr=")]
     stage1_lr = min(lr_only, key=lambda r: r["val_loss"])["settings"]["optim.lr"]

@@ -79,6 +79,7 @@ def test_a_joins_placeholder_claim_is_not_a_member_yet():
     follow = coordinator(d, "s1r0", False)  # claims a hair earlier than the scout: owns it
     follow.since = 0.5
     follow.heartbeat()
+    lead.wait_s = 3.0  # the leader re-reads the claims within session.REUSE_MAX_S
     s = lead.next_session(lambda: 0)
     assert s.updates == 100 and lead._active.members["s1r0"] == follow.inc
 
@@ -94,3 +95,20 @@ def test_one_read_that_misses_a_members_claim_does_not_break_the_session():
     assert not lead._check(lead._active, owned)  # it is back: the count starts again
     assert not lead._check(lead._active, partial)
     assert lead._check(lead._active, partial)  # missing twice in a row: gone
+
+
+def test_a_waiting_cell_reads_the_claims_about_once_a_second_not_once_a_poll():
+    # 32 cells polling the claims and the session every 0.25 s swamped a 2-core box's DHT
+    # (bench scale); a follower waiting for a leader that never comes reuses one read of the
+    # claims for session.REUSE_MAX_S and backs its session polls off to one per heartbeat
+    d = FakeDirectory()
+    reg = Registry(d.joined("[owner:f]"), None, 1.0)  # heartbeat 1 s (the background beats)
+    follow = DhtCoordinator(reg, cell="s1r0", peer="p", replica_cells=["s0r0", "s1r0"],
+                            leader=False, replica=0, steps=10, mpu=1, wait_s=4.0)  # fmt: skip
+    with pytest.raises(PeerTimeout):
+        follow.next_session(lambda: 0)
+    follow.close()
+    # 4 s: the beats' reads (~4), the waits' own reads (at most one per second), the timeout's
+    # read; the session record polled with a backoff from 0.25 s to 1 s (~7 polls)
+    assert reg.d.reads["cells"] <= 4 + 5 + 1, reg.d.reads
+    assert reg.d.reads["session.r0"] <= 9, reg.d.reads

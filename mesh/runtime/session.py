@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from comms.errors import PeerTimeout
 from mesh.runtime.registry import (
     CONFIG_TTL_S,
+    HEARTBEAT_LIVES,
     CellRecord,
     Registry,
     RunRecord,
@@ -48,9 +49,10 @@ from mesh.runtime.registry import (
 )
 
 _UNREAD = object()  # _check's "claims not read yet" (None means the DHT did not answer)
-# reads in a row without a member's claim before the leader calls the session broken: after a
-# DHT node dies, a read can miss a live claim stored on it (the soak saw a replica re-form every
-# few seconds, each time for a member that was alive); a new incarnation breaks it at once
+# reads in a row without a member's claim before the leader calls the session broken (and its
+# last read claim must have outlived its lifetime): after a DHT node dies, a read can miss a live
+# claim stored on it (the soak saw a replica re-form every few seconds, each time for a member
+# that was alive); a new incarnation breaks it at once
 ABSENT_READS = 2
 CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the first poll period while no session
 # the poll for a session backs off by this factor per empty poll, up to one heartbeat: 32 cells
@@ -162,6 +164,7 @@ class DhtCoordinator:
         self._active: SessionRecord | None = None  # the session the worker is running
         self._broken = False
         self._absent: dict[str, int] = {}  # member -> reads in a row without its claim
+        self._seen: dict[str, float] = {}  # member -> monotonic time its claim was last read
         self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
         self.on_beat: Callable[[], None] | None = None  # after each heartbeat (health rows)
         self._reported: dict[str, str] = {}  # the last `waiting` set said
@@ -281,6 +284,7 @@ class DhtCoordinator:
             if rec is not None:
                 self._session, self._active, self._broken = rec, None, False
                 self._absent = {}
+                self._seen = dict.fromkeys(rec.members, time.monotonic())
                 self.beat.epoch = rec.epoch
                 if rec.done:
                     return None
@@ -360,10 +364,19 @@ class DhtCoordinator:
             owned = self.owners() if owned is _UNREAD else owned
             if not isinstance(owned, dict):  # a silent DHT once is not asked twice per beat
                 return False
+            now = time.monotonic()
             gone = [c for c in active.members if owned.get(c) is None]
+            self._seen.update({c: now for c in active.members if c not in gone})
             self._absent = {c: self._absent.get(c, 0) + 1 for c in gone}
             changed = any(owned[c].inc != inc for c, inc in active.members.items() if c not in gone)
-            return changed or any(n >= ABSENT_READS for n in self._absent.values())
+            # a claim read within its lifetime cannot have expired yet: missing from a read,
+            # it was missed (a loaded DHT answering from a node without it; bench scale saw
+            # a 32-peer grid re-form every few seconds so), not gone
+            lifetime = self.reg.heartbeat_s * HEARTBEAT_LIVES
+            expired = {c for c in gone if now - self._seen.get(c, -math.inf) > lifetime}
+            return changed or any(
+                n >= ABSENT_READS and c in expired for c, n in self._absent.items()
+            )
         read = self.owners(self._reuse_s) if owned is _UNREAD else owned
         owned_now = read if isinstance(read, dict) else None
         rec = self.reg.session(self.replica, self.replica_cells[0], owned_now)

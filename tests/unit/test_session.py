@@ -4,7 +4,7 @@ import pytest
 from fakes import FakeDirectory
 
 from comms.errors import PeerTimeout
-from mesh.runtime.registry import CLAIMING, CellRecord, Registry
+from mesh.runtime.registry import CLAIMING, HEARTBEAT_LIVES, CellRecord, Registry
 from mesh.runtime.session import DhtCoordinator, Session, StaticCoordinator
 
 
@@ -94,7 +94,10 @@ def test_one_read_that_misses_a_members_claim_does_not_break_the_session():
     assert not lead._check(lead._active, partial)
     assert not lead._check(lead._active, owned)  # it is back: the count starts again
     assert not lead._check(lead._active, partial)
-    assert lead._check(lead._active, partial)  # missing twice in a row: gone
+    # missing twice in a row, but read a moment ago: its claim cannot have expired yet
+    assert not lead._check(lead._active, partial)
+    lead._seen["s1r0"] -= HEARTBEAT_LIVES * lead.reg.heartbeat_s + 1  # a lifetime ago
+    assert lead._check(lead._active, partial)  # missing twice in a row and expired: gone
 
 
 def test_a_waiting_cell_reads_the_claims_about_once_a_second_not_once_a_poll():

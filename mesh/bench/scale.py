@@ -43,7 +43,7 @@ TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measur
 HEARTBEAT_S = 2.0
 STAGGER_S = 0.5  # between join starts: 31 interpreters importing torch at once only thrash
 JOIN_TRIES = 6  # starts of one join after its first
-PEER_MB = 600  # what one peer needs (PSS of cell + DHT process + p2pd was ~480 MB here)
+PEER_MB = 500  # what one peer needs (PSS of cell + DHT process + p2pd: 407-480 MB here)
 
 
 def scale_config(directory: Path, text_file: Path, stages: int, replicas: int) -> Path:

@@ -4,11 +4,12 @@ claim (AsyncMesh-fp8 within 1% of FullSync), picked by the same rule.
 Every arm goes through the same stages, each run at the study's own budget (1,600 microbatches
 per replica) on TUNE_SEEDS: learning rates (FullSync 5; AsyncMesh-fp8 2, then at the better one
 tau 2 and tau 10 and clip 10: a coordinate search over the issue's tau {2, 5, 10} x clip {1, 10},
-and the schedule-clock probe), then beta1 and the lr again (x0.75, x1.5) for both arms. The rule:
-lowest mean final validation loss over the seeds; a diverged run counts as infinite. Last, each
-arm's CONFIRM_TOP best settings run on CONFIRM_SEEDS as well and the pick is the best mean over
-both seeds among them. The other async methods are AsyncMesh with one thing changed, so they
-share its setting. The stages run on one seed, because a run costs about 2 core-minutes here.
+and the schedule-clock probe), then beta1 and the lr again (x0.75, x1.5, and on while the best
+lr is the edge of those tried) for both arms. The rule: lowest mean final validation loss over
+the seeds; a diverged run counts as infinite. Last, each arm's CONFIRM_TOP best settings run on
+CONFIRM_SEEDS as well and the pick is the best mean over both seeds among them. The other async
+methods are AsyncMesh with one thing changed, so they share its setting. The stages run on one
+seed, because a run costs about 2 core-minutes here.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SCHEDULE_PROBE = [
 MOMENTUM_PROBE = {"FullSync": [0.8, 0.95], "AsyncMesh-fp8": [0.9, 0.95]}
 # the fifth stage, for both arms: the lr again, x0.75 and x1.5, at the best momentum
 LR_REFINE = [0.75, 1.5]
+EDGE_STEPS = 2
 # the last stage: each arm's CONFIRM_TOP best settings on one seed more; the pick is the lowest
 # mean over both seeds among them (a single seed's ranking of settings 0.01-0.03 apart is noise:
 # the seeds of one setting differ by as much)
@@ -122,8 +124,27 @@ def _lr_stage(arm: str, so_far: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**so_far, "optim.lr": round(so_far["optim.lr"] * f, 6)} for f in LR_REFINE]
 
 
+def _edge_step(runs: list[dict[str, Any]], arm: str) -> dict[str, Any] | None:
+    """The next lr to try for the arm when its best lr so far lies at the edge of those tried
+    at the same other settings (None: it does not)."""
+    best, _ = best_settings(runs, arm, TUNE_SEEDS)
+    others = {k: v for k, v in best.items() if k != "optim.lr"}
+    lrs = {
+        r["settings"]["optim.lr"]
+        for r in runs
+        if r["method"].startswith(arm + " |")
+        and {k: v for k, v in r["settings"].items() if k != "optim.lr"} == others
+    }
+    lr = best["optim.lr"]
+    if lr == max(lrs):
+        return {**best, "optim.lr": round(lr * LR_REFINE[-1], 6)}
+    if lr == min(lrs):
+        return {**best, "optim.lr": round(lr * LR_REFINE[0], 6)}
+    return None
+
+
 def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-    """The six stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
+    """The stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
     budget = 160 if quick else 1600
     path = out / "tuning.json"
     known = json.loads(path.read_text())["runs"] if path.is_file() else []
@@ -144,6 +165,15 @@ def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, 
         ]
         have = {s.method for s, _ in specs}  # an lr x1.5 may be one stage 1 tried already
         specs += [(s, st) for s, st in _specs(tried) if s.method not in have]
+        runs = _run(base, specs, work, workers, budget, known)
+    # an arm whose best lr is the largest (smallest) it tried at its other settings steps on
+    # (x1.5, x0.75) until it is not, at most EDGE_STEPS times: a best at the range's edge
+    # says the range was too short, for either arm
+    for _ in range(EDGE_STEPS):
+        tried = [(arm, st) for arm in ARMS if (st := _edge_step(runs, arm)) is not None]
+        if not tried:
+            break
+        specs += _specs(tried)
         runs = _run(base, specs, work, workers, budget, known)
     # the last stage: the top settings of each arm on the confirmation seeds too
     seeds = TUNE_SEEDS + CONFIRM_SEEDS

@@ -50,6 +50,21 @@ def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
     assert tuning.ranked(runs, "A", [0])[0] == "A | lr=4"
 
 
+def test_an_lr_at_the_edge_of_those_tried_steps_on_and_an_inner_one_does_not():
+    def run(lr, loss, **other):
+        st = {"optim.lr": lr, **other}
+        return {"method": f"A | {st}", "seed": 0, "val_loss": loss, "settings": st,
+                "diverged": False}  # fmt: skip
+
+    runs = [run(1e-3, 2.3), run(2e-3, 2.2, b=1), run(3e-3, 2.1, b=1), run(9e-3, 2.5)]
+    # the best (3e-3 at b=1) is the largest lr tried at b=1 (9e-3 was at other settings)
+    assert tuning._edge_step(runs, "A") == {"optim.lr": 0.0045, "b": 1}
+    runs.append(run(4.5e-3, 2.15, b=1))
+    assert tuning._edge_step(runs, "A") is None  # now inside: 2e-3 < 3e-3 < 4.5e-3
+    runs.append(run(1e-3, 2.0, b=1))  # the smallest at b=1 wins: step down
+    assert tuning._edge_step(runs, "A") == {"optim.lr": 0.00075, "b": 1}
+
+
 def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
     # the study's own lists give both arms the same budget
     assert len(tuning.FULLSYNC_LRS) == len(tuning.ASYNC_LRS) + len(tuning.ASYNC_STAGE2)
@@ -61,6 +76,7 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     monkeypatch.setattr(tuning, "MOMENTUM_PROBE", {"FullSync": [0.8], "AsyncMesh-fp8": [0.9]})
     monkeypatch.setattr(tuning, "LR_REFINE", [0.75])
     monkeypatch.setattr(tuning, "CONFIRM_TOP", 2)
+    monkeypatch.setattr(tuning, "EDGE_STEPS", 0)  # test_an_lr_at_the_edge_of_those_tried...
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
     groups = {r["method"] for r in summary["runs"]}

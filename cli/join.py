@@ -38,6 +38,7 @@ from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord, fre
 SCOUT_TIMEOUT_S = 30.0
 # reads of the run's record before concluding there is none: a busy DHT can answer empty once
 RUN_READS = 5
+CLAIM_READS = 5  # reads of the claims (each up to the registry's timeout) before a join gives up
 REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
@@ -140,6 +141,18 @@ def read_run_record(registry: Registry, reads: int) -> RunRecord | None:
     return None
 
 
+def read_owners(registry: Registry, reads: int) -> dict[str, CellRecord] | None:
+    """The live claims, read again (a second apart) while the DHT does not answer, up to
+    `reads` times: a joiner that gives up on one slow read starts over from scratch (its
+    imports, its p2pd), which on a loaded DHT only adds to the load (bench scale)."""
+    for k in range(reads):
+        owned = registry.owners()
+        if owned is not None or k == reads - 1:
+            return owned
+        time.sleep(1.0)
+    return None
+
+
 def run_config(
     registry: Registry, local: Config | None, sets: list[str], run_key: str | None
 ) -> Config:
@@ -204,7 +217,7 @@ def claim_cell(
     order = [c for c in prefer if c in grid] + [c for c in grid if c not in prefer]
     tried: set[str] = set()
     while True:
-        owned = registry.owners()
+        owned = read_owners(registry, CLAIM_READS)
         if owned is None:
             raise JoinError("the DHT does not answer (no claim can be checked); try again")
         free = [c for c in free_cells([cell_name(j, i) for j, i in order], owned) if c not in tried]
@@ -218,7 +231,7 @@ def claim_cell(
         rec = CellRecord(name, me, CLAIMING, since, 0, -1, 0.0, since, registry.token(me))
         registry.beat(rec)
         time.sleep(CLAIM_SETTLE_S)
-        winner = (registry.owners() or {}).get(name)
+        winner = (read_owners(registry, CLAIM_READS) or {}).get(name)
         if winner is not None and winner.peer == me:
             return j, i, since
         registry.release(name, me)

@@ -276,3 +276,24 @@ def test_the_progress_reads_only_what_was_appended(tmp_path):
     assert tail.read() == [{"step": 2, "loss": 3.5}]
     lines.say_new([{"event": "started"}, {"event": "session_broken", "step": 1}], said.append)
     assert len(said) == 1  # the whole file read at the end says nothing twice
+
+
+def test_a_claim_reads_a_silent_dht_again_before_it_gives_up(monkeypatch):
+    import cli.join as join
+
+    class SilentTwice(FakeDirectory):
+        def dht_get(self, key, timeout_s=None):
+            found = super().dht_get(key, timeout_s)  # counts the read
+            return None if key == "cells" and self.reads[key] <= 2 else found
+
+    monkeypatch.setattr(join, "CLAIM_SETTLE_S", 0.0)
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=1"])
+    d = SilentTwice()
+    j, i, _ = join.claim_cell(Registry(d, None, 1.0), cfg, "me", None)
+    assert (j, i) == (0, 0) and d.reads["cells"] >= 3
+    # a DHT that never answers: the join says so (after CLAIM_READS reads), claims nothing
+    d = FakeDirectory()
+    d.answer = False
+    with pytest.raises(join.JoinError, match="does not answer"):
+        join.claim_cell(Registry(d, None, 1.0), cfg, "me", None)
+    assert d.reads["cells"] == join.CLAIM_READS and "cells" not in d.data

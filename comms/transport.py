@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -127,6 +128,12 @@ class Transport(Protocol):
         """Nobody will take a message whose tag starts with `prefix` (a broken pipeline
         session's): drop those waiting and those that arrive later, counted in stats.rejects as
         "stale". Returns how many were waiting."""
+
+    def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
+        """This peer will never run these averaging rounds of `group` (its state was replaced
+        by a download that skipped them): the other members' payloads for them are dropped,
+        those waiting now and those that arrive later, counted in stats.rejects as "late".
+        Returns how many were waiting."""
 
     def close(self) -> None:
         """Stop threads and daemons, release ports; idempotent."""

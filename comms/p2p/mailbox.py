@@ -85,8 +85,9 @@ class Mailbox:
             self._lost[sender] = why
             self._cond.notify_all()
 
-    def close_tag(self, sender: str, tag: str) -> None:
-        """Nobody will take `tag` from sender any more: drop it now and when it arrives."""
+    def close_tag(self, sender: str, tag: str) -> int:
+        """Nobody will take `tag` from sender any more: drop it now and when it arrives.
+        Returns how many were waiting."""
         with self._cond:
             closed = self._closed[sender]
             closed[tag] = None
@@ -98,6 +99,7 @@ class Mailbox:
                 self._count[sender] -= 1
                 if self._on_drop is not None:
                     self._on_drop("late")
+            return len(q or ())
 
     def close_prefix(self, prefix: str) -> int:
         """Nobody will take a tag starting with `prefix` from anyone (the messages of a broken

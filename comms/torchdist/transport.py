@@ -49,6 +49,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -232,6 +233,11 @@ class TorchTransport(GroupMeans):
                 if remaining <= 0:
                     raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
                 link.cond.wait(remaining)
+
+    def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
+        """Nothing to drop: rounds here are collectives over the process group, no payload
+        waits in a mailbox (and a fixed grid never downloads a state that skips rounds)."""
+        return 0
 
     def drop_tags(self, prefix: str) -> int:
         """Drop waiting and later messages whose tag starts with prefix (a broken session's;

@@ -59,6 +59,14 @@ def group_name(stage: int) -> str:
     return f"stage{stage}"
 
 
+def skipped_rounds(old_step: int, new_step: int, interval_steps: int) -> range:
+    """The averaging rounds a cell never launches when its state jumps from old_step to
+    new_step (a download). Update u (0-based) launches round u // interval when u % interval
+    == 0, and a cell at step s has done updates 0..s-1: it launched rounds below
+    ceil(s / interval) and will launch those from ceil(new_step / interval) on."""
+    return range(-(-old_step // interval_steps), -(-new_step // interval_steps))
+
+
 @dataclass
 class _InFlight:
     inputs: torch.Tensor  # what the forward consumed (tokens on stage 0)
@@ -190,10 +198,16 @@ class StageWorker:
         self._last_send.clear()
         self.stats.sessions_broken += 1
 
-    def drop_rounds(self) -> None:
-        """After the cell's state was replaced: rounds launched on the old state are void."""
+    def drop_rounds(self, old_step: int) -> None:
+        """After the cell's state was replaced (it was at old_step): rounds launched on the old
+        state are void, and the other replicas' payloads for the rounds the jump skipped will
+        never be taken: they go now, not when the mailbox's ttl runs out (the soak saw ~160 of
+        them held for 10 minutes by every cell whose replica had re-formed)."""
         self.stats.rounds_failed += len(self.pending)
         self.pending.clear()
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            skipped = skipped_rounds(old_step, self.cell.step, self.cfg.dp.interval_steps)
+            self.transport.void_rounds(group_name(self.j), self.column, skipped)
 
     def finish(self) -> None:
         """At the end: wait briefly for rounds and sends in flight (final byte counters)."""

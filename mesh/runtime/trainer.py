@@ -141,10 +141,11 @@ def catch_up(
     for rec in live:
         if rec.step - cell.step <= cfg.runtime.max_lag_steps:
             return None
+        old_step = cell.step
         with worker.lock:
             ok = download_state(transport, cell, rec.cell, cfg.runtime.timeout_s)
         if ok:
-            worker.drop_rounds()
+            worker.drop_rounds(old_step)
             return rec
     return None
 

@@ -53,3 +53,25 @@ def test_a_broken_sessions_messages_are_dropped_when_it_breaks(pair):
     a.send("s1r0", "18/act/0", Kind.ACTIVATION, enc, 0).wait(30.0)
     got = b.recv("s0r0", "18/act/0", Expect(kind=Kind.ACTIVATION, shape=(2, 8)), 30.0)
     assert torch.equal(got.tensor(), torch.ones(2, 8))
+
+
+def test_rounds_a_state_download_skipped_are_voided_now_and_on_arrival(pair):
+    """What mesh/runtime/stage.py's drop_rounds does after a download moved a cell's step on
+    (void_rounds over the skipped rounds): the other replica's payloads for them, waiting in
+    the mailbox, go at once (they held it until the ttl: the soak's ~160 per re-formed
+    replica), one that arrives later goes on arrival, all counted "late"; a later round that
+    the cell runs is averaged."""
+    a, b = pair
+    members = ["s0r0", "s1r0"]
+    for rid in (5, 6, 7):  # b never runs these: a's payloads wait in b's mailbox
+        a.start_mean("g", members, rid, torch.full((4,), float(rid)), "fp32", 1.0)
+    wait_for(lambda: b.mailbox.pending("s0r0") == 3, 30, "a's payloads filed")
+    assert b.void_rounds("g", members, range(5, 9)) == 3
+    assert b.mailbox.pending() == 0 and b.stats.rejects["late"] == 3
+    a.start_mean("g", members, 8, torch.ones(4), "fp32", 1.0)  # skipped too: dropped there
+    wait_for(lambda: b.stats.rejects["late"] == 4, 30, "the late payload dropped")
+    assert b.mailbox.pending() == 0
+    mine = b.start_mean("g", members, 9, torch.zeros(4), "fp32", 30.0)
+    theirs = a.start_mean("g", members, 9, torch.full((4,), 2.0), "fp32", 30.0)
+    assert torch.equal(mine.result(40.0).mean, torch.ones(4))
+    assert torch.equal(theirs.result(40.0).mean, torch.ones(4))

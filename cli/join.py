@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -42,6 +43,8 @@ CLAIM_READS = 5  # reads of the claims (each up to the registry's timeout) befor
 REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
+
+T = TypeVar("T")
 
 
 class JoinError(ConfigError):
@@ -129,28 +132,28 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
         return load_config([path], list(sets))
 
 
+def read_again(read: Callable[[], T | None], reads: int) -> T | None:
+    """read(), again a second apart while it answers None, up to `reads` times."""
+    for k in range(reads):
+        found = read()
+        if found is not None or k == reads - 1:
+            return found
+        time.sleep(1.0)
+    return None
+
+
 def read_run_record(registry: Registry, reads: int) -> RunRecord | None:
     """The run's record, read again (a second apart) while the DHT answers empty, up to
     `reads` times: one empty answer from a busy DHT would otherwise tell a joiner that there
     is no run, or let a joiner with --config start a second one."""
-    for k in range(reads):
-        rec = registry.run()
-        if rec is not None or k == reads - 1:
-            return rec
-        time.sleep(1.0)
-    return None
+    return read_again(registry.run, reads)
 
 
 def read_owners(registry: Registry, reads: int) -> dict[str, CellRecord] | None:
     """The live claims, read again (a second apart) while the DHT does not answer, up to
     `reads` times: a joiner that gives up on one slow read starts over from scratch (its
     imports, its p2pd), which on a loaded DHT only adds to the load (bench scale)."""
-    for k in range(reads):
-        owned = registry.owners()
-        if owned is not None or k == reads - 1:
-            return owned
-        time.sleep(1.0)
-    return None
+    return read_again(registry.owners, reads)
 
 
 def run_config(

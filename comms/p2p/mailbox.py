@@ -24,7 +24,7 @@ from collections.abc import Callable
 from comms.errors import PeerLost
 from comms.wire import Kind, Message
 
-_CLOSED_TAGS = 1024  # per sender
+CLOSED_TAGS = 1024  # per sender
 _CLOSED_PREFIXES = 64  # broken sessions remembered (a neighbour notices a break within beats)
 
 
@@ -91,7 +91,7 @@ class Mailbox:
         with self._cond:
             closed = self._closed[sender]
             closed[tag] = None
-            while len(closed) > _CLOSED_TAGS:
+            while len(closed) > CLOSED_TAGS:
                 closed.popitem(last=False)
             q = self._boxes.get(sender, {}).pop(tag, None)
             for _, _, nbytes in q or ():

@@ -54,7 +54,7 @@ from comms.p2p.dht import (
     pick_record,
     start_dht,
 )
-from comms.p2p.mailbox import Mailbox
+from comms.p2p.mailbox import CLOSED_TAGS, Mailbox
 from comms.p2p.mean import MeanService, frame_name
 from comms.p2p.stream import HANDLER, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
@@ -62,10 +62,6 @@ from comms.transport import MeanHandle, TransportStats
 from comms.wire import Expect, Kind, Message, expect_reject
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-
-# void_rounds closes at most this many of the latest rounds: payloads of older ones were never
-# sent to this process (a fresh joiner) or have expired from its mailbox already
-_VOID_MAX = 1024
 
 
 class SendResult:
@@ -226,9 +222,11 @@ class P2PTransport(StreamMixin, RunRecords):
         return self.mailbox.close_prefix(prefix)
 
     def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
-        """See comms.transport.Transport.void_rounds (counted "late" in the mailbox)."""
+        """See comms.transport.Transport.void_rounds (counted "late" in the mailbox). Only the
+        latest rounds: the mailbox remembers CLOSED_TAGS closed tags per sender, and payloads of
+        older rounds were never sent to this process (a fresh joiner) or have expired."""
         dropped = 0
-        for rid in round_ids[-_VOID_MAX:]:
+        for rid in round_ids[-CLOSED_TAGS:]:
             for index, m in enumerate(members):
                 if m != self.me:
                     dropped += self.mailbox.close_tag(m, frame_name(group, rid, index))

@@ -58,6 +58,8 @@ CHECK_EVERY_S = 0.25  # a blocked cell's wait slice, and the first poll period w
 # the poll for a session backs off by this factor per empty poll, up to one heartbeat: 32 cells
 # polling two records every 0.25 s swamped a 2-core box's DHT (bench scale: 200 gets/s)
 POLL_BACKOFF = 1.5
+# claims change once a heartbeat: a read of them is reused that long, but at most this long (a
+# leader sees a member that just claimed within about a second)
 REUSE_MAX_S = 1.0
 CONFIG_PUTS_PER_TTL = 10  # the run's record is re-stored this many times per its lifetime
 REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
@@ -110,6 +112,12 @@ class StaticCoordinator:
             return None
         self._given = True
         return Session(0, step * self.mpu, self.steps - step)
+
+    def _members_up(self, owned: dict[str, CellRecord]) -> bool:
+        mine = owned.get(self.cell)
+        if mine is None or mine.inc != self.inc:
+            return False  # our own claim is not visible yet (or someone else owns our cell)
+        return all(c in owned and running(owned[c]) for c in self.replica_cells)
 
     def _step_now(self) -> int:
         return self.beat.step
@@ -175,8 +183,6 @@ class DhtCoordinator:
         # once per heartbeat, not once per poll
         self._owned: tuple[float, dict[str, CellRecord] | None] = (-math.inf, None)
         self._run_put_at = -math.inf
-        # claims change once a heartbeat: a read is reused that long, but at most REUSE_MAX_S
-        # (a leader sees a member that just claimed within about a second)
         self._reuse_s = min(registry.heartbeat_s, REUSE_MAX_S)
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
@@ -276,7 +282,8 @@ class DhtCoordinator:
             if self.leader:
                 rec = self._lead(align, last)
             else:
-                owned = self.owners(self._reuse_s)
+                # {} for a silent DHT: the leader's last signer seen, not a second read now
+                owned = self.owners(self._reuse_s) or {}
                 rec = self.reg.session(self.replica, self.replica_cells[0], owned)
                 seen = rec is not None and (rec.done or rec.members.get(self.cell) == self.inc)
                 if rec is None or rec.epoch <= last or not seen:
@@ -326,27 +333,26 @@ class DhtCoordinator:
         done = SessionRecord(epoch, 0, 0, {}, True)  # the run is over: followers stop
         if self._step_now() >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
-        owned = self.owners(self._reuse_s)
-        # every member's own process must be up: a join's placeholder claim is not (a session
-        # with it would break as soon as the cell's process claims for itself)
-        if owned is None or any(
-            c not in owned or not running(owned[c]) for c in self.replica_cells
-        ):
-            return None
-        mine = owned.get(self.cell)
-        if mine is None or mine.inc != self.inc:
-            return None  # our own claim is not visible yet (or someone else owns our cell)
-        owned = self.owners()  # a session is announced on claims read now, not a beat ago
-        if owned is None or any(
-            c not in owned or not running(owned[c]) for c in self.replica_cells
-        ):
-            return None
+        # every member's own process must be up (a join's placeholder claim is not: a session
+        # with it would break as soon as the cell's process claims for itself), and our own
+        # claim visible; on the recent read first, then on one made now, which the session's
+        # members are taken from
+        for max_age_s in (self._reuse_s, None):
+            owned = self.owners(max_age_s)
+            if owned is None or not self._members_up(owned):
+                return None
         step = align()  # every member is there: catch up now, the session counts from here
         if step >= self.steps:
             return done if self.reg.put_session(self.replica, done) else None
         members = {c: owned[c].inc for c in self.replica_cells}
         rec = SessionRecord(epoch, step * self.mpu, self.steps - step, members)
         return rec if self.reg.put_session(self.replica, rec) else None
+
+    def _members_up(self, owned: dict[str, CellRecord]) -> bool:
+        mine = owned.get(self.cell)
+        if mine is None or mine.inc != self.inc:
+            return False  # our own claim is not visible yet (or someone else owns our cell)
+        return all(c in owned and running(owned[c]) for c in self.replica_cells)
 
     def _step_now(self) -> int:
         return self.beat.step
@@ -378,8 +384,7 @@ class DhtCoordinator:
                 n >= ABSENT_READS and c in expired for c, n in self._absent.items()
             )
         read = self.owners(self._reuse_s) if owned is _UNREAD else owned
-        owned_now = read if isinstance(read, dict) else None
-        rec = self.reg.session(self.replica, self.replica_cells[0], owned_now)
+        rec = self.reg.session(self.replica, self.replica_cells[0], read or {})
         return rec is not None and rec.epoch != active.epoch
 
 

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,6 +42,7 @@ SCOUT_TIMEOUT_S = 30.0
 RUN_READS = 5
 CLAIM_READS = 5  # reads of the claims (each up to the registry's timeout) before a join gives up
 REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
+CLAIM_CONFIRM_READS = 2  # a claim must own its cell on this many reads, CLAIM_SETTLE_S apart
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
 
@@ -149,11 +151,14 @@ def read_run_record(registry: Registry, reads: int) -> RunRecord | None:
     return read_again(registry.run, reads)
 
 
-def read_owners(registry: Registry, reads: int) -> dict[str, CellRecord] | None:
-    """The live claims, read again (a second apart) while the DHT does not answer, up to
-    `reads` times: a joiner that gives up on one slow read starts over from scratch (its
-    imports, its p2pd), which on a loaded DHT only adds to the load (bench scale)."""
-    return read_again(registry.owners, reads)
+def read_owners(
+    registry: Registry, replicas: list[int], reads: int
+) -> dict[str, CellRecord] | None:
+    """The live claims of those replicas' cells, read again (a second apart) while the DHT does
+    not answer, up to `reads` times: a joiner that gives up on one slow read starts over from
+    scratch (its imports, its p2pd), which on a loaded DHT only adds to the load (bench
+    scale)."""
+    return read_again(lambda: registry.owners(replicas), reads)
 
 
 def run_config(
@@ -220,7 +225,7 @@ def claim_cell(
     order = [c for c in prefer if c in grid] + [c for c in grid if c not in prefer]
     tried: set[str] = set()
     while True:
-        owned = read_owners(registry, CLAIM_READS)
+        owned = read_owners(registry, sorted({i for _, i in order}), CLAIM_READS)
         if owned is None:
             raise JoinError("the DHT does not answer (no claim can be checked); try again")
         free = [c for c in free_cells([cell_name(j, i) for j, i in order], owned) if c not in tried]
@@ -232,12 +237,24 @@ def claim_cell(
         j, i = next((j, i) for j, i in order if cell_name(j, i) == name)
         since = time.time()
         rec = CellRecord(name, me, CLAIMING, since, 0, -1, 0.0, since, registry.token(me))
-        registry.beat(rec)
-        time.sleep(CLAIM_SETTLE_S)
-        winner = (read_owners(registry, CLAIM_READS) or {}).get(name)
-        if winner is not None and winner.peer == me:
+        if registry.beat(rec):
+            # dated when it is in the DHT: a store that a loaded DHT took seconds to land must
+            # not date it before a rival's claim that was there first (both would then win:
+            # each saw only itself, the early-dated one and the first-landed one)
+            since = time.time()
+            registry.beat(replace(rec, since=since, t=since))
+        if all(_holds(registry, name, i, me) for _ in range(CLAIM_CONFIRM_READS)):
             return j, i, since
         registry.release(name, me)
+
+
+def _holds(registry: Registry, name: str, replica: int, me: str) -> bool:
+    """After CLAIM_SETTLE_S, whether our claim owns the cell: read twice a settle apart, so a
+    rival's earlier claim whose store reached a loaded DHT late is seen (two joins holding
+    one cell stall its replica until one notices; bench scale saw 7 of 32)."""
+    time.sleep(CLAIM_SETTLE_S)
+    winner = (read_owners(registry, [replica], CLAIM_READS) or {}).get(name)
+    return winner is not None and winner.peer == me
 
 
 def default_out(run_id: str, j: int, i: int) -> Path:
@@ -336,6 +353,7 @@ def _run_here(
     from comms.errors import CommsError
     from mesh.errors import CheckpointError, DataError
     from mesh.runtime.metrics import RowTail, read_metrics
+    from mesh.runtime.session import CellLost
     from mesh.runtime.trainer import run_cell
 
     done = threading.Event()
@@ -363,6 +381,8 @@ def _run_here(
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (ConfigError, DataError, CheckpointError) as e:  # the message says the fix
+        code, failure = 2, f"error: {e}"
+    except CellLost as e:  # two joins took the cell at once: this one stops, says to rejoin
         code, failure = 2, f"error: {e}"
     except CommsError as e:  # e.g. the replica never formed: the message says which cell
         code, failure = 1, f"error: {e}"

@@ -67,7 +67,7 @@ def status_rows(
     """The grid as the DHT sees it: one row per claimed cell, and the free cells (claimed by
     nobody). With key != ok the registry has no Auth: every row is marked unverified."""
     now = time.time() if now is None else now
-    owned = registry.owners()
+    owned = registry.probe_owners() if cfg is None else registry.owners(range(cfg.grid.replicas))
     if owned is None:
         raise JoinError("the DHT did not answer (the grid cannot be read); try again")
     verified = key == KEY_OK

@@ -213,6 +213,13 @@ class RuntimeConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
     round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
     host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
+    dht_mode: Literal["server", "client"] = Field(
+        "server",
+        description="hivemind: client = use the DHT without serving it (stores nothing, answers "
+        "no DHT request; still dialed directly, unlike join --client-mode, which also relays). "
+        "For the peers of a large grid beside a few `meshtrain dht` servers: 32 DHT servers on "
+        "one 2-core box took it whole and answered partial reads (results/scale)",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where a cell computes: auto = cuda when present, else cpu"
     )

@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,7 +298,19 @@ def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]
     """Every live subkey -> value under key ({} when nothing is there); None when the DHT did
     not answer within timeout_s (unknown is not empty: a slow DHT must not read as "every peer
     left"). Values are other peers' data: callers type-check them."""
-    fut = dht.get(key, latest=True, return_future=True)
+    return get_many_records(dht, [key], timeout_s)[0]
+
+
+def get_many_records(
+    dht: hivemind.DHT, keys: Sequence[str], timeout_s: float
+) -> list[dict[str, Any] | None]:
+    """get_records of several keys at once (the gets run in parallel, all within timeout_s)."""
+    futs = [dht.get(key, latest=True, return_future=True) for key in keys]
+    deadline = time.monotonic() + timeout_s
+    return [_records(fut, max(0.0, deadline - time.monotonic())) for fut in futs]
+
+
+def _records(fut: Any, timeout_s: float) -> dict[str, Any] | None:
     try:
         found = fut.result(timeout_s)
     except Exception:  # noqa: BLE001 - no answer
@@ -341,6 +353,13 @@ class RunRecords:
         """See get_records."""
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
+
+    def dht_get_many(
+        self, keys: Sequence[str], timeout_s: float | None = None
+    ) -> list[dict[str, Any] | None]:
+        """See get_many_records."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return get_many_records(self.dht, [f"{self.run_id}.{k}" for k in keys], wait_s)
 
 
 class DhtClient(RunRecords):

@@ -49,6 +49,12 @@ class Mailbox:
         self._closed: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
         # tag prefixes nobody will take from anyone (a broken session's "epoch/"): "stale"
         self._closed_prefixes: OrderedDict[str, None] = OrderedDict()
+        self._listeners: list[Callable[[], None]] = []  # told of each filed message
+
+    def on_put(self, fn: Callable[[], None]) -> None:
+        """Call fn() after each message filed and each sender marked lost (on that thread:
+        keep it cheap)."""
+        self._listeners.append(fn)
 
     def try_reserve(self, sender: str, nbytes: int) -> bool:
         """Reserve room for a message of nbytes (released by put or release)."""
@@ -84,6 +90,8 @@ class Mailbox:
         with self._cond:
             self._lost[sender] = why
             self._cond.notify_all()
+        for fn in self._listeners:
+            fn()
 
     def close_tag(self, sender: str, tag: str) -> int:
         """Nobody will take `tag` from sender any more: drop it now and when it arrives.
@@ -134,7 +142,9 @@ class Mailbox:
                 (time.monotonic(), msg, nbytes)
             )
             self._cond.notify_all()
-            return True
+        for fn in self._listeners:
+            fn()
+        return True
 
     def take(self, sender: str, tag: str, deadline: float) -> Message | None:
         """Oldest message from sender with tag; None if none arrived by `deadline` (monotonic).

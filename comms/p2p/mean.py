@@ -1,6 +1,9 @@
 """Group mean of a flat payload over hivemind: exact, and bit-identical on every member.
 
-Role: `MeanService` runs `P2PTransport.start_mean` rounds in background threads. The result is
+Role: `MeanService` runs `P2PTransport.start_mean` rounds, all of them on one thread (a thread
+per round in flight made a peer's thread count follow its rounds: 23-48 through the soak). The
+thread sleeps until something a round waits for happens (a payload filed in the mailbox, an ack,
+a new round, a cut, the next deadline), then advances every round without blocking. The result is
 the mean of every contributor's DEQUANTIZED payload, summed in member order
 (`mean_in_member_order`), computed by each member from the same verified bytes, so it is
 bit-identical on every member and equal to a one-process reference. Each member sends its wire
@@ -45,6 +48,8 @@ class Sent(Protocol):
 
     def error(self) -> BaseException | None: ...
 
+    def on_done(self, fn: Callable[[], None]) -> None: ...
+
 
 class MeanHost(Protocol):
     """What a MeanService uses of the transport that owns it (comms.p2p.transport.P2PTransport):
@@ -82,7 +87,7 @@ def frame_bytes(group: str, round_id: int, index: int, enc: Encoded) -> int:
     return len(wire.pack(frame_name(group, round_id, index), Kind.AVERAGE, enc, round_id))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Round:
     group: str
     members: tuple[str, ...]
@@ -90,7 +95,14 @@ class _Round:
     enc: Encoded
     shape: tuple[int, ...]
     deadline: float
+    fut: cf.Future[MeanResult] = field(default_factory=cf.Future)
     cut: threading.Event = field(default_factory=threading.Event)  # stop waiting for others
+    # the round thread's progress: our sends (made on its first visit), the payloads taken,
+    # why members were given up on
+    sends: dict[str, Sent] | None = None
+    got: dict[str, torch.Tensor] = field(default_factory=dict)
+    why: list[str] = field(default_factory=list)
+    gave_up: set[str] = field(default_factory=set)
 
     def name(self, member: str) -> str:
         return frame_name(self.group, self.round_id, self.members.index(member))
@@ -122,14 +134,21 @@ class _Round:
 class MeanHandle:
     """comms.transport.MeanHandle of one round."""
 
-    def __init__(self, fut: cf.Future[MeanResult], job: _Round | None = None) -> None:
-        self._fut, self._job = fut, job
+    def __init__(
+        self,
+        fut: cf.Future[MeanResult],
+        job: _Round | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        self._fut, self._job, self._wake = fut, job, wake
 
     def cut(self) -> None:
         """Stop waiting for members that have not contributed yet (direct path): the round
         ends at once over the payloads it has (PARTIAL), as at its deadline."""
         if self._job is not None:
             self._job.cut.set()
+            if self._wake is not None:
+                self._wake()
 
     def done(self) -> bool:
         return self._fut.done()
@@ -141,11 +160,20 @@ class MeanHandle:
             return MeanResult(MeanStatus.FAILED, None, (), "deadline")
 
 
+IDLE_WAIT_S = 1.0  # the round thread's longest sleep (it is woken for everything it waits on)
+
+
 class MeanService:
-    """Runs rounds for one P2PTransport, each in its own thread."""
+    """Runs the rounds of one P2PTransport on one thread (started with the first round)."""
 
     def __init__(self, transport: MeanHost) -> None:
         self.t = transport
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._new: list[_Round] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        transport.mailbox.on_put(self._wake.set)
 
     def start(
         self,
@@ -177,15 +205,30 @@ class MeanService:
     ) -> MeanHandle:
         """start() with a ready Encoded (not checked here: a misbehaving peer in tests)."""
         self._check_members(members)
-        fut: cf.Future[MeanResult] = cf.Future()
         deadline = time.monotonic() + timeout_s
         job = _Round(group, tuple(members), round_id, enc, shape or (enc.numel,), deadline)
-        name = f"mean-{group}-{round_id}"
-        threading.Thread(target=self._run, args=(job, fut), daemon=True, name=name).start()
-        return MeanHandle(fut, job)
+        if len(members) == 1:
+            self._finish_alone(job)
+            return MeanHandle(job.fut, job)
+        with self._lock:
+            if self._closed:
+                self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), "closed"))
+                return MeanHandle(job.fut, job)
+            self._new.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="mean-rounds")
+                self._thread.start()
+        self._wake.set()
+        return MeanHandle(job.fut, job, self._wake.set)
 
     def close(self) -> None:
-        """Nothing to stop: a round's thread ends at its deadline."""
+        """Stop the round thread; rounds still in flight end FAILED ("closed")."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
 
     # ---------------------------------------------------------------- rounds
 
@@ -193,15 +236,13 @@ class MeanService:
         if self.t.me not in members or len(set(members)) != len(members):
             raise ValueError(f"members must be distinct and include {self.t.me!r}: {members}")
 
-    def _run(self, job: _Round, fut: cf.Future[MeanResult]) -> None:
+    def _finish_alone(self, job: _Round) -> None:
         try:
-            if len(job.members) == 1:
-                mine = {self.t.me: codecs.decode(job.enc)}
-                self._deliver(fut, job.verdict(mine, True, self.t.me, ""))
-            else:
-                self._direct(job, lambda res: self._deliver(fut, res))
+            mine = {self.t.me: codecs.decode(job.enc)}
+            self._deliver(job.fut, job.verdict(mine, True, self.t.me, ""))
         except Exception as e:  # noqa: BLE001 - a round's fault is a value, never a crash
-            self._deliver(fut, MeanResult(MeanStatus.FAILED, None, (), f"{type(e).__name__}: {e}"))
+            why = f"{type(e).__name__}: {e}"
+            self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), why))
 
     def _deliver(self, fut: cf.Future[MeanResult], res: MeanResult) -> None:
         if not fut.done():
@@ -209,37 +250,70 @@ class MeanService:
                 self.t.stats.rounds[str(res.status)] += 1
             fut.set_result(res)
 
-    def _direct(self, job: _Round, deliver: Callable[[MeanResult], None]) -> None:
-        """All-gather over the transport's streams: send ours to everyone, take theirs."""
-        me, why = self.t.me, []
-        others = [m for m in job.members if m != me]
-        sends = {
-            m: self.t.send(m, job.name(me), Kind.AVERAGE, job.enc, job.round_id) for m in others
-        }
-        got: dict[str, torch.Tensor] = {}
-        try:
-            got[me] = codecs.decode(job.enc)
-        except CodecError as e:
-            why.append(f"own payload: {e}")
-        for m in others:
-            while time.monotonic() < job.deadline and not job.cut.is_set():
+    def _loop(self) -> None:
+        """Advance every round in flight each time the thread is woken (or a deadline is
+        due). The event is cleared before the rounds are looked at, so a payload or ack that
+        comes while they are is never slept through."""
+        active: list[_Round] = []
+        while True:
+            wait_s = IDLE_WAIT_S
+            if active:
+                wait_s = min(wait_s, max(0.0, min(j.deadline for j in active) - time.monotonic()))
+            self._wake.wait(wait_s)
+            self._wake.clear()
+            with self._lock:
+                active += self._new
+                self._new = []
+                closed = self._closed
+            if closed:
+                for job in active:
+                    self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), "closed"))
+                return
+            still = []
+            for job in active:
                 try:
-                    left = min(0.2, job.deadline - time.monotonic())
-                    got[m] = self.t.recv(m, job.name(m), job.expect(m), left).tensor()
-                    break
-                except (PeerTimeout, PeerLost) as e:
-                    lost = e if isinstance(e, PeerLost) else sends[m].error()
-                    if lost is not None:
-                        why.append(f"{m}: {lost}")
-                        break  # its link is gone: do not wait for its payload
-        for h in sends.values():  # their acks: whether ours was taken (and the byte counts)
-            while not h.done() and time.monotonic() < job.deadline and not job.cut.is_set():
-                time.sleep(0.005)
+                    if not self._advance(job):
+                        still.append(job)
+                except Exception as e:  # noqa: BLE001 - a round's fault is a value, never a crash
+                    why = f"{type(e).__name__}: {e}"
+                    self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), why))
+            active = still
+
+    def _advance(self, job: _Round) -> bool:
+        """One non-blocking look at a round (an all-gather over the transport's streams: send
+        ours to everyone, take theirs); whether it is over (its result delivered)."""
+        me = self.t.me
+        others = [m for m in job.members if m != me]
+        if job.sends is None:  # first visit: send ours, decode our own payload
+            job.sends = {}
+            for m in others:
+                job.sends[m] = self.t.send(m, job.name(me), Kind.AVERAGE, job.enc, job.round_id)
+                job.sends[m].on_done(self._wake.set)
+            try:
+                job.got[me] = codecs.decode(job.enc)
+            except CodecError as e:
+                job.why.append(f"own payload: {e}")
         for m in others:
-            if m not in got:  # its payload, if it comes now, is stale: dropped and counted
+            if m in job.got or m in job.gave_up:
+                continue
+            try:
+                job.got[m] = self.t.recv(m, job.name(m), job.expect(m), 0.0).tensor()
+            except (PeerTimeout, PeerLost) as e:
+                lost = e if isinstance(e, PeerLost) else job.sends[m].error()
+                if lost is not None:
+                    job.why.append(f"{m}: {lost}")
+                    job.gave_up.add(m)  # its link is gone: do not wait for its payload
+        gathered = all(m in job.got or m in job.gave_up for m in others)
+        acked = all(h.done() for h in job.sends.values())
+        over = time.monotonic() >= job.deadline or job.cut.is_set()
+        if not over and not (gathered and acked):
+            return False
+        for m in others:
+            if m not in job.got:  # its payload, if it comes now, is stale: dropped and counted
                 self.t.mailbox.close_tag(m, job.name(m))
         # the round ran only if another member took our payload (filed it: not DROPPED as
         # late). Theirs alone is not enough: a peer frozen through the round finds the others'
         # payloads buffered by its p2pd when it resumes, after they ended the round without it
-        took = any(h.ack == Ack.OK for h in sends.values())
-        deliver(job.verdict(got, took, me, "; ".join(why)))
+        took = any(h.ack == Ack.OK for h in job.sends.values())
+        self._deliver(job.fut, job.verdict(job.got, took, me, "; ".join(job.why)))
+        return True

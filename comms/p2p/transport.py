@@ -31,7 +31,7 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,8 @@ from comms.transport import MeanHandle, TransportStats
 from comms.wire import Expect, Kind, Message, expect_reject
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+RESOLVE_POLL_S = 0.2  # first wait before a name not in the DHT is looked up again (doubling)
+ABSENT_REUSE_S = 1.0  # a lookup that found nothing answers every waiter for this long
 
 
 class SendResult:
@@ -93,6 +95,10 @@ class SendResult:
         """Why the send failed (PeerLost / PeerTimeout), once done; None otherwise."""
         return self._fut.exception() if self._fut.done() else None
 
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call fn() once the send is done (at once if it is): on the transport's loop."""
+        self._fut.add_done_callback(lambda _fut: fn())
+
     @classmethod
     def failed(cls, to: str, tag: str, error: BaseException) -> SendResult:
         fut: cf.Future[Ack] = cf.Future()
@@ -111,6 +117,8 @@ class P2PTransport(StreamMixin, RunRecords):
         announce_maddrs: addresses others should dial (NAT / port mapping); explicit ports.
         identity_path: private key file; makes the PeerID stable across restarts.
         client_mode: DHT client (does not serve DHT requests; for unreachable peers).
+        dht_client: a DHT client only (still dialed directly, no relay): for most peers of a
+            large grid, beside a few DHT servers.
         use_auto_relay: take a reservation on a public relay to be reachable behind NAT
             (default: client_mode).
         timeout_s: default deadline of sends and name resolution.
@@ -139,6 +147,7 @@ class P2PTransport(StreamMixin, RunRecords):
         announce_maddrs: Sequence[str] | None = None,
         identity_path: str | None = None,
         client_mode: bool = False,
+        dht_client: bool = False,
         use_auto_relay: bool | None = None,
         timeout_s: float = 30.0,
         startup_timeout_s: float | None = None,
@@ -155,11 +164,18 @@ class P2PTransport(StreamMixin, RunRecords):
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
         self.client_mode, self.auth = client_mode, auth
+        self.dht_server = not (client_mode or dht_client)
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
         startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
         self._records: dict[str, PeerRecord] = {}
+        # names being looked up (one DHT get per name at a time, shared by every waiter) and
+        # when a lookup last found nothing: sends to a replica's absent cells (every averaging
+        # round is sent to the whole column) polled the DHT 5x a second each, about 100 gets/s
+        # per cell in `bench scale`, the load that kept the grid's other replicas from forming
+        self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}
+        self._absent: dict[str, float] = {}
         self._idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
@@ -174,7 +190,7 @@ class P2PTransport(StreamMixin, RunRecords):
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
             identity_path=identity_path,
-            client_mode=client_mode,
+            client_mode=not self.dht_server,
             # unreachable peers take a relay reservation (hivemind's use_auto_relay); not
             # verified on loopback, where no /p2p-circuit address appears (reference 3.3)
             use_auto_relay=client_mode if use_auto_relay is None else use_auto_relay,
@@ -353,7 +369,7 @@ class P2PTransport(StreamMixin, RunRecords):
         own_socket = self._p2p._client_listen_maddr["unix"]
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
         await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
-        if not self.client_mode:  # joiners may ask any DHT server to dial them back
+        if self.dht_server:  # joiners may ask any DHT server to dial them back
             with contextlib.suppress(Exception):  # a service to others: never fails our start
                 await self.dht.run_coroutine(dialback.serve, return_future=True)
         # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
@@ -437,24 +453,41 @@ class P2PTransport(StreamMixin, RunRecords):
         DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
         return records
 
+    async def _lookup_shared(self, name: str) -> dict[str, object]:
+        """_lookup, with one DHT get per name in flight however many callers wait for it."""
+        fut = self._lookups.get(name)
+        if fut is None:
+            fut = asyncio.ensure_future(self._lookup(name))
+            self._lookups[name] = fut
+            fut.add_done_callback(lambda _f: self._lookups.pop(name, None))
+        return await asyncio.shield(fut)  # a waiter's cancellation leaves the others' get be
+
     async def _resolve(
         self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
     ) -> PeerRecord:
         if not refresh and name in self._records:
             return self._records[name]
+        poll_s = RESOLVE_POLL_S
         while True:
-            rec = pick_record(await self._lookup(name), self.admits, avoid)
-            if rec is not None:
-                # hivemind exposes no public connect; dial the published addresses so streams to
-                # peers we only know through the DHT find a route (the DHT itself does the same).
-                with contextlib.suppress(Exception):
-                    addrs = [Multiaddr(m) for m in rec.maddrs]
-                    await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
-                self._records[name] = rec
-                return rec
-            if time.monotonic() >= deadline:
+            last_absent = self._absent.get(name)
+            if last_absent is None or time.monotonic() - last_absent >= ABSENT_REUSE_S:
+                rec = pick_record(await self._lookup_shared(name), self.admits, avoid)
+                if rec is not None:
+                    self._absent.pop(name, None)
+                    # hivemind exposes no public connect; dial the published addresses so
+                    # streams to peers we only know through the DHT find a route (the DHT
+                    # itself does the same).
+                    with contextlib.suppress(Exception):
+                        addrs = [Multiaddr(m) for m in rec.maddrs]
+                        await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
+                    self._records[name] = rec
+                    return rec
+                self._absent[name] = time.monotonic()
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise PeerLost(f"peer {name!r} not found in the DHT (run {self.run_id!r})")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(min(poll_s, left))
+            poll_s = min(2 * poll_s, ABSENT_REUSE_S)
 
     async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
         key = (to, tag)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_NAME = re.compile(r"s(\d{1,4})r(\d{1,4})")
 
 
 @dataclass(frozen=True, order=True)
@@ -14,6 +17,12 @@ class Cell:
 
     def __str__(self) -> str:
         return f"s{self.stage}r{self.replica}"
+
+    @staticmethod
+    def parse(name: str) -> Cell | None:
+        """The cell named "s<stage>r<replica>" (None: not a cell's name)."""
+        found = _NAME.fullmatch(name)
+        return None if found is None else Cell(int(found.group(1)), int(found.group(2)))
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,12 @@ def tiny_grid_config(
     round_timeout_s: float = 5,
     d_model: int = 16,
     seq_len: int = 16,
+    schedule_steps: int | None = None,
 ) -> Path:
     """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
     the default corpus, Shakespeare) that runs until stopped (run.toml); `runtime`: more TOML
-    lines for its [runtime] table; `steps`: the run's horizon."""
+    lines for its [runtime] table; `steps`: the run's horizon; `schedule_steps`: the lr and
+    lambda schedules' (None: `steps`)."""
     path = directory / "run.toml"
     data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(
@@ -76,6 +78,7 @@ microbatch_size = 2
 {data}val_batches = 2
 [run]
 steps = {steps}
+{"" if schedule_steps is None else f"schedule_steps = {schedule_steps}"}
 [runtime]
 heartbeat_s = {heartbeat_s}
 max_lag_steps = 5

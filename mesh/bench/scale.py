@@ -2,8 +2,8 @@
 
 Real `meshtrain dht` + 32 `meshtrain join` processes on 127.0.0.1 (mesh/bench/grid.py), each a
 cell of a tiny model with emulated compute (runtime.compute = "emulated": forward and backward
-sleep 10 / 20 ms, real payloads cross the links; one torch thread), so the box runs the
-protocol, not the math. Measured:
+sleep FORWARD_MS / BACKWARD_MS, real payloads cross the links; one torch thread), so the box
+runs the protocol, not the math. Measured:
 - time_to_all_training_s: from the first join's start (the others start together once it put
   the run's config in the DHT) until every cell wrote its first update;
 - status latency: wall time of `meshtrain status --json` (a fresh process: imports, a DHT node
@@ -42,6 +42,17 @@ TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measur
 # default) give up forming. A claim lives 4 beats either way.
 HEARTBEAT_S = 2.0
 STAGGER_S = 0.5  # between join starts: 31 interpreters importing torch at once only thrash
+# Emulated compute per microbatch per stage. A real cell of a WAN grid runs a few microbatches
+# a second (a 1B model's activations of 8 x 1024 tokens are 32 MB: seconds on a 100 Mbit/s
+# link); this box hosts 32 cells on 2 cores, 1/16 core each, and a cell's protocol work grows
+# with its microbatch rate (per cell, --quick: 0.12 core at 10 / 20 ms, 0.03 at 60 / 120 ms).
+# At 100 / 200 ms a cell runs ~3 microbatches a second: still at or above a WAN grid's rate.
+FORWARD_MS, BACKWARD_MS = 100.0, 200.0
+# The joins use the DHT as clients of the one `meshtrain dht` node. As 32 DHT servers (the
+# default), their DHT processes took 1.2 cores and their p2pd 0.7 of this box's 2 before any
+# cell trained (cells: 0.1), each get fanned out over several loaded nodes, and reads came back
+# partial: members seen as free, replicas forming and breaking for minutes (results/scale).
+DHT_MODE = "client"
 JOIN_TRIES = 6  # starts of one join after its first
 PEER_MB = 500  # what one peer needs (PSS of cell + DHT process + p2pd: 407-480 MB here)
 
@@ -51,7 +62,8 @@ def scale_config(directory: Path, text_file: Path, stages: int, replicas: int) -
         directory,
         text_file,
         replicas,
-        runtime=f'compute = "emulated"\nrejoin_timeout_s = {TRAIN_WAIT_S}',
+        runtime=f'compute = "emulated"\nrejoin_timeout_s = {TRAIN_WAIT_S}\n'
+        f'forward_ms = {FORWARD_MS}\nbackward_ms = {BACKWARD_MS}\ndht_mode = "{DHT_MODE}"',
         steps=10_000_000,
         stages=stages,
         heartbeat_s=HEARTBEAT_S,
@@ -71,6 +83,7 @@ def run_scale(out: Path, quick: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
     progress.unlink(missing_ok=True)
+    (out / "error.txt").unlink(missing_ok=True)  # a failed run's, not this one's
     meta: dict[str, Any] = {
         "command": "meshtrain bench scale" + (" --quick" if quick else ""),
         "grid": f"{stages}x{replicas}",
@@ -174,15 +187,25 @@ def _retryable(code: int | None, log: str) -> str | None:
         return "the DHT did not answer the claim"
     if "no free cell" in log:
         return "no free cell yet"
+    if "join again to take a free cell" in log:
+        return "lost its cell to an earlier claim"
     return None
 
 
+def _current_rows(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The cell a join holds now and its metrics rows: its newest metrics file (a join that
+    lost its cell and was started again holds another one; the old file stays)."""
+    files = sorted((run_dir / "metrics").glob("*.jsonl"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return "", []
+    stage, replica = (int(x) for x in files[-1].stem.split("-"))
+    rows = read_metrics(run_dir, events=True).get((stage, replica), [])
+    return f"s{stage}r{replica}", rows
+
+
 def _progress(run_dir: Path) -> tuple[str, int]:
-    rows = read_metrics(run_dir, events=True)
-    if not rows:
-        return "", 0
-    (stage, replica), rs = next(iter(rows.items()))
-    return f"s{stage}r{replica}", max((r["step"] for r in rs if "event" not in r), default=0)
+    cell, rows = _current_rows(run_dir)
+    return cell, max((r["step"] for r in rows if "event" not in r), default=0)
 
 
 def status_latency(maddr: str, note: Any, runs: int = 3) -> dict[str, Any]:
@@ -206,7 +229,7 @@ def _health_and_rounds(grid: LocalGrid) -> dict[str, dict[str, Any]]:
     """Per peer: its last health row and the rounds counters of its last update row."""
     out = {}
     for name in grid.joins:
-        rows = next(iter(read_metrics(grid.out(name), events=True).values()), [])
+        _, rows = _current_rows(grid.out(name))
         health = next((r for r in reversed(rows) if r.get("event") == "health"), None)
         last = next((r for r in reversed(rows) if "event" not in r and "step" in r), {})
         out[name] = {

@@ -39,6 +39,10 @@ CLAIM_LIVES_S = 4 * 1.0  # a dead peer's claim expires after 4 heartbeats (heart
 # runtime lines of the soak's grid: shaped links; real compute that waits 3x its own time
 SOAK_RUNTIME = 'link = "wan100"\nslowdowns = ["s0r0=4", "s1r0=4", "s0r1=4", "s1r1=4"]\n'
 SOAK_STEPS = 10_000_000  # never reached: the soak stops the grid
+# The lr and lambda schedules span the soak, as a real run's span the run: cosine over the
+# updates a soak of that length makes (86k per cell in 60 min here, session 9). The first soak
+# ran at a constant lr (its schedules spanned SOAK_STEPS) and its loss rose from minute 30.
+SOAK_UPDATES_PER_MIN = 1400
 SOAK_D_MODEL, SOAK_SEQ_LEN = 48, 32  # bytes of Shakespeare: still learning after an hour
 
 
@@ -140,16 +144,20 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     samples = out / "samples.jsonl"
     samples.unlink(missing_ok=True)
+    (out / "error.txt").unlink(missing_ok=True)  # a failed run's, not this one's
     command = f"meshtrain bench soak --minutes {minutes:g}" + (" --quick" if quick else "")
     meta: dict[str, Any] = {"command": command, "plan": p, "completed": False, "error": None}
     with tempfile.TemporaryDirectory(prefix="mt-bench-soak-") as tmp:
         grid = LocalGrid(Path(tmp))
         sampler: Sampler | None = None
         try:
+            horizon = max(100, round(minutes * SOAK_UPDATES_PER_MIN))
             # Shakespeare, not the tests' random words: their entropy floor is reached within
             # minutes, and the soak's loss must be able to fall for the whole hour
             cfg = tiny_grid_config(Path(tmp), None, runtime=SOAK_RUNTIME, steps=SOAK_STEPS,
-                                   d_model=SOAK_D_MODEL, seq_len=SOAK_SEQ_LEN)  # fmt: skip
+                                   d_model=SOAK_D_MODEL, seq_len=SOAK_SEQ_LEN,
+                                   schedule_steps=horizon)  # fmt: skip
+            meta["schedule_steps"] = horizon
             with grid:
                 t0 = time.monotonic()
                 sampler = Sampler(grid, samples, p["sample_s"], t0)

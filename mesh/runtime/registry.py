@@ -2,7 +2,10 @@
 
 Records (values are plain dicts, MSGPack-encoded by hivemind; any peer can write any key, so every
 field is type-checked here and records without a valid membership token are ignored and counted):
-- `cells`, subkey `<cell>/<peer_id>[owner:<RSA key>]`: a claim and its heartbeat, signed (only
+- `cells.r<i>`, subkey `<cell>/<peer_id>[owner:<RSA key>]`: a claim of a cell of replica i and
+  its heartbeat (one key per replica: a replica's cells read only their own replica's claims,
+  so no DHT key is read by every peer of a 32-peer grid and an answer is 1/m of the grid; a
+  claim filed under another replica's key is rejected), signed (only
   the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
   `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
   process's incarnation), since (claim time), epoch, step, tps, t, auth, and optionally stats
@@ -19,7 +22,7 @@ field is type-checked here and records without a valid membership token are igno
 
 Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
 
-imports: stdlib and comms.p2p.auth (the records come through a Directory:
+imports: stdlib, comms.p2p.auth and mesh.algo.topology (the records come through a Directory:
 comms.p2p.transport.P2PTransport, comms.p2p.dht.DhtClient, anything with dht_store / dht_get).
 """
 
@@ -27,10 +30,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from comms.p2p.auth import Auth, signer_of
+from mesh.algo.topology import Cell
 
 HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
 CONFIG_TTL_S = 600.0
@@ -43,6 +48,10 @@ class Directory(Protocol):
     ) -> bool: ...
 
     def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
+
+    def dht_get_many(
+        self, keys: Sequence[str], timeout_s: float | None = None
+    ) -> list[dict[str, Any] | None]: ...
 
     @property
     def owner_marker(self) -> str: ...
@@ -128,6 +137,20 @@ def cell_value(rec: CellRecord) -> dict[str, Any]:
     fields = (k for k in CellRecord.__dataclass_fields__ if k not in ("signer", "stats"))
     value = {"v": 1, **{k: getattr(rec, k) for k in fields}}
     return value if rec.stats is None else {**value, "stats": rec.stats}
+
+
+NO_CONFIG_REPLICAS = 64  # replicas a reader without the run's config probes at most
+
+
+def replica_of(cell: str) -> int | None:
+    """The replica of a cell name "s<stage>r<replica>" (None: not a cell name)."""
+    found = Cell.parse(cell)
+    return None if found is None else found.replica
+
+
+def claims_key(replica: int) -> str:
+    """The DHT key of replica's claims."""
+    return f"cells.r{replica}"
 
 
 CLAIMING = 0  # `inc` of a join's placeholder claim: the cell's process is not up yet
@@ -226,38 +249,75 @@ class Registry:
     def _get(self, key: str) -> dict[str, Any] | None:
         return self.d.dht_get(key, timeout_s=max(2.0, 2 * self.heartbeat_s))
 
-    def cells(self) -> list[CellRecord] | None:
-        """Every valid live claim; None when the DHT did not answer (unknown, not empty)."""
-        found = self._get("cells")
-        if found is None:
+    def cells(self, replicas: Iterable[int]) -> list[CellRecord] | None:
+        """Every valid live claim of those replicas' cells (read in parallel); None when the
+        DHT did not answer for one of them (unknown, not empty: a replica missing from a
+        read would look free)."""
+        replicas = list(replicas)
+        found = self.d.dht_get_many(
+            [claims_key(i) for i in replicas], timeout_s=max(2.0, 2 * self.heartbeat_s)
+        )
+        if any(f is None for f in found):
             return None
+        out = []
+        for replica, claims in zip(replicas, found):
+            out.extend(self._valid(replica, claims or {}))
+        return out
+
+    def _valid(self, replica: int, found: dict[str, Any]) -> list[CellRecord]:
         out = []
         for subkey, value in found.items():
             rec = parse_cell(value)
             signer = None if rec is None else signer_of(subkey, f"{rec.cell}/{rec.peer}")
-            if rec is None or signer is None or not self.valid(rec.peer, signer, rec.auth):
+            if (
+                rec is None
+                or signer is None
+                or replica_of(rec.cell) != replica
+                or not self.valid(rec.peer, signer, rec.auth)
+            ):
                 self.rejected += 1
                 continue
             out.append(replace(rec, signer=signer))
         return out
 
-    def owners(self) -> dict[str, CellRecord] | None:
-        cells = self.cells()
+    def owners(self, replicas: Iterable[int]) -> dict[str, CellRecord] | None:
+        """cell -> its owning claim, over those replicas' cells (None: no answer)."""
+        cells = self.cells(replicas)
         return None if cells is None else owners(cells)
+
+    def probe_owners(self) -> dict[str, CellRecord] | None:
+        """owners() for a reader that does not know the grid (no readable run config): replica
+        by replica from 0 until one has no claim, at most NO_CONFIG_REPLICAS."""
+        out: dict[str, CellRecord] = {}
+        for replica in range(NO_CONFIG_REPLICAS):
+            found = self.owners([replica])
+            if found is None:
+                return None if replica == 0 else out
+            if not found:
+                return out
+            out.update(found)
+        return out
 
     def _subkey(self, cell: str, peer: str) -> str:
         # signed: only this process can write or withdraw its claim (comms.p2p.dht.owner_marker)
         return f"{cell}/{peer}{self.d.owner_marker}"
 
+    def _claims_key_of(self, cell: str) -> str:
+        replica = replica_of(cell)
+        assert replica is not None, f"not a cell name: {cell!r}"
+        return claims_key(replica)
+
     def beat(self, rec: CellRecord) -> bool:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
-        return self.d.dht_store("cells", self._subkey(rec.cell, rec.peer), cell_value(rec), ttl)
+        subkey = self._subkey(rec.cell, rec.peer)
+        return self.d.dht_store(self._claims_key_of(rec.cell), subkey, cell_value(rec), ttl)
 
     def release(self, cell: str, peer: str) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
         the terminal's process group; the claim then expires by itself). Whether it was."""
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
-        return self.d.dht_store("cells", self._subkey(cell, peer), None, ttl, timeout_s=2.0)
+        key = self._claims_key_of(cell)
+        return self.d.dht_store(key, self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
     def session(
         self, replica: int, leader_cell: str, owned: dict[str, CellRecord] | None = None
@@ -265,7 +325,9 @@ class Registry:
         """Replica's session as written by the current owner of leader_cell, or by its last
         owner we saw while none holds it (None: none yet, or the DHT did not answer). `owned`:
         claims the caller read lately (not given: read them now)."""
-        lead = ((self.owners() if owned is None else owned) or {}).get(leader_cell)
+        if owned is None:
+            owned = self.owners([replica])
+        lead = (owned or {}).get(leader_cell)
         if lead is not None:
             self._leaders[leader_cell] = lead.signer
         found = self._get(f"session.r{replica}")

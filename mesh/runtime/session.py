@@ -70,6 +70,21 @@ class SessionBroken(Exception):
     """The replica's pipeline session ended under us: start over with the next one."""
 
 
+class CellLost(Exception):
+    """Another running peer owns this cell (its claim is earlier: two joins took the cell at
+    once, one's claim reached the DHT late). The cell stops: sharing the name would shadow the
+    owner's and stall its replica."""
+
+
+def lost_to(owned: dict[str, CellRecord], cell: str, peer: str, since: float) -> CellRecord | None:
+    """The claim that owns `cell` when it is another peer's running cell that beat after we
+    claimed (so it is alive; a dead claim read late has not beaten since); else None."""
+    owner = owned.get(cell)
+    if owner is None or owner.peer == peer or not running(owner) or owner.t <= since:
+        return None
+    return owner
+
+
 @dataclass(frozen=True)
 class Session:
     epoch: int
@@ -171,6 +186,7 @@ class DhtCoordinator:
         self._session: SessionRecord | None = None
         self._active: SessionRecord | None = None  # the session the worker is running
         self._broken = False
+        self._lost: CellRecord | None = None  # see CellLost
         self._absent: dict[str, int] = {}  # member -> reads in a row without its claim
         self._seen: dict[str, float] = {}  # member -> monotonic time its claim was last read
         self.on_event: Callable[..., None] | None = None  # (name, **fields); see module doc
@@ -219,9 +235,10 @@ class DhtCoordinator:
         at, owned = self._owned
         if max_age_s is not None and owned is not None and time.monotonic() - at <= max_age_s:
             return owned
-        owned = self.reg.owners()
+        owned = self.reg.owners([self.replica])
         if owned is not None:
             self._owned = (time.monotonic(), owned)
+            self._lost = self._lost or lost_to(owned, self.cell, self.peer, self.since)
         return owned
 
     def _beat_forever(self) -> None:
@@ -279,6 +296,11 @@ class DhtCoordinator:
         self._active = None  # the worker runs no session now (one that broke is over)
         poll_s = CHECK_EVERY_S
         while True:
+            if self._lost is not None:
+                raise CellLost(
+                    f"{self.cell} is held by peer {self._lost.peer} (claimed at the same time, "
+                    "earlier): this peer stops; join again to take a free cell"
+                )
             if self.leader:
                 rec = self._lead(align, last)
             else:
@@ -358,8 +380,9 @@ class DhtCoordinator:
         return self.beat.step
 
     def broken(self, session: Session) -> bool:
-        """Whether the running session no longer stands (the heartbeat thread's verdict)."""
-        return self._broken
+        """Whether the running session no longer stands (the heartbeat thread's verdict; a
+        lost cell ends it too, and the next session's wait says why)."""
+        return self._broken or self._lost is not None
 
     def _check(self, active: SessionRecord, owned: object = _UNREAD) -> bool:
         """Leader: a member's claim changed incarnation, or is missing from ABSENT_READS reads

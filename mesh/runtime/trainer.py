@@ -55,6 +55,17 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     return names, groups
 
 
+def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
+    """What the config asks of a cell's transport beyond names and links: on hivemind, the
+    membership token of (run key, config fingerprint) and the DHT mode."""
+    if cfg.runtime.backend != "hivemind":
+        return {}
+    return {
+        "auth": Auth.of(run_key, cfg.fingerprint()),
+        "dht_client": cfg.runtime.dht_mode == "client",
+    }
+
+
 def cell_transport(
     cfg: Config,
     stage: int,
@@ -65,9 +76,7 @@ def cell_transport(
     """This cell's transport: the grid's names and groups, the configured links shaped; on
     hivemind, records carry the membership token of (run key, config fingerprint)."""
     names, groups = grid_names(cfg)
-    extra: dict[str, Any] = {}
-    if cfg.runtime.backend == "hivemind":
-        extra = {"auth": Auth.of(run_key, cfg.fingerprint())}
+    extra = backend_options(cfg, run_key)
     return make_transport(
         cfg.runtime.backend,
         cell_name(stage, replica),
@@ -133,10 +142,11 @@ def catch_up(
     Returns the claim of the peer whose state was loaded (the cell is at its step now), or
     None when nothing was loaded."""
     cell = worker.cell
-    owned = coord.reg.owners()
+    others = [r for r in range(cfg.grid.replicas) if r != cell.replica]
+    owned = coord.reg.owners(others) if others else {}
     if owned is None:
         return None  # the DHT did not answer: train on, catch up at the next session
-    column = [cell_name(cell.stage, r) for r in range(cfg.grid.replicas) if r != cell.replica]
+    column = [cell_name(cell.stage, r) for r in others]
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
     for rec in live:
         if rec.step - cell.step <= cfg.runtime.max_lag_steps:

@@ -182,7 +182,10 @@ def _forge(maddr: str, conn) -> None:
         subkey = conn.recv()
         fake = {"v": 1, "cell": "s0r0", "peer": "mallory"}
         conn.send(
-            [other.dht_store("cells", subkey, fake, 30), other.dht_store("cells", subkey, None, 31)]
+            [
+                other.dht_store("cells.r0", subkey, fake, 30),
+                other.dht_store("cells.r0", subkey, None, 31),
+            ]
         )
     finally:
         other.close()
@@ -205,11 +208,11 @@ def test_a_signed_claim_cannot_be_overwritten_by_another_peer():
     proc = ctx.Process(target=_forge, args=(maddr, there))
     try:
         subkey = f"s0r0/me{mine.owner_marker}"
-        assert mine.dht_store("cells", subkey, {"v": 1, "cell": "s0r0", "peer": "me"}, 30)
+        assert mine.dht_store("cells.r0", subkey, {"v": 1, "cell": "s0r0", "peer": "me"}, 30)
         proc.start()
         here.send(subkey)
         assert here.recv() == [False, False]  # both refused by the validators
-        assert mine.dht_get("cells") == {subkey: {"v": 1, "cell": "s0r0", "peer": "me"}}
+        assert mine.dht_get("cells.r0") == {subkey: {"v": 1, "cell": "s0r0", "peer": "me"}}
     finally:
         proc.join(30)
         mine.close()

@@ -460,6 +460,98 @@ def test_cut_round_ends_at_once_over_the_payloads_it_has():
         boot.shutdown()
 
 
+def test_rounds_in_flight_share_one_thread_and_match_the_reference():
+    """Rounds run on one thread however many are in flight (a thread per round made a peer's
+    threads follow its rounds: 23-48 in the soak): 24 rounds wait at once for a member that
+    contributes late, and each ends OK with the reference mean, the same on both members."""
+    import threading
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    a = P2PTransport("a", initial_peers=peers, peers=["b"])
+    b = P2PTransport("b", initial_peers=peers, peers=["a"])
+    n = 24
+    xs = {m: [torch.randn(500, generator=torch.Generator().manual_seed(i + 100 * k))
+              for i in range(n)] for k, m in enumerate("ab")}  # fmt: skip
+    try:
+        a.wait_for_peers(["b"], 30)
+        on_a = [a.start_mean("g", ["a", "b"], i, xs["a"][i], "fp32", 60.0) for i in range(n)]
+        time.sleep(0.3)
+        assert not any(h.done() for h in on_a)  # all 24 wait for b
+        # the old code: a thread per round ("mean-g-<round>"), 24 here
+        assert [t.name for t in threading.enumerate() if t.name.startswith("mean")] == [
+            "mean-rounds"
+        ]
+        on_b = [b.start_mean("g", ["a", "b"], i, xs["b"][i], "fp32", 60.0) for i in range(n)]
+        for i in range(n):
+            ra, rb = on_a[i].result(60.0), on_b[i].result(60.0)
+            assert ra.status == rb.status == MeanStatus.OK, (i, ra.reason, rb.reason)
+            want = mean_in_member_order([xs["a"][i], xs["b"][i]])
+            assert torch.equal(ra.mean, want) and torch.equal(rb.mean, want), i
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("mean-rounds") == 2 and not any(x.startswith("mean-g") for x in names)
+    finally:
+        a.close()
+        b.close()
+        boot.shutdown()
+
+
+def test_sends_to_an_absent_peer_share_one_lookup_a_second():
+    """Many sends waiting for a peer that is not in the DHT yet (an averaging round goes to a
+    replica's whole column, formed or not) look its name up together, about once a second:
+    each polled 5x a second on its own before, ~100 DHT gets/s per cell in `bench scale`."""
+    from comms.errors import PeerLost, PeerTimeout
+    from comms.p2p.dht import DHT_COUNTS
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    a = P2PTransport("a", initial_peers=peers, timeout_s=4.0)
+    try:
+        gets = DHT_COUNTS.gets
+        enc = codecs.encode(torch.ones(8), "fp32")
+        sends = [a.send("ghost", f"t{i}", Kind.CONTROL, enc, i) for i in range(20)]
+        for h in sends:
+            with pytest.raises((PeerLost, PeerTimeout)):  # not found by the send's deadline
+                h.wait(30.0)
+        looked = DHT_COUNTS.gets - gets
+        # 4 s of waiting: ~5 lookups (the old code: 20 sends x 20 polls, about 400)
+        assert 1 <= looked <= 10, looked
+    finally:
+        a.close()
+        boot.shutdown()
+
+
+async def _serves_dht(_dht, node) -> bool:
+    return not node.protocol.client_mode
+
+
+def test_a_dht_client_peer_serves_no_dht_and_is_still_dialed_directly():
+    """runtime.dht_mode = "client": the peer's DHT node answers no DHT request, yet its
+    records are in the DHT (through the server) and a peer sends to it over a direct link."""
+    from comms.p2p.dht import DhtClient
+
+    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(a) for a in boot.get_visible_maddrs()]
+    a = P2PTransport("a", initial_peers=peers, dht_client=True, peers=["b"])
+    b = P2PTransport("b", initial_peers=peers, peers=["a"])
+    try:
+        assert a.dht.run_coroutine(_serves_dht) is False
+        assert b.dht.run_coroutine(_serves_dht) is True
+        assert a.dht_store("cells.r0", "s0r0/a", {"v": 1}, 30)
+        reader = DhtClient(peers, "meshtrain", 15, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            assert reader.dht_get("cells.r0") == {"s0r0/a": {"v": 1}}
+        finally:
+            reader.close()
+        x = torch.randn(64)
+        b.send("a", "hi", Kind.CONTROL, codecs.encode(x, "fp32"), 0).wait(20.0)
+        assert torch.equal(a.recv("b", "hi", Expect(kind=Kind.CONTROL), 20.0).tensor(), x)
+    finally:
+        a.close()
+        b.close()
+        boot.shutdown()
+
+
 def _handed_over_by_a_dead_process() -> None:
     raise EOFError  # what multiprocessing's resource sharer raises when the sender is gone
 

@@ -26,3 +26,6 @@ class FakeDirectory:
         if not self.answer:
             return None
         return {k: v for k, v in self.data.get(key, {}).items() if v is not None}
+
+    def dht_get_many(self, keys, timeout_s=None):
+        return [self.dht_get(key, timeout_s) for key in keys]

@@ -150,3 +150,15 @@ def test_removed_mean_path_key_says_so_and_old_run_configs_still_load(tmp_path):
     assert 'mean_path = "direct"' in stored.read_text()
     assert load_config([stored]) == load_config()
     assert "mean_path" not in load_config().to_toml()
+
+
+def test_the_dht_mode_reaches_a_hivemind_cells_transport():
+    from mesh.runtime.trainer import backend_options
+
+    hive = ["runtime.backend=hivemind"]
+    assert backend_options(load_config([], hive), None)["dht_client"] is False
+    client = load_config([], [*hive, "runtime.dht_mode=client"])
+    assert backend_options(client, None)["dht_client"] is True
+    assert backend_options(load_config([], []), None) == {}  # torch: no DHT at all
+    with pytest.raises(ConfigError, match="runtime.dht_mode"):
+        load_config([], [*hive, "runtime.dht_mode=relay"])

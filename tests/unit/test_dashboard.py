@@ -184,7 +184,8 @@ def test_live_view_states_dead_cells_and_curves():
     reg.beat(_claim("s0r0", "Qm0", 3, 104.0))
     d = view.json(status_rows(reg, cfg, now=104.1), 104.1)
     assert {c["cell"]: c["state"] for c in d["cells"]} == {"s0r0": TRAINING, "s1r0": DEAD}
-    directory.data["cells"] = {k: v for k, v in directory.data["cells"].items() if "s1r0" not in k}
+    claims = directory.data["cells.r0"]
+    directory.data["cells.r0"] = {k: v for k, v in claims.items() if "s1r0" not in k}
     rows = status_rows(reg, cfg, now=110.0)
     assert rows["free"] == ["s1r0"]
     d = view.json(rows, 110.0)

@@ -284,16 +284,16 @@ def test_a_claim_reads_a_silent_dht_again_before_it_gives_up(monkeypatch):
     class SilentTwice(FakeDirectory):
         def dht_get(self, key, timeout_s=None):
             found = super().dht_get(key, timeout_s)  # counts the read
-            return None if key == "cells" and self.reads[key] <= 2 else found
+            return None if key == "cells.r0" and self.reads[key] <= 2 else found
 
     monkeypatch.setattr(join, "CLAIM_SETTLE_S", 0.0)
     cfg = load_config([], ["grid.stages=2", "grid.replicas=1"])
     d = SilentTwice()
     j, i, _ = join.claim_cell(Registry(d, None, 1.0), cfg, "me", None)
-    assert (j, i) == (0, 0) and d.reads["cells"] >= 3
+    assert (j, i) == (0, 0) and d.reads["cells.r0"] >= 3
     # a DHT that never answers: the join says so (after CLAIM_READS reads), claims nothing
     d = FakeDirectory()
     d.answer = False
     with pytest.raises(join.JoinError, match="does not answer"):
         join.claim_cell(Registry(d, None, 1.0), cfg, "me", None)
-    assert d.reads["cells"] == join.CLAIM_READS and "cells" not in d.data
+    assert d.reads["cells.r0"] == join.CLAIM_READS and "cells.r0" not in d.data

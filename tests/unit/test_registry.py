@@ -58,11 +58,12 @@ def test_claims_without_the_run_token_are_ignored_and_counted():
     other.beat(rec("s1r0", "copycat", 0.4, auth=reg.token("good")))  # a token for another peer
     other.beat(rec("s1r1", "good", 0.3, auth=reg.token("good")))  # good's token, other signer
     misfiled = cell_value(rec("s1r1", "good", 0.2, auth=reg.token("good")))
-    d.data["cells"]["s1r1/bad[owner:test]"] = misfiled  # a subkey naming another peer
-    assert reg.owners() == {"s0r0": rec("s0r0", "good", 1.0, auth=reg.token("good"), signer=signer)}
+    d.data["cells.r1"]["s1r1/bad[owner:test]"] = misfiled  # a subkey naming another peer
+    good = rec("s0r0", "good", 1.0, auth=reg.token("good"), signer=signer)
+    assert reg.owners([0, 1]) == {"s0r0": good}
     assert reg.rejected == 4
     reg.release("s0r0", "good")
-    assert reg.owners() == {}
+    assert reg.owners([0, 1]) == {}
 
 
 def test_an_unanswering_dht_is_unknown_not_empty():
@@ -70,7 +71,7 @@ def test_an_unanswering_dht_is_unknown_not_empty():
     reg = Registry(d, None, 1.0)
     reg.beat(rec("s0r0", "p", 1.0))
     d.answer = False
-    assert reg.cells() is None and reg.owners() is None
+    assert reg.cells([0]) is None and reg.owners([0]) is None
     assert reg.run() is None and reg.session(0, "s0r0") is None
 
 
@@ -86,3 +87,22 @@ def test_a_replicas_session_is_the_one_its_leader_cells_owner_signed():
     assert not outsider.d.dht_store("session.r0", "leader[owner:lead]", session_value(stop), 60)
     assert outsider.session(0, "s0r0") == s
     assert lead.session(0, "s0r1") is None  # no live owner of that leader cell: no session
+
+
+def test_claims_are_filed_per_replica_and_read_only_where_asked():
+    """A replica's cells read their own replica's key, not every claim of the grid (one key
+    read by all 32 peers was what broke `bench scale`); a claim filed under another replica's
+    key is rejected; a reader without the grid probes replica by replica."""
+    d = FakeDirectory()
+    reg = Registry(d, None, 1.0)
+    for cell in ["s0r0", "s1r0", "s0r1", "s0r2"]:
+        reg.beat(rec(cell, f"p-{cell}", 1.0))
+    assert sorted(d.data) == ["cells.r0", "cells.r1", "cells.r2"]
+    assert sorted(reg.owners([0])) == ["s0r0", "s1r0"] and d.reads == {"cells.r0": 1}
+    assert sorted(reg.owners([1, 2])) == ["s0r1", "s0r2"]
+    d.data["cells.r1"]["s1r0/x[owner:test]"] = cell_value(rec("s1r0", "x", 0.5))
+    assert reg.owners([1])["s0r1"].peer == "p-s0r1" and "s1r0" not in reg.owners([1])
+    assert reg.rejected == 2  # once per read
+    assert sorted(reg.probe_owners()) == ["s0r0", "s0r1", "s0r2", "s1r0"]
+    d.answer = False
+    assert reg.probe_owners() is None and reg.owners([0, 1]) is None

@@ -89,7 +89,7 @@ def test_one_read_that_misses_a_members_claim_does_not_break_the_session():
     lead = coordinator(d, "s0r0", True)
     coordinator(d, "s1r0", False)  # its claim is in the DHT
     lead.next_session(lambda: 0)
-    owned = lead.reg.owners()
+    owned = lead.reg.owners([0])
     partial = {c: r for c, r in owned.items() if c != "s1r0"}  # a read that missed s1r0
     assert not lead._check(lead._active, partial)
     assert not lead._check(lead._active, owned)  # it is back: the count starts again
@@ -113,5 +113,37 @@ def test_a_waiting_cell_reads_the_claims_about_once_a_second_not_once_a_poll():
     follow.close()
     # 4 s: the beats' reads (~4), the waits' own reads (at most one per second), the timeout's
     # read; the session record polled with a backoff from 0.25 s to 1 s (~7 polls)
-    assert reg.d.reads["cells"] <= 4 + 5 + 1, reg.d.reads
+    assert reg.d.reads["cells.r0"] <= 4 + 5 + 1, reg.d.reads
     assert reg.d.reads["session.r0"] <= 9, reg.d.reads
+
+
+def test_a_cell_claimed_twice_stops_on_the_peer_that_claimed_later():
+    """Two joins that took one cell at once (a claim reached the DHT late): the later one stops
+    with CellLost once the earlier owner beats again; the owner trains on; a dead claim read late
+    (it has not beaten since we claimed) is not a rival."""
+    from mesh.runtime.session import CellLost, lost_to
+
+    def claim(peer, since, t, inc=7):
+        return CellRecord("s1r0", peer, inc, since, 0, 0, 0.0, t, None)
+
+    owner = claim("A", 10.0, 20.0)
+    assert lost_to({"s1r0": owner}, "s1r0", "B", since=15.0) == owner
+    assert lost_to({"s1r0": owner}, "s1r0", "A", since=10.0) is None  # ours
+    assert lost_to({"s1r0": claim("A", 10.0, 14.0)}, "s1r0", "B", since=15.0) is None  # dead
+    assert lost_to({"s1r0": claim("A", 10.0, 20.0, CLAIMING)}, "s1r0", "B", since=15.0) is None
+    assert lost_to({}, "s1r0", "B", since=15.0) is None
+
+    d = FakeDirectory()
+    lead = coordinator(d, "s0r0", True)
+    first = coordinator(d, "s1r0", False, since=1.0)
+    late = DhtCoordinator(
+        Registry(d.joined("[owner:late]"), None, 60.0), cell="s1r0", peer="peer-late",
+        replica_cells=["s0r0", "s1r0"], leader=False, replica=0, steps=100, mpu=1, wait_s=2.0,
+        since=2.0,
+    )  # fmt: skip
+    first.heartbeat()  # the owner beats after the late claim: alive
+    s = lead.next_session(lambda: 0)
+    assert first.next_session(lambda: 0) == s
+    with pytest.raises(CellLost, match="join again"):
+        late.next_session(lambda: 0)
+    assert late.broken(s) and not first.broken(s)

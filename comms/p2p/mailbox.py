@@ -49,11 +49,12 @@ class Mailbox:
         self._closed: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
         # tag prefixes nobody will take from anyone (a broken session's "epoch/"): "stale"
         self._closed_prefixes: OrderedDict[str, None] = OrderedDict()
-        self._listeners: list[Callable[[], None]] = []  # told of each filed message
+        # told of each filed message (sender, tag) and each sender marked lost (sender, None)
+        self._listeners: list[Callable[[str, str | None], None]] = []
 
-    def on_put(self, fn: Callable[[], None]) -> None:
-        """Call fn() after each message filed and each sender marked lost (on that thread:
-        keep it cheap)."""
+    def on_put(self, fn: Callable[[str, str | None], None]) -> None:
+        """Call fn(sender, tag) after each message filed and fn(sender, None) after a sender
+        is marked lost (on that thread: keep it cheap)."""
         self._listeners.append(fn)
 
     def try_reserve(self, sender: str, nbytes: int) -> bool:
@@ -91,7 +92,7 @@ class Mailbox:
             self._lost[sender] = why
             self._cond.notify_all()
         for fn in self._listeners:
-            fn()
+            fn(sender, None)
 
     def close_tag(self, sender: str, tag: str) -> int:
         """Nobody will take `tag` from sender any more: drop it now and when it arrives.
@@ -143,7 +144,7 @@ class Mailbox:
             )
             self._cond.notify_all()
         for fn in self._listeners:
-            fn()
+            fn(sender, msg.name)
         return True
 
     def take(self, sender: str, tag: str, deadline: float) -> Message | None:

@@ -2,8 +2,10 @@
 
 Role: `MeanService` runs `P2PTransport.start_mean` rounds, all of them on one thread (a thread
 per round in flight made a peer's thread count follow its rounds: 23-48 through the soak). The
-thread sleeps until something a round waits for happens (a payload filed in the mailbox, an ack,
-a new round, a cut, the next deadline), then advances every round without blocking. The result is
+thread sleeps until something a round waits for happens (its payload from a member filed in the
+mailbox, that member lost, an ack of ours, a cut, its deadline; or a new round), then advances
+those rounds only, without blocking: a fast grid has hundreds of rounds in flight, and looking
+at every one on every filed message starved the training thread. The result is
 the mean of every contributor's DEQUANTIZED payload, summed in member order
 (`mean_in_member_order`), computed by each member from the same verified bytes, so it is
 bit-identical on every member and equal to a one-process reference. Each member sends its wire
@@ -170,10 +172,11 @@ class MeanService:
         self.t = transport
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._new: list[_Round] = []
+        self._ready: dict[_Round, None] = {}  # rounds to look at (insertion-ordered set)
+        self._waits: dict[tuple[str, str], _Round] = {}  # (member, frame name) -> its round
         self._closed = False
         self._thread: threading.Thread | None = None
-        transport.mailbox.on_put(self._wake.set)
+        transport.mailbox.on_put(self._filed)
 
     def start(
         self,
@@ -214,12 +217,11 @@ class MeanService:
             if self._closed:
                 self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), "closed"))
                 return MeanHandle(job.fut, job)
-            self._new.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="mean-rounds")
                 self._thread.start()
-        self._wake.set()
-        return MeanHandle(job.fut, job, self._wake.set)
+        self._look(job)
+        return MeanHandle(job.fut, job, lambda: self._look(job))
 
     def close(self) -> None:
         """Stop the round thread; rounds still in flight end FAILED ("closed")."""
@@ -244,6 +246,24 @@ class MeanService:
             why = f"{type(e).__name__}: {e}"
             self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), why))
 
+    def _look(self, job: _Round) -> None:
+        """Have the round thread look at `job` (something it waits for happened)."""
+        with self._lock:
+            self._ready[job] = None
+        self._wake.set()
+
+    def _filed(self, sender: str, tag: str | None) -> None:
+        """The mailbox filed `tag` from `sender` (None: marked it lost): wake its round(s)."""
+        with self._lock:
+            if tag is not None:
+                jobs = [self._waits[(sender, tag)]] if (sender, tag) in self._waits else []
+            else:
+                jobs = [j for (m, _), j in self._waits.items() if m == sender]
+            for job in jobs:
+                self._ready[job] = None
+        if jobs:
+            self._wake.set()
+
     def _deliver(self, fut: cf.Future[MeanResult], res: MeanResult) -> None:
         if not fut.done():
             with self.t.stats.lock:
@@ -251,10 +271,10 @@ class MeanService:
             fut.set_result(res)
 
     def _loop(self) -> None:
-        """Advance every round in flight each time the thread is woken (or a deadline is
-        due). The event is cleared before the rounds are looked at, so a payload or ack that
-        comes while they are is never slept through."""
-        active: list[_Round] = []
+        """Advance the rounds something happened to (and those past their deadline) each time
+        the thread is woken. The event is cleared before the ready set is taken, so what
+        happens while rounds are looked at is never slept through."""
+        active: dict[_Round, None] = {}
         while True:
             wait_s = IDLE_WAIT_S
             if active:
@@ -262,33 +282,47 @@ class MeanService:
             self._wake.wait(wait_s)
             self._wake.clear()
             with self._lock:
-                active += self._new
-                self._new = []
+                ready, self._ready = self._ready, {}
                 closed = self._closed
             if closed:
-                for job in active:
+                for job in [*active, *ready]:
                     self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), "closed"))
                 return
-            still = []
-            for job in active:
+            now = time.monotonic()
+            ready.update((j, None) for j in active if j.deadline <= now)
+            for job in ready:
                 try:
-                    if not self._advance(job):
-                        still.append(job)
+                    over = self._advance(job)
                 except Exception as e:  # noqa: BLE001 - a round's fault is a value, never a crash
                     why = f"{type(e).__name__}: {e}"
                     self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), why))
-            active = still
+                    over = True
+                if over:
+                    active.pop(job, None)
+                    self._forget(job)
+                else:
+                    active[job] = None
+
+    def _forget(self, job: _Round) -> None:
+        with self._lock:
+            for m in job.members:
+                if self._waits.get((m, job.name(m))) is job:
+                    del self._waits[(m, job.name(m))]
 
     def _advance(self, job: _Round) -> bool:
         """One non-blocking look at a round (an all-gather over the transport's streams: send
         ours to everyone, take theirs); whether it is over (its result delivered)."""
+        if job.fut.done():  # a late ack or payload of a round already over
+            return True
         me = self.t.me
         others = [m for m in job.members if m != me]
-        if job.sends is None:  # first visit: send ours, decode our own payload
+        if job.sends is None:  # first visit: wait on their payloads, send ours, decode ours
+            with self._lock:  # before the first look at the mailbox: nothing filed is missed
+                self._waits.update({(m, job.name(m)): job for m in others})
             job.sends = {}
             for m in others:
                 job.sends[m] = self.t.send(m, job.name(me), Kind.AVERAGE, job.enc, job.round_id)
-                job.sends[m].on_done(self._wake.set)
+                job.sends[m].on_done(lambda: self._look(job))
             try:
                 job.got[me] = codecs.decode(job.enc)
             except CodecError as e:

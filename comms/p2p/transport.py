@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from comms.p2p.dht import (
     RunRecords,
     adopt_socket,
     msgpack_bytes,
+    parse_records,
     pick_record,
     start_dht,
 )
@@ -62,8 +64,12 @@ from comms.transport import MeanHandle, TransportStats
 from comms.wire import Expect, Kind, Message, expect_reject
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-RESOLVE_POLL_S = 0.2  # first wait before a name not in the DHT is looked up again (doubling)
-ABSENT_REUSE_S = 1.0  # a lookup that found nothing answers every waiter for this long
+# a name not in the DHT: the next lookup comes RESOLVE_POLL_S after an empty answer, then
+# x ABSENT_BACKOFF after each further one, up to ABSENT_REUSE_MAX_S (a peer that starts with
+# the others is found within a poll or two; a replica still forming is asked once a second)
+RESOLVE_POLL_S = 0.2
+ABSENT_BACKOFF = 1.5
+ABSENT_REUSE_MAX_S = 1.0
 
 
 class SendResult:
@@ -175,7 +181,7 @@ class P2PTransport(StreamMixin, RunRecords):
         # round is sent to the whole column) polled the DHT 5x a second each, about 100 gets/s
         # per cell in `bench scale`, the load that kept the grid's other replicas from forming
         self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}
-        self._absent: dict[str, float] = {}
+        self._absent: dict[str, tuple[float, float]] = {}  # name -> (when, how long it stands)
         self._idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
@@ -457,23 +463,32 @@ class P2PTransport(StreamMixin, RunRecords):
         """_lookup, with one DHT get per name in flight however many callers wait for it."""
         fut = self._lookups.get(name)
         if fut is None:
-            fut = asyncio.ensure_future(self._lookup(name))
+            fut = asyncio.ensure_future(self._lookup_noted(name))
             self._lookups[name] = fut
             fut.add_done_callback(lambda _f: self._lookups.pop(name, None))
         return await asyncio.shield(fut)  # a waiter's cancellation leaves the others' get be
+
+    async def _lookup_noted(self, name: str) -> dict[str, object]:
+        """_lookup, noting how long an empty answer stands (see RESOLVE_POLL_S)."""
+        found = await self._lookup(name)
+        if parse_records(found):
+            self._absent.pop(name, None)
+        else:
+            _, stood_s = self._absent.get(name, (0.0, 0.0))
+            grown = min(ABSENT_REUSE_MAX_S, max(RESOLVE_POLL_S, stood_s * ABSENT_BACKOFF))
+            self._absent[name] = (time.monotonic(), grown)
+        return found
 
     async def _resolve(
         self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
     ) -> PeerRecord:
         if not refresh and name in self._records:
             return self._records[name]
-        poll_s = RESOLVE_POLL_S
         while True:
-            last_absent = self._absent.get(name)
-            if last_absent is None or time.monotonic() - last_absent >= ABSENT_REUSE_S:
+            at, stands_s = self._absent.get(name, (-math.inf, 0.0))
+            if time.monotonic() - at >= stands_s:
                 rec = pick_record(await self._lookup_shared(name), self.admits, avoid)
                 if rec is not None:
-                    self._absent.pop(name, None)
                     # hivemind exposes no public connect; dial the published addresses so
                     # streams to peers we only know through the DHT find a route (the DHT
                     # itself does the same).
@@ -482,12 +497,11 @@ class P2PTransport(StreamMixin, RunRecords):
                         await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
                     self._records[name] = rec
                     return rec
-                self._absent[name] = time.monotonic()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerLost(f"peer {name!r} not found in the DHT (run {self.run_id!r})")
-            await asyncio.sleep(min(poll_s, left))
-            poll_s = min(2 * poll_s, ABSENT_REUSE_S)
+            at, stands_s = self._absent.get(name, (time.monotonic(), RESOLVE_POLL_S))
+            await asyncio.sleep(max(0.01, min(at + stands_s - time.monotonic(), left)))
 
     async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
         key = (to, tag)

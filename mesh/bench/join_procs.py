@@ -55,11 +55,12 @@ def tiny_grid_config(
     d_model: int = 16,
     seq_len: int = 16,
     schedule_steps: int | None = None,
+    dp: str = "",
 ) -> Path:
     """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
     the default corpus, Shakespeare) that runs until stopped (run.toml); `runtime`: more TOML
     lines for its [runtime] table; `steps`: the run's horizon; `schedule_steps`: the lr and
-    lambda schedules' (None: `steps`)."""
+    lambda schedules' (None: `steps`); `dp`: TOML lines for its [dp] table."""
     path = directory / "run.toml"
     data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(
@@ -74,6 +75,8 @@ stages = {stages}
 replicas = {replicas}
 [pipeline]
 microbatch_size = 2
+[dp]
+{dp}
 [data]
 {data}val_batches = 2
 [run]

@@ -285,6 +285,12 @@ def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pat
         "runtime.backend=hivemind",
         "dp.codec=fp32",
         "runtime.round_timeout_s=5",
+        # the replicas form up to a second apart on a loaded box, and unslowed this tiny model
+        # runs its 80 updates in about a second: the first replica would finish before the
+        # second starts. Slowed 8x (3-4 s a run) and with rounds open 100 updates, they overlap
+        # and average
+        "runtime.slowdowns=['s0r0=8', 's0r1=8']",
+        "dp.max_round_lag_steps=100",
     ]
     runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_averaging_peer)
     for name, (_, codes) in runs.items():

@@ -134,6 +134,9 @@ def make_coordinator(
     )
 
 
+CATCH_UP_READS = 5  # reads of the other replicas' claims (a second apart) before training on
+
+
 def catch_up(
     cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport
 ) -> CellRecord | None:
@@ -144,6 +147,13 @@ def catch_up(
     cell = worker.cell
     others = [r for r in range(cfg.grid.replicas) if r != cell.replica]
     owned = coord.reg.owners(others) if others else {}
+    for _ in range(CATCH_UP_READS - 1):
+        if owned is not None:
+            break
+        # a silent DHT read again, not taken for "nobody ahead": a fresh replacement that
+        # led its replica from step 0 beside a follower at step 58k wrecked both (the soak)
+        time.sleep(1.0)
+        owned = coord.reg.owners(others)
     if owned is None:
         return None  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in others]

@@ -147,3 +147,26 @@ def test_a_cell_claimed_twice_stops_on_the_peer_that_claimed_later():
     with pytest.raises(CellLost, match="join again"):
         late.next_session(lambda: 0)
     assert late.broken(s) and not first.broken(s)
+
+
+def test_catch_up_reads_a_silent_dht_again_before_it_trains_on():
+    """A replacement cell asks the DHT where its stage's peers are; an unanswered read is read
+    again (a leader that took silence for "nobody ahead" led its replica from step 0 beside a
+    follower at step 58k in the soak), up to CATCH_UP_READS times."""
+    from types import SimpleNamespace
+
+    from mesh.config import load_config
+    from mesh.runtime.trainer import CATCH_UP_READS, catch_up
+
+    class SilentTwice(FakeDirectory):
+        def dht_get(self, key, timeout_s=None):
+            found = super().dht_get(key, timeout_s)
+            return None if self.reads[key] <= 2 else found
+
+    d = SilentTwice()
+    coordinator(d, "s0r0", True)  # the other replica's cell, in step
+    coord = SimpleNamespace(reg=Registry(d, None, 60.0))  # reads through the silent DHT
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=2"])
+    worker = SimpleNamespace(cell=SimpleNamespace(stage=0, replica=1, step=0))
+    assert catch_up(cfg, worker, coord, transport=None) is None  # in step: nothing to load
+    assert d.reads["cells.r0"] == 3 <= CATCH_UP_READS

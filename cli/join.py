@@ -16,7 +16,6 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -237,12 +236,7 @@ def claim_cell(
         j, i = next((j, i) for j, i in order if cell_name(j, i) == name)
         since = time.time()
         rec = CellRecord(name, me, CLAIMING, since, 0, -1, 0.0, since, registry.token(me))
-        if registry.beat(rec):
-            # dated when it is in the DHT: a store that a loaded DHT took seconds to land must
-            # not date it before a rival's claim that was there first (both would then win:
-            # each saw only itself, the early-dated one and the first-landed one)
-            since = time.time()
-            registry.beat(replace(rec, since=since, t=since))
+        registry.beat(rec)
         if all(_holds(registry, name, i, me) for _ in range(CLAIM_CONFIRM_READS)):
             return j, i, since
         registry.release(name, me)

@@ -251,6 +251,27 @@ def _holds(registry: Registry, name: str, replica: int, me: str) -> bool:
     return winner is not None and winner.peer == me
 
 
+REJOINS_MAX = 5  # a join that lost its cell starts over this many times, then gives up
+REJOINS_ENV = "MESHTRAIN_REJOINS"
+
+
+def rejoin(lost: str) -> tuple[int, str]:
+    """Start this `join` over (the same command line, a fresh process: its cell's transport and
+    torch state are gone with it) to claim another free cell; after REJOINS_MAX starts, the
+    exit code and message instead."""
+    import os
+
+    done = int(os.environ.get(REJOINS_ENV, "0"))
+    if done >= REJOINS_MAX:
+        return 2, f"error: {lost}; lost a cell {done + 1} times: join again later"
+    click.echo(f"{lost}: joining again for another free cell")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[REJOINS_ENV] = str(done + 1)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    raise AssertionError("unreachable")  # execv does not return
+
+
 def default_out(run_id: str, j: int, i: int) -> Path:
     return Path("runs") / f"{run_id}-{cell_name(j, i)}"
 
@@ -369,15 +390,15 @@ def _run_here(
 
     drawer = threading.Thread(target=draw, name="progress", daemon=True)
     drawer.start()
-    code, failure = 0, ""
+    code, failure, lost = 0, "", ""
     try:
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (ConfigError, DataError, CheckpointError) as e:  # the message says the fix
         code, failure = 2, f"error: {e}"
-    except CellLost as e:  # two joins took the cell at once: this one stops, says to rejoin
-        code, failure = 2, f"error: {e}"
+    except CellLost as e:  # two joins took the cell at once: this one takes another
+        lost = str(e)
     except CommsError as e:  # e.g. the replica never formed: the message says which cell
         code, failure = 1, f"error: {e}"
     except Exception as e:  # noqa: BLE001 - reported; the exit code says it failed
@@ -404,6 +425,9 @@ def _run_here(
             ]
         ],
     )
+    if lost:
+        code, failure = rejoin(lost)  # returns only when this peer rejoined too often
+        click.echo(failure, err=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # skip interpreter teardown under libp2p / averaging daemon threads (see

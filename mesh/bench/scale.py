@@ -187,7 +187,7 @@ def _retryable(code: int | None, log: str) -> str | None:
         return "the DHT did not answer the claim"
     if "no free cell" in log:
         return "no free cell yet"
-    if "join again to take a free cell" in log:
+    if "lost a cell" in log:  # a join starts over by itself a few times first
         return "lost its cell to an earlier claim"
     return None
 

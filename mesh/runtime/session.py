@@ -299,7 +299,7 @@ class DhtCoordinator:
             if self._lost is not None:
                 raise CellLost(
                     f"{self.cell} is held by peer {self._lost.peer} (claimed at the same time, "
-                    "earlier): this peer stops; join again to take a free cell"
+                    "earlier)"
                 )
             if self.leader:
                 rec = self._lead(align, last)

@@ -297,3 +297,13 @@ def test_a_claim_reads_a_silent_dht_again_before_it_gives_up(monkeypatch):
     with pytest.raises(join.JoinError, match="does not answer"):
         join.claim_cell(Registry(d, None, 1.0), cfg, "me", None)
     assert d.reads["cells.r0"] == join.CLAIM_READS and "cells.r0" not in d.data
+
+
+def test_a_join_that_lost_its_cell_too_often_gives_up_with_a_message(monkeypatch):
+    """A join whose cell another peer holds starts over by itself (os.execv of its own command
+    line) to take another free cell; after REJOINS_MAX starts it exits 2 saying so."""
+    import cli.join as join
+
+    monkeypatch.setenv(join.REJOINS_ENV, str(join.REJOINS_MAX))
+    code, text = join.rejoin("s1r0 is held by peer X (claimed at the same time, earlier)")
+    assert code == 2 and "lost a cell" in text and "s1r0 is held by peer X" in text

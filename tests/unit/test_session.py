@@ -144,7 +144,7 @@ def test_a_cell_claimed_twice_stops_on_the_peer_that_claimed_later():
     first.heartbeat()  # the owner beats after the late claim: alive
     s = lead.next_session(lambda: 0)
     assert first.next_session(lambda: 0) == s
-    with pytest.raises(CellLost, match="join again"):
+    with pytest.raises(CellLost, match="claimed at the same time, earlier"):
         late.next_session(lambda: 0)
     assert late.broken(s) and not first.broken(s)
 

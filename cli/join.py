@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
@@ -31,7 +30,14 @@ from cli.reach import (
 )
 from mesh.algo.topology import Cell as Place
 from mesh.config import Config, ConfigError, load_config, with_overrides
-from mesh.runtime.registry import CLAIMING, CellRecord, Registry, RunRecord, free_cells
+from mesh.runtime.registry import (
+    CLAIMING,
+    CellRecord,
+    Registry,
+    RunRecord,
+    free_cells,
+    read_again,
+)
 
 # p2pd's start and first DHT contact; a dead bootstrap fails at once anyway (any_reachable's
 # TCP probe comes first), so this only needs room for a loaded machine (5 s was too short with
@@ -44,8 +50,6 @@ REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after t
 CLAIM_CONFIRM_READS = 2  # a claim must own its cell on this many reads, CLAIM_SETTLE_S apart
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
-
-T = TypeVar("T")
 
 
 class JoinError(ConfigError):
@@ -131,16 +135,6 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
         path = Path(tmp) / "run.toml"
         path.write_text(rec.toml)
         return load_config([path], list(sets))
-
-
-def read_again(read: Callable[[], T | None], reads: int) -> T | None:
-    """read(), again a second apart while it answers None, up to `reads` times."""
-    for k in range(reads):
-        found = read()
-        if found is not None or k == reads - 1:
-            return found
-        time.sleep(1.0)
-    return None
 
 
 def read_run_record(registry: Registry, reads: int) -> RunRecord | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,24 +51,17 @@ from comms.p2p.dht import (
     RunRecords,
     adopt_socket,
     msgpack_bytes,
-    parse_records,
-    pick_record,
     start_dht,
 )
 from comms.p2p.mailbox import CLOSED_TAGS, Mailbox
 from comms.p2p.mean import MeanService, frame_name
+from comms.p2p.names import NameMixin
 from comms.p2p.stream import HANDLER, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import MeanHandle, TransportStats
 from comms.wire import Expect, Kind, Message, expect_reject
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-# a name not in the DHT: the next lookup comes RESOLVE_POLL_S after an empty answer, then
-# x ABSENT_BACKOFF after each further one, up to ABSENT_REUSE_MAX_S (a peer that starts with
-# the others is found within a poll or two; a replica still forming is asked once a second)
-RESOLVE_POLL_S = 0.2
-ABSENT_BACKOFF = 1.5
-ABSENT_REUSE_MAX_S = 1.0
 
 
 class SendResult:
@@ -112,7 +104,7 @@ class SendResult:
         return cls(fut, to, tag)
 
 
-class P2PTransport(StreamMixin, RunRecords):
+class P2PTransport(StreamMixin, NameMixin, RunRecords):
     """Transport over hivemind's libp2p (see the module docstring).
 
     Args:
@@ -169,19 +161,15 @@ class P2PTransport(StreamMixin, RunRecords):
             raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
-        self.client_mode, self.auth = client_mode, auth
+        self.auth = auth
         self.dht_server = not (client_mode or dht_client)
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
         startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
         self._records: dict[str, PeerRecord] = {}
-        # names being looked up (one DHT get per name at a time, shared by every waiter) and
-        # when a lookup last found nothing: sends to a replica's absent cells (every averaging
-        # round is sent to the whole column) polled the DHT 5x a second each, about 100 gets/s
-        # per cell in `bench scale`, the load that kept the grid's other replicas from forming
-        self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}
-        self._absent: dict[str, tuple[float, float]] = {}  # name -> (when, how long it stands)
+        self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}  # see NameMixin
+        self._absent: dict[str, tuple[float, float]] = {}
         self._idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
@@ -446,62 +434,6 @@ class P2PTransport(StreamMixin, RunRecords):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _lookup(self, name: str) -> dict[str, object]:
-        """Every record of a name in the DHT now (subkey -> value; {} when there is none)."""
-        found = await self.dht.get(self._key(name), latest=True, return_future=True)
-        value = found.value if found is not None else None
-        if not isinstance(value, dict):
-            DHT_COUNTS.add(gets=1)
-            return {}
-        records = {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
-        size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
-        DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
-        return records
-
-    async def _lookup_shared(self, name: str) -> dict[str, object]:
-        """_lookup, with one DHT get per name in flight however many callers wait for it."""
-        fut = self._lookups.get(name)
-        if fut is None:
-            fut = asyncio.ensure_future(self._lookup_noted(name))
-            self._lookups[name] = fut
-            fut.add_done_callback(lambda _f: self._lookups.pop(name, None))
-        return await asyncio.shield(fut)  # a waiter's cancellation leaves the others' get be
-
-    async def _lookup_noted(self, name: str) -> dict[str, object]:
-        """_lookup, noting how long an empty answer stands (see RESOLVE_POLL_S)."""
-        found = await self._lookup(name)
-        if parse_records(found):
-            self._absent.pop(name, None)
-        else:
-            _, stood_s = self._absent.get(name, (0.0, 0.0))
-            grown = min(ABSENT_REUSE_MAX_S, max(RESOLVE_POLL_S, stood_s * ABSENT_BACKOFF))
-            self._absent[name] = (time.monotonic(), grown)
-        return found
-
-    async def _resolve(
-        self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
-    ) -> PeerRecord:
-        if not refresh and name in self._records:
-            return self._records[name]
-        while True:
-            at, stands_s = self._absent.get(name, (-math.inf, 0.0))
-            if time.monotonic() - at >= stands_s:
-                rec = pick_record(await self._lookup_shared(name), self.admits, avoid)
-                if rec is not None:
-                    # hivemind exposes no public connect; dial the published addresses so
-                    # streams to peers we only know through the DHT find a route (the DHT
-                    # itself does the same).
-                    with contextlib.suppress(Exception):
-                        addrs = [Multiaddr(m) for m in rec.maddrs]
-                        await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
-                    self._records[name] = rec
-                    return rec
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerLost(f"peer {name!r} not found in the DHT (run {self.run_id!r})")
-            at, stands_s = self._absent.get(name, (time.monotonic(), RESOLVE_POLL_S))
-            await asyncio.sleep(max(0.01, min(at + stands_s - time.monotonic(), left)))
 
     async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
         key = (to, tag)

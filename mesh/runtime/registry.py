@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from comms.p2p.auth import Auth, signer_of
 from mesh.algo.topology import Cell
+
+T = TypeVar("T")
 
 HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
 CONFIG_TTL_S = 600.0
@@ -351,6 +353,17 @@ class Registry:
         return self.d.dht_store(
             "config", "run", {**value, "key_check": rec.key_check}, CONFIG_TTL_S
         )
+
+
+def read_again(read: Callable[[], T | None], reads: int, pause_s: float = 1.0) -> T | None:
+    """read(), again pause_s apart while it answers None (a busy DHT did not answer), up to
+    `reads` times."""
+    for k in range(reads):
+        found = read()
+        if found is not None or k == reads - 1:
+            return found
+        time.sleep(pause_s)
+    return None
 
 
 def now() -> float:

@@ -41,7 +41,7 @@ from mesh.runtime.checkpoint import (
 )
 from mesh.runtime.emulate import link_profile, resolve_window
 from mesh.runtime.metrics import MetricsSink, beat_stats
-from mesh.runtime.registry import CellRecord, Registry, RunRecord
+from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageWorker, cell_name, group_name
 from mesh.runtime.state_sync import StateServer, download_state
@@ -146,14 +146,9 @@ def catch_up(
     None when nothing was loaded."""
     cell = worker.cell
     others = [r for r in range(cfg.grid.replicas) if r != cell.replica]
-    owned = coord.reg.owners(others) if others else {}
-    for _ in range(CATCH_UP_READS - 1):
-        if owned is not None:
-            break
-        # a silent DHT read again, not taken for "nobody ahead": a fresh replacement that
-        # led its replica from step 0 beside a follower at step 58k wrecked both (the soak)
-        time.sleep(1.0)
-        owned = coord.reg.owners(others)
+    # a silent DHT is read again, not taken for "nobody ahead": a fresh replacement that led
+    # its replica from step 0 beside a follower at step 58k wrecked both (the soak)
+    owned = read_again(lambda: coord.reg.owners(others), CATCH_UP_READS) if others else {}
     if owned is None:
         return None  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in others]

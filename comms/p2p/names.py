@@ -1,0 +1,102 @@
+"""Peer names -> PeerRecords through the DHT, for P2PTransport (its `_resolve`).
+
+Role: `NameMixin` looks a name up (`{run_id}.peer.{name}`, comms.p2p.dht's records) and dials
+the record's addresses. One DHT get per name is in flight however many sends wait for it, and
+an empty answer stands a while: sends to a replica's absent cells (every averaging round goes
+to the whole stage column) each polled the DHT 5x a second, about 100 gets/s per cell in
+`bench scale`, the load that kept the grid's other replicas from forming. After an empty
+answer the next lookup comes RESOLVE_POLL_S later, then x ABSENT_BACKOFF after each further
+one, up to ABSENT_REUSE_MAX_S: a peer that starts with the others is found within a poll or
+two, a replica still forming is asked about once a second.
+
+The mixin uses these attributes of the transport: dht, run_id, _p2p, _records, _lookups,
+_absent, _key(), admits().
+
+imports: hivemind, comms only (no mesh, no cli).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from comms.errors import PeerLost
+from comms.p2p.dht import DHT_COUNTS, PeerRecord, msgpack_bytes, parse_records, pick_record
+
+RESOLVE_POLL_S = 0.2
+ABSENT_BACKOFF = 1.5
+ABSENT_REUSE_MAX_S = 1.0
+
+
+class NameMixin:
+    dht: Any
+    run_id: str
+    _p2p: Any
+    _records: dict[str, PeerRecord]
+    _lookups: dict[str, asyncio.Future[dict[str, object]]]  # name -> the get in flight
+    _absent: dict[str, tuple[float, float]]  # name -> (when it was not found, how long that stands)
+    _key: Callable[[str], str]
+    admits: Callable[[PeerRecord], bool]
+
+    async def _lookup(self, name: str) -> dict[str, object]:
+        """Every record of a name in the DHT now (subkey -> value; {} when there is none)."""
+        found = await self.dht.get(self._key(name), latest=True, return_future=True)
+        value = found.value if found is not None else None
+        if not isinstance(value, dict):
+            DHT_COUNTS.add(gets=1)
+            return {}
+        records = {str(k): v.value for k, v in value.items() if hasattr(v, "value")}
+        size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
+        DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
+        return records
+
+    async def _lookup_shared(self, name: str) -> dict[str, object]:
+        """_lookup, with one DHT get per name in flight however many callers wait for it."""
+        fut = self._lookups.get(name)
+        if fut is None:
+            fut = asyncio.ensure_future(self._lookup_noted(name))
+            self._lookups[name] = fut
+            fut.add_done_callback(lambda _f: self._lookups.pop(name, None))
+        return await asyncio.shield(fut)  # a waiter's cancellation leaves the others' get be
+
+    async def _lookup_noted(self, name: str) -> dict[str, object]:
+        """_lookup, noting how long an empty answer stands (see RESOLVE_POLL_S)."""
+        found = await self._lookup(name)
+        if parse_records(found):
+            self._absent.pop(name, None)
+        else:
+            _, stood_s = self._absent.get(name, (0.0, 0.0))
+            grown = min(ABSENT_REUSE_MAX_S, max(RESOLVE_POLL_S, stood_s * ABSENT_BACKOFF))
+            self._absent[name] = (time.monotonic(), grown)
+        return found
+
+    async def _resolve(
+        self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
+    ) -> PeerRecord:
+        if not refresh and name in self._records:
+            return self._records[name]
+        while True:
+            at, stands_s = self._absent.get(name, (-math.inf, 0.0))
+            if time.monotonic() - at >= stands_s:
+                rec = pick_record(await self._lookup_shared(name), self.admits, avoid)
+                if rec is not None:
+                    # hivemind exposes no public connect; dial the published addresses so
+                    # streams to peers we only know through the DHT find a route (the DHT
+                    # itself does the same).
+                    with contextlib.suppress(Exception):
+                        addrs = [Multiaddr(m) for m in rec.maddrs]
+                        await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
+                    self._records[name] = rec
+                    return rec
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerLost(f"peer {name!r} not found in the DHT (run {self.run_id!r})")
+            at, stands_s = self._absent.get(name, (time.monotonic(), RESOLVE_POLL_S))
+            await asyncio.sleep(max(0.01, min(at + stands_s - time.monotonic(), left)))

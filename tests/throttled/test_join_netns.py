@@ -30,9 +30,13 @@ def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
     why = unavailable()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
-    # a replica that forms half a second after the other trails it by ~30 updates here (the
-    # tiny model runs 50-70 a second): rounds stay open that long, so the two still average
-    cfg = tiny_grid_config(tmp_path, text_file, dp="max_round_lag_steps = 100")
+    # the replicas form up to a second or two apart, and within a replica a follower catches up
+    # after its leader announced: unslowed (50-80 updates a second) a replica trails the other
+    # by ~120 updates and none of its rounds land. Slowed 8x and with rounds open 100 updates,
+    # the two replicas still average across the shaped links
+    slow = ", ".join(f'"s{j}r{i}=8"' for i in range(2) for j in range(2))
+    cfg = tiny_grid_config(tmp_path, text_file, runtime=f"slowdowns = [{slow}]",
+                           dp="max_round_lag_steps = 100")  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": "k"}
     procs: list[subprocess.Popen] = []
     with netns_star(5, RATE_MBIT) as star:

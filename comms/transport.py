@@ -124,6 +124,11 @@ class Transport(Protocol):
         result is the mean of all contributors' DEQUANTIZED payloads, own included, summed in
         member order, so it is bit-identical on every member."""
 
+    def newest_round(self, group: str, members: Sequence[str]) -> int:
+        """The highest round id of `group` that another of `members` launched and whose
+        payload reached this peer (-1: none): the round clock a trailing replica keeps up
+        with (mesh/algo/round_clock.py)."""
+
     def drop_tags(self, prefix: str) -> int:
         """Nobody will take a message whose tag starts with `prefix` (a broken pipeline
         session's): drop those waiting and those that arrive later, counted in stats.rejects as

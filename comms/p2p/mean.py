@@ -84,6 +84,16 @@ def frame_name(group: str, round_id: int, index: int) -> str:
     return name
 
 
+def parse_frame_name(name: str) -> tuple[str, int] | None:
+    """(group, round id) of a payload's wire name; None for any other message's."""
+    if not name.startswith("mean/"):
+        return None
+    group, rid, index = (name[5:].rsplit("/", 2) + ["", ""])[:3]
+    if not (group and rid.isdigit() and index.isdigit()):
+        return None
+    return group, int(rid)
+
+
 def frame_bytes(group: str, round_id: int, index: int, enc: Encoded) -> int:
     """Bytes of one member's payload frame: what stats count per other member, both ways."""
     return len(wire.pack(frame_name(group, round_id, index), Kind.AVERAGE, enc, round_id))
@@ -162,6 +172,7 @@ class MeanHandle:
             return MeanResult(MeanStatus.FAILED, None, (), "deadline")
 
 
+NEWEST_KEYS = 4096  # (group, sender) pairs whose round clock is kept: a column's few, with room
 IDLE_WAIT_S = 1.0  # the round thread's longest sleep (it is woken for everything it waits on)
 
 
@@ -174,6 +185,9 @@ class MeanService:
         self._lock = threading.Lock()
         self._ready: dict[_Round, None] = {}  # rounds to look at (insertion-ordered set)
         self._waits: dict[tuple[str, str], _Round] = {}  # (member, frame name) -> its round
+        # (group, sender) -> the highest round id of a payload it filed: the round clock a
+        # trailing member catches up with (mesh/algo/round_clock.py)
+        self._newest: dict[tuple[str, str], int] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
         transport.mailbox.on_put(self._filed)
@@ -252,9 +266,22 @@ class MeanService:
             self._ready[job] = None
         self._wake.set()
 
+    def newest(self, group: str, members: list[str]) -> int:
+        """The highest round id of `group` whose payload one of `members` (other than us)
+        filed here; -1 when none did."""
+        with self._lock:
+            return max(
+                (self._newest.get((group, m), -1) for m in members if m != self.t.me), default=-1
+            )
+
     def _filed(self, sender: str, tag: str | None) -> None:
         """The mailbox filed `tag` from `sender` (None: marked it lost): wake its round(s)."""
+        clock = parse_frame_name(tag) if tag is not None else None
         with self._lock:
+            if clock is not None:
+                key = (clock[0], sender)
+                if key in self._newest or len(self._newest) < NEWEST_KEYS:
+                    self._newest[key] = max(self._newest.get(key, -1), clock[1])
             if tag is not None:
                 jobs = [self._waits[(sender, tag)]] if (sender, tag) in self._waits else []
             else:

@@ -242,6 +242,10 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
                     dropped += self.mailbox.close_tag(m, frame_name(group, rid, index))
         return dropped
 
+    def newest_round(self, group: str, members: Sequence[str]) -> int:
+        """See comms.transport.Transport.newest_round."""
+        return self._means.newest(group, list(members))
+
     def start_mean(
         self,
         group: str,

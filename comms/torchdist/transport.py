@@ -239,6 +239,11 @@ class TorchTransport(GroupMeans):
         waits in a mailbox (and a fixed grid never downloads a state that skips rounds)."""
         return 0
 
+    def newest_round(self, group: str, members: Sequence[str]) -> int:
+        """-1: a round here is a collective every member enters with the same id (a fixed grid
+        steps its replicas alike), so no member runs ahead of the others' rounds."""
+        return -1
+
     def drop_tags(self, prefix: str) -> int:
         """Drop waiting and later messages whose tag starts with prefix (a broken session's;
         a fixed grid's one session never breaks, so this serves the protocol and tests)."""

@@ -41,6 +41,7 @@ from comms import codecs
 from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanHandle, MeanStatus, Transport
 from comms.wire import Expect, Kind
+from mesh.algo import round_clock, sparse
 from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
 from mesh.algo.topology import Cell as Place
 from mesh.config import Config
@@ -80,6 +81,8 @@ class StageStats:
     rounds_applied: int = 0
     rounds_partial: int = 0
     rounds_failed: int = 0
+    rounds_jumped: int = 0  # indices passed over to keep up with the column's round clock
+    rounds_skipped: int = 0  # launches left out: the jump would put a coordinate in flight twice
     sessions_broken: int = 0  # pipeline sessions ended by a lost or replaced neighbour
     # last stage: the last update's loss (a list of every update's grew for the run's life)
     loss: float | None = None
@@ -128,6 +131,14 @@ class StageWorker:
         # add into zeros, no clone and zeroing per step; bench model measures the cost)
         self._grads_empty = True
         self.pending: list[tuple[Round, MeanHandle]] = []
+        self.last_round: int | None = None  # the index launched last (mesh/algo/round_clock.py)
+        dp = cfg.dp
+        self._jump_after = (
+            round_clock.NEVER  # strict: rounds at the cell's own steps, as in the simulator
+            if dp.strict_tau
+            else round_clock.jump_threshold(dp.tau, dp.max_round_lag_steps, dp.interval_steps)
+        )
+        self._parts = sparse.num_parts(dp.fraction) if dp.selector == "partition" else None
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = StageStats()
         self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
@@ -207,6 +218,8 @@ class StageWorker:
         self.pending.clear()
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             skipped = skipped_rounds(old_step, self.cell.step, self.cfg.dp.interval_steps)
+            if self.last_round is not None:  # the round clock may have run ahead of old_step
+                skipped = range(max(skipped.start, self.last_round + 1), skipped.stop)
             self.transport.void_rounds(group_name(self.j), self.column, skipped)
 
     def finish(self) -> None:
@@ -396,12 +409,37 @@ class StageWorker:
             self._apply_due_rounds()
             update = self.cell.step - 1
             if update % self.cfg.dp.interval_steps == 0:
-                self._launch_round(update // self.cfg.dp.interval_steps)
+                self._next_round(update // self.cfg.dp.interval_steps)
             if self.cfg.dp.tau == 0:
                 self._apply_due_rounds()
         self.cell.push_version()
 
     # ---- averaging rounds -------------------------------------------------------------------
+    def _next_round(self, own_index: int) -> None:
+        """Launch the round the shared clock says (mesh/algo/round_clock.py): this cell's own
+        count while it keeps up with its column, the newest round a peer launched once it
+        trails it by jump_after rounds. The rounds jumped over will never be run here: the
+        peers' payloads for them are dropped now, not held until the mailbox's ttl."""
+        group = group_name(self.j)
+        newest = self.transport.newest_round(group, self.column)
+        index = round_clock.next_round(
+            own_index,
+            self.last_round,
+            newest,
+            self._jump_after,
+            (rnd.index for rnd, _ in self.pending),
+            self._parts,
+        )
+        if index is None:
+            self.stats.rounds_skipped += 1
+            return
+        base = own_index if self.last_round is None else max(own_index, self.last_round + 1)
+        if index > base:
+            self.transport.void_rounds(group, self.column, range(base, index))
+            self.stats.rounds_jumped += index - base
+        self.last_round = index
+        self._launch_round(index)
+
     def _launch_round(self, index: int) -> None:
         rnd, _ = self.cell.open_round(index)
         handle = self.transport.start_mean(

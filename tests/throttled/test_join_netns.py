@@ -31,12 +31,10 @@ def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
     # the replicas form up to a second or two apart, and within a replica a follower catches up
-    # after its leader announced: unslowed (50-80 updates a second) a replica trails the other
-    # by ~120 updates and none of its rounds land. Slowed 8x and with rounds open 100 updates,
-    # the two replicas still average across the shaped links
-    slow = ", ".join(f'"s{j}r{i}=8"' for i in range(2) for j in range(2))
-    cfg = tiny_grid_config(tmp_path, text_file, runtime=f"slowdowns = [{slow}]",
-                           dp="max_round_lag_steps = 100")  # fmt: skip
+    # after its leader announced: a replica starts ~120 updates behind the other (this tiny
+    # model runs 50-80 a second), more than a round stays open. The trailing cells follow the
+    # column's round clock (mesh/algo/round_clock.py), so rounds land on both sides anyway
+    cfg = tiny_grid_config(tmp_path, text_file)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": "k"}
     procs: list[subprocess.Popen] = []
     with netns_star(5, RATE_MBIT) as star:
@@ -81,11 +79,9 @@ def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
         dt = last["time_s"] - first["time_s"]
         avg = last["bytes_sent"].get("average", 0) - first["bytes_sent"].get("average", 0)
         sent = sum(last["bytes_sent"].values()) - sum(first["bytes_sent"].values())
-        # rounds ran across the shaped links: over the cell's run, not only the steady window.
-        # A replica that formed a second after the other (the tiny model runs ~60 steps/s)
-        # trails it by more than a round's life, and its later payloads reach the other
-        # replica after that round ended there (dropped as late, so not counted as sent)
-        assert last["bytes_sent"].get("average", 0) > 0, out
+        # rounds ran across the shaped links in the steady window, on every cell
+        assert avg > 0, out
+        assert last["rounds_applied"] > first["rounds_applied"], (out, first, last)
         assert sent / dt <= budget_bytes_s * 1.05, (out, sent / dt, budget_bytes_s)
         assert avg / dt <= budget_bytes_s, (out, avg / dt)
     last_stages = 0

@@ -3,6 +3,7 @@ imports its own when it runs, so `meshtrain --help` stays light)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,13 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
 @click.group()
 def bench() -> None:
     """Side-by-side benchmarks that write summary.json, table.md and plots."""
+    # SIGTERM unwinds like Ctrl-C: a benchmark's `finally` stops and reaps the grid it started
+    # (Python's default SIGTERM exits at once and left a stopped soak's peers running)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @bench.command("convergence")

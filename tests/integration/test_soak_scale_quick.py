@@ -64,3 +64,41 @@ def test_scale_quick_forms_the_grid_and_measures_it(tmp_path):
     assert s["torch_threads"] == [1]
     assert s["leftovers"] == {"orphan_processes": [], "orphan_p2pd": 0, "socket_files_left": []}
     assert (out / "scale.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(600)
+def test_a_soak_stopped_by_sigterm_stops_its_grid_and_says_so(tmp_path):
+    """SIGTERM (a scheduler, `kill`) unwinds the bench like Ctrl-C: every process it started
+    is stopped and reaped, and its summary says it did not complete and why."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import wait_for
+
+    from mesh.bench.procstat import alive, process_tree
+
+    out = tmp_path / "soak"
+    cmd = [sys.executable, "-m", "cli.main", "bench", "soak", "--quick", "--out", str(out)]
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+
+        def formed() -> bool:
+            path = out / "samples.jsonl"
+            rows = path.read_text().splitlines() if path.exists() else []
+            return len({json.loads(r)["peer"] for r in rows if '"sample"' in r}) >= 4
+
+        wait_for(formed, 240, "the soak's four peers sampled")
+        grid = process_tree(bench.pid)[1:]
+        assert len(grid) >= 5  # the DHT and four joins, and their helpers
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 128 + signal.SIGTERM
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+    wait_for(lambda: not any(alive(p) for p in grid), 10, "the grid's processes to be gone")
+    s = json.loads((out / "summary.json").read_text())
+    assert not s["completed"] and s["error"] == "SystemExit: 143"
+    assert s["leftovers"] == {"orphan_processes": [], "orphan_p2pd": 0, "socket_files_left": []}
+    assert (out / "table.md").exists()

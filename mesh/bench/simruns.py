@@ -114,10 +114,15 @@ def run_specs(
 
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "runs.partial.jsonl"
-    found = reuse([*known, *read_runs(partial)], specs, base, budget)
+    old = read_runs(partial)
+    found = reuse([*known, *old], specs, base, budget)
     runs = [r for r in found if r is not None]
     todo = [s for s, r in zip(specs, found, strict=True) if r is None]
-    partial.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    # the file keeps what it had (another call's runs: a study of two stages, an lr sweep and
+    # the rows at its best, resumes both) and gains the runs reused from `known`
+    have = {(r.get("microbatches"), r.get("config_fingerprint")) for r in old}
+    extra = [r for r in runs if (r["microbatches"], r["config_fingerprint"]) not in have]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in [*old, *extra]))
     tree = base.model_dump(mode="json")
     with mp.get_context("spawn").Pool(workers) as pool:
         jobs = [(tree, s, budget[s.study]) for s in todo]

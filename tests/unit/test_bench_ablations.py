@@ -23,17 +23,41 @@ def test_rows_change_one_setting_of_asyncmesh_fp8():
         assert differ == set(change), row
 
 
+def test_rows_run_at_the_lr_the_sweep_chose_and_the_sweep_varies_only_the_lr():
+    base = load_config([], [])
+    rows = [spec_config(base, s, 64) for s in ablations.build_specs([0, 1], lr=5e-4)]
+    assert len(rows) == 2 * len(ablations.ROWS) and {c.optim.lr for c in rows} == {5e-4}
+    sweep = [spec_config(base, s, 64) for s in ablations.lr_specs(0, (1e-3, 2e-3))]
+    assert [c.optim.lr for c in sweep] == [1e-3, 2e-3]
+    full = spec_config(base, ablations.build_specs([0], lr=1e-3)[0], 64)
+    assert sweep[0].fingerprint() == full.fingerprint()  # the sweep's run is the row's: reused
+
+
+def test_best_lr_is_the_lowest_loss_and_never_a_diverged_run():
+    runs = [
+        {"method": "full AsyncMesh lr=0.001", "val_loss": 2.6, "diverged": False},
+        {"method": "full AsyncMesh lr=0.0005", "val_loss": 2.5, "diverged": False},
+        {"method": "full AsyncMesh lr=0.004", "val_loss": 1.0, "diverged": True},
+        {"method": "full AsyncMesh lr=0.008", "val_loss": None, "diverged": False},
+    ]
+    assert ablations.best_lr(runs) == 0.0005
+
+
 def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path):
     base = load_config([], [f"data.path='{text_file}'", "model.n_layers=8", "model.d_model=16",
                             "model.n_heads=2", "model.seq_len=16", "pipeline.microbatch_size=2",
                             "data.val_batches=1"])  # fmt: skip
     summary = ablations.run_ablations(base, tmp_path, quick=True, workers=2)
     assert len(summary["runs"]) == len(ablations.ROWS)
+    sweep = summary["lr_sweep"]
+    assert len(sweep["runs"]) == 2 and sweep["best"] in sweep["lrs"]
+    assert summary["settings"]["optim.lr"] == sweep["best"]
     assert all(not r["diverged"] and math.isfinite(r["val_loss"]) for r in summary["runs"])
     table = (tmp_path / "table.md").read_text()
     for row, _, ppl in ablations.ROWS:
         assert row in table and f"{ppl:.2f}" in table
     assert "+0.0085" in table  # the paper's constant-lambda gap: ln(21.32 / 21.14)
+    assert "## The lr" in table and "best" in table
     assert len(ablations.orderings(summary["runs"])) == len(ablations.ROWS) - 1
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert not (tmp_path / "runs.partial.jsonl").exists()

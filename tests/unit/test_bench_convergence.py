@@ -92,3 +92,21 @@ def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path)
     partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
     found = reuse(read_runs(partial), specs, base, {"dp": 64, "pp": 64})
     assert [r for r in found if r is not None] == [rows[2]]
+
+
+def test_a_second_study_stage_keeps_the_first_stages_runs_for_a_resume(text_file, tmp_path):
+    """run_specs called twice on one directory (an lr sweep, then the rows at its best): the
+    second call's rewrite of runs.partial.jsonl keeps the first call's runs."""
+    from mesh.bench.simruns import Spec, run_specs
+
+    base = load_config([], [f"data.path='{text_file}'", "model.n_layers=2", "grid.stages=2",
+                            "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
+                            "pipeline.microbatch_size=2", "data.val_batches=1"])  # fmt: skip
+    a = Spec("dp", "a", 0, 1, (("grid.stages", 2), ("optim.lr", 1e-3)))
+    b = Spec("dp", "b", 0, 1, (("grid.stages", 2), ("optim.lr", 2e-3)))
+    run_specs(base, [a], {"dp": 16}, tmp_path, 1, "first")
+    run_specs(base, [b], {"dp": 16}, tmp_path, 1, "second")
+    kept = read_runs(tmp_path / "runs.partial.jsonl")
+    assert sorted(r["method"] for r in kept) == ["a", "b"]
+    # and a resume of the first finds its run without running it again
+    assert reuse(kept, [a], base, {"dp": 16})[0]["method"] == "a"

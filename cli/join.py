@@ -258,7 +258,9 @@ def rejoin(lost: str) -> tuple[int, str]:
     done = int(os.environ.get(REJOINS_ENV, "0"))
     if done >= REJOINS_MAX:
         return 2, f"error: {lost}; lost a cell {done + 1} times: join again later"
-    click.echo(f"{lost}: joining again for another free cell")
+    from mesh.runtime.session import REJOIN_NOTE
+
+    click.echo(f"{lost}: {REJOIN_NOTE}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[REJOINS_ENV] = str(done + 1)

@@ -35,6 +35,7 @@ from mesh.bench.procstat import tree_sample
 from mesh.bench.scale_report import write_reports
 from mesh.config import ConfigError
 from mesh.runtime.metrics import read_metrics
+from mesh.runtime.session import REJOIN_NOTE
 
 TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measured on anyway
 # 32 claims beating every second, each beat reading all claims, swamp a loaded 2-core box's
@@ -166,11 +167,15 @@ def form(grid: LocalGrid, cfg: Path, n: int, note: Any) -> dict[str, Any]:
                     bar.update(1)
             time.sleep(1.0)
     missing = sorted(set(names) - set(first))
+    # joins that lost their cell and started over by themselves (no exit: the bench's retries
+    # above do not see them), from their logs
+    restarts = {n: grid.log(n).count(REJOIN_NOTE) for n in names}
     return {
         "time_to_all_training_s": None if missing else round(max(first.values()) - t0, 2),
         "not_training": missing,
         "join_to_training_s": {n: round(first[n] - began[n], 2) for n in first},
         "join_retries": retries,
+        "join_self_restarts": {n: k for n, k in restarts.items() if k},
         "cells": cells,
     }
 

@@ -87,6 +87,8 @@ def to_markdown(s: dict[str, Any]) -> str:
          "each join's (first) start to its first update"],
         ["joins started again", sum(map(len, (s.get("join_retries") or {}).values())),
          f"gave up on start-up: {s.get('join_retries') or 'none'}"],
+        ["joins that started over", sum((s.get("join_self_restarts") or {}).values()),
+         f"lost their cell, joined again by themselves: {s.get('join_self_restarts') or 'none'}"],
         ["status latency", v(s.get("status_latency_s"), " s"),
          f"`meshtrain status --json`, runs {st.get('runs_s')}, cells {st.get('cells_listed')}, "
          f"failed {len(st.get('failed') or [])}"],

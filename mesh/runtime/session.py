@@ -76,6 +76,10 @@ class CellLost(Exception):
     owner's and stall its replica."""
 
 
+# what `join` prints when it starts over after CellLost (a bench counts these lines)
+REJOIN_NOTE = "joining again for another free cell"
+
+
 def lost_to(owned: dict[str, CellRecord], cell: str, peer: str, since: float) -> CellRecord | None:
     """The claim that owns `cell` when it is another peer's running cell that beat after we
     claimed (so it is alive; a dead claim read late has not beaten since); else None."""

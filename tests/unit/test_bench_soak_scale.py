@@ -117,3 +117,10 @@ def test_scale_summary_counts_dht_per_peer_and_judges_the_targets():
 def test_rounds_share_with_no_round_is_unknown_not_complete():
     assert scale_report.share({"applied": 0, "partial": 0, "failed": 0}) is None
     assert scale_report.share(None) is None
+
+
+def test_scale_table_counts_joins_that_started_over_by_themselves():
+    s = scale_report.summarize({**_scale_meta(), "join_self_restarts": {"p06": 2, "p09": 1}})
+    row = next(ln for ln in scale_report.to_markdown(s).splitlines()
+               if ln.startswith("| joins that started over"))  # fmt: skip
+    assert row.split("|")[2].strip() == "3" and "p06" in row

@@ -307,3 +307,28 @@ def test_a_join_that_lost_its_cell_too_often_gives_up_with_a_message(monkeypatch
     monkeypatch.setenv(join.REJOINS_ENV, str(join.REJOINS_MAX))
     code, text = join.rejoin("s1r0 is held by peer X (claimed at the same time, earlier)")
     assert code == 2 and "lost a cell" in text and "s1r0 is held by peer X" in text
+
+
+def test_a_join_that_lost_its_cell_starts_its_own_command_line_over(monkeypatch, capsys):
+    """Below REJOINS_MAX: the note a bench counts (REJOIN_NOTE), the count in the environment
+    the new process inherits, and the same interpreter and arguments (os.execv stands in: the
+    real one would replace the test process)."""
+    import os
+    import sys
+
+    import cli.join as join
+    from mesh.runtime.session import REJOIN_NOTE
+
+    calls = []
+
+    def execv(path, argv):
+        calls.append((path, argv))
+        raise SystemExit(0)
+
+    monkeypatch.setenv(join.REJOINS_ENV, "1")
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(SystemExit):
+        join.rejoin("s1r0 is held by peer X")
+    assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]])]
+    assert os.environ[join.REJOINS_ENV] == "2"
+    assert f"s1r0 is held by peer X: {REJOIN_NOTE}" in capsys.readouterr().out

@@ -165,6 +165,14 @@ class DPConfig(_Section):
         "trimmed_mean (drops the largest and smallest quarter, at least one each) or median "
         "keep one poisoning replica from steering the average (grid.replicas >= 3)",
     )
+    payload_error_feedback: bool = Field(
+        False,
+        description="a round's mean is applied relative to this replica's own decoded payload "
+        "(mean + snapshot - decode(own payload)), so the codec's rounding of its own values never "
+        "enters its weights: replicas that agree get their own values back exactly. Off, an fp8 "
+        "round writes its rounding error into the weights every K rounds, a random walk the "
+        "decaying lr stops pulling back (the soak's loss rose after 30 minutes)",
+    )
     noise_codec: Literal["none", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
         "none",
         description="studies, simulator only: add this codec's error on a shuffled copy of "
@@ -313,7 +321,14 @@ class RuntimeConfig(_Section):
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
-    "dp": ("lambda_clock", "lambda_hold_arrivals", "aggregate", "outlier_k", "noise_codec"),
+    "dp": (
+        "lambda_clock",
+        "lambda_hold_arrivals",
+        "aggregate",
+        "outlier_k",
+        "noise_codec",
+        "payload_error_feedback",
+    ),
 }
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,

@@ -174,6 +174,15 @@ def apply_arrival(
     return mean_v + d.to(live.dtype), d
 
 
+def relative_mean(mean: torch.Tensor, snapshot: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The mean as this replica applies it with dp.payload_error_feedback: its own snapshot plus
+    how far the decoded mean is from its own decoded payload, mean + (snapshot - own). The
+    codec's error on its own payload cancels: where every replica sent the same values the
+    result is the exact snapshot, not its rounding (which, written into the weights every K
+    rounds, would random-walk). Only the difference of the members' rounding errors is left."""
+    return mean + (snapshot.to(mean.dtype) - own.to(mean.dtype))
+
+
 def ring_allreduce_bytes(payload_bytes: float, num_replicas: int) -> float:
     """Bytes each replica sends in a ring all-reduce of a payload: 2(m-1)/m * payload."""
     if num_replicas < 1:

@@ -48,6 +48,7 @@ class Round:
     mean: torch.Tensor | None = None  # filled when the round completes
     sent: torch.Tensor | None = None  # what this cell puts in the round instead of its
     # snapshot: an emulated hostile peer's scaled values (runtime.poison)
+    own: torch.Tensor | None = None  # its decoded own payload (dp.payload_error_feedback)
 
     @property
     def payload(self) -> torch.Tensor:
@@ -159,7 +160,9 @@ class Cell:
         snap = self.flat.index_select(0, idx)
         sent = None if self.poison is None else snap * self.poison
         enc = codecs.encode(snap if sent is None else sent, dp.codec, dp.block_size)
-        return Round(index, self.step, idx, snap, enc.nbytes, sent=sent), codecs.decode(enc)
+        decoded = codecs.decode(enc)
+        own = decoded if dp.payload_error_feedback else None
+        return Round(index, self.step, idx, snap, enc.nbytes, sent=sent, own=own), decoded
 
     def combine_round(
         self, names: Sequence[str], parts: Sequence[torch.Tensor], me: str
@@ -189,7 +192,10 @@ class Cell:
         lam = self.lambda_for(rnd.index)
         live = self.flat.index_select(0, rnd.indices)
         d = self.drift.index_select(0, rnd.indices)
-        new_live, new_d = sparse.apply_arrival(live, rnd.snapshot, rnd.mean, d, dp.correction, lam)
+        mean = rnd.mean
+        if rnd.own is not None:  # dp.payload_error_feedback
+            mean = sparse.relative_mean(mean, rnd.snapshot, rnd.own.to(mean.device))
+        new_live, new_d = sparse.apply_arrival(live, rnd.snapshot, mean, d, dp.correction, lam)
         self.flat.index_copy_(0, rnd.indices, new_live)
         self.drift.index_copy_(0, rnd.indices, new_d)
 

@@ -42,8 +42,9 @@ from mesh.runtime.checkpoint import (
 from mesh.runtime.emulate import link_profile, resolve_window
 from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
+from mesh.runtime.rounds import group_name
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
-from mesh.runtime.stage import StageWorker, cell_name, group_name
+from mesh.runtime.stage import StageWorker, cell_name
 from mesh.runtime.state_sync import StateServer, download_state
 
 

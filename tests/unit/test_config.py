@@ -111,6 +111,8 @@ def test_fingerprints_of_configs_that_predate_later_keys_are_pinned():
     )
     assert cfg.fingerprint() == "05fa7fa63e712496"
     assert with_overrides(cfg, {"dp.lambda_clock": "arrivals"}).fingerprint() != cfg.fingerprint()
+    fed = with_overrides(cfg, {"dp.payload_error_feedback": True})
+    assert fed.fingerprint() != cfg.fingerprint()  # a run with it is another run (not reused)
 
 
 def test_model_keys_added_later_keep_old_fingerprints_at_their_defaults():

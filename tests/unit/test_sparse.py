@@ -207,3 +207,25 @@ def test_cell_lambda_on_the_arrivals_clock() -> None:
     steps = Cell(load_config([], base), 0, 0, build_stages(cfg.model, 1, 0)[0])
     steps.step = 1200  # the steps clock reads the cell's update count, not the round
     assert steps.lambda_for(0) == pytest.approx(lambda_at(1200, 1600, 0.5, 0.01, 1000))
+
+
+def test_relative_mean_gives_agreeing_replicas_their_own_values_back_exactly():
+    """fp8's rounding of a payload never enters the weights with dp.payload_error_feedback:
+    replicas that sent the same values get the exact snapshot back (the plain mean is the
+    rounded one), and the mean of different snapshots keeps only the difference of errors."""
+    from comms import codecs
+    from mesh.algo.sparse import relative_mean
+
+    g = torch.Generator().manual_seed(0)
+    snap = torch.randn(4096, generator=g)
+    dec = codecs.decode(codecs.encode(snap, "fp8_e4m3"))
+    plain = (dec + dec) / 2  # two replicas that agree, averaged as the codec delivers them
+    assert not torch.equal(plain, snap)  # the rounding the plain mean writes into the weights
+    assert torch.equal(relative_mean(plain, snap, dec), snap)
+    other = snap + 0.01 * torch.randn(4096, generator=g)
+    dec_o = codecs.decode(codecs.encode(other, "fp8_e4m3"))
+    exact = (snap + other) / 2
+    rel = relative_mean((dec + dec_o) / 2, snap, dec)
+    err_rel = (rel - exact).abs().mean()
+    err_plain = ((dec + dec_o) / 2 - exact).abs().mean()
+    assert err_rel < 0.5 * err_plain  # close snapshots round alike: their errors mostly cancel

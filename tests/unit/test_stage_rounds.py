@@ -1,8 +1,8 @@
-"""Which averaging rounds a cell's state download skips (mesh/runtime/stage.py)."""
+"""Which averaging rounds a cell's state download skips (mesh/runtime/rounds.py)."""
 
 import pytest
 
-from mesh.runtime.stage import skipped_rounds
+from mesh.runtime.rounds import skipped_rounds
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,161 @@
+"""A cell's averaging rounds (the StageWorker's part that launches, applies and drops them).
+
+Role: design 1.3 steps 1-3 in the real runtime. Every interval updates the cell launches the
+round the column's round clock says (mesh/algo/round_clock.py) through the transport's
+non-blocking mean; each round is applied tau or more updates later, in launch order, with the
+simulator's drift correction (mesh/engine/cell.py). A round still missing a member
+dp.max_round_lag_steps updates after it was due is cut and applied over what it has; a failed
+round is counted and dropped. With dp.strict_tau a due round is waited for, as the simulator
+assumes, so a run reproduces its numbers.
+
+A mixin: StageWorker (mesh/runtime/stage.py) provides cfg, cell, transport, stats, emu, m, j,
+column, cell_name and device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from comms.transport import MeanHandle, MeanStatus
+from mesh.algo import round_clock, sparse
+from mesh.engine.cell import Round
+
+
+def group_name(stage: int) -> str:
+    return f"stage{stage}"
+
+
+def skipped_rounds(old_step: int, new_step: int, interval_steps: int) -> range:
+    """The averaging rounds a cell never launches when its state jumps from old_step to
+    new_step (a download). Update u (0-based) launches round u // interval when u % interval
+    == 0, and a cell at step s has done updates 0..s-1: it launched rounds below
+    ceil(s / interval) and will launch those from ceil(new_step / interval) on."""
+    return range(-(-old_step // interval_steps), -(-new_step // interval_steps))
+
+
+class Rounds:
+    cfg: Any
+    cell: Any
+    transport: Any
+    stats: Any
+    emu: Any
+    m: int
+    j: int
+    column: list[str]
+    cell_name: str
+    device: Any
+
+    def init_rounds(self) -> None:
+        self.pending: list[tuple[Round, MeanHandle]] = []
+        self.last_round: int | None = None  # the index launched last (mesh/algo/round_clock.py)
+        dp = self.cfg.dp
+        self._jump_after = (
+            round_clock.NEVER  # strict: rounds at the cell's own steps, as in the simulator
+            if dp.strict_tau
+            else round_clock.jump_threshold(dp.tau, dp.max_round_lag_steps, dp.interval_steps)
+        )
+        self._parts = sparse.num_parts(dp.fraction) if dp.selector == "partition" else None
+
+    def drop_rounds(self, old_step: int) -> None:
+        """After the cell's state was replaced (it was at old_step): rounds launched on the old
+        state are void, and the other replicas' payloads for the rounds the jump skipped will
+        never be taken: they go now, not when the mailbox's ttl runs out (the soak saw ~160 of
+        them held for 10 minutes by every cell whose replica had re-formed)."""
+        self.stats.rounds_failed += len(self.pending)
+        self.pending.clear()
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            skipped = skipped_rounds(old_step, self.cell.step, self.cfg.dp.interval_steps)
+            if self.last_round is not None:  # the round clock may have run ahead of old_step
+                skipped = range(max(skipped.start, self.last_round + 1), skipped.stop)
+            self.transport.void_rounds(group_name(self.j), self.column, skipped)
+
+    def _next_round(self, own_index: int) -> None:
+        """Launch the round the shared clock says (mesh/algo/round_clock.py): this cell's own
+        count while it keeps up with its column, the newest round a peer launched once it
+        trails it by jump_after rounds. The rounds jumped over will never be run here: the
+        peers' payloads for them are dropped now, not held until the mailbox's ttl."""
+        group = group_name(self.j)
+        newest = self.transport.newest_round(group, self.column)
+        index = round_clock.next_round(
+            own_index,
+            self.last_round,
+            newest,
+            self._jump_after,
+            (rnd.index for rnd, _ in self.pending),
+            self._parts,
+        )
+        if index is None:
+            self.stats.rounds_skipped += 1
+            return
+        base = own_index if self.last_round is None else max(own_index, self.last_round + 1)
+        if index > base:
+            self.transport.void_rounds(group, self.column, range(base, index))
+            self.stats.rounds_jumped += index - base
+        self.last_round = index
+        self._launch_round(index)
+
+    def _launch_round(self, index: int) -> None:
+        rnd, _ = self.cell.open_round(index)
+        handle = self.transport.start_mean(
+            group_name(self.j),
+            self.column,
+            index,
+            rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
+            self.cfg.dp.codec,
+            self.cfg.runtime.round_timeout_s,
+        )
+        self.pending.append((rnd, handle))
+        self.stats.rounds_started += 1
+
+    def _apply_due_rounds(self) -> None:
+        """Apply, in launch order, every round whose tau has passed and that has completed.
+
+        strict: a due round is waited for (deadline round_timeout_s), as the simulator assumes.
+        """
+        strict = self.cfg.dp.strict_tau
+        while self.pending:
+            rnd, handle = self.pending[0]
+            if rnd.launch_step + self.cfg.dp.tau > self.cell.step:
+                return
+            if not handle.done() and not strict:
+                late = self.cell.step - rnd.launch_step - self.cfg.dp.tau
+                cut = getattr(handle, "cut", None)
+                if late < self.cfg.dp.max_round_lag_steps or cut is None:
+                    return
+                # members whose payload is this many updates late are dropped from the round:
+                # it ends now over the contributions it has (counted partial)
+                cut()
+            self.pending.pop(0)
+            t0 = time.perf_counter()
+            res = handle.result(self.cfg.runtime.round_timeout_s)
+            if self.emu:
+                self.emu.waited(t0)  # strict: the next op cannot start before the round landed
+            self._finish_round(rnd, res)
+
+    def _finish_round(self, rnd: Round, res: Any) -> None:
+        usable = res.mean is not None and self.cell_name in res.contributors
+        if res.status is MeanStatus.FAILED or not usable or len(res.contributors) < 2:
+            self.stats.rounds_failed += 1
+            return
+        mean, dp = res.mean, self.cfg.dp
+        if dp.aggregate != "mean" or dp.outlier_k > 0:  # robust combination (mesh/algo/robust.py)
+            parts = [p.to(self.device) for p in res.parts]
+            mean, rejected = self.cell.combine_round(res.contributors, parts, self.cell_name)
+            for _ in rejected:
+                self.transport.stats.add_reject("outlier")
+            if len(res.contributors) - len(rejected) < 2:  # only our own payload is left
+                self.stats.rounds_failed += 1
+                return
+        if res.status is MeanStatus.PARTIAL:
+            self.stats.rounds_partial += 1
+        rnd.mean = mean.to(self.device)
+        self.cell.apply_round(rnd)
+        self.stats.rounds_applied += 1
+
+    def _drain_rounds(self) -> None:
+        """At the end, wait briefly for rounds in flight so peers are not left hanging."""
+        deadline = time.monotonic() + self.cfg.runtime.round_timeout_s
+        for _, handle in self.pending:
+            handle.result(max(0.0, deadline - time.monotonic()))
+        self.pending.clear()

@@ -32,6 +32,12 @@ def jump_threshold(tau: int, max_round_lag_steps: int, interval_steps: int) -> i
     return max(2, (tau + max_round_lag_steps) // (2 * max(1, interval_steps)))
 
 
+def own_next(own_index: int, last: int | None) -> int:
+    """The index this cell launches next by its own count: its update count, or one past the
+    last index it launched when the clock took it further."""
+    return own_index if last is None else max(own_index, last + 1)
+
+
 def next_round(
     own_index: int,
     last: int | None,
@@ -49,7 +55,7 @@ def next_round(
     coordinate in flight twice (the new index in the same part as an open round: K apart)
     launches nothing this time instead: design 1.3's "no coordinate in flight twice".
     """
-    base = own_index if last is None else max(own_index, last + 1)
+    base = own_next(own_index, last)
     if newest_seen - base < jump_after:
         return base
     if parts is not None and any((newest_seen - i) % parts == 0 for i in in_flight):

@@ -88,7 +88,7 @@ class Rounds:
         if index is None:
             self.stats.rounds_skipped += 1
             return
-        base = own_index if self.last_round is None else max(own_index, self.last_round + 1)
+        base = round_clock.own_next(own_index, self.last_round)
         if index > base:
             self.transport.void_rounds(group, self.column, range(base, index))
             self.stats.rounds_jumped += index - base

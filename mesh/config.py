@@ -19,6 +19,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError, model_validator
 
 from mesh.config_sections import (  # noqa: F401 - the sections are part of this module's API
+    HASHED_AWAY_AT,
     LATER_KEYS,
     SECTIONS,
     ConfigError,
@@ -205,9 +206,12 @@ class Config(_Section):
         # the digest says what a peer's data holds, not its path (None: hash as before the key)
         del d["data"]["digest" if self.data.digest is None else "path"]
         del d["runtime"]  # how this peer connects is its own business
+        if self.dp.codec == "fp32":  # lossless: the feedback changes no number, so no run
+            d["dp"]["payload_error_feedback"] = HASHED_AWAY_AT[("dp", "payload_error_feedback")]
         for section, keys in LATER_KEYS.items():
             for key in keys:
-                if d[section][key] == SECTIONS[section].model_fields[key].default:
+                default = SECTIONS[section].model_fields[key].default
+                if d[section][key] == HASHED_AWAY_AT.get((section, key), default):
                     del d[section][key]
         d["torch"] = ".".join(torch.__version__.split(".")[:2])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -77,7 +77,10 @@ def best_lr(runs: list[dict[str, Any]]) -> float:
 
 def _full_overrides(tuned: dict[str, Any] | None, lr: float | None) -> dict[str, Any]:
     ov = method_overrides("AsyncMesh-fp8", tuned or DEFAULT_TUNED)
-    ov.update({"grid.stages": 8, "grid.replicas": 2})
+    # the paper's table, the paper's apply rule: a round's decoded mean written as it is (this
+    # project's default applies it relative to the replica's own payload; bench fidelity
+    # precision has both)
+    ov.update({"grid.stages": 8, "grid.replicas": 2, "dp.payload_error_feedback": False})
     if lr is not None:
         ov["optim.lr"] = lr
     return ov

@@ -28,20 +28,27 @@ from mesh.config import Config
 
 STUDIES = ("precision", "horizon", "scaling")
 CONVERGENCE = Path("results/convergence")
+ABLATIONS = Path("results/ablations")
 
+# the papers' apply rule: a round's decoded mean written as it is (dp.payload_error_feedback
+# off); the rows without "+ feedback" ask the papers' questions, so they run it
+PAPER_RULE = {"dp.payload_error_feedback": False}
 # (row, DP method, change): the precision study
 PRECISION_ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("DPAvg fp32", "DPAvg", {}),
-    ("DPAvg bf16", "DPAvg", {"dp.codec": "bf16"}),
-    ("DPAvg fp8", "DPAvg", {"dp.codec": "fp8_e4m3"}),
-    ("AsyncMesh-fp8 tau 10", "AsyncMesh-fp8", {"dp.tau": 10}),
+    ("DPAvg bf16", "DPAvg", {"dp.codec": "bf16", **PAPER_RULE}),
+    ("DPAvg fp8", "DPAvg", {"dp.codec": "fp8_e4m3", **PAPER_RULE}),
+    ("DPAvg fp8 + feedback", "DPAvg", {"dp.codec": "fp8_e4m3"}),
+    ("AsyncMesh-fp8 tau 10", "AsyncMesh-fp8", {"dp.tau": 10, **PAPER_RULE}),
+    ("AsyncMesh-fp8 tau 10 + feedback", "AsyncMesh-fp8", {"dp.tau": 10}),
     ("AsyncMesh fp32", "AsyncMesh", {}),
-    ("AsyncMesh fp8", "AsyncMesh-fp8", {}),
+    ("AsyncMesh fp8", "AsyncMesh-fp8", PAPER_RULE),
+    ("AsyncMesh fp8 + feedback", "AsyncMesh-fp8", {}),
     ("AsyncMesh fp32 + fp8 noise", "AsyncMesh", {"dp.noise_codec": "fp8_e4m3"}),
     ("SPARTA fp32", "SPARTA", {}),
-    ("SPARTA fp8", "SPARTA", {"dp.codec": "fp8_e4m3"}),
+    ("SPARTA fp8", "SPARTA", {"dp.codec": "fp8_e4m3", **PAPER_RULE}),
     ("DeltaRule fp32", "DeltaRule", {}),
-    ("DeltaRule fp8", "DeltaRule", {"dp.codec": "fp8_e4m3"}),
+    ("DeltaRule fp8", "DeltaRule", {"dp.codec": "fp8_e4m3", **PAPER_RULE}),
 ]
 HORIZONS = [400, 1600, 6400]
 GRIDS = [(4, 2), (4, 4), (4, 8), (8, 2)]
@@ -57,8 +64,11 @@ def _spec(
     return Spec(study, row, seed, mpu, tuple(ov.items()))
 
 
-def build_specs(study: str, seeds: list[int], tuned: dict[str, Any]) -> list[Spec]:
-    """A study's runs; horizon specs carry their budget in the study name (h400, ...)."""
+def build_specs(
+    study: str, seeds: list[int], tuned: dict[str, Any], deep_lr: float | None = None
+) -> list[Spec]:
+    """A study's runs; horizon specs carry their budget in the study name (h400, ...). deep_lr:
+    the async lr of the 8-stage grids (the ablation study's 8x2 sweep; 8 stages want less)."""
     specs = []
     for seed in seeds:
         if study == "precision":
@@ -72,7 +82,9 @@ def build_specs(study: str, seeds: list[int], tuned: dict[str, Any]) -> list[Spe
         elif study == "scaling":
             for p, m in GRIDS:
                 for method in ("DPAvg", "AsyncMesh-fp8"):
-                    g = {"grid__stages": p, "grid__replicas": m}
+                    g: dict[str, Any] = {"grid__stages": p, "grid__replicas": m}
+                    if p == 8 and deep_lr is not None:
+                        g["optim__lr"] = deep_lr
                     specs.append(_spec(f"{p}x{m}", method, method, seed, tuned, **g))
         else:
             raise ValueError(f"unknown study {study!r}; choose one of {', '.join(STUDIES)}")
@@ -80,10 +92,15 @@ def build_specs(study: str, seeds: list[int], tuned: dict[str, Any]) -> list[Spe
 
 
 def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-    seeds = [0] if quick or study == "scaling" else [0, 1]
+    # the horizon study is the headline's length question: enough seeds to tell 1% from 2%
+    seeds = [0] if quick or study == "scaling" else [0, 1, 2, 3] if study == "horizon" else [0, 1]
     mbs = 160 if quick else 1600
     tuned, is_tuned = (DEFAULT_TUNED, False) if quick else load_tuned(CONVERGENCE / "tuning.json")
-    specs = build_specs(study, seeds, tuned)
+    ablations = ABLATIONS / "summary.json"
+    deep_lr = None
+    if study == "scaling" and not quick and ablations.is_file():
+        deep_lr = float(json.loads(ablations.read_text())["settings"]["optim.lr"])
+    specs = build_specs(study, seeds, tuned, deep_lr)
     budget = {s.study: mbs for s in specs}
     if study == "horizon":
         budget = {f"h{h}": (h // 10 if quick else h) for h in HORIZONS}
@@ -100,6 +117,7 @@ def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int)
         "quick": quick,
         "microbatches_per_replica": budget,
         "settings": tuned["AsyncMesh-fp8"] if is_tuned else None,
+        "deep_lr": deep_lr,
         "wall_s": round(time.perf_counter() - start, 1),
         "base_config_fingerprint": base.fingerprint(),
         "runs": runs,
@@ -151,10 +169,18 @@ def _write_precision(summary: dict[str, Any], out: Path) -> None:
             _show(loss.get(r, {})),
             fmt_gap(paired_gap(loss.get(r, {}), loss.get("DPAvg fp32", {}))),
         ]
-        for r in ("DPAvg fp32", "DPAvg bf16", "DPAvg fp8", "AsyncMesh-fp8 tau 10")
+        for r in (
+            "DPAvg fp32",
+            "DPAvg bf16",
+            "DPAvg fp8",
+            "DPAvg fp8 + feedback",
+            "AsyncMesh-fp8 tau 10",
+            "AsyncMesh-fp8 tau 10 + feedback",
+        )
     ]
     pairs = [
         ("AsyncMesh", "AsyncMesh fp8", "AsyncMesh fp32"),
+        ("AsyncMesh + feedback (ours)", "AsyncMesh fp8 + feedback", "AsyncMesh fp32"),
         ("AsyncMesh, fp8's noise only", "AsyncMesh fp32 + fp8 noise", "AsyncMesh fp32"),
         ("SPARTA", "SPARTA fp8", "SPARTA fp32"),
         ("delta rule", "DeltaRule fp8", "DeltaRule fp32"),
@@ -175,6 +201,10 @@ def _write_precision(summary: dict[str, Any], out: Path) -> None:
     )
     lines += [
         "## DPAvg at low precision against AsyncMesh-fp8 at tau 10",
+        "",
+        "Rows without \"+ feedback\" apply a round's decoded mean as the papers do "
+        "(dp.payload_error_feedback = false); \"+ feedback\" is this project's default, the "
+        "mean applied relative to the replica's own decoded payload.",
         "",
         format_table(["run", "val loss", "gap to DPAvg fp32"], rows),
         "",
@@ -239,7 +269,13 @@ def _write_scaling(summary: dict[str, Any], out: Path) -> None:
         summary,
         "Grid scaling: AsyncMesh-fp8 against DPAvg",
         f"{summary['microbatches_per_replica'][f'{GRIDS[0][0]}x{GRIDS[0][1]}']} microbatches "
-        "per replica on every grid (a larger m reads more tokens in all).",
+        "per replica on every grid (a larger m reads more tokens in all)."
+        + (
+            f" The 8-stage grid runs both methods at lr {summary['deep_lr']:g}, the ablation "
+            "study's sweep on 8x2 (the 4x2 lr is too high for 8 stages)."
+            if summary.get("deep_lr")
+            else ""
+        ),
     )
     lines += [
         format_table(["grid (PxM)", "DPAvg", "AsyncMesh-fp8", "gap (AsyncMesh - DPAvg)"], rows)

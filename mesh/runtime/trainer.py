@@ -235,7 +235,10 @@ def run_cell(
             g.write(line)
 
     try:
-        with _STOP.deferred():  # a stop while p2pd starts waits until `finally` can close it
+        # a stop while p2pd starts waits until `finally` can close it; torch's rendezvous has
+        # no child to reap, but blocks in C++ where no handler runs: a stop there exits at once
+        starting = _STOP.immediate if cfg.runtime.backend == "torch" else _STOP.deferred
+        with starting():
             transport = cell_transport(cfg, stage, replica, transport_options, run_key)
         with metrics.open("a") as f:
             # whose rows these are: a dashboard on this machine tells a dead cell by its pid
@@ -407,6 +410,38 @@ class _StopSignal:
         if self.pending and not self.depth and not self.exiting:
             self.exiting = True
             raise SystemExit(0)
+
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[None]:
+        """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup
+        fd wakes: the main thread may sit in a C++ call (a TCPStore or gloo connect waits up to
+        runtime.timeout_s) where a Python handler cannot run, and a stop must not wait that
+        long. Only for a window where nothing needs undoing: no child process, no file open,
+        nothing claimed, nothing trained since the last save."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                got = os.read(r, 64)
+                if not done.is_set() and stops & set(got):
+                    os._exit(0)
+
+        old = signal.set_wakeup_fd(w)
+        watcher = threading.Thread(target=watch, name="stop-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(old)
+            done.set()
+            os.write(w, b"\0")  # wakes the watcher to see `done`
+            watcher.join()
+            os.close(r)
+            os.close(w)
 
 
 _STOP = _StopSignal()

@@ -105,14 +105,20 @@ def test_fingerprints_of_configs_that_predate_later_keys_are_pinned():
 
     if not torch.__version__.startswith("2.13."):
         pytest.skip("pinned for torch 2.13, the version CI installs")
-    assert load_config([]).fingerprint() == "05fa7fa63e712496"
-    cfg = with_overrides(
-        load_config([]), {"dp.lambda_clock": "steps", "dp.lambda_hold_arrivals": 50}
-    )
+    # payload_error_feedback's default changed to on: off, it hashes away (HASHED_AWAY_AT)
+    old = with_overrides(load_config([]), {"dp.payload_error_feedback": False})
+    assert old.fingerprint() == "05fa7fa63e712496"
+    cfg = with_overrides(old, {"dp.lambda_clock": "steps", "dp.lambda_hold_arrivals": 50})
     assert cfg.fingerprint() == "05fa7fa63e712496"
     assert with_overrides(cfg, {"dp.lambda_clock": "arrivals"}).fingerprint() != cfg.fingerprint()
     fed = with_overrides(cfg, {"dp.payload_error_feedback": True})
     assert fed.fingerprint() != cfg.fingerprint()  # a run with it is another run (not reused)
+    assert load_config([]).fingerprint() == fed.fingerprint()  # the default now
+    # a lossless codec: the feedback changes no number, so the fp32 runs keep their hash
+    fp32 = with_overrides(old, {"dp.codec": "fp32"})
+    assert with_overrides(fp32, {"dp.payload_error_feedback": True}).fingerprint() == (
+        fp32.fingerprint()
+    )
 
 
 def test_model_keys_added_later_keep_old_fingerprints_at_their_defaults():

@@ -238,11 +238,13 @@ def test_nan_loss_stops_the_run_as_diverged(text_file):
     assert result.diverged and result.val_loss is None and result.steps < 5
 
 
-def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file):
+@pytest.mark.parametrize("feedback", [False, True])
+def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file, feedback):
     """The EMA drift correction as the paper writes it, by hand: a round launched after update u
     snapshots the raw fp32 subset, every replica averages the decoded fp8 payloads (its own
     included), and tau updates later lambda is taken at that arrival step and d is read and
-    written on the round's subset only."""
+    written on the round's subset only. With dp.payload_error_feedback (the default) each
+    replica applies the mean relative to its own decoded payload: mean + snapshot - own."""
     steps, tau, frac = 9, 2, 0.25
     cfg = tiny(
         text_file,
@@ -257,6 +259,7 @@ def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file
         "dp.lambda_initial=0.5",
         "dp.lambda_final=0.05",
         "dp.lambda_hold_steps=3",
+        f"dp.payload_error_feedback={str(feedback).lower()}",
     )
     sim = GridSim(cfg)
     for _ in range(steps):
@@ -276,18 +279,19 @@ def test_asyncmesh_ema_path_equals_a_hand_rolled_two_replica_reference(text_file
             opt.step(lr_at(u, steps, 1.0, o.warmup_steps, o.min_lr_ratio))
             opt.zero_grad()
         live = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
-        for _, idx, snaps, mean in [r for r in in_flight if r[0] == u]:
+        for _, idx, snaps, owns, mean in [r for r in in_flight if r[0] == u]:
             t = u + 1  # the arrival step (updates applied): hold 0.5 for 3, cosine to 0.05
             cos = math.cos(math.pi * (t - 3) / (steps - 3))
             lam = 0.5 if t < 3 else 0.05 + 0.45 * 0.5 * (1 + cos)
             for i in range(2):
                 d = (1 - lam) * drift[i][idx] + lam * (live[i][idx] - snaps[i])
                 drift[i][idx] = d
-                live[i][idx] = mean + d
+                applied = mean + snaps[i] - owns[i] if feedback else mean
+                live[i][idx] = applied + d
         idx = sparse.subset_indices(cfg.run.seed, 0, 0, u, live[0].numel(), frac)
         snaps = [live[i][idx].clone() for i in range(2)]
-        mean = sum(codecs.roundtrip(s, "fp8_e4m3", dp.block_size) for s in snaps) / 2
-        in_flight.append((u + tau, idx, snaps, mean))
+        owns = [codecs.roundtrip(s, "fp8_e4m3", dp.block_size) for s in snaps]
+        in_flight.append((u + tau, idx, snaps, owns, sum(owns) / 2))
         for model, flat in zip(models, live, strict=True):
             torch.nn.utils.vector_to_parameters(flat, model.parameters())
     for i in range(2):
@@ -319,3 +323,21 @@ def test_fp8_noise_moves_an_fp32_run_by_about_what_fp8_payloads_do(text_file):
     moved_by_fp8 = (runs["fp8"] - runs["fp32"]).norm().item()
     assert moved_by_noise > 0 and moved_by_fp8 > 0
     assert 0.1 < moved_by_noise / moved_by_fp8 < 10
+
+
+def test_payload_error_feedback_changes_no_number_with_fp32_payloads(text_file):
+    """A lossless codec's own decoded payload is its snapshot: the feedback adds exactly zero,
+    which is why the fingerprint leaves the key out for dp.codec = fp32 (such runs are reused)."""
+    runs = {}
+    for feedback in ("false", "true"):
+        cfg = tiny(
+            text_file, "run.steps=8", "grid.stages=2", "grid.replicas=2", "dp.tau=2",
+            "dp.fraction=0.25", "dp.codec=fp32", f"dp.payload_error_feedback={feedback}",
+        )  # fmt: skip
+        sim = GridSim(cfg)
+        for _ in range(8):
+            sim.step()
+        runs[feedback] = (cfg.fingerprint(), flat_replica(sim, 0), flat_replica(sim, 1))
+    assert runs["false"][0] == runs["true"][0]
+    for a, b in zip(runs["false"][1:], runs["true"][1:], strict=True):
+        assert torch.equal(a, b)

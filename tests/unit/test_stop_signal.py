@@ -1,0 +1,76 @@
+"""A cell's stop (SIGTERM) while torch's rendezvous blocks in C++ exits at once, exit 0: the
+Python handler cannot run there, and the TCPStore connect would hold the process for its whole
+timeout (runtime.timeout_s, 60 s by default) past a launcher's grace period (mesh/runtime/trainer.py,
+_StopSignal.immediate)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import wait_for
+
+STORE_TIMEOUT_S = 120  # what the child would wait without the fix
+HANG_S = 30  # well under it, with room for a loaded box
+
+CHILD = """
+import signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+from mesh.runtime.trainer import _STOP
+signal.signal(signal.SIGTERM, _STOP.handler)
+with _STOP.{window}():
+    print("ready", flush=True)
+    dist.TCPStore("127.0.0.1", {port}, 2, False, timedelta(seconds={timeout}))
+print("connected", flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main_thread_sleeping(pid: int) -> bool:
+    # field 3 of /proc/PID/stat: the main thread's state; S once it waits inside the connect
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "S"
+
+
+def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, float]:
+    code = CHILD.format(window=window, port=_free_port(), timeout=STORE_TIMEOUT_S)
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        wait_for(lambda: _main_thread_sleeping(child.pid), HANG_S, "the connect to block")
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        try:
+            rc = child.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None, time.monotonic() - sent
+        return rc, time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_stop_inside_a_blocking_rendezvous_exits_at_once():
+    rc, took_s = _stop_while_connecting("immediate", HANG_S)
+    assert rc == 0, f"exit {rc} after {took_s:.1f}s"
+
+
+def test_a_deferred_stop_waits_out_the_connect():
+    """The control: the same stop in the window that defers it (hivemind's, which must reap
+    p2pd first) is not seen until the call returns."""
+    rc, took_s = _stop_while_connecting("deferred", wait_s=5)
+    assert rc is None, f"the deferred stop exited ({rc}) after {took_s:.1f}s"

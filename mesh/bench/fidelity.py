@@ -106,9 +106,11 @@ def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int)
         budget = {f"h{h}": (h // 10 if quick else h) for h in HORIZONS}
     specs.sort(key=lambda s: -budget[s.study] * int(dict(s.overrides)["grid.replicas"]))
     known = known_runs(CONVERGENCE / "tuning.json")
-    conv = CONVERGENCE / "summary.json"
-    if conv.is_file() and not quick:
-        known += json.loads(conv.read_text())["runs"]
+    # runs whose config did not change are not run again: the convergence study's, and this
+    # study's own last summary
+    for done in (CONVERGENCE / "summary.json", out / "summary.json"):
+        if done.is_file() and not quick:
+            known += json.loads(done.read_text())["runs"]
     start = time.perf_counter()
     runs = run_specs(base, specs, budget, out, workers, study, known)
     summary = {

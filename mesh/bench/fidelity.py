@@ -204,8 +204,8 @@ def _write_precision(summary: dict[str, Any], out: Path) -> None:
     lines += [
         "## DPAvg at low precision against AsyncMesh-fp8 at tau 10",
         "",
-        "Rows without \"+ feedback\" apply a round's decoded mean as the papers do "
-        "(dp.payload_error_feedback = false); \"+ feedback\" is this project's default, the "
+        'Rows without "+ feedback" apply a round\'s decoded mean as the papers do '
+        '(dp.payload_error_feedback = false); "+ feedback" is this project\'s default, the '
         "mean applied relative to the replica's own decoded payload.",
         "",
         format_table(["run", "val loss", "gap to DPAvg fp32"], rows),

@@ -411,7 +411,6 @@ class _StopSignal:
             self.exiting = True
             raise SystemExit(0)
 
-
     @contextlib.contextmanager
     def immediate(self) -> Iterator[None]:
         """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup

@@ -1,7 +1,7 @@
 """A cell's stop (SIGTERM) while torch's rendezvous blocks in C++ exits at once, exit 0: the
 Python handler cannot run there, and the TCPStore connect would hold the process for its whole
-timeout (runtime.timeout_s, 60 s by default) past a launcher's grace period (mesh/runtime/trainer.py,
-_StopSignal.immediate)."""
+timeout (runtime.timeout_s, 60 s by default) past a launcher's grace period
+(mesh/runtime/trainer.py, _StopSignal.immediate)."""
 
 from __future__ import annotations
 

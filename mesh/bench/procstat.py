@@ -15,27 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (pid first)."""
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
+from mesh.runtime.proctree import process_tree
 
 
 def comm(pid: int) -> str:

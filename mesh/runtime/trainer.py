@@ -41,6 +41,7 @@ from mesh.runtime.checkpoint import (
 )
 from mesh.runtime.emulate import link_profile, resolve_window
 from mesh.runtime.metrics import MetricsSink, beat_stats
+from mesh.runtime.proctree import kill_descendants
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
@@ -235,10 +236,10 @@ def run_cell(
             g.write(line)
 
     try:
-        # a stop while p2pd starts waits until `finally` can close it; torch's rendezvous has
-        # no child to reap, but blocks in C++ where no handler runs: a stop there exits at once
-        starting = _STOP.immediate if cfg.runtime.backend == "torch" else _STOP.deferred
-        with starting():
+        # a stop while the transport starts ends it at once (its helper processes with it):
+        # a start may take up to runtime.timeout_s (p2pd's bootstrap retries on a busy host, a
+        # TCPStore connect blocked in C++ where no handler runs), longer than a launcher waits
+        with _STOP.immediate():
             transport = cell_transport(cfg, stage, replica, transport_options, run_key)
         with metrics.open("a") as f:
             # whose rows these are: a dashboard on this machine tells a dead cell by its pid
@@ -388,7 +389,11 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
 class _StopSignal:
     """SIGTERM -> SystemExit(0), except inside a checkpoint write: there it waits until the
     write is complete (an exception inside torch.save would fail the stop, not the file: the
-    write is atomic either way), and once we are exiting further signals are ignored."""
+    write is atomic either way), and once the cell's `finally` runs (`exiting`) further
+    signals are ignored. Until then each signal raises again: Python swallows an exception a
+    handler raises while the main thread runs a weakref or finalizer callback ("Exception
+    ignored in ..."), and a stop lost that way must not wait for the launcher's SIGKILL (its
+    repeated SIGTERMs are what find the cell next)."""
 
     def __init__(self) -> None:
         self.depth, self.pending, self.exiting = 0, False, False
@@ -397,7 +402,6 @@ class _StopSignal:
         if self.depth or self.exiting:
             self.pending = True
             return
-        self.exiting = True
         raise SystemExit(0)
 
     @contextlib.contextmanager
@@ -416,7 +420,8 @@ class _StopSignal:
         """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup
         fd wakes: the main thread may sit in a C++ call (a TCPStore or gloo connect waits up to
         runtime.timeout_s) where a Python handler cannot run, and a stop must not wait that
-        long. Only for a window where nothing needs undoing: no child process, no file open,
+        long. The processes this one started (a half-started DHT and its p2pd) are killed
+        first, by PID. Only for a window where nothing else needs undoing: no file open,
         nothing claimed, nothing trained since the last save."""
         r, w = os.pipe()
         os.set_blocking(w, False)
@@ -427,6 +432,7 @@ class _StopSignal:
             while not done.is_set():
                 got = os.read(r, 64)
                 if not done.is_set() and stops & set(got):
+                    kill_descendants()
                     os._exit(0)
 
         old = signal.set_wakeup_fd(w)

@@ -1,10 +1,12 @@
-"""A cell's stop (SIGTERM) while torch's rendezvous blocks in C++ exits at once, exit 0: the
-Python handler cannot run there, and the TCPStore connect would hold the process for its whole
-timeout (runtime.timeout_s, 60 s by default) past a launcher's grace period
-(mesh/runtime/trainer.py, _StopSignal.immediate)."""
+"""A cell's stop (SIGTERM) while its transport starts exits at once, exit 0, and takes the
+processes it had started with it: the main thread may be blocked in C++ (a TCPStore connect)
+where no Python handler runs, and the start would hold the process for up to runtime.timeout_s
+(60 s by default), past a launcher's grace period (mesh/runtime/trainer.py,
+_StopSignal.immediate)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -18,12 +20,14 @@ STORE_TIMEOUT_S = 120  # what the child would wait without the fix
 HANG_S = 30  # well under it, with room for a loaded box
 
 CHILD = """
-import signal, sys
+import signal, subprocess, sys
 from datetime import timedelta
 import torch.distributed as dist
 from mesh.runtime.trainer import _STOP
 signal.signal(signal.SIGTERM, _STOP.handler)
 with _STOP.{window}():
+    helper = subprocess.Popen(["sleep", "300"])  # as a DHT process would be, half-started
+    print(helper.pid, flush=True)
     print("ready", flush=True)
     dist.TCPStore("127.0.0.1", {port}, 2, False, timedelta(seconds={timeout}))
 print("connected", flush=True)
@@ -42,13 +46,15 @@ def _main_thread_sleeping(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "S"
 
 
-def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, float]:
+def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, float, int]:
     code = CHILD.format(window=window, port=_free_port(), timeout=STORE_TIMEOUT_S)
     root = Path(__file__).resolve().parents[2]
     child = subprocess.Popen(
         [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True
     )
+    helper = 0
     try:
+        helper = int(child.stdout.readline())
         assert child.stdout.readline().strip() == "ready"
         wait_for(lambda: _main_thread_sleeping(child.pid), HANG_S, "the connect to block")
         sent = time.monotonic()
@@ -56,21 +62,32 @@ def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, floa
         try:
             rc = child.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            return None, time.monotonic() - sent
-        return rc, time.monotonic() - sent
+            return None, time.monotonic() - sent, helper
+        return rc, time.monotonic() - sent, helper
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+            if helper and _alive(helper):
+                os.kill(helper, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_stop_inside_a_blocking_rendezvous_exits_at_once():
-    rc, took_s = _stop_while_connecting("immediate", HANG_S)
+    rc, took_s, helper = _stop_while_connecting("immediate", HANG_S)
     assert rc == 0, f"exit {rc} after {took_s:.1f}s"
+    # the process it had started went with it (reaped by init once its parent was gone)
+    wait_for(lambda: not _alive(helper), HANG_S, "the helper process to be gone")
 
 
 def test_a_deferred_stop_waits_out_the_connect():
     """The control: the same stop in the window that defers it (hivemind's, which must reap
     p2pd first) is not seen until the call returns."""
-    rc, took_s = _stop_while_connecting("deferred", wait_s=5)
+    rc, took_s, _ = _stop_while_connecting("deferred", wait_s=5)
     assert rc is None, f"the deferred stop exited ({rc}) after {took_s:.1f}s"

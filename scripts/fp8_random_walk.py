@@ -16,8 +16,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-ARMS = {
-    "fp8": [],
+ARMS = {  # (payload_error_feedback is on by default since session 12)
+    "fp8": ["dp.payload_error_feedback=false"],
     "fp32": ["dp.codec=fp32"],
     "fp8 + payload_error_feedback": ["dp.payload_error_feedback=true"],
 }

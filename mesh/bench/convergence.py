@@ -175,8 +175,8 @@ def run_convergence(
         kept = [r for r in json.loads(old.read_text())["runs"] if r["study"] == "pp"]
     start = time.perf_counter()
     known = known_runs(out / "tuning.json")
-    if old.is_file() and not quick:  # a run whose config did not change is not run again
-        known += [r for r in json.loads(old.read_text())["runs"] if r["study"] == "dp"]
+    if not quick:  # a run whose config did not change is not run again
+        known += [r for r in known_runs(old) if r["study"] == "dp"]
     runs = run_specs(base, specs, budget, out, workers, "convergence", known) + kept
     summary = {
         "microbatches_per_replica": budget,

@@ -93,7 +93,9 @@ def build_specs(
 
 def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int) -> dict[str, Any]:
     # the horizon study is the headline's length question: enough seeds to tell 1% from 2%
-    seeds = [0] if quick or study == "scaling" else [0, 1, 2, 3] if study == "horizon" else [0, 1]
+    seeds = {"precision": [0, 1], "horizon": [0, 1, 2, 3], "scaling": [0]}.get(study, [0, 1])
+    if quick:
+        seeds = [0]
     mbs = 160 if quick else 1600
     tuned, is_tuned = (DEFAULT_TUNED, False) if quick else load_tuned(CONVERGENCE / "tuning.json")
     ablations = ABLATIONS / "summary.json"
@@ -108,9 +110,8 @@ def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int)
     known = known_runs(CONVERGENCE / "tuning.json")
     # runs whose config did not change are not run again: the convergence study's, and this
     # study's own last summary
-    for done in (CONVERGENCE / "summary.json", out / "summary.json"):
-        if done.is_file() and not quick:
-            known += json.loads(done.read_text())["runs"]
+    if not quick:
+        known += known_runs(CONVERGENCE / "summary.json") + known_runs(out / "summary.json")
     start = time.perf_counter()
     runs = run_specs(base, specs, budget, out, workers, study, known)
     summary = {

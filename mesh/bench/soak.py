@@ -44,10 +44,9 @@ SOAK_STEPS = 10_000_000  # never reached: the soak stops the grid
 # ran at a constant lr (its schedules spanned SOAK_STEPS) and its loss rose from minute 30.
 SOAK_UPDATES_PER_MIN = 1400
 SOAK_D_MODEL, SOAK_SEQ_LEN = 48, 32  # bytes of Shakespeare: still learning after an hour
-# fp8 rounds applied relative to the cell's own decoded payload: without it the codec's
-# rounding random-walks into the weights and the loss rose from minute 30 in every soak (and in
-# a one-process simulator run of this grid from update 30k: not the runtime; session 11)
-SOAK_DP = "payload_error_feedback = true"
+# (fp8 rounds are applied relative to the cell's own decoded payload, dp.payload_error_feedback,
+# the default: without it the codec's rounding random-walked into the weights and the loss rose
+# from minute 30 in every soak; session 11)
 
 
 def plan(minutes: float, quick: bool) -> dict[str, float]:
@@ -160,7 +159,7 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
             # minutes, and the soak's loss must be able to fall for the whole hour
             cfg = tiny_grid_config(Path(tmp), None, runtime=SOAK_RUNTIME, steps=SOAK_STEPS,
                                    d_model=SOAK_D_MODEL, seq_len=SOAK_SEQ_LEN,
-                                   schedule_steps=horizon, dp=SOAK_DP)  # fmt: skip
+                                   schedule_steps=horizon)  # fmt: skip
             meta["schedule_steps"] = horizon
             with grid:
                 t0 = time.monotonic()

@@ -264,5 +264,6 @@ def method_overrides(method: str, tuned: dict[str, dict[str, Any]]) -> dict[str,
 
 
 def known_runs(path: Path = TUNING_FILE) -> list[dict[str, Any]]:
-    """The tuning's runs, for a study to reuse where its config is the same."""
+    """The runs of a tuning.json or a study's summary.json (none if it is not there), for a
+    study to reuse where their config is the same."""
     return json.loads(path.read_text())["runs"] if path.is_file() else []

@@ -15,7 +15,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,12 @@ from mesh.runtime.checkpoint import (
 )
 from mesh.runtime.emulate import link_profile, resolve_window
 from mesh.runtime.metrics import MetricsSink, beat_stats
-from mesh.runtime.proctree import kill_descendants
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageWorker, cell_name
 from mesh.runtime.state_sync import StateServer, download_state
+from mesh.runtime.stop import STOP
 
 
 def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
@@ -186,8 +185,8 @@ def run_cell(
     # SIGTERM (the launcher stopping us, or a user): first of all, so a stop while we load is
     # a clean exit 0 too; from the transport on, it unwinds through `finally` so the transport
     # is closed (p2pd children reaped), the cell released and the checkpoint written
-    signal.signal(signal.SIGTERM, _STOP.handler)
-    signal.signal(signal.SIGINT, _STOP.handler)  # Ctrl-C: the same clean stop
+    signal.signal(signal.SIGTERM, STOP.handler)
+    signal.signal(signal.SIGINT, STOP.handler)  # Ctrl-C: the same clean stop
     cfg = config_from_dict(cfg_tree)
     memory.limit_arenas(cfg.runtime.malloc_arenas)  # before the transport's threads start
     torch.set_num_threads(cfg.run.threads)
@@ -239,7 +238,7 @@ def run_cell(
         # a stop while the transport starts ends it at once (its helper processes with it):
         # a start may take up to runtime.timeout_s (p2pd's bootstrap retries on a busy host, a
         # TCPStore connect blocked in C++ where no handler runs), longer than a launcher waits
-        with _STOP.immediate():
+        with STOP.immediate():
             transport = cell_transport(cfg, stage, replica, transport_options, run_key)
         with metrics.open("a") as f:
             # whose rows these are: a dashboard on this machine tells a dead cell by its pid
@@ -254,7 +253,7 @@ def run_cell(
                 coord.on_event = event  # waiting for whom, sessions
                 coord.on_beat = _health_rows(event, transport)
             worker = StageWorker(cfg, cell, transport, corpus)
-            worker.critical = _STOP.deferred
+            worker.critical = STOP.deferred
             if coord.elastic:
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
                 server = StateServer(transport, cell, worker.lock, column)
@@ -264,7 +263,7 @@ def run_cell(
             def on_step(w: StageWorker) -> None:
                 every = cfg.runtime.checkpoint_every
                 if every and cell.step % every == 0:
-                    with _STOP.deferred():
+                    with STOP.deferred():
                         save_cell(cell, cfg.state_fingerprint(), out_dir)
                 now = time.perf_counter()
                 trim_s = cfg.runtime.trim_every_s
@@ -321,7 +320,7 @@ def run_cell(
             }
             f.write(json.dumps(final) + "\n")
     finally:
-        _STOP.exiting = True  # a second SIGTERM must not cut the last save short
+        STOP.exiting = True  # a second SIGTERM must not cut the last save short
         if sink is not None:
             sink.close()
         if server is not None:
@@ -384,72 +383,6 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "stash_bytes_peak": st.stash_bytes_peak,
         "rss_peak_mb": round(st.rss_peak_mb(), 1),
     }
-
-
-class _StopSignal:
-    """SIGTERM -> SystemExit(0), except inside a checkpoint write: there it waits until the
-    write is complete (an exception inside torch.save would fail the stop, not the file: the
-    write is atomic either way), and once the cell's `finally` runs (`exiting`) further
-    signals are ignored. Until then each signal raises again: Python swallows an exception a
-    handler raises while the main thread runs a weakref or finalizer callback ("Exception
-    ignored in ..."), and a stop lost that way must not wait for the launcher's SIGKILL (its
-    repeated SIGTERMs are what find the cell next)."""
-
-    def __init__(self) -> None:
-        self.depth, self.pending, self.exiting = 0, False, False
-
-    def handler(self, signum: int, frame: Any) -> None:
-        if self.depth or self.exiting:
-            self.pending = True
-            return
-        raise SystemExit(0)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if self.pending and not self.depth and not self.exiting:
-            self.exiting = True
-            raise SystemExit(0)
-
-    @contextlib.contextmanager
-    def immediate(self) -> Iterator[None]:
-        """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup
-        fd wakes: the main thread may sit in a C++ call (a TCPStore or gloo connect waits up to
-        runtime.timeout_s) where a Python handler cannot run, and a stop must not wait that
-        long. The processes this one started (a half-started DHT and its p2pd) are killed
-        first, by PID. Only for a window where nothing else needs undoing: no file open,
-        nothing claimed, nothing trained since the last save."""
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                got = os.read(r, 64)
-                if not done.is_set() and stops & set(got):
-                    kill_descendants()
-                    os._exit(0)
-
-        old = signal.set_wakeup_fd(w)
-        watcher = threading.Thread(target=watch, name="stop-watch", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            signal.set_wakeup_fd(old)
-            done.set()
-            os.write(w, b"\0")  # wakes the watcher to see `done`
-            watcher.join()
-            os.close(r)
-            os.close(w)
-
-
-_STOP = _StopSignal()
 
 
 def _digest(t: torch.Tensor) -> str:

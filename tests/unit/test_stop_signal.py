@@ -1,8 +1,8 @@
 """A cell's stop (SIGTERM) while its transport starts exits at once, exit 0, and takes the
 processes it had started with it: the main thread may be blocked in C++ (a TCPStore connect)
 where no Python handler runs, and the start would hold the process for up to runtime.timeout_s
-(60 s by default), past a launcher's grace period (mesh/runtime/trainer.py,
-_StopSignal.immediate)."""
+(60 s by default), past a launcher's grace period (mesh/runtime/stop.py,
+StopSignal.immediate)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from mesh.bench.procstat import alive
 from tests.helpers import wait_for
 
 STORE_TIMEOUT_S = 120  # what the child would wait without the fix
@@ -23,9 +24,9 @@ CHILD = """
 import signal, subprocess, sys
 from datetime import timedelta
 import torch.distributed as dist
-from mesh.runtime.trainer import _STOP
-signal.signal(signal.SIGTERM, _STOP.handler)
-with _STOP.{window}():
+from mesh.runtime.stop import STOP
+signal.signal(signal.SIGTERM, STOP.handler)
+with STOP.{window}():
     helper = subprocess.Popen(["sleep", "300"])  # as a DHT process would be, half-started
     print(helper.pid, flush=True)
     print("ready", flush=True)
@@ -68,26 +69,19 @@ def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, floa
         if child.poll() is None:
             child.kill()
             child.wait()
-            if helper and _alive(helper):
+            if helper and alive(helper):
                 os.kill(helper, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_stop_inside_a_blocking_rendezvous_exits_at_once():
     rc, took_s, helper = _stop_while_connecting("immediate", HANG_S)
     assert rc == 0, f"exit {rc} after {took_s:.1f}s"
     # the process it had started went with it (reaped by init once its parent was gone)
-    wait_for(lambda: not _alive(helper), HANG_S, "the helper process to be gone")
+    wait_for(lambda: not alive(helper), HANG_S, "the helper process to be gone")
 
 
 def test_a_deferred_stop_waits_out_the_connect():
-    """The control: the same stop in the window that defers it (hivemind's, which must reap
-    p2pd first) is not seen until the call returns."""
+    """The control: the same stop in the window that defers it (a checkpoint write's) is not
+    seen until the call returns."""
     rc, took_s, _ = _stop_while_connecting("deferred", wait_s=5)
     assert rc is None, f"the deferred stop exited ({rc}) after {took_s:.1f}s"

@@ -1,0 +1,83 @@
+"""How a cell process stops: SIGTERM (a launcher, a user) or Ctrl-C is a clean stop (checkpoint,
+release, exit 0), deferred inside a checkpoint write, and immediate while the transport starts
+(mesh/runtime/trainer.py run_cell installs the handler and opens the windows).
+
+imports: stdlib, mesh.runtime.proctree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from mesh.runtime.proctree import kill_descendants
+
+
+class StopSignal:
+    """SIGTERM -> SystemExit(0), except inside a checkpoint write: there it waits until the
+    write is complete (an exception inside torch.save would fail the stop, not the file: the
+    write is atomic either way), and once the cell's `finally` runs (`exiting`) further
+    signals are ignored. Until then each signal raises again: Python swallows an exception a
+    handler raises while the main thread runs a weakref or finalizer callback ("Exception
+    ignored in ..."), and a stop lost that way must not wait for the launcher's SIGKILL (its
+    repeated SIGTERMs are what find the cell next)."""
+
+    def __init__(self) -> None:
+        self.depth, self.pending, self.exiting = 0, False, False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.depth or self.exiting:
+            self.pending = True
+            return
+        raise SystemExit(0)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        if self.pending and not self.depth and not self.exiting:
+            self.exiting = True
+            raise SystemExit(0)
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[None]:
+        """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup
+        fd wakes: the main thread may sit in a C++ call (a TCPStore or gloo connect waits up to
+        runtime.timeout_s) where a Python handler cannot run, and a stop must not wait that
+        long. The processes this one started (a half-started DHT and its p2pd) are killed
+        first, by PID. Only for a window where nothing else needs undoing: no file open,
+        nothing claimed, nothing trained since the last save."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                got = os.read(r, 64)
+                if not done.is_set() and stops & set(got):
+                    kill_descendants()
+                    os._exit(0)
+
+        old = signal.set_wakeup_fd(w)
+        watcher = threading.Thread(target=watch, name="stop-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(old)
+            done.set()
+            os.write(w, b"\0")  # wakes the watcher to see `done`
+            watcher.join()
+            os.close(r)
+            os.close(w)
+
+
+STOP = StopSignal()  # the process's one handler (run_cell installs it)

@@ -74,6 +74,18 @@ class PipelineConfig(_Section):
         "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
+    weight_prediction: float = Field(
+        0.0,
+        ge=0,
+        description="async/2bw: each stage's forward (and its backward's recompute) reads its "
+        "weights moved this share of its gradient delay ahead along the EMA of its own updates, "
+        "so a stale gradient is taken near where it lands (1: the whole delay; "
+        "mesh/algo/predict.py); 0: off. Costs one parameter-sized buffer per stage",
+    )
+    prediction_beta: float = Field(
+        0.9, ge=0, lt=1, description="EMA factor of the update velocity weight_prediction uses"
+    )
+
     def extra_warmups(self) -> list[int] | None:
         """The resolved window as the schedule functions take it (None for 'none').
 
@@ -115,6 +127,14 @@ class OptimConfig(_Section):
     )
     warmup_steps: int = Field(100, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    delay_lr_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="a stage with gradient delay d > 1 starts at lr / d and reaches the full lr "
+        "at this share of the run (AsyncPP's lr_correction; mesh.algo.optim.delay_lr_factor); "
+        "0: off",
+    )
     error_feedback: bool = Field(False, description="x <- x - 2u_t + u_(t-1) for any optimizer")
     state_8bit: bool = Field(False, description="bitsandbytes 8-bit optimizer states (CUDA)")
 
@@ -322,6 +342,8 @@ class RuntimeConfig(_Section):
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
+    "pipeline": ("weight_prediction", "prediction_beta"),
+    "optim": ("delay_lr_share",),
     "dp": (
         "lambda_clock",
         "lambda_hold_arrivals",

@@ -5,9 +5,11 @@ Every arm goes through the same stages, each run at the study's own budget (1,60
 per replica) on TUNE_SEEDS: learning rates (FullSync 5; AsyncMesh-fp8 2, then at the better one
 tau 2 and tau 10 and clip 10: a coordinate search over the issue's tau {2, 5, 10} x clip {1, 10},
 and the schedule-clock probe), then beta1 and the lr again (x0.75, x1.5, and on while the best
-lr is the edge of those tried) for both arms. The rule: lowest mean final validation loss over
-the seeds; a diverged run counts as infinite. Last, each arm's CONFIRM_TOP best settings run on
-CONFIRM_SEEDS as well and the pick is the best mean over both seeds among them. The other async
+lr is the edge of those tried) for both arms, and for the async arm the pipeline's staleness
+corrections (AsyncPP's per-stage lr correction, at the lr and x1.5; weight prediction). The
+rule: lowest mean final validation loss over the seeds; a diverged run counts as infinite. Last,
+each arm's CONFIRM_TOP best settings run on CONFIRM_SEEDS as well and the pick is the best mean
+over both seeds among them. The other async
 methods are AsyncMesh with one thing changed, so they share its setting. The stages run on one
 seed, because a run costs about 2 core-minutes here.
 """
@@ -53,6 +55,15 @@ SCHEDULE_PROBE = [
 MOMENTUM_PROBE = {"FullSync": [0.8, 0.95], "AsyncMesh-fp8": [0.9, 0.95]}
 # the fifth stage, for both arms: the lr again, x0.75 and x1.5, at the best momentum
 LR_REFINE = [0.75, 1.5]
+# the sixth stage, for the async arm at its best so far: the pipeline's staleness corrections
+# (FullSync's flushed pipeline has no delay for them to correct). AsyncPP's lr correction (a
+# stage with delay d starts at lr / d, full lr from half the run) at the lr and at x1.5, since
+# what it buys is stability at a larger lr; and weight prediction over half the delay.
+STALENESS_PROBE = [
+    {"optim.delay_lr_share": 0.5},
+    {"optim.delay_lr_share": 0.5, "lr_factor": 1.5},
+    {"pipeline.weight_prediction": 0.5},
+]
 EDGE_STEPS = 2
 # the last stage: each arm's CONFIRM_TOP best settings on one seed more; the pick is the lowest
 # mean over both seeds among them (a single seed's ranking of settings 0.01-0.03 apart is noise:
@@ -124,6 +135,16 @@ def _lr_stage(arm: str, so_far: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**so_far, "optim.lr": round(so_far["optim.lr"] * f, 6)} for f in LR_REFINE]
 
 
+def _staleness_stage(so_far: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for change in STALENESS_PROBE:
+        st = {**so_far, **{k: v for k, v in change.items() if k != "lr_factor"}}
+        if "lr_factor" in change:
+            st["optim.lr"] = round(so_far["optim.lr"] * change["lr_factor"], 6)
+        out.append(st)
+    return out
+
+
 def _edge_step(runs: list[dict[str, Any]], arm: str) -> dict[str, Any] | None:
     """The next lr to try for the arm when its best lr so far lies at the edge of those tried
     at the same other settings (None: it does not)."""
@@ -147,7 +168,9 @@ def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, 
     """The stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
     budget = 160 if quick else 1600
     path = out / "tuning.json"
-    known = json.loads(path.read_text())["runs"] if path.is_file() else []
+    # an earlier tuning's runs, and the study's own (its arms at the tuned settings on the
+    # tuning seeds), are reused wherever their config is the same
+    known = [*known_runs(path), *known_runs(out / "summary.json")]
     work = out / "tuning"
     stage1 = [("FullSync", {"optim.lr": lr}) for lr in FULLSYNC_LRS]
     stage1 += [("AsyncMesh-fp8", {"optim.lr": lr}) for lr in ASYNC_LRS]
@@ -166,6 +189,12 @@ def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, 
         have = {s.method for s, _ in specs}  # an lr x1.5 may be one stage 1 tried already
         specs += [(s, st) for s, st in _specs(tried) if s.method not in have]
         runs = _run(base, specs, work, workers, budget, known)
+    # stage 6: the async arm's staleness corrections
+    so_far, _ = best_settings(runs, "AsyncMesh-fp8", TUNE_SEEDS)
+    have = {s.method for s, _ in specs}
+    tried = _specs([("AsyncMesh-fp8", st) for st in _staleness_stage(so_far)])
+    specs += [(s, st) for s, st in tried if s.method not in have]
+    runs = _run(base, specs, work, workers, budget, known)
     # an arm whose best lr is the largest (smallest) it tried at its other settings steps on
     # (x1.5, x0.75) until it is not, at most EDGE_STEPS times: a best at the range's edge
     # says the range was too short, for either arm
@@ -224,9 +253,9 @@ def write_table(summary: dict[str, Any], path: Path) -> None:
             f"{arm} {sum(n.startswith(arm + ' |') for n in groups)} settings" for arm in ARMS
         )
         + " (the same lr, momentum and lr-refine stages for both; the async arm also its tau, "
-        "clip and schedule-clock stages); best = lowest mean final validation loss "
-        "(mesh/bench/tuning.py). Clip rate: share of the cells' updates whose gradient norm "
-        "was above the clip.",
+        "clip, schedule-clock and staleness-correction stages); best = lowest mean final "
+        "validation loss (mesh/bench/tuning.py). Clip rate: share of the cells' updates whose "
+        "gradient norm was above the clip.",
         "",
         format_table(["arm", "setting", "val loss (mean)", "per seed", "clip rate"], rows),
         "",

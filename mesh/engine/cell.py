@@ -17,23 +17,36 @@ from torch import nn
 
 from comms import codecs
 from mesh.algo import robust, sparse
-from mesh.algo.optim import OptimSpec, StageOptimizer, lambda_at, lr_at, momentum_decay_for
+from mesh.algo.optim import (
+    OptimSpec,
+    StageOptimizer,
+    delay_lr_factor,
+    lambda_at,
+    lr_at,
+    momentum_decay_for,
+)
+from mesh.algo.predict import predicted, prediction_distance
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.config import Config, OptimConfig, parse_cell_factors
 
 Params = dict[str, torch.Tensor]
 
 
-def optim_spec(cfg: OptimConfig, delay: int = 0, horizon_steps: int | None = None) -> OptimSpec:
+def optim_spec(
+    cfg: OptimConfig,
+    delay: int = 0,
+    horizon_steps: int | None = None,
+    velocity_beta: float | None = None,
+) -> OptimSpec:
     """The optimizer's plain dataclass from the config section (same field names), plus the
-    stage's gradient delay (stage-aware rotation uses it) and momentum_decay = 'auto' resolved
-    for the run's schedule horizon."""
+    stage's gradient delay (stage-aware rotation uses it), momentum_decay = 'auto' resolved
+    for the run's schedule horizon, and the velocity EMA weight prediction reads (None: off)."""
     fields = OptimSpec.__dataclass_fields__
     values = {k: v for k, v in cfg.model_dump().items() if k in fields}
     if values["momentum_decay"] == "auto":
         assert horizon_steps is not None, "momentum_decay = 'auto' needs the schedule horizon"
         values["momentum_decay"] = momentum_decay_for(horizon_steps)
-    return OptimSpec(**values, delay=delay)
+    return OptimSpec(**values, delay=delay, velocity_beta=velocity_beta)
 
 
 @dataclass
@@ -87,11 +100,14 @@ class Cell:
         delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, window)
         # read by push_version every update: worked out once
         self._versions_kept = versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, window)
-        spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon)
+        # weight prediction: how far ahead this stage's versions are extrapolated (0: off)
+        self._prediction = prediction_distance(pipe.weight_prediction, delay)
+        beta = pipe.prediction_beta if self._prediction > 0 else None
+        spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon, beta)
         self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
         self.history = OrderedDict()
-        self.history[0] = self.flat.clone()
+        self.history[0] = self.version_weights()
         g = self.cfg.grid
         poison = parse_cell_factors(self.cfg.runtime.poison, g.stages, g.replicas, "poison")
         self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
@@ -119,9 +135,20 @@ class Cell:
         Taken after the optimizer step and after averaging arrivals, so a stashed version is
         exactly the weights its forward saw; averaging later changes only the live weights.
         """
-        self.history[self.step] = self.flat.clone()
+        self.history[self.step] = self.version_weights()
         while len(self.history) > self.versions_to_keep():
             self.history.popitem(last=False)
+
+    def version_weights(self) -> torch.Tensor:
+        """The weights a new version holds: the live ones, or with pipeline.weight_prediction
+        the live ones extrapolated along this stage's update velocity (mesh/algo/predict.py).
+        A copy: averaging and the optimizer change only the live weights."""
+        if self._prediction == 0:
+            return self.flat.clone()
+        velocity = torch.cat(
+            [self.optimizer.velocity(name).reshape(-1) for name, _, _, _ in self._shapes]
+        )
+        return predicted(self.flat, velocity, self._prediction)
 
     def weights(self, version: int) -> Params:
         assert version in self.history, (version, list(self.history))
@@ -129,8 +156,10 @@ class Cell:
 
     # ---- optimizer ------------------------------------------------------------------------
     def lr_scale(self) -> float:
-        o = self.cfg.optim
-        return lr_at(self.step, self.cfg.schedule_horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
+        o, horizon = self.cfg.optim, self.cfg.schedule_horizon
+        scale = lr_at(self.step, horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
+        delay = self.optimizer.spec.delay
+        return scale * delay_lr_factor(delay, self.step, horizon, o.delay_lr_share)
 
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""

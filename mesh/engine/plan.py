@@ -19,7 +19,8 @@ import torch
 from comms import codecs
 from mesh.algo import sparse
 from mesh.algo.optim import _Blockwise8bit, get_planner
-from mesh.algo.schedule import microbatches_per_update, versions_kept
+from mesh.algo.predict import prediction_distance
+from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
 from mesh.config import Config
 from mesh.engine.cell import optim_spec
 from mesh.model.build import stage_layers, stage_module
@@ -79,6 +80,10 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
             else:
                 total += n * val.element_size()
     params = sum(p.numel() for p in module.parameters())
+    pipe = cfg.pipeline
+    delay = stage_delay(pipe.schedule, stage, cfg.grid.stages, pipe.extra_warmups())
+    if prediction_distance(pipe.weight_prediction, delay) > 0:
+        total += 4 * params  # the update velocity weight prediction reads (optimizer state)
     return total, 4 * params if cfg.optim.error_feedback else 0
 
 

@@ -261,4 +261,4 @@ def load_state_vector(cell: Cell, vec: torch.Tensor, step: int) -> None:
     cell.drift.copy_(vec[n : 2 * n])
     cell.step = step
     cell.history.clear()
-    cell.history[step] = cell.flat.clone()
+    cell.history[step] = cell.version_weights()

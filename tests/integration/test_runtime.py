@@ -37,6 +37,8 @@ def _final_flats(out: Path, cfg) -> dict:
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25"],
         # an in-flight window: stage 0 reads one version older (design 4), in both engines
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25", "pipeline.window=[1,0]"],
+        # weight prediction: stage 0's versions extrapolated along its update velocity
+        ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25", "pipeline.weight_prediction=1"],
         [
             "pipeline.schedule=gpipe",
             "pipeline.microbatches=2",
@@ -45,7 +47,7 @@ def _final_flats(out: Path, cfg) -> dict:
             "optim.name=adamw",
         ],
     ],
-    ids=["asyncmesh-fp8", "asyncmesh-window", "fullsync"],
+    ids=["asyncmesh-fp8", "asyncmesh-window", "asyncmesh-predict", "fullsync"],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):
     cfg = load_config(
@@ -74,7 +76,8 @@ def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):
 
 def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):
     """SIGTERM the whole grid mid-run, resume from the common checkpoint: same numbers as a run
-    that never stopped (no averaging here, so nothing in flight is lost at the cut)."""
+    that never stopped (no averaging here, so nothing in flight is lost at the cut). Weight
+    prediction is on, so the velocity and the predicted stashes must come back exactly too."""
     base = [
         *TINY,
         f"data.path='{text_file}'",
@@ -83,6 +86,7 @@ def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):
         "run.steps=8",
         "dp.mode=none",
         "runtime.checkpoint_every=2",
+        "pipeline.weight_prediction=1",
     ]
     cfg = load_config([], base)
     stopped = tmp_path / "stopped"

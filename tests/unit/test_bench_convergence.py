@@ -53,9 +53,8 @@ def _fake_runs():
     return runs
 
 
-def test_outputs_are_written_and_targets_judged(tmp_path):
-    runs = _fake_runs()
-    summary = {
+def _summary(runs):
+    return {
         "microbatches_per_replica": {"dp": 1, "pp": 1},
         "seeds": [0, 1],
         "quick": True,
@@ -63,6 +62,11 @@ def test_outputs_are_written_and_targets_judged(tmp_path):
         "tokens_per_microbatch": 512,
         "runs": runs,
     }
+
+
+def test_outputs_are_written_and_targets_judged(tmp_path):
+    runs = _fake_runs()
+    summary = _summary(runs)
     write_outputs(summary, tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text())["runs"][0]["method"]
     table = (tmp_path / "table.md").read_text()
@@ -110,3 +114,28 @@ def test_a_second_study_stage_keeps_the_first_stages_runs_for_a_resume(text_file
     assert sorted(r["method"] for r in kept) == ["a", "b"]
     # and a resume of the first finds its run without running it again
     assert reuse(kept, [a], base, {"dp": 16})[0]["method"] == "a"
+
+
+def test_a_missed_headline_carries_its_measured_reason(tmp_path):
+    runs = _fake_runs()
+    for r in runs:  # AsyncMesh-fp8 5% above FullSync: the headline is missed
+        if r["method"] == "AsyncMesh-fp8":
+            fs = next(f for f in runs if f["method"] == "FullSync" and f["seed"] == r["seed"])
+            r["val_loss"] = fs["val_loss"] * 1.05
+    summary = _summary(runs)
+    write_outputs(summary, tmp_path)
+    assert "Why the headline is missed" not in (tmp_path / "table.md").read_text()
+    am8 = {r["seed"]: r["val_loss"] for r in runs if r["method"] == "AsyncMesh-fp8"}
+    fs = {r["seed"]: r["val_loss"] for r in runs if r["method"] == "FullSync"}
+    free = {s: v * 0.97 for s, v in fs.items()}
+    loss = {"AsyncMesh-fp8 (the study's)": am8, "delay-free pipeline": free}
+    (tmp_path / "decomposition.json").write_text(json.dumps({"loss": loss, "runs": []}))
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "Why the headline is missed" in table
+    assert "(-3.0%)" in table and "(+5.0%)" in table and "earlier tuning" not in table
+    # the decomposition of another tuning's arm is named stale
+    loss["AsyncMesh-fp8 (the study's)"] = {s: v + 0.01 for s, v in am8.items()}
+    (tmp_path / "decomposition.json").write_text(json.dumps({"loss": loss, "runs": []}))
+    write_outputs(summary, tmp_path)
+    assert "earlier tuning" in (tmp_path / "table.md").read_text()

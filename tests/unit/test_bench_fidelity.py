@@ -75,14 +75,28 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     monkeypatch.setattr(tuning, "SCHEDULE_PROBE", [{"dp.lambda_clock": "steps"}])
     monkeypatch.setattr(tuning, "MOMENTUM_PROBE", {"FullSync": [0.8], "AsyncMesh-fp8": [0.9]})
     monkeypatch.setattr(tuning, "LR_REFINE", [0.75])
+    staleness = [{"optim.delay_lr_share": 0.5, "lr_factor": 1.5}]
+    monkeypatch.setattr(tuning, "STALENESS_PROBE", staleness)
     monkeypatch.setattr(tuning, "CONFIRM_TOP", 2)
     monkeypatch.setattr(tuning, "EDGE_STEPS", 0)  # test_an_lr_at_the_edge_of_those_tried...
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
     groups = {r["method"] for r in summary["runs"]}
     per_arm = {arm: sum(g.startswith(arm + " |") for g in groups) for arm in tuning.ARMS}
-    # lrs, momentum, lr refined; the async arm also tau and the schedule probe
-    assert per_arm == {"FullSync": 3 + 1 + 1, "AsyncMesh-fp8": 2 + 1 + 1 + 1 + 1}
+    # lrs, momentum, lr refined; the async arm also tau, the schedule probe and staleness
+    assert per_arm == {"FullSync": 3 + 1 + 1, "AsyncMesh-fp8": 2 + 1 + 1 + 1 + 1 + 1}
+    # the staleness stage: the lr correction at x1.5 the lr of the async arm's best before it
+    corrected = [r for r in summary["runs"] if "optim.delay_lr_share" in r["settings"]]
+    assert corrected and all(r["settings"]["optim.delay_lr_share"] == 0.5 for r in corrected)
+    before = [r for r in summary["runs"] if r["method"].startswith("AsyncMesh-fp8 |")
+              and r not in corrected and r["seed"] in tuning.TUNE_SEEDS]  # fmt: skip
+    so_far = min(before, key=lambda r: r["val_loss"])["settings"]
+    expected = {
+        **so_far,
+        "optim.delay_lr_share": 0.5,
+        "optim.lr": round(so_far["optim.lr"] * 1.5, 6),
+    }
+    assert corrected[0]["settings"] == expected
     # every setting on the tuning seeds; each arm's best two on the confirmation seed too, and
     # the pick is one of those, by its mean over all seeds
     seeds = len(tuning.TUNE_SEEDS)

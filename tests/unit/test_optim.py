@@ -16,6 +16,7 @@ from mesh.algo.optim import (
     PAPER_STEPS,
     OptimSpec,
     StageOptimizer,
+    delay_lr_factor,
     is_hidden_matrix,
     lambda_at,
     lr_at,
@@ -474,3 +475,32 @@ def test_auto_momentum_decay_follows_the_papers_mu_curve_over_any_horizon(horizo
     assert optim_spec(load_config([], []).optim).momentum_decay == 0.004  # the default: fixed
     with pytest.raises(ValueError):
         momentum_decay_for(0)
+
+
+def test_delay_lr_factor_rises_from_lr_over_delay_to_lr() -> None:
+    """AsyncPP's lr_correction: lr / delta at the start, the full lr from `share` of the run."""
+    assert delay_lr_factor(3, 0, 1000, 0.5) == pytest.approx(1 / 3)
+    assert delay_lr_factor(4, 250, 1000, 0.5) == pytest.approx(4**-0.5)  # halfway: 1/sqrt(d)
+    assert delay_lr_factor(3, 500, 1000, 0.5) == 1.0
+    assert delay_lr_factor(3, 900, 1000, 0.5) == 1.0
+    factors = [delay_lr_factor(3, s, 1000, 0.5) for s in range(0, 1001, 50)]
+    assert factors == sorted(factors)  # never falls
+    assert delay_lr_factor(1, 0, 1000, 0.5) == 1.0  # one step of delay: nothing to correct
+    assert delay_lr_factor(0, 0, 1000, 0.5) == 1.0
+    assert delay_lr_factor(3, 0, 1000, 0.0) == 1.0  # off
+    with pytest.raises(ValueError):
+        delay_lr_factor(3, 0, 1000, -0.1)
+
+
+def test_cells_scale_their_lr_by_their_own_delay(text_file) -> None:
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_stages
+
+    sets = ["model.n_layers=4", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+    sets += [f"data.path='{text_file}'", "grid.stages=4", "grid.replicas=1", "run.steps=100"]
+    sets += ["optim.warmup_steps=0", "pipeline.schedule=async"]
+    plain = load_config([], sets)
+    cfg = load_config([], [*sets, "optim.delay_lr_share=0.5"])
+    for j, module in enumerate(build_stages(cfg.model, 4, 0)):
+        corrected, base = Cell(cfg, j, 0, module).lr_scale(), Cell(plain, j, 0, module).lr_scale()
+        assert corrected == pytest.approx(base / max(1, 3 - j))  # delays 3, 2, 1, 0

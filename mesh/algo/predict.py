@@ -1,0 +1,45 @@
+"""Weight prediction for stale pipeline gradients (`pipeline.weight_prediction`), the pure parts.
+
+In the asynchronous pipeline stage j's gradient is computed on weights delta_j updates old and
+lands on the newest ones (design 1.1). NAdamW's look-ahead absorbs part of that; at the short
+horizons we study, the rest is the whole of AsyncMesh's gap to FullSync
+(results/convergence/decomposition.md). Weight prediction (PipeMare, arXiv 1910.05124; SpecTrain,
+arXiv 1809.02839) removes more of it: the version a forward reads (and its backward recomputes on,
+weight stashing unchanged) is the live weights moved `scale x delta_j` of the stage's recent
+update velocity ahead, so with scale 1 the gradient is taken about where it will be applied.
+
+The velocity is an EMA of the stage's own optimizer displacements (weight decay and error
+feedback included, averaging arrivals not: a round's jump is a one-off, not a trend), kept per
+parameter in the optimizer's state so checkpoints and state downloads carry it. It works for any
+optimizer, unlike a look-ahead that reads one optimizer's moments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def update_velocity(velocity: torch.Tensor, displacement: torch.Tensor, beta: float) -> None:
+    """velocity <- beta velocity + (1 - beta) displacement, in place."""
+    velocity.lerp_(displacement, 1.0 - beta)
+
+
+def velocity_estimate(velocity: torch.Tensor, beta: float, updates: int) -> torch.Tensor:
+    """The per-update displacement the EMA says, bias-corrected as Adam's moments are (an EMA
+    started at zero under-reads its first 1/(1 - beta) updates); zero before any update."""
+    if updates <= 0:
+        return torch.zeros_like(velocity)
+    return velocity / (1.0 - beta**updates)
+
+
+def prediction_distance(scale: float, delay: int) -> float:
+    """How many updates ahead a stage's stashed version is extrapolated: `scale` of its gradient
+    delay (0 for the last stage of an async pipeline, and for every flushed schedule)."""
+    if scale < 0 or delay < 0:
+        raise ValueError(f"weight prediction needs scale >= 0 and delay >= 0, got {scale}, {delay}")
+    return scale * delay
+
+
+def predicted(weights: torch.Tensor, velocity: torch.Tensor, distance: float) -> torch.Tensor:
+    """weights + distance x velocity (a new tensor; the live weights are never changed)."""
+    return weights.add(velocity, alpha=distance)

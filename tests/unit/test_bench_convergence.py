@@ -116,6 +116,17 @@ def test_a_second_study_stage_keeps_the_first_stages_runs_for_a_resume(text_file
     assert reuse(kept, [a], base, {"dp": 16})[0]["method"] == "a"
 
 
+def test_tuned_settings_of_any_type_are_reported(tmp_path):
+    summary = _summary(_fake_runs())
+    summary["tuned"] = {
+        "FullSync": {"optim.lr": 9e-3},
+        "AsyncMesh-fp8": {"optim.lr": 3e-3, "dp.tau": 2, "dp.lambda_clock": "steps"},
+    }
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "dp.lambda_clock steps" in table and "dp.tau 2" in table
+
+
 def test_a_missed_headline_carries_its_measured_reason(tmp_path):
     runs = _fake_runs()
     for r in runs:  # AsyncMesh-fp8 5% above FullSync: the headline is missed
@@ -139,3 +150,15 @@ def test_a_missed_headline_carries_its_measured_reason(tmp_path):
     (tmp_path / "decomposition.json").write_text(json.dumps({"loss": loss, "runs": []}))
     write_outputs(summary, tmp_path)
     assert "earlier tuning" in (tmp_path / "table.md").read_text()
+
+
+def test_a_narrow_asyncsparta_margin_points_at_the_orderings_at_another_tau(tmp_path):
+    runs = _fake_runs()  # AsyncSPARTA within 0.03 of AsyncMesh-fp8 here
+    summary = _summary(runs)
+    write_outputs(summary, tmp_path)
+    assert "at tau 5" not in (tmp_path / "table.md").read_text()
+    loss = {"AsyncMesh-fp8": {0: 2.0, 1: 2.1}, "AsyncSPARTA": {0: 2.05, 1: 2.17}}
+    (tmp_path / "orderings_tau5.json").write_text(json.dumps({"loss": loss}))
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "AsyncSPARTA minus AsyncMesh-fp8 at tau 5" in table and "+0.0600" in table

@@ -1,0 +1,83 @@
+"""The convergence study's orderings (AsyncMesh against AsyncSPARTA and the delta rule) at
+another averaging delay tau than the tuned one, everything else at the study's tuned settings,
+seeds and budget (session 13: the re-tune chose tau 2, where a stale mean is two updates old and
+the drift correction has little to correct; the paper's runs and session 12's used tau 5).
+
+    python3 scripts/orderings_at_tau.py [--tau 5] [--workers 2] [--out results/convergence]
+
+Writes orderings_tau<N>.md and .json beside the study's table; about 10 minutes here with the
+default two methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+METHODS = "AsyncMesh-fp8,AsyncSPARTA"  # the default --methods (AsyncMesh-fp8 is always run)
+
+
+def main() -> None:
+    from mesh.bench.convergence import _dp_spec
+    from mesh.bench.report import fmt_gap, format_table, paired_gap
+    from mesh.bench.simruns import Spec, run_specs
+    from mesh.bench.tuning import load_tuned
+    from mesh.config import load_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default="results/convergence")
+    ap.add_argument("--methods", default=METHODS, help="comma-separated DP methods")
+    a = ap.parse_args()
+    methods = ["AsyncMesh-fp8", *(m for m in a.methods.split(",") if m != "AsyncMesh-fp8")]
+    out = Path(a.out)
+    study = json.loads((out / "summary.json").read_text())
+    seeds = study["seeds"]["dp"]
+    tuned, _ = load_tuned(out / "tuning.json")
+    specs = []
+    for seed in seeds:
+        for method in methods:
+            base = _dp_spec(method, seed, tuned=tuned)
+            ov = {**dict(base.overrides), "dp.tau": a.tau}
+            specs.append(Spec("orderings", method, seed, 1, tuple(ov.items())))
+    budget = {"orderings": study["microbatches_per_replica"]["dp"]}
+    runs = run_specs(load_config([]), specs, budget, Path(f"runs/orderings_tau{a.tau}"),
+                     a.workers, f"tau {a.tau}")  # fmt: skip
+    loss: dict[str, dict[int, float]] = {}
+    for r in runs:
+        loss.setdefault(r["method"], {})[r["seed"]] = r["val_loss"]
+    fs = {r["seed"]: r["val_loss"] for r in study["runs"] if r["method"] == "FullSync"}
+    rows = []
+    for method in methods:
+        vals = loss[method]
+        mean = sum(vals.values()) / len(vals)
+        rows.append([method, f"{mean:.4f}", fmt_gap(paired_gap(vals, fs)),
+                     fmt_gap(paired_gap(vals, loss["AsyncMesh-fp8"]))])  # fmt: skip
+    lines = [
+        f"# The orderings at tau = {a.tau}",
+        "",
+        f"The convergence study's 4x2 grid, {budget['orderings']} microbatches per replica, seeds "
+        f"{seeds}; every async method at the study's tuned settings except dp.tau = {a.tau} "
+        f"(tuned: {tuned['AsyncMesh-fp8'].get('dp.tau', 5)}); FullSync is the study's "
+        "(scripts/orderings_at_tau.py).",
+        "",
+        format_table(
+            [
+                "method",
+                "val loss (mean)",
+                "gap to FullSync (paired, +- SE)",
+                "gap to AsyncMesh-fp8 (paired, +- SE)",
+            ],
+            rows,
+        ),  # fmt: skip
+        "",
+    ]
+    (out / f"orderings_tau{a.tau}.md").write_text("\n".join(lines))
+    (out / f"orderings_tau{a.tau}.json").write_text(json.dumps({"loss": loss}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -53,8 +53,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 @click.option(
     "--tune",
     is_flag=True,
-    help="Instead: tune FullSync and AsyncMesh-fp8 with the same budget (tuning.md; about 15 "
-    "minutes here with 2 workers).",
+    help="Instead: tune FullSync and AsyncMesh-fp8 with the same budget (tuning.md; about 45 "
+    "minutes here with 2 workers from scratch; runs whose config is unchanged are reused).",
 )
 @click.option(
     "--dp-only",

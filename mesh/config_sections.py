@@ -80,7 +80,7 @@ class PipelineConfig(_Section):
         description="async/2bw: each stage's forward (and its backward's recompute) reads its "
         "weights moved this share of its gradient delay ahead along the EMA of its own updates, "
         "so a stale gradient is taken near where it lands (1: the whole delay; "
-        "mesh/algo/predict.py); 0: off. Costs one parameter-sized buffer per stage",
+        "mesh/algo/staleness.py); 0: off. Costs one parameter-sized buffer per stage",
     )
     prediction_beta: float = Field(
         0.9, ge=0, lt=1, description="EMA factor of the update velocity weight_prediction uses"
@@ -132,7 +132,7 @@ class OptimConfig(_Section):
         ge=0,
         le=1,
         description="a stage with gradient delay d > 1 starts at lr / d and reaches the full lr "
-        "at this share of the run (AsyncPP's lr_correction; mesh.algo.optim.delay_lr_factor); "
+        "at this share of the run (AsyncPP's lr_correction; mesh.algo.staleness.delay_lr_factor); "
         "0: off",
     )
     error_feedback: bool = Field(False, description="x <- x - 2u_t + u_(t-1) for any optimizer")

@@ -34,10 +34,9 @@ ROWS = {
 
 
 def main() -> None:
-    from mesh.bench.convergence import _dp_spec
+    from mesh.bench.convergence import study_variants
     from mesh.bench.report import fmt_gap, format_table, paired_gap
-    from mesh.bench.simruns import Spec, run_specs
-    from mesh.bench.tuning import load_tuned
+    from mesh.bench.simruns import run_specs
     from mesh.config import load_config
 
     ap = argparse.ArgumentParser()
@@ -45,17 +44,9 @@ def main() -> None:
     ap.add_argument("--out", default="results/convergence")
     a = ap.parse_args()
     out = Path(a.out)
-    study = json.loads((out / "summary.json").read_text())
+    rows = [(row, "AsyncMesh-fp8", change) for row, change in ROWS.items() if change is not None]
+    study, specs, budget = study_variants(out, "decomposition", rows)
     seeds = study["seeds"]["dp"]
-    tuned, _ = load_tuned(out / "tuning.json")
-    specs = []
-    for seed in seeds:
-        base_spec = _dp_spec("AsyncMesh-fp8", seed, tuned=tuned)
-        for row, change in ROWS.items():
-            if change is not None:
-                ov = {**dict(base_spec.overrides), **change}
-                specs.append(Spec("decomposition", row, seed, 1, tuple(ov.items())))
-    budget = {"decomposition": study["microbatches_per_replica"]["dp"]}
     runs = run_specs(load_config([]), specs, budget, Path("runs/decomposition"), a.workers,
                      "decomposition")  # fmt: skip
     loss: dict[str, dict[int, float]] = {}

@@ -19,9 +19,9 @@ METHODS = "AsyncMesh-fp8,AsyncSPARTA"  # the default --methods (AsyncMesh-fp8 is
 
 
 def main() -> None:
-    from mesh.bench.convergence import _dp_spec
+    from mesh.bench.convergence import study_variants
     from mesh.bench.report import fmt_gap, format_table, paired_gap
-    from mesh.bench.simruns import Spec, run_specs
+    from mesh.bench.simruns import run_specs
     from mesh.bench.tuning import load_tuned
     from mesh.config import load_config
 
@@ -33,16 +33,10 @@ def main() -> None:
     a = ap.parse_args()
     methods = ["AsyncMesh-fp8", *(m for m in a.methods.split(",") if m != "AsyncMesh-fp8")]
     out = Path(a.out)
-    study = json.loads((out / "summary.json").read_text())
+    variants = [(m, m, {"dp.tau": a.tau}) for m in methods]
+    study, specs, budget = study_variants(out, "orderings", variants)
     seeds = study["seeds"]["dp"]
     tuned, _ = load_tuned(out / "tuning.json")
-    specs = []
-    for seed in seeds:
-        for method in methods:
-            base = _dp_spec(method, seed, tuned=tuned)
-            ov = {**dict(base.overrides), "dp.tau": a.tau}
-            specs.append(Spec("orderings", method, seed, 1, tuple(ov.items())))
-    budget = {"orderings": study["microbatches_per_replica"]["dp"]}
     runs = run_specs(load_config([]), specs, budget, Path(f"runs/orderings_tau{a.tau}"),
                      a.workers, f"tau {a.tau}")  # fmt: skip
     loss: dict[str, dict[int, float]] = {}

@@ -22,7 +22,7 @@ import torch
 
 from mesh.algo.muon import MuonRule, is_hidden_matrix
 from mesh.algo.muon import newton_schulz as newton_schulz  # re-exported: part of this API
-from mesh.algo.predict import update_velocity, velocity_estimate
+from mesh.algo.staleness import update_velocity, velocity_estimate
 
 OptimName = Literal["nadamw", "adamw", "muon", "rotated_adam"]
 State = dict[str, torch.Tensor | int | float]
@@ -51,19 +51,6 @@ def lr_at(
     lo = min_lr_ratio * base_lr
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return lo + (base_lr - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def delay_lr_factor(delay: int, step: int, total_steps: int, share: float) -> float:
-    """A delayed stage's lr multiplier (AsyncPP's `--lr_correction`, PipeMare's lr
-    rescheduling): 1 / delay^(1 - progress / share) while progress = step / total_steps < share,
-    1 after; so stage j starts at lr / delta_j and reaches the full lr at `share` of the run.
-    A fresh stage (delay 0 or 1), or share 0, keeps the full lr."""
-    if share < 0 or delay < 0:
-        raise ValueError(f"delay lr correction needs share >= 0, delay >= 0: {share}, {delay}")
-    if share == 0 or delay <= 1:
-        return 1.0
-    progress = step / max(1, total_steps)
-    return float(delay) ** -(1.0 - min(1.0, progress / share))
 
 
 def lambda_at(
@@ -129,9 +116,7 @@ class OptimSpec:
     grad_clip: float = 10.0  # per-stage global norm; <= 0 disables
     error_feedback: bool = False
     state_8bit: bool = False
-    # weight prediction (mesh/algo/predict.py): the EMA factor of this stage's update velocity,
-    # kept in the state when set (filled in by the cell when pipeline.weight_prediction is on)
-    velocity_beta: float | None = None
+    velocity_beta: float | None = None  # weight prediction's EMA of updates (set by the cell)
 
     def __post_init__(self) -> None:
         checks = [
@@ -419,9 +404,10 @@ class StageOptimizer:
             step = int(st["step"]) + 1
             st["step"] = step
             work = self._unpack(st, rule, p)
-            tracked = self.spec.error_feedback or self.spec.velocity_beta is not None
-            x_before = p.detach().clone() if tracked else None
-            x_start = x_before.clone() if tracked and self.spec.error_feedback else x_before
+            ef, velocity_on = self.spec.error_feedback, self.spec.velocity_beta is not None
+            x_before = p.detach().clone() if ef or velocity_on else None
+            # error feedback reuses x_before's buffer: the velocity needs its own copy then
+            x_start = x_before.clone() if ef and velocity_on else x_before
             rule.apply(p, p.grad, work, step, lr_scale)
             self._pack(st, work, rule, p)
             if self.spec.error_feedback:
@@ -437,9 +423,8 @@ class StageOptimizer:
     def velocity(self, name: str) -> torch.Tensor:
         """Parameter `name`'s update velocity, bias-corrected (weight prediction)."""
         beta, st = self.spec.velocity_beta, self.state[name]
-        assert beta is not None, "velocity() needs optim velocity_beta (weight prediction on)"
         velocity = st["velocity"]
-        assert isinstance(velocity, torch.Tensor)
+        assert beta is not None and isinstance(velocity, torch.Tensor), "prediction is off"
         return velocity_estimate(velocity, beta, int(st["step"]))
 
     def _unpack(self, st: State, rule: UpdateRule, p: torch.Tensor) -> State:

@@ -89,6 +89,22 @@ def _pp_specs(seed: int) -> list[Spec]:
     return specs
 
 
+def study_variants(
+    out: Path, label: str, variants: list[tuple[str, str, dict[str, Any]]]
+) -> tuple[dict[str, Any], list[Spec], dict[str, int]]:
+    """A study's DP methods with changes (name, method, overrides), on the seeds and budget of
+    the study in `out` at its tuned settings: (the study's summary, the specs, their budget).
+    For the scripts that take the study apart (scripts/headline_gap.py, orderings_at_tau.py)."""
+    study = json.loads((out / "summary.json").read_text())
+    tuned, _ = load_tuned(out / "tuning.json")
+    specs = []
+    for seed in study["seeds"]["dp"]:
+        for name, method, change in variants:
+            ov = {**dict(_dp_spec(method, seed, tuned=tuned).overrides), **change}
+            specs.append(Spec(label, name, seed, 1, tuple(ov.items())))
+    return study, specs, {label: study["microbatches_per_replica"]["dp"]}
+
+
 def _dp_spec(
     method: str, seed: int, lr: float | None = None, tuned: dict[str, Any] | None = None
 ) -> Spec:

@@ -20,13 +20,12 @@ from mesh.algo import robust, sparse
 from mesh.algo.optim import (
     OptimSpec,
     StageOptimizer,
-    delay_lr_factor,
     lambda_at,
     lr_at,
     momentum_decay_for,
 )
-from mesh.algo.predict import predicted, prediction_distance
 from mesh.algo.schedule import stage_delay, versions_kept
+from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import Config, OptimConfig, parse_cell_factors
 
 Params = dict[str, torch.Tensor]
@@ -141,7 +140,7 @@ class Cell:
 
     def version_weights(self) -> torch.Tensor:
         """The weights a new version holds: the live ones, or with pipeline.weight_prediction
-        the live ones extrapolated along this stage's update velocity (mesh/algo/predict.py).
+        the live ones extrapolated along this stage's update velocity (mesh/algo/staleness.py).
         A copy: averaging and the optimizer change only the live weights."""
         if self._prediction == 0:
             return self.flat.clone()

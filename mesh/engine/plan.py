@@ -19,8 +19,8 @@ import torch
 from comms import codecs
 from mesh.algo import sparse
 from mesh.algo.optim import _Blockwise8bit, get_planner
-from mesh.algo.predict import prediction_distance
 from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
+from mesh.algo.staleness import prediction_distance
 from mesh.config import Config
 from mesh.engine.cell import optim_spec
 from mesh.model.build import stage_layers, stage_module

@@ -16,7 +16,6 @@ from mesh.algo.optim import (
     PAPER_STEPS,
     OptimSpec,
     StageOptimizer,
-    delay_lr_factor,
     is_hidden_matrix,
     lambda_at,
     lr_at,
@@ -25,6 +24,7 @@ from mesh.algo.optim import (
     newton_schulz,
     register_optimizer,
 )
+from mesh.algo.staleness import delay_lr_factor
 from mesh.config import load_config
 from mesh.engine.cell import optim_spec
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mesh.algo.optim import OptimSpec, StageOptimizer
-from mesh.algo.predict import (
+from mesh.algo.staleness import (
     predicted,
     prediction_distance,
     update_velocity,

@@ -1,4 +1,5 @@
-"""Weight prediction for stale pipeline gradients (`pipeline.weight_prediction`), the pure parts.
+"""Corrections for stale pipeline gradients, the pure parts: AsyncPP's per-stage lr correction
+(`optim.delay_lr_share`) and weight prediction (`pipeline.weight_prediction`).
 
 In the asynchronous pipeline stage j's gradient is computed on weights delta_j updates old and
 lands on the newest ones (design 1.1). NAdamW's look-ahead absorbs part of that; at the short
@@ -43,3 +44,16 @@ def prediction_distance(scale: float, delay: int) -> float:
 def predicted(weights: torch.Tensor, velocity: torch.Tensor, distance: float) -> torch.Tensor:
     """weights + distance x velocity (a new tensor; the live weights are never changed)."""
     return weights.add(velocity, alpha=distance)
+
+
+def delay_lr_factor(delay: int, step: int, total_steps: int, share: float) -> float:
+    """A delayed stage's lr multiplier (AsyncPP's `--lr_correction`, PipeMare's lr
+    rescheduling): 1 / delay^(1 - progress / share) while progress = step / total_steps < share,
+    1 after; so stage j starts at lr / delta_j and reaches the full lr at `share` of the run.
+    A fresh stage (delay 0 or 1), or share 0, keeps the full lr."""
+    if share < 0 or delay < 0:
+        raise ValueError(f"delay lr correction needs share >= 0, delay >= 0: {share}, {delay}")
+    if share == 0 or delay <= 1:
+        return 1.0
+    progress = step / max(1, total_steps)
+    return float(delay) ** -(1.0 - min(1.0, progress / share))

@@ -325,3 +325,32 @@ def bench_model(quick: bool, out: str, device: str) -> None:
     with progress_bar(total, "bench model") as bar:
         run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
     click.echo((Path(out) / "table.md").read_text())
+
+
+@bench.command("scale-model")
+@click.option(
+    "--preset",
+    "presets",
+    multiple=True,
+    type=click.Choice(["llama-160m", "llama-1b"]),
+    help="Only these models (default both; llama-1b needs about 16 GB of memory).",
+)
+@click.option(
+    "--out", type=click.Path(file_okay=False), default="results/scale-model", show_default=True
+)
+@click.option("--no-download", is_flag=True, help="Skip the state download (two processes).")
+@user_errors
+def bench_scale_model(presets: tuple[str, ...], out: str, no_download: bool) -> None:
+    """The largest stage of llama-160m and llama-1b at real size on this machine: build, one
+    update, the averaging round's host cost, checkpoint save and load, and a state download
+    over loopback, each with its peak RSS against `meshtrain plan`."""
+    from cli.report import progress_bar
+    from mesh.bench.scale_model import PRESETS, run_scale_model_bench
+
+    chosen = presets or PRESETS
+    steps = len(chosen) * (2 if no_download else 3)
+    with progress_bar(steps, "bench scale-model") as bar:
+        run_scale_model_bench(
+            Path(out), chosen, lambda _: bar.goto(bar.bar.n + 1), download=not no_download
+        )
+    click.echo((Path(out) / "table.md").read_text())

@@ -33,6 +33,8 @@ def event_line(row: dict[str, Any], cell: str) -> str | None:
         peer = row.get("from_peer")
         where = f"{source} (peer {short_peer(peer)})" if source and peer else "a live peer"
         return f"loaded state from {where} at step {step}"
+    if kind == "state_download_failed":
+        return f"kept my own state: {row.get('reason', 'the state download failed')}"
     if kind == "session_broken":
         replica = cell.partition("r")[2]
         return f"replica {replica} stopped at step {step}: a neighbour left or was replaced"

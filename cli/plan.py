@@ -64,7 +64,7 @@ def plan(
     )
     headers = ["stage", "layers", "params", "weights GB", "stash GB (versions)", "grads GB",
                "optimizer GB", "drift+EF GB", "averaging GB", "in flight GB (mb)",
-               "activations GB", "total GB"]  # fmt: skip
+               "mailboxes GB", "activations GB", "total GB"]  # fmt: skip
     if memory_gb:
         headers.append(f"fits {memory_gb:g} GB")
     headers += [f"pp up Mbit/s ({cfg.pipeline.codec})", f"dp up Mbit/s ({cfg.dp.codec})"]
@@ -74,7 +74,8 @@ def plan(
         row = [c.stage, c.layers, f"{c.params:,}", _gb(c.weights_bytes),
                f"{_gb(c.stash_bytes)} ({c.versions})", _gb(c.grad_bytes), _gb(c.optimizer_bytes),
                _gb(c.drift_bytes + c.error_feedback_bytes), _gb(c.averaging_bytes),
-               f"{_gb(c.inflight_bytes)} ({c.inflight})", _gb(c.activation_bytes),
+               f"{_gb(c.inflight_bytes)} ({c.inflight})", _gb(c.transport_bytes),
+               _gb(c.activation_bytes),
                _gb(c.total_bytes)]  # fmt: skip
         if memory_gb:
             row.append("yes" if c.total_bytes <= memory_gb * 1e9 else "no")

@@ -39,6 +39,9 @@ MAX_NAME_BYTES = 256
 _FIXED = struct.Struct("<4sBBBBBIqH")  # magic .. name_len
 _TAIL = struct.Struct("<QQI")  # data_len, scales_len, crc32
 _I64 = (-(1 << 63), (1 << 63) - 1)
+# The longest header a valid frame can have: a transport reads this much (or the whole frame if
+# shorter) to learn what the message will cost before it reads, or reserves room for, the body.
+MAX_HEADER_BYTES = _FIXED.size + MAX_NAME_BYTES + 8 * MAX_NDIM + _TAIL.size
 
 
 class Kind(IntEnum):
@@ -109,6 +112,14 @@ class Message:
     sender_step: int
     encoded: Encoded
     _decoded: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def held_bytes(self) -> int:
+        """What holding this message costs: the body (which `encoded` aliases) plus the decoded
+        float32 copy when unpack made one. Mailboxes bound this, not the frame: an fp8 frame
+        decodes to four times its size."""
+        decoded = 0 if self._decoded is None else self._decoded.numel() * 4
+        return self.encoded.nbytes + decoded
 
     def tensor(self) -> torch.Tensor:
         """The decoded float32 tensor (finite-checked). When unpack already decoded it, the
@@ -185,6 +196,26 @@ def unpack_or_raise(buf: bytes | bytearray | memoryview, expect: Expect | None =
     return r
 
 
+def held_bytes(
+    head: bytes | bytearray | memoryview,
+    *,
+    decoded: bool = True,
+    max_body_bytes: int | None = None,
+) -> int | Reject:
+    """What a message will cost its receiver once unpacked (Message.held_bytes), read from the
+    first bytes of its frame (at least its header; MAX_HEADER_BYTES always suffice): body bytes
+    plus, when unpack decodes (check_finite), 4 bytes per value. A Reject when the header is not
+    one a valid frame has (or declares a body over max_body_bytes: "too_large", as unpack
+    says); the body is not looked at (unpack checks it)."""
+    try:
+        h = _header(memoryview(head).cast("B"), max_body_bytes)
+    except Exception as e:  # noqa: BLE001 - total like unpack
+        return Reject("malformed", f"{type(e).__name__}: {e}"[:200])
+    if isinstance(h, Reject):
+        return h
+    return h.data_len + h.scales_len + (4 * h.numel if decoded else 0)
+
+
 def expect_reject(msg: Message, expect: Expect) -> Reject | None:
     """The metadata checks of unpack, for a message already validated on arrival (transports
     validate bytes as they arrive, then match what a receiver expects when it asks)."""
@@ -229,14 +260,24 @@ class RejectCounter:
             return sum(self._counts.values())
 
 
-def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject:
-    if not isinstance(buf, bytes | bytearray | memoryview):
-        return Reject("not_bytes", type(buf).__name__)
-    mv = memoryview(buf)
-    if not mv.c_contiguous:
-        mv = memoryview(mv.tobytes())  # a strided view: crc32 and frombuffer need one block
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")  # e.g. a view of floats or signed chars: compare and read as bytes
+@dataclass(frozen=True)
+class _Header:
+    kind: int
+    codec: str
+    block_size: int
+    step: int
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    data_len: int
+    scales_len: int
+    crc: int
+    body_at: int
+
+
+def _header(mv: memoryview, max_body_bytes: int | None = None) -> _Header | Reject:
+    """The frame header's fields, every size checked against the codec's and the bound, all in
+    Python ints (nothing is allocated)."""
     size = len(mv)
     if size < len(MAGIC):
         return Reject("truncated", f"{size} bytes")
@@ -275,15 +316,15 @@ def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject
     shape = struct.unpack_from(f"<{ndim}q", mv, off)
     off += 8 * ndim
     data_len, scales_len, crc = _TAIL.unpack_from(mv, off)
-
-    # Sizes, all in Python ints, before any allocation.
     try:
         numel = codecs.check_shape(shape)
     except CodecError as e:
         return Reject("bad_shape", str(e))
     want_data = numel * codecs.data_dtype(codec).itemsize
     want_scales = 4 * codecs.num_blocks(numel, block_size) if codecs.is_blocked(codec) else 0
-    if data_len + scales_len > expect.max_body_bytes or want_data > expect.max_body_bytes:
+    if max_body_bytes is not None and (
+        data_len + scales_len > max_body_bytes or want_data > max_body_bytes
+    ):
         return Reject("too_large", f"body {data_len}+{scales_len}, shape {shape}")
     if data_len != want_data or scales_len != want_scales:
         return Reject(
@@ -291,6 +332,27 @@ def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject
             f"{codec} {shape}: data {data_len} != {want_data} or scales {scales_len} != "
             f"{want_scales}",
         )
+    return _Header(
+        kind, codec, block_size, step, name, shape, numel, data_len, scales_len, crc, body_at
+    )
+
+
+def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject:
+    if not isinstance(buf, bytes | bytearray | memoryview):
+        return Reject("not_bytes", type(buf).__name__)
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        mv = memoryview(mv.tobytes())  # a strided view: crc32 and frombuffer need one block
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")  # e.g. a view of floats or signed chars: compare and read as bytes
+    size = len(mv)
+    h = _header(mv, expect.max_body_bytes)
+    if isinstance(h, Reject):
+        return h
+    kind, codec, block_size, step, name, shape = (
+        h.kind, h.codec, h.block_size, h.step, h.name, h.shape
+    )  # fmt: skip
+    numel, data_len, scales_len, crc, body_at = h.numel, h.data_len, h.scales_len, h.crc, h.body_at
     end = body_at + data_len + scales_len
     if size < end:
         return Reject("truncated", f"{size} bytes < {end}")

@@ -150,6 +150,14 @@ class Config(_Section):
                 "dp.mode = 'grad_allreduce' needs a synchronous pipeline (gpipe or 1f1b); "
                 "set pipeline.schedule='gpipe' or dp.mode='param_avg'"
             )
+        if self.dp.subset_block > 1 and (self.dp.selector, self.dp.index_map) != (
+            "partition",
+            "keyed",
+        ):
+            raise ValueError(
+                f"dp.subset_block = {self.dp.subset_block} needs dp.selector = 'partition' and "
+                "dp.index_map = 'keyed'; set those or dp.subset_block=1"
+            )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
         parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
         from mesh.algo.robust import ROBUST_MIN_MEMBERS
@@ -208,6 +216,12 @@ class Config(_Section):
         del d["runtime"]  # how this peer connects is its own business
         if self.dp.codec == "fp32":  # lossless: the feedback changes no number, so no run
             d["dp"]["payload_error_feedback"] = HASHED_AWAY_AT[("dp", "payload_error_feedback")]
+        # the index map only picks the coordinates of partition rounds short of everything:
+        # without such rounds it changes no number, so those runs keep their hash
+        averaging = self.dp.mode == "param_avg" and self.grid.replicas > 1
+        if not averaging or self.dp.selector != "partition" or self.dp.fraction >= 1:
+            d["dp"]["index_map"] = HASHED_AWAY_AT[("dp", "index_map")]
+            d["dp"]["subset_block"] = 1
         for section, keys in LATER_KEYS.items():
             for key in keys:
                 default = SECTIONS[section].model_fields[key].default

@@ -174,30 +174,49 @@ class StreamMixin:
             return await self._refuse(writer, Ack.TOO_LARGE, "too_large")
         if not is_sender:
             return await self._refuse(writer, Ack.BAD_SENDER, "bad_sender")
-        if not await self.mailbox.reserve(sender, total, self.timeout_s):
+        # The frame's header says what the message will hold once decoded (an fp8 body is a
+        # quarter of its float32 copy): the room reserved is that, not the frame's length.
+        head = await asyncio.wait_for(
+            reader.readexactly(min(total, wire.MAX_HEADER_BYTES)), self.timeout_s
+        )
+        held = wire.held_bytes(head, max_body_bytes=self.max_message_bytes)
+        if isinstance(held, Reject):  # read past the body (in chunks, nothing kept): the
+            self.stats.add_reject(held.reason)  # stream stays usable, as for a bad body
+            for off in range(len(head), total, CHUNK_BYTES):
+                n = min(CHUNK_BYTES, total - off)
+                await asyncio.wait_for(reader.readexactly(n), self.timeout_s)
+            writer.write(bytes([Ack.REJECTED]))
+            await writer.drain()
+            return True
+        if not await self.mailbox.reserve(sender, held, self.timeout_s):
             return await self._refuse(writer, Ack.FULL, "mailbox_full")
         answer, handed = Ack.REJECTED, False
         try:
-            res = await self._read_body(reader, total)
+            res = await self._read_body(reader, total, head)
             if isinstance(res, Reject):
                 self.stats.add_reject(res.reason)
             else:
+                assert res.held_bytes == held, (res.held_bytes, held)
                 handed = True  # put files it, or drops it and gives its room back itself
-                filed = self.mailbox.put(sender, res, total)
+                filed = self.mailbox.put(sender, res, held)
                 self.stats.add_received(sender, res.kind, total)
                 answer = Ack.OK if filed else Ack.DROPPED
         finally:
             if not handed:
-                self.mailbox.release(sender, total)
+                self.mailbox.release(sender, held)
         writer.write(bytes([answer]))
         await writer.drain()
         return True
 
-    async def _read_body(self, reader: asyncio.StreamReader, total: int) -> Message | Reject:
-        """Read a frame in chunks into one buffer, then validate it off the event loop."""
+    async def _read_body(
+        self, reader: asyncio.StreamReader, total: int, head: bytes
+    ) -> Message | Reject:
+        """Read the rest of a frame (after its first bytes, `head`) in chunks into one buffer,
+        then validate it off the event loop."""
         body = bytearray(total)
         view = memoryview(body)
-        for off in range(0, total, CHUNK_BYTES):
+        view[: len(head)] = head
+        for off in range(len(head), total, CHUNK_BYTES):
             n = min(CHUNK_BYTES, total - off)
             view[off : off + n] = await asyncio.wait_for(reader.readexactly(n), self.timeout_s)
         checks = Expect(max_body_bytes=self.max_message_bytes)

@@ -255,7 +255,7 @@ class TorchTransport(GroupMeans):
             with link.cond:
                 for msg in [m for m in link.box if m.name.startswith(prefix)]:
                     link.box.remove(msg)
-                    link.box_bytes -= msg.encoded.nbytes
+                    link.box_bytes -= msg.held_bytes
                     self.stats.add_reject("stale")
                     dropped += 1
                 link.cond.notify_all()
@@ -419,7 +419,7 @@ class TorchTransport(GroupMeans):
         return True
 
     def _file(self, link: _Link, msg: Message) -> None:
-        nbytes = msg.encoded.nbytes
+        nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
         if any(msg.name.startswith(p) for p in self._stale):
             self.stats.add_reject("stale")
             return
@@ -440,7 +440,7 @@ class TorchTransport(GroupMeans):
         for i, msg in enumerate(link.box):
             if msg.name == tag:
                 del link.box[i]
-                link.box_bytes -= msg.encoded.nbytes
+                link.box_bytes -= msg.held_bytes
                 link.cond.notify_all()
                 return msg
         return None

@@ -4,7 +4,7 @@ Role: every replica of stage j calls `subset_indices` with the same (seed, stage
 and gets the same index set, so only values cross the wire, never indices (design 1.3 step 1,
 algorithms.md 3.1). `apply_arrival` is the per-arrival drift correction of design 1.3 step 3
 (algorithms.md 3.3); the byte formulas are algorithms.md 7.5 and bench-and-reliability.md 3.2.
-Tensors in, tensors out; the only state is a small cache of permutations.
+Tensors in, tensors out; the only state is the small cache of the old "permutation" index map.
 """
 
 from __future__ import annotations
@@ -18,9 +18,19 @@ import torch
 
 SELECTORS = ("partition", "bernoulli")
 CORRECTIONS = ("ema", "delta", "replace")
+# How the partition selector maps a round's positions to coordinates (dp.index_map). keyed: a
+# keyed bijection evaluated on the round's k positions only, O(k) per round. permutation: one
+# torch.randperm per tensor, cached (the map of runs from before the key, whose numbers it keeps).
+INDEX_MAPS = ("keyed", "permutation")
 
-# Permutation cache: every round of a tensor reuses its one permutation (randperm of 10M
-# elements costs ~0.3 s). Bounded by entries and by elements; stored as int32 where it fits.
+_MASK32 = 0xFFFFFFFF
+# Four Feistel rounds: Luby-Rackoff's count for a pseudorandom permutation from pseudorandom
+# round functions. Even, so the state ends on the a x b grid it started on.
+_FEISTEL_ROUNDS = 4
+
+# Permutation cache of index_map "permutation": every round of a tensor reuses its one permutation
+# (randperm of 10M elements costs ~0.3 s). Bounded by entries and by elements; stored as int32
+# where it fits. A tensor larger than the bound is drawn anew every round.
 _CACHE: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
 _CACHE_MAX_ENTRIES = 256
 _CACHE_MAX_ELEMENTS = 1 << 27  # 512 MiB of int32
@@ -64,8 +74,118 @@ def _permutation(seed: int, stage: int, tensor_index: int, numel: int) -> torch.
     return perm
 
 
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A fixed integer hash of int64 values in [0, 2^32) onto [0, 2^32) (hash-prospector's
+    16/21f0aaad/15/735a2d97/15). Both multipliers are < 2^31, so no product leaves int64."""
+    h = h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x735A2D97) & _MASK32
+    return h ^ (h >> 15)
+
+
+def feistel_grid(numel: int) -> tuple[int, int]:
+    """(a, b): the near-square grid a x b >= numel the keyed bijection permutes.
+
+    a = ceil(sqrt(numel)) and b = ceil(numel / a), so a*b - numel < a: at most a (about
+    sqrt(numel)) grid cells lie outside [0, numel), which keeps cycle-walking rare; a
+    power-of-two domain would leave up to 3/4 of it outside.
+    """
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    a = math.isqrt(numel - 1) + 1
+    return a, -(-numel // a)
+
+
+def feistel_keys(seed: int, stage: int, tensor_index: int) -> list[int]:
+    """The round keys of one tensor's bijection, identical in every process. Tag 2 keeps them
+    apart from the bernoulli selector's seeds (tag 1)."""
+    return [stable_seed(seed, stage, tensor_index, 2, j) for j in range(_FEISTEL_ROUNDS)]
+
+
+def feistel_round_table(key: int, size: int, modulus: int) -> torch.Tensor:
+    """F(r) for every r in [0, size): the keyed round function of one Feistel round, as values
+    in [0, modulus). A table because the right half takes only `size` (~sqrt(numel)) values:
+    one small gather per round instead of hashing all k positions."""
+    r = torch.arange(size, dtype=torch.int64)
+    h = _mix32(_mix32(r ^ (key & _MASK32)) ^ (key >> 32))  # both halves of the 63-bit key
+    return (h * modulus) >> 32  # multiply-shift onto [0, modulus): h < 2^32, modulus < 2^31
+
+
+def feistel_permute(x: torch.Tensor, a: int, b: int, keys: list[int]) -> torch.Tensor:
+    """A keyed bijection of [0, a*b), applied to each value of x (consumed: its storage is reused).
+
+    Numeric Feistel network on Z_a x Z_b (the FF1 construction): x = L*b + R, and each round
+    maps (L in Z_s, R in Z_t) to (R, (L + F(R)) mod s), which swaps the sides' sizes; inverting
+    it needs only F, so every round is a bijection whatever F is. An even number of rounds ends
+    on Z_a x Z_b again.
+    """
+    left = torch.div(x, b, rounding_mode="floor")
+    right = x.sub_(left, alpha=b)  # x mod b, in x's storage
+    gathered = torch.empty_like(left)
+    s, t = a, b  # the moduli of left and right
+    for key in keys:
+        table = feistel_round_table(key, t, s).to(x.dtype)
+        torch.index_select(table, 0, right, out=gathered)
+        left.add_(gathered).remainder_(s)  # both < s: one remainder is the modular sum
+        left, right, s, t = right, left, t, s
+    return left.mul_(b).add_(right)
+
+
+def keyed_bijection(x: torch.Tensor, numel: int, keys: list[int]) -> torch.Tensor:
+    """pi(x) for each x in [0, numel): the Feistel permutation of the a x b grid restricted to
+    [0, numel) by cycle-walking (a value that lands outside is permuted again until inside).
+
+    x is consumed. A walk from an in-range value meets at most a*b - numel out-of-range values
+    before it returns into range (its cycle leads back to where it started), so the loop ends
+    within that many passes; each pass touches only the values still outside, and only ~1 in
+    sqrt(numel) of them is outside after the first.
+    """
+    a, b = feistel_grid(numel)
+    y = feistel_permute(x, a, b, keys)
+    outside = (y >= numel).nonzero().flatten()
+    for _ in range(a * b - numel):
+        if outside.numel() == 0:
+            break
+        walked = feistel_permute(y[outside], a, b, keys)
+        y[outside] = walked
+        outside = outside[walked >= numel]
+    if outside.numel():
+        raise RuntimeError("cycle-walking did not end: the Feistel map is not a bijection")
+    return y
+
+
+def _keyed_part(
+    seed: int, stage: int, tensor_index: int, numel: int, lo: int, hi: int
+) -> torch.Tensor:
+    """pi(lo), ..., pi(hi - 1) of the tensor's keyed bijection, sorted, as int64."""
+    a, b = feistel_grid(numel)
+    # int32 halves the memory traffic and sort time; every intermediate stays < 2 max(a, b)
+    # or < a*b, so it suffices while the grid fits in int32.
+    dtype = torch.int32 if a * b <= 2**31 else torch.int64
+    x = torch.arange(lo, hi, dtype=dtype)
+    y = keyed_bijection(x, numel, feistel_keys(seed, stage, tensor_index))
+    return y.sort().values.to(torch.int64)
+
+
+def _blocked_part(
+    seed: int, stage: int, tensor_index: int, numel: int, block: int, parts: int, part: int
+) -> torch.Tensor:
+    """The indices of part `part` of `parts` when pi permutes runs of `block` values: the
+    keyed bijection over the ceil(numel / block) runs, each selected run expanded in place."""
+    runs = -(-numel // block)
+    lo, hi = _part_bounds(runs, parts, part)
+    if lo == hi:
+        return torch.empty(0, dtype=torch.int64)
+    starts = _keyed_part(seed, stage, tensor_index, runs, lo, hi) * block
+    idx = (starts[:, None] + torch.arange(block, dtype=torch.int64)).reshape(-1)
+    if numel % block and int(starts[-1]) + block > numel:  # the tensor's short last run
+        idx = idx[: idx.numel() - (int(starts[-1]) + block - numel)]
+    return idx
+
+
 def clear_index_cache() -> None:
-    """Drop the cached permutations (tests, or to free memory)."""
+    """Drop the cached permutations of index_map "permutation" (tests, or to free memory)."""
     _CACHE.clear()
 
 
@@ -77,17 +197,31 @@ def subset_indices(
     numel: int,
     fraction: float,
     selector: str = "partition",
+    index_map: str = "keyed",
+    block: int = 1,
 ) -> torch.Tensor:
     """Sorted int64 flat indices of round `round_index` for one tensor of one stage.
 
-    partition: one permutation per (seed, stage, tensor) for the whole run, cut into K parts;
-    round r takes part r % K. Every coordinate is averaged exactly once in any K consecutive
-    rounds, always K rounds apart, so none is in flight twice while tau <= K x
-    dp.interval_steps (algorithms.md 3.3 overlap caveat). A permutation re-drawn every cycle
-    would break that at the seams: a coordinate late in cycle c can come early in cycle c+1
-    while its first round is still in flight (about 2% of launches at p = 0.05, tau = 5), and
-    its measured drift would then include that round's jump.
-    bernoulli: each coordinate independently with probability `fraction` (variable size).
+    partition: one permutation pi per (seed, stage, tensor) for the whole run, cut into K parts;
+    round r takes part r % K, pi of the positions lo..hi-1 of that part. Every coordinate is
+    averaged exactly once in any K consecutive rounds, always K rounds apart, so none is in
+    flight twice while tau <= K x dp.interval_steps (algorithms.md 3.3 overlap caveat). A
+    permutation re-drawn every cycle would break that at the seams: a coordinate late in cycle
+    c can come early in cycle c+1 while its first round is still in flight (about 2% of
+    launches at p = 0.05, tau = 5), and its measured drift would then include that round's
+    jump.
+    index_map (partition only) says what pi is. keyed: a keyed Feistel bijection evaluated on
+    the part's k positions alone: O(k + sqrt(numel)) time and memory per round, no state.
+    permutation: torch.randperm(numel) per tensor, cached while the cache holds it: O(numel)
+    a round once a stage's tensors outgrow the cache (a llama-1b stage's flat vector does).
+    block (keyed partition only): the unit pi permutes is a run of `block` contiguous values
+    (the last run of the tensor may be shorter), so a round moves whole runs. At 5% of single
+    coordinates nearly every 64-byte cache line of the stage holds one, and a round's gathers
+    and scatters stream the whole stage through memory (~1 s a round at llama-1b on a CPU);
+    runs of 64 touch 5% of the lines. Each coordinate still follows the same EMA on its own:
+    only which coordinates share a round's phase changes.
+    bernoulli: each coordinate independently with probability `fraction` (variable size); it
+    draws numel uniforms, O(numel) a round by nature.
     fraction 1.0 selects everything.
     """
     k = num_parts(fraction)
@@ -95,16 +229,29 @@ def subset_indices(
         raise ValueError(f"numel and round_index must be >= 0, got {numel}, {round_index}")
     if selector not in SELECTORS:
         raise ValueError(f"dp.selector = {selector!r} is unknown; use one of {SELECTORS}")
+    if index_map not in INDEX_MAPS:
+        raise ValueError(f"dp.index_map = {index_map!r} is unknown; use one of {INDEX_MAPS}")
+    if block < 1 or (block > 1 and (selector, index_map) != ("partition", "keyed")):
+        raise ValueError(
+            f"dp.subset_block = {block} needs dp.selector = 'partition' and dp.index_map = "
+            "'keyed' (or 1)"
+        )
     if fraction >= 1.0:
         return torch.arange(numel, dtype=torch.int64)
+    if block > 1:
+        return _blocked_part(seed, stage, tensor_index, numel, block, k, round_index % k)
     if selector == "bernoulli":
         gen = torch.Generator(device="cpu").manual_seed(
             stable_seed(seed, stage, tensor_index, round_index, 1)  # not a permutation seed
         )
         mask = torch.rand(numel, generator=gen) < fraction
         return mask.nonzero().flatten()
-    perm = _permutation(seed, stage, tensor_index, numel)
     lo, hi = _part_bounds(numel, k, round_index % k)
+    if index_map == "keyed":
+        if lo == hi:  # an empty part (numel < K), or an empty tensor
+            return torch.empty(0, dtype=torch.int64)
+        return _keyed_part(seed, stage, tensor_index, numel, lo, hi)
+    perm = _permutation(seed, stage, tensor_index, numel)
     return perm[lo:hi].sort().values.to(torch.int64)
 
 
@@ -113,6 +260,16 @@ def subset_sizes(numels: list[int], fraction: float, round_index: int = 0) -> li
     k = num_parts(fraction)
     lo_hi = [_part_bounds(n, k, round_index % k) for n in numels]
     return [hi - lo for lo, hi in lo_hi]
+
+
+def max_subset_size(numel: int, fraction: float, block: int = 1) -> int:
+    """The largest payload any partition round of a tensor has (what plan reserves): ceil(n/K)
+    values, or ceil(runs/K) whole runs of `block` values."""
+    k = num_parts(fraction)
+    if block <= 1:
+        return math.ceil(numel / k)
+    runs = math.ceil(numel / block)
+    return min(numel, math.ceil(runs / k) * block)
 
 
 def arrivals_before(round_index: int, fraction: float, selector: str = "partition") -> float:

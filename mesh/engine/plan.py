@@ -41,9 +41,10 @@ class CellPlan:
     optimizer_bytes: int
     drift_bytes: int  # AsyncMesh's drift buffer (a cell always holds it)
     error_feedback_bytes: int
-    averaging_bytes: int  # rounds in flight (indices, snapshot, mean) + the cached permutation
+    averaging_bytes: int  # rounds in flight (indices, snapshot, mean) + a cached permutation
     inflight: int  # microbatches between forward and backward at once
     inflight_bytes: int  # their stashed inputs and one incoming gradient
+    transport_bytes: int  # what the mailboxes hold: received frames with their decoded copies
     activation_bytes: int  # one microbatch's forward kept for its backward, and its output
     pp_up_bytes_per_token: float  # activations forward + gradients back, encoded
     dp_bytes_per_update: float  # averaging payload each cell sends per update (ring)
@@ -53,7 +54,7 @@ class CellPlan:
         return (
             self.weights_bytes + self.stash_bytes + self.grad_bytes + self.optimizer_bytes
             + self.drift_bytes + self.error_feedback_bytes + self.averaging_bytes
-            + self.inflight_bytes + self.activation_bytes
+            + self.inflight_bytes + self.transport_bytes + self.activation_bytes
         )  # fmt: skip
 
     def as_dict(self) -> dict[str, float]:
@@ -115,14 +116,25 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
     dp, reps = cfg.dp, cfg.grid.replicas
     averaging, dp_update = 0, 0.0
+    # the pipeline's messages while they wait in a mailbox (comms.wire.Message.held_bytes):
+    # an activation from the previous stage and a gradient from the next, each frame plus its
+    # decoded float32 copy, and what this cell sends the other way
+    boundary = codecs.encoded_nbytes(B * T * d, cfg.pipeline.codec)
+    transport = ((not first) + (not last)) * 2 * (boundary + 4 * B * T * d)
     if dp.mode == "param_avg" and reps > 1:
-        k = max(sparse.subset_sizes([n], dp.fraction))
+        largest = sparse.max_subset_size(n, dp.fraction, dp.subset_block)  # any round's k
+        k = largest if dp.subset_block > 1 else max(sparse.subset_sizes([n], dp.fraction))
         rounds = dp.tau // dp.interval_steps + 1
-        averaging = rounds * k * (8 + 4 + 4)  # int64 indices, fp32 snapshot and mean
-        if dp.selector == "partition" and dp.fraction < 1 and n <= sparse._CACHE_MAX_ELEMENTS:
+        averaging = rounds * largest * (8 + 4 + 4)  # int64 indices, fp32 snapshot and mean
+        cached = dp.index_map == "permutation" and n <= sparse._CACHE_MAX_ELEMENTS
+        if dp.selector == "partition" and dp.fraction < 1 and cached:
             averaging += 4 * n  # the int32 permutation of the current cycle, cached
         payload = codecs.encoded_nbytes(k, dp.codec, dp.block_size)
         dp_update = sparse.ring_allreduce_bytes(payload, reps) / dp.interval_steps
+        # each round in flight: the other replicas' payloads waiting (frame + decoded copy)
+        # and this cell's own frame on its way out
+        held = codecs.encoded_nbytes(largest, dp.codec, dp.block_size) + 4 * largest
+        transport += rounds * ((reps - 1) * held + payload)
     elif dp.mode == "grad_allreduce" and reps > 1:
         payload = codecs.encoded_nbytes(n, dp.codec, dp.block_size)
         dp_update = sparse.ring_allreduce_bytes(payload, reps)
@@ -140,6 +152,7 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
         averaging_bytes=averaging,
         inflight=inflight,
         inflight_bytes=inflight * act_in + grad_in,
+        transport_bytes=transport,
         activation_bytes=saved_bytes(m, len(layers), first, last, B, cfg.runtime.precision)
         + output_bytes(m, last, B),
         pp_up_bytes_per_token=pp_bytes_per_token(cfg, stage, cfg.pipeline.codec),

@@ -5,11 +5,24 @@ one and the folder fsynced, so a peer killed mid-save (even by SIGKILL) leaves e
 checkpoint or the new one, never a torn file. Loading uses `torch.load(weights_only=True)`
 (tensors, numbers and strings only) and checks that the checkpoint belongs to this run
 (config fingerprint) and this cell before anything is used.
+
+Neither way holds a second copy of the stage (llama-1b's stage 0 holds 10.5 GB of state:
+weights, drift, moments, four stashed versions). A save writes the cell's own tensors, no
+clones. A load maps the file (torch.load mmap=True) and reads it a chunk at a time, into the
+cell's own tensors, handing each chunk's pages back once read: a mapped page that was read
+counts in the process's memory until the file is unmapped, so reading a whole stage through
+the map would add the file's size to the peak (the kernel could reclaim it, but a peer's memory
+limit counts it).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +33,9 @@ from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError  # noqa: F401 - re-exported
 from mesh.procs import pid_alive
 
-FORMAT = 1
+FORMAT = 2  # 2: the stashed versions as a list of tensors; 1 stacked them into one (a copy)
+READ_FORMATS = (1, 2)  # files of format 1 (earlier runs) still resume
+CHUNK = 1 << 22  # values read at once from a mapped file (16 MB of fp32) before release
 
 
 FOREIGN = "written by another config"
@@ -54,17 +69,113 @@ def common_step(run_dir: str | Path, cells: list[tuple[int, int]]) -> int | None
     return max(common) if common else None
 
 
+# ---- reading a mapped checkpoint ---------------------------------------------------------------
+
+
+class MappedCheckpoint:
+    """A checkpoint file mapped into memory: `state` is its content, its tensors read from the
+    file when touched. `all_finite`, `copy_into` and `release` read a tensor a chunk at a time
+    and drop each chunk's pages from this process once read (madvise MADV_DONTNEED: the bytes
+    stay in the file and the page cache, and a later read maps them again).
+
+    Pages are dropped only inside this file's own mapping (Linux; elsewhere nothing is) and only
+    when torch did not byte-swap the file in place (one written on a machine of the other byte
+    order): swapped pages are private copies, and dropping them would bring the file's bytes
+    back."""
+
+    def __init__(self, path: Path) -> None:
+        self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        self._ranges = _mapped_ranges(path) if _native_byte_order(path) else []
+
+    def release(self, t: torch.Tensor) -> None:
+        """Drop the pages wholly inside `t`'s bytes (no-op outside this file's mapping)."""
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo and any(a <= lo and hi <= b for a, b in self._ranges):
+            _madvise()(lo, hi - lo, mmap.MADV_DONTNEED)  # a failure only leaves them mapped
+
+    def chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """`t`'s values in chunks of CHUNK (views: `t` is contiguous as torch.save wrote it)."""
+        return list((t if t.is_contiguous() else t.contiguous()).view(-1).split(CHUNK))
+
+    def all_finite(self, t: torch.Tensor) -> bool:
+        for part in self.chunks(t):
+            finite = bool(torch.isfinite(part).all())  # a bool per value: one chunk's worth
+            self.release(part)
+            if not finite:
+                return False
+        return True
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst.copy_(src) (any device and dtype, the same number of values) chunk by chunk."""
+        if not dst.is_contiguous():  # not a tensor of a cell (all are): a plain copy
+            dst.copy_(src.reshape(dst.shape))
+            return
+        for d, s in zip(dst.view(-1).split(CHUNK), self.chunks(src), strict=True):
+            d.copy_(s)
+            self.release(s)
+
+
+def _native_byte_order(path: Path) -> bool:
+    """Whether the file's tensors are in this machine's byte order (torch.load swaps them in
+    place otherwise). torch.save records the writer's in a `byteorder` record of the zip."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith("/byteorder")]
+            return not names or z.read(names[0]).decode() == sys.byteorder
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
+        return False
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps `path` (from /proc/self/maps; none where
+    there is no such file, so nothing is released there)."""
+    name = str(path.resolve())
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == name:
+            lo, hi = fields[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges if hasattr(mmap, "MADV_DONTNEED") else []
+
+
+@functools.cache
+def _madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def read_checkpoint(path: Path) -> MappedCheckpoint:
+    """The checkpoint at `path`, mapped; CheckpointError when it is missing or unreadable."""
+    try:
+        return MappedCheckpoint(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no checkpoint there") from None
+    except Exception as e:  # torn, truncated or foreign file: refuse it, never half-load it
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+
+
 def check_checkpoint(path: Path, fingerprint: str, stage: int, replica: int) -> str | None:
     """Why the checkpoint at `path` cannot be resumed from, or None when it can: readable
     (not torn or truncated), of this run's math (state fingerprint), this cell and the step its
-    name says, with finite weights. Reads the file; builds no model."""
+    name says, with finite weights. Maps the file and reads only the weights; builds no
+    model."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        mapped = MappedCheckpoint(path)
     except FileNotFoundError:
         return "missing"
     except Exception as e:  # noqa: BLE001 - torn, truncated or foreign: the reason is the type
         return f"unreadable ({type(e).__name__}: truncated or not a checkpoint)"
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    state = mapped.state
+    if not isinstance(state, dict) or state.get("format") not in READ_FORMATS:
         return "unknown checkpoint format"
     if state.get("fingerprint") != fingerprint:
         return f"{FOREIGN} (state fingerprint {state.get('fingerprint')})"
@@ -73,7 +184,7 @@ def check_checkpoint(path: Path, fingerprint: str, stage: int, replica: int) -> 
     if f"step-{state.get('step', -1):08d}" != path.stem:
         return f"holds step {state.get('step')}"
     flat = state.get("flat")
-    if not isinstance(flat, torch.Tensor) or not bool(torch.isfinite(flat).all()):
+    if not isinstance(flat, torch.Tensor) or not mapped.all_finite(flat):
         return "non-finite weights"
     return None
 
@@ -113,7 +224,24 @@ def resume_point(
     return ResumePoint(found, [b for b in bad if b not in foreign], foreign)
 
 
+# ---- save ---------------------------------------------------------------------------------------
+
+
+def optimizer_state(cell: Cell) -> dict[str, torch.Tensor | int | float]:
+    """What cell.optimizer.state_dict() holds ("<param name>/<key>" -> tensor or number), with
+    the optimizer's own tensors: state_dict() clones each (two flats' worth for Adam)."""
+    return {
+        f"{name}/{key}": val.detach() if isinstance(val, torch.Tensor) else val
+        for name, st in cell.optimizer.state.items()
+        for key, val in st.items()
+    }
+
+
 def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
+    """A checkpoint's content: the cell's own tensors, not copies. Nothing changes them while
+    torch.save writes them: every change to a cell's state (an update, a round's arrival, a new
+    version, a state download) happens on its worker's thread, which is the one saving, and the
+    state server only reads (under the step lock)."""
     versions = sorted(cell.history)
     return {
         "format": FORMAT,
@@ -121,12 +249,13 @@ def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
         "stage": cell.stage,
         "replica": cell.replica,
         "step": cell.step,
-        "flat": cell.flat.clone(),
-        "drift": cell.drift.clone(),
-        # the stashed versions the schedule still needs (P - j for async, 2 for 2bw)
+        "flat": cell.flat,
+        "drift": cell.drift,
+        # the stashed versions the schedule still needs (P - j for async, 2 for 2bw), as a
+        # list: a stack would be a copy of all of them
         "versions": torch.tensor(versions, dtype=torch.int64),
-        "stashes": torch.stack([cell.history[v] for v in versions]),
-        "optimizer": cell.optimizer.state_dict(),
+        "stashes": [cell.history[v] for v in versions],
+        "optimizer": optimizer_state(cell),
     }
 
 
@@ -138,7 +267,7 @@ def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
     _sweep_torn(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as f:
-        torch.save(cell_state(cell, fingerprint), f)
+        torch.save(cell_state(cell, fingerprint), f)  # CPU tensors straight from memory
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -164,15 +293,49 @@ def _sweep_torn(folder: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+# ---- load ---------------------------------------------------------------------------------------
+
+
+def _stashes(state: dict[str, Any]) -> list[Any] | None:
+    """The stashed versions of either format (format 1 stacked them: its rows), or None."""
+    stashes = state.get("stashes")
+    if state["format"] == 1 and isinstance(stashes, torch.Tensor) and stashes.ndim == 2:
+        return list(stashes)
+    return stashes if isinstance(stashes, list) else None
+
+
+def _optimizer_entries(cell: Cell, saved: Any, path: Path) -> list[tuple[dict[str, Any], str, Any]]:
+    """(the optimizer's state of one parameter, key, saved value) for every saved entry, once
+    the saved state fits this optimizer as load_state_dict demands (the same keys; tensors of
+    the same shapes); CheckpointError otherwise."""
+    own = cell.optimizer.state
+    mine = {f"{name}/{key}" for name, st in own.items() for key in st}
+    keys = set(saved) if isinstance(saved, dict) else set()
+    if keys != mine:
+        missing, extra = sorted(mine - keys), sorted(keys - mine)
+        raise CheckpointError(
+            f"{path}: optimizer state does not fit (missing {missing[:5]}, extra {extra[:5]})"
+        )
+    entries = []
+    for full, val in saved.items():
+        name, key = full.split("/", 1)
+        old = own[name][key]
+        is_tensor = isinstance(old, torch.Tensor)
+        if is_tensor != isinstance(val, torch.Tensor) or (is_tensor and val.shape != old.shape):
+            want = f"a tensor {tuple(old.shape)}" if is_tensor else "a number"
+            raise CheckpointError(f"{path}: optimizer state does not fit ({full}: not {want})")
+        entries.append((own[name], key, val))
+    return entries
+
+
 def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
-    """Restore `cell` in place from `path`, or raise CheckpointError (nothing changed then)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no checkpoint there") from None
-    except Exception as e:  # torn, truncated or foreign file: refuse it, never half-load it
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    """Restore `cell` in place from `path`, or raise CheckpointError (nothing changed then).
+    Everything is checked before anything is copied; then the file's tensors are copied into
+    the cell's own (the optimizer's too) a chunk at a time, so no second copy of the stage is
+    held (only its stashed versions are new tensors, the old ones freed first)."""
+    mapped = read_checkpoint(path)
+    state = mapped.state
+    if not isinstance(state, dict) or state.get("format") not in READ_FORMATS:
         raise CheckpointError(f"{path}: unknown checkpoint format")
     if state.get("fingerprint") != fingerprint:
         raise CheckpointError(
@@ -181,84 +344,27 @@ def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
         )
     if (state.get("stage"), state.get("replica")) != (cell.stage, cell.replica):
         raise CheckpointError(f"{path}: holds cell {state.get('stage')}-{state.get('replica')}")
-    flat, drift, stashes = state["flat"], state["drift"], state["stashes"]
+    flat, drift, stashes = state.get("flat"), state.get("drift"), _stashes(state)
+    versions = state.get("versions")
     n = cell.flat.numel()
-    if flat.shape != (n,) or drift.shape != (n,) or stashes.shape[1:] != (n,):
+    vectors = [flat, drift, *(stashes or [])]
+    if stashes is None or not all(isinstance(t, torch.Tensor) and t.shape == (n,) for t in vectors):
         raise CheckpointError(f"{path}: parameter count does not match this model")
-    if not (torch.isfinite(flat).all() and torch.isfinite(stashes).all()):
+    if not isinstance(versions, torch.Tensor) or versions.shape != (len(stashes),):
+        raise CheckpointError(f"{path}: the stashed versions do not match their steps")
+    optimizer = _optimizer_entries(cell, state.get("optimizer"), path)
+    if not (mapped.all_finite(flat) and all(mapped.all_finite(w) for w in stashes)):
         raise CheckpointError(f"{path}: non-finite weights")
-    try:
-        cell.optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: optimizer state does not fit ({e})") from None
-    cell.flat.copy_(flat)
-    cell.drift.copy_(drift)
-    cell.step = int(state["step"])
-    cell.history.clear()
-    for v, w in zip(state["versions"].tolist(), stashes, strict=True):
-        cell.history[int(v)] = w.to(cell.flat.device, copy=True)
-
-
-# ---- state transfer to a joining peer (mesh/runtime/state_sync.py) ----------------------------
-# A joiner gets its stage's live state as ONE float32 vector: [flat, drift, optimizer state in
-# the sorted key order of state_dict()]. Both ends build the same layout from the same config, so
-# nothing but numbers crosses (no pickle); the receiver checks the length before anything else.
-
-
-def state_layout(cell: Cell) -> list[tuple[str, tuple[int, ...] | None]]:
-    """(optimizer state key, tensor shape or None for a number) in transfer order."""
-    sd = cell.optimizer.state_dict()
-    return [
-        (k, tuple(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in sorted(sd.items())
-    ]
-
-
-def state_numel(cell: Cell) -> int:
-    n = 2 * cell.flat.numel()
-    for _, shape in state_layout(cell):
-        n += 1 if shape is None else int(torch.Size(shape).numel())
-    return n
-
-
-def state_vector(cell: Cell) -> torch.Tensor:
-    """The cell's live state as one float32 vector (8-bit optimizer codes and step counts are
-    exact in float32)."""
-    sd = cell.optimizer.state_dict()
-    parts = [cell.flat.cpu(), cell.drift.cpu()]
-    for key, shape in state_layout(cell):
-        v = sd[key]
-        parts.append(
-            v.detach().reshape(-1).to("cpu", torch.float32)
-            if shape is not None
-            else torch.tensor([float(v)], dtype=torch.float32)
-        )
-    return torch.cat(parts)
-
-
-def load_state_vector(cell: Cell, vec: torch.Tensor, step: int) -> None:
-    """Adopt a live peer's state (from state_vector) as this cell's, at `step`; the stashed
-    versions restart from the live weights. CheckpointError if the vector does not fit."""
-    if vec.dtype != torch.float32 or vec.shape != (state_numel(cell),):
-        raise CheckpointError(f"state of {tuple(vec.shape)} values does not fit this stage")
-    if not bool(torch.isfinite(vec).all()):
-        raise CheckpointError("state with non-finite values refused")
-    if step < 0:
-        raise CheckpointError(f"state for step {step} refused")
-    n = cell.flat.numel()
-    old = cell.optimizer.state_dict()
-    sd: dict[str, Any] = {}
-    offset = 2 * n
-    for key, shape in state_layout(cell):
-        if shape is None:
-            sd[key] = type(old[key])(vec[offset].item())
-            offset += 1
+    for st, key, val in optimizer:
+        if isinstance(val, torch.Tensor):
+            mapped.copy_into(st[key], val)
         else:
-            k = int(torch.Size(shape).numel())
-            sd[key] = vec[offset : offset + k].view(shape).to(old[key].dtype)
-            offset += k
-    cell.optimizer.load_state_dict(sd)
-    cell.flat.copy_(vec[:n])
-    cell.drift.copy_(vec[n : 2 * n])
-    cell.step = step
-    cell.history.clear()
-    cell.history[step] = cell.version_weights()
+            st[key] = type(st[key])(val)
+    mapped.copy_into(cell.flat, flat)
+    mapped.copy_into(cell.drift, drift)
+    cell.step = int(state["step"])
+    cell.history.clear()  # before the new versions: their old tensors are freed first
+    for v, w in zip(versions.tolist(), stashes, strict=True):
+        version = torch.empty_like(cell.flat)
+        mapped.copy_into(version, w)
+        cell.history[int(v)] = version

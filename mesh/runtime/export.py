@@ -1,15 +1,23 @@
 """A trained run as one whole model: the newest step every stage has a checkpoint of, assembled
 from one replica's cells, written as a Hugging Face LlamaForCausalLM directory (config.json,
-model.safetensors, the tokenizer's files) that `transformers` loads as it is.
+the weights in safetensors, the tokenizer's files) that `transformers` loads as it is.
 
 The replica: 0 unless asked (replicas differ only by what averaging has not yet pulled
 together; the run's final average is not stored anywhere). The step: resume_point's, so a torn
 newest file falls back to the step before, as a resume would.
+
+The weights are streamed: the shard files are planned from the stages' shapes (no weights),
+then each stage's checkpoint is mapped in turn and its tensors written, so an export holds about
+one shard file's worth (a llama-1b is 4.7 GB in fp32), never the whole model. A model larger
+than the shard size is sharded as transformers shards its own (model-00001-of-00003.safetensors
+and model.safetensors.index.json, which from_pretrained reads); a smaller one is one
+model.safetensors.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tomllib
 from dataclasses import dataclass
@@ -19,13 +27,45 @@ from typing import Any
 import torch
 from torch import nn
 
-from mesh.config import Config, ConfigError, config_from_dict, load_config
+from mesh.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
 from mesh.errors import CheckpointError
 from mesh.model.build import named_chunks, stage_module, stage_shapes
 from mesh.model.hf import hf_config, hf_name, meshtrain_name, model_config_from_hf
-from mesh.runtime.checkpoint import checkpoint_path, resume_point, saved_steps
+from mesh.runtime.checkpoint import (
+    MappedCheckpoint,
+    checkpoint_path,
+    read_checkpoint,
+    resume_point,
+    saved_steps,
+)
 
 PROVENANCE = "meshtrain.json"  # beside an export: the run's config and where the weights came from
+WEIGHTS = "model.safetensors"  # transformers' names: one file, or shards and their index
+INDEX = "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as transformers
+
+
+def parse_size(size: str, option: str = "size") -> int:
+    """Bytes of a size spelled as transformers' max_shard_size is ("5GB", "200MB", "1.5GB") or
+    a plain number of bytes; ConfigError naming `option` otherwise."""
+    text = size.strip().upper()
+    unit = SIZE_UNITS.get(text[-2:], 1)
+    try:
+        value = float(text[:-2] if text[-2:] in SIZE_UNITS else text)
+    except ValueError:
+        raise ConfigError(
+            f"{option} {size!r}: give bytes or a number with KB, MB, GB or TB (5GB, 200MB)"
+        ) from None
+    if not 0 < value * unit < float("inf"):
+        raise ConfigError(f"{option} {size!r}: must be a positive, finite size")
+    return max(1, int(value * unit))
+
+
+# Smaller than transformers' own default (50GB; 5GB in v4), so a llama-1b (4.7 GB in fp32) is
+# sharded and an export holds one 2 GB shard at most, not the whole model.
+MAX_SHARD_SIZE = "2GB"
+MAX_SHARD_BYTES = parse_size(MAX_SHARD_SIZE)
 
 
 def run_config(run_dir: str | Path) -> Config:
@@ -60,20 +100,111 @@ def export_step(run_dir: str | Path, cfg: Config, replica: int) -> int:
     return point.step
 
 
+def stage_weights(path: Path, shapes: dict[str, tuple[int, ...]]) -> MappedCheckpoint:
+    """A stage's checkpoint, mapped (its weights not yet read), once its weight vector is known
+    to fit the stage's shapes."""
+    mapped = read_checkpoint(path)
+    flat = mapped.state.get("flat") if isinstance(mapped.state, dict) else None
+    n = sum(torch.Size(s).numel() for s in shapes.values())
+    if not isinstance(flat, torch.Tensor) or flat.shape != (n,):
+        got = tuple(flat.shape) if isinstance(flat, torch.Tensor) else None
+        raise CheckpointError(f"{path}: weights of shape {got} do not fit this run's model ({n})")
+    return mapped
+
+
 def run_weights(
     run_dir: str | Path, cfg: Config, replica: int, step: int
 ) -> dict[str, torch.Tensor]:
     """The whole model's weights (global names) at `step`, read stage by stage."""
     out: dict[str, torch.Tensor] = {}
     for j in range(cfg.grid.stages):
-        path = checkpoint_path(run_dir, j, replica, step)
-        state = torch.load(path, map_location="cpu", weights_only=True)
         shapes = stage_shapes(cfg.model, cfg.grid.stages, j)
-        try:
-            out.update((n, t.clone()) for n, t in named_chunks(state["flat"], shapes))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: does not fit this run's model ({e})") from None
+        mapped = stage_weights(checkpoint_path(run_dir, j, replica, step), shapes)
+        for name, t in named_chunks(mapped.state["flat"], shapes):
+            out[name] = t.clone()
+            mapped.release(t)
     return out
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    stage: int
+    name: str  # the global meshtrain name (hf_name gives the file's)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def shard_plan(
+    cfg: ModelConfig, n_stages: int, max_shard_bytes: int, itemsize: int = 4
+) -> list[list[PlannedTensor]]:
+    """The model's tensors (stage by stage, each stage in module order) cut into shard files as
+    transformers cuts a state dict: in order, a new shard when the next tensor would take the
+    current one past max_shard_bytes (a tensor larger than that gets a shard of its own). From
+    shapes only: nothing is read."""
+    shards: list[list[PlannedTensor]] = [[]]  # itemsize 4: the cells' fp32 masters
+    size = 0
+    for j in range(n_stages):
+        for name, shape in stage_shapes(cfg, n_stages, j).items():
+            nbytes = torch.Size(shape).numel() * itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(PlannedTensor(j, name, shape, nbytes))
+            size += nbytes
+    return shards
+
+
+def shard_names(n_shards: int) -> list[str]:
+    """The files of n shards, named as transformers names them."""
+    if n_shards == 1:
+        return [WEIGHTS]
+    return [f"model-{k:05d}-of-{n_shards:05d}.safetensors" for k in range(1, n_shards + 1)]
+
+
+def write_weights(
+    run_dir: str | Path, cfg: Config, replica: int, step: int, out: Path, max_shard_bytes: int
+) -> int:
+    """Write the weights of `step` into `out` as shard_plan cuts them, one stage's checkpoint
+    mapped at a time: a shard is written as soon as its last tensor is mapped, and only the
+    part of a shard that began in an earlier stage is held as a copy (at most one shard).
+    Returns the number of parameters."""
+    from safetensors.torch import save_file
+
+    P = cfg.grid.stages
+    paths = [checkpoint_path(run_dir, j, replica, step) for j in range(P)]
+    shapes = [stage_shapes(cfg.model, P, j) for j in range(P)]
+    for path, stage in zip(paths, shapes, strict=True):  # all checked before a file is written
+        stage_weights(path, stage)
+    plan = shard_plan(cfg.model, P, max_shard_bytes)
+    files = shard_names(len(plan))
+    for old in out.iterdir():  # an earlier export's weights would be read instead of these
+        if old.name in (WEIGHTS, INDEX) or SHARD.fullmatch(old.name):
+            old.unlink()
+    shard = 0  # the next shard to write
+    copied: dict[str, torch.Tensor] = {}  # its tensors from earlier stages (HF name -> copy)
+    for j in range(P):
+        mapped = stage_weights(paths[j], shapes[j])
+        views: dict[str, torch.Tensor] = {}  # its tensors from this stage (views of the map)
+        for name, view in named_chunks(mapped.state["flat"], shapes[j]):
+            views[hf_name(name)] = view
+            if len(copied) + len(views) == len(plan[shard]):
+                save_file({**copied, **views}, out / files[shard], metadata={"format": "pt"})
+                for written in views.values():
+                    mapped.release(written)
+                shard, copied, views = shard + 1, {}, {}
+        for hf, view in views.items():  # the open shard goes on in the next stage
+            copied[hf] = view.clone()
+            mapped.release(view)
+        del mapped, views  # the stage's map goes before the next one's comes
+    assert shard == len(plan) and not copied, "every planned shard was written"
+    params = sum(torch.Size(t.shape).numel() for s in plan for t in s)
+    if len(plan) > 1:
+        total = sum(t.nbytes for s in plan for t in s)
+        weight_map = {hf_name(t.name): files[k] for k, s in enumerate(plan) for t in s}
+        index = {"metadata": {"total_parameters": params, "total_size": total},
+                 "weight_map": weight_map}  # fmt: skip
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return params
 
 
 @dataclass(frozen=True)
@@ -85,11 +216,14 @@ class Exported:
     files: list[str]
 
 
-def export_run(run_dir: str | Path, out: str | Path, replica: int = 0) -> Exported:
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    replica: int = 0,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Exported:
     """Write the run's newest complete step as a LlamaForCausalLM directory at `out`, with the
-    files of the run's tokenizer (none for bytes)."""
-    from safetensors.torch import save_file
-
+    files of the run's tokenizer (none for bytes); weights past max_shard_bytes are sharded."""
     from mesh.data.tokenizer import load_tokenizer
 
     cfg = run_config(run_dir)
@@ -99,11 +233,9 @@ def export_run(run_dir: str | Path, out: str | Path, replica: int = 0) -> Export
             "LlamaForCausalLM, so it needs a llama run (--config configs/models/llama-20m.toml)"
         )
     step = export_step(run_dir, cfg, replica)
-    weights = run_weights(run_dir, cfg, replica, step)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({hf_name(n): t.contiguous() for n, t in weights.items()},
-              out / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    params = write_weights(run_dir, cfg, replica, step, out, max_shard_bytes)
     tokenizer = load_tokenizer(cfg.data.path)
     config = hf_config(cfg.model, tokenizer.eot_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -118,7 +250,25 @@ def export_run(run_dir: str | Path, out: str | Path, replica: int = 0) -> Export
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
     files = sorted(p.name for p in out.iterdir())
-    return Exported(out, step, replica, sum(t.numel() for t in weights.values()), files)
+    return Exported(out, step, replica, params, files)
+
+
+def weight_files(export_dir: Path) -> list[Path] | None:
+    """The safetensors files of an export (transformers' order of preference: one
+    model.safetensors, else the shards its index names), or None when it has neither."""
+    if (export_dir / WEIGHTS).is_file():
+        return [export_dir / WEIGHTS]
+    if not (export_dir / INDEX).is_file():
+        return None
+    try:
+        weight_map = json.loads((export_dir / INDEX).read_text())["weight_map"]
+        files = [export_dir / f for f in sorted(set(weight_map.values()))]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{export_dir}: {INDEX} is not a safetensors index ({e})") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"{export_dir}: {INDEX} names shard {missing[0]}, which is missing")
+    return files
 
 
 def load_export(export_dir: str | Path) -> tuple[Config, nn.Module]:
@@ -127,17 +277,18 @@ def load_export(export_dir: str | Path) -> tuple[Config, nn.Module]:
     from safetensors.torch import load_file
 
     d = Path(export_dir)
-    if not (d / "model.safetensors").is_file() or not (d / "config.json").is_file():
+    files = weight_files(d)
+    if files is None or not (d / "config.json").is_file():
         raise ConfigError(
             f"{d}: neither a run directory (config.toml) nor an export (config.json + "
-            "model.safetensors)"
+            f"{WEIGHTS} or {INDEX})"
         )
     if (d / PROVENANCE).is_file():
         cfg = config_from_dict(tomllib.loads(json.loads((d / PROVENANCE).read_text())["config"]))
     else:
         hf = json.loads((d / "config.json").read_text())
         cfg = config_from_dict({"model": model_config_from_hf(hf), "grid": {"stages": 1}})
-    state = {meshtrain_name(k): v for k, v in load_file(d / "model.safetensors").items()}
+    state = {meshtrain_name(k): v for f in files for k, v in load_file(f).items()}
     return cfg, whole_model(cfg, state)
 
 

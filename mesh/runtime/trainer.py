@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,18 @@ CATCH_UP_READS = 5  # reads of the other replicas' claims (a second apart) befor
 
 
 def catch_up(
-    cfg: Config, worker: StageWorker, coord: DhtCoordinator, transport: Transport
+    cfg: Config,
+    worker: StageWorker,
+    coord: DhtCoordinator,
+    transport: Transport,
+    staging_dir: str | None = None,
+    event: Callable[..., None] | None = None,
 ) -> CellRecord | None:
     """Reload state from the most advanced live peer of this stage when this cell is more than
-    runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled).
-    Returns the claim of the peer whose state was loaded (the cell is at its step now), or
-    None when nothing was loaded."""
+    runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled); the
+    peers further ahead are the next donors if one fails mid-transfer. Returns the claim of the
+    peer whose state was loaded (the cell is at its step now), or None when nothing was loaded
+    (a failed download is an event row, `state_download_failed`, with its reason)."""
     cell = worker.cell
     others = [r for r in range(cfg.grid.replicas) if r != cell.replica]
     # a silent DHT is read again, not taken for "nobody ahead": a fresh replacement that led
@@ -154,16 +161,20 @@ def catch_up(
         return None  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in others]
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
-    for rec in live:
-        if rec.step - cell.step <= cfg.runtime.max_lag_steps:
-            return None
-        old_step = cell.step
-        with worker.lock:
-            ok = download_state(transport, cell, rec.cell, cfg.runtime.timeout_s)
-        if ok:
-            worker.drop_rounds(old_step)
-            return rec
-    return None
+    ahead = [r for r in live if r.step - cell.step > cfg.runtime.max_lag_steps]
+    if not ahead:
+        return None
+    old_step = cell.step
+    with worker.lock:
+        got = download_state(
+            transport, cell, [r.cell for r in ahead], cfg.runtime.timeout_s, staging_dir=staging_dir
+        )
+    if not got:
+        if event is not None:
+            event("state_download_failed", reason=got.reason)
+        return None
+    worker.drop_rounds(old_step)
+    return next(r for r in ahead if r.cell == got.donor)
 
 
 def run_cell(
@@ -256,7 +267,7 @@ def run_cell(
             worker.critical = STOP.deferred
             if coord.elastic:
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
-                server = StateServer(transport, cell, worker.lock, column)
+                server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)
             last = [time.perf_counter()]
             trimmed = [time.perf_counter()]
 
@@ -282,7 +293,7 @@ def run_cell(
 
             def align() -> int:
                 if isinstance(coord, DhtCoordinator):
-                    source = catch_up(cfg, worker, coord, transport)
+                    source = catch_up(cfg, worker, coord, transport, out_dir, event)
                     if source is not None:
                         coord.beat.step = cell.step
                         event("state_loaded", from_cell=source.cell, from_peer=source.peer)

@@ -355,3 +355,52 @@ def _pickle_blob(marker: str) -> bytes:
     """A pickle that would create `marker` if anyone unpickled it (nobody must)."""
     path = marker.encode()
     return b"c__builtin__\nopen\n(V" + path + b"\nVw\ntR."
+
+
+def held_bytes(t, peer, numel: int) -> dict:
+    """names[0] sends two fp8 messages whose frames fit names[1]'s mailbox bound together but
+    whose decoded copies do not: the box must hold one at a time (torch: the second waits,
+    backpressure; hivemind: its room is refused, "mailbox_full")."""
+    a, b = peer.names[:2]
+    wait = peer.timeout_s
+    x = tensor(11, (numel,))
+    enc = codecs.encode(x, "fp8_e4m3")
+    if peer.name == a:
+        handles = [t.send(b, f"held/{i}", Kind.ACTIVATION, enc, i) for i in range(2)]
+        outcome = []
+        for h in handles:
+            try:
+                h.wait(4 * wait)
+                outcome.append(str(getattr(h, "ack", "sent")))
+            except (PeerLost, PeerTimeout) as e:
+                outcome.append(type(e).__name__)
+        t.recv(b, "done", Expect(), 4 * wait)
+        return {"outcome": outcome}
+    frame = len(wire.pack("held/0", Kind.ACTIVATION, enc, 0))
+    deadline = time.monotonic() + 4 * wait
+    if peer.backend == "torch":  # the second frame is off the wire once both are counted
+
+        def arrived() -> bool:
+            return t.stats.bytes_received[(a, "activation")] >= 2 * (8 + frame)
+    else:  # the second message's room was refused
+
+        def arrived() -> bool:
+            return t.stats.rejects["mailbox_full"] >= 1 or t.mailbox.pending(a) >= 2
+
+    while not arrived() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held = len(t._links[a].box) if peer.backend == "torch" else t.mailbox.pending(a)
+    first = t.recv(a, "held/0", Expect(), wait)
+    try:
+        second = t.recv(a, "held/1", Expect(), wait) is not None
+    except PeerTimeout:
+        second = False
+    t.send(a, "done", Kind.CONTROL, codecs.encode(torch.zeros(1), "fp32"), 0).wait(wait)
+    return {
+        "frame_bytes": frame,
+        "held_at_once": held,
+        "first_ok": bool(torch.equal(first.tensor(), codecs.decode(enc))),
+        "first_held_bytes": first.held_bytes,
+        "second_delivered": second,
+        "rejects": dict(t.stats.rejects),
+    }

@@ -10,6 +10,7 @@ import pytest
 from harness import KILLED, run_peers
 from scenarios import ROUND_WAIT_S
 
+from comms import codecs
 from comms.throttle import LinkProfile
 
 BACKENDS = ["torch", "hivemind"]
@@ -182,3 +183,20 @@ def test_torch_startup_deadline_and_bad_arguments() -> None:
             TorchTransport(*args, rz)
     with pytest.raises(ValueError, match="rendezvous"):
         TorchTransport("a", ["a"], {}, "udp://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mailbox_bounds_what_a_message_holds_decoded(backend: str) -> None:
+    """Two fp8 messages whose frames (~103 kB each) fit a 400 kB mailbox together, but whose
+    frame plus decoded float32 copy (~503 kB each) does not: the box holds one at a time. With
+    the bound counting frames, both would be filed at once."""
+    numel = 100_000
+    build = {"mailbox_bytes": 400_000}
+    res = run_peers(backend, ["a", "b"], {}, "held_bytes", TIMEOUT_S, build=build, numel=numel)
+    b = res["b"]
+    assert b["first_ok"] and b["held_at_once"] == 1, b
+    assert b["first_held_bytes"] == codecs.encoded_nbytes(numel, "fp8_e4m3") + 4 * numel
+    if backend == "torch":  # backpressure: the second waited for room, then was filed
+        assert b["second_delivered"], b
+    else:  # its room was refused after the reserve's wait
+        assert not b["second_delivered"] and b["rejects"].get("mailbox_full") == 1, b

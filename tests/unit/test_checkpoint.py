@@ -163,42 +163,6 @@ def test_sigkill_at_random_points_inside_saves_never_costs_a_valid_checkpoint(tm
     assert inside >= KILLS // 2, f"only {inside} of {KILLS} kills landed inside save_cell"
 
 
-@pytest.mark.parametrize("extra", [[], ["optim.state_8bit=true"], ["optim.name=rotated_adam"]])
-def test_state_vector_moves_a_live_cell_exactly(extra):
-    """A joiner adopting a peer's state (mesh/runtime/state_sync.py) trains on exactly as the
-    peer."""
-    from mesh.runtime.checkpoint import load_state_vector, state_numel, state_vector
-
-    _, a = _cell(0, *extra)
-    torch.manual_seed(0)
-    _train(a, 3)
-    vec = state_vector(a)
-    assert vec.dtype == torch.float32 and vec.shape == (state_numel(a),)
-    _, b = _cell(0, *extra)
-    load_state_vector(b, vec.clone(), a.step)
-    assert b.step == 3 and torch.equal(a.flat, b.flat) and list(b.history) == [3]
-    torch.manual_seed(1)
-    _train(a, 2)
-    torch.manual_seed(1)
-    _train(b, 2)
-    assert torch.equal(a.flat, b.flat)
-
-
-def test_state_vector_that_does_not_fit_is_refused():
-    from mesh.runtime.checkpoint import load_state_vector, state_vector
-
-    _, a = _cell()
-    vec = state_vector(a)
-    before = a.flat.clone()
-    with pytest.raises(CheckpointError, match="does not fit"):
-        load_state_vector(a, vec[:-1], 5)
-    bad = vec.clone()
-    bad[0] = float("nan")
-    with pytest.raises(CheckpointError, match="non-finite"):
-        load_state_vector(a, bad, 5)
-    assert torch.equal(a.flat, before) and a.step == 0
-
-
 def test_resume_point_passes_over_a_truncated_newest_file(tmp_path):
     """The newest step where every cell's file is intact; damaged newer files are named."""
     from mesh.runtime.checkpoint import check_checkpoint, resume_point
@@ -275,3 +239,167 @@ def test_a_save_sweeps_dead_writers_temporary_files_only(tmp_path):
     live.write_bytes(b"being written")
     save_cell(cell, cfg.state_fingerprint(), tmp_path)
     assert not torn.exists() and live.exists()
+
+
+def _state_tensors(cell):
+    out = {"flat": cell.flat, "drift": cell.drift}
+    out.update((f"version {v}", t) for v, t in cell.history.items())
+    out.update((k, v) for k, v in cell.optimizer.state_dict().items())
+    return out
+
+
+def test_a_save_writes_the_cells_own_tensors_and_a_list_of_versions(tmp_path):
+    """Format 2: nothing of the stage is copied to be saved (llama-1b's stage 0 holds 10.5 GB
+    of state), and the stashed versions are a list instead of a stacked copy."""
+    from mesh.runtime.checkpoint import FORMAT, cell_state
+
+    cfg, cell = _cell(0, "pipeline.schedule='async'")
+    _train(cell, 3)
+    state = cell_state(cell, cfg.state_fingerprint())
+    own = [cell.flat, cell.drift, *cell.history.values()]
+    own += [v for st in cell.optimizer.state.values() for v in st.values()]
+    saved = [state["flat"], state["drift"], *state["stashes"], *state["optimizer"].values()]
+    assert [t.data_ptr() for t in saved if isinstance(t, torch.Tensor)] == [
+        t.data_ptr() for t in own if isinstance(t, torch.Tensor)
+    ], "the cell's own storage, not copies"
+    path = save_cell(cell, cfg.state_fingerprint(), tmp_path)
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["format"] == FORMAT == 2 and len(cell.history) == 2  # P - j versions
+    assert on_disk["versions"].tolist() == list(cell.history)
+    assert isinstance(on_disk["stashes"], list)
+    assert all(torch.equal(a, b) for a, b in zip(on_disk["stashes"], cell.history.values()))
+    sd = cell.optimizer.state_dict()  # what the optimizer's own format holds, key for key
+    assert on_disk["optimizer"].keys() == sd.keys()
+    for k, v in sd.items():
+        assert (
+            torch.equal(on_disk["optimizer"][k], v)
+            if isinstance(v, torch.Tensor)
+            else (on_disk["optimizer"][k] == v)
+        )
+
+
+def _save_format_1(cell, fingerprint, path):
+    """A checkpoint as format 1 wrote it (before issue 27): copies, the versions stacked."""
+    versions = sorted(cell.history)
+    state = {
+        "format": 1,
+        "fingerprint": fingerprint,
+        "stage": cell.stage,
+        "replica": cell.replica,
+        "step": cell.step,
+        "flat": cell.flat.clone(),
+        "drift": cell.drift.clone(),
+        "versions": torch.tensor(versions, dtype=torch.int64),
+        "stashes": torch.stack([cell.history[v] for v in versions]),
+        "optimizer": cell.optimizer.state_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("extra", [[], ["optim.name=rotated_adam"]])
+def test_format_1_checkpoints_still_resume_and_train_on_the_same(tmp_path, extra):
+    cfg, a = _cell(0, *extra)
+    fp = cfg.state_fingerprint()
+    torch.manual_seed(0)
+    _train(a, 3)
+    a.drift.normal_()
+    path = checkpoint_path(tmp_path, 0, 0, 3)
+    _save_format_1(a, fp, path)
+    assert check_checkpoint(path, fp, 0, 0) is None
+    assert resume_point(tmp_path, [(0, 0)], fp).step == 3
+    _, b = _cell(0, *extra)
+    load_cell(b, fp, path)
+    assert b.step == 3 and list(b.history) == list(a.history)
+    for (k, x), y in zip(_state_tensors(a).items(), _state_tensors(b).values(), strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, k
+    torch.manual_seed(1)
+    _train(a, 2)
+    torch.manual_seed(1)
+    _train(b, 2)
+    assert torch.equal(a.flat, b.flat)
+    # and its next save is of format 2, which loads the same
+    _, c = _cell(0, *extra)
+    load_cell(c, fp, save_cell(b, fp, tmp_path))
+    assert torch.equal(c.flat, a.flat) and list(c.history) == list(a.history)
+
+
+def _rewritten(path, tmp_path, change):
+    """A copy of the checkpoint at `path` with `change` applied to its content."""
+    state = torch.load(path, weights_only=True)
+    change(state)
+    out = tmp_path / "changed" / path.name
+    out.parent.mkdir(exist_ok=True)
+    torch.save(state, out)
+    return out
+
+
+def test_a_refused_checkpoint_changes_nothing_in_the_cell(tmp_path):
+    """Every check (shapes, optimizer state, finite weights) comes before the first copy."""
+    cfg, a = _cell()
+    fp = cfg.state_fingerprint()
+    _train(a, 2)
+    path = save_cell(a, fp, tmp_path)
+    _, b = _cell()
+    _train(b, 1)
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v
+              for k, v in _state_tensors(b).items()}  # fmt: skip
+
+    def nan_in_stash(s):
+        s["stashes"][-1][5] = float("nan")
+
+    def optimizer_key_lost(s):
+        s["optimizer"].pop(sorted(s["optimizer"])[-1])
+
+    def optimizer_shape(s):
+        key = next(k for k, v in s["optimizer"].items() if isinstance(v, torch.Tensor))
+        s["optimizer"][key] = torch.zeros(3)
+
+    def stash_short(s):
+        s["stashes"][0] = s["stashes"][0][:-1]
+
+    def versions_mismatch(s):
+        s["versions"] = torch.tensor([1, 2, 3])
+
+    cases = [
+        (nan_in_stash, "non-finite weights"),
+        (optimizer_key_lost, "optimizer state does not fit"),
+        (optimizer_shape, "optimizer state does not fit"),
+        (stash_short, "parameter count does not match"),
+        (versions_mismatch, "stashed versions do not match"),
+    ]
+    for change, why in cases:
+        with pytest.raises(CheckpointError, match=why):
+            load_cell(b, fp, _rewritten(path, tmp_path, change))
+        assert b.step == 1 and list(b.history) == [0, 1], change.__name__
+        for (k, x), y in zip(before.items(), _state_tensors(b).values(), strict=True):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (change, k)
+    flat_nan = _rewritten(path, tmp_path, lambda s: s["flat"].__setitem__(0, float("inf")))
+    assert check_checkpoint(flat_nan, fp, 0, 0) == "non-finite weights"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="pages are released on Linux")
+def test_a_mapped_read_hands_its_pages_back_and_touches_nothing_else(tmp_path):
+    from mesh.runtime.checkpoint import MappedCheckpoint
+
+    def file_pages():
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("RssFile:")) * 1024
+
+    big = torch.randn(16_000_000)  # 64 MB
+    torch.save({"flat": big, "other": [big[:10].clone()]}, tmp_path / "x.pt")
+    mapped = MappedCheckpoint(tmp_path / "x.pt")
+    flat = mapped.state["flat"]
+    before = file_pages()
+    assert torch.equal(flat, big)  # read: its pages are this process's now
+    assert file_pages() - before > 50e6
+    mapped.release(flat)
+    assert file_pages() - before < 10e6
+    assert torch.equal(flat, big), "released pages read the file again"
+    copy = flat.clone()
+    mapped.release(copy)  # not of the file's map: left alone (releasing would zero it)
+    mapped.release(big)
+    assert torch.equal(copy, big) and mapped.all_finite(flat)
+    into = torch.empty_like(big)
+    mapped.copy_into(into, flat)
+    assert torch.equal(into, big) and file_pages() - before < 10e6

@@ -1,8 +1,9 @@
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
-from mesh.config import ConfigError, load_config, with_overrides
+from mesh.config import ConfigError, DPConfig, load_config, with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,20 +106,48 @@ def test_fingerprints_of_configs_that_predate_later_keys_are_pinned():
 
     if not torch.__version__.startswith("2.13."):
         pytest.skip("pinned for torch 2.13, the version CI installs")
-    # payload_error_feedback's default changed to on: off, it hashes away (HASHED_AWAY_AT)
-    old = with_overrides(load_config([]), {"dp.payload_error_feedback": False})
+    # payload_error_feedback's default changed to on: off, it hashes away (HASHED_AWAY_AT);
+    # index_map came with a new default: the old map, permutation, hashes away
+    before = {"dp.payload_error_feedback": False, "dp.index_map": "permutation"}
+    old = with_overrides(load_config([]), before)
     assert old.fingerprint() == "05fa7fa63e712496"
     cfg = with_overrides(old, {"dp.lambda_clock": "steps", "dp.lambda_hold_arrivals": 50})
     assert cfg.fingerprint() == "05fa7fa63e712496"
     assert with_overrides(cfg, {"dp.lambda_clock": "arrivals"}).fingerprint() != cfg.fingerprint()
     fed = with_overrides(cfg, {"dp.payload_error_feedback": True})
     assert fed.fingerprint() != cfg.fingerprint()  # a run with it is another run (not reused)
-    assert load_config([]).fingerprint() == fed.fingerprint()  # the default now
+    keyed = with_overrides(fed, {"dp.index_map": "keyed"})
+    assert load_config([]).fingerprint() == keyed.fingerprint()  # the default now
     # a lossless codec: the feedback changes no number, so the fp32 runs keep their hash
     fp32 = with_overrides(old, {"dp.codec": "fp32"})
     assert with_overrides(fp32, {"dp.payload_error_feedback": True}).fingerprint() == (
         fp32.fingerprint()
     )
+
+
+def test_index_map_hashes_away_at_the_old_map_and_where_it_picks_nothing():
+    """dp.index_map = permutation is the map every run used before the key: such a config keeps
+    its fingerprint (and its checkpoints), while keyed, the new default, averages other
+    coordinates and so is another run. Where no partition round picks coordinates, the map
+    changes no number and no fingerprint."""
+    from mesh.algo.sparse import INDEX_MAPS
+
+    assert get_args(DPConfig.model_fields["index_map"].annotation) == INDEX_MAPS
+    old = with_overrides(load_config([]), {"dp.index_map": "permutation"})
+    assert load_config([]).fingerprint() != old.fingerprint()  # the default, keyed: another run
+    for overrides in (
+        {"dp.selector": "bernoulli"},
+        {"dp.fraction": 1.0},
+        {"dp.mode": "grad_allreduce", "pipeline.schedule": "gpipe"},
+        {"dp.mode": "none"},
+        {"grid.replicas": 1},
+    ):
+        before = with_overrides(old, overrides)
+        assert with_overrides(before, {"dp.index_map": "keyed"}).fingerprint() == (
+            before.fingerprint()
+        ), overrides
+    with pytest.raises(ConfigError, match="dp.index_map"):
+        load_config([], ["dp.index_map=shuffled"])
 
 
 def test_model_keys_added_later_keep_old_fingerprints_at_their_defaults():
@@ -170,3 +199,13 @@ def test_the_dht_mode_reaches_a_hivemind_cells_transport():
     assert backend_options(load_config([], []), None) == {}  # torch: no DHT at all
     with pytest.raises(ConfigError, match="runtime.dht_mode"):
         load_config([], [*hive, "runtime.dht_mode=relay"])
+
+
+def test_subset_block_hashes_away_at_one_and_needs_the_keyed_partition():
+    from mesh.config import load_config
+
+    base = load_config([], [])
+    assert base.state_fingerprint() == load_config([], ["dp.subset_block=1"]).state_fingerprint()
+    assert base.state_fingerprint() != load_config([], ["dp.subset_block=64"]).state_fingerprint()
+    with pytest.raises(ConfigError, match="dp.subset_block"):
+        load_config([], ["dp.subset_block=64", "dp.index_map='permutation'"])

@@ -164,3 +164,101 @@ def test_export_of_a_run_on_a_prepared_bpe_dataset_carries_its_tokenizer(tmp_pat
     assert config["eos_token_id"] == hf_tok.eos_token_id is not None
     res = _generate(tmp_path / "hf", "--temperature", "0")
     assert res.exit_code == 0 and res.stdout.startswith("ROMEO:")
+
+
+def _meshtrain_logits(sim, x):
+    with torch.no_grad():
+        for cell in sim.cells[0]:  # meshtrain's forward: the trained stages composed
+            x = cell.module(x)
+    return x
+
+
+def test_a_sharded_export_loads_in_transformers_with_the_same_logits(tmp_path, text_file):
+    """Past --max-shard-size the weights are shards with transformers' index: tensors larger
+    than a shard alone in one, a shard that begins in stage 0 and ends in stage 1."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    run, sim = llama_run(tmp_path, text_file)
+    out = tmp_path / "hf"
+    args = ["export", str(run), "--out", str(out), "--max-shard-size", "20KB"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    shards = [f"model-{k:05d}-of-00009.safetensors" for k in range(1, 10)]
+    assert sorted(p.name for p in out.glob("model*")) == [*shards, "model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    names = {hf_name(n) for stage in sim.cells[0] for n, _ in stage.module.named_parameters()}
+    assert set(index["weight_map"]) == names and set(index["weight_map"].values()) == set(shards)
+    held, total = {}, 0
+    for shard in shards:
+        with safe_open(out / shard, "pt") as f:
+            keys = set(f.keys())
+            size = sum(f.get_tensor(k).numel() * 4 for k in keys)
+        assert keys == {k for k, v in index["weight_map"].items() if v == shard}
+        assert size <= 20_000 or len(keys) == 1, (shard, size)
+        held[shard], total = keys, total + size
+    assert index["metadata"]["total_size"] == total
+    layers = [
+        {k.split(".")[2] for k in keys if k.startswith("model.layers.")} for keys in held.values()
+    ]
+    assert {"1", "2"} in layers, "a shard spans the two stages (layers 0-1 | 2-3)"
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    ours = _meshtrain_logits(sim, x)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ours, atol=1e-4, rtol=0)
+        torch.testing.assert_close(load_export(out)[1](x), ours, atol=1e-6, rtol=0)
+    assert (
+        _generate(out, "--temperature", "0").stdout == _generate(run, "--temperature", "0").stdout
+    )
+
+
+def test_a_new_export_replaces_the_weights_of_an_earlier_one(tmp_path, text_file):
+    """transformers reads model.safetensors before an index: an earlier export's weights left
+    beside new ones would be what it loads."""
+    run, sim = llama_run(tmp_path, text_file)
+    out = tmp_path / "hf"
+    args = ["export", str(run), "--out", str(out)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert [p.name for p in out.glob("model*")] == ["model.safetensors"]
+    assert CliRunner().invoke(main, [*args, "--max-shard-size", "40000"]).exit_code == 0
+    assert not (out / "model.safetensors").exists() and len(list(out.glob("model-*"))) == 5
+    (out / "model-00002-of-00005.safetensors").unlink()
+    res = _generate(out)
+    assert res.exit_code == 2 and "names shard model-00002-of-00005.safetensors" in res.output
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert [p.name for p in out.glob("model*")] == ["model.safetensors"]
+
+
+def test_max_shard_size_is_spelled_as_transformers_spells_it(tmp_path, text_file):
+    from mesh.config import ConfigError
+    from mesh.runtime.export import MAX_SHARD_BYTES, parse_size
+
+    assert [parse_size(s) for s in ["5GB", "200MB", "1.5gb", "20KB", "123"]] == [
+        5 * 10**9, 200 * 10**6, 1_500_000_000, 20_000, 123,
+    ]  # fmt: skip
+    assert MAX_SHARD_BYTES == 2 * 10**9
+    for bad in ["5XB", "0", "-1GB", "GB", "inf"]:
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+    run, _ = llama_run(tmp_path, text_file)
+    args = ["export", str(run), "--out", str(tmp_path / "hf"), "--max-shard-size", "5 parsecs"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "--max-shard-size '5 parsecs'" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_llama_1b_export_is_planned_in_shards_from_shapes_alone():
+    """The plan reads no weights: llama-1b's 1.17B fp32 parameters (4.7 GB) in shards of at
+    most 2 GB (the default), in stage order, every parameter once."""
+    from mesh.model.build import stage_param_counts
+    from mesh.runtime.export import MAX_SHARD_BYTES, shard_names, shard_plan
+
+    cfg = load_config(["configs/models/llama-1b.toml"])
+    plan = shard_plan(cfg.model, cfg.grid.stages, MAX_SHARD_BYTES)
+    assert len(plan) == 3 and all(sum(t.nbytes for t in s) <= MAX_SHARD_BYTES for s in plan)
+    flat = [t for s in plan for t in s]
+    assert [t.stage for t in flat] == sorted(t.stage for t in flat)
+    assert sum(t.nbytes for t in flat) == 4 * sum(stage_param_counts(cfg.model, cfg.grid.stages))
+    assert shard_names(3)[0] == "model-00001-of-00003.safetensors"
+    assert shard_names(1) == ["model.safetensors"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -13,6 +15,10 @@ from mesh.algo.sparse import (
     arrivals_per_coordinate,
     clear_index_cache,
     dp_bytes_per_replica_step,
+    feistel_grid,
+    feistel_keys,
+    feistel_permute,
+    keyed_bijection,
     num_parts,
     ring_allreduce_bytes,
     stable_seed,
@@ -36,46 +42,64 @@ def test_stable_seed_is_fixed_and_63_bit() -> None:
 
 def test_partition_indices_are_pinned() -> None:
     # Replicas in other processes must get exactly these (seed 1234, stage 1, tensor 2, p=1/4).
-    clear_index_cache()
-    want = [[3, 4, 10, 15, 18], [0, 8, 13, 14, 19], [1, 5, 9, 11, 17], [2, 6, 7, 12, 16]]
+    want = [[13, 15, 16, 17, 18], [0, 4, 8, 11, 12], [2, 5, 6, 7, 10], [1, 3, 9, 14, 19]]
     assert [subset_indices(1234, 1, 2, r, 20, 0.25).tolist() for r in range(4)] == want
     assert subset_indices(1234, 1, 2, 4, 20, 0.25).tolist() == want[0]  # the next cycle repeats
+    big = subset_indices(5, 0, 3, 1, 1_000_003, 0.05)  # int32 grid, cycle-walked
+    assert big[:6].tolist() == [18, 20, 33, 46, 56, 70] and big.numel() == 50_000
+    # the old map, kept for the runs from before dp.index_map, still draws what it drew
+    clear_index_cache()
+    old = [[3, 4, 10, 15, 18], [0, 8, 13, 14, 19], [1, 5, 9, 11, 17], [2, 6, 7, 12, 16]]
+    got = [subset_indices(1234, 1, 2, r, 20, 0.25, index_map="permutation") for r in range(4)]
+    assert [g.tolist() for g in got] == old
     assert subset_indices(1234, 1, 2, 0, 20, 0.25, "bernoulli").tolist() == [2, 12, 19]
 
 
-def test_two_replicas_agree_and_keys_differ() -> None:
-    a = subset_indices(7, 2, 3, 11, 5000, 0.05)
+@pytest.mark.parametrize("index_map", sparse.INDEX_MAPS)
+def test_two_replicas_agree_and_keys_differ(index_map: str) -> None:
+    a = subset_indices(7, 2, 3, 11, 5000, 0.05, index_map=index_map)
     clear_index_cache()  # the other replica computes it from scratch
-    b = subset_indices(7, 2, 3, 11, 5000, 0.05)
+    b = subset_indices(7, 2, 3, 11, 5000, 0.05, index_map=index_map)
     assert a.dtype == torch.int64 and torch.equal(a, b)
     assert torch.equal(a, a.sort().values)
     for other in [(8, 2, 3, 11), (7, 1, 3, 11), (7, 2, 4, 11), (7, 2, 3, 12), (7, 2, 3, 30)]:
-        assert not torch.equal(subset_indices(*other, 5000, 0.05), a)
+        assert not torch.equal(subset_indices(*other, 5000, 0.05, index_map=index_map), a)
+    other_map = [m for m in sparse.INDEX_MAPS if m != index_map][0]
+    assert not torch.equal(subset_indices(7, 2, 3, 11, 5000, 0.05, index_map=other_map), a)
     for sel in ("bernoulli",):
         x = subset_indices(7, 2, 3, 11, 5000, 0.05, sel)
         assert torch.equal(x, subset_indices(7, 2, 3, 11, 5000, 0.05, sel))
         assert not torch.equal(x, subset_indices(7, 2, 3, 12, 5000, 0.05, sel))
 
 
-@pytest.mark.parametrize("numel, fraction", [(1000, 0.05), (1003, 0.05), (7, 0.3), (3, 0.05)])
-def test_partition_covers_each_coordinate_once_per_cycle(numel: int, fraction: float) -> None:
+@pytest.mark.parametrize("index_map", sparse.INDEX_MAPS)
+@pytest.mark.parametrize(
+    "numel, fraction",
+    [(1000, 0.05), (1003, 0.05), (7, 0.3), (3, 0.05), (1, 0.05), (2, 0.5), (4, 0.3), (65_537, 0.1)],
+)
+def test_partition_covers_each_coordinate_once_per_cycle(
+    numel: int, fraction: float, index_map: str
+) -> None:
     k = num_parts(fraction)
     for cycle in range(2):
         rounds = range(cycle * k, (cycle + 1) * k)
-        parts = [subset_indices(5, 0, 1, r, numel, fraction) for r in rounds]
+        parts = [subset_indices(5, 0, 1, r, numel, fraction, index_map=index_map) for r in rounds]
         assert torch.equal(torch.cat(parts).sort().values, torch.arange(numel))
         assert [len(p) for p in parts] == [subset_sizes([numel], fraction, r)[0] for r in rounds]
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
+@pytest.mark.parametrize("index_map", sparse.INDEX_MAPS)
 @pytest.mark.parametrize("fraction, interval", [(0.05, 1), (0.25, 1), (0.25, 3), (0.3, 2)])
-def test_no_coordinate_is_in_flight_twice_while_tau_fits_a_cycle(fraction, interval) -> None:
+def test_no_coordinate_is_in_flight_twice_while_tau_fits_a_cycle(
+    fraction, interval, index_map
+) -> None:
     """Design 1.3: a round launched at step s lands at s + tau; with tau <= K x interval no
     coordinate of it is launched again before it lands, across many cycles (the seams too)."""
     numel, k = 997, num_parts(fraction)
     launches: dict[int, list[int]] = {}  # coordinate -> launch steps
     for r in range(5 * k + 3):
-        for c in subset_indices(11, 2, 0, r, numel, fraction).tolist():
+        for c in subset_indices(11, 2, 0, r, numel, fraction, index_map=index_map).tolist():
             launches.setdefault(c, []).append(r * interval)
     assert sorted(launches) == list(range(numel))
     for tau in range(k * interval + 1):
@@ -95,6 +119,9 @@ def test_sizes_and_parts() -> None:
         num_parts(0.0)
     with pytest.raises(ValueError, match="dp.selector"):
         subset_indices(1, 0, 0, 0, 10, 0.5, "topk")
+    with pytest.raises(ValueError, match="dp.index_map"):
+        subset_indices(1, 0, 0, 0, 10, 0.5, index_map="shuffled")
+    assert subset_indices(1, 0, 0, 3, 0, 0.05).numel() == 0  # an empty tensor
 
 
 def test_bernoulli_size_is_about_p() -> None:
@@ -104,15 +131,72 @@ def test_bernoulli_size_is_about_p() -> None:
 
 def test_cache_is_reused_bounded_and_not_aliased() -> None:
     clear_index_cache()
-    a = subset_indices(9, 0, 0, 0, 1000, 0.1)
+    a = subset_indices(9, 0, 0, 0, 1000, 0.1, index_map="permutation")
     a[:] = -1  # a caller mutating its result must not corrupt the next round
-    assert (subset_indices(9, 0, 0, 1, 1000, 0.1) >= 0).all()
-    subset_indices(9, 0, 0, 10, 1000, 0.1)  # the next cycle
+    assert (subset_indices(9, 0, 0, 1, 1000, 0.1, index_map="permutation") >= 0).all()
+    subset_indices(9, 0, 0, 10, 1000, 0.1, index_map="permutation")  # the next cycle
     assert len(sparse._CACHE) == 1  # every round of a tensor shares its one permutation
     for t in range(sparse._CACHE_MAX_ENTRIES + 5):
-        subset_indices(9, 0, t, 0, 10, 0.1)
+        subset_indices(9, 0, t, 0, 10, 0.1, index_map="permutation")
     assert len(sparse._CACHE) == sparse._CACHE_MAX_ENTRIES
     clear_index_cache()
+    for t in range(20):  # the keyed map keeps nothing between rounds
+        subset_indices(9, 0, t, t, 1000 + t, 0.1)
+    assert len(sparse._CACHE) == 0
+
+
+@pytest.mark.parametrize("numel", [*range(1, 40), 63, 64, 65, 1000, 1003, 4099, 65_537])
+def test_keyed_bijection_is_a_permutation_exhaustively(numel: int) -> None:
+    keys = feistel_keys(3, 1, 4)
+    a, b = feistel_grid(numel)
+    assert numel <= a * b < numel + a  # near-square: fewer than a cells to walk past
+    by_dtype = {}
+    for dtype in (torch.int32, torch.int64):
+        y = keyed_bijection(torch.arange(numel, dtype=dtype), numel, keys)
+        assert torch.equal(y.sort().values, torch.arange(numel, dtype=dtype))
+        grid = feistel_permute(torch.arange(a * b, dtype=dtype), a, b, keys)
+        assert torch.equal(grid.sort().values, torch.arange(a * b, dtype=dtype))
+        by_dtype[dtype] = y.to(torch.int64)
+    ys = by_dtype[torch.int64]
+    assert torch.equal(by_dtype[torch.int32], ys)  # the map's two working dtypes draw alike
+    if numel >= 6:  # other keys, another permutation, and neither is the identity
+        other = keyed_bijection(torch.arange(numel), numel, feistel_keys(3, 1, 5))
+        assert not torch.equal(other, ys) and not torch.equal(ys, torch.arange(numel))
+
+
+def test_cycle_walking_is_bounded(monkeypatch) -> None:
+    """A map that never comes back into range (not a bijection) stops with an error after at
+    most a*b - numel passes instead of looping forever."""
+    passes = []
+
+    def stuck(x: torch.Tensor, a: int, b: int, keys: list[int]) -> torch.Tensor:
+        passes.append(x.numel())
+        return torch.full_like(x, a * b - 1)
+
+    monkeypatch.setattr(sparse, "feistel_permute", stuck)
+    with pytest.raises(RuntimeError, match="cycle-walking"):
+        keyed_bijection(torch.arange(1003), 1003, feistel_keys(0, 0, 0))
+    a, b = feistel_grid(1003)
+    assert len(passes) == 1 + (a * b - 1003)
+
+
+@pytest.mark.parametrize("rows, cols", [(1000, 1000), (2304, 600), (600, 2304), (5000, 37)])
+def test_keyed_parts_spread_like_a_random_sample(rows: int, cols: int) -> None:
+    """A round's coordinates of a rows x cols matrix fall into each row and each column about
+    p x width times, with the spread of a random sample: not in blocks (counts of 0 and full
+    rows) nor on a lattice (counts all equal), either of which would average some weights'
+    neighbours together every round and others never."""
+    numel, p = rows * cols, 0.05
+    for r in (0, 7, 19):
+        idx = subset_indices(3, 1, 0, r, numel, p)
+        for counts, width in [
+            (torch.bincount(idx // cols, minlength=rows), cols),
+            (torch.bincount(idx % cols, minlength=cols), rows),
+        ]:
+            mean, var = p * width, p * (1 - p) * width  # binomial
+            assert counts.double().mean().item() == pytest.approx(mean, rel=0.01)
+            assert 0.6 < counts.double().var().item() / var < 1.6
+            assert (counts - mean).abs().max().item() < 6 * var**0.5
 
 
 def _vals(seed: int, n: int = 6) -> torch.Tensor:
@@ -229,3 +313,84 @@ def test_relative_mean_gives_agreeing_replicas_their_own_values_back_exactly():
     err_rel = (rel - exact).abs().mean()
     err_plain = ((dec + dec_o) / 2 - exact).abs().mean()
     assert err_rel < 0.5 * err_plain  # close snapshots round alike: their errors mostly cancel
+
+
+REAL_NUMEL = 300_000_000  # a llama-1b stage's flat parameter vector holds 255M to 330M
+
+
+def first_round_cost_ratio(index_map: str, numel: int = REAL_NUMEL, fraction: float = 0.05):
+    """Seconds of a subset_indices round from an empty cache (any build included) over seconds
+    of gathering the round's k values from a float32 vector, each the best of a few tries: a
+    ratio of two O(k) costs for an O(k) selection, so it holds on a slow or loaded machine; an
+    O(numel) selection's is ~1/p times larger. Returns (ratio, indices)."""
+
+    def best(f, tries: int) -> float:
+        seconds = []
+        for _ in range(tries):
+            start = time.perf_counter()
+            f()
+            seconds.append(time.perf_counter() - start)
+        return min(seconds)
+
+    def first_round() -> None:
+        clear_index_cache()
+        subset_indices(21, 1, 0, 3, numel, fraction, index_map=index_map)
+
+    select = best(first_round, 2)
+    idx = subset_indices(21, 1, 0, 3, numel, fraction, index_map=index_map)
+    x = torch.empty(numel).fill_(1.0)  # touched: no lazily zeroed pages in the timing
+    return select / best(lambda: x[idx], 3), idx
+
+
+@pytest.mark.slow
+def test_keyed_partition_at_a_real_stage_size_costs_o_k_per_round() -> None:
+    """300M coordinates, p = 0.05: a whole cycle of K = 20 rounds covers each exactly once
+    (counted in a uint8 per coordinate, 300 MB), each round costs a small multiple of
+    gathering its k values (the old randperm map costs ~70x: O(numel)), and nothing is built
+    or kept between rounds: each call's memory is its k indices."""
+    numel, p, k = REAL_NUMEL, 0.05, num_parts(0.05)
+    ratio, idx = first_round_cost_ratio("keyed", numel, p)
+    assert ratio < 30, f"one round costs {ratio:.1f}x the gather of its k values"
+    assert idx.numel() == subset_sizes([numel], p, 3)[0] and len(sparse._CACHE) == 0
+    seen = torch.zeros(numel, dtype=torch.uint8)
+    for r in range(k, 2 * k):  # the second cycle: a part is a function of r % K only
+        idx = subset_indices(21, 1, 0, r, numel, p)
+        assert idx.dtype == torch.int64 and idx.numel() == subset_sizes([numel], p, r)[0]
+        assert 0 <= idx[0].item() and idx[-1].item() < numel
+        assert bool((idx[1:] > idx[:-1]).all())  # sorted, no coordinate twice in a round
+        seen[idx] += 1
+    assert len(sparse._CACHE) == 0
+    assert bool((seen == 1).all())
+
+
+@pytest.mark.parametrize(
+    ("numel", "block"), [(1000, 64), (1024, 64), (65, 64), (10, 64), (4099, 7)]
+)
+def test_runs_of_a_block_partition_the_tensor_and_stay_contiguous(numel, block):
+    """subset_block: every coordinate exactly once per K rounds, a round's indices whole runs of
+    `block` values (the tensor's last run may be shorter), every round within the planned k."""
+    k = sparse.num_parts(0.05)
+    seen = torch.zeros(numel, dtype=torch.int64)
+    for r in range(k):
+        idx = sparse.subset_indices(3, 1, 0, r, numel, 0.05, block=block)
+        assert idx.numel() <= sparse.max_subset_size(numel, 0.05, block)
+        assert bool((idx[1:] > idx[:-1]).all())  # sorted, no repeats
+        starts = idx[(idx % block) == 0]
+        for s in starts.tolist():  # each selected run is whole
+            assert torch.equal(
+                idx[(idx >= s) & (idx < s + block)], torch.arange(s, min(s + block, numel))
+            )
+        assert bool((idx % block == 0).sum() == -(-idx.numel() // block) or numel % block)
+        seen[idx] += 1
+    assert bool((seen == 1).all())
+    again = sparse.subset_indices(3, 1, 0, k + 2, numel, 0.05, block=block)
+    assert torch.equal(again, sparse.subset_indices(3, 1, 0, 2, numel, 0.05, block=block))
+
+
+def test_a_block_needs_the_keyed_partition():
+    with pytest.raises(ValueError, match="subset_block"):
+        sparse.subset_indices(0, 0, 0, 0, 1000, 0.05, "bernoulli", block=64)
+    with pytest.raises(ValueError, match="subset_block"):
+        sparse.subset_indices(0, 0, 0, 0, 1000, 0.05, index_map="permutation", block=64)
+    one = sparse.subset_indices(0, 0, 0, 0, 1000, 0.05, block=1)
+    assert torch.equal(one, sparse.subset_indices(0, 0, 0, 0, 1000, 0.05))

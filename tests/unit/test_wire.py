@@ -396,3 +396,25 @@ def test_no_deserializers_in_comms_sources() -> None:
                 f = node.func
                 name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
                 assert name not in banned_calls, (mod.__name__, name)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_held_bytes_from_the_header_equals_the_message_it_becomes(codec: str) -> None:
+    """A transport reserves room from the frame's first bytes; the message unpack makes holds
+    exactly that: its body plus the decoded float32 copy (4x an fp8 body)."""
+    x = torch.randn(3, 1000)
+    frame = wire.pack_tensor("held", Kind.AVERAGE, x, codec, 5)
+    held = wire.held_bytes(frame[: wire.MAX_HEADER_BYTES])
+    msg = wire.unpack(frame)
+    assert isinstance(msg, wire.Message) and held == msg.held_bytes
+    assert held == codecs.encoded_nbytes(x.numel(), codec) + 4 * x.numel()
+    assert wire.held_bytes(frame[:64], decoded=False) == codecs.encoded_nbytes(x.numel(), codec)
+    assert wire.unpack(frame, check_finite=False).held_bytes == held - 4 * x.numel()
+
+
+def test_held_bytes_refuses_a_header_no_valid_frame_has() -> None:
+    frame = bytearray(wire.pack_tensor("held", Kind.AVERAGE, torch.ones(10), "fp32", 0))
+    assert wire.held_bytes(b"\x00garbage").reason == "bad_magic"
+    assert wire.held_bytes(bytes(frame[:10])).reason == "truncated"
+    frame[-40 - 20 + 4] ^= 0xFF  # data_len (20 bytes of tail before the 40-byte body)
+    assert isinstance(wire.held_bytes(bytes(frame)), wire.Reject)

@@ -463,15 +463,15 @@ class StageOptimizer:
             p.sub_(u - u_prev)
         u_prev.copy_(u)
 
+    def state_views(self) -> dict[str, torch.Tensor | int | float]:
+        """state_dict() without copies (a checkpoint writes the optimizer's own tensors)."""
+        items = ((f"{n}/{k}", v) for n, st in self.state.items() for k, v in st.items())
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in items}
+
     def state_dict(self) -> dict[str, torch.Tensor | int | float]:
         """Flat copy: "<param name>/<key>" -> tensor (cloned) or number. No nested objects."""
-        out: dict[str, torch.Tensor | int | float] = {}
-        for name, st in self.state.items():
-            for key, val in st.items():
-                out[f"{name}/{key}"] = (
-                    val.detach().clone() if isinstance(val, torch.Tensor) else val
-                )
-        return out
+        views = self.state_views().items()
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in views}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a state_dict() of an optimizer with the same parameters and spec."""

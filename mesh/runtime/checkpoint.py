@@ -227,16 +227,6 @@ def resume_point(
 # ---- save ---------------------------------------------------------------------------------------
 
 
-def optimizer_state(cell: Cell) -> dict[str, torch.Tensor | int | float]:
-    """What cell.optimizer.state_dict() holds ("<param name>/<key>" -> tensor or number), with
-    the optimizer's own tensors: state_dict() clones each (two flats' worth for Adam)."""
-    return {
-        f"{name}/{key}": val.detach() if isinstance(val, torch.Tensor) else val
-        for name, st in cell.optimizer.state.items()
-        for key, val in st.items()
-    }
-
-
 def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
     """A checkpoint's content: the cell's own tensors, not copies. Nothing changes them while
     torch.save writes them: every change to a cell's state (an update, a round's arrival, a new
@@ -255,7 +245,7 @@ def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
         # list: a stack would be a copy of all of them
         "versions": torch.tensor(versions, dtype=torch.int64),
         "stashes": [cell.history[v] for v in versions],
-        "optimizer": optimizer_state(cell),
+        "optimizer": cell.optimizer.state_views(),  # no copies
     }
 
 

@@ -50,9 +50,9 @@ verify_data_option = click.option(
 def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> None:
     """Print the resolved config as TOML (defaults < --config files < --set)."""
     cfg = resolve_config(config_files, overrides)
-    from mesh.model.build import stage_param_counts  # torch, once the config is valid
+    from mesh.model.build import boundary_spec, stage_param_counts  # torch, once valid
 
-    counts = stage_param_counts(cfg.model, cfg.grid.stages)
+    counts = stage_param_counts(cfg.model, cfg.grid.stages, boundary_spec(cfg))
     click.echo(f"# fingerprint {cfg.fingerprint()}")
     per_stage = ", ".join(f"s{j} {n:,}" for j, n in enumerate(counts))
     click.echo(f"# parameters per stage: {per_stage} (total {sum(counts):,})")

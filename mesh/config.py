@@ -173,6 +173,18 @@ class Config(_Section):
 
             validate_window(p.schedule, g.stages, p.window)
         _check_arch(m)
+        if p.boundary != "full":
+            if m.arch != "llama":
+                raise ValueError(
+                    f"pipeline.boundary = {p.boundary!r} needs model.arch = 'llama' (the byte "
+                    "GPT's learned positions write outside any subspace); set model.arch='llama' "
+                    "or pipeline.boundary='full'"
+                )
+            if p.boundary_rank > m.d_model:
+                raise ValueError(
+                    f"pipeline.boundary_rank ({p.boundary_rank}) > model.d_model ({m.d_model}): "
+                    "a boundary sends at most d_model coordinates per token; lower it"
+                )
         if self.optim.name != "rotated_adam" and self.optim.stage_aware:
             raise ValueError(
                 "optim.stage_aware only applies to optim.name = 'rotated_adam'; "
@@ -222,6 +234,11 @@ class Config(_Section):
         if not averaging or self.dp.selector != "partition" or self.dp.fraction >= 1:
             d["dp"]["index_map"] = HASHED_AWAY_AT[("dp", "index_map")]
             d["dp"]["subset_block"] = 1
+        # a full boundary reads neither rank; the fixed subspace has no anchors
+        if self.pipeline.boundary == "full":
+            d["pipeline"]["boundary_rank"] = PipelineConfig.model_fields["boundary_rank"].default
+        if self.pipeline.boundary != "learned":
+            d["pipeline"]["anchor_rank"] = PipelineConfig.model_fields["anchor_rank"].default
         for section, keys in LATER_KEYS.items():
             for key in keys:
                 default = SECTIONS[section].model_fields[key].default
@@ -232,6 +249,17 @@ class Config(_Section):
 
     def to_toml(self) -> str:
         return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+
+    @property
+    def boundary_width(self) -> int:
+        """Values per token that cross a stage boundary (mesh/algo/boundary.py)."""
+        p = self.pipeline
+        return self.model.d_model if p.boundary == "full" else p.boundary_rank
+
+    @property
+    def boundary_shape(self) -> tuple[int, int, int]:
+        """The (B, T, width) tensor of one activation message (and of its gradient)."""
+        return (self.pipeline.microbatch_size, self.model.seq_len, self.boundary_width)
 
     @property
     def tokens_per_microbatch(self) -> int:

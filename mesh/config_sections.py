@@ -74,6 +74,25 @@ class PipelineConfig(_Section):
         "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
+    boundary: Literal["full", "subspace", "learned"] = Field(
+        "full",
+        description="what crosses a stage boundary (mesh/algo/boundary.py), in pipeline.codec: "
+        "full: the d_model-wide residual stream; subspace: boundary_rank coordinates in one "
+        "fixed shared basis, every residual write kept inside it (Subspace Networks, lossless "
+        "by construction, exports as a plain Llama); learned: boundary_rank coordinates through "
+        "a learned per-boundary encoder (orthonormal, Stiefel) and decoder with token anchors "
+        "on both sides (MAPL-style). Activations and their gradients alike; llama only",
+    )
+    boundary_rank: int = Field(
+        16, ge=1, description="coordinates per token that cross a compressed boundary (<= d_model)"
+    )
+    anchor_rank: int = Field(
+        16,
+        ge=0,
+        description="learned: rank of each side's token anchor (vocab x rank x d_model): what "
+        "the tokens alone predict is taken out before the projection and added back after; 0: none",
+    )
+
     weight_prediction: float = Field(
         0.0,
         ge=0,
@@ -358,7 +377,13 @@ class RuntimeConfig(_Section):
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
-    "pipeline": ("weight_prediction", "prediction_beta"),
+    "pipeline": (
+        "weight_prediction",
+        "prediction_beta",
+        "boundary",
+        "boundary_rank",
+        "anchor_rank",
+    ),
     "optim": ("delay_lr_share",),
     "dp": (
         "lambda_clock",

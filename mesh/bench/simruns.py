@@ -64,6 +64,7 @@ def run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
         "seed": spec.seed,
         "val_loss": r.val_loss,
         "val_loss_avg_model": r.val_loss_avg_model,
+        "val_bpb": r.val_bpb,
         "tokens": r.tokens,
         "steps": r.steps,
         "dp_bytes_per_replica_step": r.dp_bytes_per_replica_step,

@@ -47,7 +47,7 @@ def largest_stage(cfg: Any) -> int:
 
 def build_cell(preset: str, stage: int) -> tuple[Any, Any]:
     from mesh.engine.cell import Cell
-    from mesh.model.build import build_stage
+    from mesh.model.build import build_cell_stage
 
     cfg = bench_config(preset)
-    return cfg, Cell(cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0))
+    return cfg, Cell(cfg, stage, 0, build_cell_stage(cfg, stage))

@@ -27,6 +27,7 @@ from mesh.algo.optim import (
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import Config, OptimConfig, parse_cell_factors
+from mesh.model.boundary import constrain_, riemannian_grads_
 
 Params = dict[str, torch.Tensor]
 
@@ -114,6 +115,9 @@ class Cell:
         spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon, beta)
         self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
+        # a compressed boundary's constraints hold from the first version on (the subspace's
+        # residual writes, the encoders' orthonormal bases)
+        constrain_(self.module)
         self.history = OrderedDict()
         self.history[0] = self.version_weights()
         g = self.cfg.grid
@@ -171,10 +175,15 @@ class Cell:
 
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""
+        if getattr(self.module, "boundary", None) is not None:  # Stiefel: along the manifold
+            named = dict(zip((n for n, *_ in self._shapes), grads, strict=True))
+            riemannian_grads_(self.module, named)
+            grads = list(named.values())
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
         norm = self.optimizer.step(self.lr_scale())
         self.optimizer.zero_grad()
+        constrain_(self.module)
         self.step += 1
         clip = self.cfg.optim.grad_clip
         self.clipped += int(clip > 0 and norm > clip)
@@ -248,6 +257,7 @@ class Cell:
             new_live, new_d = sparse.apply_arrival(live, snapshot, mean, d, dp.correction, lam)
             self.flat.index_copy_(0, idx, new_live)
             self.drift.index_copy_(0, idx, new_d)
+        constrain_(self.module)  # an average of constrained weights, drift-corrected
 
     def lambda_for(self, round_index: int) -> float:
         """lambda of the EMA at the arrival of round `round_index`, on the config's clock: this

@@ -23,7 +23,7 @@ from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_ke
 from mesh.algo.staleness import prediction_distance
 from mesh.config import Config
 from mesh.engine.cell import optim_spec
-from mesh.model.build import stage_layers, stage_module
+from mesh.model.build import boundary_spec, stage_layers, stage_module
 from mesh.model.memory import output_bytes, saved_bytes
 
 GB = 1e9
@@ -65,7 +65,12 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
     """(optimizer state bytes, error-feedback bytes) of one stage, from the rules' own state on
     meta tensors; with state_8bit the quantized moments take 1 byte a value plus a fp32 scale per
     block of 256 (tensors under 4096 values stay fp32), as bitsandbytes stores them."""
-    module = stage_module(cfg.model, *stage_layers(cfg.model, cfg.grid.stages, stage))
+    module = stage_module(
+        cfg.model,
+        *stage_layers(cfg.model, cfg.grid.stages, stage),
+        stage=stage,
+        boundary=boundary_spec(cfg),
+    )
     spec = optim_spec(cfg.optim)
     planner = get_planner(spec.name)
     total = 0
@@ -102,15 +107,19 @@ def inflight_microbatches(cfg: Config, stage: int) -> int:
 def plan_cell(cfg: Config, stage: int) -> CellPlan:
     m, P = cfg.model, cfg.grid.stages
     layers, first, last = stage_layers(m, P, stage)
-    module = stage_module(m, layers, first, last)
+    module = stage_module(m, layers, first, last, stage=stage, boundary=boundary_spec(cfg))
     n = sum(p.numel() for p in module.parameters())
     flat = 4 * n
     versions = versions_kept(cfg.pipeline.schedule, stage, P, cfg.pipeline.extra_warmups())
     opt, ef = optimizer_state_bytes(cfg, stage)
     B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
     inflight = inflight_microbatches(cfg, stage)
-    act_in = B * T * (8 if first else 4 * d)  # token ids, or the decoded fp32 activations
-    grad_in = 0 if last else B * T * 4 * d
+    w, compressed = cfg.boundary_width, cfg.pipeline.boundary != "full"
+    # token ids, or the decoded fp32 activations (and the tokens a compressed boundary reads)
+    act_in = B * T * (8 if first else 4 * w + 8 * compressed)
+    grad_in = 0 if last else B * T * 4 * w
+    # the fixed subspace's buffers: U and the initial token table, on every stage
+    fixed = 4 * (m.vocab_size * d + d * w) if cfg.pipeline.boundary == "subspace" and P > 1 else 0
     # async: an update's gradients are its one backward's; the flushed schedules add each
     # microbatch's into them (two sets at once)
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
@@ -119,8 +128,8 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
     # the pipeline's messages while they wait in a mailbox (comms.wire.Message.held_bytes):
     # an activation from the previous stage and a gradient from the next, each frame plus its
     # decoded float32 copy, and what this cell sends the other way
-    boundary = codecs.encoded_nbytes(B * T * d, cfg.pipeline.codec)
-    transport = ((not first) + (not last)) * 2 * (boundary + 4 * B * T * d)
+    boundary = codecs.encoded_nbytes(B * T * w, cfg.pipeline.codec)
+    transport = ((not first) + (not last)) * 2 * (boundary + 4 * B * T * w)
     if dp.mode == "param_avg" and reps > 1:
         largest = sparse.max_subset_size(n, dp.fraction, dp.subset_block)  # any round's k
         k = largest if dp.subset_block > 1 else max(sparse.subset_sizes([n], dp.fraction))
@@ -142,7 +151,7 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
         stage=stage,
         layers=len(layers),
         params=n,
-        weights_bytes=flat,
+        weights_bytes=flat + fixed,
         stash_bytes=versions * flat,
         versions=versions,
         grad_bytes=flat * (1 if mpu == 1 else 2),
@@ -162,9 +171,9 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
 
 def pp_bytes_per_token(cfg: Config, stage: int, codec: str) -> float:
     """Pipeline bytes a cell sends per token: activations to the next stage, gradients to the
-    previous one (each d values a token, through the codec)."""
+    previous one (each cfg.boundary_width values a token, through the codec)."""
     tokens = cfg.tokens_per_microbatch
-    one_way = codecs.encoded_nbytes(tokens * cfg.model.d_model, codec) / tokens
+    one_way = codecs.encoded_nbytes(tokens * cfg.boundary_width, codec) / tokens
     return one_way * ((stage < cfg.grid.stages - 1) + (stage > 0))
 
 

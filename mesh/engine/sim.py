@@ -27,7 +27,7 @@ from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
-from mesh.model.build import build_stages, lm_loss, stage_forward
+from mesh.model.build import build_cell_stages, lm_loss, run_stages, stage_forward
 
 
 class _Boundary(torch.autograd.Function):
@@ -79,10 +79,7 @@ class GridSim:
         self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # every replica starts from the same weights: sparse averaging cannot align strangers
         self.cells = [
-            [
-                Cell(cfg, j, i, module)
-                for j, module in enumerate(build_stages(cfg.model, self.P, cfg.run.seed))
-            ]
+            [Cell(cfg, j, i, module) for j, module in enumerate(build_cell_stages(cfg))]
             for i in range(self.m)
         ]
         self.update = 0
@@ -109,8 +106,9 @@ class GridSim:
         flat = [t for stage in leaves for t in stage.values()]
         grads = [torch.zeros_like(t) for t in flat]
         total = 0.0
+        # what one boundary carries each way: the residual stream or its coordinates
         act_bytes = codecs.encoded_nbytes(
-            cfg.tokens_per_microbatch * cfg.model.d_model, cfg.pipeline.codec
+            cfg.tokens_per_microbatch * cfg.boundary_width, cfg.pipeline.codec
         )
         for k in range(self.M):
             x, y = train_batch(
@@ -123,7 +121,7 @@ class GridSim:
             )
             h = x
             for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
-                h = stage_forward(c.module, params, h, cfg.runtime.precision)
+                h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
                 if j < self.P - 1:
                     h = cross_link(h, cfg.pipeline.codec)
             loss = lm_loss(h, y)
@@ -205,10 +203,7 @@ class GridSim:
         total = 0.0
         with torch.no_grad():  # the fp32 masters, whatever the compute precision (as runtime)
             for x, y in self._val:
-                h = x
-                for mod in modules:
-                    h = mod(h)
-                total += lm_loss(h, y).item()
+                total += lm_loss(run_stages(modules, x), y).item()
         return total / len(self._val)
 
     def evaluate(self) -> list[float]:
@@ -280,5 +275,5 @@ class functional_module(torch.nn.Module):  # noqa: N801 - used like a function
         super().__init__()
         self.inner, self.params = module, params
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.inner, self.params, (x,))
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return functional_call(self.inner, self.params, (x,), kwargs)

@@ -22,8 +22,9 @@ from torch import nn
 from torch.func import functional_call
 
 from mesh.algo.topology import partition_layers
-from mesh.config import ModelConfig
+from mesh.config import Config, ModelConfig
 from mesh.model import gpt, llama
+from mesh.model.boundary import BoundarySpec, init_end, init_fixed
 
 FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
 
@@ -39,11 +40,21 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def boundary_spec(cfg: Config) -> BoundarySpec:
+    """pipeline.boundary's settings as the stage builders take them."""
+    p = cfg.pipeline
+    return BoundarySpec(p.boundary, p.boundary_rank, p.anchor_rank)
+
+
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Norm gains one, biases zero, matrices N(0, family.init_std) from their own generators."""
+    """Norm gains one, biases zero, matrices N(0, family.init_std) from their own generators;
+    a compressed boundary's ends and buffers by mesh.model.boundary's rules."""
     std_of = family(cfg).init_std
+    init_fixed(module, seed, std_of("tok_emb.weight", cfg))
     for name, p in module.named_parameters():
+        if init_end(name, p, seed):
+            continue
         if p.ndim == 1:
             p.fill_(1.0 if name.endswith("weight") else 0.0)
             continue
@@ -52,11 +63,23 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
 
 
 def stage_module(
-    cfg: ModelConfig, layers: range, first: bool, last: bool, device: str = "meta"
+    cfg: ModelConfig,
+    layers: range,
+    first: bool,
+    last: bool,
+    device: str = "meta",
+    stage: int = 0,
+    boundary: BoundarySpec | None = None,
 ) -> nn.Module:
-    """The family's stage module with parameters on `device` (meta: shapes only, no memory)."""
+    """The family's stage module with parameters on `device` (meta: shapes only, no memory);
+    stage j's ends of a compressed boundary with `boundary` (llama only)."""
+    extra = (
+        {}
+        if boundary is None or not boundary.compressed
+        else {"stage": stage, "boundary": boundary}
+    )
     with torch.device(device):
-        return family(cfg).StageModule(cfg, layers, first=first, last=last)
+        return family(cfg).StageModule(cfg, layers, first=first, last=last, **extra)
 
 
 def stage_layers(cfg: ModelConfig, n_stages: int, stage: int) -> tuple[range, bool, bool]:
@@ -65,17 +88,31 @@ def stage_layers(cfg: ModelConfig, n_stages: int, stage: int) -> tuple[range, bo
     return layers, stage == 0, stage == n_stages - 1
 
 
-def build_stage(cfg: ModelConfig, n_stages: int, stage: int, seed: int) -> nn.Module:
+def build_stage(
+    cfg: ModelConfig, n_stages: int, stage: int, seed: int, boundary: BoundarySpec | None = None
+) -> nn.Module:
     """One cell's stage module, allocated alone (on the CPU) with the run's common init."""
-    module = stage_module(cfg, *stage_layers(cfg, n_stages, stage))
+    module = stage_module(cfg, *stage_layers(cfg, n_stages, stage), stage=stage, boundary=boundary)
     module.to_empty(device="cpu")
     init_parameters(module, cfg, seed)
     return module
 
 
-def build_stages(cfg: ModelConfig, n_stages: int, seed: int) -> list[nn.Module]:
+def build_stages(
+    cfg: ModelConfig, n_stages: int, seed: int, boundary: BoundarySpec | None = None
+) -> list[nn.Module]:
     """The P stage modules of one replica."""
-    return [build_stage(cfg, n_stages, j, seed) for j in range(n_stages)]
+    return [build_stage(cfg, n_stages, j, seed, boundary) for j in range(n_stages)]
+
+
+def build_cell_stage(cfg: Config, stage: int) -> nn.Module:
+    """Stage `stage` of a run's grid: its model, partition, seed and boundary."""
+    return build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed, boundary_spec(cfg))
+
+
+def build_cell_stages(cfg: Config) -> list[nn.Module]:
+    """The P stage modules of one replica of a run."""
+    return [build_cell_stage(cfg, j) for j in range(cfg.grid.stages)]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
@@ -95,16 +132,21 @@ def split_model(model: nn.Module, cfg: ModelConfig, n_stages: int) -> list[nn.Mo
     return stages
 
 
-def stage_shapes(cfg: ModelConfig, n_stages: int, stage: int) -> dict[str, tuple[int, ...]]:
+def stage_shapes(
+    cfg: ModelConfig, n_stages: int, stage: int, boundary: BoundarySpec | None = None
+) -> dict[str, tuple[int, ...]]:
     """Global parameter name -> shape of one stage, in the module's order (no memory)."""
-    module = stage_module(cfg, *stage_layers(cfg, n_stages, stage))
+    module = stage_module(cfg, *stage_layers(cfg, n_stages, stage), stage=stage, boundary=boundary)
     return {n: tuple(p.shape) for n, p in module.named_parameters()}
 
 
-def stage_param_counts(cfg: ModelConfig, n_stages: int) -> list[int]:
+def stage_param_counts(
+    cfg: ModelConfig, n_stages: int, boundary: BoundarySpec | None = None
+) -> list[int]:
     """Parameters of each stage (built on the meta device: exact, instant, no memory)."""
     return [
-        sum(_numel(s) for s in stage_shapes(cfg, n_stages, j).values()) for j in range(n_stages)
+        sum(_numel(s) for s in stage_shapes(cfg, n_stages, j, boundary).values())
+        for j in range(n_stages)
     ]
 
 
@@ -128,16 +170,38 @@ def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractC
 
 
 def stage_forward(
-    module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, precision: str
+    module: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    precision: str,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A stage's forward with given (fp32 master) weights in the run's compute precision.
 
     The output is fp32 again, so what crosses a link goes through the codecs exactly as in an
     fp32 run (a bf16 codec then costs nothing extra); its gradient flows back in bf16 compute.
+    `tokens`: the microbatch's token ids, which a compressed boundary's anchors read.
     """
+    kwargs = {"tokens": tokens} if needs_tokens(module) else {}
     with autocast(precision, x.device):
-        out = functional_call(module, params, (x,))
+        out = functional_call(module, params, (x,), kwargs)
     return out.float()
+
+
+def needs_tokens(module: nn.Module) -> bool:
+    """Whether a stage reads the microbatch's tokens besides its input (a compressed boundary
+    past the first stage). Looks through a wrapper that evaluates other weights (`inner`)."""
+    module = getattr(module, "inner", module)
+    return getattr(module, "boundary", None) is not None and not module.first
+
+
+def run_stages(modules: list[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
+    """One replica's stages composed on token ids (evaluation: no codecs, the modules' own
+    weights): the logits."""
+    h = tokens
+    for mod in modules:
+        h = mod(h, tokens=tokens) if needs_tokens(mod) else mod(h)
+    return h
 
 
 def named_chunks(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh.config import ModelConfig
+from mesh.model import boundary as ends
 from mesh.model.kv import KVCache, attend
 
 
@@ -104,22 +105,43 @@ class Block(nn.Module):
 
 class StageModule(nn.Module):
     """Blocks `layers`, plus the token embedding if `first` and norm + head if `last`; the same
-    inputs and outputs as the GPT's stage module."""
+    inputs and outputs as the GPT's stage module. With a compressed boundary
+    (mesh/model/boundary.py) a stage takes and gives the boundary's coordinates instead of the
+    residual stream, and reads the microbatch's `tokens` for the anchors."""
 
-    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        stage: int = 0,
+        boundary: ends.BoundarySpec | None = None,
+    ) -> None:
         super().__init__()
         self.first, self.last, self.layers = first, last, layers
         self.head_dim, self.theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
         if first:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        spec = boundary or ends.BoundarySpec()
+        self.boundary = ends.build_ends(spec, cfg.d_model, cfg.vocab_size, stage, first, last)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.first:
+            tokens = x
             x = self.tok_emb(x)
+        elif self.boundary is not None:
+            assert tokens is not None, "a compressed boundary's anchors read the tokens"
+            x = ends.receive(self.boundary, x, tokens)
         start = cache.pos if cache is not None else 0
         # computed per call, not a buffer: a stage built on the meta device has no buffers to
         # fill, and this is (T, head_dim), small beside any block
@@ -129,6 +151,8 @@ class StageModule(nn.Module):
             x = self.blocks[str(i)](x, rope, cache)
         if self.last:
             x = self.head(self.norm(x))
+        elif self.boundary is not None:
+            x = ends.send(self.boundary, x, tokens)
         return x
 
 

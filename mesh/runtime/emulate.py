@@ -129,12 +129,13 @@ def link_latency_s(cfg: Config) -> float:
 
 def activation_frame_bytes(cfg: Config) -> int:
     """Bytes one activation (or its gradient) puts on a pipeline link: the wire frame of a
-    (B, T, d) tensor in the pipeline codec plus the torch transport's 8-byte length."""
+    (B, T, width) tensor (pipeline.boundary) in the pipeline codec plus the torch transport's
+    8-byte length."""
     import torch
 
     from comms import codecs, wire
 
-    shape = (cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+    shape = cfg.boundary_shape
     codec = cfg.pipeline.codec
     # the header depends on the name and the number of dimensions only: pack one value
     one = wire.pack("act/0", wire.Kind.ACTIVATION, codecs.encode(torch.ones(1, 1, 1), codec), 0)
@@ -177,10 +178,10 @@ def measure_compute_s(cfg: Config, repeats: int = 3) -> list[float]:
     """Real compute: thread CPU seconds of one forward + backward (with the backward's
     recomputed forward, as the worker does) per stage, median of `repeats` (window sizing)."""
 
-    from mesh.model.build import build_stages
+    from mesh.model.build import build_cell_stages
 
     with torch_threads(cfg.run.threads):  # as the cells will run
-        stages = build_stages(cfg.model, cfg.grid.stages, cfg.run.seed)
+        stages = build_cell_stages(cfg)
         return [_time_stage(cfg, j, st, len(stages), repeats) for j, st in enumerate(stages)]
 
 
@@ -201,19 +202,18 @@ def torch_threads(n: int) -> Iterator[None]:
 def _time_stage(cfg: Config, j: int, st: Any, num_stages: int, repeats: int) -> float:
     import torch
 
-    from mesh.model.build import lm_loss
+    from mesh.model.build import lm_loss, needs_tokens
 
-    B, T, d = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
+    B, T, w = cfg.boundary_shape  # a stage past the first takes what crosses the boundary
     times = []
     for _ in range(repeats):
-        if j == 0:
-            x = torch.randint(0, cfg.model.vocab_size, (B, T))
-        else:
-            x = torch.randn(B, T, d, requires_grad=True)
+        tokens = torch.randint(0, cfg.model.vocab_size, (B, T))
+        x = tokens if j == 0 else torch.randn(B, T, w, requires_grad=True)
+        kwargs = {"tokens": tokens} if needs_tokens(st) else {}
         t0 = time.thread_time()
         with torch.no_grad():
-            st(x)
-        y = st(x)
+            st(x, **kwargs)
+        y = st(x, **kwargs)
         if j == num_stages - 1:
             lm_loss(y, torch.randint(0, cfg.model.vocab_size, (B, T))).backward()
         else:

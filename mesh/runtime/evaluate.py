@@ -21,7 +21,7 @@ import torch
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, val_batches
-from mesh.model.build import build_stages, lm_loss
+from mesh.model.build import build_cell_stages, lm_loss, run_stages
 from mesh.runtime.checkpoint import checkpoint_path, read_checkpoint, saved_steps
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -44,7 +44,7 @@ def replica_loss(
 ) -> float:
     """Mean validation loss of `replica`'s stages chained at checkpoint `step` (None: the
     untrained model every run starts from)."""
-    stages = build_stages(cfg.model, cfg.grid.stages, cfg.run.seed)
+    stages = build_cell_stages(cfg)
     if step is not None:
         for j, st in enumerate(stages):
             # mapped: only the weights are read, not the whole cell (10.5 GB at llama-1b stage 0)
@@ -53,10 +53,7 @@ def replica_loss(
     total = 0.0
     with torch.no_grad():
         for x, y in batches:
-            h = x
-            for st in stages:
-                h = st(h)
-            total += lm_loss(h, y).item()
+            total += lm_loss(run_stages(stages, x), y).item()
     return total / len(batches)
 
 

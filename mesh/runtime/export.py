@@ -232,6 +232,7 @@ def export_run(
             f"{run_dir}: model.arch = {cfg.model.arch!r}; export writes Hugging Face "
             "LlamaForCausalLM, so it needs a llama run (--config configs/models/llama-20m.toml)"
         )
+    check_boundary_exports(run_dir, cfg)
     step = export_step(run_dir, cfg, replica)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +252,21 @@ def export_run(
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
     files = sorted(p.name for p in out.iterdir())
     return Exported(out, step, replica, params, files)
+
+
+def check_boundary_exports(run_dir: str | Path, cfg: Config) -> None:
+    """A compressed boundary's model as one Llama: the fixed subspace's stages compose to a
+    plain Llama (its weights keep the residual stream in E0[x] + span(U), where the rebuild is
+    exact: mesh/algo/boundary.py), so it exports as one. A learned boundary's rebuild
+    D_j U_j^T (h - a_s(x)) + a_r(x) is a rank-r map of the residual stream between two blocks,
+    which LlamaForCausalLM cannot express: such a run is refused, with the way out."""
+    if cfg.pipeline.boundary == "learned":
+        raise ConfigError(
+            f"{run_dir}: pipeline.boundary = 'learned' rebuilds the residual stream through a "
+            "rank-r map between stages, which a LlamaForCausalLM cannot hold; evaluate it with "
+            "`meshtrain evaluate`, or train a run to export with pipeline.boundary='subspace' "
+            "(a plain Llama) or 'full'"
+        )
 
 
 def weight_files(export_dir: Path) -> list[Path] | None:
@@ -307,6 +323,7 @@ def load_for_sampling(source: str | Path, replica: int = 0) -> tuple[Config, nn.
     d = Path(source)
     if (d / "config.toml").is_file():
         cfg = run_config(d)
+        check_boundary_exports(d, cfg)
         step = export_step(d, cfg, replica)
         model = whole_model(cfg, run_weights(d, cfg, replica, step))
         return cfg, model, load_tokenizer(cfg.data.path), f"step {step} of replica {replica}"

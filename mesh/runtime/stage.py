@@ -46,7 +46,7 @@ from mesh.algo.topology import Cell as Place
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
-from mesh.model.build import lm_loss, stage_forward
+from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
 from mesh.runtime.rounds import Rounds, group_name
 from mesh.runtime.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
@@ -106,10 +106,10 @@ class StageWorker(Rounds):
             self.emu = ComputeClock()
             self.t_f, self.t_b = emulated_op_s(cfg, self.j, self.i)
             gen = torch.Generator().manual_seed(cfg.run.seed * 1009 + self.j * 31 + self.i)
-            B, T, d = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
+            B, T, w = cfg.boundary_shape  # what crosses the link (pipeline.boundary)
             self._fake_tokens = torch.randint(0, cfg.model.vocab_size, (B, T), generator=gen)
-            self._fake_act = torch.randn(B, T, d, generator=gen)
-            self._fake_grad = torch.randn(B, T, d, generator=gen) * 1e-3
+            self._fake_act = torch.randn(B, T, w, generator=gen)
+            self._fake_grad = torch.randn(B, T, w, generator=gen) * 1e-3
         self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
         self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
         self.column = [cell_name(self.j, r) for r in range(self.m)]
@@ -129,7 +129,7 @@ class StageWorker(Rounds):
         self.coord: Any = StaticCoordinator(0, 1)
         self.first = cell.step
         self._update_loss = 0.0
-        shape = (cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+        shape = cfg.boundary_shape
         self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
         self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
 
@@ -228,6 +228,11 @@ class StageWorker(Rounds):
         )
         return x.to(self.device), y.to(self.device)
 
+    def _tokens(self, b: int) -> torch.Tensor | None:
+        """Microbatch b's token ids where this stage's boundary anchors read them (every stage
+        reads the data itself: token ids never cross a link)."""
+        return self._batch(b)[0] if needs_tokens(self.cell.module) else None
+
     def _recv_act(self, b: int) -> None:
         assert self.prev is not None
         t0 = time.perf_counter()
@@ -256,7 +261,7 @@ class StageWorker(Rounds):
         t0 = time.thread_time()
         with torch.no_grad():
             weights, inputs = self.cell.weights(version), self.in_flight[b].inputs
-            out = stage_forward(self.cell.module, weights, inputs, self.precision)
+            out = stage_forward(self.cell.module, weights, inputs, self.precision, self._tokens(b))
         self._busy(t0)
         enc = codecs.encode(out, self.cfg.pipeline.codec)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
@@ -317,7 +322,7 @@ class StageWorker(Rounds):
         if self.j > 0:
             x = x.detach().requires_grad_()
             leaves = [x, *leaves]
-        out = stage_forward(self.cell.module, params, x, self.precision)
+        out = stage_forward(self.cell.module, params, x, self.precision, self._tokens(b))
         if self.next is None:
             loss = lm_loss(out, self._batch(b)[1])
             grads = torch.autograd.grad(loss / self.mpu, leaves)

@@ -30,7 +30,7 @@ from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError, DataError
-from mesh.model.build import build_stage
+from mesh.model.build import build_cell_stage
 from mesh.runtime import memory
 from mesh.runtime.checkpoint import (
     check_checkpoint,
@@ -209,7 +209,7 @@ def run_cell(
         if emulated
         else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     )
-    module = build_stage(cfg.model, cfg.grid.stages, stage, cfg.run.seed)
+    module = build_cell_stage(cfg, stage)
     cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
     if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
         fp = cfg.state_fingerprint()

@@ -6,9 +6,11 @@ import helpers
 import pytest
 import torch
 
-from mesh.config import load_config
+from comms import codecs
+from mesh.config import load_config, with_overrides
 from mesh.engine.sim import GridSim
 from mesh.runtime.checkpoint import checkpoint_path, common_step
+from mesh.runtime.emulate import activation_frame_bytes
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import read_metrics
 
@@ -18,6 +20,14 @@ TINY = [
     *helpers.TINY,
     "runtime.timeout_s=30",
     "runtime.round_timeout_s=30",
+]
+
+LLAMA = [
+    "model.arch=llama",
+    "pipeline.schedule=async",
+    "pipeline.codec=fp8_e4m3",
+    "dp.tau=2",
+    "dp.fraction=0.25",
 ]
 
 
@@ -46,8 +56,19 @@ def _final_flats(out: Path, cfg) -> dict:
             "dp.codec=fp32",
             "optim.name=adamw",
         ],
+        # compressed boundaries: 4 of 16 values a token cross the link, both directions,
+        # learned (the encoder retracted onto the Stiefel manifold) and the fixed subspace
+        [*LLAMA, "pipeline.boundary=learned", "pipeline.boundary_rank=4", "pipeline.anchor_rank=4"],
+        [*LLAMA, "pipeline.boundary=subspace", "pipeline.boundary_rank=4"],
     ],
-    ids=["asyncmesh-fp8", "asyncmesh-window", "asyncmesh-predict", "fullsync"],
+    ids=[
+        "asyncmesh-fp8",
+        "asyncmesh-window",
+        "asyncmesh-predict",
+        "fullsync",
+        "boundary-learned",
+        "boundary-subspace",
+    ],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):
     cfg = load_config(
@@ -72,6 +93,17 @@ def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):
         torch.testing.assert_close(flat, sim.cells[i][j].flat, rtol=1e-5, atol=1e-6)
     rows = read_metrics(tmp_path)
     assert len([r for r in rows[(1, 0)] if "loss" in r]) == cfg.run.steps
+    if cfg.pipeline.boundary != "full":  # what crossed the link: (B, T, rank) each way
+        sent = [r for r in rows[(0, 0)] if "bytes_sent" in r][-1]["bytes_sent"]["activation"]
+        per_message = sent / cfg.run.steps  # async: one activation per update
+        # the frame of a (B, T, rank) payload; its header's tag may differ by a few bytes
+        assert abs(per_message - activation_frame_bytes(cfg)) <= 32, (sent, cfg.boundary_shape)
+        # against full width, the frame shrinks by exactly the payload of the dropped columns
+        full = activation_frame_bytes(with_overrides(cfg, {"pipeline.boundary": "full"}))
+        B, T, r = cfg.boundary_shape
+        dropped = codecs.encoded_nbytes(B * T * cfg.model.d_model, cfg.pipeline.codec)
+        dropped -= codecs.encoded_nbytes(B * T * r, cfg.pipeline.codec)
+        assert full - activation_frame_bytes(cfg) == dropped
 
 
 def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):

@@ -20,11 +20,11 @@ TINY_LLAMA = [
 ]  # fmt: skip
 
 
-def llama_run(tmp_path, text_file, model=TINY_LLAMA):
+def llama_run(tmp_path, text_file, model=TINY_LLAMA, extra=()):
     """A 2x1 llama grid trained 3 updates in the simulator, its cells saved as a run would."""
     cfg = load_config(
         [], [*TINY, *model, "grid.stages=2", "grid.replicas=1", "run.steps=3",
-             f"data.path='{text_file}'"],
+             f"data.path='{text_file}'", *extra],
     )  # fmt: skip
     sim = GridSim(cfg)
     for _ in range(3):
@@ -92,6 +92,34 @@ def test_export_refuses_stages_without_a_common_step(tmp_path, text_file):
     res = _export(run, tmp_path / "hf")
     assert res.exit_code == 2
     assert "share no intact checkpoint step" in res.output
+
+
+def test_a_subspace_boundary_run_exports_as_a_plain_llama(tmp_path, text_file):
+    """The fixed subspace's stages compose to a plain Llama: transformers' logits are the
+    pipeline's, rebuilt from 4 of 32 values a token at the boundary."""
+    from transformers import AutoModelForCausalLM
+
+    extra = ["pipeline.boundary=subspace", "pipeline.boundary_rank=4"]
+    run, sim = llama_run(tmp_path, text_file, extra=extra)
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 0, res.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mid = sim.cells[0][0].module(x)
+        ours = sim.cells[0][1].module(mid, tokens=x)
+        theirs = model(x).logits
+    assert mid.shape == (3, 16, 4)  # what crossed the boundary
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_a_learned_boundary_run_is_refused_with_the_way_out(tmp_path, text_file):
+    extra = ["pipeline.boundary=learned", "pipeline.boundary_rank=4"]
+    run, _ = llama_run(tmp_path, text_file, extra=extra)
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 2, res.output
+    assert "pipeline.boundary = 'learned'" in res.output and "'subspace'" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "hf").exists()
 
 
 def test_export_refuses_a_gpt_run_and_a_missing_replica(tmp_path, text_file):

@@ -1,0 +1,302 @@
+"""`meshtrain bench boundary`: what compressing a stage boundary costs in loss, at equal tokens.
+
+Every arm is one replica's pipeline (grid P x 1: the boundary is the pipeline's; the averaging
+axis has its own study) of a small Llama on the prepared Shakespeare BPE, trained on the same
+tokens: the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8
+boundaries, the synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
+(pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary 4,
+8, 16, 32 and 64 times smaller than full bf16. The gap of an arm is its validation loss against
+the reference's, paired by seed, as a share of the reference (bits per byte is the loss times a
+constant of the dataset, so its relative gap is the same).
+
+The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
+FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
+(a compressed boundary gets no tuning of its own, so a gap is the method's, not a sweep's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from mesh.algo import boundary as bmath
+from mesh.bench.ablations import best_lr
+from mesh.bench.report import fmt_gap, format_table, paired_gap
+from mesh.bench.simruns import Spec, run_specs
+from mesh.config import Config
+from mesh.methods import METHODS
+
+RATIOS = (4, 8, 16, 32, 64)
+COMPRESSED = ("learned", "subspace")
+STAGES = (4, 8)
+REPORT_SEEDS = [0, 1, 2, 3]
+TUNE_SEED = 100
+LR_GRID = (1e-3, 2e-3, 4e-3)
+REFERENCE = "full bf16"
+# the study's model, unless the command line says otherwise: a small Llama on the demo's 4k BPE
+STUDY_DEFAULTS = [
+    "model.arch=llama",
+    "model.vocab_size=4096",
+    "model.d_model=64",
+    "model.n_layers=8",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=172",
+    "model.seq_len=64",
+    "pipeline.microbatch_size=8",
+    "data.path='data/shakespeare-bpe4k'",
+    "data.val_batches=16",
+]
+ANCHOR_RANK = 16
+# published points, drawn at the bytes per token they would mean for our boundary (bf16 / ratio)
+PUBLISHED = [
+    ("SSN (claimed)", 100, 0.0),  # arXiv 2506.01260: up to 100x, "no convergence degradation"
+    ("SSN (MAPL, token-matched)", 100, 0.14),  # arXiv 2606.05484: up to ~14% worse
+    ("MAPL", 4, 0.01),  # 4-16x at ~1% loss, 150M-1B LLaMA
+    ("MAPL", 16, 0.01),
+]
+
+
+def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
+    """(arm, its overrides) for one P: the baselines, then each method at each ratio."""
+    tokens, d = base.tokens_per_microbatch, base.model.d_model
+    grid = {"grid.stages": stages, "grid.replicas": 1}
+    async_ = {**METHODS["AsyncMesh-fp8"], **grid, "pipeline.boundary": "full"}
+    out = [
+        (REFERENCE, {**async_, "pipeline.codec": "bf16"}),
+        ("full fp8", {**async_, "pipeline.codec": "fp8_e4m3"}),
+        ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
+                      "pipeline.codec": "bf16"}),
+    ]  # fmt: skip
+    for method in COMPRESSED:
+        for ratio in RATIOS:
+            rank = bmath.rank_for_compression(tokens, d, ratio, "fp8_e4m3")
+            ov = {**async_, "pipeline.codec": "fp8_e4m3", "pipeline.boundary": method,
+                  "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
+            out.append((f"{method} {ratio}x", ov))
+    return out
+
+
+def _spec(arm: str, ov: dict[str, Any], seed: int, lr: float) -> Spec:
+    mpu = 4 if arm == "FullSync" else 1
+    label = f"P{ov['grid.stages']} {arm}"
+    return Spec("boundary", label, seed, mpu, tuple({**ov, "optim.lr": lr}.items()))
+
+
+def lr_specs(base: Config, stages: int, seed: int, lrs: tuple[float, ...]) -> list[Spec]:
+    """The reference and FullSync at each lr (labels end in lr=...)."""
+    specs = []
+    for arm, ov in arms(base, stages):
+        if arm in (REFERENCE, "FullSync"):
+            for lr in lrs:
+                s = _spec(arm, ov, seed, lr)
+                specs.append(Spec(s.study, f"{s.method} lr={lr:g}", seed, s.microbatches_per_update,
+                                  s.overrides))  # fmt: skip
+    return specs
+
+
+def build_specs(base: Config, stages: int, seeds: list[int], lrs: dict[str, float]) -> list[Spec]:
+    """Every arm of one P on every seed: FullSync at its lr, every async arm at the reference's."""
+    return [
+        _spec(arm, ov, seed, lrs["FullSync" if arm == "FullSync" else REFERENCE])
+        for seed in seeds
+        for arm, ov in arms(base, stages)
+    ]
+
+
+def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> list[dict[str, Any]]:
+    """One row per arm of one P: its bytes, its losses over the seeds, its gap to the
+    reference (a share of the reference's loss, paired by seed)."""
+    tokens, d = base.tokens_per_microbatch, base.model.d_model
+    full_bf16 = bmath.encoded_bytes(tokens, d, "full", 0, "bf16")
+    by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        by_arm.setdefault(r["method"], {})[r["seed"]] = r
+    ref = {s: r["val_loss"] for s, r in by_arm.get(f"P{stages} {REFERENCE}", {}).items()}
+    rows = []
+    for arm, ov in arms(base, stages):
+        got = by_arm.get(f"P{stages} {arm}", {})
+        method = ov.get("pipeline.boundary", "full")
+        rank = ov.get("pipeline.boundary_rank", d) if method != "full" else d
+        codec = ov["pipeline.codec"]
+        nbytes = bmath.encoded_bytes(tokens, d, method, rank, codec)
+        losses = {s: r["val_loss"] for s, r in got.items() if not r.get("diverged")}
+        rel = {s: v / ref[s] for s, v in losses.items() if s in ref}
+        gap = paired_gap(rel, dict.fromkeys(rel, 1.0))
+        bpb = [r["val_bpb"] for r in got.values() if r.get("val_bpb") is not None]
+        rows.append({
+            "arm": arm, "method": method, "P": stages, "rank": rank, "codec": codec,
+            "schedule": "gpipe" if arm == "FullSync" else "async",
+            "compression": round(full_bf16 / nbytes, 3),
+            "bytes_per_token": round(nbytes / tokens, 4),
+            "val_loss": _mean(list(losses.values())),
+            "val_bpb": _mean(bpb),
+            "loss_gap": None if gap is None else round(gap[0], 5),
+            "loss_gap_se": None if gap is None or not math.isfinite(gap[1]) else round(gap[1], 5),
+            "seeds": sorted(got),
+            "diverged": sum(bool(r.get("diverged")) for r in got.values()),
+        })  # fmt: skip
+    return rows
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def frontier(rows: list[dict[str, Any]], max_gap: float = 0.01) -> dict[int, dict[str, Any]]:
+    """Per P, the most compressed arm whose mean gap is at most max_gap (None: none is)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["loss_gap"] is None or r["loss_gap"] > max_gap or r["method"] == "full":
+            continue
+        best = out.get(r["P"])
+        if best is None or r["compression"] > best["compression"]:
+            out[r["P"]] = r
+    return out
+
+
+def run_boundary(
+    base: Config, out: Path, quick: bool, workers: int, seeds: list[int] | None = None
+) -> dict[str, Any]:
+    seeds = seeds or ([0] if quick else REPORT_SEEDS)
+    budget = {"boundary": 24 if quick else 300}
+    stages = (2,) if quick else STAGES
+    lrs_tried = LR_GRID[1:2] if quick else LR_GRID
+    start = time.perf_counter()
+    tuned: dict[int, dict[str, float]] = {}
+    sweeps, runs = [], []
+    for p in stages:
+        sweep = run_specs(base, lr_specs(base, p, TUNE_SEED, lrs_tried), budget, out, workers,
+                          f"boundary P={p}: lr")  # fmt: skip
+        tuned[p] = {
+            arm: best_lr([r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")])
+            for arm in (REFERENCE, "FullSync")
+        }
+        sweeps += sweep
+    specs = [s for p in stages for s in build_specs(base, p, seeds, tuned[p])]
+    runs = run_specs(base, specs, budget, out, workers, "boundary")
+    rows = [row for p in stages for row in summarize_rows(base, runs, p)]
+    best = frontier(rows)
+    summary = {
+        "model": {k: getattr(base.model, k) for k in ("arch", "d_model", "n_layers", "vocab_size",
+                                                      "seq_len")},
+        "data": base.data.path,
+        "microbatch_tokens": base.tokens_per_microbatch,
+        "microbatches_per_replica": budget["boundary"],
+        "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
+        "seeds": seeds,
+        "tune_seed": TUNE_SEED,
+        "lrs": {str(p): v for p, v in tuned.items()},
+        "anchor_rank": ANCHOR_RANK,
+        "quick": quick,
+        "rows": rows,
+        "best_within_1pct": {str(p): r and {k: r[k] for k in ("arm", "compression", "loss_gap")}
+                             for p, r in ((p, best.get(p)) for p in stages)},
+        "published": [{"name": n, "compression": c, "loss_gap_reported": g}
+                      for n, c, g in PUBLISHED],
+        "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s_of_runs": round(sum(r["wall_s"] for r in [*sweeps, *runs]), 1),
+        "lr_sweep": sweeps,
+        "runs": runs,
+    }  # fmt: skip
+    write_outputs(summary, out)
+    (out / "runs.partial.jsonl").unlink(missing_ok=True)
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = []
+    for r in summary["rows"]:
+        gap = None if r["loss_gap"] is None else (r["loss_gap"], r["loss_gap_se"] or math.nan)
+        rows.append([
+            r["P"], r["arm"], r["rank"], r["codec"], f"{r['compression']:.1f}x",
+            f"{r['bytes_per_token']:.2f}",
+            "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+            "n/a" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
+            "n/a" if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
+            len(r["seeds"]),
+        ])  # fmt: skip
+    headers = ["P", "arm", "width", "codec", "vs bf16", "B/token/boundary", "val loss",
+               "val bits/byte", "gap vs full bf16 async", "seeds"]  # fmt: skip
+    m = summary["model"]
+    lines = [
+        f"# Stage boundaries: loss against bytes at equal tokens ({summary['tokens_per_run']:,} "
+        f"tokens a run)",
+        "",
+        f"{m['arch']} d {m['d_model']} x {m['n_layers']} layers, vocab {m['vocab_size']}, "
+        f"seq {m['seq_len']}, on {summary['data']}; grid P x 1; seeds {summary['seeds']} "
+        f"(lrs tuned on seed {summary['tune_seed']}: {summary['lrs']}); learned anchors of rank "
+        f"{summary['anchor_rank']}. Gap: mean over seeds of loss / reference loss - 1, +- its "
+        "standard error.",
+        "",
+        format_table(headers, rows),
+        "",
+    ]
+    for p, r in summary["best_within_1pct"].items():
+        lines.append(
+            f"- P = {p}: " + ("no compressed arm within 1%" if r is None else
+                              f"most compressed within 1%: {r['arm']} ({r['compression']:.1f}x, "
+                              f"{100 * r['loss_gap']:+.2f}%)")
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> None:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "table.md").write_text(table(summary))
+    plot(summary, out / "tradeoff.png")
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Loss gap (%) against bytes per token per boundary, one line per method and P; the
+    published points at the bytes their ratio means here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    full_bf16 = next((r["bytes_per_token"] for r in rows if r["arm"] == REFERENCE), None)
+    markers = {4: "o", 8: "s", 2: "^"}
+    for p in sorted({r["P"] for r in rows}):
+        for method in ("learned", "subspace"):
+            pts = sorted(
+                (r["bytes_per_token"], 100 * r["loss_gap"])
+                for r in rows
+                if r["P"] == p and r["method"] == method and r["loss_gap"] is not None
+            )
+            if pts:
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    marker=markers.get(p, "o"),
+                    ls="-" if method == "learned" else "--",
+                    label=f"{method}, P={p}",
+                )
+        for r in rows:
+            if r["P"] == p and r["arm"] in ("full fp8", "FullSync") and r["loss_gap"] is not None:
+                ax.scatter([r["bytes_per_token"]], [100 * r["loss_gap"]], marker="x",
+                           label=f"{r['arm']}, P={p}")  # fmt: skip
+    if full_bf16:
+        for name, ratio, gap in PUBLISHED:
+            ax.scatter([full_bf16 / ratio], [100 * gap], marker="*", s=90, color="grey")
+            ax.annotate(name, (full_bf16 / ratio, 100 * gap), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")  # fmt: skip
+    ax.axhline(1.0, color="red", lw=0.8, ls=":", label="1% gap")
+    ax.axhline(0.0, color="black", lw=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per token per boundary, each way (full bf16 = reference)")
+    ax.set_ylabel("validation loss gap vs full bf16 async (%)")
+    ax.set_title("Compressed stage boundaries: loss against bytes at equal tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -61,6 +61,13 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     is_flag=True,
     help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
 )
+@click.option(
+    "--interval",
+    "interval_axis",
+    is_flag=True,
+    help="Run the averaging-interval axis alone (AsyncMesh-fp8 at H = 1, 4, 16 on the study's "
+    "seeds): OUT/interval/.",
+)
 @user_errors
 def bench_convergence(
     config_files: tuple[str, ...],
@@ -71,11 +78,21 @@ def bench_convergence(
     lr_sweep: bool,
     tune: bool,
     dp_only: bool,
+    interval_axis: bool,
 ) -> None:
     """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
     from mesh.bench.convergence import run_convergence, run_lr_sweep
 
     cfg = resolve_config(config_files, overrides)
+    if interval_axis:
+        from mesh.bench.interval import run_interval, table
+
+        if not (Path(out) / "summary.json").is_file():
+            raise ConfigError(
+                f"--interval runs on a study's settings: {out}/summary.json is missing"
+            )
+        click.echo(table(run_interval(cfg, Path(out), workers, quick)))
+        return
     if tune:
         from mesh.bench.tuning import run_tuning
 
@@ -115,6 +132,44 @@ def bench_ablations(
         raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
     run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers, chosen)
     click.echo((Path(out) / "table.md").read_text())
+
+
+@bench.command("boundary")
+@study_options("boundary", "1 seed, P = 2, 24 microbatches (a minute here).")
+@click.option(
+    "--seeds",
+    default=None,
+    help="Comma-separated seeds to report (default 0,1,2,3; the lrs are tuned on seed 100).",
+)
+@user_errors
+def bench_boundary(
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    workers: int,
+    seeds: str | None,
+) -> None:
+    """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
+    method at 4-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
+    (a small Llama on data/shakespeare-bpe4k unless --config/--set say otherwise)."""
+    from mesh.bench.boundary import STUDY_DEFAULTS, run_boundary, table
+
+    try:
+        chosen = [int(s) for s in seeds.split(",")] if seeds else None
+    except ValueError:
+        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+    # the study's model unless a config file names one (--set overrides either)
+    defaults = () if config_files else STUDY_DEFAULTS
+    base = resolve_config(config_files, (*defaults, *overrides))
+    if base.data.path is not None and not Path(base.data.path).exists():
+        raise ConfigError(
+            f"data.path = {base.data.path!r} does not exist: prepare it with `meshtrain data "
+            "prepare ... --out data/shakespeare-bpe4k --tokenizer bpe:4096` (README: Demo), or "
+            "--set data.path=... and model.vocab_size to another dataset"
+        )
+    summary = run_boundary(base, Path(out), quick, workers, chosen)
+    click.echo(table(summary))
 
 
 @bench.command("fidelity")

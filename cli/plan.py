@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -26,6 +28,21 @@ def _gb(n: float) -> str:
 @click.option(
     "--memory-gb", type=float, default=None, help="Device memory to check each cell against."
 )
+@click.option(
+    "--uplink-mbit",
+    type=float,
+    default=None,
+    help="Each cell's uplink: say which pipeline boundary and averaging interval fit it, and "
+    "what the studies measured each to cost in loss (exit 2 when none fits).",
+)
+@click.option(
+    "--results",
+    "results_dir",
+    type=click.Path(file_okay=False),
+    default="results",
+    show_default=True,
+    help="Where --uplink-mbit reads the studies' costs (boundary/, convergence/interval/).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @user_errors
 def plan(
@@ -33,6 +50,8 @@ def plan(
     overrides: tuple[str, ...],
     tokens_per_s: float,
     memory_gb: float | None,
+    uplink_mbit: float | None,
+    results_dir: str,
     as_json: bool,
 ) -> None:
     """Without training: per cell, the fp32 master weights, the stashed versions its schedule
@@ -43,6 +62,9 @@ def plan(
     if tokens_per_s <= 0:
         raise ConfigError("--tokens-per-s must be > 0")
     cfg = resolve_config(config_files, overrides)
+    if uplink_mbit is not None:
+        _uplink(cfg, tokens_per_s, uplink_mbit, Path(results_dir), as_json)
+        return
     from cli.report import print_table
     from mesh.engine.plan import link_mbps, plan, uplink_by_codec
 
@@ -87,3 +109,84 @@ def plan(
         [[codec, "-" if pp is None else f"{pp:,.0f}", f"{dp:,.0f}"]
          for codec, pp, dp in uplink_by_codec(cfg, tokens_per_s)],
     )  # fmt: skip
+
+
+def measured_costs(cfg: Any, results: Path) -> tuple[dict[str, float], dict[int, float]]:
+    """The studies' loss gaps (shares): by boundary arm from results/boundary (its P nearest the
+    run's stages), by averaging interval from results/convergence/interval."""
+    boundary: dict[str, float] = {}
+    path = results / "boundary" / "summary.json"
+    if path.is_file():
+        rows = [
+            r for r in json.loads(path.read_text()).get("rows", []) if r.get("loss_gap") is not None
+        ]
+        if rows:
+            p = min({r["P"] for r in rows}, key=lambda p: (abs(p - cfg.grid.stages), p))
+            boundary = {r["arm"]: r["loss_gap"] for r in rows if r["P"] == p}
+    interval: dict[int, float] = {}
+    path = results / "convergence" / "interval" / "summary.json"
+    if path.is_file():
+        for r in json.loads(path.read_text()).get("rows", []):
+            if r.get("loss_gap") is not None:
+                interval[int(r["interval_steps"])] = r["loss_gap"]
+    return boundary, interval
+
+
+def _pct(cost: float | None) -> str:
+    return "not measured" if cost is None else f"{100 * cost:+.2f}%"
+
+
+def _uplink(cfg: Any, tokens_per_s: float, uplink: float, results: Path, as_json: bool) -> None:
+    """Which pipeline boundary and averaging interval fit an uplink of `uplink` Mbit/s a cell."""
+    from cli.report import print_table
+    from mesh.engine import uplink as up
+
+    if uplink <= 0:
+        raise ConfigError("--uplink-mbit must be > 0")
+    b_costs, i_costs = measured_costs(cfg, results)
+    cands = up.settings(cfg, tokens_per_s, b_costs, i_costs)
+    best = up.choose(cands, uplink)
+    shown = up.per_option(cands, uplink)
+    if as_json:
+        rows = [{"boundary": s.option.label, "rank": s.option.rank, "codec": s.option.codec,
+                 "compression": s.option.compression, "interval_steps": s.interval_steps,
+                 "needs_mbps": list(s.needs_mbps), "fits": s.busiest_mbps <= uplink,
+                 "cost": s.cost} for s in shown]  # fmt: skip
+        chosen = (
+            None
+            if best is None
+            else {**best.option.overrides(), "dp.interval_steps": best.interval_steps}
+        )
+        click.echo(json.dumps({"uplink_mbit": uplink, "tokens_per_s": tokens_per_s,
+                               "options": rows, "chosen": chosen}, indent=2))  # fmt: skip
+    else:
+        P = cfg.grid.stages
+        click.echo(
+            f"uplink {uplink:g} Mbit/s a cell at {tokens_per_s:,.0f} tokens/s a replica "
+            f"({P} stages x {cfg.grid.replicas} replicas; pipeline + averaging, Mbit/s):"
+        )
+        headers = ["pipeline boundary", "width", "vs bf16", "dp.interval_steps",
+                   *[f"stage {j}" for j in range(P)], "fits", "measured loss cost"]  # fmt: skip
+        rows = []
+        for s in shown:
+            mark = " <- chosen" if best is not None and s.option == best.option else ""
+            rows.append([s.option.label + mark, s.option.rank, f"{s.option.compression:.1f}x",
+                         s.interval_steps, *[f"{n:,.1f}" for n in s.needs_mbps],
+                         "yes" if s.busiest_mbps <= uplink else "no", _pct(s.cost)])  # fmt: skip
+        print_table(headers, rows)
+    if best is None:
+        lean = up.leanest(cands)
+        most = tokens_per_s * uplink / lean.busiest_mbps
+        raise ConfigError(
+            f"no pipeline boundary and averaging interval fit --uplink-mbit {uplink:g} at "
+            f"{tokens_per_s:,.0f} tokens/s: the leanest ({lean.option.label}, "
+            f"dp.interval_steps={lean.interval_steps}) needs {lean.busiest_mbps:,.1f} Mbit/s "
+            f"at its busiest cell; lower --tokens-per-s to {most:,.0f} or below"
+        )
+    if not as_json:
+        sets = " ".join(f"--set {k}={v}" for k, v in best.overrides().items())
+        click.echo(
+            f"\nchosen: {best.option.label} boundary, a round every {best.interval_steps} "
+            f"update(s); busiest cell {best.busiest_mbps:,.1f} of {uplink:g} Mbit/s; measured "
+            f"cost {_pct(best.cost)}\n  {sets}"
+        )

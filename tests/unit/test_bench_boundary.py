@@ -1,0 +1,58 @@
+"""The boundary study's arms, rows and frontier (synthetic runs: the machinery, not the claim)."""
+
+import pytest
+
+from mesh.bench import boundary as study
+from mesh.bench.simruns import spec_config
+from mesh.config import load_config
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return load_config([], [*study.STUDY_DEFAULTS, "data.path=null"])
+
+
+def test_arms_are_the_baselines_and_each_method_at_each_ratio(base):
+    arms = dict(study.arms(base, 4))
+    assert list(arms)[:3] == [study.REFERENCE, "full fp8", "FullSync"]
+    for method in study.COMPRESSED:
+        for ratio in study.RATIOS:
+            ov = arms[f"{method} {ratio}x"]
+            assert ov["pipeline.boundary"] == method and ov["grid.stages"] == 4
+            cfg = spec_config(base, study._spec(f"{method} {ratio}x", ov, 0, 1e-3), 300)
+            assert cfg.pipeline.boundary_rank == ov["pipeline.boundary_rank"] <= 64
+            assert (cfg.grid.replicas, cfg.run.steps, cfg.optim.lr) == (1, 300, 1e-3)
+    sync = spec_config(base, study._spec("FullSync", arms["FullSync"], 0, 2e-3), 300)
+    assert (sync.pipeline.schedule, sync.run.steps) == ("gpipe", 75)  # equal tokens: 4 a step
+
+
+def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_within_1pct(base):
+    runs = []
+    for seed, ref in ((0, 6.0), (1, 5.0)):
+        for arm, _ in study.arms(base, 4):
+            gap = {"learned 16x": 0.005, "learned 32x": 0.02}.get(arm, 0.0)
+            runs.append({"method": f"P4 {arm}", "seed": seed, "val_loss": ref * (1 + gap),
+                         "val_bpb": 2.0, "diverged": False})  # fmt: skip
+    rows = {r["arm"]: r for r in study.summarize_rows(base, runs, 4)}
+    assert rows[study.REFERENCE]["loss_gap"] == 0 and rows[study.REFERENCE]["compression"] == 1
+    assert rows["learned 16x"]["loss_gap"] == pytest.approx(0.005)
+    assert rows["learned 16x"]["compression"] >= 16 and rows["learned 16x"]["seeds"] == [0, 1]
+    best = study.frontier(list(rows.values()))
+    assert best[4]["arm"].endswith(" 64x")  # gap 0 in this synthetic set
+    for r in rows.values():
+        if r["method"] == "subspace" or r["arm"] == "learned 64x":
+            r["loss_gap"] = 0.5
+    assert study.frontier(list(rows.values()))[4]["arm"] == "learned 16x"
+
+
+def test_outputs_are_written(base, tmp_path):
+    runs = [{"method": f"P4 {a}", "seed": 0, "val_loss": 6.0, "val_bpb": 2.0, "diverged": False}
+            for a, _ in study.arms(base, 4)]  # fmt: skip
+    rows = study.summarize_rows(base, runs, 4)
+    summary = {"model": {"arch": "llama", "d_model": 64, "n_layers": 8, "vocab_size": 4096,
+                         "seq_len": 64}, "data": "x", "tokens_per_run": 1, "seeds": [0],
+               "tune_seed": 100, "lrs": {}, "anchor_rank": 16, "rows": rows,
+               "best_within_1pct": {"4": None}}  # fmt: skip
+    study.write_outputs(summary, tmp_path)
+    assert "learned 16x" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "tradeoff.png").stat().st_size > 10_000

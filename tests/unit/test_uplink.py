@@ -1,0 +1,96 @@
+"""`plan --uplink-mbit`: both axes sized to an uplink (mesh/engine/uplink.py)."""
+
+import json
+
+from click.testing import CliRunner
+
+from cli.main import main
+from mesh.config import load_config, with_overrides
+from mesh.engine import uplink as up
+from mesh.engine.plan import link_mbps, plan_cell
+
+LLAMA_20M = ["configs/models/llama-20m.toml"]
+
+
+def cfg():
+    return load_config(LLAMA_20M, ["grid.stages=4", "grid.replicas=2"])
+
+
+def test_every_setting_needs_what_plan_says_at_its_overrides():
+    c = cfg()
+    cands = up.settings(c, 20_000)
+    assert {s.interval_steps for s in cands} == set(up.INTERVALS)
+    for s in cands[:: max(1, len(cands) // 9)]:  # a spread of options and intervals
+        other = with_overrides(c, s.overrides())
+        want = [sum(link_mbps(plan_cell(other, j), other, 20_000)) for j in range(4)]
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(s.needs_mbps, want, strict=True))
+
+
+def test_the_choice_fits_and_is_the_cheapest_measured():
+    c = cfg()
+    # unmeasured: the least compressed boundary, then the shortest interval, that fits
+    cands = up.settings(c, 20_000)
+    uplink = sorted(s.busiest_mbps for s in cands)[len(cands) // 2]
+    best = up.choose(cands, uplink)
+    assert best is not None and best.busiest_mbps <= uplink
+    fits = [s for s in cands if s.busiest_mbps <= uplink]
+    assert best.option.compression == min(s.option.compression for s in fits)
+    # measured: a cheaper, more compressed boundary wins over a costly lighter one
+    costs = {o.label: 0.05 for o in up.boundary_options(c)} | {"learned 32x": 0.004}
+    measured = up.settings(c, 20_000, costs, {h: 0.0 for h in up.INTERVALS})
+    best = up.choose(measured, 1e9)  # everything fits: the cost alone decides
+    assert best.option.label == "full bf16"  # the reference costs nothing
+    best = up.choose([s for s in measured if s.option.label != "full bf16"], 1e9)
+    assert best.option.label == "learned 32x" and best.interval_steps == 1
+
+
+def test_a_gap_below_zero_counts_as_none():
+    c = cfg()
+    cands = up.settings(c, 20_000, {"learned 8x": -0.01}, {h: 0.0 for h in up.INTERVALS})
+    s = next(s for s in cands if s.option.label == "learned 8x")
+    assert s.cost == 0.0
+
+
+def test_plan_picks_a_setting_that_fits_and_says_how_to_set_it(tmp_path):
+    res = CliRunner().invoke(
+        main,
+        ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "20", "--tokens-per-s", "20000",
+         "--results", str(tmp_path), "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    chosen = out["chosen"]
+    assert chosen["pipeline.boundary"] != "full"  # full boundaries need more than 20 Mbit/s
+    row = next(
+        r for r in out["options"]
+        if r["interval_steps"] == chosen["dp.interval_steps"]
+        and r["rank"] == chosen.get("pipeline.boundary_rank") and r["fits"]
+    )  # fmt: skip
+    assert max(row["needs_mbps"]) <= 20
+
+
+def test_plan_refuses_with_a_clear_line_when_nothing_fits(tmp_path):
+    res = CliRunner().invoke(
+        main, ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "0.01", "--results", str(tmp_path)]
+    )
+    assert res.exit_code == 2
+    assert "no pipeline boundary and averaging interval fit --uplink-mbit 0.01" in res.output
+    assert "lower --tokens-per-s to" in res.output and "Traceback" not in res.output
+
+
+def test_plan_reads_the_studies_measured_costs(tmp_path):
+    (tmp_path / "boundary").mkdir()
+    rows = [
+        {"P": 4, "arm": "learned 16x", "loss_gap": 0.003},
+        {"P": 8, "arm": "learned 16x", "loss_gap": 0.2},  # another P: not this grid's
+    ]
+    (tmp_path / "boundary" / "summary.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "convergence" / "interval").mkdir(parents=True)
+    iv = [{"interval_steps": 4, "loss_gap": 0.001}, {"interval_steps": 16, "loss_gap": 0.01}]
+    (tmp_path / "convergence" / "interval" / "summary.json").write_text(json.dumps({"rows": iv}))
+    res = CliRunner().invoke(
+        main, ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "1000", "--results", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("| learned 16x"))
+    assert "+0.30%" in line

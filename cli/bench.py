@@ -216,9 +216,19 @@ def bench_comms(quick: bool, out: str) -> None:
     show_default=True,
     help="Where summary.json, table.md and each window's metrics go.",
 )
+@click.option(
+    "--real-size",
+    is_flag=True,
+    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over 100 Mbit/s and 50 ms, "
+    "compute at 40% of an H100, full fp8 against compressed boundaries (about 3 minutes).",
+)
 @user_errors
 def bench_throughput(
-    config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
+    config_files: tuple[str, ...],
+    overrides: tuple[str, ...],
+    quick: bool,
+    out: str,
+    real_size: bool,
 ) -> None:
     """Grids A1-A4, emulated compute on shaped links: FullSync vs AsyncMesh, interleaved.
 
@@ -228,6 +238,14 @@ def bench_throughput(
     from mesh.bench.throughput.protocol import BENCH_SETS
     from mesh.bench.throughput.runs import run_throughput
 
+    if real_size:
+        from mesh.bench.throughput.real_size import merge_into, real_size_table, run_real_size
+
+        base = load_config(list(config_files), list(overrides))
+        entry = run_real_size(base, Path(out) / "real-size", window_s=8.0 if quick else 25.0)
+        merge_into(Path(out), entry)
+        click.echo(real_size_table(entry))
+        return
     cfg = load_config(list(config_files), [*BENCH_SETS, *overrides])
     run_throughput(cfg, Path(out), quick=quick)
 

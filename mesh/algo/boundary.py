@@ -18,7 +18,8 @@ codec, forward (the activation) and backward (its gradient) alike:
   D_j = U_j (at initialisation).
 
 Token ids never cross the link: every stage reads the microbatch's tokens from its own copy of
-the data (the last stage already does, for the targets). Imports: torch, comms.codecs.
+the data (the last stage already does, for the targets). Imports: torch. What a boundary
+costs in bytes through a codec is mesh.engine.plan's (boundary_bytes, rank_for_compression).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-from comms import codecs
 
 METHODS = ("full", "subspace", "learned")
 
@@ -41,26 +40,6 @@ def width(d_model: int, method: str, rank: int) -> int:
 def payload_shape(batch: int, seq_len: int, d_model: int, method: str, rank: int) -> tuple:
     """The (B, T, width) tensor an activation message (and its gradient) carries."""
     return (batch, seq_len, width(d_model, method, rank))
-
-
-def encoded_bytes(tokens: int, d_model: int, method: str, rank: int, codec: str) -> int:
-    """Encoded payload bytes of one activation (or gradient) of `tokens` tokens (no header)."""
-    return codecs.encoded_nbytes(tokens * width(d_model, method, rank), codec)
-
-
-def compression_vs_bf16(tokens: int, d_model: int, method: str, rank: int, codec: str) -> float:
-    """How many times fewer payload bytes than a full bf16 boundary."""
-    full = codecs.encoded_nbytes(tokens * d_model, "bf16")
-    return full / encoded_bytes(tokens, d_model, method, rank, codec)
-
-
-def rank_for_compression(tokens: int, d_model: int, ratio: float, codec: str) -> int:
-    """The largest rank whose payload is at least `ratio` x smaller than full bf16 (>= 1)."""
-    full = codecs.encoded_nbytes(tokens * d_model, "bf16")
-    r = max(1, int(d_model * 2 / ratio))
-    while r > 1 and codecs.encoded_nbytes(tokens * r, codec) * ratio > full:
-        r -= 1
-    return r
 
 
 # ---- orthonormal bases --------------------------------------------------------------------

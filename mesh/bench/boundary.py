@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mesh.algo import boundary as bmath
 from mesh.bench.ablations import best_lr
 from mesh.bench.report import fmt_gap, format_table, paired_gap
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
+from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.methods import METHODS
 
 RATIOS = (4, 8, 16, 32, 64)
@@ -72,7 +72,7 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     ]  # fmt: skip
     for method in COMPRESSED:
         for ratio in RATIOS:
-            rank = bmath.rank_for_compression(tokens, d, ratio, "fp8_e4m3")
+            rank = rank_for_compression(tokens, d, ratio, "fp8_e4m3")
             ov = {**async_, "pipeline.codec": "fp8_e4m3", "pipeline.boundary": method,
                   "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
             out.append((f"{method} {ratio}x", ov))
@@ -110,7 +110,7 @@ def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> lis
     """One row per arm of one P: its bytes, its losses over the seeds, its gap to the
     reference (a share of the reference's loss, paired by seed)."""
     tokens, d = base.tokens_per_microbatch, base.model.d_model
-    full_bf16 = bmath.encoded_bytes(tokens, d, "full", 0, "bf16")
+    full_bf16 = boundary_bytes(tokens, d, "full", 0, "bf16")
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for r in runs:
         by_arm.setdefault(r["method"], {})[r["seed"]] = r
@@ -121,7 +121,7 @@ def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> lis
         method = ov.get("pipeline.boundary", "full")
         rank = ov.get("pipeline.boundary_rank", d) if method != "full" else d
         codec = ov["pipeline.codec"]
-        nbytes = bmath.encoded_bytes(tokens, d, method, rank, codec)
+        nbytes = boundary_bytes(tokens, d, method, rank, codec)
         losses = {s: r["val_loss"] for s, r in got.items() if not r.get("diverged")}
         rel = {s: v / ref[s] for s, v in losses.items() if s in ref}
         gap = paired_gap(rel, dict.fromkeys(rel, 1.0))
@@ -195,7 +195,7 @@ def run_boundary(
         "rows": rows,
         "best_within_1pct": {str(p): r and {k: r[k] for k in ("arm", "compression", "loss_gap")}
                              for p, r in ((p, best.get(p)) for p in stages)},
-        "published": [{"name": n, "compression": c, "loss_gap_reported": g}
+        "published": [{"name": n, "compression": c, "reported_loss_cost": g}
                       for n, c, g in PUBLISHED],
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s_of_runs": round(sum(r["wall_s"] for r in [*sweeps, *runs]), 1),

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from comms import codecs
+from mesh.algo import boundary as bmath
 from mesh.algo import sparse
 from mesh.algo.optim import _Blockwise8bit, get_planner
 from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
@@ -212,3 +213,26 @@ def uplink_by_codec(cfg: Config, tokens_per_s: float) -> list[tuple[str, float |
         )
         out.append((codec, pp, dp))
     return out
+
+
+# ---- a stage boundary in bytes (pipeline.boundary; the math: mesh/algo/boundary.py) --------
+
+
+def boundary_bytes(tokens: int, d_model: int, method: str, rank: int, codec: str) -> int:
+    """Encoded payload bytes of one activation (or gradient) of `tokens` tokens (no header)."""
+    return codecs.encoded_nbytes(tokens * bmath.width(d_model, method, rank), codec)
+
+
+def compression_vs_bf16(tokens: int, d_model: int, method: str, rank: int, codec: str) -> float:
+    """How many times fewer payload bytes than a full bf16 boundary."""
+    full = codecs.encoded_nbytes(tokens * d_model, "bf16")
+    return full / boundary_bytes(tokens, d_model, method, rank, codec)
+
+
+def rank_for_compression(tokens: int, d_model: int, ratio: float, codec: str) -> int:
+    """The largest rank whose payload is at least `ratio` x smaller than full bf16 (>= 1)."""
+    full = codecs.encoded_nbytes(tokens * d_model, "bf16")
+    r = max(1, int(d_model * 2 / ratio))
+    while r > 1 and codecs.encoded_nbytes(tokens * r, codec) * ratio > full:
+        r -= 1
+    return r

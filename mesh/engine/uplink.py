@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mesh.algo import boundary as bmath
 from mesh.config import Config, with_overrides
-from mesh.engine.plan import link_mbps, plan_cell
+from mesh.engine.plan import compression_vs_bf16, link_mbps, plan_cell, rank_for_compression
 
 RATIOS = (4, 8, 16, 32, 64)
 INTERVALS = (1, 2, 4, 8, 16, 32, 64)
@@ -62,15 +61,15 @@ def boundary_options(cfg: Config) -> list[BoundaryOption]:
     tokens, d = cfg.tokens_per_microbatch, cfg.model.d_model
     out = [
         BoundaryOption(f"full {c.split('_')[0]}", "full", d, c,
-                       bmath.compression_vs_bf16(tokens, d, "full", d, c))
+                       compression_vs_bf16(tokens, d, "full", d, c))
         for c in ("bf16", COMPRESSED_CODEC)
     ]  # fmt: skip
     if cfg.model.arch != "llama" or cfg.grid.stages < 2:
         return out
     for method in ("learned", "subspace"):
         for ratio in RATIOS:
-            r = min(d, bmath.rank_for_compression(tokens, d, ratio, COMPRESSED_CODEC))
-            comp = bmath.compression_vs_bf16(tokens, d, method, r, COMPRESSED_CODEC)
+            r = min(d, rank_for_compression(tokens, d, ratio, COMPRESSED_CODEC))
+            comp = compression_vs_bf16(tokens, d, method, r, COMPRESSED_CODEC)
             out.append(BoundaryOption(f"{method} {ratio}x", method, r, COMPRESSED_CODEC, comp))
     return out
 

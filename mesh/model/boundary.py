@@ -14,6 +14,7 @@ checkpointed, downloaded and counted like any other. Imports: torch, mesh.algo.b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from mesh.algo import boundary as bmath
 
+SeedOf = Callable[[int, str], int]  # (run seed, global parameter name) -> generator seed
 ANCHOR_STD = 0.02  # the anchor's token factor; its projection starts at zero (no anchor yet)
 
 
@@ -111,10 +113,10 @@ def send(ends: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def init_end(name: str, p: torch.Tensor, seed: int) -> bool:
+def init_end(name: str, p: torch.Tensor, seed: int, param_seed: SeedOf) -> bool:
     """Initialise a boundary parameter by its global name (True when `name` is one): a basis
     from its boundary's seeded orthonormal draw (so both ends of boundary j start equal), an
-    anchor's token factor N(0, ANCHOR_STD) and its projection zero."""
+    anchor's token factor N(0, ANCHOR_STD) from its name's generator and its projection zero."""
     if not name.startswith("boundary."):
         return False
     _, end, leaf = name.split(".")
@@ -123,22 +125,18 @@ def init_end(name: str, p: torch.Tensor, seed: int) -> bool:
     elif leaf == "anchor_proj":
         p.zero_()
     else:
-        from mesh.model.build import param_seed
-
         gen = torch.Generator(device=p.device).manual_seed(param_seed(seed, name))
         p.normal_(0.0, ANCHOR_STD, generator=gen)
     return True
 
 
 @torch.no_grad()
-def init_fixed(module: nn.Module, seed: int, embedding_std: float) -> None:
+def init_fixed(module: nn.Module, seed: int, embedding_std: float, param_seed: SeedOf) -> None:
     """Fill a subspace stage's buffers: U from the run seed, E0 exactly as stage 0's token
-    embedding is initialised (its global name's generator)."""
+    embedding is initialised (its global name's generator: `param_seed`, build.py's)."""
     ends = getattr(module, "boundary", None)
     if ends is None or "fixed" not in ends:
         return
-    from mesh.model.build import param_seed
-
     f = ends["fixed"]
     f.basis.copy_(bmath.initial_basis(seed, "subspace", *f.basis.shape))
     gen = torch.Generator(device=f.anchor.device).manual_seed(param_seed(seed, "tok_emb.weight"))

@@ -51,9 +51,9 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Norm gains one, biases zero, matrices N(0, family.init_std) from their own generators;
     a compressed boundary's ends and buffers by mesh.model.boundary's rules."""
     std_of = family(cfg).init_std
-    init_fixed(module, seed, std_of("tok_emb.weight", cfg))
+    init_fixed(module, seed, std_of("tok_emb.weight", cfg), param_seed)
     for name, p in module.named_parameters():
-        if init_end(name, p, seed):
+        if init_end(name, p, seed, param_seed):
             continue
         if p.ndim == 1:
             p.fill_(1.0 if name.endswith("weight") else 0.0)

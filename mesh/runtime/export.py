@@ -263,9 +263,9 @@ def check_boundary_exports(run_dir: str | Path, cfg: Config) -> None:
     if cfg.pipeline.boundary == "learned":
         raise ConfigError(
             f"{run_dir}: pipeline.boundary = 'learned' rebuilds the residual stream through a "
-            "rank-r map between stages, which a LlamaForCausalLM cannot hold; evaluate it with "
-            "`meshtrain evaluate`, or train a run to export with pipeline.boundary='subspace' "
-            "(a plain Llama) or 'full'"
+            "rank-r map between stages, which a LlamaForCausalLM cannot hold (its validation, "
+            "through the stages as trained, is in the run's val.jsonl); train a run to export "
+            "with pipeline.boundary='subspace' (a plain Llama) or 'full'"
         )
 
 

@@ -10,6 +10,7 @@ import torch
 from comms import codecs
 from mesh.algo import boundary as bmath
 from mesh.config import load_config, with_overrides
+from mesh.engine.plan import boundary_bytes, compression_vs_bf16, rank_for_compression
 from mesh.engine.sim import GridSim
 from mesh.model.boundary import constrain_
 from mesh.model.build import build_cell_stages, build_model, run_stages
@@ -80,7 +81,7 @@ def test_bytes_per_boundary_are_the_formula(codec, method, rank):
     expected = tokens * w * {"bf16": 2, "fp8_e4m3": 1, "fp32": 4}[codec]
     if codec == "fp8_e4m3":  # one fp32 scale per block of 128 values
         expected += 4 * math.ceil(tokens * w / 128)
-    assert bmath.encoded_bytes(tokens, d, method, rank, codec) == expected
+    assert boundary_bytes(tokens, d, method, rank, codec) == expected
     # and that is what the codec puts on the wire for the (B, T, width) payload
     x = torch.randn(bmath.payload_shape(3, 17, d, method, rank))
     assert codecs.encode(x, codec).nbytes == expected
@@ -89,10 +90,10 @@ def test_bytes_per_boundary_are_the_formula(codec, method, rank):
 def test_rank_for_compression_meets_the_ratio():
     tokens, d = 8 * 1024, 2304
     for ratio in (4, 8, 16, 32, 64):
-        r = bmath.rank_for_compression(tokens, d, ratio, "fp8_e4m3")
-        assert bmath.compression_vs_bf16(tokens, d, "learned", r, "fp8_e4m3") >= ratio
-        assert bmath.compression_vs_bf16(tokens, d, "learned", r + 1, "fp8_e4m3") < ratio
-    assert bmath.rank_for_compression(tokens, d, 16, "bf16") == d // 16
+        r = rank_for_compression(tokens, d, ratio, "fp8_e4m3")
+        assert compression_vs_bf16(tokens, d, "learned", r, "fp8_e4m3") >= ratio
+        assert compression_vs_bf16(tokens, d, "learned", r + 1, "fp8_e4m3") < ratio
+    assert rank_for_compression(tokens, d, 16, "bf16") == d // 16
 
 
 # ---- the stage ends -----------------------------------------------------------------------

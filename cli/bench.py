@@ -242,7 +242,7 @@ def bench_throughput(
         from mesh.bench.throughput.real_size import merge_into, real_size_table, run_real_size
 
         base = load_config(list(config_files), list(overrides))
-        entry = run_real_size(base, Path(out) / "real-size", window_s=8.0 if quick else 25.0)
+        entry = run_real_size(base, Path(out) / "real-size", steps=15 if quick else 40)
         merge_into(Path(out), entry)
         click.echo(real_size_table(entry))
         return

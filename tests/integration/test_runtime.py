@@ -60,6 +60,14 @@ def _final_flats(out: Path, cfg) -> dict:
         # learned (the encoder retracted onto the Stiefel manifold) and the fixed subspace
         [*LLAMA, "pipeline.boundary=learned", "pipeline.boundary_rank=4", "pipeline.anchor_rank=4"],
         [*LLAMA, "pipeline.boundary=subspace", "pipeline.boundary_rank=4"],
+        # the same bytes and numbers over libp2p streams
+        [
+            *LLAMA,
+            "pipeline.boundary=learned",
+            "pipeline.boundary_rank=4",
+            "pipeline.anchor_rank=4",
+            "runtime.backend=hivemind",
+        ],  # fmt: skip
     ],
     ids=[
         "asyncmesh-fp8",
@@ -68,6 +76,7 @@ def _final_flats(out: Path, cfg) -> dict:
         "fullsync",
         "boundary-learned",
         "boundary-subspace",
+        "boundary-learned-hivemind",
     ],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):

@@ -31,6 +31,14 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
     return wrap
 
 
+def parse_seeds(seeds: str | None) -> list[int] | None:
+    """--seeds 0,1,2 as a list (None: the study's default)."""
+    try:
+        return [int(s) for s in seeds.split(",")] if seeds else None
+    except ValueError:
+        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+
+
 @click.group()
 def bench() -> None:
     """Side-by-side benchmarks that write summary.json, table.md and plots."""
@@ -126,10 +134,7 @@ def bench_ablations(
     """The AsyncMesh paper's ablation table on an 8x2 grid, the paper's numbers beside ours."""
     from mesh.bench.ablations import run_ablations
 
-    try:
-        chosen = [int(s) for s in seeds.split(",")] if seeds else None
-    except ValueError:
-        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+    chosen = parse_seeds(seeds)
     run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers, chosen)
     click.echo((Path(out) / "table.md").read_text())
 
@@ -155,10 +160,7 @@ def bench_boundary(
     (a small Llama on data/shakespeare-bpe4k unless --config/--set say otherwise)."""
     from mesh.bench.boundary import STUDY_DEFAULTS, run_boundary, table
 
-    try:
-        chosen = [int(s) for s in seeds.split(",")] if seeds else None
-    except ValueError:
-        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+    chosen = parse_seeds(seeds)
     # the study's model unless a config file names one (--set overrides either)
     defaults = () if config_files else STUDY_DEFAULTS
     base = resolve_config(config_files, (*defaults, *overrides))

@@ -91,22 +91,25 @@ def build_ends(
     return ends
 
 
-def receive(ends: nn.ModuleDict, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Coordinates from the previous stage -> this stage's residual stream."""
+def _cross(
+    ends: nn.ModuleDict, x: torch.Tensor, tokens: torch.Tensor, encode: bool
+) -> torch.Tensor:
     if "fixed" in ends:
         f = ends["fixed"]
-        return bmath.decode(x, f.basis, f.anchor[tokens])
-    (dec,) = [m for k, m in ends.items() if k.startswith("dec")]
-    return dec(x, tokens)
+        op = bmath.encode if encode else bmath.decode
+        return op(x, f.basis, f.anchor[tokens])
+    (end,) = [m for m in ends.values() if m.encoder == encode]
+    return end(x, tokens)
+
+
+def receive(ends: nn.ModuleDict, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Coordinates from the previous stage -> this stage's residual stream."""
+    return _cross(ends, x, tokens, encode=False)
 
 
 def send(ends: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """This stage's residual stream -> the coordinates for the next stage."""
-    if "fixed" in ends:
-        f = ends["fixed"]
-        return bmath.encode(h, f.basis, f.anchor[tokens])
-    (enc,) = [m for k, m in ends.items() if k.startswith("enc")]
-    return enc(h, tokens)
+    return _cross(ends, h, tokens, encode=True)
 
 
 # ---- initialisation and the constraints, on a whole stage module --------------------------

@@ -48,10 +48,10 @@ def test_the_entry_merges_into_the_throughput_summary(tmp_path):
     entry = {
         "grid": "4x2", "shapes": {"d_model": 2304, "seq_len": 1024, "microbatch_size": 8},
         "link": {"bandwidth_mbps": 100.0, "latency_ms": 50.0}, "compute_formula": "f",
-        "stage_compute_ms": [34.0, 43.2], "compute_ideal_tokens_per_s": 1.0,
+        "stage_compute_ms": [34.0, 43.2], "compute_bound_tokens_per_s": 1.0,
         "arms": [{"arm": "full fp8", "rank": 2304, "compression": 1.9, "frame_bytes": 1,
                   "link_s_per_message": 1.5, "tokens_per_s": 10.0,
-                  "fraction_of_compute_ideal": 0.03, "predicted_fraction_of_compute_ideal": 0.03,
+                  "fraction_of_compute_ideal": 0.03, "predicted_link_model_share": 0.03,
                   "fraction_of_ideal": 0.9, "staleness": [1, 0]}],
     }  # fmt: skip
     for _ in range(2):  # a second run replaces the first's section

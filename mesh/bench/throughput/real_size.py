@@ -120,7 +120,7 @@ def run_real_size(base: Config, out: Path, steps: int = 40) -> dict[str, Any]:
             "fraction_of_ideal": tp.fraction_of_ideal,  # link-inclusive, as the grids A1-A4
             "fraction_of_compute_ideal": None if tp.tokens_per_s is None
             else tp.tokens_per_s / compute_ideal,
-            "predicted_fraction_of_compute_ideal": slowest
+            "predicted_link_model_share": slowest
             / max(slowest, uplink_s_per_microbatch(c, bw)),
             "host_late_s": tp_late(out / name),
             "staleness": tp.staleness,
@@ -141,7 +141,7 @@ def run_real_size(base: Config, out: Path, steps: int = 40) -> dict[str, Any]:
         "compute_formula": "t_stage = (6 x matmul params + 12 x layers x T x d) x B x T / "
         f"({MFU} x {H100_BF16_PEAK:.3g}); forward 1/3, backward 2/3",
         "stage_compute_ms": [round(1e3 * c, 3) for c in compute],
-        "compute_ideal_tokens_per_s": compute_ideal,
+        "compute_bound_tokens_per_s": compute_ideal,
         "stand_in": STAND_IN,
         "arms": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -169,7 +169,7 @@ def real_size_table(entry: dict[str, Any]) -> str:
         [r["arm"], r["rank"], f"{r['compression']:.1f}x", f"{r['frame_bytes']:,}",
          f"{1e3 * r['link_s_per_message']:.1f}",
          "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-         _f(r["fraction_of_compute_ideal"]), f"{r['predicted_fraction_of_compute_ideal']:.2f}",
+         _f(r["fraction_of_compute_ideal"]), f"{r['predicted_link_model_share']:.2f}",
          _f(r["fraction_of_ideal"]), r["staleness"], r.get("host_late_s", "n/a")]
         for r in entry["arms"]
     ]  # fmt: skip
@@ -180,7 +180,7 @@ def real_size_table(entry: dict[str, Any]) -> str:
         f"{entry['grid']} over {entry['link']['bandwidth_mbps']:g} Mbit/s, "
         f"{entry['link']['latency_ms']:g} ms\n\n"
         f"Compute emulated at GPU speed: {entry['compute_formula']}; stages {ms} ms a "
-        f"microbatch; compute-ideal {entry['compute_ideal_tokens_per_s']:,.0f} tokens/s.\n\n"
+        f"microbatch; compute-ideal {entry['compute_bound_tokens_per_s']:,.0f} tokens/s.\n\n"
         + format_table(
             [
                 "boundary",

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -49,6 +49,16 @@ class MeanResult:
     parts: tuple[torch.Tensor, ...] = ()
 
 
+def mean_in_member_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The group mean: float32, summed strictly left to right in member order, then divided by
+    the count. The one formula of both transports, the simulator and the robust aggregates, so a
+    mean has the same bits on every member and in a one-process reference."""
+    acc = parts[0].to(torch.float32).clone()
+    for p in parts[1:]:
+        acc.add_(p)
+    return acc.div_(len(parts))
+
+
 class SendHandle(Protocol):
     def done(self) -> bool: ...
 
@@ -61,6 +71,11 @@ class MeanHandle(Protocol):
 
     def result(self, timeout_s: float) -> MeanResult:
         """The round's outcome; FAILED with reason 'deadline' if not done in time."""
+
+    def cut(self) -> bool:
+        """Stop waiting for members that have not contributed: True when the round now ends
+        over the payloads it has (PARTIAL, as at its deadline), False when this transport's
+        rounds cannot end without every member (a collective: it ends at its deadline)."""
 
 
 @dataclass
@@ -140,5 +155,38 @@ class Transport(Protocol):
         those waiting now and those that arrive later, counted in stats.rejects as "late".
         Returns how many were waiting."""
 
+    def health(self) -> dict[str, Any]:
+        """What a leak would show in, as numbers a metrics row can hold (messages waiting in
+        mailboxes, live tasks, DHT calls): the `health` rows of a cell's metrics."""
+
     def close(self) -> None:
         """Stop threads and daemons, release ports; idempotent."""
+
+
+@runtime_checkable
+class Directory(Protocol):
+    """A signed key-value directory (the DHT): where an elastic grid's claims, sessions and run
+    record live (mesh/runtime/registry.py)."""
+
+    def dht_store(
+        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
+    ) -> bool: ...
+
+    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
+
+    def dht_get_many(
+        self, keys: Sequence[str], timeout_s: float | None = None
+    ) -> list[dict[str, Any] | None]: ...
+
+    @property
+    def owner_marker(self) -> str:
+        """The subkey suffix that makes a record writable only by this peer (its signature)."""
+
+
+@runtime_checkable
+class DirectoryTransport(Transport, Directory, Protocol):
+    """A transport whose peers meet through a Directory (hivemind): the elastic grid's."""
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's address in the directory (a libp2p PeerID, base58)."""

@@ -36,7 +36,7 @@ from comms.codecs import Encoded
 from comms.errors import CodecError, PeerLost, PeerTimeout
 from comms.p2p.mailbox import Mailbox
 from comms.p2p.stream import Ack
-from comms.transport import MeanResult, MeanStatus, TransportStats
+from comms.transport import MeanResult, MeanStatus, TransportStats, mean_in_member_order
 from comms.wire import Expect, Kind, Message
 
 
@@ -65,14 +65,6 @@ class MeanHost(Protocol):
     def send(self, to: str, tag: str, kind: Kind, enc: Encoded, step: int) -> Sent: ...
 
     def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message: ...
-
-
-def mean_in_member_order(payloads: list[torch.Tensor]) -> torch.Tensor:
-    """sum in the given order, then / count: the one formula every member and reference uses."""
-    acc = payloads[0].to(torch.float32).clone()
-    for p in payloads[1:]:
-        acc += p
-    return acc.div_(len(payloads))
 
 
 def frame_name(group: str, round_id: int, index: int) -> str:
@@ -135,7 +127,7 @@ class _Round:
         if me not in got or not ran:
             return MeanResult(MeanStatus.FAILED, None, (), why or "no other member took part")
         parts = tuple(got[m].reshape(-1) for m in who)
-        mean = mean_in_member_order(list(parts)).reshape(self.shape)
+        mean = mean_in_member_order(parts).reshape(self.shape)
         if len(who) == len(self.members):
             return MeanResult(MeanStatus.OK, mean, who, parts=parts)
         missing = [m for m in self.members if m not in got]
@@ -154,13 +146,15 @@ class MeanHandle:
     ) -> None:
         self._fut, self._job, self._wake = fut, job, wake
 
-    def cut(self) -> None:
+    def cut(self) -> bool:
         """Stop waiting for members that have not contributed yet (direct path): the round
         ends at once over the payloads it has (PARTIAL), as at its deadline."""
-        if self._job is not None:
-            self._job.cut.set()
-            if self._wake is not None:
-                self._wake()
+        if self._job is None:
+            return True  # a round that failed at its start: it has ended already
+        self._job.cut.set()
+        if self._wake is not None:
+            self._wake()
+        return True
 
     def done(self) -> bool:
         return self._fut.done()

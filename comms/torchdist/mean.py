@@ -36,7 +36,7 @@ from comms import codecs, wire
 from comms.codecs import Encoded
 from comms.errors import NotFiniteError
 from comms.throttle import LinkShapers
-from comms.transport import MeanResult, MeanStatus, TransportStats
+from comms.transport import MeanResult, MeanStatus, TransportStats, mean_in_member_order
 from comms.wire import Expect, Kind, Reject
 
 FOREVER = timedelta(days=30)  # waits that must not time out: a timed-out gloo op kills the pair
@@ -69,6 +69,10 @@ class MeanRound:
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    def cut(self) -> bool:
+        """False: a collective cannot end without its members; the round ends at its deadline."""
+        return False
 
     def result(self, timeout_s: float) -> MeanResult:
         if not self._event.wait(max(0.0, timeout_s)) or self._result is None:
@@ -227,7 +231,7 @@ class GroupMeans:
                 self.stats.add_received(member, "average", r.frame_bytes)
         if self.me not in contributors:
             return MeanResult(MeanStatus.FAILED, None, (), f"own payload rejected ({excluded})")
-        mean = ordered_mean(parts).reshape(r.shape)
+        mean = mean_in_member_order(parts).reshape(r.shape)
         if excluded:
             why = "excluded " + ", ".join(excluded)
             return MeanResult(MeanStatus.PARTIAL, mean, tuple(contributors), why, tuple(parts))
@@ -238,15 +242,6 @@ class GroupMeans:
             with self.stats.lock:
                 self.stats.rounds[result.status.value] += 1
         return r
-
-
-def ordered_mean(parts: list[torch.Tensor]) -> torch.Tensor:
-    """sum(parts) / len(parts), added strictly left to right: the same bits on every member
-    (and in a one-process reference) whatever the backend's reduction order."""
-    acc = parts[0].to(torch.float32).clone()
-    for p in parts[1:]:
-        acc.add_(p)
-    return acc.div_(len(parts))
 
 
 def _frame_bytes(name: str, numel: int, codec: str, step: int) -> int:

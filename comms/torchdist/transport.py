@@ -52,6 +52,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -260,6 +261,16 @@ class TorchTransport(GroupMeans):
                     dropped += 1
                 link.cond.notify_all()
         return dropped
+
+    def health(self) -> dict[str, Any]:
+        """Messages (and their held bytes) waiting in the mailboxes, and the groups broken."""
+        pending = held = 0
+        for link in self._links.values():
+            with link.cond:
+                pending += len(link.box)
+                held += link.box_bytes
+        broken = sum(1 for g in self._groups.values() if g.broken)
+        return {"mailbox_pending": pending, "mailbox_bytes": held, "groups_broken": broken}
 
     def close(self) -> None:
         """Say goodbye to every peer, stop our threads, release the process groups; idempotent.

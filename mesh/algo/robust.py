@@ -4,8 +4,8 @@ A peer that sends finite but wrong values (weights scaled by 1e3, sign-flipped, 
 passes every wire check. Two defences, both on the DEQUANTIZED payloads of one round, in the
 round's member order (so every member that sees the same payloads computes the same numbers):
 
-- `aggregate`: the coordinate-wise combination, dp.aggregate. "mean" is the plain mean (the
-  formula of comms' mean_in_member_order: sum in order, then divide); "trimmed_mean" drops the
+- `aggregate`: the coordinate-wise combination, dp.aggregate. "mean" is the plain mean
+  (comms.transport.mean_in_member_order: sum in order, then divide); "trimmed_mean" drops the
   `trim_count(n)` largest and smallest values of every coordinate and averages the rest;
   "median" takes the middle value (the mean of the two middle ones for an even count). With one
   poisoner among n >= 3 the last two stay between honest values.
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from comms.transport import mean_in_member_order
+
 AGGREGATES = ("mean", "trimmed_mean", "median")
 ROBUST_MIN_MEMBERS = 3  # trimmed_mean / median need an honest majority around a poisoner
 OUTLIER_WINDOW = 16  # accepted distances the reference remembers: a few rounds, so the scale
@@ -40,14 +42,6 @@ def trim_count(n: int) -> int:
     return max(1, n // 4)
 
 
-def ordered_mean(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum in the given order, then / count (comms' mean_in_member_order: bit for bit)."""
-    acc = parts[0].to(torch.float32).clone()
-    for p in parts[1:]:
-        acc += p
-    return acc.div_(len(parts))
-
-
 def aggregate(parts: Sequence[torch.Tensor], how: str) -> torch.Tensor:
     """Coordinate-wise combination of equally shaped payloads (see the module docstring)."""
     if how not in AGGREGATES:
@@ -56,13 +50,13 @@ def aggregate(parts: Sequence[torch.Tensor], how: str) -> torch.Tensor:
         raise ValueError("no payloads to aggregate")
     n = len(parts)
     if how == "mean" or n < ROBUST_MIN_MEMBERS:  # with 1 or 2 values every rule is the mean
-        return ordered_mean(parts)
+        return mean_in_member_order(parts)
     ranked = torch.stack([p.to(torch.float32) for p in parts]).sort(dim=0).values
     if how == "median":
         lo, hi = ranked[(n - 1) // 2], ranked[n // 2]
         return lo.clone() if n % 2 else (lo + hi).div_(2)
     t = trim_count(n)
-    return ordered_mean(list(ranked[t : n - t]))
+    return mean_in_member_order(list(ranked[t : n - t]))
 
 
 def rms_distance(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ from mesh.algo.optim import (
 from mesh.algo.schedule import stage_delay, versions_kept
 from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import Config, OptimConfig, parse_cell_factors
+from mesh.engine.rounds import Round, RoundBook
 from mesh.model.boundary import constrain_, riemannian_grads_
 
 Params = dict[str, torch.Tensor]
@@ -49,26 +50,6 @@ def optim_spec(
     return OptimSpec(**values, delay=delay, velocity_beta=velocity_beta)
 
 
-@dataclass
-class Round:
-    """One averaging round of one stage as seen by one cell."""
-
-    index: int
-    launch_step: int
-    indices: torch.Tensor  # into the stage's flat parameter vector (the same on every replica)
-    snapshot: torch.Tensor  # this cell's values at launch (its contribution)
-    payload_bytes: int  # what this cell puts on the wire for the round (encoded)
-    mean: torch.Tensor | None = None  # filled when the round completes
-    sent: torch.Tensor | None = None  # what this cell puts in the round instead of its
-    # snapshot: an emulated hostile peer's scaled values (runtime.poison)
-    own: torch.Tensor | None = None  # its decoded own payload (dp.payload_error_feedback)
-
-    @property
-    def payload(self) -> torch.Tensor:
-        """The values this cell contributes to the round."""
-        return self.snapshot if self.sent is None else self.sent
-
-
 APPLY_SLICE = 1 << 18  # values of a round applied at once (see Cell.apply_round)
 
 
@@ -82,13 +63,14 @@ class Cell:
     flat: torch.Tensor = field(init=False)  # all stage parameters; the module holds views
     history: OrderedDict[int, torch.Tensor] = field(init=False)  # version -> flat weights used
     drift: torch.Tensor = field(init=False)
-    pending: list[Round] = field(default_factory=list)
+    rounds: RoundBook = field(init=False)  # the averaging rounds in flight
     step: int = 0  # optimizer updates applied to the live weights
     clipped: int = 0  # updates whose gradient norm was above optim.grad_clip (the clip rate)
     # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
     distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
     def __post_init__(self) -> None:
+        self.rounds = RoundBook(self.cfg.dp.tau)
         # One flat buffer per stage (as FSDP does): a version is one clone, a round one gather.
         named = list(self.module.named_parameters())
         # Filled one parameter at a time, each one's own storage freed as its view replaces
@@ -274,8 +256,11 @@ class Cell:
         return lambda_at(now, total, dp.lambda_initial, dp.lambda_final, hold)
 
     def due_rounds(self) -> list[Round]:
-        """Completed rounds whose delay tau has passed, in launch order; removed from pending."""
-        tau = self.cfg.dp.tau
-        due = [r for r in self.pending if r.mean is not None and r.launch_step + tau <= self.step]
-        self.pending = [r for r in self.pending if all(r is not d for d in due)]
+        """The rounds whose delay tau has passed, oldest first, taken out of the book (the
+        simulator's, where every round has its mean from its launch)."""
+        due = []
+        while self.rounds.due(self.step) is not None:
+            rnd, _ = self.rounds.pop()
+            assert rnd.mean is not None, "a simulator round has its mean at launch"
+            due.append(rnd)
         return due

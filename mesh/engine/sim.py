@@ -22,11 +22,14 @@ from torch.func import functional_call
 
 from comms import codecs
 from comms.errors import CodecError
+from comms.transport import mean_in_member_order
 from mesh.algo import sparse
 from mesh.algo.schedule import microbatches_per_update, version_for
 from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
+from mesh.engine.rounds import Action, round_index
+from mesh.engine.rounds import after_update as rounds_after
 from mesh.model.build import build_cell_stages, lm_loss, run_stages, stage_forward
 
 
@@ -143,43 +146,43 @@ class GridSim:
             payload = sum(codecs.encoded_nbytes(g.numel(), codec, block) for g in grads[0][j])
             self.dp_bytes += self.m * sparse.ring_allreduce_bytes(payload, self.m)
             for k in range(len(grads[0][j])):
-                mean = sum(codecs.roundtrip(grads[i][j][k], codec, block) for i in range(self.m))
-                mean = mean / self.m
+                parts = [codecs.roundtrip(grads[i][j][k], codec, block) for i in range(self.m)]
+                mean = mean_in_member_order(parts).to(grads[0][j][k].dtype)
                 for i in range(self.m):
                     grads[i][j][k] = mean.clone()
 
     def _average(self) -> None:
-        """Apply the rounds due now, then launch this update's round (param_avg mode)."""
+        """This update's round actions (mesh/engine/rounds.py) for every stage's column."""
         dp = self.cfg.dp
-        launch = (self.update % dp.interval_steps) == 0
         for j in range(self.P):
             column = [self.cells[i][j] for i in range(self.m)]
-            for c in column:
-                for rnd in c.due_rounds():
-                    c.apply_round(rnd)
-            if not launch:
-                continue
-            rounds, decoded = zip(
-                *(c.open_round(self.update // dp.interval_steps) for c in column), strict=True
-            )
-            screened = dp.aggregate != "mean" or dp.outlier_k > 0
-            mean = None if screened else sum(decoded) / self.m
-            if mean is not None and dp.noise_codec != "none":
-                seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
-                mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
-            names = [f"r{i}" for i in range(self.m)]
-            for c, rnd in zip(column, rounds, strict=True):
-                if mean is None:  # each replica screens against its own payload
-                    rnd.mean, rejected = c.combine_round(names, decoded, f"r{c.replica}")
-                    self.rejects["outlier"] += len(rejected)
-                else:
-                    rnd.mean = mean
-                c.pending.append(rnd)
-                self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)
-            if dp.tau == 0:  # blocking (SPARTA, DPAvg): the mean is applied right away
+            for action in rounds_after(self.update, dp.interval_steps, dp.tau):
+                if action is Action.LAUNCH:
+                    self._launch(j, column)
+                    continue
                 for c in column:
                     for rnd in c.due_rounds():
                         c.apply_round(rnd)
+
+    def _launch(self, j: int, column: list[Cell]) -> None:
+        """Open this update's round on every replica of stage j and fill its mean at once."""
+        dp = self.cfg.dp
+        index = round_index(self.update, dp.interval_steps)
+        rounds, decoded = zip(*(c.open_round(index) for c in column), strict=True)
+        screened = dp.aggregate != "mean" or dp.outlier_k > 0
+        mean = None if screened else mean_in_member_order(decoded)
+        if mean is not None and dp.noise_codec != "none":
+            seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
+            mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
+        names = [f"r{i}" for i in range(self.m)]
+        for c, rnd in zip(column, rounds, strict=True):
+            if mean is None:  # each replica screens against its own payload
+                rnd.mean, rejected = c.combine_round(names, decoded, f"r{c.replica}")
+                self.rejects["outlier"] += len(rejected)
+            else:
+                rnd.mean = mean
+            c.rounds.launch(rnd, None)
+            self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)
 
     def step(self) -> float:
         """One update of every cell; returns the mean training loss over replicas."""
@@ -214,7 +217,7 @@ class GridSim:
         modules = []
         for j in range(self.P):
             column = [self.cells[i][j] for i in range(self.m)]
-            avg = sum(c.flat for c in column) / self.m
+            avg = mean_in_member_order([c.flat for c in column])
             modules.append(functional_module(column[0].module, column[0].as_params(avg)))
         return self._val_loss(modules)
 

@@ -22,19 +22,20 @@ field is type-checked here and records without a valid membership token are igno
 
 Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
 
-imports: stdlib, comms.p2p.auth and mesh.algo.topology (the records come through a Directory:
-comms.p2p.transport.P2PTransport, comms.p2p.dht.DhtClient, anything with dht_store / dht_get).
+imports: stdlib, comms.p2p.auth, comms.transport and mesh.algo.topology (the records come
+through a comms.transport.Directory: comms.p2p.transport.P2PTransport, comms.p2p.dht.DhtClient).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from comms.p2p.auth import Auth, signer_of
+from comms.transport import Directory
 from mesh.algo.topology import Cell
 
 T = TypeVar("T")
@@ -42,21 +43,6 @@ T = TypeVar("T")
 HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
 CONFIG_TTL_S = 600.0
 SESSION_TTL_S = 600.0
-
-
-class Directory(Protocol):
-    def dht_store(
-        self, key: str, subkey: str, value: Any, ttl_s: float, timeout_s: float | None = None
-    ) -> bool: ...
-
-    def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
-
-    def dht_get_many(
-        self, keys: Sequence[str], timeout_s: float | None = None
-    ) -> list[dict[str, Any] | None]: ...
-
-    @property
-    def owner_marker(self) -> str: ...
 
 
 @dataclass(frozen=True)

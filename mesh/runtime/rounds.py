@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from comms.transport import MeanHandle, MeanStatus
+from comms.transport import MeanStatus
 from mesh.algo import round_clock, sparse
-from mesh.engine.cell import Round
+from mesh.engine.rounds import Action, Round, after_update, round_index
 
 
 def group_name(stage: int) -> str:
@@ -47,7 +47,6 @@ class Rounds:
     device: Any
 
     def init_rounds(self) -> None:
-        self.pending: list[tuple[Round, MeanHandle]] = []
         self.last_round: int | None = None  # the index launched last (mesh/algo/round_clock.py)
         dp = self.cfg.dp
         self._jump_after = (
@@ -62,8 +61,7 @@ class Rounds:
         state are void, and the other replicas' payloads for the rounds the jump skipped will
         never be taken: they go now, not when the mailbox's ttl runs out (the soak saw ~160 of
         them held for 10 minutes by every cell whose replica had re-formed)."""
-        self.stats.rounds_failed += len(self.pending)
-        self.pending.clear()
+        self.stats.rounds_failed += self.cell.rounds.void()
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             skipped = skipped_rounds(old_step, self.cell.step, self.cfg.dp.interval_steps)
             if self.last_round is not None:  # the round clock may have run ahead of old_step
@@ -82,7 +80,7 @@ class Rounds:
             self.last_round,
             newest,
             self._jump_after,
-            (rnd.index for rnd, _ in self.pending),
+            self.cell.rounds.indices(),
             self._parts,
         )
         if index is None:
@@ -105,7 +103,7 @@ class Rounds:
             self.cfg.dp.codec,
             self.cfg.runtime.round_timeout_s,
         )
-        self.pending.append((rnd, handle))
+        self.cell.rounds.launch(rnd, handle)
         self.stats.rounds_started += 1
 
     def _apply_due_rounds(self) -> None:
@@ -114,24 +112,30 @@ class Rounds:
         strict: a due round is waited for (deadline round_timeout_s), as the simulator assumes.
         """
         strict = self.cfg.dp.strict_tau
-        while self.pending:
-            rnd, handle = self.pending[0]
-            if rnd.launch_step + self.cfg.dp.tau > self.cell.step:
-                return
+        while (due := self.cell.rounds.due(self.cell.step)) is not None:
+            rnd, handle = due
             if not handle.done() and not strict:
                 late = self.cell.step - rnd.launch_step - self.cfg.dp.tau
-                cut = getattr(handle, "cut", None)
-                if late < self.cfg.dp.max_round_lag_steps or cut is None:
-                    return
                 # members whose payload is this many updates late are dropped from the round:
-                # it ends now over the contributions it has (counted partial)
-                cut()
-            self.pending.pop(0)
+                # it ends now over the contributions it has (counted partial); a round that
+                # cannot be cut (a collective) is waited for up to its deadline
+                if late < self.cfg.dp.max_round_lag_steps or not handle.cut():
+                    return
+            self.cell.rounds.pop()
             t0 = time.perf_counter()
             res = handle.result(self.cfg.runtime.round_timeout_s)
             if self.emu:
                 self.emu.waited(t0)  # strict: the next op cannot start before the round landed
             self._finish_round(rnd, res)
+
+    def after_update(self) -> None:
+        """This update's round actions (mesh/engine/rounds.py), as the simulator runs them."""
+        update, dp = self.cell.step - 1, self.cfg.dp
+        for action in after_update(update, dp.interval_steps, dp.tau):
+            if action is Action.LAUNCH:
+                self._next_round(round_index(update, dp.interval_steps))
+            else:
+                self._apply_due_rounds()
 
     def _finish_round(self, rnd: Round, res: Any) -> None:
         usable = res.mean is not None and self.cell_name in res.contributors
@@ -156,6 +160,6 @@ class Rounds:
     def _drain_rounds(self) -> None:
         """At the end, wait briefly for rounds in flight so peers are not left hanging."""
         deadline = time.monotonic() + self.cfg.runtime.round_timeout_s
-        for _, handle in self.pending:
+        for handle in self.cell.rounds.handles():
             handle.result(max(0.0, deadline - time.monotonic()))
-        self.pending.clear()
+        self.cell.rounds.void()

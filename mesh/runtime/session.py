@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from comms.errors import PeerTimeout
 from mesh.runtime.registry import (
@@ -117,6 +118,20 @@ def waiting_for(replica_cells: list[str], owned: dict[str, CellRecord], me: str)
     return out
 
 
+class Coordinator(Protocol):
+    """What a StageWorker asks of whoever forms its pipeline sessions."""
+
+    elastic: bool  # True: a lost neighbour is waited for (its replica re-forms around it)
+
+    def next_session(self, align: Callable[[], int]) -> Session | None:
+        """The next session this cell runs (None: the run is over); align() is the cell's step."""
+
+    def broken(self, session: Session) -> bool:
+        """Whether `session` no longer stands (a member left or the leader started another)."""
+
+    def close(self) -> None: ...
+
+
 class StaticCoordinator:
     """One session for a fixed grid (every cell starts at the same step)."""
 
@@ -131,15 +146,6 @@ class StaticCoordinator:
             return None
         self._given = True
         return Session(0, step * self.mpu, self.steps - step)
-
-    def _members_up(self, owned: dict[str, CellRecord]) -> bool:
-        mine = owned.get(self.cell)
-        if mine is None or mine.inc != self.inc:
-            return False  # our own claim is not visible yet (or someone else owns our cell)
-        return all(c in owned and running(owned[c]) for c in self.replica_cells)
-
-    def _step_now(self) -> int:
-        return self.beat.step
 
     def broken(self, session: Session) -> bool:
         return False
@@ -413,6 +419,3 @@ class DhtCoordinator:
         read = self.owners(self._reuse_s) if owned is _UNREAD else owned
         rec = self.reg.session(self.replica, self.replica_cells[0], read or {})
         return rec is not None and rec.epoch != active.epoch
-
-
-Coordinator = StaticCoordinator | DhtCoordinator

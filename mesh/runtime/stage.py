@@ -49,7 +49,13 @@ from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
 from mesh.runtime.rounds import Rounds, group_name
-from mesh.runtime.session import CHECK_EVERY_S, Session, SessionBroken, StaticCoordinator
+from mesh.runtime.session import (
+    CHECK_EVERY_S,
+    Coordinator,
+    Session,
+    SessionBroken,
+    StaticCoordinator,
+)
 
 
 def cell_name(stage: int, replica: int) -> str:
@@ -126,7 +132,7 @@ class StageWorker(Rounds):
         self.lock = threading.Lock()  # held while an update changes the cell's state
         self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
         self.session = Session(0, 0, 0)
-        self.coord: Any = StaticCoordinator(0, 1)
+        self.coord: Coordinator = StaticCoordinator(0, 1)
         self.first = cell.step
         self._update_loss = 0.0
         shape = cfg.boundary_shape
@@ -142,7 +148,7 @@ class StageWorker(Rounds):
         self.finish()
         return self.stats
 
-    def run_session(self, session: Session, coord: Any, on_step: Any = None) -> None:
+    def run_session(self, session: Session, coord: Coordinator, on_step: Any = None) -> None:
         """One pipeline session (mesh/runtime/session.py): `session.updates` updates with
         microbatches numbered from session.base_mb. Raises SessionBroken when coord says the session
         ended while this cell waited on a neighbour; the caller resets and takes the next one."""
@@ -198,7 +204,7 @@ class StageWorker(Rounds):
         """transport.recv in short waits, asking between them whether the session still stands.
         Fixed grid: PeerTimeout after runtime.timeout_s. Elastic (hivemind): a lost neighbour
         is waited for up to runtime.rejoin_timeout_s, since the replica re-forms around it."""
-        elastic = getattr(self.coord, "elastic", False)
+        elastic = self.coord.elastic
         limit = self.cfg.runtime.rejoin_timeout_s if elastic else self._timeout()
         deadline = time.monotonic() + limit
         while True:
@@ -378,12 +384,7 @@ class StageWorker(Rounds):
             self.stats.loss = self._update_loss
         self._update_loss = 0.0
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
-            self._apply_due_rounds()
-            update = self.cell.step - 1
-            if update % self.cfg.dp.interval_steps == 0:
-                self._next_round(update // self.cfg.dp.interval_steps)
-            if self.cfg.dp.tau == 0:
-                self._apply_due_rounds()
+            self.after_update()
         self.cell.push_version()
 
     def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:

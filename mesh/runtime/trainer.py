@@ -23,7 +23,7 @@ import torch
 
 from comms.build import make_transport
 from comms.p2p.auth import Auth
-from comms.transport import Transport
+from comms.transport import DirectoryTransport, Transport
 from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data.corpus import load_corpus
@@ -117,9 +117,11 @@ def make_coordinator(
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
     if cfg.runtime.backend != "hivemind":
         return StaticCoordinator(cfg.run.steps, mpu)
+    # assert: build_transport makes a hivemind transport for the hivemind backend
+    assert isinstance(transport, DirectoryTransport), type(transport)
     auth = Auth.of(run_key, cfg.fingerprint())
-    registry = Registry(transport, auth, cfg.runtime.heartbeat_s)  # type: ignore[arg-type]
-    peer = transport.peer_id  # type: ignore[attr-defined]
+    registry = Registry(transport, auth, cfg.runtime.heartbeat_s)
+    peer = transport.peer_id
     return DhtCoordinator(
         registry,
         cell=cell_name(cell.stage, cell.replica),
@@ -362,10 +364,8 @@ def _health_rows(event: Any, transport: Transport) -> Any:
         if now - last[0] < HEALTH_EVERY_S:
             return
         last[0] = now
-        inner = getattr(transport, "health", None)
-        fields = inner() if inner is not None else {}
         event("health", threads=threading.active_count(), torch_threads=torch.get_num_threads(),
-              unix_s=round(time.time(), 3), **fields)  # fmt: skip
+              unix_s=round(time.time(), 3), **transport.health())  # fmt: skip
 
     return beat
 

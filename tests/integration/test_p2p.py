@@ -28,11 +28,10 @@ from p2p_procs import assert_gone, p2pd_descendants, process_tree, sockets_of, s
 
 from comms import codecs, wire
 from comms.codecs import Encoded
-from comms.p2p.mean import mean_in_member_order
 from comms.p2p.stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION, Ack
 from comms.p2p.transport import LOOPBACK, P2PTransport
 from comms.throttle import LinkProfile
-from comms.transport import MeanStatus
+from comms.transport import MeanStatus, mean_in_member_order
 from comms.wire import Expect, Kind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -27,7 +27,9 @@ PACKAGES = ("cli", "mesh", "comms")
 # package itself, "comms" the transport-independent core.
 COMMS = {"comms", "comms.p2p", "comms.torchdist", "comms.build"}
 VOCABULARY = {"mesh", "mesh.methods"}
-ALGO = {"mesh"}  # the pure math may read config and errors, nothing else of mesh
+# the pure math may read config and errors, nothing else of mesh, and comms' core (the codecs
+# and the group mean's formula, comms.transport.mean_in_member_order: one place for both)
+ALGO = {"mesh", "comms"}
 MODEL = VOCABULARY | {"mesh.algo"}
 ENGINE = MODEL | {"mesh.model", "mesh.data"} | COMMS
 RUNTIME = ENGINE | {"mesh.engine"}

@@ -85,9 +85,9 @@ def test_state_figures_match_a_trained_cell(preset, text_file):
         assert planned.error_feedback_bytes == flat
         held = sum(
             r.indices.numel() * 8 + r.snapshot.numel() * 4 + (r.mean.numel() * 4)
-            for r in cell.pending
+            for r, _ in cell.rounds.entries
         )
-        rounds_planned = (cfg.dp.tau + 1) * max(len(r.indices) for r in cell.pending) * 16
+        rounds_planned = (cfg.dp.tau + 1) * max(len(r.indices) for r, _ in cell.rounds.entries) * 16
         assert held <= rounds_planned <= planned.averaging_bytes
         tokens = cfg.tokens_per_microbatch
         act = torch.randn(tokens, cfg.model.d_model)

@@ -5,7 +5,7 @@ import helpers
 import pytest
 import torch
 
-from comms.p2p.mean import mean_in_member_order
+from comms.transport import mean_in_member_order
 from mesh.algo.robust import aggregate, lower_median, outliers, rms_distance, trim_count
 from mesh.config import ConfigError, load_config
 from mesh.engine.sim import GridSim

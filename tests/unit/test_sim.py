@@ -197,7 +197,7 @@ def test_bytes_are_counted_exactly(text_file):
     for _ in range(4):
         sim.step()
         for j in range(2):  # the round just launched (tau = 1: still pending), as framed
-            payload = sim.cells[0][j].pending[-1].snapshot
+            payload = sim.cells[0][j].rounds.entries[-1][0].snapshot
             framed = _framed_payload_bytes(payload, "fp8_e4m3", wire.Kind.AVERAGE)
             expected_dp += 2 * sparse.ring_allreduce_bytes(framed, 2)  # m replicas send
     act = torch.randn(cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model)

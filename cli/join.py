@@ -28,7 +28,7 @@ from cli.reach import (
     peer_id_of,
     reach_verdict,
 )
-from mesh.algo.topology import Cell as Place
+from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.runtime.registry import (
     CLAIMING,
@@ -121,10 +121,6 @@ def check_reach(
     if verdict == "unreachable":
         raise JoinError(text)
     click.echo(f"reachability: {text}")
-
-
-def cell_name(stage: int, replica: int) -> str:
-    return str(Place(stage, replica))  # as mesh.runtime.stage names cells, without importing torch
 
 
 def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:

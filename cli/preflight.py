@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.errors import CheckpointError
 
@@ -166,4 +167,4 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
 
 def describe(damage: tuple[int, int, int, str]) -> str:
     stage, replica, step, why = damage
-    return f"s{stage}r{replica} step {step}: {why}"
+    return f"{cell_name(stage, replica)} step {step}: {why}"

@@ -14,6 +14,7 @@ import click
 
 from cli.preflight import check_data, check_machine, check_resume
 from cli.report import progress_bar
+from mesh.algo.topology import cell_name
 from mesh.bench.report import format_table, plot_curves
 from mesh.config import Config, ConfigError, with_overrides
 from mesh.runtime.emulate import resolve_window
@@ -113,7 +114,7 @@ def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:
     command made and nothing was saved into is removed again."""
     f = run.failure
     if run.interrupted or f is None:
-        codes = {f"s{j}r{i}": c for (j, i), c in run.exit_codes.items() if c != 0}
+        codes = {cell_name(j, i): c for (j, i), c in run.exit_codes.items() if c != 0}
         click.echo(
             f"stopped: {'interrupted' if run.interrupted else codes}; run directory {out}",
             err=True,

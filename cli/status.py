@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cli.join import JoinError, cell_name, config_of
+from cli.join import JoinError, config_of
 from comms.p2p.auth import Auth
+from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError
 from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (

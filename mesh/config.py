@@ -69,30 +69,30 @@ def parse_cell_factors(
     """Per-cell factors ["sJrI=FACTOR", ...] of config `key` -> {(stage, replica): factor};
     ValueError naming the key and the entry when a cell is not in the grid, repeated, or a
     factor is not finite (not > 0 with `positive`)."""
-    import re
+    from mesh.algo.topology import Cell as Place
 
     out: dict[tuple[int, int], float] = {}
     for item in items:
-        m = re.fullmatch(r"\s*s(\d+)r(\d+)\s*=\s*([^\s]+)\s*", str(item))
-        factor = None
-        if m:
+        name, eq, value = str(item).partition("=")
+        place, factor = Place.parse(name.strip()), None
+        if place is not None and eq:
             try:
-                factor = float(m.group(3))
+                factor = float(value.strip())
             except ValueError:
                 factor = None
-        if m is None or factor is None:
+        if place is None or factor is None:
             raise ValueError(f"{key} entry {item!r}: expected 'sJrI=FACTOR', e.g. 's2r0=2.0'")
-        j, i = int(m.group(1)), int(m.group(2))
+        j, i = place.stage, place.replica
         if not (0 <= j < stages and 0 <= i < replicas):
             raise ValueError(
-                f"{key} entry {item!r}: cell s{j}r{i} is not in the "
+                f"{key} entry {item!r}: cell {place} is not in the "
                 f"{stages}x{replicas} grid (stages s0..s{stages - 1}, replicas r0..r{replicas - 1})"
             )
         if not math.isfinite(factor) or (positive and factor <= 0):
             must = "> 0" if positive else "finite"
             raise ValueError(f"{key} entry {item!r}: the factor must be {must}")
         if (j, i) in out:
-            raise ValueError(f"{key} lists cell s{j}r{i} twice")
+            raise ValueError(f"{key} lists cell {place} twice")
         out[(j, i)] = factor
     return out
 

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 _NAME = re.compile(r"s(\d{1,4})r(\d{1,4})")
 
 
+def cell_name(stage: int, replica: int) -> str:
+    """A cell's name, "s<stage>r<replica>": how logs, metrics, claims and peers spell it."""
+    return f"s{stage}r{replica}"
+
+
 @dataclass(frozen=True, order=True)
 class Cell:
     """One peer's place in the grid: pipeline stage j of data-parallel replica i."""
@@ -16,7 +21,7 @@ class Cell:
     replica: int
 
     def __str__(self) -> str:
-        return f"s{self.stage}r{self.replica}"
+        return cell_name(self.stage, self.replica)
 
     @staticmethod
     def parse(name: str) -> Cell | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mesh.algo.topology import cell_name
 from mesh.bench.grid import LocalGrid, record_failure
 from mesh.bench.join_procs import KEY, generated_text, run_meshtrain, tiny_grid_config
 from mesh.bench.procstat import tree_sample
@@ -205,7 +206,7 @@ def _current_rows(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
         return "", []
     stage, replica = (int(x) for x in files[-1].stem.split("-"))
     rows = read_metrics(run_dir, events=True).get((stage, replica), [])
-    return f"s{stage}r{replica}", rows
+    return cell_name(stage, replica), rows
 
 
 def _progress(run_dir: Path) -> tuple[str, int]:

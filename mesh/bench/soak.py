@@ -27,6 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mesh.algo.topology import cell_name
 from mesh.bench.grid import LocalGrid, record_failure
 from mesh.bench.join_procs import tiny_grid_config, wait_for
 from mesh.bench.procstat import tree_sample
@@ -79,7 +80,7 @@ class Tail:
             return {}
         if self.tail is None:
             stage, replica = files[0].stem.split("-")
-            self.cell, self.tail = f"s{stage}r{replica}", RowTail(files[0])
+            self.cell, self.tail = cell_name(stage, replica), RowTail(files[0])
         losses = []
         for row in self.tail.read():
             if row.get("event") == "health":

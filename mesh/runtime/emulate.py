@@ -30,6 +30,7 @@ from typing import Any
 
 from comms.throttle import PROFILES, LinkProfile
 from mesh.algo.schedule import extra_warmups, microbatches_per_update
+from mesh.algo.topology import cell_name
 from mesh.config import Config, parse_slowdowns, with_overrides
 
 # ---- emulated compute -----------------------------------------------------------------------
@@ -355,7 +356,7 @@ def throughput(
     for k, r in last.items():
         for kind, n in final_bytes.get(k, r.get("bytes_sent", {})).items():
             sent_total[kind] = sent_total.get(kind, 0) + n
-    names = {k: f"s{k[0]}r{k[1]}" for k in last}
+    names = {k: cell_name(*k) for k in last}
     stale = [0] * P
     for (j, _), r in last.items():
         stale[j] = max(stale[j], int(r.get("staleness_max", 0)))

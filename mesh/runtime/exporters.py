@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mesh.algo.topology import cell_name
+
 FLUSH_S = 5  # TensorBoard writes its events at least this often
 ROUNDS = ("started", "applied", "partial", "failed")
 
@@ -114,9 +116,9 @@ def open_exporters(
     out: list[Any] = []
     rt = cfg.runtime
     if rt.tensorboard:
-        log_dir = out_dir / "tensorboard" / f"s{stage}r{replica}"
+        log_dir = out_dir / "tensorboard" / cell_name(stage, replica)
         out.append(TensorBoardExporter(log_dir, tokens_per_update))
     if rt.prometheus_port is not None:
         port = prometheus_port_of(rt.prometheus_port, stage, replica, cfg.grid.stages)
-        out.append(PrometheusExporter(rt.host, port, f"s{stage}r{replica}", tokens_per_update))
+        out.append(PrometheusExporter(rt.host, port, cell_name(stage, replica), tokens_per_update))
     return out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from comms.build import local_rendezvous
+from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.runtime.checkpoint import CheckpointError, resume_point
 from mesh.runtime.emulate import resolve_window
@@ -93,7 +94,7 @@ class LocalGrid:
         cell = min(failed, key=lambda c: reports[c][0])
         when, message, log = reports[cell]
         code = self.procs[cell].exitcode or 1
-        return CellFailure(f"s{cell[0]}r{cell[1]}", code, message, log)
+        return CellFailure(cell_name(*cell), code, message, log)
 
     def stop(self, grace_s: float = 5.0) -> None:
         _stop_all(list(self.procs.values()), grace_s)

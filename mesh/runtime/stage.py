@@ -42,7 +42,7 @@ from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanStatus, Transport
 from comms.wire import Expect, Kind
 from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
-from mesh.algo.topology import Cell as Place
+from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
@@ -56,10 +56,6 @@ from mesh.runtime.session import (
     SessionBroken,
     StaticCoordinator,
 )
-
-
-def cell_name(stage: int, replica: int) -> str:
-    return str(Place(stage, replica))
 
 
 @dataclass

@@ -25,6 +25,7 @@ from comms.build import make_transport
 from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo.schedule import microbatches_per_update
+from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
@@ -44,7 +45,7 @@ from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
-from mesh.runtime.stage import StageWorker, cell_name
+from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP
 
@@ -406,7 +407,7 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError)  # the message says the 
 
 
 def failure_path(out_dir: str | Path, stage: int, replica: int) -> Path:
-    return Path(out_dir) / "logs" / f"s{stage}r{replica}.err"
+    return Path(out_dir) / "logs" / f"{cell_name(stage, replica)}.err"
 
 
 def write_failure(out_dir: str | Path, stage: int, replica: int, error: BaseException) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo.schedule import microbatches_per_update
+from mesh.algo.topology import cell_name
 from mesh.config import Config, load_config
 from mesh.procs import pid_alive
 from mesh.runtime.dashboard.state import FREE, Seen, cell_state
@@ -173,9 +174,9 @@ def build_json(
     bytes_by_kind: dict[str, int] = {}
     for i in range(m):
         for j in range(P):
-            name = f"s{j}r{i}"
+            name = cell_name(j, i)
             tail = tails.get((j, i))
-            failed = (run_dir / "logs" / f"s{j}r{i}.err").is_file()
+            failed = (run_dir / "logs" / f"{cell_name(j, i)}.err").is_file()
             row = (tail.final or tail.last) if tail is not None else None
             seen = seen_of(tail, failed, now, host)
             state = cell_state(seen, cfg.runtime.heartbeat_s)

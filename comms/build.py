@@ -15,10 +15,9 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from comms.names import BACKENDS
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import Transport
-
-BACKENDS: tuple[str, ...] = ("torch", "hivemind")
 
 
 def make_transport(

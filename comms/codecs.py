@@ -36,8 +36,8 @@ from functools import cache
 import torch
 
 from comms.errors import CodecError, NotFiniteError
+from comms.names import CODECS
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise")
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
 INT8_BLOCK_SIZES = frozenset({64, 128, 256, 512, 1024, 2048, 4096})

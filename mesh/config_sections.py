@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mesh import choices
+
 
 class ConfigError(ValueError):
     """A user error in the configuration: the message names the dotted key and the fix."""
@@ -20,7 +22,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    arch: Literal["gpt", "llama"] = Field(
+    arch: Literal[choices.ARCHS] = Field(
         "gpt",
         description="gpt: byte-level demo GPT (LayerNorm, learned positions, GELU MLP); llama: "
         "RMSNorm, rotary positions, SwiGLU, grouped-query attention, untied head (the Hugging "
@@ -56,14 +58,14 @@ class GridConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    schedule: Literal["gpipe", "1f1b", "async", "2bw"] = Field(
+    schedule: Literal[choices.SCHEDULES] = Field(
         "async", description="gpipe/1f1b: sync with flush; async: PipeDream stashing; 2bw: delay 1"
     )
     microbatch_size: int = Field(8, ge=1, description="sequences per microbatch")
     microbatches: int = Field(
         4, ge=1, description="M: microbatches per update for gpipe/1f1b/2bw (async updates each)"
     )
-    codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
+    codec: Literal[choices.PIPELINE_CODECS] = Field(
         "bf16", description="codec of activations and their gradients between stages"
     )
     window: Literal["none", "auto"] | list[int] = Field(
@@ -74,7 +76,7 @@ class PipelineConfig(_Section):
         "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
-    boundary: Literal["full", "subspace", "learned"] = Field(
+    boundary: Literal[choices.BOUNDARIES] = Field(
         "full",
         description="what crosses a stage boundary (mesh/algo/boundary.py), in pipeline.codec: "
         "full: the d_model-wide residual stream; subspace: boundary_rank coordinates in one "
@@ -121,7 +123,7 @@ class PipelineConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["nadamw", "adamw", "muon", "rotated_adam"] = "nadamw"
+    name: Literal[choices.OPTIMIZERS] = "nadamw"
     lr: float = Field(
         1e-3, gt=0, description="peak lr (AdamW part for muon); nadamw 1e-3, adamw 2e-3 tuned"
     )
@@ -159,19 +161,19 @@ class OptimConfig(_Section):
 
 
 class DPConfig(_Section):
-    mode: Literal["none", "grad_allreduce", "param_avg"] = Field(
+    mode: Literal[choices.DP_MODES] = Field(
         "param_avg", description="data-parallel axis: nothing, blocking gradient mean, or averaging"
     )
     fraction: float = Field(0.05, gt=0, le=1, description="p: share of each tensor per round")
     tau: int = Field(5, ge=0, description="rounds land tau steps late (0 = blocking)")
     interval_steps: int = Field(1, ge=1, description="a round is launched every N steps")
-    correction: Literal["ema", "delta", "replace"] = Field(
+    correction: Literal[choices.CORRECTIONS] = Field(
         "ema", description="ema: AsyncMesh; delta: lambda = 1; replace: AsyncSPARTA"
     )
     lambda_initial: float = Field(0.5, gt=0, le=1)
     lambda_final: float = Field(0.01, gt=0, le=1)
     lambda_hold_steps: int = Field(1000, ge=0, description="lambda_initial for this many steps")
-    lambda_clock: Literal["steps", "arrivals"] = Field(
+    lambda_clock: Literal[choices.LAMBDA_CLOCKS] = Field(
         "steps",
         description="what lambda's schedule counts. steps: optimizer updates (hold "
         "dp.lambda_hold_steps, cosine to lambda_final at the horizon); arrivals: the averages a "
@@ -182,8 +184,8 @@ class DPConfig(_Section):
     lambda_hold_arrivals: int = Field(
         50, ge=0, description="lambda_clock = arrivals: the paper's 1,000 steps at K = 20"
     )
-    selector: Literal["partition", "bernoulli"] = "partition"
-    index_map: Literal["keyed", "permutation"] = Field(  # mesh.algo.sparse.INDEX_MAPS
+    selector: Literal[choices.SELECTORS] = "partition"
+    index_map: Literal[choices.INDEX_MAPS] = Field(
         "keyed",
         description="partition selector: how a round's share of the positions maps to "
         "coordinates. keyed: a keyed bijection evaluated on the round's k positions alone, "
@@ -199,7 +201,7 @@ class DPConfig(_Section):
         "nearly every cache line of the stage; runs of 64 touch 5% of them (the llama-160m and "
         "llama-1b presets set 64: see bench scale-model)",
     )
-    codec: Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8_blockwise"] = Field(
+    codec: Literal[choices.DP_CODECS] = Field(
         "fp8_e4m3", description="codec of averaging payloads (and of gradients in grad_allreduce)"
     )
     block_size: int = Field(128, ge=1, description="values per scale for fp8/int8 codecs")
@@ -214,7 +216,7 @@ class DPConfig(_Section):
         description="runtime (hivemind): a member whose payload is still missing this many "
         "updates after a round was due is dropped from it; the round applies over the rest",
     )
-    aggregate: Literal["mean", "trimmed_mean", "median"] = Field(
+    aggregate: Literal[choices.AGGREGATES] = Field(
         "mean",
         description="how a round combines the dequantized payloads, coordinate-wise: mean; "
         "trimmed_mean (drops the largest and smallest quarter, at least one each) or median "
@@ -229,7 +231,7 @@ class DPConfig(_Section):
         "a random walk the decaying lr stops pulling back (the soak's loss rose after 30 "
         "minutes). No effect with dp.codec = fp32",
     )
-    noise_codec: Literal["none", "bf16", "fp8_e4m3", "fp8_e5m2"] = Field(
+    noise_codec: Literal[choices.NOISE_CODECS] = Field(
         "none",
         description="studies, simulator only: add this codec's error on a shuffled copy of "
         "each round's mean to the mean (its noise's size, none of its bias); the processes "
@@ -271,7 +273,7 @@ class RunConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    backend: Literal["torch", "hivemind"] = Field(
+    backend: Literal[choices.BACKENDS] = Field(
         "torch", description="torch.distributed (gloo/NCCL) in a cluster, hivemind over a WAN"
     )
     timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
@@ -328,7 +330,7 @@ class RuntimeConfig(_Section):
         "as slow); unlisted cells 1.0. Real compute: each forward/backward then waits "
         "(factor-1) x its own time",
     )
-    link: Literal["none", "datacenter", "wan100", "wan10"] = Field(
+    link: Literal[choices.LINKS] = Field(
         "none",
         description="profile of every link, pipeline and averaging (comms.throttle.PROFILES: "
         "datacenter 10 Gbit/0.1 ms, wan100 100 Mbit/20 ms, wan10 10 Mbit/100 ms one-way)",

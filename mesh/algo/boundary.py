@@ -28,7 +28,9 @@ import hashlib
 
 import torch
 
-METHODS = ("full", "subspace", "learned")
+from mesh.choices import BOUNDARIES
+
+METHODS = BOUNDARIES
 
 
 def width(d_model: int, method: str, rank: int) -> int:

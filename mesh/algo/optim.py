@@ -23,8 +23,9 @@ import torch
 from mesh.algo.muon import MuonRule, is_hidden_matrix
 from mesh.algo.muon import newton_schulz as newton_schulz  # re-exported: part of this API
 from mesh.algo.staleness import update_velocity, velocity_estimate
+from mesh.choices import OPTIMIZERS
 
-OptimName = Literal["nadamw", "adamw", "muon", "rotated_adam"]
+OptimName = Literal[OPTIMIZERS]
 State = dict[str, torch.Tensor | int | float]
 
 # beta1 when OptimSpec.beta1 is None (design.md 1.2); muon's value is for its AdamW part.

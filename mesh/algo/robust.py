@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from comms.transport import mean_in_member_order
+from mesh.choices import AGGREGATES
 
-AGGREGATES = ("mean", "trimmed_mean", "median")
 ROBUST_MIN_MEMBERS = 3  # trimmed_mean / median need an honest majority around a poisoner
 OUTLIER_WINDOW = 16  # accepted distances the reference remembers: a few rounds, so the scale
 # follows the replicas' spread as it grows in early training

@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "async", "2bw")
+from mesh.choices import SCHEDULES
+
 _SYNC = ("gpipe", "1f1b")
 
 

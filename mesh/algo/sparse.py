@@ -16,12 +16,11 @@ from collections import OrderedDict
 
 import torch
 
-SELECTORS = ("partition", "bernoulli")
-CORRECTIONS = ("ema", "delta", "replace")
+from mesh.choices import CORRECTIONS, INDEX_MAPS, SELECTORS
+
 # How the partition selector maps a round's positions to coordinates (dp.index_map). keyed: a
 # keyed bijection evaluated on the round's k positions only, O(k) per round. permutation: one
 # torch.randperm per tensor, cached (the map of runs from before the key, whose numbers it keeps).
-INDEX_MAPS = ("keyed", "permutation")
 
 _MASK32 = 0xFFFFFFFF
 # Four Feistel rounds: Luby-Rackoff's count for a pseudorandom permutation from pseudorandom

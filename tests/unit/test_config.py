@@ -209,3 +209,36 @@ def test_subset_block_hashes_away_at_one_and_needs_the_keyed_partition():
     assert base.state_fingerprint() != load_config([], ["dp.subset_block=64"]).state_fingerprint()
     with pytest.raises(ConfigError, match="dp.subset_block"):
         load_config([], ["dp.subset_block=64", "dp.index_map='permutation'"])
+
+
+def test_every_named_choice_is_defined_once_and_the_config_offers_it():
+    """mesh/choices.py is where a choice is added: the implementing tables hold exactly its
+    names, and the config's fields accept exactly them."""
+    from comms import codecs, throttle
+    from comms.build import BACKENDS
+    from mesh import choices
+    from mesh.algo import schedule, sparse
+    from mesh.model.build import FAMILIES
+
+    assert set(throttle.PROFILES) == set(choices.LINKS) - {"none"}
+    assert set(FAMILIES) == set(choices.ARCHS)
+    assert codecs.CODECS == choices.DP_CODECS and BACKENDS == choices.BACKENDS
+    assert schedule.SCHEDULES is choices.SCHEDULES and sparse.SELECTORS is choices.SELECTORS
+    for name in choices.OPTIMIZERS:
+        load_config([], [f"optim.name={name!r}"])
+    with pytest.raises(ConfigError, match="optim.name"):
+        load_config([], ["optim.name='sgd'"])
+    fields = {
+        "pipeline.schedule": choices.SCHEDULES,
+        "pipeline.codec": choices.PIPELINE_CODECS,
+        "pipeline.boundary": choices.BOUNDARIES,
+        "dp.codec": choices.DP_CODECS,
+        "dp.correction": choices.CORRECTIONS,
+        "dp.aggregate": choices.AGGREGATES,
+        "runtime.backend": choices.BACKENDS,
+        "runtime.link": choices.LINKS,
+    }
+    for key, names in fields.items():
+        section, field = key.split(".")
+        model = type(getattr(load_config([], []), section))
+        assert model.model_json_schema()["properties"][field]["enum"] == list(names), key

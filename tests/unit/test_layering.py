@@ -40,7 +40,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "comms.p2p": {"comms"},
     "comms.torchdist": {"comms"},
     "comms.build": {"comms", "comms.p2p", "comms.torchdist"},
-    "mesh": {"mesh.algo"},  # config checks a pipeline window with mesh.algo.schedule
+    # config checks a pipeline window with mesh.algo.schedule; its choices name comms' codecs,
+    # backends and link presets (comms.names)
+    "mesh": {"mesh.algo", "comms"},
     "mesh.methods": {"mesh"},
     "mesh.algo": ALGO,
     "mesh.model": MODEL,

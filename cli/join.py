@@ -298,7 +298,7 @@ def run_join(
     verify_data: bool = False,
     skip_reach_check: bool = False,
 ) -> None:
-    from cli.preflight import check_data
+    from cli.preflight import check_data, check_extras
     from comms.p2p.auth import Auth
     from mesh.data.manifest import run_record_data
 
@@ -311,6 +311,7 @@ def run_join(
         rec = read_run_record(Registry(scout, None, 1.0), RUN_READS if cfg_local is None else 2)
         cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
+        check_extras(cfg)  # before a claim: a missing package is one line here
         data = None
         if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here
             run_data = rec.data if rec is not None else None

@@ -14,9 +14,9 @@ from typing import Any
 import click
 
 from mesh.config import Config, ConfigError, load_config
-from mesh.errors import CheckpointError, DataError
+from mesh.errors import CheckpointError, DataError, MissingExtra
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)  # join errors are ConfigErrors
+USER_ERRORS = (ConfigError, DataError, CheckpointError, MissingExtra)  # join's: ConfigErrors
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

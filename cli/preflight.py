@@ -12,13 +12,14 @@ costs the user one line and exit 2 within seconds, not eight tracebacks after tw
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError, load_config, with_overrides
-from mesh.errors import CheckpointError
+from mesh.errors import CheckpointError, need_extra
 
 # settings a resume may change: they decide where the run stops, how it is watched and how
 # its peers connect, never the math of an update (checked again through the state fingerprint)
@@ -67,6 +68,21 @@ def check_data(cfg: Config, verify: bool = False, run_data: dict | None = None):
     return corpus
 
 
+def check_extras(cfg: Config) -> None:
+    """The optional packages the config's features need are installed (else one line, exit 2,
+    before any cell starts): metrics exporters and 8-bit optimizer states."""
+    wanted = {
+        "tensorboard": cfg.runtime.tensorboard,
+        "prometheus_client": bool(cfg.runtime.prometheus_port),
+        "bitsandbytes": cfg.optim.state_8bit,
+    }
+    feature = {"tensorboard": "runtime.tensorboard", "prometheus_client": "runtime.prometheus_port",
+               "bitsandbytes": "optim.state_8bit"}  # fmt: skip
+    for module, on in wanted.items():
+        if on and importlib.util.find_spec(module) is None:
+            raise need_extra(module, feature[module])
+
+
 def check_machine(cfg: Config) -> None:
     if cfg.dp.noise_codec != "none":
         raise ConfigError(
@@ -82,6 +98,7 @@ def check_machine(cfg: Config) -> None:
             f"runtime.host = {host!r}: cannot listen there ({e.strerror or e}); use an address "
             "of this machine, e.g. 127.0.0.1"
         ) from None
+    check_extras(cfg)
     if cfg.runtime.device == "cuda" and cfg.runtime.compute == "real":
         import torch
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.ablations import best_lr
-from mesh.bench.report import fmt_gap, format_table, paired_gap
+from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.engine.plan import boundary_bytes, rank_for_compression
@@ -256,10 +256,9 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Loss gap (%) against bytes per token per boundary, one line per method and P; the
     published points at the bytes their ratio means here."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     rows = summary["rows"]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from mesh.errors import need_extra
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -46,6 +49,25 @@ def fmt_gap(g: tuple[float, float] | None) -> str:
     return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
 
 
+_SAID: set[str] = set()
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot without a display; None, said once on stderr, where the plots extra
+    is not installed (a plot is a view of the numbers the run writes anyway)."""
+    try:
+        import matplotlib
+    except ImportError:
+        if "plots" not in _SAID:
+            _SAID.add("plots")
+            print(f"note: no plots: {need_extra('matplotlib', 'a plot')}", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_curves(
     curves: dict[str, list[tuple[float, float]]],
     path: Path,
@@ -56,11 +78,10 @@ def plot_curves(
     styles: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """One line per label (styles: matplotlib keyword arguments per label); written as PNG
-    (matplotlib without a display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    (matplotlib without a display; nothing without the plots extra: see pyplot)."""
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for label, pts in curves.items():

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import checks_table, format_table
+from mesh.bench.report import checks_table, format_table, pyplot
 
 ALL_TRAINING_S = 180.0
 ROUNDS_COMPLETE = 0.95
@@ -116,10 +116,9 @@ def to_markdown(s: dict[str, Any]) -> str:
 
 
 def plot(s: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), dpi=100)
     times = sorted((s.get("join_to_training_s") or {}).values())

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import checks_table, format_table
+from mesh.bench.report import checks_table, format_table, pyplot
 
 RSS_LIMIT_MB = 100.0
 FLAT_ABS, FLAT_FRAC = 4, 0.10
@@ -224,10 +224,9 @@ def _g(m: dict[str, Any]) -> str:
 
 def plot(samples: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
     """One panel per metric, a line per peer, kills marked; the loss by window last."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(3, 3, figsize=(16, 11), dpi=100)
     peers: dict[str, list[dict[str, Any]]] = {}

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mesh.errors import DataError
+from mesh.errors import DataError, need_extra
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 PIECE_BYTES = 1 << 20
@@ -236,8 +236,11 @@ def _text_value(value: object, text_field: str) -> str | _Bad:
 
 
 def _parquet(path: Path, text_field: str, rejects: Rejects) -> Iterator[Piece]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise need_extra("pyarrow", f"reading {path.name} (parquet)") from None
 
     try:
         pf = pq.ParquetFile(path)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo.topology import cell_name
+from mesh.errors import need_extra
 
 FLUSH_S = 5  # TensorBoard writes its events at least this often
 ROUNDS = ("started", "applied", "partial", "failed")
@@ -49,7 +50,10 @@ def scalars(row: dict[str, Any], tokens_per_update: int, prev: dict[str, Any] | 
 
 class TensorBoardExporter:
     def __init__(self, log_dir: Path, tokens_per_update: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise need_extra("tensorboard", "runtime.tensorboard") from None
 
         self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
         self.tokens_per_update, self.prev = tokens_per_update, None
@@ -70,7 +74,10 @@ class PrometheusExporter:
     process metrics, which are not the run's)."""
 
     def __init__(self, host: str, port: int, cell: str, tokens_per_update: int) -> None:
-        import prometheus_client as pc
+        try:
+            import prometheus_client as pc
+        except ImportError:
+            raise need_extra("prometheus_client", "runtime.prometheus_port") from None
 
         self.pc, self.cell, self.tokens_per_update, self.prev = pc, cell, tokens_per_update, None
         self.registry = pc.CollectorRegistry()

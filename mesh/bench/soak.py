@@ -135,6 +135,11 @@ class Sampler(threading.Thread):
             tail = self.tails.setdefault(name, Tail(self.grid.out(name)))
             self.grid.remember(p.pid)
             tree = tree_sample(p.pid)
+            if "cell" not in tree["roles"]:
+                # the join is alive but its cell is not (starting, or exited a moment ago): a
+                # sample of it would lack the cell's numbers; a gap row says so instead
+                self.write({"kind": "gap", "peer": name, "why": "no cell process"})
+                continue
             flat = {f"{k}_{r}": v for r, st in tree["roles"].items() for k, v in st.items()}
             age = time.monotonic() - self.grid.started[name]
             self.write({"kind": "sample", "peer": name, "age_s": round(age, 1),

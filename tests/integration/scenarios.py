@@ -298,7 +298,10 @@ def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3
         "no_silent_mean": (res.status.value == "failed" and res.mean is None)
         or (res.status.value == "partial" and victim not in res.contributors),
         "first_s": first_s,
+        "contributors": list(res.contributors),
         "status2": res2.status.value,
+        "reason2": res2.reason,
+        "contributors2": list(res2.contributors),
         "second_s": second_s,
         "p2p_after_ok": bool(torch.equal(msg.tensor(), want)),
         "rounds_by_status": dict(t.stats.rounds),

@@ -124,7 +124,8 @@ def test_grid_formed_by_joins(text_file, tmp_path):
                 continue
             saved = sorted((outs[n] / "checkpoints" / f"{c[0]}-{c[1]}").glob("step-*.pt"))
             last = torch.load(saved[-1], weights_only=True)
-            assert last["step"] == step(outs[n]) or last["step"] >= step(outs[n]) - 1
+            # the stop-save holds every update the cell logged: nothing trained is lost
+            assert last["step"] >= step(outs[n]), (n, last["step"], step(outs[n]))
 
         # -- the whole run restarts on a new bootstrap: a peer takes back the cell it has
         #    checkpoints of (not the first free one) and resumes from its checkpoint

@@ -1,6 +1,7 @@
 """The ablation study's rows, report and orderings (a tiny budget: the machinery, not the claim)."""
 
 import math
+import statistics
 
 from mesh.bench import ablations
 from mesh.bench.simruns import spec_config
@@ -54,9 +55,11 @@ def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path):
     assert summary["settings"]["optim.lr"] == sweep["best"]
     assert all(not r["diverged"] and math.isfinite(r["val_loss"]) for r in summary["runs"])
     table = (tmp_path / "table.md").read_text()
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.count("|") > 6}
     for row, _, ppl in ablations.ROWS:
-        assert row in table and f"{ppl:.2f}" in table
-    assert "+0.0085" in table  # the paper's constant-lambda gap: ln(21.32 / 21.14)
+        # each row carries the paper's number beside the mean of this study's runs of it
+        ours = statistics.mean(r["val_loss"] for r in summary["runs"] if r["method"] == row)
+        assert f"| {ppl:.2f} |" in lines[row] and f"| {ours:.4f} |" in lines[row], lines[row]
     assert "## The lr" in table and "best" in table
     assert len(ablations.orderings(summary["runs"])) == len(ablations.ROWS) - 1
     assert (tmp_path / "loss.png").stat().st_size > 1000

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mesh.bench.convergence import build_specs, targets, write_outputs
 from mesh.bench.simruns import read_runs, reuse, spec_config
 from mesh.config import load_config
@@ -98,6 +100,7 @@ def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path)
     assert [r for r in found if r is not None] == [rows[2]]
 
 
+@pytest.mark.slow
 def test_a_second_study_stage_keeps_the_first_stages_runs_for_a_resume(text_file, tmp_path):
     """run_specs called twice on one directory (an lr sweep, then the rows at its best): the
     second call's rewrite of runs.partial.jsonl keeps the first call's runs."""

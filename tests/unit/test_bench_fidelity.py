@@ -65,6 +65,7 @@ def test_an_lr_at_the_edge_of_those_tried_steps_on_and_an_inner_one_does_not():
     assert tuning._edge_step(runs, "A") == {"optim.lr": 0.00075, "b": 1}
 
 
+@pytest.mark.slow
 def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_path, monkeypatch):
     # the study's own lists give both arms the same budget
     assert len(tuning.FULLSYNC_LRS) == len(tuning.ASYNC_LRS) + len(tuning.ASYNC_STAGE2)
@@ -129,6 +130,7 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     assert is_tuned and tuned["AsyncMesh-fp8"]["optim.lr"] == best_lr
 
 
+@pytest.mark.slow
 def test_precision_study_writes_its_tables(text_file, tmp_path):
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = fidelity.run_fidelity(base, "precision", tmp_path, quick=True, workers=2)

@@ -2,11 +2,13 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
 
 
+@pytest.mark.slow
 def test_quick_model_bench_writes_its_results_and_memory_meets_the_plan(tmp_path):
     res = CliRunner().invoke(
         main, ["bench", "model", "--quick", "--out", str(tmp_path), "--device", "cpu"]

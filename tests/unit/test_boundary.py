@@ -186,6 +186,7 @@ def unigram_entropy_nats(tokens) -> float:
     return -sum(c / n * math.log(c / n) for c in counts.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["learned", "subspace"])
 def test_a_compressed_run_learns_below_the_unigram_entropy(text_file, method):
     """4 of 32 values per token cross each of 3 boundaries (8x fewer bytes than full fp8):

@@ -110,6 +110,7 @@ def _resume_and_save_forever(run_dir, conn, saving, saved):
         saved.value += 1
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_inside_saves_never_costs_a_valid_checkpoint(tmp_path):
     """Item 6 of issue 16: a cell process is SIGKILLed 20 times at random points inside
     save_cell (found by waiting for it to enter a save, then a random part of a save's length);

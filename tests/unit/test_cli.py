@@ -44,6 +44,7 @@ def test_the_simulators_noise_instrument_is_refused_by_the_processes(text_file, 
     assert not (tmp_path / "r" / "config.toml").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "hivemind", "logical"])
 def test_simulate_runs_a_tiny_grid(text_file, tmp_path, backend):
     out = tmp_path / "run"

@@ -200,6 +200,7 @@ def test_a_grid_trains_on_a_bpe_dataset_and_reports_bits_per_byte(bpe_dataset):
     assert bits_per_byte(math.log(2), 1.0) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_a_process_grid_trains_on_a_dataset_and_logs_bits_per_byte(bpe_dataset, tmp_path):
     out = tmp_path / "run"
     args = ["simulate", "--grid", "2x1", "--steps", "4", "--out", str(out)]

@@ -37,6 +37,7 @@ def llama_run(tmp_path, text_file, model=TINY_LLAMA, extra=()):
     return run, sim
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, text_file):
     from transformers import AutoModelForCausalLM
 

@@ -278,6 +278,7 @@ def test_the_progress_reads_only_what_was_appended(tmp_path):
     assert len(said) == 1  # the whole file read at the end says nothing twice
 
 
+@pytest.mark.slow
 def test_a_claim_reads_a_silent_dht_again_before_it_gives_up(monkeypatch):
     import cli.join as join
 

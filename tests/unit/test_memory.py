@@ -53,6 +53,7 @@ def test_arguments_are_checked():
     assert memory.limit_arenas(0) is False  # glibc's default: nothing to set
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="mallopt and malloc_trim are glibc's")
 def test_arena_limit_and_trim_keep_rss_near_what_is_held():
     default, tuned = _rss_mb("default"), _rss_mb("tuned")

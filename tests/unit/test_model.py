@@ -157,6 +157,7 @@ print(n, int(status["VmHWM"].split()[0]) * 1024)  # kB
 """
 
 
+@pytest.mark.slow
 def test_llama_1b_stage_1_of_4_is_built_alone():
     """A peer of stage 1 never holds the other stages: its peak RSS (torch included) stays
     below 1.5 x its own fp32 parameter bytes + 500 MB (the whole model would be 4.7 GB)."""

@@ -1,5 +1,6 @@
 """runtime.precision = bf16: autocast compute, fp32 masters, the same training outcome."""
 
+import pytest
 import torch
 from helpers import TINY
 
@@ -13,6 +14,7 @@ TINY_LLAMA = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bf16_run_of_the_tiny_llama_ends_within_3_percent_of_fp32(text_file):
     losses, sims = {}, {}
     for precision in ("fp32", "bf16"):

@@ -81,6 +81,7 @@ def clean(text_file):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "defence", [["dp.aggregate=median"], ["dp.aggregate=trimmed_mean"], ["dp.outlier_k=10"]]
 )
@@ -93,6 +94,7 @@ def test_honest_loss_holds_against_a_poisoning_replica(text_file, clean, defence
         assert rejects == {"outlier": 3 * 2 * 120}, rejects
 
 
+@pytest.mark.slow
 def test_undefended_grid_is_poisoned(text_file, clean):
     cfg = load_config([], [*SIM, f"data.path='{text_file}'", POISON])
     res = GridSim(cfg).run()
@@ -101,6 +103,7 @@ def test_undefended_grid_is_poisoned(text_file, clean):
     assert res.diverged or res.val_loss > 10 * clean, res.val_loss
 
 
+@pytest.mark.slow
 def test_the_bound_rejects_nothing_in_a_clean_run(text_file, clean):
     loss, rejects = _sim(text_file, "dp.outlier_k=10")
     assert rejects == {"outlier": 0}

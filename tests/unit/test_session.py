@@ -100,6 +100,7 @@ def test_one_read_that_misses_a_members_claim_does_not_break_the_session():
     assert lead._check(lead._active, partial)  # missing twice in a row and expired: gone
 
 
+@pytest.mark.slow
 def test_a_waiting_cell_reads_the_claims_about_once_a_second_not_once_a_poll():
     # 32 cells polling the claims and the session every 0.25 s swamped a 2-core box's DHT
     # (bench scale); a follower waiting for a leader that never comes reuses one read of the

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from mesh.bench.procstat import alive
 from tests.helpers import wait_for
 
@@ -73,6 +75,7 @@ def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, floa
                 os.kill(helper, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_stop_inside_a_blocking_rendezvous_exits_at_once():
     rc, took_s, helper = _stop_while_connecting("immediate", HANG_S)
     assert rc == 0, f"exit {rc} after {took_s:.1f}s"
@@ -80,6 +83,7 @@ def test_stop_inside_a_blocking_rendezvous_exits_at_once():
     wait_for(lambda: not alive(helper), HANG_S, "the helper process to be gone")
 
 
+@pytest.mark.slow
 def test_a_deferred_stop_waits_out_the_connect():
     """The control: the same stop in the window that defers it (a checkpoint write's) is not
     seen until the call returns."""

@@ -100,9 +100,12 @@ def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int
     for name in survivors:
         r = res[name]
         assert r["no_silent_mean"], r
-        if backend == "hivemind":  # the round ends over the members that contributed
-            assert r["status"] == r["status2"] == "partial", r
-            assert r["contributors"] == r["contributors2"] == survivors, r
+        if backend == "hivemind":  # the next round ends over the members that contributed
+            # (the round the victim froze in may fail at its deadline: nothing silent either way)
+            assert r["status"] in ("failed", "partial"), r
+            assert r["status2"] == "partial" and r["contributors2"] == survivors, r
+            if action == "kill":  # a dead member is known at once: that round is partial too
+                assert r["status"] == "partial" and r["contributors"] == survivors, r
         else:  # a gloo collective cannot drop a member: the round fails, and the group with it
             assert r["status"] == r["status2"] == "failed", r
             assert r["contributors"] == r["contributors2"] == [], r

@@ -71,16 +71,14 @@ def check_data(cfg: Config, verify: bool = False, run_data: dict | None = None):
 def check_extras(cfg: Config) -> None:
     """The optional packages the config's features need are installed (else one line, exit 2,
     before any cell starts): metrics exporters and 8-bit optimizer states."""
-    wanted = {
-        "tensorboard": cfg.runtime.tensorboard,
-        "prometheus_client": bool(cfg.runtime.prometheus_port),
-        "bitsandbytes": cfg.optim.state_8bit,
-    }
-    feature = {"tensorboard": "runtime.tensorboard", "prometheus_client": "runtime.prometheus_port",
-               "bitsandbytes": "optim.state_8bit"}  # fmt: skip
-    for module, on in wanted.items():
+    wanted = [  # (module, the setting that needs it, whether it is on)
+        ("tensorboard", "runtime.tensorboard", cfg.runtime.tensorboard),
+        ("prometheus_client", "runtime.prometheus_port", bool(cfg.runtime.prometheus_port)),
+        ("bitsandbytes", "optim.state_8bit", cfg.optim.state_8bit),
+    ]
+    for module, key, on in wanted:
         if on and importlib.util.find_spec(module) is None:
-            raise need_extra(module, feature[module])
+            raise need_extra(module, key)
 
 
 def check_machine(cfg: Config) -> None:

@@ -30,12 +30,10 @@ import torch
 
 from mesh.choices import BOUNDARIES
 
-METHODS = BOUNDARIES
-
 
 def width(d_model: int, method: str, rank: int) -> int:
     """Values per token that cross a boundary."""
-    assert method in METHODS, method
+    assert method in BOUNDARIES, method
     return d_model if method == "full" else rank
 
 

@@ -80,7 +80,7 @@ class Tail:
             return {}
         if self.tail is None:
             stage, replica = files[0].stem.split("-")
-            self.cell, self.tail = cell_name(stage, replica), RowTail(files[0])
+            self.cell, self.tail = cell_name(int(stage), int(replica)), RowTail(files[0])
         losses = []
         for row in self.tail.read():
             if row.get("event") == "health":

@@ -158,18 +158,56 @@ def run_config(
     return config_of_record(registry.run(), local, sets, run_key)
 
 
+KEY_HINT = "--run-key or MESHTRAIN_RUN_KEY"
+OPEN_RUN_WARNING = (
+    "warning: this run has no run key: anyone who reaches its DHT can join it, download its "
+    f"state and average into it (start a run with {KEY_HINT} to keep outsiders out)"
+)
+
+
+def key_verdict(rec: RunRecord, run_key: str | None) -> str:
+    """How the run's record stands with run_key: "ok" (sealed with it), "unsigned" (not sealed
+    with it, yet claiming it: written by a peer without the key), "missing" (the run has a key,
+    none was given) or "wrong" (another key). The seal (registry.RunRecord.signed_by) decides;
+    the published key check only tells the three failures apart."""
+    from comms.p2p.auth import Auth
+
+    if rec.signed_by(run_key):
+        return "ok"
+    sealed = isinstance((rec.raw or {}).get("sig"), str)
+    if not sealed or Auth.of(run_key, rec.fingerprint).key_check == rec.key_check:
+        return "unsigned"
+    return "wrong" if run_key else "missing"
+
+
+KEY_PROBLEMS = {
+    "unsigned": "the run's config record is not signed by the run key: refused (a peer without "
+    "the key wrote it); check that --initial-peers reach the run you mean",
+    "missing": f"this run needs a key ({KEY_HINT}): ask the run's owner for it",
+    "wrong": f"the run key does not match this run's ({KEY_HINT}): ask the run's owner for it",
+}
+
+
+def run_key_problem(rec: RunRecord, run_key: str | None) -> str | None:
+    """Why this peer cannot follow the run's record with run_key (None: it can)."""
+    return KEY_PROBLEMS.get(key_verdict(rec, run_key))
+
+
 def config_of_record(
     rec: RunRecord | None, local: Config | None, sets: list[str], run_key: str | None
 ) -> Config:
-    """run_config on a record already read (None: no run yet). A local dataset that is not
-    the run's is refused naming what differs (the record carries the run's data identity)."""
+    """run_config on a record already read (None: no run yet). A record not sealed with our
+    run key is refused first (run_key_problem). A local dataset that is not the run's is
+    refused naming what differs (the record carries the run's data identity)."""
     from cli.preflight import check_data
-    from comms.p2p.auth import Auth
 
     if rec is None:
         if local is None:
             raise JoinError("no run found in the DHT: the first peer passes --config to start one")
         return local
+    problem = run_key_problem(rec, run_key)
+    if problem is not None:
+        raise JoinError(problem)
     try:
         theirs = config_of(rec, sets)
     except ConfigError as e:
@@ -189,11 +227,6 @@ def config_of_record(
             f"config fingerprint {local.fingerprint()} differs from the run's {rec.fingerprint} "
             f"({', '.join(changed) or 'settings'}): drop --config (the run's own config is "
             "used) or use the run's exact settings"
-        )
-    if Auth.of(run_key, rec.fingerprint).key_check != rec.key_check:
-        raise JoinError(
-            "the run key does not match this run's (--run-key or MESHTRAIN_RUN_KEY): ask the "
-            "run's owner for it"
         )
     return theirs
 
@@ -317,6 +350,8 @@ def run_join(
             run_data = rec.data if rec is not None else None
             data = run_record_data(check_data(cfg, verify_data, run_data).manifest)
         check_reach(scout, initial_peers, announce_maddrs, client_mode, skip_reach_check)
+        if not run_key:  # said once, before the claim: the user can still stop and add one
+            click.echo(OPEN_RUN_WARNING, err=True)
         auth = Auth.of(run_key, cfg.fingerprint())
         registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
         if registry.run() is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cli.join import JoinError, config_of
+from cli.join import KEY_HINT, JoinError, config_of, key_verdict
 from comms.p2p.auth import Auth
 from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError
@@ -31,16 +31,14 @@ from mesh.runtime.registry import (
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
 
 KEY_OK, KEY_MISSING, KEY_WRONG, KEY_UNKNOWN = "ok", "missing", "wrong", "unknown"
+KEY_UNSIGNED = "unsigned"
 
 
 def key_state(rec: RunRecord | None, run_key: str | None) -> str:
-    """ok: the key is the run's (or neither has one); missing: the run has a key and none was
-    given; wrong: another key; unknown: no run record to check it against."""
-    if rec is None:
-        return KEY_UNKNOWN
-    if Auth.of(run_key, rec.fingerprint).key_check == rec.key_check:
-        return KEY_OK
-    return KEY_MISSING if not run_key else KEY_WRONG
+    """ok: the record is sealed with the key (or neither has one); missing: the run has a key
+    and none was given; wrong: another key; unsigned: the record is not sealed with the key it
+    claims (forged); unknown: no run record to check it against (cli.join.key_verdict)."""
+    return KEY_UNKNOWN if rec is None else key_verdict(rec, run_key)
 
 
 def age_label(seconds: float) -> str:
@@ -102,6 +100,8 @@ def status_rows(
         "cells": cells,
         "free": free,
         "rejected_claims": registry.rejected,
+        # records that did not unseal with the run's key, by kind (claim, session)
+        "bad_signatures": dict(registry.bad_signatures),
     }
 
 
@@ -113,6 +113,8 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "rounds": dict(zip(("applied", "partial", "failed"), rounds)) if rounds else None,
         "rejects": stats.get("rejects"),
+        # heartbeats of this cell the DHT did not take: a persistent failure expires its claim
+        "beat_errors": stats.get("beat_errors", 0),
         "loss": stats.get("loss"),
         "bytes_sent": stats.get("bytes"),
     }
@@ -145,14 +147,11 @@ def key_error(key: str) -> str | None:
     """The line that explains a key state other than ok (None: nothing to explain)."""
     unverified = "claims cannot be verified: any above are marked unverified, not free"
     if key == KEY_MISSING:
-        return (
-            "this run has a run key and none was given (--run-key or MESHTRAIN_RUN_KEY): "
-            + unverified
-        )
+        return f"this run needs a key ({KEY_HINT}) and none was given: " + unverified
     if key == KEY_WRONG:
-        return (
-            "the run key does not match this run's (--run-key or MESHTRAIN_RUN_KEY): " + unverified
-        )
+        return f"the run key does not match this run's ({KEY_HINT}): " + unverified
+    if key == KEY_UNSIGNED:
+        return "the run's config record is not signed by the run key (forged): " + unverified
     return None
 
 
@@ -164,7 +163,8 @@ def status_table(rows: dict[str, Any], now: float | None = None) -> list[list[st
             c["peer"][:12] + "...",
             str(c["step"]),
             f"{c['tokens_per_s']:,.0f}",
-            f"{c['heartbeat_age_s']:.1f} s ago",
+            f"{c['heartbeat_age_s']:.1f} s ago"
+            + (f" ({c['beat_errors']} failed)" if c.get("beat_errors") else ""),
             session_label(c["session"], now),
         ]
         for c in rows["cells"]

@@ -14,6 +14,15 @@ the holder of that RSA key can store a record under it, comms.p2p.dht.owner_mark
 Without a run key the token is still over the context with an empty key: it then proves nothing
 about membership, but keeps peers of another config out (wrong fingerprint -> refused).
 
+Records: every run record a peer relies on (the run's config, cell claims, replica sessions;
+mesh/runtime/registry.py) is sealed with `seal`: an "exp" (the writer's wall clock + the
+record's lifetime) and a "sig" = HMAC-SHA256 over the DHT key, the subkey and the canonical
+JSON of the value with its exp, under a secret derived from (run key, fingerprint). `unseal`
+gives the value back only when its sig is right and its exp (+ CLOCK_SKEW_S) has not passed: a
+peer without the key cannot write a record the run reads, nor stretch an old one's life.
+`key_check` (published in the config record) is bound to the fingerprint too, so it tells a
+joiner whether its key is the run's without revealing the key or the record secret.
+
 imports: stdlib only.
 """
 
@@ -21,7 +30,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import math
 from dataclasses import dataclass
+from typing import Any
+
+# a record is read up to this long after the exp its writer set (peers' wall clocks differ)
+CLOCK_SKEW_S = 60.0
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """The bytes a record's signature covers: JSON with sorted keys (the same on both ends
+    whatever order MSGPack gave the dict back in). TypeError/ValueError for what JSON cannot
+    hold (bytes from a peer's MSGPack)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def signer_of(subkey: str, prefix: str) -> str | None:
@@ -52,5 +74,39 @@ class Auth:
     @property
     def key_check(self) -> str:
         """Published with the run's config: a joiner learns whether its key is the run's key
-        (and can say so clearly) without the key itself being revealed."""
-        return hmac.new(self.key, b"meshtrain-key-check", hashlib.sha256).hexdigest()[:16]
+        (and can say so clearly) without the key itself being revealed. Bound to the
+        fingerprint: a check copied from one run's record does not fit another config."""
+        msg = b"meshtrain-key-check|" + self.context.encode()
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:16]
+
+    def _record_secret(self) -> bytes:
+        msg = b"meshtrain-records|" + self.context.encode()
+        return hmac.new(self.key, msg, hashlib.sha256).digest()
+
+    def record_sig(self, key: str, subkey: str, body: dict[str, Any]) -> str:
+        """The signature of a record (body: its value with "exp", without "sig")."""
+        msg = b"\0".join([key.encode(), subkey.encode(), canonical_bytes(body)])
+        return hmac.new(self._record_secret(), msg, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, subkey: str, value: dict[str, Any], exp: float) -> dict[str, Any]:
+        """value with "exp" and "sig" added: what is stored under key/subkey."""
+        body = {**value, "exp": exp}
+        return {**body, "sig": self.record_sig(key, subkey, body)}
+
+    def unseal(self, key: str, subkey: str, value: object, now: float) -> dict[str, Any] | None:
+        """The record's value (with its exp, without its sig) when it is sealed with this Auth
+        for key/subkey and not past its exp; None otherwise (unsigned, forged, another key or
+        config, replayed past its life)."""
+        if not isinstance(value, dict) or not isinstance(value.get("sig"), str):
+            return None
+        body = {k: v for k, v in value.items() if k != "sig"}
+        exp = body.get("exp")
+        if not isinstance(exp, int | float) or isinstance(exp, bool) or not math.isfinite(exp):
+            return None
+        if now > exp + CLOCK_SKEW_S:
+            return None
+        try:
+            want = self.record_sig(key, subkey, body)
+        except (TypeError, ValueError):  # a value JSON cannot hold: not one we wrote
+            return None
+        return body if hmac.compare_digest(value["sig"], want) else None

@@ -20,6 +20,12 @@ field is type-checked here and records without a valid membership token are igno
 - `config`, subkey `run`: the run's resolved config (TOML), its fingerprint and the run key's
   check value; what `join` reads before it claims anything.
 
+Every record is sealed with the run key (comms.p2p.auth.Auth.seal: an `exp` and an HMAC `sig`
+over key, subkey, value and exp, under a secret of run key and fingerprint). A reader with the
+run's Auth takes only records that unseal; the others are ignored and counted
+(`bad_signatures`, by record kind). A reader that does not know the run yet (join's first read,
+`status` without the key) checks the config record itself with `RunRecord.signed_by(run_key)`.
+
 Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
 
 imports: stdlib, comms.p2p.auth, comms.transport and mesh.algo.topology (the records come
@@ -30,8 +36,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from comms.p2p.auth import Auth, signer_of
@@ -77,6 +84,8 @@ def parse_stats(value: object) -> dict[str, Any] | None:
         out["rounds"] = [int(x) for x in rounds]
     if _count(value.get("rejects")):
         out["rejects"] = int(value["rejects"])
+    if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
+        out["beat_errors"] = int(value["beat_errors"])
     sent = value.get("bytes")
     if (
         isinstance(sent, dict)
@@ -205,6 +214,17 @@ class RunRecord:
     # a prepared dataset's identity (mesh.data.manifest.identity): a joiner whose data differs
     # is told what differs (tokenizer, which shard), not only that the digests do
     data: dict[str, Any] | None = None
+    # the record as read from the DHT (with its exp and sig), for signed_by; None when made here
+    raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    def signed_by(self, run_key: str | None, now: float | None = None) -> bool:
+        """Whether the record as read is sealed with run_key for its own fingerprint."""
+        auth = Auth.of(run_key, self.fingerprint)
+        when = time.time() if now is None else now
+        return auth.unseal(CONFIG_KEY, CONFIG_SUBKEY, self.raw, when) is not None
+
+
+CONFIG_KEY, CONFIG_SUBKEY = "config", "run"  # where the run's record lives
 
 
 def parse_run(value: object) -> RunRecord | None:
@@ -214,7 +234,7 @@ def parse_run(value: object) -> RunRecord | None:
     if not (isinstance(fp, str) and isinstance(toml, str) and isinstance(check, str)):
         return None
     data = value.get("data")
-    return RunRecord(fp, toml, check, data if isinstance(data, dict) else None)
+    return RunRecord(fp, toml, check, data if isinstance(data, dict) else None, dict(value))
 
 
 class Registry:
@@ -224,8 +244,26 @@ class Registry:
 
     def __init__(self, directory: Directory, auth: Auth | None, heartbeat_s: float) -> None:
         self.d, self.auth, self.heartbeat_s = directory, auth, heartbeat_s
-        self.rejected = 0  # claims ignored: malformed or without a valid token
+        self.rejected = 0  # claims ignored: malformed, unsealed or without a valid token
+        self.bad_signatures: Counter[str] = Counter()  # record kind -> records that did not unseal
         self._leaders: dict[str, str] = {}  # leader cell -> signer of its last owner seen
+
+    def _seal(self, key: str, subkey: str, value: dict[str, Any], ttl_s: float) -> dict[str, Any]:
+        """value as stored: sealed with the run's Auth (unsealed without one: tests of the
+        pure logic, whose readers have none either)."""
+        if self.auth is None:
+            return value
+        return self.auth.seal(key, subkey, value, round(time.time() + ttl_s, 3))
+
+    def _open(self, kind: str, key: str, subkey: str, value: object) -> object:
+        """A record's value once its seal is checked (None, counted, when it does not unseal);
+        without an Auth the value as it is."""
+        if self.auth is None:
+            return value
+        body = self.auth.unseal(key, subkey, value, time.time())
+        if body is None:
+            self.bad_signatures[kind] += 1
+        return body
 
     def valid(self, peer: str, signer: str, token: str | None) -> bool:
         return self.auth is None or self.auth.valid(peer, signer, token)
@@ -254,7 +292,8 @@ class Registry:
 
     def _valid(self, replica: int, found: dict[str, Any]) -> list[CellRecord]:
         out = []
-        for subkey, value in found.items():
+        for subkey, sealed in found.items():
+            value = self._open("claim", claims_key(replica), subkey, sealed)
             rec = parse_cell(value)
             signer = None if rec is None else signer_of(subkey, f"{rec.cell}/{rec.peer}")
             if (
@@ -297,8 +336,8 @@ class Registry:
 
     def beat(self, rec: CellRecord) -> bool:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
-        subkey = self._subkey(rec.cell, rec.peer)
-        return self.d.dht_store(self._claims_key_of(rec.cell), subkey, cell_value(rec), ttl)
+        key, subkey = self._claims_key_of(rec.cell), self._subkey(rec.cell, rec.peer)
+        return self.d.dht_store(key, subkey, self._seal(key, subkey, cell_value(rec), ttl), ttl)
 
     def release(self, cell: str, peer: str) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
@@ -318,27 +357,34 @@ class Registry:
         lead = (owned or {}).get(leader_cell)
         if lead is not None:
             self._leaders[leader_cell] = lead.signer
-        found = self._get(f"session.r{replica}")
+        key = f"session.r{replica}"
+        found = self._get(key)
         if not found:
             return None
         # a leader that finished the run writes `done` and leaves: its last signer still counts
         signer = self._leaders.get(leader_cell)
-        return None if signer is None else parse_session(found.get(f"leader{signer}"))
+        if signer is None or f"leader{signer}" not in found:
+            return None
+        subkey = f"leader{signer}"
+        return parse_session(self._open("session", key, subkey, found[subkey]))
 
     def put_session(self, replica: int, s: SessionRecord) -> bool:
-        subkey = f"leader{self.d.owner_marker}"
-        return self.d.dht_store(f"session.r{replica}", subkey, session_value(s), SESSION_TTL_S)
+        key, subkey = f"session.r{replica}", f"leader{self.d.owner_marker}"
+        value = self._seal(key, subkey, session_value(s), SESSION_TTL_S)
+        return self.d.dht_store(key, subkey, value, SESSION_TTL_S)
 
     def run(self) -> RunRecord | None:
-        return parse_run((self._get("config") or {}).get("run"))
+        """The run's record as stored (its seal not checked: see RunRecord.signed_by)."""
+        return parse_run((self._get(CONFIG_KEY) or {}).get(CONFIG_SUBKEY))
 
     def put_run(self, rec: RunRecord) -> bool:
         value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
         if rec.data is not None:
             value["data"] = rec.data
-        return self.d.dht_store(
-            "config", "run", {**value, "key_check": rec.key_check}, CONFIG_TTL_S
+        sealed = self._seal(
+            CONFIG_KEY, CONFIG_SUBKEY, {**value, "key_check": rec.key_check}, CONFIG_TTL_S
         )
+        return self.d.dht_store(CONFIG_KEY, CONFIG_SUBKEY, sealed, CONFIG_TTL_S)
 
 
 def read_again(read: Callable[[], T | None], reads: int, pause_s: float = 1.0) -> T | None:

@@ -24,12 +24,17 @@ starting, once it has waited REPORT_EVERY_S, and again whenever that set changes
 running session, when a neighbour's claim is gone on two heartbeats in a row) and `session`
 (a session started).
 
+A heartbeat the DHT does not take is retried next period, and counted: the count rides in the
+next beat that gets through (`beat_errors`, shown by `meshtrain status`), and the first failure
+is logged once (a claim whose beats keep failing expires, and the cell is free to others).
+
 imports: mesh, comms (errors) and stdlib.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import threading
@@ -49,6 +54,7 @@ from mesh.runtime.registry import (
     running,
 )
 
+logger = logging.getLogger(__name__)
 _UNREAD = object()  # _check's "claims not read yet" (None means the DHT did not answer)
 # reads in a row without a member's claim before the leader calls the session broken (and its
 # last read claim must have outlived its lifetime): after a DHT node dies, a read can miss a live
@@ -210,6 +216,7 @@ class DhtCoordinator:
         self._owned: tuple[float, dict[str, CellRecord] | None] = (-math.inf, None)
         self._run_put_at = -math.inf
         self._reuse_s = min(registry.heartbeat_s, REUSE_MAX_S)
+        self.beat_errors = 0  # heartbeats the DHT did not take (see the module docstring)
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         self._thread.start()
@@ -218,6 +225,9 @@ class DhtCoordinator:
     def record(self) -> CellRecord:
         b = self.beat
         now = time.time()
+        stats = b.stats
+        if self.beat_errors:
+            stats = {**(stats or {}), "beat_errors": self.beat_errors}
         return CellRecord(
             self.cell,
             self.peer,
@@ -228,17 +238,32 @@ class DhtCoordinator:
             b.tps,
             now,
             self.token,
-            stats=b.stats,
+            stats=stats,
         )
 
     def heartbeat(self) -> None:
-        with contextlib.suppress(Exception):  # a missed beat is retried next period
-            self.reg.beat(self.record())
+        """Store our claim (and now and then the run's record); a failure is counted and
+        retried next period, never raised."""
+        try:
+            taken = self.reg.beat(self.record())
+            why = "the DHT did not take it"
             # the run's record lives CONFIG_TTL_S: re-stored a few times per lifetime, not per
             # beat (32 cells re-storing a few KB of TOML each beat is most of a DHT's traffic)
             due = time.monotonic() - self._run_put_at >= CONFIG_TTL_S / CONFIG_PUTS_PER_TTL
             if self.run_record is not None and due and self.reg.put_run(self.run_record):
                 self._run_put_at = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - a missed beat is retried next period
+            taken, why = False, f"{type(e).__name__}: {e}"[:300]
+        if not taken:
+            self.beat_errors += 1
+            if self.beat_errors == 1:
+                logger.warning(
+                    "%s: a heartbeat failed (%s); retrying every %.1f s, failures are counted "
+                    "in `meshtrain status`",
+                    self.cell,
+                    why,
+                    self.reg.heartbeat_s,
+                )
 
     def owners(self, max_age_s: float | None = None) -> dict[str, CellRecord] | None:
         """The live claims, read now or (max_age_s given) reused from a read that recent."""

@@ -82,15 +82,24 @@ def _run_with_a_claim(key: str | None):
     return d, cfg
 
 
+def _stored_run(key):
+    """The run record of a run keyed `key`, as a reader gets it back from the DHT."""
+    d, auth = FakeDirectory(), Auth.of(key, "fp")
+    Registry(d, auth, 60.0).put_run(RunRecord("fp", "", auth.key_check))
+    return Registry(d, None, 60.0).run()
+
+
 def test_key_states():
-    rec = RunRecord("fp", "", Auth.of("k", "fp").key_check)
+    rec = _stored_run("k")
     assert key_state(rec, "k") == "ok"
     assert key_state(rec, None) == key_state(rec, "") == "missing"
     assert key_state(rec, "other") == "wrong"
-    assert key_state(RunRecord("fp", "", Auth.of(None, "fp").key_check), None) == "ok"
+    assert key_state(_stored_run(None), None) == "ok"
+    assert key_state(RunRecord("fp", "", Auth.of(None, "fp").key_check), None) == "unsigned"
     assert key_state(None, "k") == "unknown"
     assert key_error("ok") is None and key_error("unknown") is None
     assert "MESHTRAIN_RUN_KEY" in key_error("missing") and "--run-key" in key_error("wrong")
+    assert "not signed by the run key" in key_error("unsigned")
 
 
 @pytest.mark.parametrize(("given", "state"), [(None, "missing"), ("another", "wrong")])

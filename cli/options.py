@@ -14,9 +14,10 @@ from typing import Any
 import click
 
 from mesh.config import Config, ConfigError, load_config
-from mesh.errors import CheckpointError, DataError, MissingExtra
+from mesh.errors import CheckpointError, DataError, DiskFull, MissingExtra
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, MissingExtra)  # join's: ConfigErrors
+# join's: ConfigErrors
+USER_ERRORS = (ConfigError, DataError, CheckpointError, MissingExtra, DiskFull)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mesh.engine.cell import Cell
-from mesh.errors import CheckpointError  # noqa: F401 - re-exported
+from mesh.errors import CheckpointError, disk_full  # CheckpointError: re-exported
 from mesh.procs import pid_alive
 
 FORMAT = 2  # 2: the stashed versions as a list of tensors; 1 stacked them into one (a copy)
@@ -178,15 +178,58 @@ def check_checkpoint(path: Path, fingerprint: str, stage: int, replica: int) -> 
     if not isinstance(state, dict) or state.get("format") not in READ_FORMATS:
         return "unknown checkpoint format"
     if state.get("fingerprint") != fingerprint:
-        return f"{FOREIGN} (state fingerprint {state.get('fingerprint')})"
-    if (state.get("stage"), state.get("replica")) != (stage, replica):
-        return f"holds cell s{state.get('stage')}r{state.get('replica')}"
-    if f"step-{state.get('step', -1):08d}" != path.stem:
-        return f"holds step {state.get('step')}"
-    flat = state.get("flat")
-    if not isinstance(flat, torch.Tensor) or not mapped.all_finite(flat):
+        return f"{FOREIGN} (state fingerprint {state.get('fingerprint')!r})"
+    if (state.get("stage"), state.get("replica")) != (stage, replica) or not all(
+        _is_int(state.get(k)) for k in ("stage", "replica")
+    ):
+        return f"holds cell s{state.get('stage')!r}r{state.get('replica')!r}"
+    why = malformed(state)
+    if why is not None:
+        return why
+    if f"step-{state['step']:08d}" != path.stem:
+        return f"holds step {state['step']}"
+    if not mapped.all_finite(state["flat"]):
         return "non-finite weights"
     return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def malformed(state: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a checkpoint's content (a file another program wrote,
+    or damaged in a way that still unpickles), or None: each field of the type and shape a
+    save writes. A malformed file is passed over like a torn one, never half-used."""
+    step = state.get("step")
+    if not _is_int(step) or step < 0:
+        return f"step is {type(step).__name__} {step!r}, not a step number"
+    flat, drift, stashes = state.get("flat"), state.get("drift"), _stashes(state)
+    if not isinstance(flat, torch.Tensor) or flat.ndim != 1 or not flat.is_floating_point():
+        return "parameter count does not match: flat is not a vector of weights"
+    if not isinstance(drift, torch.Tensor) or drift.shape != flat.shape:
+        return "parameter count does not match: drift is missing or of another size"
+    if stashes is None or not all(isinstance(t, torch.Tensor) and t.shape == flat.shape
+                                  for t in stashes):  # fmt: skip
+        return "parameter count does not match: the stashed versions are not vectors of weights"
+    versions = state.get("versions")
+    if (
+        not isinstance(versions, torch.Tensor)
+        or versions.dtype != torch.int64
+        or versions.shape != (len(stashes),)
+    ):
+        return "the stashed versions do not match their steps"
+    optimizer = state.get("optimizer")
+    if not isinstance(optimizer, dict) or not all(
+        isinstance(k, str) and "/" in k and (isinstance(v, torch.Tensor) or _is_number(v))
+        for k, v in optimizer.items()
+    ):
+        return "optimizer state does not fit (not a table of tensors and numbers)"
+    return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 Damage = tuple[int, int, int, str]  # (stage, replica, step, why the file cannot be used)
@@ -256,10 +299,17 @@ def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep_torn(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        torch.save(cell_state(cell, fingerprint), f)  # CPU tensors straight from memory
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with tmp.open("wb") as f:
+            torch.save(cell_state(cell, fingerprint), f)  # CPU tensors straight from memory
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:  # a failed write (a full disk) leaves nothing and the older ones
+        tmp.unlink(missing_ok=True)
+        full = disk_full(e, path)
+        if full is not None:
+            raise full from None
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -334,6 +384,9 @@ def load_cell(cell: Cell, fingerprint: str, path: Path) -> None:
         )
     if (state.get("stage"), state.get("replica")) != (cell.stage, cell.replica):
         raise CheckpointError(f"{path}: holds cell {state.get('stage')}-{state.get('replica')}")
+    why = malformed(state)
+    if why is not None:
+        raise CheckpointError(f"{path}: {why}")
     flat, drift, stashes = state.get("flat"), state.get("drift"), _stashes(state)
     versions = state.get("versions")
     n = cell.flat.numel()

@@ -7,12 +7,11 @@ run.eval_every updates, and at the end), and appends a row to DIR/val.jsonl (the
 per token, and in bits per byte of text: comparable across tokenizers); the run's loss plot and
 summary read them.
 
-imports: torch, mesh (config, data, model, checkpoint).
+imports: torch, mesh (config, data, model, checkpoint, metrics).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, val_batches
 from mesh.model.build import build_cell_stages, lm_loss, run_stages
 from mesh.runtime.checkpoint import checkpoint_path, read_checkpoint, saved_steps
+from mesh.runtime.metrics import append_row, parse_rows
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,12 +100,11 @@ class ValTracker:
     def _write(self, row: dict[str, Any]) -> None:
         """A row with the loss in nats per token and in bits per byte of text."""
         row = {**row, "val_bpb": bits_per_byte(row["val_loss"], self.bytes_per_token)}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(self.path, row)  # whole or not at all: a full disk leaves no torn row
 
 
 def read_val(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "val.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
+    return parse_rows(path.read_bytes())  # a torn line (a crash, a full disk) is skipped

@@ -4,8 +4,84 @@ multi-process run."""
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from mesh.errors import disk_full
+
+_APPEND_LOCK = threading.Lock()  # a cell's rows and its event rows come from two threads
+
+
+def append_row(target: Path | IO[Any], row: dict[str, Any]) -> None:
+    """Append one JSON line whole or not at all: a single write of the line (repeated only
+    for what a short write left), and on an error (a full disk) the file cut back to its size
+    before, so a reader never meets a torn row, and a resumed run does not glue its first row
+    onto one. target: the file's path, or a file open for appending. A full disk raises
+    DiskFull naming the file."""
+    data = (json.dumps(row) + "\n").encode()
+    own = not hasattr(target, "fileno")
+    with _APPEND_LOCK:
+        if own:
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        else:
+            target.flush()  # anything buffered goes first, in order
+            fd = target.fileno()
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.write(fd, data[done:])
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:
+                    pass  # the error that matters is the write's
+                full = disk_full(e, target if own else getattr(target, "name", None))
+                if full is not None:
+                    raise full from None
+                raise
+        finally:
+            if own:
+                os.close(fd)
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Cut a line without its newline off the end of a JSONL file (a writer killed mid-row),
+    before a resumed writer appends: its first row would be glued onto the torn one."""
+    try:
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            tail = b""
+            while size > 0 and b"\n" not in tail:
+                back = min(size, 4096)
+                f.seek(size - back)
+                tail = f.read(back) + tail
+                size -= back
+            keep = size + tail.rfind(b"\n") + 1
+            if keep < size + len(tail):
+                f.truncate(keep)
+    except FileNotFoundError:
+        pass
+
+
+def parse_rows(data: bytes) -> list[dict[str, Any]]:
+    """The JSON object rows of a JSONL file's bytes; a line that is not one (torn by a crash
+    or a full disk, or still being written) is skipped."""
+    rows = []
+    for line in data.splitlines():
+        if not line.strip().endswith(b"}"):
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def metrics_offsets(run_dir: Path) -> dict[str, int]:
@@ -20,16 +96,13 @@ def read_metrics(
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
     writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
     ({"event": "started" | "session_broken" | "state_loaded" | ..., "step"}) only with
-    events=True."""
-    import json
-
+    events=True. A torn line (a crash or a full disk cut it) is skipped too."""
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
         stage, replica = (int(x) for x in path.stem.split("-"))
         with path.open("rb") as f:
             f.seek((since or {}).get(path.name, 0))
-            lines = f.read().decode().splitlines()
-        parsed = [json.loads(ln) for ln in lines if ln.strip().endswith("}")]
+            parsed = parse_rows(f.read())
         rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
     return rows
 
@@ -43,8 +116,6 @@ class RowTail:
         self.path, self.offset = Path(path), start
 
     def read(self) -> list[dict[str, Any]]:
-        import json
-
         try:
             with self.path.open("rb") as f:
                 f.seek(self.offset)
@@ -53,13 +124,7 @@ class RowTail:
             return []
         end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
         self.offset += end
-        rows = []
-        for line in chunk[:end].splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # another process's file: a torn line is skipped, not fatal
-                continue
-        return rows
+        return parse_rows(chunk[:end])  # another process's file: a torn line is skipped
 
 
 def summarize_run(
@@ -143,10 +208,7 @@ class MetricsSink:
         self.exporters = open_exporters(cfg, stage, replica, Path(out_dir), tokens_per_update)
 
     def write(self, row: dict[str, Any]) -> None:
-        import json
-
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
+        append_row(self.f, row)  # whole or not at all (a full disk raises DiskFull)
         for e in self.exporters:
             e.write(row)
 

@@ -9,10 +9,10 @@ talking to the workers.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,8 +30,9 @@ from mesh.config import Config, ConfigError, config_from_dict
 from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
-from mesh.errors import CheckpointError, DataError
+from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
 from mesh.model.build import build_cell_stage
+from mesh.procs import pid_alive
 from mesh.runtime import memory
 from mesh.runtime.checkpoint import (
     check_checkpoint,
@@ -41,7 +42,7 @@ from mesh.runtime.checkpoint import (
     saved_steps,
 )
 from mesh.runtime.emulate import link_profile, resolve_window
-from mesh.runtime.metrics import MetricsSink, beat_stats
+from mesh.runtime.metrics import MetricsSink, append_row, beat_stats, cut_torn_tail
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
@@ -228,6 +229,7 @@ def run_cell(
         load_cell(cell, cfg.state_fingerprint(), path)
     metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
+    cut_torn_tail(metrics)  # a row torn by a kill: this run's rows start on a line of their own
     transport: Transport | None = None
     coord: StaticCoordinator | DhtCoordinator | None = None
     server: StateServer | None = None
@@ -244,9 +246,7 @@ def run_cell(
         """An event row (`join` prints each as a line). Its own append, so the heartbeat thread
         can write one too, and one can follow the cell's release after the rows' file closed."""
         row = {"event": name, "step": cell.step, **fields}
-        line = json.dumps({**row, "time_s": round(time.perf_counter() - start, 4)}) + "\n"
-        with metrics.open("a") as g:
-            g.write(line)
+        append_row(metrics, {**row, "time_s": round(time.perf_counter() - start, 4)})
 
     try:
         # a stop while the transport starts ends it at once (its helper processes with it):
@@ -332,7 +332,7 @@ def run_cell(
                 "rejects": dict(transport.stats.rejects),
                 "sessions_broken": worker.stats.sessions_broken,
             }
-            f.write(json.dumps(final) + "\n")
+            append_row(f, final)
     finally:
         STOP.exiting = True  # a second SIGTERM must not cut the last save short
         if sink is not None:
@@ -403,25 +403,83 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)  # the message says the fix: exit 2
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DiskFull)  # the message says the fix: 2
+REPORT_RESERVE_BYTES = 4096  # room kept for a failure report's first line on a full disk
 
 
 def failure_path(out_dir: str | Path, stage: int, replica: int) -> Path:
     return Path(out_dir) / "logs" / f"{cell_name(stage, replica)}.err"
 
 
-def write_failure(out_dir: str | Path, stage: int, replica: int, error: BaseException) -> int:
+def reserve_failure_report(out_dir: str | Path, stage: int, replica: int) -> Path | None:
+    """Room for this cell's failure report, taken while there is some: a hidden file of zeros
+    beside the report (DIR/logs/.sJrI.err.PID) that write_failure writes into and renames, so
+    a full disk still gets its one line. Reserves of dead processes are removed. None when
+    not even this fits."""
+    path = failure_path(out_dir, stage, replica)
+    for old in path.parent.glob(f".{path.name}.*"):
+        pid = old.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            old.unlink(missing_ok=True)
+    reserve = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with reserve.open("wb") as f:
+            f.write(bytes(REPORT_RESERVE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        return reserve
+    except OSError:
+        reserve.unlink(missing_ok=True)
+        return None
+
+
+def write_failure(
+    out_dir: str | Path,
+    stage: int,
+    replica: int,
+    error: BaseException,
+    reserve: Path | None = None,
+) -> int:
     """A failed cell's report: its first line is the one line a user sees (a user error's
-    message, or a bug's exception), then the traceback for a bug. Returns the exit code."""
+    message, or a bug's exception), then the traceback for a bug. A full disk anywhere in the
+    error's chain is the user error DiskFull. Written into `reserve` (reserve_failure_report)
+    when there is one, so that it fits on a full disk; when nothing can be written, the line
+    goes to stderr. Returns the exit code."""
     import traceback
 
+    error = disk_full(error) or error
     user = isinstance(error, USER_ERRORS)
     head = str(error) if user else f"{type(error).__name__}: {error}"
-    body = "" if user else "\n" + "".join(traceback.format_exception(error))
+    line = (" ".join(head.split())[: REPORT_RESERVE_BYTES // 2] + "\n").encode()
+    body = b"" if user else ("\n" + "".join(traceback.format_exception(error))).encode()
     path = failure_path(out_dir, stage, replica)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(" ".join(head.split()) + "\n" + body)
+    try:
+        if reserve is None or not reserve.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            reserve = path.with_name(f".{path.name}.{os.getpid()}")
+            reserve.write_bytes(b"")
+        fd = os.open(reserve, os.O_RDWR)
+        try:
+            size = _write_all(fd, line)  # inside the reserved bytes: needs no new space
+            try:
+                size += _write_all(fd, body)
+            except OSError:  # no room for the traceback: the line alone
+                pass
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        os.replace(reserve, path)
+    except OSError:
+        sys.stderr.write(f"cell {cell_name(stage, replica)}: {line.decode()}")
     return 2 if user else 1
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+    return done
 
 
 def failure_report(out_dir: str | Path, stage: int, replica: int) -> tuple[float, str, Path | None]:
@@ -449,16 +507,16 @@ def cell_process_main(
     files are closed and fsynced by then; what is left are daemon threads (rounds past their
     deadline, libp2p readers) that must not be torn down under a C++ thread at exit
     ("terminate called without an active exception")."""
-    import os
-    import sys
-
     code = 0
+    reserve = reserve_failure_report(out_dir, stage, replica)
     try:
         run_cell(cfg_tree, stage, replica, out_dir, transport_options, resume_step)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it failed
-        code = write_failure(out_dir, stage, replica, e)
+        code = write_failure(out_dir, stage, replica, e, reserve)
+    if reserve is not None:
+        reserve.unlink(missing_ok=True)  # renamed to the report, or not needed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

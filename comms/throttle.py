@@ -191,6 +191,10 @@ class Delivery:
         return d
 
 
+SENDER_MAX_ITEMS = 4096  # LinkSender's default bound on queued items
+SENDER_MAX_BYTES = 1 << 30  # and on their bytes
+
+
 class LinkSender(Generic[T]):
     """A queue and a thread per destination: holds each item until the shaper's release time,
     then calls `deliver(item)` (which may block: e.g. a gloo send). FIFO; send returns at once.
@@ -200,6 +204,9 @@ class LinkSender(Generic[T]):
         deliver: moves one item over the real link; an exception marks the link lost.
         shaper: the link's timing model, or None to deliver as fast as the link goes.
         on_lost: called once (from the sender thread) with the error when deliver raised.
+        max_items / max_bytes: what may wait in the queue at once; a submit beyond either is
+            refused at once (its handle fails with PeerTimeout, counted in `refused`): a peer
+            that stops reading must not grow its senders' memory for the rest of the run.
     """
 
     def __init__(
@@ -209,10 +216,16 @@ class LinkSender(Generic[T]):
         shaper: LinkShaper | None = None,
         on_lost: Callable[[BaseException], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_items: int = SENDER_MAX_ITEMS,
+        max_bytes: int = SENDER_MAX_BYTES,
     ) -> None:
         self.to, self._deliver, self._shaper, self._on_lost = to, deliver, shaper, on_lost
         self._clock = clock
-        self._queue: collections.deque[tuple[float, T, Delivery]] = collections.deque()
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.refused = 0  # submits refused because the queue was full
+        self._queued_bytes = 0
+        # (release time, item, handle, nbytes)
+        self._queue: collections.deque[tuple[float, T, Delivery, int]] = collections.deque()
         self._cond = threading.Condition()
         self._final: tuple[T, Delivery] | None = None  # last item (e.g. goodbye), then exit
         self._error: BaseException | None = None
@@ -225,12 +238,29 @@ class LinkSender(Generic[T]):
             if self._error is not None or self._final is not None:
                 error = self._error or PeerLost(f"link to {self.to!r} closed")
                 return Delivery.failed(self.to, error)
+            queued = len(self._queue)
+            if queued >= self.max_items or self._queued_bytes + nbytes > self.max_bytes:
+                self.refused += 1
+                return Delivery.failed(
+                    self.to,
+                    PeerTimeout(
+                        f"link to {self.to!r}: {queued} messages ({self._queued_bytes} bytes) "
+                        "already wait to be sent; the link does not keep up"
+                    ),
+                )
             now = self._clock()
             release = self._shaper.schedule(nbytes, now) if self._shaper else now
             d = Delivery(self.to)
-            self._queue.append((release, item, d))
+            self._queue.append((release, item, d, nbytes))
+            self._queued_bytes += nbytes
             self._cond.notify()
             return d
+
+    @property
+    def queued(self) -> int:
+        """Items waiting to be sent."""
+        with self._cond:
+            return len(self._queue)
 
     def finish(self, final: T | None = None, drop_pending: bool = False) -> Delivery:
         """Deliver `final` after the queue (or instead of it, with drop_pending), then stop.
@@ -258,16 +288,18 @@ class LinkSender(Generic[T]):
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:
             self._queue.popleft()[2]._finish(error)
+        self._queued_bytes = 0
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while True:
                     if self._queue:
-                        release, item, d = self._queue[0]
+                        release, item, d, nbytes = self._queue[0]
                         wait = release - self._clock()
                         if wait <= 0:
                             self._queue.popleft()
+                            self._queued_bytes -= nbytes
                             is_final = False
                             break
                         self._cond.wait(wait)

@@ -30,6 +30,36 @@ from mesh.runtime.dashboard.state import FREE, Seen, cell_state
 
 RATE_ROWS = 20  # tokens/s over a cell's last this many updates
 MAX_POINTS = 300  # per curve: enough for a chart, small enough to poll every second
+CURVE_KEEP = 4 * MAX_POINTS  # points a cell's loss curve holds, however long the run
+
+
+class Curve:
+    """A run-long series in bounded memory: every `stride`-th point is kept, and the stride
+    doubles (every other kept point goes) whenever more than `keep` are held, so the points
+    stay evenly spread over the whole run; the newest point is always there."""
+
+    def __init__(self, keep: int = CURVE_KEEP) -> None:
+        self.keep, self.stride, self.seen = keep, 1, 0
+        self.points: list[Any] = []
+        self.newest: Any = None
+
+    def append(self, point: Any) -> None:
+        if self.seen % self.stride == 0:
+            self.points.append(point)
+            if len(self.points) > self.keep:
+                self.points, self.stride = self.points[::2], self.stride * 2
+        self.seen += 1
+        self.newest = point
+
+    def __iter__(self) -> Any:
+        tail = [] if self.newest is None or (self.seen - 1) % self.stride == 0 else [self.newest]
+        return iter([*self.points, *tail])
+
+    def __len__(self) -> int:
+        return len(self.points) + (0 if (self.seen - 1) % self.stride == 0 else 1)
+
+    def __getitem__(self, index: int) -> Any:
+        return list(self)[index]
 
 
 @dataclass
@@ -43,7 +73,7 @@ class CellTail:
     last_is_event: bool = False
     started: dict[str, Any] | None = None  # {"pid", "host"} of the newest `started` row
     final: dict[str, Any] | None = None
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    losses: Curve = field(default_factory=Curve)  # (step, loss), bounded
     recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RATE_ROWS))
     mtime: float | None = None
 

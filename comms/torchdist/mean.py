@@ -1,69 +1,86 @@
-"""Group means of TorchTransport (comms/torchdist/transport.py): a polled all-gather per round.
+"""Group means of TorchTransport (comms/torchdist/transport.py): an all-gather over its links.
 
-One process group per averaging group, created at init by its members in sorted
-group-name order (a total order, so overlapping groups cannot deadlock the rendezvous). A round
-all-gathers every member's contribution: one fixed-size frame `wire.pack(f"{group}#{round_id}",
-AVERAGE, encoded payload)` (a member whose own values are not finite sends zeros of that size,
-which every receiver rejects). Every member then validates all frames with `wire.unpack` and
-sums the accepted dequantized payloads in member order, then divides by their count, so the
-mean is bit-identical on every member. Rejected frames -> PARTIAL without that member (never
-local values in its place); own frame rejected -> FAILED. The all-gather is asynchronous, with a
-per-operation gloo timeout equal to the round deadline (gloo's worker is free by then); a
-per-group waiter thread polls it (collectives, unlike p2p, can be polled) until the deadline.
-A dead peer fails the round in ~ms (connection reset), a frozen one at the deadline. Either way
-the group is then marked broken and later rounds fail at once, without a collective (a gloo
-group cannot shrink, and a half-finished collective leaves it unusable; re-forming groups is out
-of scope: a new transport is). With CUDA the collective runs on NCCL instead (payload bytes moved
-to the GPU; a failed round aborts the NCCL group); untested here (no GPU), p2p stays on gloo.
+A round sends this member's wire frame, `wire.pack(f"{group}#{round_id}", AVERAGE, encoded
+payload)`, to every other member over the transport's point-to-point links (each through that
+link's sender, so shaped links cost what they would) and takes theirs as they arrive. The
+result is the mean of every contributor's DEQUANTIZED payload (own included, read back from its
+own frame), summed in member order (`mean_in_member_order`): with every member in time it is
+bit-identical on every member and equal to a one-process reference. A member whose frame is not
+here by the deadline, whose link is lost, or whose frame fails the round's checks (name, shape,
+codec, size: `wire.expect_reject`; crc and finiteness were checked on arrival) is left out: the
+round is PARTIAL over named contributors, or FAILED (own payload not finite), never silent local
+values. A round can be cut (`cut()`: end now with what arrived), like the hivemind path's.
+
+Why not a gloo collective (the design until this one): a collective that misses its deadline
+closes every pair of its group, so the first late round turned averaging off for the rest of
+the run, and a group cannot drop a dead member. Here a late round costs that round only: its
+frames, when they come, are dropped on arrival ("late"), the next round starts clean, and a
+dead member's rounds are partial over the survivors at once.
+
+Frames of a round this member has not started yet (a replica ahead of this one) wait in a
+bounded per-group buffer (EARLY_ROUNDS rounds, mailbox_bytes) until it starts that round, and
+the highest round id seen from each group is the column's round clock (`newest_round`): a
+trailing replica jumps to the rounds its partners launch (mesh/algo/round_clock.py). A round
+id at or below the newest one this member launched and no longer open is over: its frames are
+late. Launches are strictly increasing per group (the round clock's `own_next`).
 
 imports: torch, comms only (no mesh, no cli).
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
+import heapq
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
 from comms import codecs, wire
 from comms.codecs import Encoded
 from comms.errors import NotFiniteError
-from comms.throttle import LinkShapers
 from comms.transport import MeanResult, MeanStatus, TransportStats, mean_in_member_order
-from comms.wire import Expect, Kind, Reject
+from comms.wire import Expect, Kind, Message, Reject
 
-FOREVER = timedelta(days=30)  # waits that must not time out: a timed-out gloo op kills the pair
 MAX_GROUP_NAME = 200  # f"{group}#{round_id}" must fit wire.MAX_NAME_BYTES
+EARLY_ROUNDS = 64  # rounds per group whose frames may wait for this member to start them
+
+
+def round_tag(group: str, round_id: int) -> str:
+    return f"{group}#{round_id}"
+
+
+def parse_round_tag(name: str) -> tuple[str, int] | None:
+    group, sep, rid = name.rpartition("#")
+    if not sep or not rid.isdigit():
+        return None
+    return group, int(rid)
 
 
 @dataclass(eq=False)
 class MeanGroup:
     name: str
     members: tuple[str, ...]
-    pg: object  # ProcessGroupGloo / ProcessGroupNCCL
-    broken: str = ""
-    rounds: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    waiter: threading.Thread | None = None
+    newest_seen: int = -1  # the highest round id another member's frame carried
+    launched: int = -1  # the highest round id started here
+    open: dict[int, MeanRound] = field(default_factory=dict)
+    early: dict[int, dict[str, Message]] = field(default_factory=dict)  # not started here yet
+    early_bytes: int = 0
 
 
 class MeanRound:
     """One group-mean round: a comms.transport.MeanHandle."""
 
-    def __init__(self, members: tuple[str, ...], deadline: float) -> None:
-        self.members, self.deadline = members, deadline
-        self.work: object | None = None
-        self.outs: list[torch.Tensor] = []
+    def __init__(
+        self, group: str, round_id: int, members: tuple[str, ...], deadline: float
+    ) -> None:
+        self.group, self.round_id, self.members, self.deadline = group, round_id, members, deadline
         self.expect = Expect()
         self.shape: tuple[int, ...] = ()
-        self.frame_bytes = 0
-        self.release = 0.0  # earliest time the shaped links could have delivered the round
+        self.got: dict[str, torch.Tensor] = {}  # member -> dequantized flat payload
+        self.gone: dict[str, str] = {}  # member -> why it will not contribute
+        self.cut_asked = False
         self._event = threading.Event()
         self._result: MeanResult | None = None
 
@@ -71,13 +88,38 @@ class MeanRound:
         return self._event.is_set()
 
     def cut(self) -> bool:
-        """False: a collective cannot end without its members; the round ends at its deadline."""
-        return False
+        """End the round now with the payloads that arrived (the runtime knows a member is
+        gone, or the round has stayed open long enough). True: this transport can."""
+        self.cut_asked = True
+        return True
 
     def result(self, timeout_s: float) -> MeanResult:
         if not self._event.wait(max(0.0, timeout_s)) or self._result is None:
             return MeanResult(MeanStatus.FAILED, None, (), "deadline")
         return self._result
+
+    def gathered(self) -> bool:
+        return all(m in self.got or m in self.gone for m in self.members)
+
+    def verdict(self, me: str) -> MeanResult:
+        if me not in self.got:
+            why = self.gone.get(me, "own payload missing")
+            return MeanResult(MeanStatus.FAILED, None, (), why)
+        who = tuple(m for m in self.members if m in self.got)
+        parts = tuple(self.got[m] for m in who)
+        mean = mean_in_member_order(parts).reshape(self.shape)
+        if len(who) == len(self.members):
+            return MeanResult(MeanStatus.OK, mean, who, parts=parts)
+        if len(who) == 1 and not any(w.startswith("rejected") for w in self.gone.values()):
+            # no other member's payload in time and none refused: no mean of a group, and
+            # never own values passed off as one (a member frozen through the round)
+            return MeanResult(MeanStatus.FAILED, None, (), "no other member's payload in time")
+        missing = [
+            f"{m}: {self.gone.get(m, 'not here by the deadline')}"
+            for m in self.members
+            if m not in self.got
+        ]
+        return MeanResult(MeanStatus.PARTIAL, mean, who, "missing " + "; ".join(missing), parts)
 
     def _finish(self, result: MeanResult) -> bool:
         if self._event.is_set():
@@ -88,15 +130,23 @@ class MeanRound:
 
 
 class GroupMeans:
-    """TorchTransport's start_mean and its rounds (a mixin: needs the attributes below)."""
+    """TorchTransport's start_mean and its rounds (a mixin: needs the attributes below and
+    `_submit_to(name, frame, kind)` / `_link_lost(name)`; calls `_file_mean` on arrival)."""
 
     me: str
-    collective: str
     stats: TransportStats
+    mailbox_bytes: int
     _closed: bool
-    _lock: threading.Lock
     _groups: dict[str, MeanGroup]
-    _shapers: LinkShapers
+
+    def _init_means(self) -> None:
+        self._mean_cond = threading.Condition()
+        self._ready: list[MeanRound] = []
+        self._deadlines: list[tuple[float, int, MeanRound]] = []  # a heap
+        self._mean_seq = 0
+        self._mean_thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- the MeanHandle side
 
     def start_mean(
         self,
@@ -108,14 +158,33 @@ class GroupMeans:
         timeout_s: float,
     ) -> MeanRound:
         """Start the mean of a float payload over the group (see the module docstring)."""
-        g = self._group(group, members)
         flat = values.detach().reshape(-1)
-        name = f"{group}#{round_id}"
         try:
-            frame = wire.pack(name, Kind.AVERAGE, codecs.encode(flat, codec), round_id)
-        except NotFiniteError:  # own values not finite: contribute rejectable zeros, stay in step
-            frame = bytes(_frame_bytes(name, flat.numel(), codec, round_id))
-        return self._start_round(g, name, round_id, frame, flat.numel(), codec, timeout_s, values)
+            enc: Encoded | None = codecs.encode(flat, codec)
+        except NotFiniteError:  # own values not finite: no payload; the others go on without
+            enc = None
+        return self._start_round(
+            group, members, round_id, enc, flat.numel(), codec, timeout_s, tuple(values.shape)
+        )
+
+    def newest_round(self, group: str, members: Sequence[str]) -> int:
+        """The highest round id another member of `group` launched, of those whose frames
+        reached this member (-1: none): the column's round clock."""
+        g = self._group(group, list(members))
+        with self._mean_cond:
+            return g.newest_seen
+
+    def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
+        """Drop the waiting frames of rounds this member will never start (a state download
+        moved it past them); later frames of those rounds are late."""
+        g = self._group(group, list(members))
+        dropped = 0
+        with self._mean_cond:
+            for rid in [r for r in g.early if r in round_ids]:
+                dropped += self._drop_early(g, rid, "late")
+            if round_ids:
+                g.launched = max(g.launched, round_ids[-1])
+        return dropped
 
     # ---------------------------------------------------------------- test hook (bad peers)
 
@@ -123,10 +192,11 @@ class GroupMeans:
         self, group: str, members: list[str], round_id: int, enc: Encoded, timeout_s: float
     ) -> MeanRound:
         """start_mean with a ready Encoded, skipping the sender-side finiteness check."""
-        g = self._group(group, members)
-        name = f"{group}#{round_id}"
-        frame = wire.pack(name, Kind.AVERAGE, enc, round_id)
-        return self._start_round(g, name, round_id, frame, enc.numel, enc.codec, timeout_s, None)
+        return self._start_round(
+            group, members, round_id, enc, enc.numel, enc.codec, timeout_s, (enc.numel,)
+        )
+
+    # ---------------------------------------------------------------- internals
 
     def _group(self, group: str, members: list[str]) -> MeanGroup:
         g = self._groups.get(group)
@@ -138,142 +208,205 @@ class GroupMeans:
 
     def _start_round(
         self,
-        g: MeanGroup,
-        name: str,
+        group: str,
+        members: list[str],
         round_id: int,
-        frame: bytes,
+        enc: Encoded | None,
         numel: int,
         codec: str,
         timeout_s: float,
-        values: torch.Tensor | None,
+        shape: tuple[int, ...],
     ) -> MeanRound:
-        now = time.monotonic()
-        r = MeanRound(g.members, now + timeout_s)
-        if g.broken:
-            return self._finish(
-                r, MeanResult(MeanStatus.FAILED, None, (), f"group broken: {g.broken}")
-            )
-        r.shape = tuple(values.shape) if values is not None else (numel,)
-        r.expect = Expect(name, Kind.AVERAGE, (numel,), frozenset({codec}), len(frame))
-        r.frame_bytes = len(frame)
-        n = len(g.members)
-        r.release = now
-        right = g.members[(g.members.index(self.me) + 1) % n]
-        shaper = self._shapers.for_peer(right) if n > 1 else None
-        if shaper is not None:  # a ring all-gather: n-1 frames out over the link to the right
-            extra = (n - 2) * shaper.profile.latency_ms / 1e3
-            r.release = shaper.schedule((n - 1) * len(frame), now) + extra
-        device = torch.device("cuda") if self.collective == "nccl" else torch.device("cpu")
-        own = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device)
-        r.outs = [torch.empty(len(frame), dtype=torch.uint8, device=device) for _ in range(n)]
-        opts = AllgatherOptions()
-        opts.timeout = timedelta(seconds=max(timeout_s, 1e-3))
-        try:
-            r.work = g.pg.allgather([r.outs], [own], opts)
-        except Exception as e:  # noqa: BLE001 - a broken group raises at once
-            g.broken = f"{type(e).__name__}: {str(e)[:200]}"
-            return self._finish(r, MeanResult(MeanStatus.FAILED, None, (), g.broken))
-        with self._lock:
-            if g.waiter is None:
-                g.waiter = threading.Thread(
-                    target=self._wait_loop, args=(g,), name=f"mean-{g.name}", daemon=True
+        g = self._group(group, members)
+        name = round_tag(group, round_id)
+        r = MeanRound(group, round_id, g.members, time.monotonic() + timeout_s)
+        r.shape = shape
+        frame = b""
+        if enc is None:
+            r.gone[self.me] = "own payload not finite"
+        else:
+            frame = wire.pack(name, Kind.AVERAGE, enc, round_id)
+            r.expect = Expect(name, Kind.AVERAGE, (numel,), frozenset({codec}), enc.nbytes)
+            own = wire.unpack(memoryview(frame), r.expect)
+            if isinstance(own, Reject):  # the sender-side check was skipped (a test's bad peer)
+                r.gone[self.me] = f"own payload rejected: {own.reason}"
+            else:
+                r.got[self.me] = own.tensor().reshape(-1)
+        if not r.expect.name:  # no own frame: still check theirs by name, kind and shape
+            r.expect = Expect(name, Kind.AVERAGE, (numel,), frozenset({codec}))
+        with self._mean_cond:
+            if self._closed:
+                r.gone[self.me] = "transport closed"
+                self._conclude(r)
+                return r
+            if round_id <= g.launched:
+                raise ValueError(
+                    f"round {round_id} of {group!r} started after round {g.launched}: "
+                    "round ids must increase"
                 )
-                g.waiter.start()
-        g.rounds.put(r)
+            g.launched = round_id
+            for rid in [x for x in g.early if x < round_id]:  # rounds this member skipped
+                self._drop_early(g, rid, "late")
+            for member, msg in self._pop_early(g, round_id).items():
+                self._take_frame(r, member, msg)
+            for member in g.members:
+                if member != self.me and member not in r.got:
+                    why = self._link_lost(member)
+                    if why:
+                        r.gone.setdefault(member, why)
+            g.open[round_id] = r
+            self._mean_seq += 1
+            heapq.heappush(self._deadlines, (r.deadline, self._mean_seq, r))
+            if r.gathered() or self.me in r.gone:  # nothing to wait for, or no use waiting
+                self._ready.append(r)
+            if self._mean_thread is None:
+                self._mean_thread = threading.Thread(
+                    target=self._mean_loop, name="means", daemon=True
+                )
+                self._mean_thread.start()
+            self._mean_cond.notify_all()
+        if frame:
+            for member in g.members:
+                if member != self.me and member not in r.gone:
+                    self._submit_to(member, frame, "average")
         return r
 
-    def _wait_loop(self, g: MeanGroup) -> None:
-        """Waiter thread of one group: rounds in order, each until done or its deadline. Polls
-        (sleeping in Python) instead of a blocking wait, so close() can stop it at once."""
-        while True:
-            r = g.rounds.get()
-            if r is None:
+    def _file_mean(self, sender: str, msg: Message) -> None:
+        """Receiver side: a frame of a round (see the module docstring); never blocks."""
+        parsed = parse_round_tag(msg.name)
+        g = self._groups.get(parsed[0]) if parsed is not None else None
+        if g is None or sender not in g.members or sender == self.me:
+            self.stats.add_reject("unexpected")
+            return
+        rid = parsed[1]
+        with self._mean_cond:
+            g.newest_seen = max(g.newest_seen, rid)
+            r = g.open.get(rid)
+            if r is not None:
+                if sender in r.got or sender in r.gone:
+                    self.stats.add_reject("duplicate" if sender in r.got else "late")
+                    return
+                if time.monotonic() > r.deadline:  # its round is over, only not concluded yet
+                    self.stats.add_reject("late")
+                    r.gone[sender] = "late"
+                    return
+                self._take_frame(r, sender, msg)
+                if r.gathered():
+                    self._ready.append(r)
+                    self._mean_cond.notify_all()
                 return
-            why = _poll(r.work, r.deadline, lambda: self._closed)
-            if not why:
-                try:
-                    r.work.wait()  # completed: returns at once, or raises the op's error
-                except Exception as e:  # noqa: BLE001 - a dead peer resets the group
-                    why = f"{type(e).__name__}: {str(e)[:200]}"
-            if why:
-                if why != "transport closed" and not g.broken:
-                    g.broken = why
-                    if self.collective == "nccl":
-                        with contextlib.suppress(Exception):
-                            g.pg.abort()
-                self._finish(r, MeanResult(MeanStatus.FAILED, None, (), why))
-                continue
-            result = self._reduce(g, r)
-            wait = r.release - time.monotonic()
-            if wait > 0:  # shaped links: the result cannot be here before the model says
-                if r.release > r.deadline:
-                    time.sleep(max(0.0, r.deadline - time.monotonic()))
-                    result = MeanResult(MeanStatus.FAILED, None, (), "deadline (shaped link)")
-                else:
-                    time.sleep(wait)
-            self._finish(r, result)
+            if rid <= g.launched:
+                self.stats.add_reject("late")  # its round is over here
+                return
+            slot = g.early.setdefault(rid, {})
+            if sender in slot:
+                self.stats.add_reject("duplicate")
+                return
+            slot[sender] = msg
+            g.early_bytes += msg.held_bytes
+            while len(g.early) > EARLY_ROUNDS or g.early_bytes > self.mailbox_bytes:
+                self._drop_early(g, min(g.early), "early_overflow")
 
-    def _reduce(self, g: MeanGroup, r: MeanRound) -> MeanResult:
-        """Validate every member's frame, sum the accepted ones in member order."""
-        parts, contributors, excluded = [], [], []
-        for member, out in zip(g.members, r.outs, strict=True):
-            got = wire.unpack(memoryview(out.cpu().numpy()), r.expect)
-            if isinstance(got, Reject):
-                excluded.append(f"{member}: {got.reason}")
-                if member != self.me:
-                    self.stats.add_reject(got.reason)
-                continue
-            parts.append(got.tensor().reshape(-1))
-            contributors.append(member)
-        for member in g.members:
-            if member != self.me:
-                self.stats.add_sent(member, "average", r.frame_bytes)
-                self.stats.add_received(member, "average", r.frame_bytes)
-        if self.me not in contributors:
-            return MeanResult(MeanStatus.FAILED, None, (), f"own payload rejected ({excluded})")
-        mean = mean_in_member_order(parts).reshape(r.shape)
-        if excluded:
-            why = "excluded " + ", ".join(excluded)
-            return MeanResult(MeanStatus.PARTIAL, mean, tuple(contributors), why, tuple(parts))
-        return MeanResult(MeanStatus.OK, mean, tuple(contributors), parts=tuple(parts))
+    def _mean_rejected(self, sender: str, name: str, reason: str) -> None:
+        """A frame of sender's refused on arrival (crc, finiteness): its open round takes it
+        as refused (a PARTIAL without it), not as missing."""
+        parsed = parse_round_tag(name)
+        g = self._groups.get(parsed[0]) if parsed is not None else None
+        if g is None or sender not in g.members:
+            return
+        with self._mean_cond:
+            r = g.open.get(parsed[1])
+            if r is not None and sender not in r.got and sender not in r.gone:
+                r.gone[sender] = f"rejected: {reason}"
+                if r.gathered():
+                    self._ready.append(r)
+                    self._mean_cond.notify_all()
 
-    def _finish(self, r: MeanRound, result: MeanResult) -> MeanRound:
+    def _member_lost(self, member: str, why: str) -> None:
+        """A member's link is gone: its open rounds stop waiting for it."""
+        with self._mean_cond:
+            for g in self._groups.values():
+                if member not in g.members:
+                    continue
+                for r in g.open.values():
+                    if member not in r.got and member not in r.gone:
+                        r.gone[member] = why
+                        if r.gathered():
+                            self._ready.append(r)
+            self._mean_cond.notify_all()
+
+    def _take_frame(self, r: MeanRound, member: str, msg: Message) -> None:
+        bad = wire.expect_reject(msg, r.expect)
+        if bad is not None:
+            self.stats.add_reject(bad.reason)
+            r.gone[member] = f"rejected: {bad.reason}"
+            return
+        r.got[member] = msg.tensor().reshape(-1)
+
+    def _pop_early(self, g: MeanGroup, rid: int) -> dict[str, Message]:
+        slot = g.early.pop(rid, {})
+        g.early_bytes -= sum(m.held_bytes for m in slot.values())
+        return slot
+
+    def _drop_early(self, g: MeanGroup, rid: int, reason: str) -> int:
+        slot = self._pop_early(g, rid)
+        for _ in slot:
+            self.stats.add_reject(reason)
+        return len(slot)
+
+    def _mean_loop(self) -> None:
+        """The one thread that ends rounds: gathered or cut ones at once, the rest at their
+        deadline. Sleeps until a frame completes a round, a cut, a deadline or close."""
+        while True:
+            with self._mean_cond:
+                while True:
+                    now = time.monotonic()
+                    due = [r for r in self._ready if not r.done()]
+                    self._ready.clear()
+                    while self._deadlines and (
+                        self._deadlines[0][0] <= now or self._deadlines[0][2].done()
+                    ):
+                        due.append(heapq.heappop(self._deadlines)[2])
+                    due += [r for _, _, r in self._deadlines if r.cut_asked and not r.done()]
+                    if due or self._closed:
+                        break
+                    wait = self._deadlines[0][0] - now if self._deadlines else None
+                    # cuts are asked without a notify (MeanHandle.cut is a plain call): look
+                    # again soon while any round is open
+                    self._mean_cond.wait(None if wait is None else min(wait, 0.05))
+                if self._closed:
+                    due += [r for _, _, r in self._deadlines]
+                    self._deadlines.clear()
+                for r in due:
+                    if not r.done():
+                        self._conclude(r)
+                if self._closed:
+                    return
+
+    def _conclude(self, r: MeanRound) -> None:
+        """Under _mean_cond: the round's verdict, delivered once; its later frames are late."""
+        g = self._groups.get(r.group)
+        if g is not None and g.open.get(r.round_id) is r:
+            del g.open[r.round_id]
+        if self._closed and not r.gathered():
+            result = MeanResult(MeanStatus.FAILED, None, (), "transport closed")
+        else:
+            try:
+                result = r.verdict(self.me)
+            except Exception as e:  # noqa: BLE001 - a round's fault is a value, never a crash
+                result = MeanResult(MeanStatus.FAILED, None, (), f"{type(e).__name__}: {e}")
         if r._finish(result):
             with self.stats.lock:
                 self.stats.rounds[result.status.value] += 1
-        return r
 
-
-def _frame_bytes(name: str, numel: int, codec: str, step: int) -> int:
-    """Length of wire.pack(name, AVERAGE, encode(<numel values>, codec), step), without
-    encoding numel values: the header does not depend on numel (always one dim)."""
-    one = wire.pack(name, Kind.AVERAGE, codecs.encode(torch.zeros(1), codec), step)
-    return len(one) - codecs.encoded_nbytes(1, codec) + codecs.encoded_nbytes(numel, codec)
-
-
-def gloo_group(store: dist.Store, rank: int, size: int, host: str, timeout: timedelta = FOREVER):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
-def group_pg(collective: str, store: dist.Store, rank: int, size: int, host: str):
-    if collective == "nccl":  # untested here: no multi-GPU machine in CI
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = FOREVER  # every op passes its own deadline
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return gloo_group(store, rank, size, host)
-
-
-def _poll(work, deadline: float, closed) -> str:
-    """ "" once work completed, else "deadline" or "transport closed"; sleeps 50 us..2 ms."""
-    nap = 5e-5
-    while not work.is_completed():
-        if closed():
-            return "transport closed"
-        if time.monotonic() >= deadline:
-            return "deadline"
-        time.sleep(nap)
-        nap = min(2 * nap, 2e-3)
-    return ""
+    def _close_means(self) -> None:
+        with self._mean_cond:
+            self._mean_cond.notify_all()
+        thread = self._mean_thread
+        if thread is not None:
+            thread.join(2.0)
+        with self._mean_cond:  # rounds started after the thread ended
+            for _, _, r in self._deadlines:
+                if not r.done():
+                    self._conclude(r)
+            self._deadlines.clear()

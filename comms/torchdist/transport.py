@@ -1,4 +1,4 @@
-"""Transport over torch.distributed: gloo point-to-point messages, per-group collective means.
+"""Transport over torch.distributed: gloo point-to-point messages, group means over them.
 
 Role: `TorchTransport` implements `comms.transport.Transport` inside a trusted cluster or on one
 machine (the simulator, tests). Its process groups are built directly (ProcessGroupGloo over a
@@ -30,11 +30,11 @@ Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
   receiver answers with its own; after `close_timeout_s`, threads still blocked on a frozen peer
   are woken by poisoning the p2p group on purpose (a 1 ms recv that times out), and then end.
 
-Group means (one process group per averaging group): comms/torchdist/mean.py.
+Group means (an all-gather of wire frames over these links, kind AVERAGE; arriving frames go
+to their round, not the mailbox): comms/torchdist/mean.py.
 
-Bytes counted: p2p = 8 (length) + frame per message, goodbyes as kind "control". A completed
-round counts one frame sent to and one received from every other member (kind "average"): the
-total equals what gloo's ring all-gather moves per rank; failed rounds count nothing.
+Bytes counted: 8 (length) + frame per message, goodbyes as kind "control", a round's frames as
+kind "average" (one to each other member, whatever the round's outcome).
 
 imports: torch, comms only (no mesh, no cli).
 """
@@ -49,7 +49,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -62,7 +61,7 @@ from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
 from comms.throttle import Delivery, LinkSender, LinkShapers, Shaping
-from comms.torchdist.mean import MAX_GROUP_NAME, GroupMeans, MeanGroup, gloo_group, group_pg
+from comms.torchdist.mean import MAX_GROUP_NAME, GroupMeans, MeanGroup
 from comms.transport import TransportStats
 from comms.wire import Expect, Kind, Message, Reject
 
@@ -70,6 +69,7 @@ _TAG_HEAD, _TAG_REST, _TAG_POISON = 1, 2, 3
 _HEAD = 64 << 10  # frame bytes that travel with the length: small frames take one gloo message
 _BYE = -1  # declared length of the goodbye frame (no body)
 _POISON_WAIT = timedelta(milliseconds=1)
+FOREVER = timedelta(days=30)  # waits that must not time out: a timed-out gloo op kills the pair
 
 
 def parse_rendezvous(addr: str) -> tuple[str, int]:
@@ -110,7 +110,6 @@ class TorchTransport(GroupMeans):
         max_message_bytes: largest declared p2p frame accepted (checked before allocating).
         host: address gloo binds and announces for its pairs.
         mailbox_messages / mailbox_bytes: bound of each sender's mailbox (backpressure).
-        collective: "gloo", "nccl" or "auto" (NCCL when CUDA is available) for group means.
         close_timeout_s: how long close() waits for goodbyes before abandoning threads.
     """
 
@@ -129,7 +128,6 @@ class TorchTransport(GroupMeans):
         host: str = "127.0.0.1",
         mailbox_messages: int = 64,
         mailbox_bytes: int = 1 << 30,
-        collective: str = "auto",
         close_timeout_s: float = 2.0,
     ) -> None:
         if me not in peers or len(set(peers)) != len(peers):
@@ -139,15 +137,9 @@ class TorchTransport(GroupMeans):
                 raise ValueError(f"group {g!r}: bad name or members {members}")
             if not set(members) <= set(peers):
                 raise ValueError(f"group {g!r} names unknown peers {set(members) - set(peers)}")
-        if collective == "auto":
-            collective = (
-                "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-            )
-        if collective not in ("gloo", "nccl"):
-            raise ValueError(f"collective must be gloo, nccl or auto, got {collective!r}")
         self.me, self.peers, self.timeout_s = me, list(peers), timeout_s
         self.rank = peers.index(me)
-        self.max_message_bytes, self.collective = max_message_bytes, collective
+        self.max_message_bytes = max_message_bytes
         self.mailbox_messages, self.mailbox_bytes = mailbox_messages, mailbox_bytes
         self.close_timeout_s = close_timeout_s
         self.stats = TransportStats()
@@ -156,6 +148,7 @@ class TorchTransport(GroupMeans):
         self._closed = False
         self._stale: collections.deque[str] = collections.deque(maxlen=64)  # see drop_tags
         self._lock = threading.Lock()
+        self._init_means()
 
         self._store = self._world = None
         self._groups: dict[str, MeanGroup] = {}
@@ -170,7 +163,7 @@ class TorchTransport(GroupMeans):
             raise
 
     def _connect(self, rendezvous: str, groups: dict[str, list[str]], host: str) -> None:
-        """Rendezvous, the world group, our averaging groups, receiver threads, a barrier."""
+        """Rendezvous, the world group, receiver threads, a barrier."""
         me, peers, timeout_s = self.me, self.peers, self.timeout_s
         rz_host, port = parse_rendezvous(rendezvous)
         rz_timeout = timedelta(seconds=timeout_s)
@@ -189,11 +182,8 @@ class TorchTransport(GroupMeans):
             dist.PrefixStore("mt/world", self._store), self.rank, len(peers), host
         )
         for g in sorted(groups):
-            members = tuple(groups[g])
-            if me in members:
-                pg_store = dist.PrefixStore(f"mt/group/{g}", self._store)
-                pg = group_pg(self.collective, pg_store, members.index(me), len(members), host)
-                self._groups[g] = MeanGroup(g, members, pg)
+            if me in groups[g]:
+                self._groups[g] = MeanGroup(g, tuple(groups[g]))
         self._links = {p: _Link(p, r) for r, p in enumerate(peers) if p != me}
         for link in self._links.values():
             link.receiver = threading.Thread(
@@ -235,16 +225,6 @@ class TorchTransport(GroupMeans):
                     raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
                 link.cond.wait(remaining)
 
-    def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
-        """Nothing to drop: rounds here are collectives over the process group, no payload
-        waits in a mailbox (and a fixed grid never downloads a state that skips rounds)."""
-        return 0
-
-    def newest_round(self, group: str, members: Sequence[str]) -> int:
-        """-1: a round here is a collective every member enters with the same id (a fixed grid
-        steps its replicas alike), so no member runs ahead of the others' rounds."""
-        return -1
-
     def drop_tags(self, prefix: str) -> int:
         """Drop waiting and later messages whose tag starts with prefix (a broken session's;
         a fixed grid's one session never breaks, so this serves the protocol and tests)."""
@@ -263,14 +243,22 @@ class TorchTransport(GroupMeans):
         return dropped
 
     def health(self) -> dict[str, Any]:
-        """Messages (and their held bytes) waiting in the mailboxes, and the groups broken."""
+        """Messages (and their held bytes) waiting in the mailboxes, rounds open and round
+        frames waiting for this member to start their round."""
         pending = held = 0
         for link in self._links.values():
             with link.cond:
                 pending += len(link.box)
                 held += link.box_bytes
-        broken = sum(1 for g in self._groups.values() if g.broken)
-        return {"mailbox_pending": pending, "mailbox_bytes": held, "groups_broken": broken}
+        with self._mean_cond:
+            open_rounds = sum(len(g.open) for g in self._groups.values())
+            early = sum(len(f) for g in self._groups.values() for f in g.early.values())
+        return {
+            "mailbox_pending": pending,
+            "mailbox_bytes": held,
+            "rounds_open": open_rounds,
+            "round_frames_early": early,
+        }
 
     def close(self) -> None:
         """Say goodbye to every peer, stop our threads, release the process groups; idempotent.
@@ -289,10 +277,9 @@ class TorchTransport(GroupMeans):
         for link in self._links.values():
             if not link.closed.startswith("lost"):
                 self._sender(link).finish((b"", "control", _BYE))
-        for g in self._groups.values():
-            g.rounds.put(None)  # the waiter fails what is queued ("transport closed") and ends
+        self._close_means()  # open rounds fail ("transport closed"), the rounds' thread ends
         p2p = [t for ln in self._links.values() for t in (ln.sender, ln.receiver, ln.validator)]
-        _join_all(p2p + [g.waiter for g in self._groups.values()], deadline)
+        _join_all(p2p, deadline)
         self._release(stuck=[link for link in self._links.values() if _alive(link)])
 
     def _release(self, stuck: list[_Link]) -> None:
@@ -305,10 +292,10 @@ class TorchTransport(GroupMeans):
             _join_all(threads, time.monotonic() + 1.0)
         for link in self._links.values():
             self._mark_closed(link, "transport closed")
-        for pg in [g.pg for g in self._groups.values()] + [self._world]:
+        if self._world is not None:
             with contextlib.suppress(Exception):
-                pg.shutdown()
-        self._groups.clear()  # destroys the groups now (joins gloo's workers), not at exit
+                self._world.shutdown()
+        self._groups = {}  # start_mean after close: "not in a group"
         self._store = None  # peers[0]: stops the rendezvous server, frees its port
 
     def __enter__(self) -> TorchTransport:
@@ -415,6 +402,10 @@ class TorchTransport(GroupMeans):
             self.stats.add_received(link.name, kind, 8 + n)
             if isinstance(got, Reject):
                 self.stats.add_reject(got.reason)
+                if got.reason == "not_finite":  # a round's payload: its round says refused
+                    raw = wire.unpack(memoryview(item.numpy()), self._limit, check_finite=False)
+                    if isinstance(raw, Message) and raw.kind == Kind.AVERAGE:
+                        self._mean_rejected(link.name, raw.name, got.reason)
             else:
                 self._file(link, got)
             return False
@@ -433,6 +424,9 @@ class TorchTransport(GroupMeans):
         nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
         if any(msg.name.startswith(p) for p in self._stale):
             self.stats.add_reject("stale")
+            return
+        if msg.kind == Kind.AVERAGE:  # a round's frame goes to its round, never waits here
+            self._file_mean(link.name, msg)
             return
         with link.cond:
             while link.box and (
@@ -460,6 +454,16 @@ class TorchTransport(GroupMeans):
         with link.cond:
             link.closed = link.closed or why
             link.cond.notify_all()
+        self._member_lost(link.name, link.closed)
+
+    # ---------------------------------------------------------------- what the means use
+
+    def _submit_to(self, name: str, frame: bytes, kind: str) -> Delivery:
+        return self._submit(self._link(name), frame, kind, len(frame))
+
+    def _link_lost(self, name: str) -> str:
+        link = self._links.get(name)
+        return "" if link is None else link.closed
 
     def _peer_left(self, link: _Link) -> None:
         """The peer said goodbye: its remaining messages stay readable; answer with ours so
@@ -490,3 +494,10 @@ def _join_all(threads: list, deadline: float) -> bool:
             t.join(max(0.0, deadline - time.monotonic()))
             ok &= not (t.is_alive() if isinstance(t, threading.Thread) else t.alive)
     return ok
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, host: str, timeout: timedelta = FOREVER):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)

@@ -40,7 +40,8 @@ def _torch_p2p_bytes(frame: bytes) -> int:
 
 
 def _torch_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
-    return len(wire.pack(f"{group}#{round_id}", Kind.AVERAGE, enc, round_id))  # per other member
+    # per other member: the frame, on the link like any message (its int64 length first)
+    return 8 + len(wire.pack(f"{group}#{round_id}", Kind.AVERAGE, enc, round_id))
 
 
 def _hivemind_p2p_bytes(frame: bytes) -> int:

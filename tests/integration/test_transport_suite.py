@@ -100,15 +100,12 @@ def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int
     for name in survivors:
         r = res[name]
         assert r["no_silent_mean"], r
-        if backend == "hivemind":  # the next round ends over the members that contributed
-            # (the round the victim froze in may fail at its deadline: nothing silent either way)
-            assert r["status"] in ("failed", "partial"), r
-            assert r["status2"] == "partial" and r["contributors2"] == survivors, r
-            if action == "kill":  # a dead member is known at once: that round is partial too
-                assert r["status"] == "partial" and r["contributors"] == survivors, r
-        else:  # a gloo collective cannot drop a member: the round fails, and the group with it
-            assert r["status"] == r["status2"] == "failed", r
-            assert r["contributors"] == r["contributors2"] == [], r
+        # the next round ends over the members that contributed (the round the victim froze in
+        # may fail at its deadline: nothing silent either way); both backends drop a member
+        assert r["status"] in ("failed", "partial"), r
+        assert r["status2"] == "partial" and r["contributors2"] == survivors, r
+        if action == "kill":  # a dead member is known at once: that round is partial too
+            assert r["status"] == "partial" and r["contributors"] == survivors, r
         # each round ends by itself at its deadline: the scenario would wait ROUND_WAIT_S for
         # it; the bound sits far from both, with room for a loaded 2-core box
         assert r["first_s"] < FAULT_TIMEOUT_S + 20 < ROUND_WAIT_S, r
@@ -116,8 +113,11 @@ def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int
         assert r["p2p_after_ok"], r
     if action == "kill":
         assert res[victim] == KILLED
-    else:  # resumed after the others left: fails cleanly, no traceback (checked by run_peers)
-        assert res[victim]["resumed"] and res[victim]["status"] == "failed"
+    else:  # resumed after the others left (no traceback: checked by run_peers). hivemind: its
+        # round fails (no one took its payload: acks). torch: the others' frames of that round
+        # waited for it (a trailing replica's rounds work so), a mean of all three payloads
+        want = "failed" if backend == "hivemind" else "ok"
+        assert res[victim]["resumed"] and res[victim]["status"] == want, res[victim]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,9 +13,10 @@ frame (the codec's FP8/BF16/FP32 bytes) to every other member over the transport
 takes theirs (`wire.unpack` checks sizes, crc32, finiteness, and the name = this round and that
 member's slot): an all-gather, so each payload byte crosses n-1 links. A member whose payload
 does not arrive by the deadline (or by a cut) is left out: the round is PARTIAL over named
-contributors, or FAILED, never silent local values. (hivemind's DecentralizedAverager was a
-second path until issue 16: flaky under load, "could not find a group", and unused by the
-runtime.)
+contributors, or FAILED, never silent local values. Our sends of a round that ended may still
+be on their way (to a slow member, until the transport's timeout); those of the last
+LINGER_ROUNDS ended rounds are left to finish, older ones are cancelled, so what a frozen
+member costs stays bounded however many rounds run past it.
 
 imports: torch, hivemind (through the transport), comms only (no mesh, no cli).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,6 +53,8 @@ class Sent(Protocol):
     def error(self) -> BaseException | None: ...
 
     def on_done(self, fn: Callable[[], None]) -> None: ...
+
+    def cancel(self) -> None: ...
 
 
 class MeanHost(Protocol):
@@ -107,6 +111,7 @@ class _Round:
     got: dict[str, torch.Tensor] = field(default_factory=dict)
     why: list[str] = field(default_factory=list)
     gave_up: set[str] = field(default_factory=set)
+    lingered: bool = False  # its unfinished sends were handed to MeanService._linger
 
     def name(self, member: str) -> str:
         return frame_name(self.group, self.round_id, self.members.index(member))
@@ -168,6 +173,7 @@ class MeanHandle:
 
 NEWEST_KEYS = 4096  # (group, sender) pairs whose round clock is kept: a column's few, with room
 IDLE_WAIT_S = 1.0  # the round thread's longest sleep (it is woken for everything it waits on)
+LINGER_ROUNDS = 8  # ended rounds whose sends may still finish (see the module docstring)
 
 
 class MeanService:
@@ -182,6 +188,8 @@ class MeanService:
         # (group, sender) -> the highest round id of a payload it filed: the round clock a
         # trailing member catches up with (mesh/algo/round_clock.py)
         self._newest: dict[tuple[str, str], int] = {}
+        # the unfinished sends of ended rounds, oldest first (round thread only)
+        self._lingering: deque[list[Sent]] = deque()
         self._closed = False
         self._thread: threading.Thread | None = None
         transport.mailbox.on_put(self._filed)
@@ -308,6 +316,9 @@ class MeanService:
             if closed:
                 for job in [*active, *ready]:
                     self._deliver(job.fut, MeanResult(MeanStatus.FAILED, None, (), "closed"))
+                for sends in self._lingering:
+                    for h in sends:
+                        h.cancel()
                 return
             now = time.monotonic()
             ready.update((j, None) for j in active if j.deadline <= now)
@@ -321,8 +332,25 @@ class MeanService:
                 if over:
                     active.pop(job, None)
                     self._forget(job)
+                    self._linger(job)
                 else:
                     active[job] = None
+
+    def lingering_sends(self) -> int:
+        """Sends of ended rounds not finished yet (at most LINGER_ROUNDS rounds' worth)."""
+        return sum(not h.done() for sends in list(self._lingering) for h in sends)
+
+    def _linger(self, job: _Round) -> None:
+        """Keep an ended round's unfinished sends; cancel the oldest past LINGER_ROUNDS."""
+        if job.lingered or not job.sends:
+            return
+        job.lingered = True
+        left = [h for h in job.sends.values() if not h.done()]
+        kept = [sends for sends in self._lingering if not all(h.done() for h in sends)]
+        self._lingering = deque(kept + ([left] if left else []))
+        while len(self._lingering) > LINGER_ROUNDS:
+            for h in self._lingering.popleft():
+                h.cancel()
 
     def _forget(self, job: _Round) -> None:
         with self._lock:

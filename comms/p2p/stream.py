@@ -13,8 +13,18 @@ sender name must resolve (DHT) to the libp2p-authenticated PeerID of the stream;
 mailbox must have room (reserved while the body arrives); then `wire.unpack` validates the bytes
 off the event loop. Every refusal is counted in `stats.rejects` and answered, never raised.
 
-The mixin uses these attributes of the transport: me, timeout_s, max_message_bytes, stats,
-mailbox, _p2p, _handler_name, _idle, _slots, _pool, _resolve().
+What a stranger can cost us is bounded. A stream is unproven until its first message's sender
+name resolves to the stream's PeerID: at most `max_unproven_streams` unproven streams are held
+at once (UNPROVEN_PER_PEER per PeerID), the excess is closed at once ("stream_cap"); a header or
+a sender name that does not arrive within `stream_idle_s` closes the stream ("stream_timeout";
+between messages of a proven stream, quietly: the sender drops pooled streams idle for half of
+that). Proving a name costs at most SENDER_LOOKUPS DHT gets, shared with any other stream
+claiming it at the same time, and a name that failed to prove for a PeerID is refused without
+a get for REFUSED_NAME_S (at most REFUSED_NAMES remembered).
+
+The mixin uses these attributes of the transport: me, timeout_s, stream_idle_s,
+max_unproven_streams, max_message_bytes, stats, mailbox, _p2p, _handler_name, _idle, _slots,
+_pool, _unproven, _refused_names, _resolve(), _lookup_shared().
 
 imports: hivemind, comms only (no mesh, no cli).
 """
@@ -27,6 +37,7 @@ import contextlib
 import logging
 import struct
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import Any
@@ -46,6 +57,13 @@ STREAM_HEAD = struct.Struct("<4sBBQ")  # magic, version, sender name length, tot
 CHUNK_BYTES = 1 << 20  # well under hivemind's 4 MiB frame limit; the unit of writes and reads
 HANDLER = "meshtrain.rpc_deliver"
 _STREAMS_PER_PEER = 4
+STREAM_IDLE_S = 10.0  # default stream_idle_s: a header or name not sent by then is not coming
+MAX_UNPROVEN_STREAMS = 256  # default max_unproven_streams
+UNPROVEN_PER_PEER = 16  # unproven streams one PeerID may hold open
+SENDER_LOOKUPS = 5  # DHT gets to prove one stream's sender name, at most
+SENDER_POLL_S = 0.2  # the first pause between them (x3 each time)
+REFUSED_NAME_S = 2.0
+REFUSED_NAMES = 1024
 logger = logging.getLogger(__name__)
 
 
@@ -65,16 +83,21 @@ class StreamMixin:
 
     me: str
     timeout_s: float
+    stream_idle_s: float
+    max_unproven_streams: int
     max_message_bytes: int
     stats: TransportStats
     mailbox: Mailbox
     _p2p: P2P
     _handler_name: str
-    _idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+    # per peer: pooled streams (reader, writer, monotonic time they went idle)
+    _idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]]
+    _unproven: Counter[PeerID]  # PeerID -> its open streams whose sender is not proven yet
+    _refused_names: OrderedDict[tuple[str, PeerID], float]  # -> when it failed to prove
     _slots: dict[PeerID, asyncio.Semaphore]
     _pool: cf.ThreadPoolExecutor
     _resolve: Callable[..., Awaitable[Any]]  # (name, deadline, refresh, avoid) -> PeerRecord
-    _lookup: Callable[[str], Awaitable[dict[str, object]]]  # name -> its records in the DHT
+    _lookup_shared: Callable[[str], Awaitable[dict[str, object]]]  # name -> its DHT records
     _records: dict[str, Any]  # name -> the PeerRecord it resolved to
     admits: Callable[[Any], bool]  # PeerRecord -> whether it proves membership of our run
 
@@ -109,9 +132,14 @@ class StreamMixin:
 
     async def _send_on_pooled(self, peer: PeerID, frame: bytes, declared: int | None) -> Ack:
         idle = self._idle.get(peer)
-        if idle:
-            reader, writer = idle.pop()
-        else:
+        reader = writer = None
+        while idle:  # the receiver closes a stream idle for stream_idle_s: leave it earlier
+            reader, writer, since = idle.pop()
+            if time.monotonic() - since < self.stream_idle_s / 2:
+                break
+            writer.close()
+            reader = writer = None
+        if writer is None:
             _, reader, writer = await self._p2p.call_binary_stream_handler(peer, self._handler_name)
         ok = False
         try:
@@ -130,18 +158,32 @@ class StreamMixin:
         finally:
             pool = self._idle.setdefault(peer, [])
             if ok and len(pool) < _STREAMS_PER_PEER:
-                pool.append((reader, writer))
+                pool.append((reader, writer, time.monotonic()))
             else:
                 writer.close()
 
     def _drop_idle(self, peer: PeerID) -> None:
-        for _, w in self._idle.pop(peer, []):
+        for _, w, _ in self._idle.pop(peer, []):
             w.close()
+
+    def unproven_streams(self) -> int:
+        """Incoming streams held open now whose sender is not proven yet."""
+        return sum(self._unproven.values())
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
         """Serve one incoming stream: messages back to back until the sender closes it."""
+        remote = info.peer_id
+        if (
+            self.unproven_streams() >= self.max_unproven_streams
+            or self._unproven[remote] >= UNPROVEN_PER_PEER
+        ):
+            self.stats.add_reject("stream_cap")
+            writer.close()
+            return
+        self._unproven[remote] += 1
+        proven = [False]  # set by _serve_one once a message's sender is proven
         try:
-            while await self._serve_one(info.peer_id, reader, writer):
+            while await self._serve_one(remote, reader, writer, proven):
                 pass
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             self.stats.add_reject("truncated_stream")
@@ -151,23 +193,43 @@ class StreamMixin:
             self.stats.add_reject("stream_error")
             logger.debug("stream from %s failed: %r", info.peer_id, e)
         finally:
+            if not proven[0]:
+                self._unproven_done(remote)
             writer.close()
 
-    async def _serve_one(self, remote: PeerID, reader: asyncio.StreamReader, writer: Any) -> bool:
+    def _unproven_done(self, remote: PeerID) -> None:
+        self._unproven[remote] -= 1
+        if self._unproven[remote] <= 0:
+            del self._unproven[remote]
+
+    async def _serve_one(
+        self, remote: PeerID, reader: asyncio.StreamReader, writer: Any, proven: list[bool]
+    ) -> bool:
         try:
-            head = await reader.readexactly(STREAM_HEAD.size)
+            head = await asyncio.wait_for(reader.readexactly(STREAM_HEAD.size), self.stream_idle_s)
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise
             return False  # clean close between messages
+        except TimeoutError:  # a half-open stream (or a member's pooled one gone idle)
+            if not proven[0]:
+                self.stats.add_reject("stream_timeout")
+            return False
         magic, version, name_len, total = STREAM_HEAD.unpack(head)
         if magic != STREAM_MAGIC or version != STREAM_VERSION:
             return await self._refuse(writer, Ack.BAD_STREAM, "bad_stream")
         try:
-            sender = (await reader.readexactly(name_len)).decode("utf-8")
+            name = await asyncio.wait_for(reader.readexactly(name_len), self.stream_idle_s)
+            sender = name.decode("utf-8")
         except UnicodeDecodeError:
             return await self._refuse(writer, Ack.BAD_STREAM, "bad_stream")
+        except TimeoutError:
+            self.stats.add_reject("stream_timeout")
+            return False
         is_sender = await self._is_sender(sender, remote)
+        if is_sender and not proven[0]:  # a member's stream: no longer held against the cap
+            proven[0] = True
+            self._unproven_done(remote)
         if total > self.max_message_bytes:  # before buffering a single body byte
             if is_sender:  # a peer that announces absurd lengths is cut off (like a broken link)
                 self.mailbox.mark_lost(sender, f"announced {total} bytes")
@@ -233,14 +295,29 @@ class StreamMixin:
     async def _is_sender(self, name: str, remote: PeerID) -> bool:
         """The claimed name must have a record of the authenticated PeerID of the stream that
         proves membership (any of the name's records: during a replacement the old one may
-        still be the newest by its publisher's clock)."""
+        still be the newest by its publisher's clock). At most SENDER_LOOKUPS DHT gets; a
+        failure is remembered for REFUSED_NAME_S (see the module docstring)."""
         cached = self._records.get(name)
         if cached is not None and cached.peer_id == remote and self.admits(cached):
             return True
+        refused_at = self._refused_names.get((name, remote))
+        if refused_at is not None and time.monotonic() - refused_at < REFUSED_NAME_S:
+            return False
+        if await self._prove(name, remote):
+            self._refused_names.pop((name, remote), None)
+            return True
+        self._refused_names[(name, remote)] = time.monotonic()
+        self._refused_names.move_to_end((name, remote))
+        while len(self._refused_names) > REFUSED_NAMES:
+            self._refused_names.popitem(last=False)
+        return False
+
+    async def _prove(self, name: str, remote: PeerID) -> bool:
         deadline = time.monotonic() + min(self.timeout_s, 5.0)
-        while True:
+        pause_s = SENDER_POLL_S
+        for get in range(SENDER_LOOKUPS):
             try:
-                records = parse_records(await self._lookup(name))
+                records = parse_records(await self._lookup_shared(name))
             except Exception:  # noqa: BLE001 - no DHT answer: not proven
                 return False
             mine = [r for r in records if r.peer_id == remote]
@@ -249,6 +326,9 @@ class StreamMixin:
             if mine:  # a peer without the run key or with another config
                 self.stats.add_reject("unauthorized")
                 return False
-            if records or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if records or left <= 0 or get == SENDER_LOOKUPS - 1:
                 return False  # the name is someone else's
-            await asyncio.sleep(0.2)  # its record may not have reached the DHT yet
+            await asyncio.sleep(min(pause_s, left))  # its record may not have reached the DHT
+            pause_s *= 3
+        return False

@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -56,7 +57,7 @@ from comms.p2p.dht import (
 from comms.p2p.mailbox import CLOSED_TAGS, Mailbox
 from comms.p2p.mean import MeanService, frame_name
 from comms.p2p.names import NameMixin
-from comms.p2p.stream import HANDLER, Ack, StreamMixin
+from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import MeanHandle, TransportStats
 from comms.wire import Expect, Kind, Message, expect_reject
@@ -81,17 +82,28 @@ class SendResult:
             raise PeerTimeout(
                 f"send {self._tag!r} to {self._to!r}: not acked in {timeout_s}s"
             ) from e
+        except cf.CancelledError as e:
+            raise self._cancelled() from e
 
     @property
     def ack(self) -> Ack | None:
         """The receiver's answer once done (REJECTED/FULL mean the message was dropped there)."""
-        if not self._fut.done() or self._fut.exception() is not None:
+        if not self._fut.done() or self._fut.cancelled() or self._fut.exception() is not None:
             return None
         return self._fut.result()
 
     def error(self) -> BaseException | None:
         """Why the send failed (PeerLost / PeerTimeout), once done; None otherwise."""
+        if self._fut.cancelled():
+            return self._cancelled()
         return self._fut.exception() if self._fut.done() else None
+
+    def cancel(self) -> None:
+        """Give up on the send (e.g. its averaging round is long over)."""
+        self._fut.cancel()
+
+    def _cancelled(self) -> PeerLost:
+        return PeerLost(f"send {self._tag!r} to {self._to!r}: cancelled")
 
     def on_done(self, fn: Callable[[], None]) -> None:
         """Call fn() once the send is done (at once if it is): on the transport's loop."""
@@ -123,6 +135,10 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         startup_timeout_s: deadline of starting the DHT and publishing our name (default
             max(timeout_s, 15): p2pd alone may need seconds on a busy host).
         max_message_bytes: largest frame accepted from a peer (checked before buffering).
+        stream_idle_s: an incoming stream whose header or sender name does not arrive within
+            this long is closed (comms/p2p/stream.py).
+        max_unproven_streams: incoming streams held at once before their sender is proven;
+            more are closed at once (counted "stream_cap").
         mailbox_messages / mailbox_bytes: bound of each sender's mailbox.
         record_ttl_s: expiration of our DHT name record; refreshed every ttl/3.
         shaping: link profiles of our outgoing links (comms.throttle.Shaping): each message is
@@ -150,6 +166,8 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         timeout_s: float = 30.0,
         startup_timeout_s: float | None = None,
         max_message_bytes: int = 256 << 20,
+        stream_idle_s: float = STREAM_IDLE_S,
+        max_unproven_streams: int = MAX_UNPROVEN_STREAMS,
         mailbox_messages: int = 256,
         mailbox_bytes: int = 1 << 30,
         record_ttl_s: float = 60.0,
@@ -161,6 +179,9 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
             raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
+        self.stream_idle_s, self.max_unproven_streams = stream_idle_s, max_unproven_streams
+        self._unproven: Counter[PeerID] = Counter()  # see StreamMixin
+        self._refused_names: OrderedDict[tuple[str, PeerID], float] = OrderedDict()
         self.auth = auth
         self.dht_server = not (client_mode or dht_client)
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
@@ -170,7 +191,9 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         self._records: dict[str, PeerRecord] = {}
         self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}  # see NameMixin
         self._absent: dict[str, tuple[float, float]] = {}
-        self._idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._idle: dict[
+            PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]
+        ] = {}
         self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
         self._closed = False
@@ -426,7 +449,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
                     2,
                 )
         for streams in self._idle.values():
-            for _, w in streams:
+            for _, w, _ in streams:
                 w.close()
         self._idle.clear()
         p2p = getattr(self, "_p2p", None)

@@ -147,7 +147,7 @@ def key_error(key: str) -> str | None:
     """The line that explains a key state other than ok (None: nothing to explain)."""
     unverified = "claims cannot be verified: any above are marked unverified, not free"
     if key == KEY_MISSING:
-        return f"this run needs a key ({KEY_HINT}) and none was given: " + unverified
+        return f"this run needs a key ({KEY_HINT}) and no run key was given: " + unverified
     if key == KEY_WRONG:
         return f"the run key does not match this run's ({KEY_HINT}): " + unverified
     if key == KEY_UNSIGNED:

@@ -402,7 +402,13 @@ def load_config(
                 f"--config {f}: no such file; pass a TOML file such as configs/tiny.toml"
             )
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"--config {f}: not UTF-8 text (byte {e.start}); save it as UTF-8 TOML"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"--config {f}: cannot be read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {f}: not valid TOML ({e})") from None
         for key, value in _flatten(data):
@@ -434,6 +440,8 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
             )
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"{loc}: {msg}{got}")
+        if len(lines) == 1:  # one line, the key first, as every other user error
+            raise ConfigError(lines[0]) from None
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

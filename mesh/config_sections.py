@@ -6,9 +6,10 @@ them from there. Imports: pydantic only.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mesh import choices
 
@@ -17,8 +18,31 @@ class ConfigError(ValueError):
     """A user error in the configuration: the message names the dotted key and the fix."""
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type means to hold true/false (bool, Any, or a union or
+    Literal with a bool in it)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(
+        a is bool or isinstance(a, bool) or (a is not annotation and _takes_bool(a))
+        for a in typing.get_args(annotation)
+    )
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """A bool is not a number: pydantic would take `tau = true` as 1 (and a float key as
+        1.0); a number key refuses it (ints still fill float keys)."""
+        field = cls.model_fields.get(info.field_name or "")
+        items = value if isinstance(value, list | tuple) else [value]
+        if field is not None and any(isinstance(v, bool) for v in items):
+            if not _takes_bool(field.annotation):
+                raise ValueError(f"{str(value).lower()} is a bool, not a number; write a number")
+        return value
 
 
 class ModelConfig(_Section):

@@ -2,7 +2,8 @@
 in bounded buffers with their sha256 taken on the way, and read back through np.memmap, so a
 peer's memory holds the windows it reads, not the dataset.
 
-imports: numpy, stdlib; torch only where windows are read (`data prepare` never loads it).
+imports: numpy, stdlib, mesh.errors; torch only where windows are read (`data prepare` never
+loads it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from mesh.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -34,12 +37,13 @@ class ShardWriter:
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.dir, self.split, self.dtype, self.limit = directory, split, dtype, shard_tokens
-        self.shards: list[dict] = []  # {"file", "tokens", "sha256"} of closed shards
+        self.shards: list[dict] = []  # {"file", "tokens", "sha256", "max_id"} of closed shards
         self._buf: list[np.ndarray] = []
         self._buffered = 0
         self._file = None
         self._hash = hashlib.sha256()
         self._in_shard = 0
+        self._max_id = -1  # the largest token id in the open shard
 
     @property
     def tokens(self) -> int:
@@ -61,6 +65,8 @@ class ShardWriter:
                 self._file = (self.dir / shard_name(self.split, len(self.shards))).open("wb")
             take = min(len(data), self.limit - self._in_shard)
             raw = data[:take].tobytes()
+            if take:
+                self._max_id = max(self._max_id, int(data[:take].max()))
             self._file.write(raw)
             self._hash.update(raw)
             self._in_shard += take
@@ -73,9 +79,14 @@ class ShardWriter:
         self._file.close()
         name = Path(self._file.name).name
         self.shards.append(
-            {"file": name, "tokens": self._in_shard, "sha256": self._hash.hexdigest()}
+            {
+                "file": name,
+                "tokens": self._in_shard,
+                "sha256": self._hash.hexdigest(),
+                "max_id": self._max_id,  # checked against the vocabulary at open, no scan
+            }
         )
-        self._file, self._hash, self._in_shard = None, hashlib.sha256(), 0
+        self._file, self._hash, self._in_shard, self._max_id = None, hashlib.sha256(), 0, -1
 
     def close(self) -> list[dict]:
         self._flush()
@@ -96,10 +107,22 @@ def file_sha256(path: Path) -> str:
 
 class Tokens:
     """One token sequence held as consecutive arrays (a text's bytes, or a split's shards as
-    memory maps): its length and windows at any offsets, across array ends."""
+    memory maps): its length and windows at any offsets, across array ends.
 
-    def __init__(self, parts: list[np.ndarray]) -> None:
-        self.parts = [p for p in parts if len(p)]
+    vocab_size (with the parts' names): every window read is checked to hold ids below it, a
+    DataError naming the shard otherwise (a shard replaced by one of the same size, which only
+    hashing would tell): one comparison per token read, against an IndexError deep in a step."""
+
+    def __init__(
+        self,
+        parts: list[np.ndarray],
+        vocab_size: int | None = None,
+        names: list[str] | None = None,
+    ) -> None:
+        keep = [k for k, p in enumerate(parts) if len(p)]
+        self.parts = [parts[k] for k in keep]
+        self.names = [names[k] for k in keep] if names is not None else None
+        self.vocab_size = vocab_size
         self.starts = [0]
         for p in self.parts:
             self.starts.append(self.starts[-1] + len(p))
@@ -117,7 +140,7 @@ class Tokens:
 
         if len(self.parts) == 1:
             idx = offsets.numpy()[:, None] + np.arange(n)
-            return torch.from_numpy(self.parts[0][idx].astype(np.int64))
+            return torch.from_numpy(self._checked(self.parts[0][idx].astype(np.int64), offsets))
         out = np.empty((len(offsets), n), dtype=np.int64)
         for row, offset in enumerate(offsets.tolist()):
             k = bisect_right(self.starts, offset) - 1
@@ -126,4 +149,19 @@ class Tokens:
                 take = min(n - filled, len(self.parts[k]) - pos)
                 out[row, filled : filled + take] = self.parts[k][pos : pos + take]
                 filled, k, pos = filled + take, k + 1, 0
-        return torch.from_numpy(out)
+        return torch.from_numpy(self._checked(out, offsets))
+
+    def _checked(self, out: np.ndarray, offsets: torch.Tensor) -> np.ndarray:
+        """`out` (windows at `offsets`) when every id is in the vocabulary; DataError naming
+        the shard and the position of the first that is not."""
+        if self.vocab_size is None or not out.size or int(out.max()) < self.vocab_size:
+            return out
+        row, col = (int(x) for x in np.argwhere(out >= self.vocab_size)[0])
+        at = int(offsets[row]) + col
+        k = bisect_right(self.starts, at) - 1
+        name = self.names[k] if self.names is not None else f"part {k}"
+        raise DataError(
+            f"{name}: token {at - self.starts[k]:,} is id {int(out[row, col])}, outside the "
+            f"tokenizer's vocabulary of {self.vocab_size}: a corrupted or replaced shard; check "
+            "it with `meshtrain data verify` and copy or prepare the dataset again"
+        )

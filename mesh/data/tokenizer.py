@@ -126,6 +126,11 @@ def load_tokenizer(data_path: str | None) -> Tokenizer:
         ) from None
     if entry.get("file") is None:
         return ByteTokenizer(eot=True)
+    if not isinstance(entry["file"], str) or Path(entry["file"]).name != entry["file"]:
+        raise DataError(
+            f"{directory / MANIFEST}: tokenizer.file = {entry['file']!r} is not a file name "
+            "inside the dataset; prepare the data again"
+        )
     return _load_hf(directory / entry["file"], entry.get("name", TOKENIZER_FILE), directory)
 
 

@@ -7,7 +7,7 @@ run.eval_every updates, and at the end), and appends a row to DIR/val.jsonl (the
 per token, and in bits per byte of text: comparable across tokenizers); the run's loss plot and
 summary read them.
 
-imports: torch, mesh (config, data, model, checkpoint, metrics).
+imports: torch, mesh (config, data, model, checkpoint, rows).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, val_batches
 from mesh.model.build import build_cell_stages, lm_loss, run_stages
 from mesh.runtime.checkpoint import checkpoint_path, read_checkpoint, saved_steps
-from mesh.runtime.metrics import append_row, parse_rows
+from mesh.runtime.rows import append_row, parse_rows
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -4,84 +4,10 @@ multi-process run."""
 
 from __future__ import annotations
 
-import json
-import os
-import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from mesh.errors import disk_full
-
-_APPEND_LOCK = threading.Lock()  # a cell's rows and its event rows come from two threads
-
-
-def append_row(target: Path | IO[Any], row: dict[str, Any]) -> None:
-    """Append one JSON line whole or not at all: a single write of the line (repeated only
-    for what a short write left), and on an error (a full disk) the file cut back to its size
-    before, so a reader never meets a torn row, and a resumed run does not glue its first row
-    onto one. target: the file's path, or a file open for appending. A full disk raises
-    DiskFull naming the file."""
-    data = (json.dumps(row) + "\n").encode()
-    own = not hasattr(target, "fileno")
-    with _APPEND_LOCK:
-        if own:
-            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        else:
-            target.flush()  # anything buffered goes first, in order
-            fd = target.fileno()
-        try:
-            start = os.fstat(fd).st_size
-            try:
-                done = 0
-                while done < len(data):
-                    done += os.write(fd, data[done:])
-            except OSError as e:
-                try:
-                    os.ftruncate(fd, start)
-                except OSError:
-                    pass  # the error that matters is the write's
-                full = disk_full(e, target if own else getattr(target, "name", None))
-                if full is not None:
-                    raise full from None
-                raise
-        finally:
-            if own:
-                os.close(fd)
-
-
-def cut_torn_tail(path: Path) -> None:
-    """Cut a line without its newline off the end of a JSONL file (a writer killed mid-row),
-    before a resumed writer appends: its first row would be glued onto the torn one."""
-    try:
-        with open(path, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            tail = b""
-            while size > 0 and b"\n" not in tail:
-                back = min(size, 4096)
-                f.seek(size - back)
-                tail = f.read(back) + tail
-                size -= back
-            keep = size + tail.rfind(b"\n") + 1
-            if keep < size + len(tail):
-                f.truncate(keep)
-    except FileNotFoundError:
-        pass
-
-
-def parse_rows(data: bytes) -> list[dict[str, Any]]:
-    """The JSON object rows of a JSONL file's bytes; a line that is not one (torn by a crash
-    or a full disk, or still being written) is skipped."""
-    rows = []
-    for line in data.splitlines():
-        if not line.strip().endswith(b"}"):
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+from mesh.runtime.rows import append_row, parse_rows
 
 
 def metrics_offsets(run_dir: Path) -> dict[str, int]:

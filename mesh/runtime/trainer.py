@@ -42,9 +42,10 @@ from mesh.runtime.checkpoint import (
     saved_steps,
 )
 from mesh.runtime.emulate import link_profile, resolve_window
-from mesh.runtime.metrics import MetricsSink, append_row, beat_stats, cut_torn_tail
+from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
+from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state

@@ -28,7 +28,8 @@ from mesh.runtime.checkpoint import (
     resume_point,
     save_cell,
 )
-from mesh.runtime.metrics import RowTail, append_row, cut_torn_tail, read_metrics
+from mesh.runtime.metrics import RowTail, read_metrics
+from mesh.runtime.rows import append_row, cut_torn_tail
 
 
 def _cell(stage=0):

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from mesh.config import Config, ConfigError, load_config
-from mesh.errors import CheckpointError, DataError, DiskFull, MissingExtra
+from mesh.errors import CheckpointError, DataError, DiskFull, MissingExtra, disk_full
 
 # join's: ConfigErrors
 USER_ERRORS = (ConfigError, DataError, CheckpointError, MissingExtra, DiskFull)
@@ -29,6 +29,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except OSError as e:  # a full disk under a command's own writes (summary, plots)
+            full = disk_full(e)
+            if full is None:
+                raise
+            click.echo(f"error: {full}", err=True)
             sys.exit(2)
 
     return wrapper

@@ -183,3 +183,24 @@ def test_a_cells_failure_report_goes_into_its_reserved_room(tmp_path):
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"{metrics}: no space left on device; free some space"), lines
     assert list((tmp_path / "logs").iterdir()) == [failure_path(tmp_path, 1, 0)]
+
+
+def test_a_full_disk_under_a_commands_own_writes_is_one_line_exit_2(tmp_path, capsys):
+    from cli.options import user_errors
+
+    @user_errors
+    def write_summary():
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "summary.json"))
+
+    with pytest.raises(SystemExit) as stop:
+        write_summary()
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert err[0].startswith(f"error: {tmp_path}/summary.json: no space left on device")
+
+    @user_errors
+    def denied():
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(PermissionError):  # not a full disk: not ours to word
+        denied()

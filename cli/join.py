@@ -394,7 +394,7 @@ def _run_here(
     from cli.events import EventLines
     from cli.report import print_table, progress_bar
     from comms.errors import CommsError
-    from mesh.errors import CheckpointError, DataError
+    from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
     from mesh.runtime.metrics import RowTail, read_metrics
     from mesh.runtime.session import CellLost
     from mesh.runtime.trainer import run_cell
@@ -423,14 +423,15 @@ def _run_here(
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
-    except (ConfigError, DataError, CheckpointError) as e:  # the message says the fix
+    except (ConfigError, DataError, CheckpointError, DiskFull) as e:  # the message says the fix
         code, failure = 2, f"error: {e}"
     except CellLost as e:  # two joins took the cell at once: this one takes another
         lost = str(e)
     except CommsError as e:  # e.g. the replica never formed: the message says which cell
         code, failure = 1, f"error: {e}"
     except Exception as e:  # noqa: BLE001 - reported; the exit code says it failed
-        started = p2pd_failure(e)  # e.g. its port taken since the scout listened there
+        # a port taken since the scout listened there, or a full disk: one line, exit 2
+        started = p2pd_failure(e) or disk_full(e)
         code = 1 if started is None else 2
         failure = traceback.format_exc() if started is None else f"error: {started}"
     finally:

@@ -151,12 +151,11 @@ def run_real_size(base: Config, out: Path, steps: int = 40) -> dict[str, Any]:
 def tp_late(window_dir: Path) -> float:
     """The largest time a cell's emulated device waited on its host (codecs, transport) in
     the window: host-bound time, which a cell on its own machine would not have."""
-    import json
+    from mesh.runtime.rows import parse_rows
 
     late = 0.0
     for f in (window_dir / "metrics").glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
+        for row in parse_rows(f.read_bytes()):  # a torn line is skipped
             if row.get("final"):
                 late = max(late, float(row.get("late_s", 0.0)))
     return round(late, 1)

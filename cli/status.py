@@ -115,6 +115,8 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
         "rejects": stats.get("rejects"),
         # heartbeats of this cell the DHT did not take: a persistent failure expires its claim
         "beat_errors": stats.get("beat_errors", 0),
+        # neighbours whose pipeline tensors this cell's sentinel flagged (runtime.sentinel)
+        "flagged": stats.get("flagged", []),
         "loss": stats.get("loss"),
         "bytes_sent": stats.get("bytes"),
     }
@@ -147,7 +149,7 @@ def key_error(key: str) -> str | None:
     """The line that explains a key state other than ok (None: nothing to explain)."""
     unverified = "claims cannot be verified: any above are marked unverified, not free"
     if key == KEY_MISSING:
-        return f"this run needs a key ({KEY_HINT}) and no run key was given: " + unverified
+        return f"this run has a run key and none was given ({KEY_HINT}): " + unverified
     if key == KEY_WRONG:
         return f"the run key does not match this run's ({KEY_HINT}): " + unverified
     if key == KEY_UNSIGNED:
@@ -159,7 +161,8 @@ def status_table(rows: dict[str, Any], now: float | None = None) -> list[list[st
     now = time.time() if now is None else now
     return [
         [
-            c["cell"] if c["verified"] else f"{c['cell']} (unverified)",
+            (c["cell"] if c["verified"] else f"{c['cell']} (unverified)")
+            + (f" (flagged {', '.join(c['flagged'])})" if c.get("flagged") else ""),
             c["peer"][:12] + "...",
             str(c["step"]),
             f"{c['tokens_per_s']:,.0f}",

@@ -160,6 +160,9 @@ class Config(_Section):
             )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
         parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
+        from mesh.algo.sentinel import parse_pipeline_poison
+
+        parse_pipeline_poison(self.runtime.pipeline_poison, g.stages, g.replicas)
         from mesh.algo.robust import ROBUST_MIN_MEMBERS
 
         if self.dp.aggregate != "mean" and g.replicas < ROBUST_MIN_MEMBERS:

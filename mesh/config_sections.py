@@ -334,6 +334,35 @@ class RuntimeConfig(_Section):
         'payloads are multiplied by before they are sent, e.g. ["s0r3=-1000"]; such a cell '
         "takes no averages itself",
     )
+    pipeline_poison: list[str] = Field(
+        [],
+        description="emulated hostile stages (tests, benchmarks): what a cell does to every "
+        "tensor it sends across a pipeline boundary (activations forward, gradients back), "
+        '"sJrI=MODE[@STEP]" with MODE scale:F (times F), flip (negated) or random (noise of '
+        'the same RMS), from its update STEP on (default: 2 x sentinel_warmup microbatches, '
+        'once the receivers know it), e.g. ["s0r1=scale:100"] (mesh/algo/sentinel.py)',
+    )
+    sentinel: bool = Field(
+        True,
+        description="each stage keeps running statistics of what each neighbour sends it "
+        "(log RMS, token-mean direction) and drops a microbatch far outside them, counted "
+        "as rejects 'poison'; the microbatch is skipped along its replica's pipeline",
+    )
+    sentinel_warmup: int = Field(
+        32, ge=1, description="sentinel: messages of each sender learned before any verdict"
+    )
+    sentinel_z: float = Field(
+        8.0,
+        gt=0,
+        description="sentinel: drop a message whose feature is this many scales (~standard "
+        "deviations of its recent honest values) from the predicted one",
+    )
+    sentinel_flag_drops: int = Field(
+        3,
+        ge=1,
+        description="sentinel: a sender with this many drops among its last 32 messages is "
+        "flagged (status, dashboard)",
+    )
     checkpoint_every: int = Field(
         50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
     )

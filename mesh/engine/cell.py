@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from comms import codecs
-from mesh.algo import robust, sparse
+from mesh.algo import robust, sentinel, sparse
 from mesh.algo.optim import (
     OptimSpec,
     StageOptimizer,
@@ -24,7 +24,7 @@ from mesh.algo.optim import (
     lr_at,
     momentum_decay_for,
 )
-from mesh.algo.schedule import stage_delay, versions_kept
+from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
 from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import Config, OptimConfig, parse_cell_factors
 from mesh.engine.rounds import Round, RoundBook
@@ -66,6 +66,7 @@ class Cell:
     rounds: RoundBook = field(init=False)  # the averaging rounds in flight
     step: int = 0  # optimizer updates applied to the live weights
     clipped: int = 0  # updates whose gradient norm was above optim.grad_clip (the clip rate)
+    stalled: bool = False  # its last update had no gradient (skip_update)
     # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
     distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
@@ -105,6 +106,22 @@ class Cell:
         g = self.cfg.grid
         poison = parse_cell_factors(self.cfg.runtime.poison, g.stages, g.replicas, "poison")
         self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
+        rt = self.cfg.runtime
+        hostile = sentinel.parse_pipeline_poison(rt.pipeline_poison, g.stages, g.replicas)
+        self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
+        mpu = microbatches_per_update(self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches)
+        # an emulated attack starts once its receivers know the sender (twice their warm-up)
+        self.poison_start = 0
+        if self.pipeline_poison is not None:
+            start = self.pipeline_poison.start
+            self.poison_start = -(-2 * rt.sentinel_warmup // mpu) if start is None else start
+        spec = sentinel.SentinelSpec(
+            rt.sentinel_warmup,
+            rt.sentinel_z,
+            rt.sentinel_flag_drops,
+            max(32, rt.sentinel_flag_drops),
+        )
+        self.sentinel = sentinel.Sentinel(spec) if rt.sentinel else None
 
     # ---- weights and versions -------------------------------------------------------------
     @property
@@ -155,6 +172,13 @@ class Cell:
         delay = self.optimizer.spec.delay
         return scale * delay_lr_factor(delay, self.step, horizon, o.delay_lr_share)
 
+    def skip_update(self) -> None:
+        """An update without a gradient (every microbatch of it was dropped on its way here):
+        the step counts, so versions and schedules stay aligned, but the optimizer does not
+        run (its momentum alone would keep moving the weights)."""
+        self.step += 1
+        self.stalled = True
+
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""
         if getattr(self.module, "boundary", None) is not None:  # Stiefel: along the manifold
@@ -167,9 +191,31 @@ class Cell:
         self.optimizer.zero_grad()
         constrain_(self.module)
         self.step += 1
+        self.stalled = False
         clip = self.cfg.optim.grad_clip
         self.clipped += int(clip > 0 and norm > clip)
         return norm
+
+    # ---- pipeline boundaries: what this cell sends and what it takes ----------------------
+    def outgoing(self, x: torch.Tensor, kind: str, microbatch: int) -> torch.Tensor:
+        """What this cell sends across a pipeline boundary for x (an activation or the gradient
+        of its input): x itself, or with runtime.pipeline_poison the emulated attack's tensor."""
+        hostile = self.pipeline_poison
+        if hostile is None or self.step < self.poison_start:
+            return x
+        which = int(kind == "gradient")
+        seed = sparse.stable_seed(self.cfg.run.seed, self.stage, self.replica, which, microbatch)
+        return sentinel.poisoned(x, hostile, seed)
+
+    def screen(self, sender: str, kind: str, x: torch.Tensor) -> str:
+        """The verdict on a decoded tensor received from `sender` (kind: activation or
+        gradient): "use", "void" (the sender skipped this microbatch: pass the skip on), or
+        "drop" (runtime.sentinel found it far outside the sender's statistics: skip it)."""
+        if sentinel.is_void(x):
+            return "void"
+        if self.sentinel is None or self.sentinel.check(sender, kind, x):
+            return "use"
+        return "drop"
 
     # ---- data-parallel averaging ------------------------------------------------------------
     def open_round(self, index: int) -> tuple[Round, torch.Tensor]:

@@ -25,6 +25,7 @@ from comms.errors import CodecError
 from comms.transport import mean_in_member_order
 from mesh.algo import sparse
 from mesh.algo.schedule import microbatches_per_update, version_for
+from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.engine.cell import Cell, Params
@@ -33,21 +34,67 @@ from mesh.engine.rounds import after_update as rounds_after
 from mesh.model.build import build_cell_stages, lm_loss, run_stages, stage_forward
 
 
+@dataclass
+class _Link:
+    """One boundary of one microbatch: stage j (upper) sends activations to stage j+1 (lower)
+    and takes the gradient back. Each side's emulated attack (runtime.pipeline_poison) applies
+    to what it sends, and the receiver screens what arrives (runtime.sentinel), as the runtime's
+    stages do (mesh/runtime/stage.py). A dropped activation voids the whole microbatch; a
+    dropped (or void) gradient gives the stages up to j nothing from it."""
+
+    codec: str
+    upper: Cell
+    lower: Cell
+    microbatch: int
+    verdicts: Counter[str]  # the grid's count of drops and voids
+    cut: list[int]  # the microbatch's: stages up to cut[0] got no gradient from it (-1: all did)
+
+    @property
+    def void(self) -> bool:
+        return self.verdicts["void_forward"] > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sent = self.upper.outgoing(x.detach(), "activation", self.microbatch)
+        got = codecs.roundtrip(sent, self.codec)
+        verdict = self.lower.screen(
+            cell_name(self.upper.stage, self.upper.replica), "activation", got
+        )
+        if verdict != "use":
+            self.verdicts["void_forward"] += 1
+            self.verdicts["poison"] += verdict == "drop"
+        return got
+
+    def backward(self, g: torch.Tensor) -> torch.Tensor:
+        sent = self.lower.outgoing(g, "gradient", self.microbatch)
+        got = codecs.roundtrip(sent, self.codec)
+        verdict = self.upper.screen(
+            cell_name(self.lower.stage, self.lower.replica), "gradient", got
+        )
+        if verdict == "use":
+            return got
+        self.verdicts["poison"] += verdict == "drop"
+        self.cut[0] = max(self.cut[0], self.upper.stage)
+        return torch.zeros_like(got)
+
+
 class _Boundary(torch.autograd.Function):
     """A stage boundary: activations forward and their gradients backward cross the link."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, codec: str) -> torch.Tensor:
-        ctx.codec = codec
-        return codecs.roundtrip(x, codec)
+    def forward(ctx: Any, x: torch.Tensor, link: _Link) -> torch.Tensor:
+        ctx.link = link
+        return link.forward(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return codecs.roundtrip(g, ctx.codec), None
+        return ctx.link.backward(g), None
 
 
-def cross_link(x: torch.Tensor, codec: str) -> torch.Tensor:
-    return x if codec == "fp32" else _Boundary.apply(x, codec)
+def cross_link(x: torch.Tensor, link: _Link) -> torch.Tensor:
+    """x across the link; with fp32, no attack and no sentinel, x itself (the same numbers)."""
+    cells = (link.upper, link.lower)
+    plain = all(c.pipeline_poison is None and c.sentinel is None for c in cells)
+    return x if link.codec == "fp32" and plain else _Boundary.apply(x, link)
 
 
 @dataclass
@@ -65,8 +112,11 @@ class SimResult:
     curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, val_loss
     train_curve: list[dict[str, float]] = field(default_factory=list)
     val_bpb: float | None = None  # val_loss in bits per byte of text (across tokenizers)
-    rejects: dict[str, int] = field(default_factory=dict)  # averaging payloads refused, by reason
+    # refused, by reason: averaging payloads (outlier), boundary tensors (poison)
+    rejects: dict[str, int] = field(default_factory=dict)
     clip_rate: float = 0.0  # share of the cells' updates whose gradient norm was clipped
+    # receiving cell -> the senders its sentinel flagged (runtime.sentinel); {}: none
+    flagged: dict[str, list[str]] = field(default_factory=dict)
 
 
 class GridSim:
@@ -89,6 +139,10 @@ class GridSim:
         self.pp_bytes = 0  # summed over replicas
         self.dp_bytes = 0.0
         self.rejects: Counter[str] = Counter()  # payloads refused by the deviation bound
+        # boundary tensors: "poison" dropped by a receiver's sentinel, "void_forward" the
+        # microbatches that went no further (dropped, or after a drop)
+        self.verdicts: Counter[str] = Counter()
+        self._last_loss = math.nan
         self._val = val_batches(
             self.corpus, cfg.data.val_batches, cfg.pipeline.microbatch_size, cfg.model.seq_len
         )
@@ -98,7 +152,7 @@ class GridSim:
         return self.update * self.M * self.cfg.tokens_per_microbatch * self.m
 
     # ---- one update of the whole grid ---------------------------------------------------
-    def _replica_grads(self, replica: int) -> tuple[float, list[list[torch.Tensor]]]:
+    def _replica_grads(self, replica: int) -> tuple[float | None, list[list[torch.Tensor] | None]]:
         cfg, cells = self.cfg, self.cells[replica]
         schedule, window = cfg.pipeline.schedule, self.window
         versions = [version_for(schedule, j, self.P, self.update, window) for j in range(self.P)]
@@ -108,35 +162,51 @@ class GridSim:
         ]
         flat = [t for stage in leaves for t in stage.values()]
         grads = [torch.zeros_like(t) for t in flat]
-        total = 0.0
+        total, used = 0.0, 0
+        reached = [0] * self.P  # per stage: microbatches whose gradient got there
         # what one boundary carries each way: the residual stream or its coordinates
         act_bytes = codecs.encoded_nbytes(
             cfg.tokens_per_microbatch * cfg.boundary_width, cfg.pipeline.codec
         )
         for k in range(self.M):
+            b = self.update * self.M + k
             x, y = train_batch(
                 self.corpus,
                 cfg.run.seed,
                 replica,
-                self.update * self.M + k,
+                b,
                 cfg.pipeline.microbatch_size,
                 cfg.model.seq_len,
             )
-            h = x
+            h, void, cut = x, False, [-1]
             for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
                 h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
                 if j < self.P - 1:
-                    h = cross_link(h, cfg.pipeline.codec)
+                    link = _Link(cfg.pipeline.codec, c, cells[j + 1], b, self.verdicts, cut)
+                    before = self.verdicts["void_forward"]
+                    h = cross_link(h, link)
+                    if self.verdicts["void_forward"] > before:
+                        void = True  # the runtime's later stages skip it: no loss, no gradient
+                        break
+            # each inner boundary carries one activation forward and one gradient back
+            self.pp_bytes += 2 * (self.P - 1) * act_bytes
+            if void:
+                continue
             loss = lm_loss(h, y)
             for g, d in zip(grads, torch.autograd.grad(loss / self.M, flat), strict=True):
                 g.add_(d)
             total += loss.item() / self.M
-            # each inner boundary carries one activation forward and one gradient back
-            self.pp_bytes += 2 * (self.P - 1) * act_bytes
+            used += 1
+            for j in range(cut[0] + 1, self.P):
+                reached[j] += 1
         out, pos = [], 0
         for stage in leaves:
             out.append(grads[pos : pos + len(stage)])
             pos += len(stage)
+        # a stage no gradient reached has none to apply (None)
+        out = [g if n else None for g, n in zip(out, reached, strict=True)]
+        if used < self.M:  # the loss over the microbatches that reached it (None: none did)
+            return (total * self.M / used if used else None), out
         return total, out
 
     def _allreduce_grads(self, grads: list[list[list[torch.Tensor]]]) -> None:
@@ -170,7 +240,12 @@ class GridSim:
         index = round_index(self.update, dp.interval_steps)
         rounds, decoded = zip(*(c.open_round(index) for c in column), strict=True)
         screened = dp.aggregate != "mean" or dp.outlier_k > 0
-        mean = None if screened else mean_in_member_order(decoded)
+        # a cell that had no gradient for its last update (its replica's microbatches were all
+        # dropped on the way: a poisoned pipeline) sits the round out, as a dead cell does on
+        # hivemind (a partial round), and takes the others' mean: its stale weights would drag
+        # the column back
+        live = [p for c, p in zip(column, decoded, strict=True) if not c.stalled] or decoded
+        mean = None if screened else mean_in_member_order(live)
         if mean is not None and dp.noise_codec != "none":
             seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
             mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
@@ -189,17 +264,28 @@ class GridSim:
         losses, grads = zip(*(self._replica_grads(i) for i in range(self.m)), strict=True)
         grads = [list(g) for g in grads]
         if self.cfg.dp.mode == "grad_allreduce" and self.m > 1:
+            for i, j in ((i, j) for i in range(self.m) for j in range(self.P)):
+                if grads[i][j] is None:  # a replica's dropped microbatches add zeros to the mean
+                    grads[i][j] = [torch.zeros_like(p) for p in self.cells[i][j].params]
             self._allreduce_grads(grads)
         for i in range(self.m):
             for j in range(self.P):
-                self.cells[i][j].apply_update(grads[i][j])
+                if grads[i][j] is None:  # every microbatch dropped on its way to this stage
+                    self.cells[i][j].skip_update()
+                else:
+                    self.cells[i][j].apply_update(grads[i][j])
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             self._average()
         self.update += 1
         for row in self.cells:
             for c in row:
                 c.push_version()
-        return sum(losses) / self.m
+        reached = [loss for loss in losses if loss is not None]
+        if len(reached) == self.m:
+            self._last_loss = sum(reached) / self.m
+        elif reached:  # a replica whose every microbatch was dropped has no loss this update
+            self._last_loss = sum(reached) / len(reached)
+        return self._last_loss
 
     # ---- evaluation ------------------------------------------------------------------------
     def _val_loss(self, modules: list[torch.nn.Module]) -> float:
@@ -262,9 +348,22 @@ class GridSim:
             curve=curve,
             train_curve=train_curve,
             val_bpb=None if val_loss is None else bits_per_byte(val_loss, bpt),
-            rejects=dict(self.rejects),
+            rejects=dict(self.rejects) | self.pipeline_rejects(),
             clip_rate=self.clip_rate(),
+            flagged=self.flagged(),
         )
+
+    def pipeline_rejects(self) -> dict[str, int]:
+        """Boundary tensors the receivers' sentinels dropped ({} when none was)."""
+        return {"poison": self.verdicts["poison"]} if self.verdicts["poison"] else {}
+
+    def flagged(self) -> dict[str, list[str]]:
+        """Per receiving cell, the senders its sentinel flagged (cells with none left out)."""
+        out = {}
+        for c in (c for row in self.cells for c in row):
+            if c.sentinel is not None and c.sentinel.flagged():
+                out[cell_name(c.stage, c.replica)] = c.sentinel.flagged()
+        return out
 
     def clip_rate(self) -> float:
         cells = [c for column in self.cells for c in column]

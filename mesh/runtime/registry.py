@@ -86,6 +86,9 @@ def parse_stats(value: object) -> dict[str, Any] | None:
         out["rejects"] = int(value["rejects"])
     if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
         out["beat_errors"] = int(value["beat_errors"])
+    flagged = value.get("flagged")  # neighbours runtime.sentinel flagged (mesh/algo/sentinel.py)
+    if isinstance(flagged, list) and len(flagged) <= 2 and all(_cell_name(c) for c in flagged):
+        out["flagged"] = list(flagged)
     sent = value.get("bytes")
     if (
         isinstance(sent, dict)
@@ -94,6 +97,10 @@ def parse_stats(value: object) -> dict[str, Any] | None:
     ):
         out["bytes"] = {k: int(n) for k, n in sent.items()}
     return out or None
+
+
+def _cell_name(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= 16 and Cell.parse(v) is not None
 
 
 def _count(v: object) -> bool:

@@ -63,6 +63,9 @@ class _InFlight:
     inputs: torch.Tensor  # what the forward consumed (tokens on stage 0)
     version: int
     grad_out: torch.Tensor | None = None
+    # dropped on its way (runtime.sentinel) or voided by a neighbour that dropped it: no math,
+    # an all-zero tensor (the void marker) goes on in its place
+    void: bool = False
 
 
 @dataclass
@@ -131,6 +134,7 @@ class StageWorker(Rounds):
         self.coord: Coordinator = StaticCoordinator(0, 1)
         self.first = cell.step
         self._update_loss = 0.0
+        self._update_used = 0  # microbatches of this update whose loss was computed
         shape = cfg.boundary_shape
         self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
         self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
@@ -187,7 +191,7 @@ class StageWorker(Rounds):
         self.transport.drop_tags(self.session.prefix)
         self.in_flight.clear()
         self._grads_empty = True
-        self._update_loss = 0.0
+        self._update_loss, self._update_used = 0.0, 0
         self._last_send.clear()
         self.stats.sessions_broken += 1
 
@@ -239,7 +243,9 @@ class StageWorker(Rounds):
         assert self.prev is not None
         t0 = time.perf_counter()
         msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
-        self.in_flight[b] = _InFlight(msg.tensor().to(self.device), -1)
+        x = msg.tensor().to(self.device)
+        void = not self.emu and self._screened(self.prev, "activation", x) != "use"
+        self.in_flight[b] = _InFlight(x, -1, void=void)
         if self.emu:
             self.emu.waited(t0)
 
@@ -260,11 +266,15 @@ class StageWorker(Rounds):
             return
         if self.next is None:
             return  # the last stage's forward is recomputed with its backward, right after
+        if self.in_flight[b].void:  # pass the skip on: the next stage does nothing with it
+            self._send_void(self.next, self.session.tag("act", b), Kind.ACTIVATION)
+            return
         t0 = time.thread_time()
         with torch.no_grad():
             weights, inputs = self.cell.weights(version), self.in_flight[b].inputs
             out = stage_forward(self.cell.module, weights, inputs, self.precision, self._tokens(b))
         self._busy(t0)
+        out = self.cell.outgoing(out, "activation", b)  # runtime.pipeline_poison: a hostile cell
         enc = codecs.encode(out, self.cfg.pipeline.codec)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
 
@@ -301,7 +311,10 @@ class StageWorker(Rounds):
         assert self.next is not None
         t0 = time.perf_counter()
         msg = self._recv(self.next, self.session.tag("grad", b), self._expect_grad)
-        self.in_flight[b].grad_out = msg.tensor().to(self.device)
+        fl = self.in_flight[b]
+        fl.grad_out = msg.tensor().to(self.device)
+        if not self.emu and not fl.void:
+            fl.void = self._screened(self.next, "gradient", fl.grad_out) != "use"
         if self.emu:
             self.emu.waited(t0)
 
@@ -316,8 +329,12 @@ class StageWorker(Rounds):
             tag = self.session.tag("grad", b)
             self._emulated(self.t_b, self.prev, tag, Kind.GRADIENT, self._fake_grad)
             return
-        t0 = time.thread_time()
         fl = self.in_flight.pop(b)
+        if fl.void:  # no gradient from it here, nor upstream
+            if self.prev is not None:
+                self._send_void(self.prev, self.session.tag("grad", b), Kind.GRADIENT)
+            return
+        t0 = time.thread_time()
         params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(fl.version).items()}
         leaves = list(params.values())
         x = fl.inputs
@@ -329,12 +346,14 @@ class StageWorker(Rounds):
             loss = lm_loss(out, self._batch(b)[1])
             grads = torch.autograd.grad(loss / self.mpu, leaves)
             self._update_loss += loss.item() / self.mpu
+            self._update_used += 1
         else:
             assert fl.grad_out is not None
             grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
         self._busy(t0)
         if self.j > 0:
-            enc = codecs.encode(grads[0], self.cfg.pipeline.codec)
+            sent = self.cell.outgoing(grads[0], "gradient", b)  # runtime.pipeline_poison
+            enc = codecs.encode(sent, self.cfg.pipeline.codec)
             assert self.prev is not None
             self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
             grads = grads[1:]
@@ -371,17 +390,35 @@ class StageWorker(Rounds):
     def _step(self) -> None:
         if self.emu:
             self.cell.step += 1  # emulated: no optimizer math, the weights stay
+        elif self._grads_empty:  # every microbatch of the update was dropped on its way here
+            self.cell.skip_update()
         else:
             # the optimizer clips them in place: they are this update's, and the next
             # backward replaces them
             self.stats.grad_norm = self.cell.apply_update(self.grads)
         self._grads_empty = True
         if self.next is None and not self.emu:
-            self.stats.loss = self._update_loss
-        self._update_loss = 0.0
+            used = self._update_used  # the loss over the microbatches that reached it
+            loss = self._update_loss
+            self.stats.loss = (
+                loss if used == self.mpu else (loss * self.mpu / used if used else None)
+            )
+        self._update_loss, self._update_used = 0.0, 0
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             self.after_update()
         self.cell.push_version()
+
+    def _screened(self, sender: str, kind: str, x: torch.Tensor) -> str:
+        """cell.screen's verdict on a received tensor; a drop is counted as rejects 'poison'."""
+        verdict = self.cell.screen(sender, kind, x)
+        if verdict == "drop":
+            self.transport.stats.add_reject("poison")
+        return verdict
+
+    def _send_void(self, to: str, tag: str, kind: Kind) -> None:
+        """The void marker (mesh/algo/sentinel.py): an all-zero tensor of the boundary's shape."""
+        zeros = torch.zeros(self.cfg.boundary_shape)
+        self._send(to, tag, kind, codecs.encode(zeros, self.cfg.pipeline.codec))
 
     def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:
         self._last_send[to] = self.transport.send(to, tag, kind, enc, self.cell.step)

@@ -293,6 +293,8 @@ def run_cell(
                 row = _row(w, transport, now - start)
                 if isinstance(coord, DhtCoordinator):
                     coord.beat.stats = beat_stats(row)
+                    if row["flagged"]:  # runtime.sentinel's flagged neighbours
+                        coord.beat.stats["flagged"] = row["flagged"]
                 sink.write(row)
 
             def align() -> int:
@@ -390,6 +392,8 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "rounds_jumped": st.rounds_jumped,
         "rounds_skipped": st.rounds_skipped,
         "rejects": dict(transport.stats.rejects),
+        # neighbours runtime.sentinel flagged for sending far outside their statistics
+        "flagged": cell.sentinel.flagged() if cell.sentinel is not None else [],
         "microbatches": st.microbatches,
         "busy_s": round(st.busy_s, 6),
         "staleness_max": st.staleness_max,

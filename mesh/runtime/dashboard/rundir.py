@@ -269,6 +269,8 @@ def cell_json(
         "rounds": {k: int(row.get(f"rounds_{k}", 0)) for k in ("applied", "partial", "failed")},
         "rejects": sum(int(v) for v in rejects.values()),
         "loss": row.get("loss"),
+        # neighbours this cell's sentinel flagged (runtime.sentinel), as status shows them
+        "flagged": [c for c in row.get("flagged") or [] if isinstance(c, str)],
     }
 
 

@@ -157,3 +157,16 @@ def test_config_refuses_a_bad_entry_in_one_line():
             [], ["grid.stages=2", "grid.replicas=2", "runtime.pipeline_poison=['s0r1=melt']"]
         )
     assert "runtime.pipeline_poison" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flagged_senders_travel_in_heartbeats_and_show_in_status():
+    from cli.status import stats_json, status_table
+    from mesh.runtime.registry import parse_stats
+
+    assert parse_stats({"flagged": ["s0r1"]}) == {"flagged": ["s0r1"]}
+    assert parse_stats({"flagged": ["<script>"]}) is None  # only cell names are kept
+    assert parse_stats({"flagged": "s0r1"}) is None
+    cell = {"cell": "s1r1", "verified": True, "peer": "12D3KooWabcdefgh", "step": 3,
+            "tokens_per_s": 1.0, "heartbeat_age_s": 0.5, "session": 0,
+            **stats_json({"flagged": ["s0r1"]})}  # fmt: skip
+    assert status_table({"cells": [cell]})[0][0] == "s1r1 (flagged s0r1)"

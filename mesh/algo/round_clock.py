@@ -11,6 +11,16 @@ the ones between: they are the leader's alone). The trailer then meets every rou
 launches, and the leader every round the trailer launches. No shared wall clock, no DHT
 record: the clock travels in the round ids of the payloads themselves.
 
+The leader's side (`lead_limit`): a cell launches no round more than `lead` rounds past the
+newest one a partner launched; it launches the next index after its last instead (one its
+partners will reach), or none this time. Without it, a replica 3x faster than its only partner
+launches three rounds for each one the partner reaches (two thirds of its rounds waited out
+alone, counted failed); with it, the fast replica averages at the pace of the column, and each
+round it launches is one the partner reaches while it is open. `lead` is what the partner
+launches while a round stays open (the round deadline, or tau + dp.max_round_lag_steps of this
+cell's updates, whichever is first), halved for room, and at least 1; only a cell clearly
+faster than its partners bounds its lead.
+
 Pure functions; the runtime (mesh/runtime/stage.py) keeps the last index and asks the transport
 for the newest one seen.
 """
@@ -45,6 +55,8 @@ def next_round(
     jump_after: float,
     in_flight: Iterable[int] = (),
     parts: int | None = None,
+    final_index: int | None = None,
+    lead: int | None = None,
 ) -> int | None:
     """The index of the round to launch now, or None to launch none this time.
 
@@ -54,10 +66,50 @@ def next_round(
     the partition selector (None for a selector without the guarantee). A jump that would put a
     coordinate in flight twice (the new index in the same part as an open round: K apart)
     launches nothing this time instead: design 1.3's "no coordinate in flight twice".
+    final_index: the last index any replica launches (that of the run's last update): a cell
+    whose clock ran ahead of its own count after a jump launches nothing past it near the end,
+    since no partner ever will (each would be a round waited out alone).
+    lead: rounds this cell may launch past newest_seen (lead_limit; None: no bound).
     """
     base = own_next(own_index, last)
+    if final_index is not None and base > final_index:
+        return None
+    if lead is not None and newest_seen >= 0 and base > newest_seen + lead:
+        follow = 0 if last is None else last + 1  # the next index the column will reach
+        if follow > newest_seen + lead:
+            return None
+        if parts is not None and any((follow - i) % parts == 0 for i in in_flight):
+            return None
+        return follow
     if newest_seen - base < jump_after:
         return base
     if parts is not None and any((newest_seen - i) % parts == 0 for i in in_flight):
         return None
     return newest_seen
+
+
+LEAD_RATIO = 1.25  # a cell bounds its lead only when this much faster than its partners
+
+
+def lead_limit(
+    open_s: float, own_rounds_per_s: float | None, partner_rounds_per_s: float | None, cap: float
+) -> int | None:
+    """Rounds a cell may launch past the newest round a partner launched (see the module
+    docstring), or None for no bound: a cell not LEAD_RATIO times faster than its partners'
+    launches is the column's pace (a bound there would slow the clock it sets). A faster one:
+    what the partners launch in half of open_s (how long a round stays open), between 1 and
+    cap (the trailer's jump threshold). Never 0: with at least 1, the cell whose last round is
+    the oldest can always launch, so cells never wait for each other."""
+    if partner_rounds_per_s is None or own_rounds_per_s is None or math.isinf(cap):
+        return None
+    if own_rounds_per_s <= LEAD_RATIO * partner_rounds_per_s:
+        return None
+    return int(max(1, min(cap, 0.5 * open_s * partner_rounds_per_s)))
+
+
+def pace(samples: list[tuple[float, int]]) -> float | None:
+    """Rounds per second over (time_s, round index) samples, oldest first; None with fewer
+    than two, or no time between them."""
+    if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+        return None
+    return max(0.0, samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])

@@ -14,12 +14,15 @@ column, cell_name and device.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
 from comms.transport import MeanStatus
 from mesh.algo import round_clock, sparse
 from mesh.engine.rounds import Action, Round, after_update, round_index
+
+PACE_N = 32  # launch opportunities a pace is measured over
 
 
 def group_name(stage: int) -> str:
@@ -55,6 +58,9 @@ class Rounds:
             else round_clock.jump_threshold(dp.tau, dp.max_round_lag_steps, dp.interval_steps)
         )
         self._parts = sparse.num_parts(dp.fraction) if dp.selector == "partition" else None
+        # (time, index) at each launch opportunity: this cell's pace and its partners'
+        self._own_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
+        self._seen_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
 
     def drop_rounds(self, old_step: int) -> None:
         """After the cell's state was replaced (it was at old_step): rounds launched on the old
@@ -75,6 +81,7 @@ class Rounds:
         peers' payloads for them are dropped now, not held until the mailbox's ttl."""
         group = group_name(self.j)
         newest = self.transport.newest_round(group, self.column)
+        lead = self._lead(own_index, newest)
         index = round_clock.next_round(
             own_index,
             self.last_round,
@@ -82,6 +89,8 @@ class Rounds:
             self._jump_after,
             self.cell.rounds.indices(),
             self._parts,
+            round_index(self.cfg.run.steps - 1, self.cfg.dp.interval_steps),
+            lead,
         )
         if index is None:
             self.stats.rounds_skipped += 1
@@ -92,6 +101,25 @@ class Rounds:
             self.stats.rounds_jumped += index - base
         self.last_round = index
         self._launch_round(index)
+
+    def _lead(self, own_index: int, newest: int) -> int | None:
+        """How far past its partners' newest round this cell may launch (round_clock.lead_limit),
+        from the paces of its own count and of the newest round seen."""
+        now = time.monotonic()
+        self._own_pace.append((now, own_index))
+        if newest >= 0:
+            self._seen_pace.append((now, newest))
+        own = round_clock.pace(list(self._own_pace))
+        if own is None or own <= 0:
+            return None
+        dp = self.cfg.dp
+        open_s = min(
+            self.cfg.runtime.round_timeout_s,
+            (dp.tau + dp.max_round_lag_steps) / (own * dp.interval_steps),
+        )
+        return round_clock.lead_limit(
+            open_s, own, round_clock.pace(list(self._seen_pace)), self._jump_after
+        )
 
     def _launch_round(self, index: int) -> None:
         rnd, _ = self.cell.open_round(index)

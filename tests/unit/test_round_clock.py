@@ -63,3 +63,50 @@ def test_round_ids_read_from_payload_names():
     assert parse_frame_name("mean/a/b/1") is None
     assert parse_frame_name("epoch/1/act/5") is None
     assert parse_frame_name("mean/") is None
+
+
+def test_no_round_past_the_runs_last_index() -> None:
+    """A trailer whose clock ran ahead after a jump stops launching at the run's last index:
+    no partner ever launches a round past it."""
+    assert next_round(280, 298, 299, 12, final_index=299) == 299
+    assert next_round(281, 299, 299, 12, final_index=299) is None
+    assert next_round(299, 298, 299, 12, final_index=299) == 299  # the leader's own last
+    assert next_round(290, 299, 299, 12) == 300  # without a bound: past it
+
+
+def test_a_fast_cell_launches_no_further_ahead_than_its_partner_reaches():
+    from mesh.algo.round_clock import lead_limit, pace
+
+    # 3x faster than the partner's launches: bounded by what the partner launches in half a
+    # round's open time (1 s open, partner 4 rounds/s: 2), never below 1, never above the cap
+    assert lead_limit(1.0, 12.0, 4.0, 12) == 2
+    assert lead_limit(0.1, 12.0, 4.0, 12) == 1
+    assert lead_limit(100.0, 12.0, 4.0, 12) == 12
+    # a cell not clearly faster (the column's pace, or the trailer) is not bounded
+    assert lead_limit(1.0, 4.5, 4.0, 12) is None
+    assert lead_limit(1.0, 2.0, 4.0, 12) is None
+    assert lead_limit(1.0, 12.0, None, 12) is None  # the partners' pace not known yet
+    assert lead_limit(1.0, 12.0, 4.0, NEVER) is None  # strict tau: rounds at own steps
+    assert pace([(0.0, 3), (2.0, 11)]) == 4.0
+    assert pace([(0.0, 3)]) is None and pace([(1.0, 3), (1.0, 5)]) is None
+    # bounded: past newest_seen + lead it launches the index after its last (one the partner
+    # will reach), or nothing when even that is too far ahead
+    assert next_round(30, 10, 9, 12, lead=2) == 11
+    assert next_round(31, 11, 9, 12, lead=2) is None
+    assert next_round(31, 11, 10, 12, lead=2) == 12
+    assert next_round(5, 4, 9, 12, lead=2) == 5  # within the bound: its own count
+    assert next_round(30, None, -1, 12, lead=2) == 30  # no partner's round seen yet: no bound
+
+
+def test_two_cells_with_a_lead_bound_never_wait_for_each_other():
+    """Whichever cell's last round is the older one can always launch the next (lead >= 1)."""
+    last = {"a": 4, "b": 4}
+    for _ in range(50):
+        launched = 0
+        for me, other in (("a", "b"), ("b", "a")):
+            got = next_round(1000, last[me], last[other], 12, lead=1)
+            if got is not None:
+                last[me] = got
+                launched += 1
+        assert launched >= 1, last
+    assert min(last.values()) >= 50

@@ -316,9 +316,31 @@ def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    for old in saved_steps(run_dir, cell.stage, cell.replica)[:-KEEP]:
-        checkpoint_path(run_dir, cell.stage, cell.replica, old).unlink(missing_ok=True)
+    prune(run_dir, cell.stage, cell.replica)
     return path
+
+
+def prune(run_dir: str | Path, stage: int, replica: int) -> list[int]:
+    """Remove this cell's checkpoints but the newest KEEP and the ones a resume needs: the
+    newest step every cell of its replica has (where a restarted replica resumes) and the
+    newest step every cell of the run directory has (where `--resume` resumes the grid). A
+    replica that trains on while another is down must not prune the step they share. Returns
+    the steps removed."""
+    steps = saved_steps(run_dir, stage, replica)
+    cells = [
+        (int(a), int(b))
+        for a, _, b in (d.name.partition("-") for d in (Path(run_dir) / "checkpoints").iterdir())
+        if a.isdigit() and b.isdigit()
+    ]
+    keep = set(steps[-KEEP:])
+    for group in ([c for c in cells if c[1] == replica], cells):
+        shared = common_step(run_dir, group) if group else None
+        if shared is not None:
+            keep.add(shared)
+    removed = [s for s in steps if s not in keep]
+    for old in removed:
+        checkpoint_path(run_dir, stage, replica, old).unlink(missing_ok=True)
+    return removed
 
 
 def _sweep_torn(folder: Path) -> None:

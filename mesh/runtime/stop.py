@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,3 +82,24 @@ class StopSignal:
 
 
 STOP = StopSignal()  # the process's one handler (run_cell installs it)
+
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Stop this process cleanly (SIGTERM to itself: checkpoint, release, exit 0) once the
+    process that started it is gone: a launcher killed with SIGKILL cannot stop its cells, and
+    an orphan would train on beside the next grid a `--resume` starts. Linux re-parents an
+    orphan, so a changed parent pid is the sign; polled, as there is no portable notice."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        while True:  # again until it takes: a cell still starting ignores SIGTERM until ready
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread

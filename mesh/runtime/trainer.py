@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from comms.build import make_transport
+from comms.errors import PeerLost, PeerTimeout
 from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo.schedule import microbatches_per_update
@@ -49,7 +50,7 @@ from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
-from mesh.runtime.stop import STOP
+from mesh.runtime.stop import STOP, watch_parent
 
 
 def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
@@ -408,6 +409,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
+LOST_NEIGHBOUR = 3  # exit code of a cell that stopped because a peer it needs is gone
 USER_ERRORS = (ConfigError, DataError, CheckpointError, DiskFull)  # the message says the fix: 2
 REPORT_RESERVE_BYTES = 4096  # room kept for a failure report's first line on a full disk
 
@@ -507,17 +509,23 @@ def cell_process_main(
     resume_step: int | None = None,
 ) -> None:
     """run_cell as a process's whole life: exit at once when it returns (0) or raises (2 for
-    a user error, 1 for anything else; the reason in DIR/logs/sJrI.err, not on the terminal,
+    a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed grid cannot go on
+    without it; the launcher restarts the grid), 1 for anything else; the reason in
+    DIR/logs/sJrI.err, not on the terminal,
     where eight cells would print eight tracebacks), skipping interpreter finalization. Its
     files are closed and fsynced by then; what is left are daemon threads (rounds past their
     deadline, libp2p readers) that must not be torn down under a C++ thread at exit
     ("terminate called without an active exception")."""
     code = 0
     reserve = reserve_failure_report(out_dir, stage, replica)
+    watch_parent()  # the launcher gone (SIGKILL): a clean stop, not an orphan that trains on
     try:
         run_cell(cfg_tree, stage, replica, out_dir, transport_options, resume_step)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
+    except (PeerLost, PeerTimeout) as e:  # a neighbour died or froze: the launcher's fault
+        write_failure(out_dir, stage, replica, e, reserve)
+        code = LOST_NEIGHBOUR
     except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it failed
         code = write_failure(out_dir, stage, replica, e, reserve)
     if reserve is not None:

@@ -404,3 +404,27 @@ def test_a_mapped_read_hands_its_pages_back_and_touches_nothing_else(tmp_path):
     into = torch.empty_like(big)
     mapped.copy_into(into, flat)
     assert torch.equal(into, big) and file_pages() - before < 10e6
+
+
+def test_pruning_keeps_the_steps_a_resume_needs(tmp_path):
+    """A replica that trains on while another is down keeps the newest step the whole run
+    shares (--resume) and the newest its own replica shares (a restarted replica), besides its
+    newest KEEP; everything else goes."""
+    from mesh.runtime.checkpoint import KEEP, checkpoint_path, prune, saved_steps
+
+    def put(stage, replica, *steps):
+        for step in steps:
+            path = checkpoint_path(tmp_path, stage, replica, step)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+
+    put(0, 0, 50, 100, 150, 200, 250, 300)  # trained on
+    put(1, 0, 50, 100, 150, 190, 240, 290)  # its replica's other stage: shares 150 last
+    put(0, 1, 50, 100)  # the replica that died after its step-100 save
+    put(1, 1, 50, 100)
+    assert KEEP == 3
+    assert prune(tmp_path, 0, 0) == [50]  # 100: the run's shared step; 150: the replica's
+    assert saved_steps(tmp_path, 0, 0) == [100, 150, 200, 250, 300]
+    assert prune(tmp_path, 0, 1) == []  # fewer than KEEP
+    put(0, 0, 350)
+    assert prune(tmp_path, 0, 0) == [200]

@@ -146,38 +146,51 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 @dataclass(frozen=True)
 class Resume:
-    step: int
+    step: int  # the oldest replica's step (where the progress bar and the rates start)
     notes: list[str]  # what the user should hear (damaged files passed over)
+    replica_steps: dict[int, int]  # where each replica resumes
 
 
 def check_resume(cfg: Config, run_dir: Path) -> Resume:
-    """The step every cell resumes from: the newest one all cells have intact. Damaged newer
-    files are renamed *.pt.bad (kept for a post-mortem, out of every later resume's way)."""
+    """The step each replica resumes from: the newest one all its cells have intact (replicas
+    need not agree: each trains on from its own newest cut, none loses what it saved). Damaged
+    newer files are renamed *.pt.bad (kept for a post-mortem, out of every later resume's
+    way)."""
     from mesh.runtime.checkpoint import checkpoint_path, resume_point
-    from mesh.runtime.launch import grid_cells
 
-    point = resume_point(run_dir, grid_cells(cfg), cfg.state_fingerprint())
-    if point.foreign:
-        raise CheckpointError(
-            f"--resume {run_dir}: checkpoints written by another config "
-            f"({describe(point.foreign[0])}); resume with the config.toml the run wrote"
-        )
-    if point.step is None:
-        why = f": {'; '.join(map(describe, point.damaged[:3]))}" if point.damaged else ""
-        raise CheckpointError(
-            f"--resume {run_dir}: no step that every cell has an intact checkpoint of{why}"
-        )
-    for stage, replica, step, _ in point.damaged:
+    fp, damaged, steps = cfg.state_fingerprint(), [], {}
+    for i in range(cfg.grid.replicas):
+        point = resume_point(run_dir, [(j, i) for j in range(cfg.grid.stages)], fp)
+        if point.foreign:
+            raise CheckpointError(
+                f"--resume {run_dir}: checkpoints written by another config "
+                f"({describe(point.foreign[0])}); resume with the config.toml the run wrote"
+            )
+        if point.step is None:
+            why = f": {'; '.join(map(describe, point.damaged[:3]))}" if point.damaged else ""
+            raise CheckpointError(
+                f"--resume {run_dir}: no step that every cell of replica {i} has an intact "
+                f"checkpoint of{why}"
+            )
+        damaged += point.damaged
+        steps[i] = point.step
+    for stage, replica, step, _ in damaged:
         path = checkpoint_path(run_dir, stage, replica, step)
         if path.exists():
             path.rename(path.with_name(path.name + ".bad"))
     notes = []
-    if point.damaged:
+    if damaged:
         notes.append(
-            f"resuming from step {point.step}, the newest step every cell has intact; passed "
-            f"over (renamed *.pt.bad): {'; '.join(map(describe, point.damaged))}"
+            "passed over damaged checkpoints (renamed *.pt.bad): "
+            + "; ".join(map(describe, damaged))
         )
-    return Resume(point.step, notes)
+    if len(set(steps.values())) > 1:
+        notes.append(
+            "resuming "
+            + ", ".join(f"replica {i} from step {s}" for i, s in steps.items())
+            + " (the newest step all of each replica's cells saved)"
+        )
+    return Resume(min(steps.values()), notes, steps)
 
 
 def describe(damage: tuple[int, int, int, str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +26,10 @@ class _Bar:
 
     def update_loss(self, loss: float) -> None:
         self.goto(self.bar.n + 1, loss)
+
+    def note(self, line: str) -> None:
+        """A line above the bar (a restart, a warning), the bar redrawn below it."""
+        self.bar.write(line, file=sys.stderr)
 
     def goto(self, step: int, loss: float | None = None) -> None:
         if self.bar.bar_format == NO_ETA and step - self.first >= ETA_AFTER_STEPS:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -19,8 +22,9 @@ from mesh.bench.report import format_table, plot_curves
 from mesh.config import Config, ConfigError, with_overrides
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.evaluate import ValTracker, read_val, tokens_at
-from mesh.runtime.launch import GridRun, run_grid
+from mesh.runtime.launch import GridRun, Stopped, run_grid
 from mesh.runtime.metrics import metrics_offsets, read_metrics, summarize_run
+from mesh.runtime.run_lock import run_lock
 
 
 def simulate_processes(
@@ -37,9 +41,22 @@ def simulate_processes(
     corpus = None if cfg.runtime.compute == "emulated" else check_data(cfg, verify_data)
     check_machine(cfg)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    created = not out.exists()
     if (out / "metrics").exists() and not resume:
         raise ConfigError(f"--out {out} already holds a run; pick another or pass --resume {out}")
-    start_step = 0
+    try:
+        # held from before anything reads the directory: a live grid there is refused, not
+        # joined by a second one; a dead one's lock is taken over
+        with run_lock(out):
+            _simulate_in(cfg, out, resume, created, corpus)
+    finally:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # refused before anything ran: no empty directory left behind
+
+
+def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: object) -> None:
+    """simulate_processes, the run directory's lock held."""
+    start_step, point = 0, None
     if resume:
         point = check_resume(cfg, out)
         for note in point.notes:
@@ -51,7 +68,6 @@ def simulate_processes(
                 f"extend it with --resume {out} --steps N"
             )
             return
-    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.toml", cfg.to_toml())  # only now: every check passed
     val = ValTracker(cfg, out, corpus, start_step) if corpus is not None else None
@@ -66,12 +82,16 @@ def simulate_processes(
             if val is not None:
                 val.poll()
 
-        run = run_grid(
-            cfg, out, resume=resume, resume_step=start_step if resume else None,
-            on_progress=on_progress,
-        )  # fmt: skip
+        with stop_signals():
+            run = run_grid(
+                cfg, out, resume=resume, on_progress=on_progress, on_notice=bar.note,
+                replica_steps=point.replica_steps if point is not None else None,
+            )  # fmt: skip
         if run.ok:
             bar.goto(cfg.run.steps)
+    if run.stopped_by is not None:  # SIGTERM / SIGHUP: a clean stop, every cell saved
+        click.echo(f"stopped ({run.stopped_by}): every cell saved; continue with --resume {out}")
+        return
     if not run.ok:
         _report_failure(run, out, created)
     if val is not None:
@@ -82,7 +102,26 @@ def simulate_processes(
     table = format_table(*summary_table(summary))
     (out / "table.md").write_text(table + "\n")
     click.echo(table)
+    if run.restarts:
+        click.echo(f"restarts ({len(run.restarts)}): " + "; ".join(run.restarts))
     click.echo(f"run directory: {out}")
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped in the main thread while the grid runs: run_grid stops
+    and saves every cell and reaps them, as on Ctrl-C (a launcher that died of the signal
+    would leave its cells training on, orphaned)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -123,8 +162,8 @@ def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:
     if f.exit_code == 2:
         click.echo(f"error: cell {f.cell}: {f.message}", err=True)
     else:
-        report = f.log.read_text() if f.log is not None else ""
-        click.echo(report.split("\n", 1)[-1].rstrip(), err=True)  # the traceback of a bug
+        if f.log is not None:  # the traceback of a bug
+            click.echo(f.log.read_text().split("\n", 1)[-1].rstrip(), err=True)
         click.echo(f"error: cell {f.cell} failed: {f.message}", err=True)
     if created and not any((out / "checkpoints").glob("*/step-*.pt")):
         shutil.rmtree(out, ignore_errors=True)

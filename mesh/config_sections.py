@@ -319,6 +319,14 @@ class RuntimeConfig(_Section):
         description="hivemind: how long a cell waits for a lost neighbour of its replica to be "
         "replaced (restart or join) before it gives up",
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="simulate: how many times a cell that died (a signal, or out of memory) is "
+        "restarted from its newest checkpoint before the grid stops, saved and resumable; "
+        "torch restarts the whole grid (a gloo world cannot re-admit a rank), each replica from "
+        "the newest step all its cells saved; hivemind restarts the cell alone",
+    )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
     )

@@ -21,7 +21,7 @@ from mesh.algo.schedule import microbatches_per_update
 from mesh.config import Config
 from mesh.data.corpus import Corpus, bits_per_byte, val_batches
 from mesh.model.build import build_cell_stages, lm_loss, run_stages
-from mesh.runtime.checkpoint import checkpoint_path, read_checkpoint, saved_steps
+from mesh.runtime.checkpoint import CheckpointError, checkpoint_path, read_checkpoint, saved_steps
 from mesh.runtime.rows import append_row, parse_rows
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -91,7 +91,7 @@ class ValTracker:
                     continue
                 try:
                     loss = replica_loss(self.cfg, self.dir, i, step, self.batches)
-                except (FileNotFoundError, RuntimeError):  # pruned under us: the next poll
+                except (FileNotFoundError, RuntimeError, CheckpointError):  # pruned under us
                     continue
                 self.done[i] = step
                 row = {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step)}

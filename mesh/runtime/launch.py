@@ -14,17 +14,22 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from comms.build import local_rendezvous
 from mesh.algo.topology import cell_name
 from mesh.config import Config
-from mesh.runtime.checkpoint import CheckpointError, resume_point
+from mesh.runtime.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    resume_point,
+    saved_steps,
+)
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.metrics import RowTail
-from mesh.runtime.trainer import cell_process_main, failure_report
+from mesh.runtime.trainer import LOST_NEIGHBOUR, cell_process_main, failure_report
 
 
 @dataclass
@@ -33,6 +38,8 @@ class GridRun:
     wall_s: float
     interrupted: bool
     failure: CellFailure | None = None  # the first cell that failed on its own, if any
+    restarts: list[str] = field(default_factory=list)  # what died and was restarted, in order
+    stopped_by: str | None = None  # the signal that stopped the launcher (SIGTERM, SIGHUP)
 
     @property
     def ok(self) -> bool:
@@ -87,7 +94,7 @@ class LocalGrid:
 
     def first_failure(self) -> CellFailure | None:
         """The cell that failed first on its own (exit code > 0), from the report it wrote."""
-        failed = [(j, i) for (j, i), p in self.procs.items() if (p.exitcode or 0) > 0]
+        failed = [c for c, p in self.procs.items() if p.exitcode in (1, 2)]
         if not failed:
             return None
         reports = {c: failure_report(self.out_dir, *c) for c in failed}
@@ -95,6 +102,16 @@ class LocalGrid:
         when, message, log = reports[cell]
         code = self.procs[cell].exitcode or 1
         return CellFailure(cell_name(*cell), code, message, log)
+
+    def dead(self) -> list[tuple[tuple[int, int], int]]:
+        """Cells that died (a signal we did not send, e.g. SIGKILL or the OOM killer) or left
+        because a neighbour died (LOST_NEIGHBOUR): (cell, exit code), the signalled first."""
+        out = [
+            (c, p.exitcode)
+            for c, p in self.procs.items()
+            if p.exitcode is not None and (p.exitcode < 0 or p.exitcode == LOST_NEIGHBOUR)
+        ]
+        return sorted(out, key=lambda x: x[1] >= 0)
 
     def stop(self, grace_s: float = 5.0) -> None:
         _stop_all(list(self.procs.values()), grace_s)
@@ -113,50 +130,173 @@ def run_grid(
     timeout_s: float | None = None,
     grace_s: float = 5.0,
     resume_step: int | None = None,
+    on_notice: Callable[[str], None] | None = None,
+    replica_steps: dict[int, int] | None = None,
 ) -> GridRun:
     """Run every cell to cfg.run.steps; returns exit codes (None: killed by us).
 
-    resume: every cell restarts from `resume_step`, or (None) from the newest step that every
-    cell has an intact checkpoint of (mesh.runtime.checkpoint.resume_point).
-    A cell that fails on its own (it raised: exit code > 0) stops the grid at once, since no
-    one here would replace it; GridRun.failure names it and says why. A cell killed by a signal
-    is a fault the grid rides out: the other replicas keep training, and its own replica waits
-    for it, on torch.distributed until runtime.timeout_s (a gloo world cannot re-admit a rank),
-    on hivemind up to runtime.rejoin_timeout_s for it to come back (restarted or a `join`).
+    resume: every cell restarts from `resume_step`, or from its replica's step in
+    `replica_steps`, or (both None) from the newest step that every cell has an intact
+    checkpoint of (mesh.runtime.checkpoint.resume_point). Checkpoints past a cell's start
+    are of a life the resume abandons, and go (drop_abandoned).
+    A cell that fails on its own (it raised: exit code 1 or 2) stops the grid at once (every
+    cell saves): GridRun.failure names it and says why. A cell that DIES (a signal: killed,
+    out of memory) is restarted from its newest checkpoint, up to runtime.max_restarts times
+    (each said through on_notice): on hivemind alone, while the others ride it out (its
+    replica waits up to runtime.rejoin_timeout_s for it); on torch.distributed, where a gloo
+    world cannot re-admit a rank, the whole grid is stopped (every cell saves) and started
+    again, each replica from the newest step all its cells saved (replicas need not agree).
+    Its neighbours' exits (LOST_NEIGHBOUR) are part of that fault, not failures. Past the
+    restarts the grid stops, saved: GridRun.failure says so, and `--resume` continues.
+    A stop (KeyboardInterrupt, or the Stopped a launcher's signal handler raises) stops and
+    saves every cell: GridRun.interrupted, GridRun.stopped_by names the signal.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    if resume and resume_step is None:
+    if resume and resume_step is None and replica_steps is None:
         point = resume_point(out_dir, grid_cells(cfg), cfg.state_fingerprint())
         if point.step is None:
             raise CheckpointError(f"{out_dir}: no step that every cell has a checkpoint of")
         resume_step = point.step
+    notice = on_notice or (lambda line: None)
     start = time.perf_counter()
-    interrupted, failure = False, None
+    steps: dict[tuple[int, int], int | None] = dict.fromkeys(grid_cells(cfg), resume_step)
+    if resume and replica_steps is not None:
+        steps = {(j, i): replica_steps[i] for j, i in grid_cells(cfg)}
+    if resume:
+        drop_abandoned(out_dir, steps)
+    resume_step = min((s for s in steps.values() if s is not None), default=None)
+    restarts: list[str] = []
     tail = MetricsTail(out_dir, cfg.grid.stages - 1, resume_step or 0)
-    with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
-        grid = LocalGrid(cfg, out_dir, options)
-        try:
-            for j, i in grid_cells(cfg):
-                grid.start((j, i), resume_step)
-            last_step = -1
-            while grid.running():
-                if timeout_s is not None and time.perf_counter() - start > timeout_s:
-                    raise TimeoutError(f"grid did not finish within {timeout_s} s")
-                time.sleep(0.2)
-                failure = grid.first_failure()
-                if failure is not None:
+    while True:
+        with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+            grid = LocalGrid(cfg, out_dir, options)
+            outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s, grace_s,
+                             restarts, notice)  # fmt: skip
+        if outcome.died is None:
+            break
+        # torch: the grid stopped (every cell saved); start it again from the replicas' cuts
+        steps = replica_resume_steps(cfg, out_dir)
+        at = ", ".join(f"replica {i} from step {s or 0}" for i, s in _by_replica(steps).items())
+        notice(f"{outcome.died} ({at})")
+    return GridRun(
+        grid.exit_codes(),
+        time.perf_counter() - start,
+        outcome.interrupted,
+        outcome.failure,
+        restarts,
+        outcome.stopped_by,
+    )
+
+
+@dataclass
+class _Outcome:
+    interrupted: bool = False
+    failure: CellFailure | None = None
+    died: str | None = None  # torch: a cell died, the grid stopped to start again
+    stopped_by: str | None = None
+
+
+class Stopped(Exception):  # noqa: N818 - a stop, not an error
+    """Raised in the launcher's main thread by its signal handler (SIGTERM, SIGHUP): run_grid
+    stops and saves every cell as on Ctrl-C."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def _watch(
+    cfg: Config,
+    grid: LocalGrid,
+    steps: dict[tuple[int, int], int | None],
+    tail: MetricsTail,
+    on_progress: Callable[[int, float | None], None] | None,
+    start: float,
+    timeout_s: float | None,
+    grace_s: float,
+    restarts: list[str],
+    notice: Callable[[str], None],
+) -> _Outcome:
+    """Start the cells, watch them until they are all done, restart what dies (see run_grid)."""
+    out = _Outcome()
+    try:
+        for cell in grid_cells(cfg):
+            grid.start(cell, steps[cell])
+        last_step = -1
+        while grid.running():
+            if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"grid did not finish within {timeout_s} s")
+            time.sleep(0.2)
+            out.failure = grid.first_failure()
+            if out.failure is not None:
+                break
+            dead = grid.dead()
+            if dead:
+                cell, code = dead[0]
+                what = f"cell {cell_name(*cell)} died ({_death(code)})"
+                if len(restarts) >= cfg.runtime.max_restarts:
+                    out.failure = CellFailure(
+                        cell_name(*cell), LOST_NEIGHBOUR,
+                        f"died ({_death(code)}) after {len(restarts)} restarts "
+                        f"(runtime.max_restarts = {cfg.runtime.max_restarts}); every cell saved: "
+                        "resume the run to go on", None,
+                    )  # fmt: skip
                     break
-                if on_progress:
-                    step, loss = tail.progress()
-                    if step != last_step:
-                        on_progress(step, loss)
-                        last_step = step
-            failure = failure or grid.first_failure()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            grid.stop(grace_s)
-    return GridRun(grid.exit_codes(), time.perf_counter() - start, interrupted, failure)
+                restarts.append(what)
+                n = f"restart {len(restarts)} of {cfg.runtime.max_restarts}"
+                if cfg.runtime.backend == "hivemind":  # it rejoins its replica by itself
+                    grid.start(cell, -1)
+                    notice(f"{what}; restarted from its newest checkpoint ({n})")
+                    continue
+                out.died = f"{what}; the grid starts again, {n}"
+                break
+            if on_progress:
+                step, loss = tail.progress()
+                if step != last_step:
+                    on_progress(step, loss)
+                    last_step = step
+        out.failure = out.failure or grid.first_failure()
+    except KeyboardInterrupt:
+        out.interrupted = True
+    except Stopped as e:
+        out.interrupted, out.stopped_by = True, e.signal_name
+    finally:
+        grid.stop(grace_s)
+    return out
+
+
+def _death(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return "lost a neighbour" if code == LOST_NEIGHBOUR else f"exit {code}"
+
+
+def replica_resume_steps(cfg: Config, out_dir: Path) -> dict[tuple[int, int], int | None]:
+    """Where each cell starts again after a grid restart: its replica's newest step that all
+    of the replica's cells have an intact checkpoint of (None: from the start); the replica's
+    checkpoints past it go (drop_abandoned)."""
+    fp = cfg.state_fingerprint()
+    steps: dict[tuple[int, int], int | None] = {}
+    for i in range(cfg.grid.replicas):
+        cells = [(j, i) for j in range(cfg.grid.stages)]
+        steps.update(dict.fromkeys(cells, resume_point(out_dir, cells, fp).step))
+    drop_abandoned(out_dir, steps)
+    return steps
+
+
+def drop_abandoned(out_dir: Path, steps: dict[tuple[int, int], int | None]) -> None:
+    """Remove each cell's checkpoints past the step it starts from (None: all of them): they
+    are of the life a restart or resume abandons, and a later resume must not pick one of
+    them beside a cell of the new life."""
+    for cell, start in steps.items():
+        for step in saved_steps(out_dir, *cell):
+            if start is None or step > start:
+                checkpoint_path(out_dir, *cell, step).unlink(missing_ok=True)
+
+
+def _by_replica(steps: dict[tuple[int, int], int | None]) -> dict[int, int | None]:
+    return {i: s for (_, i), s in sorted(steps.items(), key=lambda kv: kv[0][1])}
 
 
 class MetricsTail:

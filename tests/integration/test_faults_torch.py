@@ -1,0 +1,167 @@
+"""The fault matrix of the torch backend (`simulate`'s default), as a user meets it: the CLI in
+its own process, real cells, real signals. A slow replica with a short round deadline keeps
+averaging; a killed cell is restarted and the run finishes; past runtime.max_restarts the grid
+stops saved and `--resume` finishes it; SIGTERM to the launcher stops and saves every cell,
+exit 0, nothing left running, and the run resumes; a second launcher on a live directory is
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import helpers
+import pytest
+
+from mesh.procs import pid_alive
+from mesh.runtime.metrics import read_metrics
+from mesh.runtime.rows import parse_rows
+
+pytestmark = pytest.mark.integration
+
+GRID = ["--backend", "torch", "--grid", "2x2"]
+TINY = [*helpers.TINY, "runtime.checkpoint_every=5", "runtime.timeout_s=30"]
+RUN_S = 300  # a hang guard for one simulate, far above the ~30 s one takes on a loaded box
+
+
+def _sets(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "simulate", *GRID, "--steps", str(steps),
+            "--out", str(out), *_sets(*TINY), *extra]  # fmt: skip
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_S)
+
+
+def _rows(out: Path, cell: str) -> list[dict]:
+    path = out / "metrics" / f"{cell}.jsonl"
+    return parse_rows(path.read_bytes()) if path.exists() else []
+
+
+def _pids(out: Path) -> list[int]:
+    """Every cell process any life of the run started (their `started` events)."""
+    return [
+        r["pid"]
+        for path in sorted((out / "metrics").glob("*.jsonl"))
+        for r in parse_rows(path.read_bytes())
+        if r.get("event") == "started"
+    ]
+
+
+def _starts(out: Path, cell: str) -> list[dict]:
+    return [r for r in _rows(out, cell) if r.get("event") == "started"]
+
+
+def _trained(out: Path, cell: str, life: int) -> int:
+    """Updates the cell's `life`-th process made (0 before it started)."""
+    rows, lives, first, last = _rows(out, cell), 0, None, None
+    for r in rows:
+        if r.get("event") == "started":
+            lives += 1
+        elif lives == life and "event" not in r and not r.get("final"):
+            first = r["step"] if first is None else first
+            last = r["step"]
+    return 0 if first is None else last - first + 1
+
+
+def _step(out: Path, cell: str) -> int:
+    steps = [r["step"] for r in _rows(out, cell) if "event" not in r and not r.get("final")]
+    return max(steps, default=0)
+
+
+def _final_steps(out: Path) -> dict[tuple[int, int], int]:
+    rows = read_metrics(out)
+    return {
+        cell: max(r["step"] for r in cell_rows if r.get("final"))
+        for cell, cell_rows in rows.items()
+        if any(r.get("final") for r in cell_rows)
+    }
+
+
+def test_a_slow_replica_with_a_short_round_deadline_keeps_averaging(tmp_path):
+    """s1r1 3x slower (emulated compute: the slowdown is real time, not CPU), rounds due in 1 s:
+    the fast replica averages at the column's pace, failed rounds stay under 10% of started
+    (a late round used to turn averaging off for the rest of the run)."""
+    out = tmp_path / "run"
+    res = _run(_cmd(out, 120, *_sets(
+        "runtime.compute='emulated'", 'runtime.slowdowns=["s1r1=3.0"]', "runtime.round_timeout_s=1",
+    )))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rounds = json.loads((out / "summary.json").read_text())["rounds"]
+    started, failed = rounds["rounds_started"], rounds["rounds_failed"]
+    assert started >= 4 * 120 // 4, rounds  # each cell averaged at least every 4th update
+    assert failed <= 0.10 * started, rounds
+    assert rounds["rounds_applied"] >= 0.8 * started, rounds
+
+
+def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(tmp_path):
+    """SIGKILL of s1r1: the grid starts again from each replica's newest shared checkpoint and
+    finishes (every cell at the last step). With runtime.max_restarts = 1, a second kill stops
+    the grid, every other cell saved, in one line; `--resume` finishes it."""
+    out = tmp_path / "run"
+    steps = 400
+    proc = subprocess.Popen(
+        _cmd(out, steps, *_sets("runtime.max_restarts=1", 'runtime.slowdowns=["s1r1=2.0"]')),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for life in (1, 2):  # each life: the victim trains past a checkpoint of its own
+            helpers.wait_for(lambda n=life: _trained(out, "1-1", n) >= 6, RUN_S,
+                             f"life {life} of s1r1 past a checkpoint")  # fmt: skip
+            os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    assert "cell s1r1 died (SIGKILL); the grid starts again, restart 1 of 1 (replica 0 from" in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "after 1 restarts" in errors[0] and "resume" in errors[0], err
+    assert "Traceback" not in err
+    assert not [p for p in _pids(out) if pid_alive(p)]  # every life of every cell reaped
+    # the cut is resumable: the other cells saved, pruning kept what every cell shares
+    res = _run([*_cmd(out, steps), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(_final_steps(out).values()) == {steps}
+
+
+def test_sigterm_to_the_launcher_stops_and_saves_and_a_second_launcher_is_refused(tmp_path):
+    """While the grid trains, a second `simulate --resume` on its directory is refused in one
+    line (exit 2, the grid untouched); SIGTERM to the launcher: exit 0, every cell saved and
+    reaped; `--resume` finishes the run."""
+    out = tmp_path / "run"
+    steps = 400
+    proc = subprocess.Popen(_cmd(out, steps), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        helpers.wait_for(lambda: _step(out, "1-0") >= 8, RUN_S, "the grid training")
+        second = _run([*_cmd(out, steps), "--resume", str(out)])
+        assert second.returncode == 2, second.stderr
+        lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and f"in use by a running grid (pid {proc.pid})" in lines[0], lines
+        assert proc.poll() is None  # the first grid runs on
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"stopped (SIGTERM): every cell saved; continue with --resume {out}" in stdout
+    assert not [p for p in _pids(out) if pid_alive(p)]
+    assert not (out / "run.lock").exists()
+    cells = ("0-0", "1-0", "0-1", "1-1")
+    saved = [r for c in cells for r in _rows(out, c) if r.get("event") == "saved"]
+    assert len(saved) == 4, saved
+    res = _run([*_cmd(out, steps), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(_final_steps(out).values()) == {steps}

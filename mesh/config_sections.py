@@ -347,7 +347,7 @@ class RuntimeConfig(_Section):
         description="emulated hostile stages (tests, benchmarks): what a cell does to every "
         "tensor it sends across a pipeline boundary (activations forward, gradients back), "
         '"sJrI=MODE[@STEP]" with MODE scale:F (times F), flip (negated) or random (noise of '
-        'the same RMS), from its update STEP on (default: 2 x sentinel_warmup microbatches, '
+        "the same RMS), from its update STEP on (default: 2 x sentinel_warmup microbatches, "
         'once the receivers know it), e.g. ["s0r1=scale:100"] (mesh/algo/sentinel.py)',
     )
     sentinel: bool = Field(

@@ -133,11 +133,11 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
         return load_config([path], list(sets))
 
 
-def read_run_record(registry: Registry, reads: int) -> RunRecord | None:
+def read_run_record(registry: Registry, reads: int, run_key: str | None = None) -> RunRecord | None:
     """The run's record, read again (a second apart) while the DHT answers empty, up to
     `reads` times: one empty answer from a busy DHT would otherwise tell a joiner that there
     is no run, or let a joiner with --config start a second one."""
-    return read_again(registry.run, reads)
+    return read_again(lambda: registry.run(run_key), reads)
 
 
 def read_owners(
@@ -155,7 +155,7 @@ def run_config(
 ) -> Config:
     """The run's config: the DHT's record, checked against a local --config if one is given.
     With no run yet, the local config starts one."""
-    return config_of_record(registry.run(), local, sets, run_key)
+    return config_of_record(registry.run(run_key), local, sets, run_key)
 
 
 KEY_HINT = "--run-key or MESHTRAIN_RUN_KEY"
@@ -341,7 +341,8 @@ def run_join(
     scout = open_scout(initial_peers, run_id, client_mode=True, **maddr_kwargs)
     try:
         # a joiner without --config can only follow a run: it waits longer for the record
-        rec = read_run_record(Registry(scout, None, 1.0), RUN_READS if cfg_local is None else 2)
+        reads = RUN_READS if cfg_local is None else 2
+        rec = read_run_record(Registry(scout, None, 1.0), reads, run_key)
         cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
         check_extras(cfg)  # before a claim: a missing package is one line here
@@ -354,7 +355,7 @@ def run_join(
             click.echo(OPEN_RUN_WARNING, err=True)
         auth = Auth.of(run_key, cfg.fingerprint())
         registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
-        if registry.run() is None:
+        if registry.run(run_key) is None:
             registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data))
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")

@@ -20,11 +20,14 @@ from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError
 from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (
+    CONFIG_KEY,
+    CONFIG_SLOT,
     Directory,
     Registry,
     RunRecord,
     free_cells,
     parse_run,
+    pick_run,
     running,
 )
 
@@ -124,10 +127,11 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
 
 def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
     """The run's record, the key's state and the grid, read through a DHT client."""
-    found = directory.dht_get("config", timeout_s=READ_TIMEOUT_S)
+    found = directory.dht_get(CONFIG_KEY, timeout_s=READ_TIMEOUT_S)
     if found is None:
         raise JoinError("the DHT did not answer (the run's record cannot be read); try again")
-    rec = parse_run(found.get("run"))
+    slots = [parse_run(v, k) for k, v in sorted(found.items()) if k.startswith(CONFIG_SLOT)]
+    rec = pick_run([r for r in slots if r is not None], run_key)
     cfg = None
     if rec is not None:
         try:

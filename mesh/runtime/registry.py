@@ -223,25 +223,51 @@ class RunRecord:
     data: dict[str, Any] | None = None
     # the record as read from the DHT (with its exp and sig), for signed_by; None when made here
     raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    subkey: str = field(default="run", compare=False, repr=False)  # the writer's slot
 
     def signed_by(self, run_key: str | None, now: float | None = None) -> bool:
         """Whether the record as read is sealed with run_key for its own fingerprint."""
         auth = Auth.of(run_key, self.fingerprint)
         when = time.time() if now is None else now
-        return auth.unseal(CONFIG_KEY, CONFIG_SUBKEY, self.raw, when) is not None
+        return auth.unseal(CONFIG_KEY, self.subkey, self.raw, when) is not None
+
+    @property
+    def claims_a_key(self) -> bool:
+        """Whether the record says its run has a key (its key check is not the keyless one)."""
+        return self.key_check != Auth.of(None, self.fingerprint).key_check
 
 
-CONFIG_KEY, CONFIG_SUBKEY = "config", "run"  # where the run's record lives
+# where the run's record lives: one slot per writer, f"run{owner marker}" (only its writer can
+# store there: comms.p2p.dht.owner_marker), so a forger cannot push the real record out
+CONFIG_KEY, CONFIG_SLOT = "config", "run"
 
 
-def parse_run(value: object) -> RunRecord | None:
+def parse_run(value: object, subkey: str = CONFIG_SLOT) -> RunRecord | None:
     if not isinstance(value, dict) or value.get("v") != 1:
         return None
     fp, toml, check = value.get("fingerprint"), value.get("toml"), value.get("key_check")
     if not (isinstance(fp, str) and isinstance(toml, str) and isinstance(check, str)):
         return None
     data = value.get("data")
-    return RunRecord(fp, toml, check, data if isinstance(data, dict) else None, dict(value))
+    return RunRecord(fp, toml, check, data if isinstance(data, dict) else None, dict(value), subkey)
+
+
+def pick_run(records: list[RunRecord], run_key: str | None) -> RunRecord | None:
+    """The record a peer with run_key follows among the writers' slots: one sealed with its
+    key; else a sealed one that claims a key, else any that claims one (so a peer without the
+    key hears that the run needs one, rather than following a keyless record a forger wrote
+    beside it); else any."""
+    sealed = lambda r: isinstance((r.raw or {}).get("sig"), str)  # noqa: E731
+    for ok in (
+        lambda r: r.signed_by(run_key),
+        lambda r: sealed(r) and r.claims_a_key,
+        lambda r: r.claims_a_key,
+        lambda r: True,
+    ):
+        found = [r for r in records if ok(r)]
+        if found:
+            return found[0]
+    return None
 
 
 class Registry:
@@ -380,18 +406,24 @@ class Registry:
         value = self._seal(key, subkey, session_value(s), SESSION_TTL_S)
         return self.d.dht_store(key, subkey, value, SESSION_TTL_S)
 
-    def run(self) -> RunRecord | None:
-        """The run's record as stored (its seal not checked: see RunRecord.signed_by)."""
-        return parse_run((self._get(CONFIG_KEY) or {}).get(CONFIG_SUBKEY))
+    def runs(self) -> list[RunRecord]:
+        """Every writer's copy of the run's record, as stored (seals not checked)."""
+        found = self._get(CONFIG_KEY) or {}
+        recs = [parse_run(v, k) for k, v in sorted(found.items()) if k.startswith(CONFIG_SLOT)]
+        return [r for r in recs if r is not None]
+
+    def run(self, run_key: str | None = None) -> RunRecord | None:
+        """The run's record a peer with run_key follows (pick_run); its seal is checked by the
+        caller (RunRecord.signed_by), which says why a record is refused."""
+        return pick_run(self.runs(), run_key)
 
     def put_run(self, rec: RunRecord) -> bool:
         value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
         if rec.data is not None:
             value["data"] = rec.data
-        sealed = self._seal(
-            CONFIG_KEY, CONFIG_SUBKEY, {**value, "key_check": rec.key_check}, CONFIG_TTL_S
-        )
-        return self.d.dht_store(CONFIG_KEY, CONFIG_SUBKEY, sealed, CONFIG_TTL_S)
+        slot = f"{CONFIG_SLOT}{self.d.owner_marker}"
+        sealed = self._seal(CONFIG_KEY, slot, {**value, "key_check": rec.key_check}, CONFIG_TTL_S)
+        return self.d.dht_store(CONFIG_KEY, slot, sealed, CONFIG_TTL_S)
 
 
 def read_again(read: Callable[[], T | None], reads: int, pause_s: float = 1.0) -> T | None:

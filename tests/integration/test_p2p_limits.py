@@ -113,37 +113,69 @@ def test_a_rounds_sends_to_an_unreachable_member_stay_bounded(boot):
         a.close()
 
 
+class _OtherOwner(DhtClient):
+    """A DHT client with its own RSA key, as another process has (the key is process-wide)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        validator = RSASignatureValidator(RSAPrivateKey())
+        self._marker = validator.local_public_key.decode()
+        super().__init__(*args, record_validators=[validator], **kwargs)
+
+    @property
+    def owner_marker(self) -> str:
+        return self._marker
+
+
 def test_a_forged_config_record_is_refused_by_a_joiners_reader(boot):
     """Through a real DHT (MSGPack both ways): the run's sealed record reads back as signed
-    by its key; an outsider's record in its place, unsigned or sealed with a guessed key, is
-    refused in one line; a keyless joiner is told the run needs a key."""
+    by its key. An outsider cannot store into the owner's slot, and its own records beside it
+    (unsigned, or sealed with a guessed key) neither push the real one out nor are followed:
+    a joiner with the key picks the real one, one alone is refused in one line, and a keyless
+    joiner is told the run needs a key."""
     from cli.join import JoinError, config_of_record, read_run_record
     from mesh.config import load_config
-    from mesh.runtime.registry import Registry, RunRecord
+    from mesh.runtime.registry import CONFIG_KEY, CONFIG_SLOT, Registry, RunRecord
 
     cfg = load_config([], ["grid.stages=2", "grid.replicas=1", "model.n_layers=2"])
     auth = Auth.of("the key", cfg.fingerprint())
     record = RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, {"digest": "x"})
     owner = DhtClient(boot, "forge", 30.0)
+    forger = _OtherOwner(boot, "forge", 30.0)
     reader = DhtClient(boot, "forge", 30.0)
     try:
         assert Registry(owner, auth, 1.0).put_run(record)
-        rec = read_run_record(Registry(reader, None, 1.0), 5)
+        rec = read_run_record(Registry(reader, None, 1.0), 5, "the key")
         assert rec is not None and rec.signed_by("the key")
         assert config_of_record(rec, None, [], "the key").fingerprint() == cfg.fingerprint()
         with pytest.raises(JoinError, match="this run needs a key"):
             config_of_record(rec, None, [], None)
+        owners_slot = f"{CONFIG_SLOT}{owner.owner_marker}"
+        assert not forger.dht_store(CONFIG_KEY, owners_slot, {"v": 1}, 60.0)
         for forger_auth in (None, Auth.of("guess", cfg.fingerprint())):
-            Registry(owner, forger_auth, 1.0).put_run(record)  # the same slot, overwritten
+            assert Registry(forger, forger_auth, 1.0).put_run(record)  # the forger's own slot
 
-            def forged():
-                got = Registry(reader, None, 1.0).run()
-                return got if got is not None and not got.signed_by("the key") else None
+            def seen(r, unsigned=forger_auth is None):  # this round's forged record
+                return r.subkey != owners_slot and (
+                    "sig" not in r.raw if unsigned else r.signed_by("guess")
+                )
 
-            wait_for(lambda: forged() is not None, 30, "the forged record in the DHT")
+            wait_for(
+                lambda f=seen: any(f(r) for r in Registry(reader, None, 1.0).runs()),
+                30, "the forged record in the DHT",
+            )  # fmt: skip
+            runs = Registry(reader, None, 1.0).runs()
+            assert [r.subkey for r in runs if r.signed_by("the key")] == [owners_slot]
+            assert read_run_record(Registry(reader, None, 1.0), 5, "the key").subkey == owners_slot
+            forged = next(r for r in runs if r.subkey != owners_slot)
             with pytest.raises(JoinError) as e:
-                config_of_record(forged(), None, [], "the key")
+                config_of_record(forged, None, [], "the key")
             assert "not signed by the run key" in str(e.value) and "\n" not in str(e.value)
+            with pytest.raises(JoinError, match="this run needs a key"):
+                config_of_record(Registry(reader, None, 1.0).run(None), None, [], None)
     finally:
         owner.close()
+        forger.close()
         reader.close()

@@ -113,8 +113,12 @@ def stop_signals() -> Iterator[None]:
     and saves every cell and reaps them, as on Ctrl-C (a launcher that died of the signal
     would leave its cells training on, orphaned)."""
 
+    fired = []
+
     def handler(signum: int, frame: object) -> None:
-        raise Stopped(signal.Signals(signum).name)
+        if not fired:  # once: a second signal must not cut the stop (and its reaping) short
+            fired.append(signum)
+            raise Stopped(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -167,19 +167,25 @@ def run_grid(
     resume_step = min((s for s in steps.values() if s is not None), default=None)
     restarts: list[str] = []
     tail = MetricsTail(out_dir, cfg.grid.stages - 1, resume_step or 0)
-    while True:
-        with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
-            grid = LocalGrid(cfg, out_dir, options)
-            outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s, grace_s,
-                             restarts, notice)  # fmt: skip
-        if outcome.died is None:
-            break
-        # torch: the grid stopped (every cell saved); start it again from the replicas' cuts
-        steps = replica_resume_steps(cfg, out_dir)
-        at = ", ".join(f"replica {i} from step {s or 0}" for i, s in _by_replica(steps).items())
-        notice(f"{outcome.died} ({at})")
+    grid: LocalGrid | None = None
+    try:
+        while True:
+            with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+                grid = LocalGrid(cfg, out_dir, options)
+                outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s,
+                                 grace_s, restarts, notice)  # fmt: skip
+            if outcome.died is None:
+                break
+            # torch: the grid stopped (every cell saved); start it again from the replicas' cuts
+            steps = replica_resume_steps(cfg, out_dir)
+            at = ", ".join(f"replica {i} from step {s or 0}" for i, s in _by_replica(steps).items())
+            notice(f"{outcome.died} ({at})")
+    except KeyboardInterrupt:  # between two grids (no cell running): a stop all the same
+        outcome = _Outcome(interrupted=True)
+    except Stopped as e:
+        outcome = _Outcome(interrupted=True, stopped_by=e.signal_name)
     return GridRun(
-        grid.exit_codes(),
+        grid.exit_codes() if grid is not None else {},
         time.perf_counter() - start,
         outcome.interrupted,
         outcome.failure,

@@ -40,6 +40,7 @@ import torch
 from comms import codecs, wire
 from comms.codecs import Encoded
 from comms.errors import NotFiniteError
+from comms.throttle import Delivery
 from comms.transport import MeanResult, MeanStatus, TransportStats, mean_in_member_order
 from comms.wire import Expect, Kind, Message, Reject
 
@@ -81,6 +82,7 @@ class MeanRound:
         self.got: dict[str, torch.Tensor] = {}  # member -> dequantized flat payload
         self.gone: dict[str, str] = {}  # member -> why it will not contribute
         self.cut_asked = False
+        self.sends: list[Delivery] = []  # our frame to each other member
         self._event = threading.Event()
         self._result: MeanResult | None = None
 
@@ -100,6 +102,11 @@ class MeanRound:
 
     def gathered(self) -> bool:
         return all(m in self.got or m in self.gone for m in self.members)
+
+    def sent(self) -> bool:
+        """Our frame is off to every member it went to (delivered, or its link failed): a
+        round ends only then, so its bytes are counted by the time its result is read."""
+        return all(d.done() for d in self.sends)
 
     def verdict(self, me: str) -> MeanResult:
         if me not in self.got:
@@ -131,7 +138,8 @@ class MeanRound:
 
 class GroupMeans:
     """TorchTransport's start_mean and its rounds (a mixin: needs the attributes below and
-    `_submit_to(name, frame, kind)` / `_link_lost(name)`; calls `_file_mean` on arrival)."""
+    `_submit_to(name, frame, kind) -> Delivery` / `_link_lost(name)`; calls `_file_mean` on
+    arrival)."""
 
     me: str
     stats: TransportStats
@@ -266,9 +274,11 @@ class GroupMeans:
                 self._mean_thread.start()
             self._mean_cond.notify_all()
         if frame:
-            for member in g.members:
-                if member != self.me and member not in r.gone:
-                    self._submit_to(member, frame, "average")
+            r.sends = [
+                self._submit_to(member, frame, "average")
+                for member in g.members
+                if member != self.me and member not in r.gone
+            ]
         return r
 
     def _file_mean(self, sender: str, msg: Message) -> None:
@@ -361,8 +371,9 @@ class GroupMeans:
             with self._mean_cond:
                 while True:
                     now = time.monotonic()
-                    due = [r for r in self._ready if not r.done()]
-                    self._ready.clear()
+                    ready = [(r, r.sent()) for r in self._ready if not r.done()]
+                    due = [r for r, sent in ready if sent]
+                    self._ready[:] = [r for r, sent in ready if not sent]  # our sends still out
                     while self._deadlines and (
                         self._deadlines[0][0] <= now or self._deadlines[0][2].done()
                     ):
@@ -371,8 +382,8 @@ class GroupMeans:
                     if due or self._closed:
                         break
                     wait = self._deadlines[0][0] - now if self._deadlines else None
-                    # cuts are asked without a notify (MeanHandle.cut is a plain call): look
-                    # again soon while any round is open
+                    # cuts are asked, and our sends end, without a notify: look again soon
+                    # while any round is open
                     self._mean_cond.wait(None if wait is None else min(wait, 0.05))
                 if self._closed:
                     due += [r for _, _, r in self._deadlines]

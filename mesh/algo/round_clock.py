@@ -12,8 +12,9 @@ launches, and the leader every round the trailer launches. No shared wall clock,
 record: the clock travels in the round ids of the payloads themselves.
 
 The leader's side (`lead_limit`): a cell launches no round more than `lead` rounds past the
-newest one a partner launched; it launches the next index after its last instead (one its
-partners will reach), or none this time. Without it, a replica 3x faster than its only partner
+newest one a partner launched; it launches that newest round instead (still open on the
+partner's side: both sides meet in it), or the next after its own last when that is newer and
+within the bound, or none this time. Without it, a replica 3x faster than its only partner
 launches three rounds for each one the partner reaches (two thirds of its rounds waited out
 alone, counted failed); with it, the fast replica averages at the pace of the column, and each
 round it launches is one the partner reaches while it is open. `lead` is what the partner
@@ -75,7 +76,8 @@ def next_round(
     if final_index is not None and base > final_index:
         return None
     if lead is not None and newest_seen >= 0 and base > newest_seen + lead:
-        follow = 0 if last is None else last + 1  # the next index the column will reach
+        # the newest round a partner launched (still open on its side), or the next after ours
+        follow = newest_seen if last is None else max(last + 1, newest_seen)
         if follow > newest_seen + lead:
             return None
         if parts is not None and any((follow - i) % parts == 0 for i in in_flight):

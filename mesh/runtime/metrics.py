@@ -69,7 +69,9 @@ def summarize_run(
     steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
     tokens = tokens_at(cfg, steps)  # one formula with the validation rows (mesh.runtime.evaluate)
     segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
-    last = {k: [r for r in v if not r.get("final")][-1] for k, v in rows.items() if v}
+    # each cell's last update row of this segment (a replica resumed at its last step has none)
+    updates = {k: [r for r in v if not r.get("final")] for k, v in rows.items()}
+    last = {k: v[-1] for k, v in updates.items() if v}
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
     losses = [

@@ -370,9 +370,10 @@ def held_bytes(t, peer, numel: int) -> dict:
     x = tensor(11, (numel,))
     enc = codecs.encode(x, "fp8_e4m3")
     if peer.name == a:
-        handles = [t.send(b, f"held/{i}", Kind.ACTIVATION, enc, i) for i in range(2)]
         outcome = []
-        for h in handles:
+        for i in range(2):  # one after the other: on hivemind two sends in flight take two
+            # streams, and the second could take the room before the first
+            h = t.send(b, f"held/{i}", Kind.ACTIVATION, enc, i)
             try:
                 h.wait(4 * wait)
                 outcome.append(str(getattr(h, "ack", "sent")))

@@ -1,8 +1,9 @@
 """Replicas at different speeds keep averaging (mesh/algo/round_clock.py): real cell processes
 on hivemind, one replica 3x slower than the other. Numbering rounds by its own updates, the
 slow replica would trail by more than a round stays open within a few seconds, and from then
-on no round would land on either side; with the shared round clock it jumps to the leader's
-newest round whenever it falls behind, and its rounds keep landing."""
+on no round would land on either side; with the shared round clock the fast one launches no
+round further ahead than the slow one reaches (and a trailer that falls behind anyway jumps to
+the newest round), and the rounds keep landing on both sides."""
 
 from __future__ import annotations
 
@@ -65,4 +66,7 @@ def test_a_replica_3x_slower_keeps_meeting_the_fast_one(text_file, tmp_path):
     # ... and landed on the fast side too: it launches a round per update, a third of which
     # are the slow one's
     assert f["rounds_applied"] >= 0.8 * s["rounds_applied"], (f, s)
-    assert s["rounds_jumped"] > 0 and f["rounds_jumped"] == 0  # the slow one followed
+    # the column's pace: the fast one launches no round further ahead than the slow one
+    # reaches (the rest of its updates launch none), so few of its rounds are waited out alone
+    assert f["rounds_skipped"] > 0 and f["rounds_jumped"] == 0, f
+    assert f["rounds_failed"] <= 0.1 * f["rounds_started"], f

@@ -74,12 +74,14 @@ def test_resume_falls_back_extends_and_refuses_without_damage(text_file, tmp_pat
     assert "Traceback" not in refused.stderr
     assert (run_dir / "config.toml").read_bytes() == stored
 
-    # one cell's newest checkpoint cut short: the resume falls back to the step before, says so
+    # one cell's newest checkpoint cut short: its replica falls back to the step before, says
+    # so; the other replica resumes where it is (at the end: nothing left for it to train)
     newest = checkpoint_path(run_dir, 1, 0, 8)
     newest.write_bytes(newest.read_bytes()[:2000])
     again = _meshtrain("simulate", "--resume", str(run_dir), cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert "resuming from step 6" in again.stderr and "s1r0 step 8" in again.stderr
+    assert "resuming replica 0 from step 6, replica 1 from step 8" in again.stderr, again.stderr
+    assert "s1r0 step 8" in again.stderr
     assert "Traceback" not in again.stderr
     assert newest.with_name(newest.name + ".bad").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8

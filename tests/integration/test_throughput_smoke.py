@@ -25,6 +25,11 @@ SMALL = [
     "runtime.compute='emulated'", "runtime.forward_ms=5", "runtime.backward_ms=10",
     "runtime.link='wan100'", "runtime.link_latency_ms=5", "runtime.checkpoint_every=0",
     "runtime.timeout_s=60", "runtime.round_timeout_s=30", "pipeline.window='auto'",
+    # rounds at each cell's own updates, each waited for (up to 30 s: past the cells' start-up
+    # skew), so every cell launches every round index and each meets its partner: the byte
+    # counts below are exact. Without it the replica that started first sees its first rounds
+    # cut alone, and the round clock moves the indices: as it should, but not countable here.
+    "dp.strict_tau=true",
 ]  # fmt: skip
 
 
@@ -66,14 +71,15 @@ def test_emulated_grid_summary_has_fraction_of_ideal_and_exact_bytes(text_file, 
     assert summary["bytes"]["pp_per_replica_step"] == pytest.approx(pp / steps, abs=0)
 
     # averaging bytes, exactly: every round of every stage completed, and each sent its frame
-    # (one per other member) in the dp codec over the round's subset
+    # (one per other member, an 8-byte length plus the frame, like any message on a link) in
+    # the dp codec over the round's subset
     assert summary["rounds"]["rounds_failed"] == 0
     dp = 0
     for j in range(2):
         n = sum(p.numel() for p in build_stage(cfg.model, 2, j, cfg.run.seed).parameters())
         for r in range(steps):
             k = len(sparse.subset_indices(cfg.run.seed, j, 0, r, n, 0.05, cfg.dp.selector))
-            dp += _frame(f"stage{j}#{r}", wire.Kind.AVERAGE, (k,), "fp8_e4m3")
+            dp += 8 + _frame(f"stage{j}#{r}", wire.Kind.AVERAGE, (k,), "fp8_e4m3")
     assert summary["bytes"]["dp_per_replica_step"] == pytest.approx(dp / steps, abs=0)
 
 
@@ -84,7 +90,8 @@ def test_bench_harness_writes_summary_and_table(tmp_path):
     base = load_config(
         [],
         [*BENCH_SETS, "grid.stages=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
-         "model.seq_len=32", "runtime.forward_ms=5", "runtime.backward_ms=10"],
+         "model.seq_len=32", "runtime.forward_ms=5", "runtime.backward_ms=10",
+             "dp.max_round_lag_steps=2000"],  # every round launched and met (see SMALL)
     )  # fmt: skip
     grid = Grid("T1", 2, 2, "wan100", ("s1r0=2.0",))
     summary = run_throughput(base, tmp_path, quick=True, grids=(grid,), window_s=1.0)

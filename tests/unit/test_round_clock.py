@@ -89,8 +89,9 @@ def test_a_fast_cell_launches_no_further_ahead_than_its_partner_reaches():
     assert lead_limit(1.0, 12.0, 4.0, NEVER) is None  # strict tau: rounds at own steps
     assert pace([(0.0, 3), (2.0, 11)]) == 4.0
     assert pace([(0.0, 3)]) is None and pace([(1.0, 3), (1.0, 5)]) is None
-    # bounded: past newest_seen + lead it launches the index after its last (one the partner
-    # will reach), or nothing when even that is too far ahead
+    # bounded: past newest_seen + lead it launches the partner's newest round, or the index
+    # after its last when that is newer and within the bound, or nothing
+    assert next_round(30, 4, 9, 12, lead=2) == 9  # its last far behind: meet the partner's newest
     assert next_round(30, 10, 9, 12, lead=2) == 11
     assert next_round(31, 11, 9, 12, lead=2) is None
     assert next_round(31, 11, 10, 12, lead=2) == 12

@@ -22,7 +22,7 @@ from mesh.bench.report import format_table, plot_curves
 from mesh.config import Config, ConfigError, with_overrides
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.evaluate import ValTracker, read_val, tokens_at
-from mesh.runtime.launch import GridRun, Stopped, run_grid
+from mesh.runtime.launch import GridRun, StopRequest, run_grid
 from mesh.runtime.metrics import metrics_offsets, read_metrics, summarize_run
 from mesh.runtime.run_lock import run_lock
 
@@ -82,10 +82,10 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
             if val is not None:
                 val.poll()
 
-        with stop_signals():
+        with stop_signals() as stop:
             run = run_grid(
                 cfg, out, resume=resume, on_progress=on_progress, on_notice=bar.note,
-                replica_steps=point.replica_steps if point is not None else None,
+                replica_steps=point.replica_steps if point is not None else None, stop=stop,
             )  # fmt: skip
         if run.ok:
             bar.goto(cfg.run.steps)
@@ -108,21 +108,18 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise Stopped in the main thread while the grid runs: run_grid stops
-    and saves every cell and reaps them, as on Ctrl-C (a launcher that died of the signal
-    would leave its cells training on, orphaned)."""
-
-    fired = []
+def stop_signals() -> Iterator[StopRequest]:
+    """SIGTERM and SIGHUP request a stop while the grid runs: run_grid stops and saves every
+    cell and reaps them, as on Ctrl-C (a launcher that died of the signal would leave its
+    cells training on, orphaned)."""
+    stop = StopRequest()
 
     def handler(signum: int, frame: object) -> None:
-        if not fired:  # once: a second signal must not cut the stop (and its reaping) short
-            fired.append(signum)
-            raise Stopped(signal.Signals(signum).name)
+        stop.request(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        yield
+        yield stop
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)

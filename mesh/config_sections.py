@@ -322,10 +322,10 @@ class RuntimeConfig(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="simulate: how many times a cell that died (a signal, or out of memory) is "
-        "restarted from its newest checkpoint before the grid stops, saved and resumable; "
-        "torch restarts the whole grid (a gloo world cannot re-admit a rank), each replica from "
-        "the newest step all its cells saved; hivemind restarts the cell alone",
+        description="simulate on torch: how many times the grid starts again after a cell "
+        "died (a signal, or out of memory), each replica from the newest step all its cells "
+        "saved (a gloo world cannot re-admit a rank), before it stops, saved and resumable; on "
+        "hivemind a dead cell's replica waits for a restart or a join (runtime.rejoin_timeout_s)",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"

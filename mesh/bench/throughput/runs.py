@@ -184,7 +184,9 @@ def run_grid_bench(
             steps = max(MIN_SYNC_STEPS if label == "FullSync" else 10, math.ceil(window_s * ups))
             plan.append((f"w{k}-{label}", c, steps, next_base))
             mpu = microbatches_per_update(c.pipeline.schedule, c.pipeline.microbatches)
-            next_base = (next_base + steps) * mpu  # tags and round ids never repeat
+            # tags and round ids never repeat: the round clock may take a window's round ids
+            # ahead of its updates (a jump to a partner's newest round), so leave room
+            next_base = (next_base + steps) * mpu + steps + 64
     expected = sum(steps / pred["updates_per_s"][c_label(name)] for name, _, steps, _ in plan)
     t0 = time.perf_counter()
     _run_windows(cfg, plan, out, timeout_s=120 + 3 * expected)

@@ -61,6 +61,7 @@ from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
 from comms.throttle import Delivery, LinkSender, LinkShapers, Shaping
+from comms.torchdist.gloo import gloo_group
 from comms.torchdist.mean import MAX_GROUP_NAME, GroupMeans, MeanGroup
 from comms.transport import TransportStats
 from comms.wire import Expect, Kind, Message, Reject
@@ -69,7 +70,6 @@ _TAG_HEAD, _TAG_REST, _TAG_POISON = 1, 2, 3
 _HEAD = 64 << 10  # frame bytes that travel with the length: small frames take one gloo message
 _BYE = -1  # declared length of the goodbye frame (no body)
 _POISON_WAIT = timedelta(milliseconds=1)
-FOREVER = timedelta(days=30)  # waits that must not time out: a timed-out gloo op kills the pair
 
 
 def parse_rendezvous(addr: str) -> tuple[str, int]:
@@ -494,10 +494,3 @@ def _join_all(threads: list, deadline: float) -> bool:
             t.join(max(0.0, deadline - time.monotonic()))
             ok &= not (t.is_alive() if isinstance(t, threading.Thread) else t.alive)
     return ok
-
-
-def gloo_group(store: dist.Store, rank: int, size: int, host: str, timeout: timedelta = FOREVER):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, opts)

@@ -28,8 +28,9 @@ from mesh.runtime.checkpoint import (
     saved_steps,
 )
 from mesh.runtime.emulate import resolve_window
+from mesh.runtime.failure import LOST_NEIGHBOUR, failure_report
 from mesh.runtime.metrics import RowTail
-from mesh.runtime.trainer import LOST_NEIGHBOUR, cell_process_main, failure_report
+from mesh.runtime.trainer import cell_process_main
 
 
 @dataclass

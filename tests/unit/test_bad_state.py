@@ -170,7 +170,7 @@ def test_readers_skip_a_torn_line_and_a_resumed_writer_starts_on_its_own(tmp_pat
 def test_a_cells_failure_report_goes_into_its_reserved_room(tmp_path):
     """A cell takes room for its report at start; a full disk later is still one line, exit 2,
     and the room is the report (no hidden file left)."""
-    from mesh.runtime.trainer import failure_path, reserve_failure_report, write_failure
+    from mesh.runtime.failure import failure_path, reserve_failure_report, write_failure
 
     reserve = reserve_failure_report(tmp_path, 1, 0)
     assert reserve is not None and reserve.stat().st_size > 0

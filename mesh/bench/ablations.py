@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench import simruns
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, load_tuned, method_overrides
 from mesh.config import Config
@@ -90,7 +91,7 @@ def run_ablations(
     base: Config, out: Path, quick: bool, workers: int, seeds: list[int] | None = None
 ) -> dict[str, Any]:
     seeds = seeds or ([0] if quick else [0, 1])
-    budget = {"ablation": 160 if quick else 1600}
+    budget = {"ablation": simruns.QUICK_MICROBATCHES if quick else 1600}
     start = time.perf_counter()
     tuned, _ = (DEFAULT_TUNED, False) if quick else load_tuned()
     tuned_lr = float(tuned["AsyncMesh-fp8"]["optim.lr"])

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench import simruns
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, known_runs, load_tuned, method_overrides
 from mesh.config import Config
@@ -96,7 +97,7 @@ def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int)
     seeds = {"precision": [0, 1], "horizon": [0, 1, 2, 3], "scaling": [0]}.get(study, [0, 1])
     if quick:
         seeds = [0]
-    mbs = 160 if quick else 1600
+    mbs = simruns.QUICK_MICROBATCHES if quick else 1600
     tuned, is_tuned = (DEFAULT_TUNED, False) if quick else load_tuned(CONVERGENCE / "tuning.json")
     ablations = ABLATIONS / "summary.json"
     deep_lr = None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import format_table
+from mesh.bench import simruns
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.methods import METHODS
@@ -166,7 +167,7 @@ def _edge_step(runs: list[dict[str, Any]], arm: str) -> dict[str, Any] | None:
 
 def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
     """The stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
-    budget = 160 if quick else 1600
+    budget = simruns.QUICK_MICROBATCHES if quick else 1600
     path = out / "tuning.json"
     # an earlier tuning's runs, and the study's own (its arms at the tuned settings on the
     # tuning seeds), are reused wherever their config is the same

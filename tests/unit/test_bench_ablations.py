@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from mesh.bench import ablations
+from mesh.bench import ablations, simruns
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
 
@@ -47,7 +47,8 @@ def test_best_lr_is_the_lowest_loss_and_never_a_diverged_run():
 
 
 @pytest.mark.slow
-def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path):
+def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(simruns, "QUICK_MICROBATCHES", 64)  # the table's shape, not its numbers
     base = load_config([], [f"data.path='{text_file}'", "model.n_layers=8", "model.d_model=16",
                             "model.n_heads=2", "model.seq_len=16", "pipeline.microbatch_size=2",
                             "data.val_batches=1"])  # fmt: skip

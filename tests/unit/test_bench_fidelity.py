@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mesh.bench import fidelity, tuning
+from mesh.bench import fidelity, simruns, tuning
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
 
@@ -79,6 +79,7 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     staleness = [{"optim.delay_lr_share": 0.5, "lr_factor": 1.5}]
     monkeypatch.setattr(tuning, "STALENESS_PROBE", staleness)
     monkeypatch.setattr(tuning, "CONFIRM_TOP", 2)
+    monkeypatch.setattr(simruns, "QUICK_MICROBATCHES", 64)
     monkeypatch.setattr(tuning, "EDGE_STEPS", 0)  # test_an_lr_at_the_edge_of_those_tried...
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = tuning.run_tuning(base, tmp_path, quick=True, workers=2)
@@ -131,7 +132,8 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
 
 
 @pytest.mark.slow
-def test_precision_study_writes_its_tables(text_file, tmp_path):
+def test_precision_study_writes_its_tables(text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(simruns, "QUICK_MICROBATCHES", 64)  # the tables' shape, not their numbers
     base = load_config([], [f"data.path='{text_file}'", *SMALL])
     summary = fidelity.run_fidelity(base, "precision", tmp_path, quick=True, workers=2)
     assert {r["method"] for r in summary["runs"]} == {r for r, _, _ in fidelity.PRECISION_ROWS}

@@ -409,3 +409,41 @@ def held_bytes(t, peer, numel: int) -> dict:
         "second_delivered": second,
         "rejects": dict(t.stats.rejects),
     }
+
+
+def stage_round(t, peer, numel: int, fraction: float = 0.05, rounds: int = 2) -> dict:
+    """A llama-1b stage's averaging at its real size: each peer's flat fp32 stage of `numel`
+    values (a deterministic function of the peer's index, so any peer can build another's), the
+    runtime's keyed subset of round r, its values in fp8 through start_mean, the result against
+    the one-process reference mean; peak RSS so a copy of the stage per round would show."""
+    import resource
+
+    from mesh.algo.sparse import subset_indices
+
+    members = peer.groups["stage"]
+
+    def stage_of(k: int) -> torch.Tensor:
+        x = torch.arange(numel, dtype=torch.float32)
+        return x.mul_(1e-7 * (k + 1)).sin_().mul_(0.02)  # ~N(0, 0.02)-sized, no second copy
+
+    mine = stage_of(members.index(peer.name))
+    out: dict = {"rounds": []}
+    for r in range(rounds):
+        idx = subset_indices(7, 1, 0, r, numel, fraction)
+        t0 = time.monotonic()
+        h = t.start_mean("stage", members, r, mine[idx], "fp8_e4m3", peer.timeout_s)
+        res = h.result(peer.timeout_s + 30)
+        round_s = time.monotonic() - t0
+        parts = [codecs.roundtrip(stage_of(k)[idx], "fp8_e4m3") for k in range(len(members))]
+        ref = reference_mean(parts)
+        ok = res.mean is not None
+        out["rounds"].append({
+            "status": res.status.value,
+            "values": idx.numel(),
+            "round_s": round_s,
+            "equal_ref": ok and bool(torch.equal(res.mean, ref)),
+        })  # fmt: skip
+        del parts, ref
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rejects"] = dict(t.stats.rejects)
+    return out

@@ -12,7 +12,7 @@ imports: cli.join, mesh (config, registry), comms.p2p.auth, stdlib.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cli.join import KEY_HINT, JoinError, config_of, key_verdict
 from comms.p2p.auth import Auth
@@ -22,7 +22,6 @@ from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (
     CONFIG_KEY,
     CONFIG_SLOT,
-    Directory,
     Registry,
     RunRecord,
     free_cells,
@@ -30,6 +29,9 @@ from mesh.runtime.registry import (
     pick_run,
     running,
 )
+
+if TYPE_CHECKING:
+    from comms.transport import Directory
 
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
 

@@ -39,11 +39,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from comms.p2p.auth import Auth, signer_of
-from comms.transport import Directory
 from mesh.algo.topology import Cell
+
+if TYPE_CHECKING:  # the protocol only: `join` checks its arguments before torch is imported
+    from comms.transport import Directory
 
 T = TypeVar("T")
 

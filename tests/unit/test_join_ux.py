@@ -342,3 +342,16 @@ def test_a_join_that_lost_its_cell_starts_its_own_command_line_over(monkeypatch,
     assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]])]
     assert os.environ[join.REJOINS_ENV] == "2"
     assert f"s1r0 is held by peer X: {REJOIN_NOTE}" in capsys.readouterr().out
+
+
+def test_join_and_status_check_their_arguments_before_importing_torch():
+    """A mistyped --initial-peers is told in well under a second, not after torch's import
+    (seconds on a loaded box): the commands' modules import neither torch nor hivemind."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cli.join, cli.status; print(sorted({'torch', 'hivemind'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

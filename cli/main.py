@@ -93,7 +93,7 @@ def simulate(
     verify_data: bool,
 ) -> None:
     """Train a whole grid on this machine, every cell its own process, and print a summary."""
-    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps else [])
+    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])
     if resume:
         if backend == "logical":
             raise ConfigError("--resume needs --backend torch or hivemind")

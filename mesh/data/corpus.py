@@ -63,7 +63,10 @@ def shakespeare_documents() -> list[bytes]:
 def file_documents(path: str) -> list[bytes]:
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"data.path = {path!r}: no such file; give a UTF-8 text file")
+        raise DataError(
+            f"data.path = {path!r}: no such file or directory; give a UTF-8 text file, or a "
+            "dataset directory made by `meshtrain data prepare` (it holds manifest.json)"
+        )
     raw = p.read_bytes()
     try:
         raw.decode("utf-8")

@@ -34,6 +34,9 @@ def test_unknown_key_and_bad_grid_exit_2():
     assert res.exit_code == 2 and "did you mean dp.tau" in res.output
     res = runner.invoke(main, ["simulate", "--grid", "four-by-two"])
     assert res.exit_code == 2 and "--grid" in res.output
+    # --steps 0 is a value like any other: refused, not taken for "not given" (300 steps)
+    res = runner.invoke(main, ["simulate", "--steps", "0", "--out", "/nonexistent/never"])
+    assert res.exit_code == 2 and "run.steps" in res.output, res.output
 
 
 def test_the_simulators_noise_instrument_is_refused_by_the_processes(text_file, tmp_path):

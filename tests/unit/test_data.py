@@ -46,7 +46,8 @@ def test_validation_set_is_fixed_and_held_out(text_file):
 
 
 def test_bad_data_paths_are_user_errors(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
+    # the message names both kinds of data.path: a text file and a prepared dataset directory
+    with pytest.raises(DataError, match="no such file.*meshtrain data prepare"):
         load_corpus(str(tmp_path / "missing.txt"), 0.05, 32)
     bad = tmp_path / "bin.txt"
     bad.write_bytes(b"\xff\xfe" * 100)

@@ -18,7 +18,7 @@ from cli.export import export
 from cli.generate import generate
 from cli.options import config_options, resolve_config, run_options, user_errors
 from cli.plan import plan
-from mesh.config import ConfigError
+from mesh.config import Config, ConfigError
 
 BOOTSTRAP_START_S = 60.0  # `meshtrain dht`: p2pd's start retried with backoff this long
 
@@ -127,13 +127,23 @@ def simulate(
     from cli.preflight import check_data
 
     sim = GridSim(cfg, check_data(cfg, verify_data))
-    with progress_bar(cfg.run.steps, "simulate") as bar:
-        result = sim.run(lambda step, loss: bar.update_loss(loss))
-    summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
-    if out:
-        path = Path(out)
+    path = Path(out) if out else None
+    if path is not None:  # a run directory like the cell processes': export and generate read it
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.toml").write_text(cfg.to_toml())
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update_loss(loss)
+        every = cfg.runtime.checkpoint_every
+        if path is not None and every and step % every == 0:
+            save_grid(sim, cfg, path)
+
+    with progress_bar(cfg.run.steps, "simulate") as bar:
+        result = sim.run(on_step)
+    summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
+    if path is not None:
+        if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint
+            save_grid(sim, cfg, path)
         (path / "summary.json").write_text(json.dumps(summary, indent=2))
     headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "pp B/replica/step",
                "dp B/replica/step", "wall s"]  # fmt: skip
@@ -152,6 +162,23 @@ def simulate(
             ]
         ],
     )
+
+
+def save_grid(sim: Any, cfg: Config, out: Path) -> None:
+    """Every cell of a logical run, checkpointed as a cell process saves itself (one file per
+    cell and step, atomically): export, generate and the dashboard read either the same way."""
+    from mesh.runtime.checkpoint import save_cell
+
+    for replica in sim.cells:
+        for cell in replica:
+            if cell.step > 0 and not checkpoint_exists(out, cell):
+                save_cell(cell, cfg.state_fingerprint(), out)
+
+
+def checkpoint_exists(out: Path, cell: Any) -> bool:
+    from mesh.runtime.checkpoint import checkpoint_path
+
+    return checkpoint_path(out, cell.stage, cell.replica, cell.step).is_file()
 
 
 def grid_overrides(grid: str | None) -> list[str]:

@@ -291,3 +291,36 @@ def test_a_llama_1b_export_is_planned_in_shards_from_shapes_alone():
     assert sum(t.nbytes for t in flat) == 4 * sum(stage_param_counts(cfg.model, cfg.grid.stages))
     assert shard_names(3)[0] == "model-00001-of-00003.safetensors"
     assert shard_names(1) == ["model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text_file):
+    """`simulate --backend logical --out DIR` saves every cell at runtime.checkpoint_every and
+    at its end, in the cell processes' format: export gives a model `transformers` loads with
+    the simulator's own logits, generate samples from the run directory; --resume is refused in
+    one line (the simulator does not resume)."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*TINY, *TINY_LLAMA, f"data.path='{text_file}'",
+                                   "runtime.checkpoint_every=2"]]  # fmt: skip
+    args = ["simulate", "--backend", "logical", "--grid", "2x2", "--steps", "5", *sets]
+    res = CliRunner().invoke(main, [*args, "--out", str(run)])
+    assert res.exit_code == 0, res.output
+    for cell in ("0-0", "1-0", "0-1", "1-1"):  # steps 2 and 4 at the interval, 5 at the end
+        saved = sorted(p.name for p in (run / "checkpoints" / cell).glob("step-*.pt"))
+        assert saved == ["step-00000002.pt", "step-00000004.pt", "step-00000005.pt"], saved
+    res = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "hf" / "meshtrain.json").read_text())
+    assert (meta["step"], meta["replica"]) == (5, 0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    _, whole = load_export(tmp_path / "hf")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, whole(x), atol=1e-4, rtol=0)
+    res = CliRunner().invoke(main, ["generate", str(run), "--prompt", "ROMEO:",
+                                    "--max-new-tokens", "8"])  # fmt: skip
+    assert res.exit_code == 0 and "ROMEO:" in res.output, res.output
+    res = CliRunner().invoke(main, ["simulate", "--backend", "logical", "--resume", str(run)])
+    assert res.exit_code == 2 and "--resume needs --backend torch or hivemind" in res.output

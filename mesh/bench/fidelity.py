@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench import simruns
+from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, known_runs, load_tuned, method_overrides
 from mesh.config import Config

@@ -14,7 +14,6 @@ from typing import Any
 
 from mesh.config import Config, with_overrides
 
-
 # A --quick study's budget per run (the full studies' is 1600 microbatches); tests lower it.
 QUICK_MICROBATCHES = 160
 

@@ -22,8 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import format_table
 from mesh.bench import simruns
+from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.methods import METHODS

@@ -101,7 +101,9 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         joins[victim].wait(10)
         at_kill = step(outs[survivor])
         wait_for(lambda: step(outs[survivor]) >= at_kill + 20, 60, "the other replica")
-        wait_for(lambda: "s1r1" in status(maddr)["free"], HANG_S, "the dead peer's claim to expire", 2)
+        wait_for(
+            lambda: "s1r1" in status(maddr)["free"], HANG_S, "the dead peer's claim to expire", 2
+        )
         before = step(outs[partner])
         join("j4")
         outs["j4"] = tmp_path / "j4"

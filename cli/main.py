@@ -64,6 +64,13 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
 @click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / replicas.")
 @click.option("--steps", type=int, default=None, help="Shorthand for run.steps.")
 @click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync.")
+@click.option(
+    "--init-from",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="Start from a Hugging Face LlamaForCausalLM directory's weights (shorthand for "
+    "model.init_from; its config.json gives the model keys).",
+)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
 @click.option(
     "--backend",
@@ -87,6 +94,7 @@ def simulate(
     grid: str | None,
     steps: int | None,
     method: str | None,
+    init_from: str | None,
     out: str | None,
     backend: str | None,
     resume: str | None,
@@ -94,6 +102,8 @@ def simulate(
 ) -> None:
     """Train a whole grid on this machine, every cell its own process, and print a summary."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])
+    if init_from:
+        extra.append(f"model.init_from={json.dumps(str(Path(init_from).resolve()))}")
     if resume:
         if backend == "logical":
             raise ConfigError("--resume needs --backend torch or hivemind")

@@ -127,6 +127,28 @@ class Config(_Section):
         data = {**data, "digest": data.get("digest") or digest}
         return {**tree, "model": {"vocab_size": vocab, **model}, "data": data}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_the_init(cls, tree: Any) -> Any:
+        """model.init_from: the Hugging Face model's config.json gives the model keys a config
+        leaves unset (one it sets must agree), and its weights' digest the run's identity of
+        them (computed once: a run's config.toml carries it)."""
+        from mesh.hf_checkpoint import hf_model_keys, weights_digest
+
+        model = tree.get("model") if isinstance(tree, dict) else None
+        if not isinstance(model, dict) or not model.get("init_from"):
+            return tree
+        path = model["init_from"]
+        theirs = hf_model_keys(path)
+        for key, value in theirs.items():
+            if key in model and model[key] != value:
+                raise ValueError(
+                    f"model.{key} = {model[key]!r}, but model.init_from's config.json has "
+                    f"{value!r}; drop model.{key} (it is taken from there)"
+                )
+        digest = model.get("init_digest") or weights_digest(path)
+        return {**tree, "model": {**theirs, **model, "init_digest": digest}}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         m, g, p = self.model, self.grid, self.pipeline
@@ -229,6 +251,7 @@ class Config(_Section):
         # the digest says what a peer's data holds, not its path (None: hash as before the key)
         del d["data"]["digest" if self.data.digest is None else "path"]
         del d["runtime"]  # how this peer connects is its own business
+        del d["model"]["init_from"]  # a path: init_digest says what the weights are
         if self.dp.codec == "fp32":  # lossless: the feedback changes no number, so no run
             d["dp"]["payload_error_feedback"] = HASHED_AWAY_AT[("dp", "payload_error_feedback")]
         # the index map only picks the coordinates of partition rounds short of everything:

@@ -66,6 +66,15 @@ class ModelConfig(_Section):
     )
     rope_theta: float = Field(10000.0, gt=0, description="llama: rotary embedding base")
     norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm epsilon")
+    init_from: str | None = Field(
+        None,
+        description="a Hugging Face LlamaForCausalLM directory (config.json, safetensors) whose "
+        "weights start the run; the model keys left unset come from its config.json. Every "
+        "peer needs its own copy: the run checks them by init_digest",
+    )
+    init_digest: str | None = Field(
+        None, description="init_from's weights' identity (set from the directory; not a path)"
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -439,7 +448,14 @@ class RuntimeConfig(_Section):
 # Keys added after the first release, by section: left at their defaults they stay out of the
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
-    "model": ("arch", "n_kv_heads", "intermediate_size", "rope_theta", "norm_eps"),
+    "model": (
+        "arch",
+        "n_kv_heads",
+        "intermediate_size",
+        "rope_theta",
+        "norm_eps",
+        "init_digest",  # (init_from, a path, is never hashed)
+    ),
     "pipeline": (
         "weight_prediction",
         "prediction_beta",

@@ -95,6 +95,10 @@ def build_stage(
     module = stage_module(cfg, *stage_layers(cfg, n_stages, stage), stage=stage, boundary=boundary)
     module.to_empty(device="cpu")
     init_parameters(module, cfg, seed)
+    if cfg.init_from:  # a Hugging Face model's weights over the init: this stage's only
+        from mesh.model.hf_import import load_stage
+
+        load_stage(module, cfg.init_from)
     return module
 
 

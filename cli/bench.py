@@ -88,7 +88,7 @@ def bench_convergence(
     dp_only: bool,
     interval_axis: bool,
 ) -> None:
-    """Every baseline at equal tokens on the corpus, 2 seeds, plus the pipeline-only study."""
+    """Every baseline at equal tokens on the corpus, 4 seeds, plus the pipeline-only study (2)."""
     from mesh.bench.convergence import run_convergence, run_lr_sweep
 
     cfg = resolve_config(config_files, overrides)
@@ -274,7 +274,7 @@ def bench_runtime(
     type=click.IntRange(min=1),
     default=3,
     show_default=True,
-    help="Grids to form, one after another (about a minute each on 2 cores).",
+    help="Grids to form, one after another (about 30 s each on 2 cores).",
 )
 def bench_join(out: str, repeats: int) -> None:
     """Joins on 127.0.0.1 (a 2x2 tiny grid): join to training, a killed peer's replacement to

@@ -319,7 +319,7 @@ def join(
     summary's rejects count refused messages by reason (unauthorized: not a run member;
     late / evicted: averaging payloads of a round already done / pushed out of a full mailbox;
     not_finite: NaN or Inf; truncated_stream: a sender stopped mid-message; the full list is
-    in the README, "Rejected messages")."""
+    in docs/faults-and-trust.md, "Rejected messages")."""
     from cli.join import run_join  # light: torch loads only once a cell is claimed
 
     local = resolve_config(config_files, overrides) if config_files else None

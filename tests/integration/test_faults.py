@@ -97,6 +97,9 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
                 120,
                 "the victim to train 10 steps and save a checkpoint",
             )
+            # the other replica trains too before the kill (on a loaded box the replicas form
+            # tens of seconds apart: "keeps training" below presumes it trained)
+            wait_for(lambda: _step(tmp_path, survivor) >= 1, 120, "the other replica to form")
             os.kill(grid.pid(victim), signal.SIGKILL)
             at_kill = _step(tmp_path, survivor)
             # the other replica keeps training while the victim is gone
@@ -294,11 +297,11 @@ def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pat
         "runtime.backend=hivemind",
         "dp.codec=fp32",
         "runtime.round_timeout_s=5",
-        # the replicas form up to a second apart on a loaded box, and unslowed this tiny model
-        # runs its 80 updates in about a second: the first replica would finish before the
-        # second starts. Slowed 8x (3-4 s a run) and with rounds open 100 updates, they overlap
-        # and average
-        "runtime.slowdowns=['s0r0=8', 's0r1=8']",
+        # the replicas form seconds apart on a loaded box, and unslowed this tiny model runs
+        # its 80 updates in about a second: the first replica would finish before the second
+        # starts. Slowed 20x (8-10 s a run; 8x was not enough once at load 4) and with rounds
+        # open 100 updates, they overlap and average
+        "runtime.slowdowns=['s0r0=20', 's0r1=20']",
         "dp.max_round_lag_steps=100",
     ]
     runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_averaging_peer)

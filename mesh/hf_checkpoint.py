@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"  # transformers' names: one file, or shards and their index
+INDEX = "model.safetensors.index.json"  # (meshtrain export writes the same)
 
 
 class HFImportError(ValueError):
@@ -42,14 +42,19 @@ def _config_json(path: Path) -> dict[str, Any]:
 
 
 def hf_model_keys(path: str | Path) -> dict[str, Any]:
-    """model.* keys of a LlamaForCausalLM's config.json; HFImportError for what meshtrain's
-    llama does not compute the same way (biases, rope scaling, another activation)."""
+    """model.* keys of a LlamaForCausalLM directory's config.json (model_keys_of)."""
     p = Path(path)
-    c = _config_json(p)
-    where = f"model.init_from = {str(p)!r}"
+    return model_keys_of(_config_json(p), f"model.init_from = {str(p)!r}")
+
+
+def model_keys_of(c: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """model.* keys of a LlamaForCausalLM's config.json (all but seq_len: a run's context is its
+    own); HFImportError, naming `where`, for what meshtrain's llama does not compute the same
+    way (biases, rope scaling, another activation) or a config.json that lacks a key."""
     if "LlamaForCausalLM" not in (c.get("architectures") or []) and c.get("model_type") != "llama":
         raise HFImportError(
-            f"{where}: not a LlamaForCausalLM (architectures {c.get('architectures')})"
+            f"{where}: not a LlamaForCausalLM (architectures {c.get('architectures')}, "
+            f"model_type {c.get('model_type')!r})"
         )
     unsupported = {
         "hidden_act": (c.get("hidden_act", "silu"), "silu"),
@@ -62,6 +67,8 @@ def hf_model_keys(path: str | Path) -> dict[str, Any]:
             raise HFImportError(f"{where}: {key} = {got!r}; meshtrain's llama has {want!r}")
     try:
         d, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        # the rotary base: v4's rope_theta, or v5's rope_parameters
+        rope = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
         keys = {
             "arch": "llama",
             "vocab_size": int(c["vocab_size"]),
@@ -71,9 +78,7 @@ def hf_model_keys(path: str | Path) -> dict[str, Any]:
             "n_kv_heads": int(c.get("num_key_value_heads") or heads),
             "intermediate_size": int(c["intermediate_size"]),
             "norm_eps": float(c.get("rms_norm_eps", 1e-5)),
-            "rope_theta": float(
-                c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)
-            ),
+            "rope_theta": float(rope),
         }
     except (KeyError, TypeError, ValueError) as e:
         raise HFImportError(f"{where}: config.json lacks or garbles {e}") from None

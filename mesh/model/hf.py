@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from mesh.config import ModelConfig
+from mesh.hf_checkpoint import model_keys_of
 
 # (meshtrain name, HF name): "{}" is a block's index or a projection's letter(s)
 _NAMES = [
@@ -85,19 +86,6 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, An
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The [model] section of a meshtrain config from a LlamaForCausalLM config.json."""
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"config.json: model_type {hf.get('model_type')!r}, not 'llama'")
-    rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    return {
-        "arch": "llama",
-        "vocab_size": hf["vocab_size"],
-        "d_model": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "seq_len": hf["max_position_embeddings"],
-        "norm_eps": hf["rms_norm_eps"],
-        "rope_theta": float(rope),
-    }
+    """The [model] section of a meshtrain config from a LlamaForCausalLM config.json (an
+    export's: its context is max_position_embeddings)."""
+    return {**model_keys_of(hf), "seq_len": hf["max_position_embeddings"]}

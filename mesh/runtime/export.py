@@ -29,6 +29,7 @@ from torch import nn
 
 from mesh.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
 from mesh.errors import CheckpointError
+from mesh.hf_checkpoint import INDEX, WEIGHTS  # transformers' names: one file, or shards
 from mesh.model.build import named_chunks, stage_module, stage_shapes
 from mesh.model.hf import hf_config, hf_name, meshtrain_name, model_config_from_hf
 from mesh.runtime.checkpoint import (
@@ -40,8 +41,6 @@ from mesh.runtime.checkpoint import (
 )
 
 PROVENANCE = "meshtrain.json"  # beside an export: the run's config and where the weights came from
-WEIGHTS = "model.safetensors"  # transformers' names: one file, or shards and their index
-INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as transformers
 

@@ -6,6 +6,7 @@ meshtrain's forward equals transformers' on them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,74 @@ def test_simulate_init_from_trains_from_the_models_weights(tmp_path, text_file):
     a = trained.model.layers[3].mlp.down_proj.weight
     b = theirs.model.layers[3].mlp.down_proj.weight
     assert 0 < float((a - b).abs().max()) < 0.05 * float(b.abs().max()) + 0.01
+
+
+def _load_llama_1b_stage0(path: str) -> dict:
+    """In a fresh process: write stage 0 of 4 of llama-1b (328M values) as the one existing
+    shard of a sharded HF directory whose index names every tensor of the model (the other
+    shards do not exist: a stage that opened one would fail), then build the stage on the meta
+    device and load it; the load's extra peak RSS over the stage's own storage, and checks."""
+    import resource  # noqa: F401 - (Linux: /proc/self is read below)
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from mesh.config import load_config
+    from mesh.model.build import stage_layers, stage_module, stage_shapes
+    from mesh.model.hf import hf_config, hf_name
+
+    def status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    d = Path(path)
+    d.mkdir()
+    m = load_config(["configs/models/llama-1b.toml"], []).model
+    shapes = [stage_shapes(m, 4, j) for j in range(4)]
+    (d / "config.json").write_text(json.dumps(hf_config(m)))
+    weight_map = {hf_name(n): f"model-{j + 1:05d}-of-00004.safetensors"
+                  for j, s in enumerate(shapes) for n in s}  # fmt: skip
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    own = {hf_name(n): torch.full(s, 1e-3 * (k + 1)) for k, (n, s) in enumerate(shapes[0].items())}
+    save_file(own, d / "model-00001-of-00004.safetensors")
+    del own
+    stage = stage_module(m, *stage_layers(m, 4, 0), stage=0)
+    stage.to_empty(device="cpu")
+    for p in stage.parameters():  # its storage touched, as build_stage's init does
+        p.data.zero_()
+    params = sum(p.numel() for p in stage.parameters())
+    largest = max(p.numel() for p in stage.parameters()) * 4
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    read = load_stage(stage, d)
+    extra = status("VmHWM") - before
+    ok = all(float(p.view(-1)[-1]) == pytest.approx(1e-3 * (k + 1))
+             for k, (_, p) in enumerate(stage.named_parameters()))  # fmt: skip
+    return {"params": params, "read": read, "extra": extra, "largest": largest, "ok": ok}
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs /proc/self")
+def test_a_llama_1b_stage_loads_its_own_tensors_one_at_a_time(tmp_path):
+    """The real size: stage 0 of llama-1b (328M values, 1.3 GB) reads only its own shard and
+    holds at most about one tensor beyond its own storage while it loads."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        got = pool.submit(_load_llama_1b_stage0, str(tmp_path / "hf")).result(timeout=400)
+    print(json.dumps(got))
+    assert got["params"] >= 300_000_000 and got["read"] == got["params"] and got["ok"], got
+    assert got["extra"] <= 2 * got["largest"] + 200 * 2**20, got  # not a second stage
+
+
+def test_a_bf16_checkpoint_is_read_into_fp32_parameters(tmp_path):
+    """Most published Llamas are bf16 files: each tensor is read in its dtype and widened."""
+    theirs = hf_model(tmp_path / "fp32")
+    theirs.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    cfg = _cfg(tmp_path / "bf16")
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = theirs.float()(x).logits  # the bf16 weights, widened, computed in fp32
+        torch.testing.assert_close(build_model(cfg.model, 0)(x), ref, atol=1e-4, rtol=0)

@@ -177,18 +177,14 @@ def simulate(
 def save_grid(sim: Any, cfg: Config, out: Path) -> None:
     """Every cell of a logical run, checkpointed as a cell process saves itself (one file per
     cell and step, atomically): export, generate and the dashboard read either the same way."""
-    from mesh.runtime.checkpoint import save_cell
+    from mesh.runtime.checkpoint import checkpoint_path, save_cell
 
+    fingerprint = cfg.state_fingerprint()
     for replica in sim.cells:
-        for cell in replica:
-            if cell.step > 0 and not checkpoint_exists(out, cell):
-                save_cell(cell, cfg.state_fingerprint(), out)
-
-
-def checkpoint_exists(out: Path, cell: Any) -> bool:
-    from mesh.runtime.checkpoint import checkpoint_path
-
-    return checkpoint_path(out, cell.stage, cell.replica, cell.step).is_file()
+        for cell in replica:  # (the end's save after one at the interval: the same file)
+            saved = checkpoint_path(out, cell.stage, cell.replica, cell.step).is_file()
+            if cell.step > 0 and not saved:
+                save_cell(cell, fingerprint, out)
 
 
 def grid_overrides(grid: str | None) -> list[str]:

@@ -23,7 +23,9 @@
 # /tmp/site, meshtrain runs from this checkout (PYTHONPATH; `meshtrain` = `python3 -m cli.main`).
 # Results: results/gpu/ (log.txt, parts.tsv, device.txt, codecs, grids, export, sample,
 # summary.json, nvidia-smi.csv) and results/model-cuda/; with $OUT set (the device tool) also
-# $OUT/summary.md, $OUT/log.txt and $OUT/results.tgz (both folders and the runs' small files).
+# $OUT/summary.md, $OUT/log.txt and $OUT/results.tgz (both folders and the runs' small files;
+# unpack it in the repo root). To rerun some parts after a fix: GPU_CHECK_PARTS="codecs export"
+# with the earlier results/gpu/ in the checkout.
 #
 # GPU_CHECK_DRY=1: the same plumbing on the CPU with tiny models and a few steps (budgets x8),
 # results under /tmp/gpu-check-dry unless GPU_CHECK_RESULTS / GPU_CHECK_RUNS say otherwise
@@ -53,16 +55,21 @@ else
   steps=20 hm_steps=10 microbatch=4
 fi
 res=$root/gpu
-rm -rf "$res" "$root/model-cuda" "$runs"/gpu-*
-mkdir -p "$res" "$runs"
-exec > >(tee "$res/log.txt") 2>&1
+# GPU_CHECK_PARTS="grid-fp8 hivemind": setup and these parts only, added to the results there
+only=${GPU_CHECK_PARTS:-}
+if [ -z "$only" ]; then
+  rm -rf "$res" "$root/model-cuda" "$runs"/gpu-*
+  mkdir -p "$res" "$runs"
+  printf 'part\tbudget_s\twall_s\texit\n' >"$res/parts.tsv"
+fi
+exec > >(tee -a "$res/log.txt") 2>&1
 mt=(python3 -m cli.main)
 export PYTHONUNBUFFERED=1 # the log in the order things happened
-printf 'part\tbudget_s\twall_s\texit\n' >"$res/parts.tsv"
 
 part() { # part NAME BUDGET_S STDOUT_FILE CMD...: CMD under its budget; stdout also to the file
   local name=$1 budget=$(($2 * scale)) file=$3 t0=$SECONDS rc
   shift 3
+  [ -z "$only" ] || [ "$name" = setup ] || [[ " $only " = *" $name "* ]] || return 0
   echo "== $name (budget $budget s)"
   { timeout -k 10 "$budget" "$@" 2>&3 | tee "$file"; } 3>&2
   rc=${PIPESTATUS[0]}

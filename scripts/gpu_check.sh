@@ -57,11 +57,9 @@ fi
 res=$root/gpu
 # GPU_CHECK_PARTS="grid-fp8 hivemind": setup and these parts only, added to the results there
 only=${GPU_CHECK_PARTS:-}
-if [ -z "$only" ]; then
-  rm -rf "$res" "$root/model-cuda" "$runs"/gpu-*
-  mkdir -p "$res" "$runs"
-  printf 'part\tbudget_s\twall_s\texit\n' >"$res/parts.tsv"
-fi
+[ -n "$only" ] || rm -rf "$res" "$root/model-cuda" "$runs"/gpu-*
+mkdir -p "$res" "$runs"
+[ -f "$res/parts.tsv" ] || printf 'part\tbudget_s\twall_s\texit\n' >"$res/parts.tsv"
 exec > >(tee -a "$res/log.txt") 2>&1
 mt=(python3 -m cli.main)
 export PYTHONUNBUFFERED=1 # the log in the order things happened
@@ -190,10 +188,12 @@ summary = {
     "codecs": json.loads((res / "codecs.json").read_text()) if (res / "codecs.json").exists() else None,
 }
 (res / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-print(f"{sum(p['exit'] == '0' for p in parts)} of {len(parts)} parts passed:")
-for p in parts:
+latest = {p["part"]: p for p in parts}  # a GPU_CHECK_PARTS rerun's row replaces the earlier one
+print(f"{sum(p['exit'] == '0' for p in latest.values())} of {len(latest)} parts passed:")
+for p in latest.values():
     print(f"  {p['part']:10s} {p['wall_s']:>4s} s of {p['budget_s']:>4s}  exit {p['exit']}")
+sys.exit(any(p["exit"] != "0" for p in latest.values()))
 PY
+rc=$?
 echo "done: $res/ and $root/model-cuda/"
-grep -qv $'\t0$' <(tail -n +2 "$res/parts.tsv") && exit 1
-exit 0
+exit $rc

@@ -104,10 +104,11 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[StopRequest]:
+def stop_signals(ctrl_c: bool = False) -> Iterator[StopRequest]:
     """SIGTERM and SIGHUP request a stop while the grid runs: run_grid stops and saves every
     cell and reaps them, as on Ctrl-C (a launcher that died of the signal would leave its
-    cells training on, orphaned)."""
+    cells training on, orphaned). ctrl_c: SIGINT requests one too (the logical backend, whose
+    update under way must end before its cells are saved); a second Ctrl-C then interrupts."""
     stop, launcher = StopRequest(), os.getpid()
 
     def handler(signum: int, frame: object) -> None:
@@ -115,9 +116,12 @@ def stop_signals() -> Iterator[StopRequest]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT and stop.signal_name is not None:
+            raise KeyboardInterrupt  # asked twice: stop now, unsaved
         stop.request(signal.Signals(signum).name)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signals = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGINT,) if ctrl_c else ())
+    old = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield stop
     finally:

@@ -82,8 +82,9 @@ def plan(
     from mesh.engine.plan import link_mbps, plan, stage_to_take, stages_that_fit, uplink_by_codec
 
     cells = plan(cfg)
-    gpus = local_gpus()
-    memory, source = memory_to_check(memory_gb, gpus, host_memory_bytes())
+    # a run on runtime.device = cpu trains in this machine's memory, whatever GPU it has
+    gpus = local_gpus() if cfg.runtime.device != "cpu" else []
+    memory, source = memory_to_check(memory_gb, gpus, host_memory_bytes(), cfg.runtime.device)
     take = stage_to_take(cells, memory)
     if as_json:
         rows = []
@@ -122,7 +123,8 @@ def plan(
                      f"{pp:,.0f}", f"{dp:,.0f}"])  # fmt: skip
     print_table(headers, rows)
     click.echo("")
-    for line in memory_answer(cfg, cells, memory, source, on_host=memory_gb is None and not gpus):
+    on_host = memory_gb is None and not gpus
+    for line in memory_answer(cfg, cells, memory, source, on_host=on_host):
         click.echo(line)
     click.echo(f"\nuplink per cell at {tokens_per_s:,.0f} tokens/s by codec (Mbit/s):")
     print_table(
@@ -149,20 +151,24 @@ def host_memory_bytes() -> int:
 
 
 def memory_to_check(
-    memory_gb: float | None, gpus: list[tuple[str, int]], host_bytes: int
+    memory_gb: float | None, gpus: list[tuple[str, int]], host_bytes: int, device: str = "auto"
 ) -> tuple[float, str]:
     """(bytes, where that figure comes from) a cell is checked against: --memory-gb, else this
     machine's GPU (the smallest, as a simulated grid spreads its cells over all of them), else
-    this machine's memory, which is where runtime.device = auto trains when torch sees no GPU."""
+    this machine's memory, which is where runtime.device = auto trains when torch sees no GPU
+    (and runtime.device = cpu always: the caller then passes no GPUs)."""
     if memory_gb is not None:
         return memory_gb * 1e9, f"--memory-gb {memory_gb:g}"
     if gpus:
         name, total = min(gpus, key=lambda g: g[1])
         of = f", the smallest of {len(gpus)}" if len(gpus) > 1 else ""
         return float(total), f"this machine's GPU: {name}, {_gb_short(total)} GB{of}"
+    host = _gb_short(host_bytes)
+    if device == "cpu":
+        return float(host_bytes), f"runtime.device = cpu: this machine's memory, {host} GB"
     return float(host_bytes), (
-        f"no GPU here (torch sees none): assumed this machine's memory, {_gb_short(host_bytes)} "
-        "GB, where runtime.device = auto trains; give --memory-gb G for a GPU's"
+        f"no GPU here (torch sees none): assumed this machine's memory, {host} GB, where "
+        "runtime.device = auto trains; give --memory-gb G for a GPU's"
     )
 
 

@@ -196,6 +196,8 @@ def test_memory_to_check_prefers_the_flag_then_the_smallest_gpu():
     assert memory == 24e9 and source == "this machine's GPU: small, 24 GB, the smallest of 2"
     memory, source = memory_to_check(None, [], 32_000_000_000)
     assert memory == 32e9 and source.startswith("no GPU here")
+    memory, source = memory_to_check(None, [], 32_000_000_000, "cpu")
+    assert memory == 32e9 and source == "runtime.device = cpu: this machine's memory, 32 GB"
 
 
 def test_stage_to_take_is_the_largest_that_fits():

@@ -78,6 +78,11 @@ def simulate_logical(
         where = f"every cell saved; continue with --resume {out}" if out else "nothing saved"
         click.echo(f"stopped ({e.signal_name}) at step {sim.update}: {where}")
         sys.exit(130 if e.signal_name == "SIGINT" else 0)
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, the update under way unsaved
+        click.echo(
+            f"interrupted at step {sim.update}: not saved since the last checkpoint", err=True
+        )
+        sys.exit(130)
     summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
     if out is not None:
         if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint

@@ -130,3 +130,32 @@ def test_resume_refuses_a_damaged_simulator_state_in_one_line(tmp_path, text_fil
     res = CliRunner().invoke(main, ["simulate", "--resume", str(run), "--steps", "6"])
     assert res.exit_code == 2 and "malformed round in flight" in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_ctrl_c_stops_a_logical_run_saved_and_resume_finishes_it(tmp_path, text_file):
+    """A real SIGINT to a running `simulate --backend logical`: it ends after the update under
+    way, every cell saved at that step, exit 130 with one line; --resume then finishes it."""
+    import re
+    import signal
+    import subprocess
+
+    from mesh.bench.join_procs import meshtrain, wait_for
+
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*SETS, f"data.path='{text_file}'"]]
+    proc = meshtrain("simulate", "--backend", "logical", "--steps", "100000", "--out", str(run),
+                     *sets, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        first = checkpoint_path(run, 1, 1, 4)
+        wait_for(first.is_file, 120, "the first checkpoint")  # training is under way
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    step = int(re.search(r"stopped \(SIGINT\) at step (\d+): every cell saved", out).group(1))
+    assert all(checkpoint_path(run, j, i, step).is_file() for j in (0, 1) for i in (0, 1))
+    res = CliRunner().invoke(main, ["simulate", "--resume", str(run), "--steps", str(step + 2)])
+    assert res.exit_code == 0, res.output
+    state = torch.load(checkpoint_path(run, 0, 0, step + 2), weights_only=True)
+    assert state["step"] == step + 2

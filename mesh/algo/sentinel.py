@@ -212,6 +212,66 @@ class Sentinel:
             for (sender, kind), s in sorted(self.streams.items())
         }
 
+    def state(self) -> list[dict[str, object]]:
+        """Every stream's statistics as plain values and tensors (what torch.load(...,
+        weights_only=True) reads back): a simulator's checkpoint keeps them, so a resumed run
+        judges the next tensor as the uninterrupted run would."""
+        return [
+            {"sender": sender, "kind": kind, "seen": s.seen, "accepted": s.accepted,
+             "dropped": s.dropped, "flagged": s.flagged, "mean": dict(s.mean),
+             "slope": dict(s.slope), "deviations": {k: list(d) for k, d in s.deviations.items()},
+             "direction": s.direction, "recent": list(s.recent)}
+            for (sender, kind), s in sorted(self.streams.items())
+        ]  # fmt: skip
+
+    def load_state(self, state: object) -> None:
+        """Replace the streams with `state` (from state()); ValueError, nothing changed, when
+        it is not of that form."""
+        streams = {}
+        for entry in state if isinstance(state, list) else [None]:
+            stats = _stats_of(entry)
+            if stats is None or not isinstance(entry, dict) or entry["kind"] not in FLOORS:
+                raise ValueError("sentinel state: not a list of stream statistics")
+            streams[(entry["sender"], entry["kind"])] = stats
+        self.streams = streams
+
+
+def _stats_of(entry: object) -> SenderStats | None:
+    """One stream's SenderStats from its state() entry, or None when any field is malformed."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("sender"), str):
+        return None
+    counts = [entry.get(k) for k in ("seen", "accepted", "dropped")]
+    floats = [entry.get("mean"), entry.get("slope")]
+    devs, recent, direction = entry.get("deviations"), entry.get("recent"), entry.get("direction")
+    if not (
+        all(isinstance(n, int) and n >= 0 for n in counts)
+        and isinstance(entry.get("flagged"), bool)
+        and all(
+            isinstance(d, dict)
+            and all(k in FEATURES and isinstance(v, float) for k, v in d.items())
+            for d in floats
+        )
+        and isinstance(devs, dict)
+        and all(k in FEATURES and isinstance(v, list) for k, v in devs.items())
+        and all(isinstance(x, float) for v in devs.values() for x in v)
+        and isinstance(recent, list)
+        and all(isinstance(x, bool) for x in recent)
+        and (direction is None or isinstance(direction, torch.Tensor))
+    ):
+        return None
+    seen, accepted, dropped = counts
+    return SenderStats(
+        seen=seen,
+        accepted=accepted,
+        dropped=dropped,
+        flagged=entry["flagged"],
+        mean=dict(entry["mean"]),
+        slope=dict(entry["slope"]),
+        deviations={k: deque(v, maxlen=SCALE_WINDOW) for k, v in devs.items()},
+        direction=None if direction is None else direction.clone(),
+        recent=deque(recent),
+    )
+
 
 # ---- the emulated hostile stage (runtime.pipeline_poison) -------------------------------------
 POISON_MODES = ("scale", "flip", "random")

@@ -310,7 +310,7 @@ class GridSim:
     def run(self, on_step: Callable[[int, float], None] | None = None) -> SimResult:
         cfg, start = self.cfg, time.perf_counter()
         curve, train_curve, diverged = [], [], False
-        for _ in range(cfg.run.steps):
+        while self.update < cfg.run.steps:  # a resumed grid (sim_state.restore) goes on
             try:
                 loss = self.step()
             except CodecError:  # a non-finite payload: the run has diverged

@@ -170,3 +170,22 @@ def test_flagged_senders_travel_in_heartbeats_and_show_in_status():
             "tokens_per_s": 1.0, "heartbeat_age_s": 0.5, "session": 0,
             **stats_json({"flagged": ["s0r1"]})}  # fmt: skip
     assert status_table({"cells": [cell]})[0][0] == "s1r1 (flagged s0r1)"
+
+
+def test_state_round_trips_through_a_weights_only_file(tmp_path):
+    """A logical run's checkpoint keeps its cells' sentinel statistics: read back, the next
+    verdicts are the ones the uninterrupted sentinel gives."""
+    spec = SentinelSpec(warmup=4)
+    hostile = PipelinePoison("scale", 100.0)
+    stream = [x if k < 45 else poisoned(x, hostile, k) for k, x in enumerate(honest_stream(60))]
+    whole, restored = Sentinel(spec), Sentinel(spec)
+    for x in stream[:30]:
+        whole.check("s0r1", "activation", x)
+    torch.save(whole.state(), tmp_path / "s.pt")
+    restored.load_state(torch.load(tmp_path / "s.pt", weights_only=True))
+    later = [whole.check("s0r1", "activation", x) for x in stream[30:]]
+    assert [restored.check("s0r1", "activation", x) for x in stream[30:]] == later
+    assert not all(later) and restored.summary() == whole.summary()
+    for bad in ([{"sender": "s0r1"}], "x", [{**whole.state()[0], "kind": "weights"}]):
+        with pytest.raises(ValueError, match="sentinel state"):
+            restored.load_state(bad)

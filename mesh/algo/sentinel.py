@@ -71,10 +71,11 @@ SCALE_WINDOW = 32
 #   clamp, ALIGN_MIN) less. Never judged above (inf): more aligned than usual is honest.
 INF = math.inf
 FLOORS = {
-    "activation": {"log_rms": (0.05, 0.05), "log_norm": (0.05, 0.05), "align": (0.2, INF)},
-    "gradient": {"log_rms": (0.2, 0.5), "log_norm": (0.12, 0.2), "align": (0.2, INF)},
+    "activation": {"log_rms": (0.05, 0.05), "log_norm": (0.05, 0.05), "align": (0.25, INF)},
+    "gradient": {"log_rms": (0.2, 0.6), "log_norm": (0.12, 0.3), "align": (0.25, INF)},
 }
 MAD_TO_STD = 1.25  # the mean absolute deviation of a normal variable is 0.8 sigma
+LEARN_CLIP = 2.0  # scales: an accepted message's miss is learned clipped at this (see learn)
 SKETCH_DIM = 64  # coordinates a token table keeps per token id
 TABLE_TIME_CONSTANT = 32  # a token id's row: a running mean of its first 32 messages, then EMA
 ALIGN_MIN = 0.01  # alignment is clamped here before its log (a cosine <= 0 has no log)
@@ -252,22 +253,33 @@ def predicted(stats: SenderStats, name: str) -> float:
     return stats.mean[name] + stats.slope.get(name, 0.0) * trend_steps(stats.since)
 
 
+def scale(stats: SenderStats, name: str, kind: str, above: bool) -> float:
+    """A feature's scale on one side of its prediction: 1.25 x its recent mean absolute miss,
+    at least the floor."""
+    devs = stats.deviations.get(name, ())
+    mad = sum(devs) / len(devs) if devs else 0.0
+    return max(MAD_TO_STD * mad, FLOORS[kind][name][above])
+
+
 def z_scores(stats: SenderStats, values: dict[str, float], kind: str) -> dict[str, float]:
     out = {}
     for name in FEATURES:
         if name not in stats.mean or math.isnan(values[name]):
             continue
-        devs = stats.deviations.get(name, ())
-        mad = sum(devs) / len(devs) if devs else 0.0
         miss = values[name] - predicted(stats, name)
-        floor = FLOORS[kind][name][miss > 0]
-        out[name] = abs(miss) / max(MAD_TO_STD * mad, floor)
+        out[name] = abs(miss) / scale(stats, name, kind, miss > 0)
     return out
 
 
-def learn(stats: SenderStats, msg: Message) -> None:
+def learn(stats: SenderStats, msg: Message, kind: str, clip: float = math.inf) -> None:
     """Fold an accepted message into the statistics: its deviations join the scale's window,
-    then the mean moves (a running mean at first, then an EMA), and its tokens' rows move."""
+    then the mean moves (a running mean at first, then an EMA), and its tokens' rows move.
+    After the warm-up each miss is clipped at `clip` scales first (a Huber-like update): an
+    attacked message that slipped in just under the bound moves the statistics by a bounded
+    step, so the next ones are not let in more easily; its token rows are kept out of the
+    table if its alignment was off by more than that. An honest shift is still followed, a
+    bounded step per message."""
+    misaligned = z_scores(stats, msg.values, kind).get("align", 0.0) > clip
     for name in FEATURES:
         x = msg.values[name]
         if math.isnan(x):  # align of a message none of whose ids was seen yet
@@ -279,15 +291,18 @@ def learn(stats: SenderStats, msg: Message) -> None:
             stats.deviations[name] = deque(maxlen=SCALE_WINDOW)
             continue
         guess = predicted(stats, name)
-        stats.deviations[name].append(abs(x - guess))
+        bound = clip * scale(stats, name, kind, x > guess)
+        miss = min(max(x - guess, -bound), bound)
+        stats.deviations[name].append(abs(miss))
         level = stats.mean[name]
-        stats.mean[name] = guess + (x - guess) / min(n, MEAN_TIME_CONSTANT)
+        stats.mean[name] = guess + miss / min(n, MEAN_TIME_CONSTANT)
         slope = stats.slope.get(name, 0.0)
         slope_rate = 1.0 / min(n - 1, SLOPE_TIME_CONSTANT)
         step = (stats.mean[name] - level) / trend_steps(stats.since)  # per step across a gap
         stats.slope[name] = slope + slope_rate * (step - slope)
     assert stats.table is not None
-    stats.table.learn(msg.units, msg.ids, msg.log_norms)
+    if not misaligned:
+        stats.table.learn(msg.units, msg.ids, msg.log_norms)
     stats.accepted += 1
     stats.since = 0
 
@@ -303,7 +318,7 @@ def judge(
     msg = features(x, tokens, stats.table)
     stats.seen += 1
     if stats.accepted < spec.warmup:
-        learn(stats, msg)
+        learn(stats, msg, kind)
         return Verdict(True, {}, warmup=True)
     z = z_scores(stats, msg.values, kind)
     drop = not all(math.isfinite(v) and v <= spec.z_max for v in z.values())
@@ -315,7 +330,7 @@ def judge(
         stats.since += 1
         stats.flagged = stats.flagged or sum(stats.recent) >= spec.flag_drops
     else:
-        learn(stats, msg)
+        learn(stats, msg, kind, LEARN_CLIP)
     return Verdict(not drop, z)
 
 

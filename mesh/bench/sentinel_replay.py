@@ -43,7 +43,7 @@ MID_RUN = [*MID, "pipeline.microbatch_size=8"]  # 512 tokens a microbatch
 MODELS: dict[str, list[str]] = {
     "tiny gpt": TINY_RUN,
     "tiny llama": [*TINY_RUN, "model.arch=llama"],
-    "tiny gpt, 4 stages": [*TINY_RUN, "grid.stages=4"],
+    "tiny gpt 4 stages": [*TINY_RUN, "grid.stages=4"],
     "mid gpt": MID_RUN,
     "mid llama": [*MID_RUN, "model.arch=llama"],
 }

@@ -206,6 +206,27 @@ def test_a_gradient_norm_may_spike_up_further_than_it_may_fall():
     assert z_down / z_up == pytest.approx(up / down)
 
 
+def test_a_message_let_in_near_the_bound_moves_the_statistics_a_bounded_step():
+    """Learning clips each miss at LEARN_CLIP scales and keeps a misaligned message's rows out
+    of the table: noise that slips in once under the bound cannot open the door to the next."""
+    s = Sentinel(SentinelSpec())
+    stream = list(honest_stream(80, "gradient"))
+    for x, ids in stream[:79]:
+        assert s.check("s0r1", "gradient", x, ids)
+    stats = s.streams[("s0r1", "gradient")]
+    x, ids = stream[79]
+    msg = sentinel.features(x, ids, stats.table)
+    scale = sentinel.scale(stats, "align", "gradient", above=False)
+    guess = sentinel.predicted(stats, "align")
+    msg.values["align"] = guess - 7 * scale  # z 7: accepted at z_max 8
+    rows, level = stats.table.rows.clone(), stats.mean["align"]
+    sentinel.learn(stats, msg, "gradient", sentinel.LEARN_CLIP)
+    step = sentinel.LEARN_CLIP * scale / sentinel.MEAN_TIME_CONSTANT
+    assert stats.mean["align"] == pytest.approx(guess - step)
+    assert stats.deviations["align"][-1] == pytest.approx(sentinel.LEARN_CLIP * scale)
+    assert torch.equal(stats.table.rows, rows) and stats.mean["align"] < level
+
+
 def test_the_trend_is_carried_on_damped_while_a_sender_is_dropped():
     assert trend_steps(0) == 1.0
     assert trend_steps(1) == pytest.approx(1 + (1 - 1 / sentinel.SLOPE_TIME_CONSTANT))

@@ -2,42 +2,47 @@
 
 A stage that sends finite garbage (activations or gradients scaled, sign-flipped, or noise)
 passes every wire check. Each receiving stage keeps, per sender and message kind, running
-statistics of two cheap features of every tensor it receives (Sentinel-style, Pluralis,
+statistics of three cheap features of every tensor it receives (Sentinel-style, Pluralis,
 arXiv 2603.03592: running statistics of what crosses a boundary, no recomputation; the
-features are our own):
+features are our own). Two of them are keyed by the microbatch's token ids, which the receiver
+knows (every stage reads the same microbatch from the corpus): the input tokens for an
+activation, the targets for a gradient (`token_keys`), through a `TokenTable` per stream.
 
 - `log_rms`: log of the root-mean-square value (a scaled tensor moves it by log(factor));
-- `align`: how well each token's vector points along the running mean of the vectors seen for
-  the same token id (a `TokenTable` per stream): the mean over tokens of that cosine, as a log.
-  Keyed by the microbatch's input token for an activation (a residual stream carries its
-  token: honest cosines ~0.95) and by its target token for a gradient (the loss pulls the
-  hidden state towards the target's output embedding, and that pull survives back through the
-  later stages: ~0.8 in our replays). A sign flip turns the cosine negative, noise to ~0;
-  both are far below any honest message, every message after the warm-up. Only a fall is
-  judged (a message more aligned than usual is what an honest one looks like). The receiver
-  knows the tokens: every stage reads the same microbatch from the corpus.
+- `log_norm`: the mean over tokens of each token's log norm, less what this microbatch's token
+  mix is expected to add (each id's running offset from its messages' mean): the mix and a few
+  spiking tokens no longer count, so it is ~3x tighter than log_rms on honest streams;
+- `align`: the mean over tokens of the cosine between a token's vector and the running mean
+  direction of its id's vectors, as a log. A residual stream carries its token (honest ~0.95);
+  the loss pulls the hidden state towards the target's output embedding, and that pull
+  survives back through the later stages (honest gradients ~0.8 with their targets' running
+  directions). A sign flip turns the cosine negative, noise of the same RMS to ~0: far below
+  any honest message. Only a fall is judged (more aligned than usual is what honest looks like).
 
-Both are one pass over the tensor plus a lookup of B x T rows; vectors wider than SKETCH_DIM
-are first projected to SKETCH_DIM coordinates by a fixed random matrix (cosines survive), so a
-table holds vocab x SKETCH_DIM floats per sender and kind. Each feature's expected value is a
-level and a trend (Holt's linear smoothing: EMAs with MEAN_TIME_CONSTANT and
+Per message: one pass over the tensor, a projection of each token's vector to SKETCH_DIM
+coordinates when it is wider (a fixed random matrix: cosines survive), and a lookup of its B x T
+rows; a table holds vocab x SKETCH_DIM floats per sender and kind. Each feature's expected value
+is a level and a trend (Holt's linear smoothing: EMAs with MEAN_TIME_CONSTANT and
 SLOPE_TIME_CONSTANT messages, running means before that), so an honest drift (norms that shrink
 or grow as training goes) is predicted rather than flagged; its scale is 1.25 x the mean
 absolute miss of that prediction over the last SCALE_WINDOW accepted messages (~ one standard
-deviation for normal data; an honest spike widens it for a while), with a floor per feature so
-a very steady stream does not make the bound hair-trigger. A message's z-score per feature is
-|x - predicted| / scale (align: only x below the prediction).
+deviation for normal data; an honest spike widens it for a while), with a floor per feature and
+side so a steady stream does not make the bound hair-trigger. A message's z-score per feature
+is |x - predicted| / scale.
 
 Verdicts: the first `warmup` messages of a sender are learned and accepted; after that, a
 message with any z-score above `z_max` is dropped. Dropped messages never update the
-statistics, so an attacker cannot drag them. A sender is flagged once `flag_drops` of its last
-`flag_window` verdicts were drops (and stays flagged). A sender hostile from its first message
-defines its own baseline: detection needs an honest warm-up, as Sentinel's does.
+statistics, so an attacker cannot drag them, and while a sender is dropped the trend is carried
+on, damped (`trend_steps`); an accepted one is learned with its miss clipped at LEARN_CLIP
+scales (`learn`). A sender is flagged once `flag_drops` of its last `flag_window` verdicts were
+drops (and stays flagged). A sender hostile from its first message defines its own baseline:
+detection needs an honest warm-up, as Sentinel's does.
 
 An all-zero tensor is the pipeline's "void" marker: the sender's stage dropped that microbatch
 (see `is_void`); it is passed on, never judged and never learned.
 
 Tensors in, verdicts and counts out; the engines keep one `Sentinel` per receiving cell.
+mesh/bench/sentinel_replay.py measures it on replays of real boundary tensors.
 """
 
 from __future__ import annotations
@@ -57,18 +62,19 @@ MEAN_TIME_CONSTANT = 8
 SLOPE_TIME_CONSTANT = 16
 SCALE_WINDOW = 32
 # floors of the scale, per message kind and feature, below and above the prediction: a miss
-# under z_max x floor is never a drop. Set from the honest extremes of real boundary tensors
-# (tiny models, 32 tokens a microbatch: the noisiest streams; scripts/sentinel_replay.py):
-# - log_rms, activation: a norm follows the weights, which move slowly (0.05 at z_max 8:
-#   factors under 1.5x pass however steady the stream); gradient: a gradient's norm follows
-#   its microbatch's loss, which spikes up (honest jumps of 33x in a few tokens) and never
-#   falls far (at most 3.4x): 0.2 below (5x), 0.5 above (55x);
-# - rel_norm, the mean over tokens of the log norm against its id's running one: the token mix
-#   and a few spiking tokens no longer count, so it is 3x tighter: activations as log_rms,
-#   gradients 0.12 below (2.6x; honest at most 1.9x), 0.2 above (5x; honest at most 3.2x);
-# - align: 0.2 below lets an honest message be up to 5x less aligned than predicted (the worst
-#   in the replays: 2.6x); flipped or random ones are 8x (0.1 at 32 tokens) to 100x (the
-#   clamp, ALIGN_MIN) less. Never judged above (inf): more aligned than usual is honest.
+# under z_max x floor is never a drop. Set from the honest extremes in replays of real boundary
+# tensors (mesh/bench/sentinel_replay.py; tiny models with 32 tokens a microbatch have the
+# noisiest streams), with margin:
+# - activations: norms follow the weights, which move slowly: 0.05 (at z_max 8: factors under
+#   1.5x pass however steady the stream; the largest honest misses, 1.5x, came early in
+#   training, while the recent misses made the scale wider than that);
+# - gradients: a gradient's norm follows its microbatch's loss, which spikes up and never falls
+#   far. log_rms: 0.2 below (5x; honest at most 3.4x), 0.6 above (120x; a few tokens of an
+#   honest microbatch spiked it 67x); log_norm: 0.12 below (2.6x; honest at most 1.8x), 0.3
+#   above (11x; honest at most 7.5x, a loss spike at the last boundary);
+# - align: 0.25 below lets an honest message be up to 7x less aligned than predicted (the worst
+#   seen: 4.9x, in that loss spike); noise is ~10x (32 tokens) to 100x (the clamp, ALIGN_MIN)
+#   less, a flip clamped. Never judged above (inf).
 INF = math.inf
 FLOORS = {
     "activation": {"log_rms": (0.05, 0.05), "log_norm": (0.05, 0.05), "align": (0.25, INF)},

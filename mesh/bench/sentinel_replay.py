@@ -12,7 +12,7 @@ attack is not; tests/unit/test_sentinel.py replays a small recording the same wa
 Writes summary.json and table.md: per model and message kind, the clean replay's drops and
 each attack's detection rate with an early onset (update 64, twice the warm-up: what the
 emulator does by default) and a late one (update 160, when the streams have settled).
-About 20 minutes on 2 cores.
+About 11 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mesh.algo.sentinel_state import load_sentinel_state, sentinel_state
 from mesh.engine.cell import Cell
 from mesh.engine.rounds import Round, RoundBook
 
@@ -47,7 +48,7 @@ def cell_extras(sim: GridSim, cell: Cell) -> dict[str, Any]:
     return {
         "version": VERSION,
         "rounds": rounds,
-        "sentinel": None if cell.sentinel is None else cell.sentinel.state(),
+        "sentinel": None if cell.sentinel is None else sentinel_state(cell.sentinel),
         "clipped": cell.clipped,
         "stalled": cell.stalled,
         "distances": list(cell.distances),
@@ -69,14 +70,14 @@ def restore(sim: GridSim, extras: dict[tuple[int, int], Any]) -> None:
     cells = [cell for row in sim.cells for cell in row]
     plans = [_checked(cell, extras.get((cell.stage, cell.replica)), step) for cell in cells]
     grid = _checked_grid(extras[(0, 0)].get("grid"), step)
-    for cell, (rounds, sentinel_state, distances) in zip(cells, plans, strict=True):
+    for cell, (rounds, saved_sentinel, distances) in zip(cells, plans, strict=True):
         state = extras[(cell.stage, cell.replica)]
         book: RoundBook = RoundBook(sim.cfg.dp.tau)
         for rnd in rounds:
             book.launch(rnd, None)
         cell.rounds = book
         if cell.sentinel is not None:
-            cell.sentinel.load_state(sentinel_state)
+            load_sentinel_state(cell.sentinel, saved_sentinel)
         cell.clipped, cell.stalled = state["clipped"], state["stalled"]
         cell.distances.clear()
         cell.distances.extend(distances)

@@ -98,14 +98,14 @@ def test_garbage_after_the_warm_up_is_dropped_and_its_sender_flagged(mode, kind)
 @pytest.mark.parametrize(
     ("mode", "kind"),
     [
-        ("scale:2", "activation"),
-        ("scale:0.5", "activation"),
+        ("scale:3", "activation"),
+        ("scale:0.33", "activation"),
         ("scale:100", "gradient"),
         ("scale:0.01", "gradient"),
     ],
 )
 def test_a_scale_near_the_bound_is_dropped_and_flagged_until_followed(mode, kind):
-    """A steady scaled stream within reach of the bound (x2 against an activation's floor; x100
+    """A steady scaled stream within reach of the bound (x3 against an activation's floor; x100
     against these synthetic gradients, which jitter 0.3 in log norm per message) is dropped and
     its sender flagged; after FOLLOW_AFTER drops in a row the level follows it by FOLLOW_RATE
     a message (an honest stream would look the same), so it may be let in later."""

@@ -294,6 +294,8 @@ class SenderStats:
     table: TokenTable | None = None  # per token id: the running direction
     recent: deque[bool] = field(default_factory=deque)  # last verdicts, True = dropped
     since: int = 0  # messages dropped since the last accepted one
+    # per norm feature: its value in the first message of the current run of drops
+    streak: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -376,17 +378,21 @@ def follow(stats: SenderStats, msg: Message, kind: str, z_max: float) -> None:
     """Fold in what a dropped message whose directions are its sender's can safely teach (once
     FOLLOW_AFTER of them in a row were dropped): its
     tokens' rows, and a step of each norm feature's level towards it of at most FOLLOW_RATE
-    (a tenth of it when the miss is beyond FOLLOW_Z x z_max scales; the scale and the trend are
-    left as they are, the trend goes on damped, see trend_steps). An honest stream the
-    statistics lost while its messages were dropped is caught up with, so an honest sender is
-    not dropped for good."""
+    (a tenth of it when the miss is beyond FOLLOW_Z x z_max scales) plus the drift per message
+    of the dropped run itself away from the prediction (since its first message, `streak`):
+    an honest stream that drifts on while it is dropped is caught up with at FOLLOW_RATE a
+    message however fast it drifts, so an honest sender is not dropped for good; a steady scaled
+    stream does not drift. The scale and the trend are left as they are (the trend goes on
+    damped, see trend_steps)."""
     for name in FEATURES:
         x = msg.values[name]
         if name in DIRECTIONS or name not in stats.mean or math.isnan(x):
             continue
         miss = x - predicted(stats, name)
         near = abs(miss) <= FOLLOW_Z * z_max * scale(stats, name, kind, miss > 0)
-        step = FOLLOW_RATE if near else FOLLOW_RATE / 10
+        drift = (x - stats.streak.get(name, x)) / max(1, stats.since)
+        away = max(0.0, drift if miss > 0 else -drift)
+        step = (FOLLOW_RATE if near else FOLLOW_RATE / 10) + away
         stats.mean[name] += min(max(miss, -step), step)
     assert stats.table is not None
     stats.table.learn(msg.units, msg.ids, msg.log_norms)
@@ -418,6 +424,8 @@ def judge(
     while len(stats.recent) > spec.flag_window:
         stats.recent.popleft()
     if drop:
+        if stats.since == 0:
+            stats.streak = {k: v for k, v in msg.values.items() if k not in DIRECTIONS}
         if stats.since >= FOLLOW_AFTER and all(
             z.get(name, 0.0) <= spec.z_max for name in DIRECTIONS
         ):

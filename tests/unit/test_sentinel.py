@@ -151,6 +151,24 @@ def test_an_honest_level_change_is_caught_up_with_not_locked_out():
     assert got[back:].count(False) <= 3 and all(got[-150:])  # at the edge a while, then in
 
 
+def test_a_stream_that_drifts_on_while_dropped_is_caught_up_with():
+    """Out of the bound and drifting further (0.003 a message): follow's step covers the run's
+    own drift, so the gap still closes by FOLLOW_RATE a message (without it: by 0.002)."""
+    bound = SentinelSpec().z_max * FLOORS["activation"]["log_rms"][1]
+    s = Sentinel(SentinelSpec())
+    got = [
+        s.check("s0r1", "activation", x * math.exp(1.1 * bound + 0.003 * (k - 64)), ids)
+        if k >= 64
+        else s.check("s0r1", "activation", x, ids)
+        for k, (x, ids) in enumerate(honest_stream(300))
+    ]
+    assert not any(got[64:66])
+    back = got.index(True, 64)
+    gap = 0.1 * bound + 0.003 * sentinel.FOLLOW_AFTER  # beyond the bound when follow starts
+    assert back - 64 <= sentinel.FOLLOW_AFTER + gap / sentinel.FOLLOW_RATE + 8
+    assert got[back:].count(False) <= 3 and all(got[-100:])
+
+
 def test_follow_steps_slowly_towards_a_jump_and_faster_near_the_bound():
     """Beyond FOLLOW_Z x z_max scales a dropped message moves a level a tenth of FOLLOW_RATE:
     a jump (a scaled stream) stays out long; nearer, FOLLOW_RATE."""

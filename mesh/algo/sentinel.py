@@ -42,10 +42,11 @@ is learned with its miss clipped at LEARN_CLIP scales (`learn`). A dropped one i
 so an attacker cannot drag the statistics; but once FOLLOW_AFTER messages of a sender in a row
 were dropped, each further dropped one whose directions are its sender's (align and coherence
 within the bound: not a flip, not noise) has its tokens' rows learned and moves the levels of
-log_rms and log_norm towards it by a bounded step (`follow`). An honest stream the statistics
-lost (one that drifted on while its messages were dropped) is caught up with and let in again,
-so no honest sender is locked out for good; a flipped or noisy stream never moves them; a
-scaled one moves them slowly (a jump: a tenth of the step), so it stays dropped for long. The
+log_rms and log_norm towards it by a bounded step plus the dropped run's own drift (`follow`).
+An honest stream the statistics lost (one that drifted on while its messages were dropped) is
+caught up with and let in again, so no honest sender is locked out for good; a flipped or
+noisy stream never moves them; a steady scaled one moves them slowly (a jump: a tenth of the
+step), so it stays dropped for long. The
 trend is carried on damped while a sender is dropped (`trend_steps`). A sender is flagged once
 `flag_drops` of its last `flag_window` verdicts were drops (and stays flagged). A sender
 hostile from its first message defines its own baseline: detection needs an honest warm-up, as

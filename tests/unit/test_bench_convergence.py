@@ -289,3 +289,24 @@ def test_the_table_gives_the_headline_out_of_sample_first(tmp_path):
     assert "+2.00% +- 0.58% [-0.48%, +4.48%]" in table
     verdicts = {name: ok for name, _, ok in targets(runs)}
     assert verdicts["AsyncMesh-fp8 within 1% of FullSync"] is False
+
+
+def test_the_committed_studys_runs_keep_their_configs():
+    """Every committed DP run's config is the one the study builds today (same fingerprint), so
+    the run cache reuses it; a new default that changes the numbers must not slip past it (the
+    pipeline sentinel is a [runtime] key, outside the fingerprint: the studies pin it off)."""
+    from pathlib import Path
+
+    from mesh.bench.convergence import _dp_spec
+    from mesh.bench.tuning import load_tuned
+
+    out = Path(__file__).resolve().parents[2] / "results" / "convergence"
+    tuned, is_tuned = load_tuned(out / "tuning.json")
+    assert is_tuned
+    base = load_config()
+    runs = [r for r in json.loads((out / "summary.json").read_text())["runs"] if r["study"] == "dp"]
+    assert runs
+    for r in runs:
+        cfg = spec_config(base, _dp_spec(r["method"], r["seed"], tuned=tuned), r["microbatches"])
+        assert cfg.fingerprint() == r["config_fingerprint"], (r["method"], r["seed"])
+        assert cfg.runtime.sentinel is False

@@ -69,6 +69,10 @@ def main() -> None:
     variants = [(BASELINE, "AsyncMesh-fp8", {})]
     variants += [(name, "AsyncMesh-fp8", change) for name, change in CANDIDATES.items()]
     study, specs, budget = study_variants(out, "candidates", variants, tune_on)
+    # candidate by candidate (both tuning seeds of one before the next): a stopped run has
+    # whole candidates
+    order = [name for name, _, _ in variants]
+    specs.sort(key=lambda s: order.index(s.method))
     runs = run_specs(base, specs, budget, Path("runs/candidates"), a.workers, "candidates", known)
     tuning = _losses(runs)
     evaluated: dict[str, dict[int, float]] = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
     """The issue's convergence targets: (name, measured, met). The DP ones are judged on the
     means over the study's seeds, as the targets read, and carry the paired 95% interval."""
     dp, pp = _by_method(runs, "dp"), _by_method(runs, "pp")
-    m = {k: _mean(v) for k, v in {**dp, **pp}.items()}
+    # a method not run (a study stopped part way) is nan: its targets read "no result"
+    m = defaultdict(lambda: math.nan, {k: _mean(v) for k, v in {**dp, **pp}.items()})
     out: list[tuple[str, str, bool | None]] = []
 
     def check(name: str, measured: str, ok: bool) -> None:
@@ -52,7 +54,7 @@ def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
         iv = paired_interval(dp.get(a, {}), dp.get(b, {}), relative=pct)
         return f"{fmt_interval(iv, pct)}, {len(iv.diffs)} seeds" if iv else "n/a"
 
-    fs, am8, am = m.get("FullSync"), m.get("AsyncMesh-fp8"), m.get("AsyncMesh")
+    fs, am8, am = m["FullSync"], m["AsyncMesh-fp8"], m["AsyncMesh"]
     check(
         "AsyncMesh-fp8 within 1% of FullSync",
         f"{am8:.4f} vs {fs:.4f}: {interval('AsyncMesh-fp8', 'FullSync', pct=True)}",
@@ -68,7 +70,8 @@ def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
         f"{am:.4f} vs {m['DeltaRule']:.4f}: {interval('AsyncMesh', 'DeltaRule')}",
         am < m["DeltaRule"],
     )
-    b = {r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"}
+    b = defaultdict(lambda: math.nan)
+    b.update({r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"})
     check(
         "AsyncMesh-fp8 averaging bytes <= 1/64 of FullSync",
         f"1/{b['FullSync'] / b['AsyncMesh-fp8']:.1f}",

@@ -310,3 +310,12 @@ def test_the_committed_studys_runs_keep_their_configs():
         cfg = spec_config(base, _dp_spec(r["method"], r["seed"], tuned=tuned), r["microbatches"])
         assert cfg.fingerprint() == r["config_fingerprint"], (r["method"], r["seed"])
         assert cfg.runtime.sentinel is False
+
+
+def test_a_study_stopped_part_way_reports_what_it_has(tmp_path):
+    runs = [r for r in _fake_runs() if r["method"] in ("FullSync", "AsyncMesh-fp8")]
+    write_outputs(_summary(runs), tmp_path)
+    verdicts = {name: ok for name, _, ok in targets(runs)}
+    assert verdicts["AsyncMesh-fp8 within 1% of FullSync"] is False  # 2.05 against 2.00
+    assert verdicts["AsyncMesh better than the delta rule"] is None  # no result
+    assert "**Headline: AsyncMesh-fp8 ends" in (tmp_path / "table.md").read_text()

@@ -48,9 +48,9 @@ def _losses(runs: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
 
 
 def main() -> None:
-    from mesh.bench.convergence import _dp_spec, study_variants
-    from mesh.bench.simruns import read_runs, reuse, run_specs
-    from mesh.bench.tuning import known_runs, load_tuned, tuning_seeds
+    from mesh.bench.convergence import cached_losses, study_variants
+    from mesh.bench.simruns import read_runs, run_specs
+    from mesh.bench.tuning import known_runs, tuning_seeds
     from mesh.config import load_config
 
     ap = argparse.ArgumentParser()
@@ -62,7 +62,6 @@ def main() -> None:
     out, base = Path(a.out), load_config([])
     path = out / "candidates.json"
     saved = json.loads(path.read_text()) if path.is_file() else {"candidates": {}}
-    tuned, _ = load_tuned(out / "tuning.json")
     tune_on = tuning_seeds(out / "tuning.json")
     known = [*known_runs(out / "tuning.json"), *known_runs(out / "summary.json")]
     known += read_runs(out / "runs.partial.jsonl")  # a study under way
@@ -91,10 +90,7 @@ def main() -> None:
         _, specs, budget = study_variants(out, "candidates", picked, seeds)
         evaluated = _losses(run_specs(base, specs, budget, Path("runs/candidates"), a.workers,
                                       "evaluation", known))  # fmt: skip
-    # FullSync on the evaluation seeds, where the study (or its run cache) has it
-    fs_specs = [_dp_spec("FullSync", s, tuned=tuned) for s in seeds]
-    found = reuse(known, fs_specs, base, {"dp": budget["candidates"]})
-    fs = {s.seed: r["val_loss"] for s, r in zip(fs_specs, found, strict=True) if r is not None}
+    fs = cached_losses(base, out, "FullSync", seeds)  # where the study has it
     for name, change in CANDIDATES.items():
         entry = saved["candidates"].setdefault(name, {})
         entry["change"] = change

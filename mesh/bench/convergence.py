@@ -27,7 +27,7 @@ from typing import Any
 
 from mesh.bench.convergence_table import DP_METHODS, write_outputs
 from mesh.bench.report import format_table
-from mesh.bench.simruns import Spec, reuse, run_one, run_specs
+from mesh.bench.simruns import Spec, read_runs, reuse, run_one, run_specs
 from mesh.bench.tuning import (
     DEFAULT_TUNED,
     STUDY_PINS,
@@ -125,6 +125,19 @@ def study_variants(
             ov = {**dict(_dp_spec(method, seed, tuned=tuned).overrides), **change}
             specs.append(Spec(label, name, seed, 1, tuple(ov.items())))
     return study, specs, {label: study["microbatches_per_replica"]["dp"]}
+
+
+def cached_losses(base: Config, out: Path, method: str, seeds: list[int]) -> dict[int, float]:
+    """The study's `method` at its tuned settings on `seeds`, where the study's run cache (its
+    summary.json, a study under way's runs.partial.jsonl, tuning.json) has the run: seed ->
+    final validation loss. Runs nothing (for the scripts that compare against the study)."""
+    tuned, _ = load_tuned(out / "tuning.json")
+    known = [*known_runs(out / "summary.json"), *known_runs(out / "tuning.json")]
+    known += read_runs(out / "runs.partial.jsonl")
+    specs = [_dp_spec(method, seed, tuned=tuned) for seed in seeds]
+    budget = json.loads((out / "summary.json").read_text())["microbatches_per_replica"]
+    found = reuse(known, specs, base, budget)
+    return {s.seed: r["val_loss"] for s, r in zip(specs, found, strict=True) if r is not None}
 
 
 def _dp_spec(

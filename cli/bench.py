@@ -86,6 +86,13 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     "refused where a seed also tuned (tuning.json's seeds, or --tune-seeds with --tune).",
 )
 @click.option(
+    "--methods",
+    default=None,
+    help="The data-parallel methods to run, comma-separated, FullSync and AsyncMesh-fp8 among "
+    "them (default: all); the others keep their runs of summary.json on their own seeds, "
+    "marked in the table as not on the evaluation seeds.",
+)
+@click.option(
     "--tune-seeds",
     default=None,
     help="With --tune: the seeds its stages run on (default 0).",
@@ -114,12 +121,13 @@ def bench_convergence(
     dp_only: bool,
     interval_axis: bool,
     seeds: str | None,
+    methods: str | None,
     tune_seeds: str | None,
     confirm_seeds: str | None,
 ) -> None:
     """Every baseline at equal tokens on the corpus, 8 evaluation seeds the tuning never used,
     plus the pipeline-only study (2 seeds)."""
-    from mesh.bench.convergence import EVAL_SEEDS, run_convergence, run_lr_sweep
+    from mesh.bench.convergence import EVAL_SEEDS, check_methods, run_convergence, run_lr_sweep
     from mesh.bench.tuning import CONFIRM_SEEDS, TUNE_SEEDS, check_held_out
 
     evaluation = parse_seeds(seeds)
@@ -132,6 +140,11 @@ def bench_convergence(
             "--seeds goes with the study or --tune (--interval and --lr-sweep run "
             "on the study's own seeds)"
         )
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    if chosen is not None:
+        if tune or lr_sweep or interval_axis:
+            raise ConfigError("--methods goes with the study (not --tune, --lr-sweep, --interval)")
+        check_methods(chosen)
     if tune:  # the tuning's seeds against the study's evaluation seeds
         check_held_out(
             evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
@@ -156,7 +169,9 @@ def bench_convergence(
         run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
         click.echo((Path(out) / "lr_sweep.md").read_text())
         return
-    run_convergence(cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation)
+    run_convergence(
+        cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
+    )
 
 
 @bench.command("ablations")

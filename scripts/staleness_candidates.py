@@ -5,6 +5,7 @@ one change to the study's tuned AsyncMesh-fp8. They are tuned on the tuning seed
 the study's evaluation seeds against the study's AsyncMesh-fp8, paired by seed.
 
     python3 scripts/staleness_candidates.py [--workers 1]             # all, on the tuning seeds
+    python3 scripts/staleness_candidates.py --tune NAME[,NAME]        # those, on the tuning seeds
     python3 scripts/staleness_candidates.py --evaluate NAME[,NAME]    # those on the study's seeds
 
 Writes candidates.json and candidates.md beside the study's table (the table quotes each
@@ -58,6 +59,12 @@ def main() -> None:
     ap.add_argument("--out", default="results/convergence")
     ap.add_argument("--evaluate", default="", help="comma-separated candidates to evaluate")
     ap.add_argument("--seeds", default="", help="evaluation seeds (default: the study's)")
+    ap.add_argument(
+        "--tune",
+        default="",
+        help="comma-separated candidates to run on the tuning seeds (default: all, none with "
+        "--evaluate; the others keep what runs/candidates has)",
+    )
     a = ap.parse_args()
     out, base = Path(a.out), load_config([])
     path = out / "candidates.json"
@@ -65,8 +72,14 @@ def main() -> None:
     tune_on = tuning_seeds(out / "tuning.json")
     known = [*known_runs(out / "tuning.json"), *known_runs(out / "summary.json")]
     known += read_runs(out / "runs.partial.jsonl")  # a study under way
+    chosen = [n for n in a.evaluate.split(",") if n]
+    tune = [n for n in a.tune.split(",") if n] or ([] if chosen else list(CANDIDATES))
+    unknown = [n for n in [*tune, *chosen] if n not in CANDIDATES]
+    if unknown:
+        names = ", ".join(CANDIDATES)
+        raise SystemExit(f"{','.join(unknown)}: not a candidate ({names})")
     variants = [(BASELINE, "AsyncMesh-fp8", {})]
-    variants += [(name, "AsyncMesh-fp8", change) for name, change in CANDIDATES.items()]
+    variants += [(name, "AsyncMesh-fp8", CANDIDATES[name]) for name in tune]
     study, specs, budget = study_variants(out, "candidates", variants, tune_on)
     # candidate by candidate (both tuning seeds of one before the next): a stopped run has
     # whole candidates
@@ -75,11 +88,6 @@ def main() -> None:
     runs = run_specs(base, specs, budget, Path("runs/candidates"), a.workers, "candidates", known)
     tuning = _losses(runs)
     evaluated: dict[str, dict[int, float]] = {}
-    chosen = [n for n in a.evaluate.split(",") if n]
-    unknown = [n for n in chosen if n not in CANDIDATES]
-    if unknown:
-        names = ", ".join(CANDIDATES)
-        raise SystemExit(f"--evaluate {','.join(unknown)}: not a candidate ({names})")
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else study["seeds"]["dp"]
     seeds = seeds if chosen else []  # (FullSync's evaluation runs are looked up on them)
     if set(seeds) & set(tune_on):
@@ -94,7 +102,7 @@ def main() -> None:
     for name, change in CANDIDATES.items():
         entry = saved["candidates"].setdefault(name, {})
         entry["change"] = change
-        entry["tuning"] = tuning.get(name, {})
+        entry["tuning"] = tuning.get(name, entry.get("tuning", {}))
         if name in evaluated:
             entry["evaluation"] = evaluated[name]
     saved["tuning_seeds"] = tune_on
@@ -121,11 +129,16 @@ def _write_table(saved: dict[str, Any], path: Path, budget: int) -> None:
              fmt_interval(own_gap, pct=True) if own_gap else ""]]  # fmt: skip
     ranked = sorted(
         saved["candidates"].items(),
-        key=lambda kv: sum(kv[1]["tuning"].values()) / max(1, len(kv[1]["tuning"])),
+        key=lambda kv: (
+            sum(kv[1]["tuning"].values()) / len(kv[1]["tuning"]) if kv[1]["tuning"] else 99.0
+        ),
     )
     for name, c in ranked:
         t, e = by_seed(c["tuning"]), by_seed(c.get("evaluation", {}))
         change = ", ".join(f"{k}={v}" for k, v in c["change"].items())
+        if not t:
+            rows.append([name, change, "not run", "", "", ""])
+            continue
         rows.append([
             name,
             change,

@@ -37,7 +37,7 @@ from mesh.bench.tuning import (
     method_overrides,
     tuning_seeds,
 )
-from mesh.config import Config
+from mesh.config import Config, ConfigError
 from mesh.methods import NADAMW_LR
 
 # the headline claim's two arms: run first (a stopped study has its headline on every seed)
@@ -152,11 +152,15 @@ def _dp_spec(
 
 
 def build_specs(
-    seeds: list[int], pp_seeds: list[int] | None = None, tuned: dict[str, Any] | None = None
+    seeds: list[int],
+    pp_seeds: list[int] | None = None,
+    tuned: dict[str, Any] | None = None,
+    methods: list[str] | None = None,
 ) -> list[Spec]:
     """Every run of both studies, the headline's two arms on every seed first; the pipeline
-    study on pp_seeds (default: the same seeds)."""
+    study on pp_seeds (default: the same seeds); the DP study's `methods` (default: all)."""
     order = [*HEADLINE, *(m for m in DP_METHODS if m not in HEADLINE)]
+    order = [m for m in order if methods is None or m in methods]
     specs = [_dp_spec(method, seed, tuned=tuned) for method in order for seed in seeds]
     for seed in seeds if pp_seeds is None else pp_seeds:
         specs += _pp_specs(seed)
@@ -207,6 +211,47 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
     return runs
 
 
+def check_methods(methods: list[str]) -> None:
+    """--methods: known DP methods, the headline's two arms among them (the study's reference
+    and its claim); a ConfigError naming the fix otherwise."""
+    unknown = [m for m in methods if m not in DP_METHODS]
+    if unknown:
+        raise ConfigError(
+            f"--methods {','.join(methods)}: {', '.join(unknown)} is not a data-parallel "
+            f"method (one of {', '.join(DP_METHODS)})"
+        )
+    missing = [m for m in HEADLINE if m not in methods]
+    if missing:
+        raise ConfigError(
+            f"--methods {','.join(methods)}: add {', '.join(missing)} (every gap is to "
+            "FullSync, and the headline is AsyncMesh-fp8's)"
+        )
+
+
+def kept_runs(
+    old: dict[str, Any] | None, seeds: list[int], run: list[str], tuned_on: list[int]
+) -> dict[str, Any]:
+    """The DP runs a study of some of the methods (`run`, on `seeds`) keeps from the previous
+    summary.json, for the methods it did not run: all of that study's DP runs on its own seeds,
+    so a kept method is compared with FullSync and the others there, never across seeds (the
+    table marks them as not on the study's seeds). A previous study of all methods gives its
+    runs on other seeds than `seeds`; one that kept runs passes them on. tuned_on: the seeds
+    that tuned them where the previous summary does not say (it predates the split)."""
+    if old is None or not set(DP_METHODS) - set(run):
+        return {"seeds": [], "tuning_seeds": [], "runs": []}
+    if "kept" in old:
+        runs = old["kept"]["runs"]
+        said = old["kept"].get("tuning_seeds")
+    else:
+        runs = [r for r in old["runs"] if r["study"] == "dp" and r["seed"] not in seeds]
+        said = old.get("tuning_seeds")
+    return {
+        "seeds": sorted({r["seed"] for r in runs}),
+        "tuning_seeds": tuned_on if said is None else said,
+        "runs": runs,
+    }
+
+
 def run_convergence(
     base: Config,
     out: Path,
@@ -214,12 +259,17 @@ def run_convergence(
     workers: int,
     pipeline: bool = True,
     seeds: list[int] | None = None,
+    methods: list[str] | None = None,
 ) -> dict[str, Any]:
     """Both studies, the DP study on `seeds` (default EVAL_SEEDS; a ConfigError where one of
     them tuned the settings the study reads) (pipeline=False: the DP study alone; the pipeline
-    study's runs of the last summary.json are kept as they were, and the table says so)."""
+    study's runs of the last summary.json are kept as they were, and the table says so).
+    methods: the DP methods to run (default all); the others' runs of the last summary.json
+    are kept on their own seeds, with FullSync's there (kept_runs), and the table says so."""
     # the DP methods differ by a few hundredths of a nat, about their seed-to-seed spread
     dp_seeds = seeds or (EVAL_SEEDS[:2] if quick else EVAL_SEEDS)
+    if methods is not None:
+        check_methods(methods)
     # the pipeline study is not tuned (its lrs are fixed, _pp_specs): its seeds stay 0 and 1
     seeds_of = {"dp": dp_seeds, "pp": [0, 1]}
     # microbatches per replica per study; the pipeline study has 2x the runs, so it is shorter
@@ -227,13 +277,14 @@ def run_convergence(
     tuned, is_tuned = load_tuned(out / "tuning.json") if not quick else (DEFAULT_TUNED, False)
     tuned_on = tuning_seeds(out / "tuning.json") if is_tuned else []
     check_held_out(dp_seeds, tuned_on)
-    specs = build_specs(dp_seeds, seeds_of["pp"] if pipeline else [], tuned)
+    specs = build_specs(dp_seeds, seeds_of["pp"] if pipeline else [], tuned, methods)
     # longest first so the pool's tail is short
     specs.sort(key=lambda s: -(2 if s.study == "dp" else 1))
     kept: list[dict[str, Any]] = []
     old = out / "summary.json"
-    if not pipeline and old.is_file():
-        kept = [r for r in json.loads(old.read_text())["runs"] if r["study"] == "pp"]
+    previous = json.loads(old.read_text()) if old.is_file() else None
+    if not pipeline and previous is not None:
+        kept = [r for r in previous["runs"] if r["study"] == "pp"]
     start = time.perf_counter()
     known = known_runs(out / "tuning.json")
     if not quick:  # a run whose config did not change is not run again
@@ -254,6 +305,9 @@ def run_convergence(
         "tokens_per_microbatch": base.tokens_per_microbatch,
         "runs": runs,
     }
+    if methods is not None:
+        # outside "runs": the targets and every reader of the study's runs see its seeds only
+        summary["kept"] = kept_runs(previous, dp_seeds, methods, tuned_on)
     write_outputs(summary, out)
     (out / "runs.partial.jsonl").unlink()
     return summary

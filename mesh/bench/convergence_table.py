@@ -39,10 +39,15 @@ def _mean(vals: dict[int, float]) -> float:
     return statistics.mean(vals.values()) if vals else math.nan
 
 
-def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+def targets(
+    runs: list[dict[str, Any]], kept: dict[str, Any] | None = None
+) -> list[tuple[str, str, bool | None]]:
     """The issue's convergence targets: (name, measured, met). The DP ones are judged on the
-    means over the study's seeds, as the targets read, and carry the paired 95% interval."""
+    means over the study's seeds, as the targets read, and carry the paired 95% interval. A DP
+    target whose methods the study did not run is judged on the kept runs (kept_runs in
+    convergence.py), its measured figure saying on which seeds and that they are in sample."""
     dp, pp = _by_method(runs, "dp"), _by_method(runs, "pp")
+    old = _by_method(kept["runs"], "dp") if kept else {}
     # a method not run (a study stopped part way) is nan: its targets read "no result"
     m = defaultdict(lambda: math.nan, {k: _mean(v) for k, v in {**dp, **pp}.items()})
     out: list[tuple[str, str, bool | None]] = []
@@ -50,26 +55,51 @@ def targets(runs: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
     def check(name: str, measured: str, ok: bool) -> None:
         out.append((name, measured, ok))
 
-    def interval(a: str, b: str, pct: bool = False) -> str:
-        iv = paired_interval(dp.get(a, {}), dp.get(b, {}), relative=pct)
+    def interval(
+        a: str, b: str, pct: bool = False, on: dict[str, dict[int, float]] | None = None
+    ) -> str:
+        on = dp if on is None else on
+        iv = paired_interval(on.get(a, {}), on.get(b, {}), relative=pct)
         return f"{fmt_interval(iv, pct)}, {len(iv.diffs)} seeds" if iv else "n/a"
 
-    fs, am8, am = m["FullSync"], m["AsyncMesh-fp8"], m["AsyncMesh"]
+    fs, am8 = m["FullSync"], m["AsyncMesh-fp8"]
     check(
         "AsyncMesh-fp8 within 1% of FullSync",
         f"{am8:.4f} vs {fs:.4f}: {interval('AsyncMesh-fp8', 'FullSync', pct=True)}",
         am8 <= fs * 1.01,
     )
-    check(
-        "AsyncSPARTA > AsyncMesh + 0.03 nats",
-        f"{m['AsyncSPARTA']:.4f} vs {am8:.4f}: {interval('AsyncSPARTA', 'AsyncMesh-fp8')}",
-        m["AsyncSPARTA"] > min(am8, am) + 0.03,
-    )
-    check(
-        "AsyncMesh better than the delta rule",
-        f"{am:.4f} vs {m['DeltaRule']:.4f}: {interval('AsyncMesh', 'DeltaRule')}",
-        am < m["DeltaRule"],
-    )
+
+    def where(*methods: str) -> dict[str, dict[int, float]] | None:
+        """The study's runs where it has all of `methods`, else the kept runs where they do."""
+        return next((on for on in (dp, old) if all(k in on for k in methods)), None)
+
+    def said(on: dict[str, dict[int, float]], a: str, b: str) -> str:
+        if on is dp:
+            return interval(a, b)
+        return f"{interval(a, b, on=on)} (seeds {_seeds(list(on[a]))}, {_in_sample(kept)})"
+
+    on = where("AsyncSPARTA", "AsyncMesh-fp8")
+    if on is None:
+        check("AsyncSPARTA > AsyncMesh + 0.03 nats", "nan", False)
+    else:  # the margin to the better AsyncMesh (fp8 or fp32, where it ran beside them)
+        best = min(_mean(on[k]) for k in ("AsyncMesh-fp8", "AsyncMesh") if k in on)
+        sparta = _mean(on["AsyncSPARTA"])
+        check(
+            "AsyncSPARTA > AsyncMesh + 0.03 nats",
+            f"{sparta:.4f} vs {_mean(on['AsyncMesh-fp8']):.4f}: "
+            + said(on, "AsyncSPARTA", "AsyncMesh-fp8"),
+            sparta > best + 0.03,
+        )
+    on = where("AsyncMesh", "DeltaRule")
+    if on is None:
+        check("AsyncMesh better than the delta rule", "nan", False)
+    else:
+        am, delta = _mean(on["AsyncMesh"]), _mean(on["DeltaRule"])
+        check(
+            "AsyncMesh better than the delta rule",
+            f"{am:.4f} vs {delta:.4f}: {said(on, 'AsyncMesh', 'DeltaRule')}",
+            am < delta,
+        )
     b = defaultdict(lambda: math.nan)
     b.update({r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"})
     check(
@@ -121,20 +151,27 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
     dp, pp = _by_method(runs, "dp"), _by_method(runs, "pp")
     fs = dp.get("FullSync", {})
     dpb = {r["method"]: r["dp_bytes_per_replica_step"] for r in runs if r["study"] == "dp"}
+    seeds = summary["seeds"]
+    kept = summary.get("kept") or {"runs": []}
+    old = _by_method(kept["runs"], "dp")
+    dpb.update({r["method"]: r["dp_bytes_per_replica_step"] for r in kept["runs"]} | dpb)
     rows = []
-    for method in [m for m in DP_METHODS if m in dp]:
+    for method in [m for m in DP_METHODS if m in dp or m in old]:
+        # a method the study did not run: its kept runs, against FullSync on their seeds
+        vals, ref = (dp[method], fs) if method in dp else (old[method], old.get("FullSync", {}))
+        on = _seeds(seeds["dp"]) if method in dp else f"{_seeds(list(vals))}: {_in_sample(kept)}"
         ratio = dpb[method] / dpb["FullSync"] if dpb.get("FullSync") else math.nan
         rows.append(
             [
                 method,
-                f"{_mean(dp[method]):.4f}",
-                fmt_interval(paired_interval(dp[method], fs)),
-                fmt_interval(paired_interval(dp[method], fs, relative=True), pct=True),
+                on,
+                f"{_mean(vals):.4f}",
+                fmt_interval(paired_interval(vals, ref)),
+                fmt_interval(paired_interval(vals, ref, relative=True), pct=True),
                 f"{dpb[method]:,.0f}",
                 f"{ratio:.4f}",
             ]
         )
-    seeds = summary["seeds"]
     lines = [
         "# Convergence at equal tokens",
         "",
@@ -149,11 +186,18 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         f"## Data-parallel baselines, 4x2 grid, seeds {_seeds(seeds['dp'])}",
         "",
         "Gaps are paired by seed: the mean of the per-seed differences to FullSync, +- its "
-        "standard error, [its 95% t interval].",
+        "standard error, [its 95% t interval]."
+        + (
+            " A method not yet run on the evaluation seeds gives its runs on the seeds they were "
+            "run on, against FullSync's there, and says so: those figures are not out of sample."
+            if old
+            else ""
+        ),
         "",
         format_table(
             [
                 "method",
+                "seeds",
                 "val loss (mean)",
                 "gap to FullSync, nats",
                 "gap to FullSync, %",
@@ -189,11 +233,12 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
             ["target", "measured", "verdict"],
             [
                 [n, s, "no result" if ok is None else ("met" if ok else "MISSED")]
-                for n, s, ok in targets(runs)
+                for n, s, ok in targets(runs, summary.get("kept"))
             ],
         )
     )
-    lines += _missed_reason(runs, out) + _candidates(dp, out) + _sparta_at_tau(runs, out)
+    lines += _missed_reason(runs, out) + _candidates(dp, out)
+    lines += _sparta_at_tau(summary, out)
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _plot(runs, "dp", out / "loss.png", "Validation loss at equal tokens, 4x2 grid")
     _plot(runs, "pp", out / "pipeline.png", "Pipeline axis (1 replica): validation loss")
@@ -205,6 +250,18 @@ def _seeds(seeds: list[int]) -> str:
     if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
         return f"{seeds[0]}-{seeds[-1]}"
     return ", ".join(map(str, seeds))
+
+
+def _in_sample(kept: dict[str, Any] | None) -> str:
+    """How the kept runs' seeds stand to the tuning: `tuning seeds 0, 1 among them`."""
+    tuned_on = sorted(set((kept or {}).get("tuning_seeds", [])) & set(_kept_seeds(kept)))
+    if not tuned_on:
+        return "not the evaluation seeds"
+    return f"tuning seeds {_seeds(tuned_on)} among them, in sample"
+
+
+def _kept_seeds(kept: dict[str, Any] | None) -> list[int]:
+    return sorted({r["seed"] for r in (kept or {}).get("runs", [])})
 
 
 def _held_out(summary: dict[str, Any]) -> str:
@@ -348,14 +405,19 @@ def _missed_reason(runs: list[dict[str, Any]], out: Path) -> list[str]:
     ]
 
 
-def _sparta_at_tau(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    """Where AsyncSPARTA trails AsyncMesh by less than the target's 0.03 nats, the same two at
-    another averaging delay (scripts/orderings_at_tau.py writes orderings_tau<N>.json): the
-    margin is what a stale mean costs without the correction, so it grows with tau."""
-    dp = _by_method(runs, "dp")
+def _sparta_at_tau(summary: dict[str, Any], out: Path) -> list[str]:
+    """Where AsyncSPARTA trails AsyncMesh by less than the target's 0.03 nats (on the study's
+    seeds, else on the kept runs'), the same two at another averaging delay
+    (scripts/orderings_at_tau.py writes orderings_tau<N>.json): the margin is what a stale
+    mean costs without the correction, so it grows with tau. Each says its seeds."""
+    dp = _by_method(summary["runs"], "dp")
+    kept = summary.get("kept")
+    if "AsyncSPARTA" not in dp and kept:
+        dp = _by_method(kept["runs"], "dp")
     sparta, am8 = dp.get("AsyncSPARTA", {}), dp.get("AsyncMesh-fp8", {})
     if not sparta or not am8 or _mean(sparta) > _mean(am8) + 0.03:
         return []
+    tuned_on = set(summary.get("tuning_seeds") or (kept or {}).get("tuning_seeds", []))
     lines = []
     for path in sorted(out.glob("orderings_tau*.json")):
         loss = _loss_by_seed(path)
@@ -363,10 +425,16 @@ def _sparta_at_tau(runs: list[dict[str, Any]], out: Path) -> list[str]:
         if gap is not None:
             tau = path.stem.removeprefix("orderings_tau")
             seeds = sorted(gap.diffs)
-            other = "" if seeds == sorted(am8) else f", seeds {_seeds(seeds)}, not this study's"
+            if seeds == sorted(summary["seeds"]["dp"]):
+                on = "the evaluation seeds"
+            elif tuned_on & set(seeds):
+                on = f"tuning seeds {_seeds(sorted(tuned_on & set(seeds)))} among them, in sample"
+            else:
+                on = "not the evaluation seeds"
             lines.append(
                 f"AsyncSPARTA minus AsyncMesh-fp8 at tau {tau}, all else as this study "
-                f"([{path.stem}.md]({path.stem}.md){other}): {fmt_interval(gap)} nats."
+                f"([{path.stem}.md]({path.stem}.md), seeds {_seeds(seeds)}: {on}): "
+                f"{fmt_interval(gap)} nats."
             )
     return ["", *lines] if lines else []
 

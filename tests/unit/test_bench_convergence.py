@@ -304,7 +304,10 @@ def test_the_committed_studys_runs_keep_their_configs():
     tuned, is_tuned = load_tuned(out / "tuning.json")
     assert is_tuned
     base = load_config()
-    runs = [r for r in json.loads((out / "summary.json").read_text())["runs"] if r["study"] == "dp"]
+    summary = json.loads((out / "summary.json").read_text())
+    # the study's runs and those it keeps of methods it has not re-run on its seeds
+    runs = [r for r in summary["runs"] if r["study"] == "dp"]
+    runs += summary.get("kept", {}).get("runs", [])
     assert runs
     for r in runs:
         cfg = spec_config(base, _dp_spec(r["method"], r["seed"], tuned=tuned), r["microbatches"])
@@ -319,3 +322,69 @@ def test_a_study_stopped_part_way_reports_what_it_has(tmp_path):
     assert verdicts["AsyncMesh-fp8 within 1% of FullSync"] is False  # 2.05 against 2.00
     assert verdicts["AsyncMesh better than the delta rule"] is None  # no result
     assert "**Headline: AsyncMesh-fp8 ends" in (tmp_path / "table.md").read_text()
+
+
+def test_a_study_of_some_methods_keeps_the_others_runs_on_their_seeds_and_says_so(tmp_path):
+    from mesh.bench.convergence import kept_runs
+
+    def run(method, seed, loss):
+        return {"study": "dp", "method": method, "seed": seed, "val_loss": loss, "tokens": 100,
+                "dp_bytes_per_replica_step": 1000.0 if method == "FullSync" else 10.0,
+                "curve": []}  # fmt: skip
+
+    # the previous study: every method on seeds 0-3 (0 and 1 tuned), before the seeds were split
+    previous = {"tuned": {"FullSync": {}}, "runs": [
+        run(m, seed, 2.0 + 0.01 * k) for k, m in enumerate(DP_METHODS) for seed in range(4)
+    ] + [{"study": "pp", "method": "P4 async adamw", "seed": 0, "val_loss": 2.5}]}  # fmt: skip
+    run_now = ["FullSync", "AsyncMesh-fp8", "AsyncMesh"]
+    kept = kept_runs(previous, [10, 11], run_now, [0, 1])
+    assert kept["seeds"] == [0, 1, 2, 3] and kept["tuning_seeds"] == [0, 1]
+    assert {r["method"] for r in kept["runs"]} == set(DP_METHODS)  # to compare with there
+    assert len(kept["runs"]) == 4 * len(DP_METHODS)  # not the pipeline study's
+    # a second partial study passes the kept runs on as they were
+    again = kept_runs({"kept": kept, "runs": []}, [10, 11], [*run_now, "DeltaRule"], [5])
+    assert again["runs"] == kept["runs"]
+    assert again["tuning_seeds"] == [0, 1]  # as the kept runs said, not the caller's
+    assert kept_runs(previous, [10], DP_METHODS, [0])["runs"] == []  # all run: none kept
+    assert kept_runs(None, [10], run_now, [0])["runs"] == []
+
+    # the table: the study's rows on its seeds, the kept ones on theirs, marked in sample
+    runs = [run(m, seed, 2.0 + 0.02 * (m != "FullSync") + 0.001 * seed)
+            for m in run_now for seed in (10, 11)]  # fmt: skip
+    summary = _summary(runs) | {"seeds": {"dp": [10, 11], "pp": [0, 1]}, "kept": kept}
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    row = next(ln for ln in table.splitlines() if ln.startswith("| AsyncSPARTA "))
+    assert "0-3: tuning seeds 0, 1 among them, in sample" in row and "+0.0300" in row
+    row = next(ln for ln in table.splitlines() if ln.startswith("| AsyncMesh "))
+    assert "| 10, 11 " in row and "in sample" not in row
+    verdicts = {name: (said, ok) for name, said, ok in targets(runs, kept)}
+    # AsyncSPARTA was not run on the study's seeds: judged on the kept runs, which it says
+    said, ok = verdicts["AsyncSPARTA > AsyncMesh + 0.03 nats"]
+    assert "(seeds 0-3, tuning seeds 0, 1 among them, in sample)" in said and ok is False
+    said, ok = verdicts["AsyncMesh better than the delta rule"]
+    assert "in sample" in said and ok is True  # AsyncMesh 2.04 < DeltaRule 2.06 on seeds 0-3
+    # without kept runs such a target has no result (rather than a cross-seed comparison)
+    verdicts = {name: ok for name, _, ok in targets(runs)}
+    assert verdicts["AsyncSPARTA > AsyncMesh + 0.03 nats"] is None
+    assert verdicts["AsyncMesh-fp8 within 1% of FullSync"] is True
+
+
+@pytest.mark.parametrize(
+    "methods, says",
+    [
+        ("FullSync,AsyncMesh-fp8,Nope", "Nope is not a data-parallel method"),
+        ("FullSync,AsyncSPARTA", "add AsyncMesh-fp8"),
+    ],
+)
+def test_bench_convergence_refuses_unknown_or_headless_methods_in_one_line(tmp_path, methods, says):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    res = CliRunner().invoke(
+        main, ["bench", "convergence", "--out", str(tmp_path), "--methods", methods]
+    )
+    assert res.exit_code == 2, res.output
+    assert says in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "runs.partial.jsonl").exists()

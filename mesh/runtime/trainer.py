@@ -64,6 +64,15 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     return names, groups
 
 
+def cell_links(cfg: Config, stage: int, replica: int) -> list[str]:
+    """The cells a cell talks to: its pipeline neighbours and its stage's column (the torch
+    backend forms a link with each, not with every cell of the grid)."""
+    me = cell_name(stage, replica)
+    nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < cfg.grid.stages]
+    column = [cell_name(stage, i) for i in range(cfg.grid.replicas)]
+    return [c for c in nbrs + column if c != me]
+
+
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
     """What the config asks of a cell's transport beyond names and links: on hivemind, the
     membership token of (run key, config fingerprint) and the DHT mode."""
@@ -86,6 +95,8 @@ def cell_transport(
     hivemind, records carry the membership token of (run key, config fingerprint)."""
     names, groups = grid_names(cfg)
     extra = backend_options(cfg, run_key)
+    if cfg.runtime.backend == "torch":
+        extra["links"] = cell_links(cfg, stage, replica)
     return make_transport(
         cfg.runtime.backend,
         cell_name(stage, replica),

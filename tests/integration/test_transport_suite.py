@@ -136,7 +136,40 @@ def test_shaped_links_follow_the_model(backend: str) -> None:
         assert r["mean_status"] == "ok" and lat / 1e3 <= r["mean_s"], r
 
 
-# ---- torch backend only: in-process checks (no spawn, one-peer worlds) ----
+# ---- torch backend only ----
+
+
+def test_torch_peer_restarted_forms_its_links_again_and_the_others_never_break() -> None:
+    """r2 is killed after a round and started again (a new process: a new incarnation). The
+    survivors see its link lost at once, average among themselves meanwhile (partial rounds,
+    bit-identical to the reference of the two) over a link that never broke, and once r2 is
+    back messages go both ways and a round of all three equals the reference again."""
+    peers = ["r0", "r1", "r2"]
+    victim, survivors = peers[-1], peers[:-1]
+    res = run_peers("torch", peers, {"g": peers}, "scenarios_restart:rejoin", TIMEOUT_S,
+                    faults={victim: ("restart", "before_kill")}, victim=victim)  # fmt: skip
+    digests = set()
+    for name in survivors:
+        r = res[name]
+        assert r["life"] == 1 and r["before"]["status"] == "ok" and r["before"]["equal_ref"], r
+        assert r["victim_gone"] == "lost", r
+        for rnd in r["meanwhile"]:
+            assert rnd["status"] == "partial" and rnd["contributors"] == survivors, rnd
+            assert rnd["equal_ref"], rnd
+        assert r["p2p_meanwhile"] and r["back_ok"], r
+        assert r["after"]["status"] == "ok" and r["after"]["equal_ref"], r["after"]
+        other = next(s for s in survivors if s != name)
+        assert r["links"][other] == {"lives": 1, "closed": ""}, r["links"]  # never broke
+        assert r["links"][victim] == {"lives": 2, "closed": ""}, r["links"]  # formed again
+        digests.add(r["after"]["digest"])
+    v = res[victim]
+    assert v["life"] == 2 and v["incarnation"] == 2 and v["back_ok"], v
+    assert v["after"]["status"] == "ok" and v["after"]["equal_ref"], v["after"]
+    assert v["links"] == {s: {"lives": 1, "closed": ""} for s in survivors}, v["links"]
+    assert digests | {v["after"]["digest"]} == {v["after"]["digest"]}
+
+
+# in-process checks (no spawn, one-peer worlds)
 
 
 def test_torch_single_peer_world_and_close() -> None:

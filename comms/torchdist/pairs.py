@@ -114,9 +114,10 @@ class PairLinks:
         self._watch_wake = threading.Event()
         self.incarnation = 0
 
-    def _open_links(self, store: Any, host: str) -> None:
+    def _open_links(self, store: Any, host: str, needed: set[str]) -> None:
         """Register this incarnation, start the watcher and a thread per link, and wait until
-        every link is formed or its peer has closed (else PeerTimeout at timeout_s)."""
+        every link is formed, or its peer closed and is not needed (else PeerTimeout at
+        timeout_s)."""
         self._store = store
         self._device = gloo_device(host)
         self.incarnation = int(store.add(inc_key(self.me), 1))
@@ -133,11 +134,15 @@ class PairLinks:
             link.receiver.start()
             link.validator.start()
         deadline = time.monotonic() + self.timeout_s
+
+        def settled(link: Link) -> bool:
+            return bool(link.lives or (link.closed and link.name not in needed))
+
         for link in self._links.values():
             with link.cond:
-                while not (link.lives or link.closed) and time.monotonic() < deadline:
+                while not settled(link) and time.monotonic() < deadline:
                     link.cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-        missing = [ln.name for ln in self._links.values() if not (ln.lives or ln.closed)]
+        missing = [ln.name for ln in self._links.values() if not settled(ln)]
         if missing:
             raise PeerTimeout(f"{self.me}: no link to {missing} within {self.timeout_s}s")
 

@@ -107,6 +107,9 @@ class TorchTransport(PairLinks, GroupMeans):
         close_timeout_s: how long close() waits for goodbyes before abandoning threads.
         links: the peers this one talks to (default: every other peer); must hold the other
             members of its groups.
+        needed: the links startup waits for even when that peer closed before (its next
+            process is waited for; default: every link). A link to a peer that closed and is
+            not needed starts closed (PeerLost) and forms when the peer starts again.
         serve_store: peers[0] serves the store at `rendezvous` (False: someone else does,
             e.g. the launcher, and the links can form again after any peer restarts).
     """
@@ -128,6 +131,7 @@ class TorchTransport(PairLinks, GroupMeans):
         mailbox_bytes: int = 1 << 30,
         close_timeout_s: float = 2.0,
         links: list[str] | None = None,
+        needed: list[str] | None = None,
         serve_store: bool = True,
     ) -> None:
         if me not in peers or len(set(peers)) != len(peers):
@@ -135,6 +139,9 @@ class TorchTransport(PairLinks, GroupMeans):
         linked = [p for p in peers if p != me] if links is None else list(links)
         if me in linked or len(set(linked)) != len(linked) or not set(linked) <= set(peers):
             raise ValueError(f"links must be other peers, each once: {links}")
+        needed = linked if needed is None else list(needed)
+        if not set(needed) <= set(linked):
+            raise ValueError(f"needed peers {set(needed) - set(linked)} are not links")
         for g, members in groups.items():
             if len(g.encode()) > MAX_GROUP_NAME or not members or len(set(members)) != len(members):
                 raise ValueError(f"group {g!r}: bad name or members {members}")
@@ -168,7 +175,7 @@ class TorchTransport(PairLinks, GroupMeans):
                 store = self._server = store_server(rz_host, port, wait)
             else:
                 store = store_client(rz_host, port, wait)
-            self._open_links(store, host)
+            self._open_links(store, host, set(needed))
         except BaseException as e:
             self._closed = True
             self._wake_links()

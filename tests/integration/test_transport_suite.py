@@ -12,6 +12,7 @@ from scenarios import ROUND_WAIT_S
 
 from comms import codecs
 from comms.throttle import LinkProfile
+from comms.wire import Expect, Kind
 
 BACKENDS = ["torch", "hivemind"]
 MEAN_ATOL = {"torch": 0.0, "hivemind": 0.0}  # 0: bit-identical to the one-process reference
@@ -226,6 +227,79 @@ def test_torch_startup_deadline_and_bad_arguments() -> None:
             TorchTransport(*args, rz)
     with pytest.raises(ValueError, match="rendezvous"):
         TorchTransport("a", ["a"], {}, "udp://127.0.0.1:1")
+    for links, needed in [(["a", "b"], None), (["b", "b"], None), (["b"], ["c"])]:
+        with pytest.raises(ValueError):
+            TorchTransport("a", ["a", "b", "c"], {}, rz, links=links, needed=needed)
+    with pytest.raises(ValueError, match="no link"):  # a group member it has no link with
+        TorchTransport("a", ["a", "b", "c"], {"g": ["a", "c"]}, rz, links=["b"])
+
+
+def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
+    """In one process, over the launcher-style store (local_rendezvous): b closes. A new peer
+    that needs b waits for b's next process and starts with it; one that does not need b
+    starts at once with b's link closed (PeerLost, its rounds go on without b) and forms it
+    when b comes back. Links are only those asked for."""
+    import threading
+
+    import torch
+
+    from comms.build import local_rendezvous, make_transport
+    from comms.errors import PeerLost
+
+    names = ["a", "b", "c", "d"]
+    x = codecs.encode(torch.arange(4.0), "fp32")
+    with local_rendezvous("torch") as rz:
+
+        def start(me: str, links: list[str], **kw) -> object:
+            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, links=links,
+                                  **rz, **kw)  # fmt: skip
+
+        got: dict[str, object] = {}
+        first = threading.Thread(target=lambda: got.update({"a": start("a", ["b"])}))
+        first.start()
+        b = start("b", ["a"])
+        first.join()
+        a = got["a"]
+        b.close()
+        c = start("c", ["b"], needed=[])  # b closed: c starts at once, without it
+        with pytest.raises(PeerLost, match="peer closed"):
+            c.recv("b", "x", Expect(), TIMEOUT_S)
+        waiting = threading.Thread(target=lambda: got.update({"d": start("d", ["b"])}))
+        waiting.start()  # d needs b: it waits for b's next process
+        b2 = start("b", ["a", "c", "d"])
+        waiting.join()
+        d = got["d"]
+        assert b2.incarnation == 2 and a._links["b"].lives == 2
+        for peer in (a, c, d):  # b's new process talks to each, both ways
+            peer_name = peer.me
+            b2.send(peer_name, "x", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+            assert torch.equal(_recv_when_formed(peer, "b", TIMEOUT_S).tensor(), x.data)
+            peer.send("b", "y", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+            assert torch.equal(b2.recv(peer_name, "y", Expect(), TIMEOUT_S).tensor(), x.data)
+        with pytest.raises(ValueError, match="unknown peer"):
+            a.send("c", "x", Kind.CONTROL, x, 0)  # no link between a and c
+        closing = [threading.Thread(target=t.close) for t in (a, b2, c, d)]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
+
+
+def _recv_when_formed(t, frm: str, timeout_s: float):
+    """A recv on a link that is closed until its peer's new process forms it raises PeerLost
+    at once: ask again until the deadline."""
+    import time
+
+    from comms.errors import PeerLost
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return t.recv(frm, "x", Expect(), max(0.0, deadline - time.monotonic()))
+        except PeerLost:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -238,18 +238,18 @@ class PairLinks:
                         left = int(self._store.add(left_key(link.name), 0))
                         with link.cond:
                             link.seen_inc, link.seen_left = inc, left
-                            stale = link.up and inc > link.inc
+                            stale = link.pair if link.up and inc > link.inc else None
                             link.cond.notify_all()
-                        if stale:  # its old process is gone: wake the receiver, form again
-                            self._poison(link)
+                        if stale is not None:  # its old process is gone: wake the receiver
+                            self._poison(link, stale)
                 self._watch_wake.wait(WATCH_S)
         except Exception:  # noqa: BLE001 - the store is gone: links that are up stay up
             return
 
-    def _poison(self, link: Link) -> None:
-        """Close the link's current pair: a recv that times out closes every pair of its group
-        (here: the one), which wakes a thread blocked on it."""
-        pair = link.pair
+    def _poison(self, link: Link, pair: Any = None) -> None:
+        """Close `pair` (default: the link's current one): a recv that times out closes every
+        pair of its group (here: the one), which wakes a thread blocked on it."""
+        pair = link.pair if pair is None else pair
         if pair is not None:
             with contextlib.suppress(Exception):
                 dummy = torch.empty(1, dtype=torch.int64)
@@ -257,6 +257,8 @@ class PairLinks:
 
     def _leave(self) -> None:
         """Tell the store this incarnation closed: peers stop waiting for it to start."""
+        if not self.incarnation:
+            return
         with contextlib.suppress(Exception):
             key = left_key(self.me)
             self._store.add(key, self.incarnation - int(self._store.add(key, 0)))

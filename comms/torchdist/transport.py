@@ -178,6 +178,7 @@ class TorchTransport(PairLinks, GroupMeans):
             self._open_links(store, host, set(needed))
         except BaseException as e:
             self._closed = True
+            self._leave()
             self._wake_links()
             self._release(stuck=list(self._links.values()))
             if isinstance(e, RuntimeError):  # DistStoreError, DistNetworkError, gloo connect
@@ -264,7 +265,7 @@ class TorchTransport(PairLinks, GroupMeans):
         self._leave()  # the peers' link threads stop waiting for this incarnation
         self._wake_links()
         deadline = time.monotonic() + self.close_timeout_s
-        for link in self._links.values():
+        for link in self._links.values():  # a peer that said goodbye was answered then
             with link.cond:
                 sender = link.sender if link.up else None
             if sender is not None:
@@ -439,13 +440,13 @@ class TorchTransport(PairLinks, GroupMeans):
 
     def _mark_closed(self, link: Link, why: str, life: int | None = None) -> None:
         """No more messages will come from the peer until its next incarnation forms a new
-        pair (a lost pair carries none either way: sends fail at once; after a cut, ours still
-        go); `life`: only if that pair is still the link's current one."""
+        pair; ours fail at once from now on, except after a cut (we stopped reading, the peer
+        did not); `life`: only if that pair is still the link's current one."""
         with link.cond:
             if life is not None and life != link.lives:
                 return
             link.closed = link.closed or why
-            link.up = link.up and not why.startswith("lost")
+            link.up = link.up and why.startswith("broken")
             link.cond.notify_all()
         self._member_lost(link.name, link.closed)
 

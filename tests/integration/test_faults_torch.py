@@ -128,11 +128,11 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
     newest shared checkpoint (said on the console) while replica 0 trains on in the same
     processes, its steps never going back; once replica 1 is back, rounds between the replicas
     are applied again on both sides; every cell reaches the last step, exit 0. Emulated compute
-    4x slower than the default, so replica 0 is still training when replica 1 is back (its
-    start takes ~16 s on a loaded 2-core box; replica 0 has ~60 s of steps left)."""
+    8x slower than the default, so replica 0 is still training when replica 1 is back (its
+    start took 25 s on a 2-core box at load 20; replica 0 has about twice that left)."""
     out = tmp_path / "run"
-    steps = 300
-    pace = ("runtime.compute='emulated'", "runtime.forward_ms=40", "runtime.backward_ms=80")
+    steps = 200
+    pace = ("runtime.compute='emulated'", "runtime.forward_ms=80", "runtime.backward_ms=160")
     proc = subprocess.Popen(_cmd(out, steps, *_sets(*pace)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:

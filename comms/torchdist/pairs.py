@@ -51,6 +51,9 @@ from comms.wire import Message
 
 WATCH_S = 0.2  # how often a watcher polls the store for new or departed incarnations
 HANDSHAKE_POLL_S = 0.05  # how often a forming link looks for the other side's `here`
+# once a peer's process is there, the most its pair may take to form at our start (a handshake
+# and a gloo connect: seconds on a 2-core box at load 40, where 3 s were not always enough)
+FORM_S = 60.0
 POISON_WAIT = timedelta(milliseconds=1)
 TAG_POISON = 3
 END = ("end", 0, None)  # the last item of a link's validator
@@ -92,6 +95,7 @@ class Link:
     tried: int = 0  # the newest incarnation of the peer a pair was tried with
     up: bool = False  # the current pair carries messages
     lives: int = 0  # pairs formed with this peer so far
+    receiving: bool = False  # a recv was posted on a pair (sends to us can complete)
     seen_inc: int = 0  # the peer's newest incarnation (the watcher's reading)
     seen_left: int = 0  # the newest incarnation of the peer that closed
 
@@ -116,8 +120,8 @@ class PairLinks:
 
     def _open_links(self, store: Any, host: str, needed: set[str]) -> None:
         """Register this incarnation, start the watcher and a thread per link, and wait until
-        every link is formed, or its peer closed and is not needed (else PeerTimeout at
-        timeout_s)."""
+        every link is formed, or its peer closed and is not needed: PeerTimeout when a peer's
+        process is not there within timeout_s, or its pair not formed FORM_S after that."""
         self._store = store
         self._device = gloo_device(host)
         self.incarnation = int(store.add(inc_key(self.me), 1))
@@ -133,18 +137,25 @@ class PairLinks:
             )
             link.receiver.start()
             link.validator.start()
-        deadline = time.monotonic() + self.timeout_s
 
-        def settled(link: Link) -> bool:
-            return bool(link.lives or (link.closed and link.name not in needed))
+        def settled(link: Link) -> bool:  # its messages can come in: a recv is posted
+            return link.receiving or bool(link.closed and link.name not in needed)
 
-        for link in self._links.values():
-            with link.cond:
-                while not settled(link) and time.monotonic() < deadline:
-                    link.cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-        missing = [ln.name for ln in self._links.values() if not settled(ln)]
-        if missing:
-            raise PeerTimeout(f"{self.me}: no link to {missing} within {self.timeout_s}s")
+        def started(link: Link) -> bool:  # a process of it is there (or it closed, not needed)
+            return settled(link) or link.seen_inc > link.seen_left
+
+        for ready, wait_s, what in [
+            (started, self.timeout_s, "did not start"),
+            (settled, FORM_S, "formed no pair with us"),
+        ]:
+            deadline = time.monotonic() + wait_s
+            for link in self._links.values():
+                with link.cond:
+                    while not ready(link) and time.monotonic() < deadline:
+                        link.cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            missing = [ln.name for ln in self._links.values() if not ready(ln)]
+            if missing:
+                raise PeerTimeout(f"{self.me}: {missing} {what} within {wait_s}s")
 
     def _link_loop(self, link: Link) -> None:
         try:
@@ -222,6 +233,15 @@ class PairLinks:
         if old is not None:
             old.finish(drop_pending=True)
         return True
+
+    def _receiving(self, link: Link) -> None:
+        """The link's thread posted a recv: a start may end (a peer's send completes only once
+        our recv is posted: a process frozen right after its start, with none posted, would
+        hold the others' first sends)."""
+        if not link.receiving:
+            with link.cond:
+                link.receiving = True
+                link.cond.notify_all()
 
     def _sender_lost(self, link: Link, life: int, error: BaseException) -> None:
         self._mark_closed(link, f"lost: {error}", life)

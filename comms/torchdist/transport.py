@@ -98,8 +98,9 @@ class TorchTransport(PairLinks, GroupMeans):
         peers: every peer's name, in rank order (peers[0] serves the store if serve_store).
         groups: averaging group name -> member names (order = summation order).
         rendezvous: "tcp://HOST:PORT" of the TCPStore (loopback in tests).
-        timeout_s: startup deadline: a pair with every linked peer must form within it (else
-            PeerTimeout), unless that peer already closed; also bounds building a pair group.
+        timeout_s: startup deadline: every linked peer's process must be there within it
+            (else PeerTimeout), unless it closed and is not needed (then each pair has
+            pairs.FORM_S to form); also bounds building a pair group.
         shaping: per-destination LinkProfile dict, one profile for every link, or None.
         max_message_bytes: largest declared p2p frame accepted (checked before allocating).
         host: address gloo binds and announces for its pairs.
@@ -340,7 +341,9 @@ class TorchTransport(PairLinks, GroupMeans):
         try:
             while True:
                 head = torch.zeros(8 + _HEAD, dtype=torch.uint8)  # zeros: short sends read 0s
-                pair.recv([head], link.peer_rank, _TAG_HEAD).wait(FOREVER)
+                posted = pair.recv([head], link.peer_rank, _TAG_HEAD)
+                self._receiving(link)
+                posted.wait(FOREVER)
                 n = int(head[:8].view(torch.int64).item())
                 if n == _BYE:
                     item = ("bye", 8, None)

@@ -383,11 +383,19 @@ def bench_optimizers(
     show_default=True,
     help="auto: cuda when present.",
 )
+@click.option(
+    "--preset",
+    "presets",
+    multiple=True,
+    type=click.Choice(["tiny", "llama-20m", "llama-160m", "llama-1b"]),
+    help="Only these models (repeatable; default llama-20m and llama-160m, --quick llama-20m; "
+    "llama-1b wants a GPU).",
+)
 @user_errors
-def bench_model(quick: bool, out: str, device: str) -> None:
-    """Per stage of llama-20m and llama-160m, fp32 and bf16: a cell's forward+backward against a
-    plain torch loop over the same layers, tokens/s, FLOP/s (MFU on CUDA) and peak memory
-    against `meshtrain plan`."""
+def bench_model(quick: bool, out: str, device: str, presets: tuple[str, ...]) -> None:
+    """Per stage of llama-20m and llama-160m (or --preset), fp32 and bf16: a cell's
+    forward+backward against a plain torch loop over the same layers, tokens/s, FLOP/s (MFU on
+    CUDA) and peak memory against `meshtrain plan`."""
     import torch
 
     from cli.report import progress_bar
@@ -395,10 +403,10 @@ def bench_model(quick: bool, out: str, device: str) -> None:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no GPU; use auto or cpu")
-    presets = PRESETS[:1] if quick else PRESETS
-    total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in presets)
+    chosen = presets or (PRESETS[:1] if quick else PRESETS)
+    total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in chosen)
     with progress_bar(total, "bench model") as bar:
-        run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
+        run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1), chosen)
     click.echo((Path(out) / "table.md").read_text())
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
-from mesh.bench.simruns import Spec, reuse, run_one, run_specs
+from mesh.bench.simruns import Spec, reuse, run_one, run_specs, worker_pool
 from mesh.bench.tuning import DEFAULT_TUNED, _fmt, known_runs, load_tuned, method_overrides
 from mesh.config import Config
 from mesh.methods import METHODS, NADAMW_LR
@@ -141,7 +140,7 @@ def run_lr_sweep(base: Config, out: Path, quick: bool, workers: int) -> list[dic
         json.loads(path.read_text()) if path.is_file() else [], specs, base, {"dp": budget}
     )
     todo = [(base.model_dump(mode="json"), s, budget) for s, r in zip(specs, runs) if r is None]
-    with mp.get_context("spawn").Pool(workers) as pool:
+    with worker_pool(workers) as pool:
         new = iter(tqdm(pool.imap(run_one, todo), total=len(todo), desc="lr sweep"))
         runs = [r if r is not None else next(new) for r in runs]
     for spec, r in zip(specs, runs, strict=True):

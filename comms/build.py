@@ -39,7 +39,8 @@ def make_transport(
     Args:
         backend: "torch" (torch.distributed) or "hivemind" (libp2p through a DHT).
         me, peers, groups: this peer, every peer in rank order, averaging groups.
-        rendezvous: torch only: "tcp://HOST:PORT" of the store peers[0] binds.
+        rendezvous: torch only: "tcp://HOST:PORT" of the TCPStore (served by local_rendezvous
+            with serve_store=False, else bound by peers[0]).
         initial_peers: hivemind only: multiaddrs of any DHT node to bootstrap from.
         host: address to bind (loopback by default; tests never leave 127.0.0.x).
         timeout_s: startup deadline and default deadline of waits.

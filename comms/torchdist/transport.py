@@ -19,8 +19,9 @@ a new one for each pair); per source, a receiver thread that checks the declared
 `max_message_bytes` BEFORE allocating the body, and a validator thread for large frames (so the
 next recv is posted while the last body is checked; small ones are checked inline when nothing
 is queued, order is kept) that runs `wire.unpack` (size, crc, finiteness), counts and drops
-rejects, and files messages in a bounded per-sender mailbox (backpressure when full); `recv`
-waits on the mailbox with a deadline.
+rejects, and files messages in a bounded per-sender mailbox (backpressure when full, except
+for a sender whose next incarnation started: its message is dropped as stale, so a full box
+never holds the link off a restarted peer); `recv` waits on the mailbox with a deadline.
 Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
 - A recv that times out closes EVERY pair of its group ("Application timeout caused pair
   closure"), so receiver threads wait without a deadline. A group's own timeout (also that of
@@ -426,6 +427,9 @@ class TorchTransport(PairLinks, GroupMeans):
             ):
                 if self._closed:
                     self.stats.add_reject("mailbox_closed")
+                    return
+                if link.seen_inc > link.inc:  # its sender is gone: the next pair drops the
+                    self.stats.add_reject("stale")  # box anyway, and must not wait on us
                     return
                 link.cond.wait(0.1)  # backpressure: the sender's gloo send waits on us
             link.box.append(msg)

@@ -171,6 +171,37 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
     assert set(_final_steps(out).values()) == {steps}
 
 
+def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
+    """SIGTERM to the launcher as soon as it said it starts a killed cell's replica again (its
+    new cells are still starting: SIGTERM is ignored until their handler is in): exit 0, the
+    stop said, no process of any life left, and `--resume` finishes the run (each replica
+    from its own cut)."""
+    out, log = tmp_path / "run", tmp_path / "err.txt"
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(_cmd(out, 400), stdout=subprocess.PIPE, stderr=err_file,
+                                text=True)  # fmt: skip
+    try:
+        helpers.wait_for(lambda: _step(out, "1-1") >= 6, RUN_S, "s1r1 past a checkpoint")
+        os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
+        helpers.wait_for(lambda: "replica 1 starts again" in log.read_text(), RUN_S,
+                         "the restart's notice")  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"stopped (SIGTERM): every cell saved; continue with --resume {out}" in stdout
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert not [p for p in _pids(out) if pid_alive(p)]
+    end = _saved_at(out) + 10
+    res = _run([*_cmd(out, end), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(_final_steps(out).values()) == {end}
+
+
 def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(tmp_path):
     """SIGKILL of s1r1: its replica starts again from its newest shared checkpoint. With
     runtime.max_restarts = 1, a second kill stops the grid, every other cell saved, in one

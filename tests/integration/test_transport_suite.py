@@ -285,6 +285,42 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
             t.join()
 
 
+def test_torch_a_full_mailbox_does_not_hold_a_restarted_peer_off() -> None:
+    """a's mailbox from b holds one message and a never reads it: b's second message holds
+    a's receiver (backpressure) and its third waits in gloo. b goes and starts again: a drops
+    what its gone incarnation still sends (counted stale) and forms the link with the new b,
+    whose messages arrive. Were the receiver left waiting for room, the link never formed."""
+    import threading
+
+    import torch
+
+    from comms.build import local_rendezvous, make_transport
+
+    names = ["a", "b"]
+    x = codecs.encode(torch.arange(4.0), "fp32")
+    with local_rendezvous("torch") as rz:
+
+        def start(me: str, **kw) -> object:
+            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, **rz, **kw)
+
+        got: dict[str, object] = {}
+        first = threading.Thread(target=lambda: got.update({"a": start("a", mailbox_messages=1)}))
+        first.start()
+        b = start("b")
+        first.join()
+        a = got["a"]
+        b.send("a", "old0", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+        for i in (1, 2):
+            b.send("a", f"old{i}", Kind.CONTROL, x, 0)  # the 1st waits for room, the 2nd in gloo
+        b.close()  # its goodbye is never read: it gives up after close_timeout_s
+        b2 = start("b", needed=[])
+        b2.send("a", "x", Kind.CONTROL, x, 0)
+        assert torch.equal(_recv_when_formed(a, "b", TIMEOUT_S).tensor(), x.data)
+        assert a._links["b"].lives == 2 and a.stats.rejects["stale"] >= 2, a.stats.rejects
+        for t in (a, b2):
+            t.close()
+
+
 def _recv_when_formed(t, frm: str, timeout_s: float):
     """A recv on a link that is closed until its peer's new process forms it raises PeerLost
     at once: ask again until the deadline."""

@@ -104,9 +104,9 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
     if backend == "hivemind":
         # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
         _optional_module("comms.p2p.transport")
-        import hivemind
+        from comms.p2p.dht import start_dht
 
-        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"])
+        dht = start_dht([], 120.0, host_maddrs=[f"/ip4/{host}/tcp/0"])
         try:
             yield {"initial_peers": [str(a) for a in dht.get_visible_maddrs()]}
         finally:

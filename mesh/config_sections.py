@@ -99,7 +99,10 @@ class PipelineConfig(_Section):
         4, ge=1, description="M: microbatches per update for gpipe/1f1b/2bw (async updates each)"
     )
     codec: Literal[choices.PIPELINE_CODECS] = Field(
-        "bf16", description="codec of activations and their gradients between stages"
+        "bf16",
+        description="codec of activations and their gradients between stages (comms/codecs.py); "
+        "int4_hadamard: 4 bits a value with a Hadamard rotation per block of 128 (0.53 bytes a "
+        "value; docs/boundaries.md for its measured loss)",
     )
     window: Literal["none", "auto"] | list[int] = Field(
         "none",

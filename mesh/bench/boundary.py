@@ -5,9 +5,14 @@ axis has its own study) of a small Llama on the prepared Shakespeare BPE, traine
 tokens: the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8
 boundaries, the synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
 (pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary 4,
-8, 16, 32 and 64 times smaller than full bf16. The gap of an arm is its validation loss against
-the reference's, paired by seed, as a share of the reference (bits per byte is the loss times a
-constant of the dataset, so its relative gap is the same).
+8, 16, 32 and 64 times smaller than full bf16, and the learned boundary with 4-bit coordinates
+(pipeline.codec = int4_hadamard) at the rank that makes it 16, 32, 64 and 128 times smaller.
+The gap of an arm is its validation loss against the reference's, paired by seed, as a share of
+the reference (bits per byte is the loss times a constant of the dataset, so its relative gap is
+the same).
+
+A study re-run in the same --out reuses the runs its summary.json already holds (same config
+fingerprint and budget), so adding arms runs only the new ones.
 
 The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
 FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
@@ -26,6 +31,7 @@ from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.engine.plan import boundary_bytes, rank_for_compression
+from mesh.engine.uplink import INT4_CODEC, INT4_RATIOS, arm_label
 from mesh.methods import METHODS
 
 RATIOS = (4, 8, 16, 32, 64)
@@ -70,12 +76,13 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
         ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
                       "pipeline.codec": "bf16"}),
     ]  # fmt: skip
-    for method in COMPRESSED:
-        for ratio in RATIOS:
-            rank = rank_for_compression(tokens, d, ratio, "fp8_e4m3")
-            ov = {**async_, "pipeline.codec": "fp8_e4m3", "pipeline.boundary": method,
-                  "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
-            out.append((f"{method} {ratio}x", ov))
+    compressed = [(m, ratio, "fp8_e4m3") for m in COMPRESSED for ratio in RATIOS]
+    compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_RATIOS]
+    for method, ratio, codec in compressed:
+        rank = rank_for_compression(tokens, d, ratio, codec)
+        ov = {**async_, "pipeline.codec": codec, "pipeline.boundary": method,
+              "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
+        out.append((arm_label(method, ratio, codec), ov))
     return out
 
 
@@ -158,10 +165,22 @@ def frontier(rows: list[dict[str, Any]], max_gap: float = 0.01) -> dict[int, dic
     return out
 
 
+def earlier_runs(out: Path) -> list[dict[str, Any]]:
+    """The runs (and lr sweep) of a study already written to out/summary.json."""
+    import json
+
+    path = out / "summary.json"
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    return [*old.get("lr_sweep", []), *old.get("runs", [])]
+
+
 def run_boundary(
     base: Config, out: Path, quick: bool, workers: int, seeds: list[int] | None = None
 ) -> dict[str, Any]:
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
+    known = earlier_runs(out)
     budget = {"boundary": 24 if quick else 300}
     stages = (2,) if quick else STAGES
     lrs_tried = LR_GRID[1:2] if quick else LR_GRID
@@ -170,14 +189,14 @@ def run_boundary(
     sweeps, runs = [], []
     for p in stages:
         sweep = run_specs(base, lr_specs(base, p, TUNE_SEED, lrs_tried), budget, out, workers,
-                          f"boundary P={p}: lr")  # fmt: skip
+                          f"boundary P={p}: lr", known)  # fmt: skip
         tuned[p] = {
             arm: best_lr([r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")])
             for arm in (REFERENCE, "FullSync")
         }
         sweeps += sweep
     specs = [s for p in stages for s in build_specs(base, p, seeds, tuned[p])]
-    runs = run_specs(base, specs, budget, out, workers, "boundary")
+    runs = run_specs(base, specs, budget, out, workers, "boundary", known)
     rows = [row for p in stages for row in summarize_rows(base, runs, p)]
     best = frontier(rows)
     summary = {
@@ -264,19 +283,22 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     full_bf16 = next((r["bytes_per_token"] for r in rows if r["arm"] == REFERENCE), None)
     markers = {4: "o", 8: "s", 2: "^"}
+    lines = {("learned", "fp8_e4m3"): "-", ("subspace", "fp8_e4m3"): "--",
+             ("learned", INT4_CODEC): "-."}  # fmt: skip
     for p in sorted({r["P"] for r in rows}):
-        for method in ("learned", "subspace"):
+        for (method, codec), ls in lines.items():
             pts = sorted(
                 (r["bytes_per_token"], 100 * r["loss_gap"])
                 for r in rows
-                if r["P"] == p and r["method"] == method and r["loss_gap"] is not None
-            )
+                if r["P"] == p and r["method"] == method and r["codec"] == codec
+                and r["loss_gap"] is not None
+            )  # fmt: skip
             if pts:
                 ax.plot(
                     *zip(*pts, strict=True),
                     marker=markers.get(p, "o"),
-                    ls="-" if method == "learned" else "--",
-                    label=f"{method}, P={p}",
+                    ls=ls,
+                    label=f"{method} {codec.split('_')[0]}, P={p}",
                 )
         for r in rows:
             if r["P"] == p and r["arm"] in ("full fp8", "FullSync") and r["loss_gap"] is not None:

@@ -221,8 +221,9 @@ def bench_comms(quick: bool, out: str) -> None:
 @click.option(
     "--real-size",
     is_flag=True,
-    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over 100 Mbit/s and 50 ms, "
-    "compute at 40% of an H100, full fp8 against compressed boundaries (about 3 minutes).",
+    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over a 100 Mbit/s uplink a "
+    "cell and 50 ms, compute at 40% of an H100, full fp8 against compressed boundaries, time "
+    "dilated to fit this host (10-30 minutes).",
 )
 @user_errors
 def bench_throughput(
@@ -241,10 +242,16 @@ def bench_throughput(
     from mesh.bench.throughput.runs import run_throughput
 
     if real_size:
-        from mesh.bench.throughput.real_size import merge_into, real_size_table, run_real_size
+        from mesh.bench.throughput.real_size import (
+            merge_into,
+            real_size_table,
+            run_real_size,
+            with_loss_costs,
+        )
 
         base = load_config(list(config_files), list(overrides))
-        entry = run_real_size(base, Path(out) / "real-size", steps=15 if quick else 40)
+        entry = run_real_size(base, Path(out) / "real-size", steps=20 if quick else 60)
+        entry = with_loss_costs(entry, Path(out).parent)
         merge_into(Path(out), entry)
         click.echo(real_size_table(entry))
         return

@@ -414,6 +414,14 @@ class RuntimeConfig(_Section):
     link_latency_ms: float | None = Field(
         None, ge=0, description="overrides the link profile's one-way latency (ms)"
     )
+    link_shared: Literal["none", "pipeline", "all"] = Field(
+        "none",
+        description="which of a cell's outgoing links share one uplink of the profile's "
+        "bandwidth, as a home or office uplink carries every destination's bytes (each link "
+        "keeps its latency): none: each link has its own; pipeline: the activations on and "
+        "the gradients back (a middle stage's two frames a microbatch queue on one wire); "
+        "all: the averaging rounds too",
+    )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="compute of a stage's forward and backward: bf16 autocasts them (CPU and "

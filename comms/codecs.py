@@ -331,15 +331,23 @@ def _int4_decode(data: torch.Tensor, scales: torch.Tensor, n: int, bs: int) -> t
     """The float32 values of n packed nibbles (sizes checked by check_encoded)."""
     if n % 2 and int(data[-1]) >> 4:
         raise CodecError(f"{_INT4}: the pad nibble after {n} values must be 0")
-    nib = torch.stack([data & 0x0F, data >> 4], dim=1).view(-1)[:n]
-    out = nib.view(torch.int8).to(torch.float32)
-    out = torch.where(out > _INT4_QMAX, out - 16, out)  # two's complement nibbles; -8 decodes too
+    # one lookup a byte gives both of its values (two's complement nibbles; -8 decodes too)
+    out = _int4_pairs(data.device).index_select(0, data.to(torch.int32)).view(-1)[:n]
     nf = n // bs
     if nf:  # x = (q H) s: the rotation first, on small integers (nothing near float32's max)
         full = out[: nf * bs].view(nf, bs)
         full.copy_(full @ _hadamard(bs, out.device))
     _per_block(torch.mul, out, scales, bs, out)
     return out
+
+
+@cache
+def _int4_pairs(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32: the (low, high) nibble values of every byte."""
+    nib = torch.arange(16)
+    value = torch.where(nib > 7, nib - 16, nib).to(torch.float32)
+    byte = torch.arange(256)
+    return torch.stack([value[byte & 0x0F], value[byte >> 4]], dim=1).to(device)
 
 
 @cache

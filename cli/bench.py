@@ -31,12 +31,13 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
     return wrap
 
 
-def parse_seeds(seeds: str | None) -> list[int] | None:
-    """--seeds 0,1,2 as a list (None: the study's default)."""
+def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
+    """--seeds 0,1,2 (or another option's comma-separated integers) as a list (None: the
+    study's default)."""
     try:
         return [int(s) for s in seeds.split(",")] if seeds else None
     except ValueError:
-        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+        raise ConfigError(f"{option} {seeds}: expected integers like 0,1") from None
 
 
 @click.group()
@@ -146,6 +147,13 @@ def bench_ablations(
     default=None,
     help="Comma-separated seeds to report (default 0,1,2,3; the lrs are tuned on seed 100).",
 )
+@click.option(
+    "--stages",
+    "stages_csv",
+    default=None,
+    help="Comma-separated pipeline depths P to run (default 4,8); a later run with the same "
+    "--out reuses these runs.",
+)
 @user_errors
 def bench_boundary(
     config_files: tuple[str, ...],
@@ -154,6 +162,7 @@ def bench_boundary(
     out: str,
     workers: int,
     seeds: str | None,
+    stages_csv: str | None,
 ) -> None:
     """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
     method at 4-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
@@ -170,7 +179,12 @@ def bench_boundary(
             "prepare ... --out data/shakespeare-bpe4k --tokenizer bpe:4096` (README: Demo), or "
             "--set data.path=... and model.vocab_size to another dataset"
         )
-    summary = run_boundary(base, Path(out), quick, workers, chosen)
+    stages = parse_seeds(stages_csv, "--stages")
+    if stages is not None and any(p < 2 for p in stages):
+        raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    summary = run_boundary(
+        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None
+    )
     click.echo(table(summary))
 
 

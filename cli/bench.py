@@ -151,8 +151,8 @@ def bench_ablations(
     "--stages",
     "stages_csv",
     default=None,
-    help="Comma-separated pipeline depths P to run (default 4,8); a later run with the same "
-    "--out reuses these runs.",
+    help="Comma-separated pipeline depths P to run (default 4,8); the rows of other depths that "
+    "--out's summary.json holds are kept, and a later run with the same --out reuses these runs.",
 )
 @user_errors
 def bench_boundary(

@@ -4,17 +4,19 @@ Every arm is one replica's pipeline (grid P x 1: the boundary is the pipeline's;
 axis has its own study) of a small Llama on the prepared Shakespeare BPE, trained on the same
 tokens: the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8
 boundaries, the synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
-(pipeline.boundary = learned at the rank that makes its boundary 4, 8, 16, 32 and 64 times
-smaller than full bf16, subspace at 8, 16 and 32 times; fp8 coordinates), and the learned
-boundary with 4-bit coordinates (pipeline.codec = int4_hadamard) at the rank that makes it 16,
-32, 64 and 128 times smaller.
+(pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary 4,
+8, 16, 32 and 64 times smaller than full bf16, and the learned boundary with 4-bit coordinates
+(pipeline.codec = int4_hadamard) at the rank that makes it 16, 32, 64 and 128 times smaller.
 The gap of an arm is its validation loss against the reference's, paired by seed, as a share of
 the reference (bits per byte is the loss times a constant of the dataset, so its relative gap is
 the same).
 
 A study re-run in the same --out reuses the runs its summary.json already holds (same config
-fingerprint and budget), so adding arms runs only the new ones; after a change to the simulator's
-numbers, start from a fresh --out. The pipeline sentinel is off in every arm (runtime.sentinel).
+fingerprint and budget), so adding arms runs only the new ones, and a run of some depths
+(--stages 4) keeps the rows of the others. The cache trusts that a fingerprint means the same
+numbers: after a change to the simulator's numbers, or on another machine (the same code, data
+and config can give other floats there, so other trajectories: docs/boundaries.md), start from a
+fresh --out. The pipeline sentinel is off in every arm (runtime.sentinel).
 
 The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
 FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
@@ -37,7 +39,6 @@ from mesh.engine.uplink import INT4_CODEC, INT4_RATIOS, arm_label
 from mesh.methods import METHODS
 
 RATIOS = (4, 8, 16, 32, 64)
-SUBSPACE_RATIOS = (8, 16, 32)  # the fixed-subspace baseline where the learned one turns
 COMPRESSED = ("learned", "subspace")
 STAGES = (4, 8)
 REPORT_SEEDS = [0, 1, 2, 3]
@@ -82,8 +83,7 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
         ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
                       "pipeline.codec": "bf16"}),
     ]  # fmt: skip
-    compressed = [("learned", ratio, "fp8_e4m3") for ratio in RATIOS]
-    compressed += [("subspace", ratio, "fp8_e4m3") for ratio in SUBSPACE_RATIOS]
+    compressed = [(m, ratio, "fp8_e4m3") for m in COMPRESSED for ratio in RATIOS]
     compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_RATIOS]
     for method, ratio, codec in compressed:
         rank = rank_for_compression(tokens, d, ratio, codec)
@@ -174,13 +174,36 @@ def frontier(rows: list[dict[str, Any]], max_gap: float = 0.01) -> dict[int, dic
 
 def earlier_runs(out: Path) -> list[dict[str, Any]]:
     """The runs (and lr sweep) of a study already written to out/summary.json."""
+    old = _earlier_summary(out)
+    return [*old.get("lr_sweep", []), *old.get("runs", [])]
+
+
+def _earlier_summary(out: Path) -> dict[str, Any]:
     import json
 
     path = out / "summary.json"
-    if not path.is_file():
-        return []
-    old = json.loads(path.read_text())
-    return [*old.get("lr_sweep", []), *old.get("runs", [])]
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _depth(run: dict[str, Any]) -> int:
+    """A run's P, from its label ("P8 learned 16x", "P4 full bf16 lr=0.004")."""
+    return int(run["method"].split()[0][1:])
+
+
+def held_depths(
+    old: dict[str, Any], stages: tuple[int, ...], microbatches: int
+) -> tuple[dict[int, dict[str, float]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """What an earlier summary holds for the depths this call does not run, at the same budget:
+    their tuned lrs, lr sweep and runs (kept, so --stages 4 adds to a study of P = 4 and 8)."""
+    lrs = {int(p): v for p, v in old.get("lrs", {}).items() if int(p) not in stages}
+
+    def kept(key: str) -> list[dict[str, Any]]:
+        return [r for r in old.get(key, [])
+                if _depth(r) in lrs and r.get("microbatches") == microbatches]  # fmt: skip
+
+    runs = kept("runs")
+    lrs = {p: v for p, v in lrs.items() if p in {_depth(r) for r in runs}}
+    return lrs, [r for r in kept("lr_sweep") if _depth(r) in lrs], runs
 
 
 def run_boundary(
@@ -192,7 +215,8 @@ def run_boundary(
     stages: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
-    known = earlier_runs(out)
+    old = _earlier_summary(out)
+    known = [*old.get("lr_sweep", []), *old.get("runs", [])]
     budget = {"boundary": 24 if quick else 300}
     stages = stages or ((2,) if quick else STAGES)
     lrs_tried = LR_GRID[1:2] if quick else LR_GRID
@@ -209,6 +233,10 @@ def run_boundary(
         sweeps += sweep
     specs = [s for p in stages for s in build_specs(base, p, seeds, tuned[p])]
     runs = run_specs(base, specs, budget, out, workers, "boundary", known)
+    held_lrs, held_sweep, held_runs = held_depths(old, stages, budget["boundary"])
+    tuned.update(held_lrs)
+    sweeps, runs = sweeps + held_sweep, runs + held_runs
+    stages = tuple(sorted(tuned))
     rows = [row for p in stages for row in summarize_rows(base, runs, p)]
     best = frontier(rows)
     summary = {
@@ -242,12 +270,13 @@ def table(summary: dict[str, Any]) -> str:
     rows = []
     for r in summary["rows"]:
         gap = None if r["loss_gap"] is None else (r["loss_gap"], r["loss_gap_se"] or math.nan)
+        na = "not run" if not r["seeds"] else "n/a"
         rows.append([
             r["P"], r["arm"], r["rank"], r["codec"], f"{r['compression']:.1f}x",
             f"{r['bytes_per_token']:.2f}",
-            "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
-            "n/a" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
-            "n/a" if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
+            na if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+            na if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
+            na if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
             len(r["seeds"]),
         ])  # fmt: skip
     headers = ["P", "arm", "width", "codec", "vs bf16", "B/token/boundary", "val loss",

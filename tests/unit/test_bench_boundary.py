@@ -15,8 +15,8 @@ def base(tmp_path_factory):
 def test_arms_are_the_baselines_and_each_method_at_each_ratio(base):
     arms = dict(study.arms(base, 4))
     assert list(arms)[:3] == [study.REFERENCE, "full fp8", "FullSync"]
-    for method, ratios in (("learned", study.RATIOS), ("subspace", study.SUBSPACE_RATIOS)):
-        for ratio in ratios:
+    for method in study.COMPRESSED:
+        for ratio in study.RATIOS:
             ov = arms[f"{method} {ratio}x"]
             assert ov["runtime.sentinel"] is False  # a defence's drops are no boundary's cost
             assert ov["pipeline.boundary"] == method and ov["grid.stages"] == 4
@@ -74,3 +74,21 @@ def test_outputs_are_written(base, tmp_path):
     study.write_outputs(summary, tmp_path)
     assert "learned 16x" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "tradeoff.png").stat().st_size > 10_000
+
+
+def test_a_run_of_some_depths_keeps_the_others_rows():
+    def run(label, mbs=300):
+        return {"method": label, "microbatches": mbs}
+
+    old = {
+        "lrs": {"4": {"full bf16": 4e-3}, "8": {"full bf16": 2e-3}, "16": {"full bf16": 1e-3}},
+        "lr_sweep": [run("P4 full bf16 lr=0.004"), run("P8 full bf16 lr=0.002")],
+        "runs": [run("P4 learned 16x"), run("P8 learned 16x"), run("P8 full bf16", mbs=24),
+                 run("P16 full bf16", mbs=24)],
+    }  # fmt: skip
+    lrs, sweep, runs = study.held_depths(old, (4,), 300)
+    # P = 8 is kept whole; P = 16 holds no run at this budget (a --quick one), so it goes
+    assert lrs == {8: {"full bf16": 2e-3}}
+    assert sweep == [run("P8 full bf16 lr=0.002")] and runs == [run("P8 learned 16x")]
+    assert study.held_depths(old, (4, 8, 16), 300) == ({}, [], [])
+    assert study.held_depths({}, (4,), 300) == ({}, [], [])

@@ -32,12 +32,21 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
 
 
 def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
-    """--seeds 0,1,2 (or another option's comma-separated integers) as a list (None: the
-    study's default)."""
+    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12; or another option's
+    integers, --stages 4,8) as a sorted list without repeats (None: the study's default)."""
+    if not seeds:
+        return None
+    out: set[int] = set()
     try:
-        return [int(s) for s in seeds.split(",")] if seeds else None
+        for part in seeds.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            out.update(range(first, last + 1))
     except ValueError:
-        raise ConfigError(f"{option} {seeds}: expected integers like 0,1") from None
+        raise ConfigError(f"{option} {seeds}: expected integers >= 0 like 0,1 or 10-17") from None
+    return sorted(out)
 
 
 @click.group()
@@ -71,6 +80,29 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
 )
 @click.option(
+    "--seeds",
+    default=None,
+    help="The data-parallel study's evaluation seeds, e.g. 10-17 (default 10-17; --quick: 10,11); "
+    "refused where a seed also tuned (tuning.json's seeds, or --tune-seeds with --tune).",
+)
+@click.option(
+    "--methods",
+    default=None,
+    help="The data-parallel methods to run, comma-separated, FullSync and AsyncMesh-fp8 among "
+    "them (default: all); the others keep their runs of summary.json on their own seeds, "
+    "marked in the table as not on the evaluation seeds.",
+)
+@click.option(
+    "--tune-seeds",
+    default=None,
+    help="With --tune: the seeds its stages run on (default 0).",
+)
+@click.option(
+    "--confirm-seeds",
+    default=None,
+    help="With --tune: the seeds each arm's best settings are confirmed on (default 1).",
+)
+@click.option(
     "--interval",
     "interval_axis",
     is_flag=True,
@@ -88,10 +120,35 @@ def bench_convergence(
     tune: bool,
     dp_only: bool,
     interval_axis: bool,
+    seeds: str | None,
+    methods: str | None,
+    tune_seeds: str | None,
+    confirm_seeds: str | None,
 ) -> None:
-    """Every baseline at equal tokens on the corpus, 4 seeds, plus the pipeline-only study (2)."""
-    from mesh.bench.convergence import run_convergence, run_lr_sweep
+    """Every baseline at equal tokens on the corpus, 8 evaluation seeds the tuning never used,
+    plus the pipeline-only study (2 seeds)."""
+    from mesh.bench.convergence import EVAL_SEEDS, check_methods, run_convergence, run_lr_sweep
+    from mesh.bench.tuning import CONFIRM_SEEDS, TUNE_SEEDS, check_held_out
 
+    evaluation = parse_seeds(seeds)
+    tuning = parse_seeds(tune_seeds, "--tune-seeds")
+    confirm = parse_seeds(confirm_seeds, "--confirm-seeds")
+    if (tuning or confirm) and not tune:
+        raise ConfigError("--tune-seeds and --confirm-seeds go with --tune")
+    if evaluation and (lr_sweep or interval_axis):
+        raise ConfigError(
+            "--seeds goes with the study or --tune (--interval and --lr-sweep run "
+            "on the study's own seeds)"
+        )
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    if chosen is not None:
+        if tune or lr_sweep or interval_axis:
+            raise ConfigError("--methods goes with the study (not --tune, --lr-sweep, --interval)")
+        check_methods(chosen)
+    if tune:  # the tuning's seeds against the study's evaluation seeds
+        check_held_out(
+            evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
+        )
     cfg = resolve_config(config_files, overrides)
     if interval_axis:
         from mesh.bench.interval import run_interval, table
@@ -105,14 +162,16 @@ def bench_convergence(
     if tune:
         from mesh.bench.tuning import run_tuning
 
-        run_tuning(cfg, Path(out), quick=quick, workers=workers)
+        run_tuning(cfg, Path(out), quick, workers, tuning, confirm)
         click.echo((Path(out) / "tuning.md").read_text())
         return
     if lr_sweep:
         run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
         click.echo((Path(out) / "lr_sweep.md").read_text())
         return
-    run_convergence(cfg, Path(out), quick=quick, workers=workers, pipeline=not dp_only)
+    run_convergence(
+        cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
+    )
 
 
 @bench.command("ablations")
@@ -404,11 +463,19 @@ def bench_optimizers(
     show_default=True,
     help="auto: cuda when present.",
 )
+@click.option(
+    "--preset",
+    "presets",
+    multiple=True,
+    type=click.Choice(["tiny", "llama-20m", "llama-160m", "llama-1b"]),
+    help="Only these models (repeatable; default llama-20m and llama-160m, --quick llama-20m; "
+    "llama-1b wants a GPU).",
+)
 @user_errors
-def bench_model(quick: bool, out: str, device: str) -> None:
-    """Per stage of llama-20m and llama-160m, fp32 and bf16: a cell's forward+backward against a
-    plain torch loop over the same layers, tokens/s, FLOP/s (MFU on CUDA) and peak memory
-    against `meshtrain plan`."""
+def bench_model(quick: bool, out: str, device: str, presets: tuple[str, ...]) -> None:
+    """Per stage of llama-20m and llama-160m (or --preset), fp32 and bf16: a cell's
+    forward+backward against a plain torch loop over the same layers, tokens/s, FLOP/s (MFU on
+    CUDA) and peak memory against `meshtrain plan`."""
     import torch
 
     from cli.report import progress_bar
@@ -416,10 +483,10 @@ def bench_model(quick: bool, out: str, device: str) -> None:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no GPU; use auto or cpu")
-    presets = PRESETS[:1] if quick else PRESETS
-    total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in presets)
+    chosen = presets or (PRESETS[:1] if quick else PRESETS)
+    total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in chosen)
     with progress_bar(total, "bench model") as bar:
-        run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1))
+        run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1), chosen)
     click.echo((Path(out) / "table.md").read_text())
 
 

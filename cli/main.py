@@ -18,7 +18,7 @@ from cli.export import export
 from cli.generate import generate
 from cli.options import config_options, resolve_config, run_options, user_errors
 from cli.plan import plan
-from mesh.config import Config, ConfigError
+from mesh.config import ConfigError
 
 BOOTSTRAP_START_S = 60.0  # `meshtrain dht`: p2pd's start retried with backoff this long
 
@@ -84,7 +84,8 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
     "--resume",
     type=click.Path(file_okay=False, exists=True),
     default=None,
-    help="Continue a stopped run (torch/hivemind backends) from its checkpoints.",
+    help="Continue a stopped run from its checkpoints (a logical run's on the logical "
+    "backend, exactly as if uninterrupted).",
 )
 @verify_data_option
 @user_errors
@@ -105,8 +106,6 @@ def simulate(
     if init_from:
         extra.append(f"model.init_from={json.dumps(str(Path(init_from).resolve()))}")
     if resume:
-        if backend == "logical":
-            raise ConfigError("--resume needs --backend torch or hivemind")
         if method:
             raise ConfigError("--resume keeps the run's method (its config.toml); drop --method")
         if out and Path(out) != Path(resume):
@@ -119,10 +118,13 @@ def simulate(
         out = resume
     else:
         cfg = resolve_config(config_files, overrides, extra)
+    if backend is None and resume:
+        from cli.logical import is_logical_run
+
+        # a logical run's checkpoints hold the simulator's state: it continues on that backend
+        backend = "logical" if is_logical_run(Path(resume)) else None
     backend = backend or cfg.runtime.backend
     # heavy imports after the config is known to be valid: a typo answers at once
-    from cli.report import print_table, progress_bar
-    from mesh.engine.sim import GridSim
     from mesh.methods import METHODS, apply_method
 
     if method:
@@ -134,57 +136,13 @@ def simulate(
 
         simulate_processes(cfg, backend, Path(out) if out else None, bool(resume), verify_data)
         return
+    from cli.logical import simulate_logical
     from cli.preflight import check_data
+    from cli.simulate import stop_signals
 
-    sim = GridSim(cfg, check_data(cfg, verify_data))
-    path = Path(out) if out else None
-    if path is not None:  # a run directory like the cell processes': export and generate read it
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.toml").write_text(cfg.to_toml())
-
-    def on_step(step: int, loss: float) -> None:
-        bar.update_loss(loss)
-        every = cfg.runtime.checkpoint_every
-        if path is not None and every and step % every == 0:
-            save_grid(sim, cfg, path)
-
-    with progress_bar(cfg.run.steps, "simulate") as bar:
-        result = sim.run(on_step)
-    summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
-    if path is not None:
-        if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint
-            save_grid(sim, cfg, path)
-        (path / "summary.json").write_text(json.dumps(summary, indent=2))
-    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "pp B/replica/step",
-               "dp B/replica/step", "wall s"]  # fmt: skip
-    print_table(
-        headers,
-        [
-            [
-                result.grid,
-                result.steps,
-                result.tokens,
-                "diverged" if result.val_loss is None else f"{result.val_loss:.4f}",
-                "n/a" if result.val_bpb is None else f"{result.val_bpb:.4f}",
-                f"{result.pp_bytes_per_replica_step:,.0f}",
-                f"{result.dp_bytes_per_replica_step:,.0f}",
-                f"{result.wall_s:.1f}",
-            ]
-        ],
-    )
-
-
-def save_grid(sim: Any, cfg: Config, out: Path) -> None:
-    """Every cell of a logical run, checkpointed as a cell process saves itself (one file per
-    cell and step, atomically): export, generate and the dashboard read either the same way."""
-    from mesh.runtime.checkpoint import checkpoint_path, save_cell
-
-    fingerprint = cfg.state_fingerprint()
-    for replica in sim.cells:
-        for cell in replica:  # (the end's save after one at the interval: the same file)
-            saved = checkpoint_path(out, cell.stage, cell.replica, cell.step).is_file()
-            if cell.step > 0 and not saved:
-                save_cell(cell, fingerprint, out)
+    corpus = check_data(cfg, verify_data)
+    with stop_signals(ctrl_c=True) as stop:
+        simulate_logical(cfg, Path(out) if out else None, corpus, bool(resume), stop)
 
 
 def grid_overrides(grid: str | None) -> list[str]:

@@ -36,11 +36,16 @@ class _Bar:
             self.bar.bar_format = WITH_ETA
         if loss is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if self.bar.total is not None and step >= self.bar.total:
+            # the last step is drawn once, when the bar closes (with the whole run's rate):
+            # drawn here as well, a log (every redraw its own line) showed 100% twice
+            self.bar.n = step
+            return
         self.bar.update(step - self.bar.n)
 
 
 @contextmanager
-def progress_bar(total: int, desc: str, initial: int = 0) -> Iterator[_Bar]:
+def progress_bar(total: int, desc: str, initial: int = 0, file: Any = None) -> Iterator[_Bar]:
     with tqdm(
         total=total,
         initial=initial,
@@ -49,6 +54,7 @@ def progress_bar(total: int, desc: str, initial: int = 0) -> Iterator[_Bar]:
         dynamic_ncols=True,
         leave=True,
         bar_format=NO_ETA,
+        file=file,
     ) as bar:
         yield _Bar(bar)
 

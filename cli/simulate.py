@@ -75,16 +75,12 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
         val.start()
     segment = metrics_offsets(out)  # a resume appends: its rates are of what it appends
     title = f"simulate {cfg.grid.stages}x{cfg.grid.replicas}"
+    evaluating = val.background() if val is not None else contextlib.nullcontext()
     with progress_bar(cfg.run.steps, title, initial=start_step) as bar:
-
-        def on_progress(step: int, loss: float | None) -> None:
-            bar.goto(step, loss)
-            if val is not None:
-                val.poll()
-
-        with stop_signals() as stop:
+        # validation runs beside the watch loop, never in it: the bar moves while it runs
+        with stop_signals() as stop, evaluating:
             run = run_grid(
-                cfg, out, resume=resume, on_progress=on_progress, on_notice=bar.note,
+                cfg, out, resume=resume, on_progress=bar.goto, on_notice=bar.note,
                 replica_steps=point.replica_steps if point is not None else None, stop=stop,
             )  # fmt: skip
         if run.ok:
@@ -99,7 +95,7 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
     summary = summarize_run(cfg, out, run.wall_s, start_step, segment)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(cfg, out)
-    table = format_table(*summary_table(summary))
+    table = format_table(*summary_table(summary)) + "\n" + ROUNDS_NOTE.format(tau=cfg.dp.tau)
     (out / "table.md").write_text(table + "\n")
     click.echo(table)
     if run.restarts:
@@ -108,10 +104,11 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[StopRequest]:
+def stop_signals(ctrl_c: bool = False) -> Iterator[StopRequest]:
     """SIGTERM and SIGHUP request a stop while the grid runs: run_grid stops and saves every
     cell and reaps them, as on Ctrl-C (a launcher that died of the signal would leave its
-    cells training on, orphaned)."""
+    cells training on, orphaned). ctrl_c: SIGINT requests one too (the logical backend, whose
+    update under way must end before its cells are saved); a second Ctrl-C then interrupts."""
     stop, launcher = StopRequest(), os.getpid()
 
     def handler(signum: int, frame: object) -> None:
@@ -119,9 +116,12 @@ def stop_signals() -> Iterator[StopRequest]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT and stop.signal_name is not None:
+            raise KeyboardInterrupt  # asked twice: stop now, unsaved
         stop.request(signal.Signals(signum).name)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signals = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGINT,) if ctrl_c else ())
+    old = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield stop
     finally:
@@ -129,15 +129,21 @@ def stop_signals() -> Iterator[StopRequest]:
             signal.signal(sig, h)
 
 
+ROUNDS_NOTE = (
+    "rounds: started = applied + failed + in flight at the end (launched in the last "
+    "dp.tau = {tau} updates, or due but not yet complete, when the cells stopped)"
+)
+
+
 def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     headers = [
         "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "val bits/byte",
         "pp B/replica/step",
-        "dp B/replica/step", "rounds started/applied/failed",
+        "dp B/replica/step", "rounds started/applied/failed/in flight",
     ]  # fmt: skip
-    rounds = "/".join(
-        str(summary["rounds"][k]) for k in ("rounds_started", "rounds_applied", "rounds_failed")
-    )
+    r = summary["rounds"]
+    in_flight = r["rounds_started"] - r["rounds_applied"] - r["rounds_failed"]
+    rounds = f"{r['rounds_started']}/{r['rounds_applied']}/{r['rounds_failed']}/{in_flight}"
     row = [
         summary["grid"],
         summary["steps"],

@@ -87,6 +87,7 @@ def status_rows(
             "session_age_s": round(now - rec.epoch / 1000, 1) if rec.epoch > 0 else None,
             "since": rec.since,  # claim time (wall clock)
             "running": running(rec),  # False: a join's placeholder claim, its cell not up yet
+            "signer": rec.signer,  # the claim's owner marker (what a withdrawal is checked by)
             **stats_json(rec.stats),
         }
         for name, rec in sorted(owned.items())
@@ -104,6 +105,9 @@ def status_rows(
         "data": data,
         "cells": cells,
         "free": free,
+        # free cells whose last owner withdrew its claim lately (a clean stop), by signer; a
+        # free cell not here expired (its peer vanished) or was never held
+        "released": {c: sorted(registry.withdrawn[c]) for c in free if c in registry.withdrawn},
         "rejected_claims": registry.rejected,
         # records that did not unseal with the run's key, by kind (claim, session)
         "bad_signatures": dict(registry.bad_signatures),

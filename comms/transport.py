@@ -175,8 +175,10 @@ class Directory(Protocol):
     def dht_get(self, key: str, timeout_s: float | None = None) -> dict[str, Any] | None: ...
 
     def dht_get_many(
-        self, keys: Sequence[str], timeout_s: float | None = None
-    ) -> list[dict[str, Any] | None]: ...
+        self, keys: Sequence[str], timeout_s: float | None = None, withdrawn: bool = False
+    ) -> list[dict[str, Any] | None]:
+        """Each key's live subkey -> value ({}: none; None: no answer); withdrawn: also the
+        subkeys their writer withdrew lately (a store of None), with the value None."""
 
     @property
     def owner_marker(self) -> str:

@@ -365,8 +365,9 @@ class RuntimeConfig(_Section):
     sentinel: bool = Field(
         True,
         description="each stage keeps running statistics of what each neighbour sends it "
-        "(log RMS, token-mean direction) and drops a microbatch far outside them, counted "
-        "as rejects 'poison'; the microbatch is skipped along its replica's pipeline",
+        "(its norms, and each token's direction against the running one of its token id: "
+        "the input token forward, the target back) and drops a microbatch far outside them, "
+        "counted as rejects 'poison'; the microbatch is skipped along its replica's pipeline",
     )
     sentinel_warmup: int = Field(
         32, ge=1, description="sentinel: messages of each sender learned before any verdict"

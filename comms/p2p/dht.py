@@ -302,15 +302,17 @@ def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any]
 
 
 def get_many_records(
-    dht: hivemind.DHT, keys: Sequence[str], timeout_s: float
+    dht: hivemind.DHT, keys: Sequence[str], timeout_s: float, withdrawn: bool = False
 ) -> list[dict[str, Any] | None]:
-    """get_records of several keys at once (the gets run in parallel, all within timeout_s)."""
+    """get_records of several keys at once (the gets run in parallel, all within timeout_s).
+    withdrawn: also the subkeys their writer withdrew (stored None, see store_record) and
+    whose withdrawal has not expired yet, with the value None."""
     futs = [dht.get(key, latest=True, return_future=True) for key in keys]
     deadline = time.monotonic() + timeout_s
-    return [_records(fut, max(0.0, deadline - time.monotonic())) for fut in futs]
+    return [_records(fut, max(0.0, deadline - time.monotonic()), withdrawn) for fut in futs]
 
 
-def _records(fut: Any, timeout_s: float) -> dict[str, Any] | None:
+def _records(fut: Any, timeout_s: float, withdrawn: bool = False) -> dict[str, Any] | None:
     try:
         found = fut.result(timeout_s)
     except Exception:  # noqa: BLE001 - no answer
@@ -322,7 +324,7 @@ def _records(fut: Any, timeout_s: float) -> dict[str, Any] | None:
     records = {
         str(k): v.value
         for k, v in found.value.items()
-        if hasattr(v, "value") and v.value is not None
+        if hasattr(v, "value") and (withdrawn or v.value is not None)
     }
     size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
     DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
@@ -355,11 +357,12 @@ class RunRecords:
         return get_records(self.dht, f"{self.run_id}.{key}", wait_s)
 
     def dht_get_many(
-        self, keys: Sequence[str], timeout_s: float | None = None
+        self, keys: Sequence[str], timeout_s: float | None = None, withdrawn: bool = False
     ) -> list[dict[str, Any] | None]:
         """See get_many_records."""
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        return get_many_records(self.dht, [f"{self.run_id}.{k}" for k in keys], wait_s)
+        keys = [f"{self.run_id}.{k}" for k in keys]
+        return get_many_records(self.dht, keys, wait_s, withdrawn)
 
 
 class DhtClient(RunRecords):

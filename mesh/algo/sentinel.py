@@ -2,34 +2,47 @@
 
 A stage that sends finite garbage (activations or gradients scaled, sign-flipped, or noise)
 passes every wire check. Each receiving stage keeps, per sender and message kind, running
-statistics of two cheap features of every tensor it receives (Sentinel-style, Pluralis,
-arXiv 2603.03592; our own statistics):
+statistics of three cheap features of every tensor it receives (Sentinel-style, Pluralis,
+arXiv 2603.03592: running statistics of what crosses a boundary, no recomputation; the
+features are our own). Two of them are keyed by the microbatch's token ids, which the receiver
+knows (every stage reads the same microbatch from the corpus): the input tokens for an
+activation, the targets for a gradient (`token_keys`), through a `TokenTable` per stream.
 
 - `log_rms`: log of the root-mean-square value (a scaled tensor moves it by log(factor));
-- `mean_cos`: cosine between the tensor's mean over tokens (a d-vector) and the running mean of
-  those vectors (a sign flip turns it to about -1, noise to about 0). A residual stream has a
-  strong common direction, so this separates honest activations from flipped or random ones;
-  a gradient's token mean has none to speak of, so for gradients the feature's spread is wide
-  and only the scale is judged in practice.
+- `log_norm`: the mean over tokens of each token's log norm, less what this microbatch's token
+  mix is expected to add (each id's running offset from its messages' mean): the mix and a few
+  spiking tokens no longer count, so it is ~3x tighter than log_rms on honest streams;
+- `align`: the mean over tokens of the cosine between a token's vector and the running mean
+  direction of its id's vectors, as a log. A residual stream carries its token (honest ~0.95);
+  the loss pulls the hidden state towards the target's output embedding, and that pull
+  survives back through the later stages (honest gradients ~0.8 with their targets' running
+  directions). A sign flip turns the cosine negative, noise of the same RMS to ~0: far below
+  any honest message. Only a fall is judged (more aligned than usual is what honest looks like).
 
-Both are one pass over the tensor plus O(d). Each feature's expected value is a level and a
-trend (Holt's linear smoothing: EMAs with MEAN_TIME_CONSTANT and SLOPE_TIME_CONSTANT messages,
-running means before that), so an honest drift (norms that shrink or grow as training goes) is
-predicted rather than flagged; its scale is 1.25 x the mean absolute miss of that prediction
-over the last SCALE_WINDOW accepted messages (~ one standard deviation for normal data; an
-honest spike widens it for a while), with a floor per feature so a very steady stream does not
-make the bound hair-trigger. A message's z-score per feature is |x - predicted| / scale.
+Per message: one pass over the tensor, a projection of each token's vector to SKETCH_DIM
+coordinates when it is wider (a fixed random matrix: cosines survive), and a lookup of its B x T
+rows; a table holds vocab x SKETCH_DIM floats per sender and kind. Each feature's expected value
+is a level and a trend (Holt's linear smoothing: EMAs with MEAN_TIME_CONSTANT and
+SLOPE_TIME_CONSTANT messages, running means before that), so an honest drift (norms that shrink
+or grow as training goes) is predicted rather than flagged; its scale is 1.25 x the mean
+absolute miss of that prediction over the last SCALE_WINDOW accepted messages (~ one standard
+deviation for normal data; an honest spike widens it for a while), with a floor per feature and
+side so a steady stream does not make the bound hair-trigger. A message's z-score per feature
+is |x - predicted| / scale.
 
 Verdicts: the first `warmup` messages of a sender are learned and accepted; after that, a
 message with any z-score above `z_max` is dropped. Dropped messages never update the
-statistics, so an attacker cannot drag them. A sender is flagged once `flag_drops` of its last
-`flag_window` verdicts were drops (and stays flagged). A sender hostile from its first message
-defines its own baseline: detection needs an honest warm-up, as Sentinel's does.
+statistics, so an attacker cannot drag them, and while a sender is dropped the trend is carried
+on, damped (`trend_steps`); an accepted one is learned with its miss clipped at LEARN_CLIP
+scales (`learn`). A sender is flagged once `flag_drops` of its last `flag_window` verdicts were
+drops (and stays flagged). A sender hostile from its first message defines its own baseline:
+detection needs an honest warm-up, as Sentinel's does.
 
 An all-zero tensor is the pipeline's "void" marker: the sender's stage dropped that microbatch
 (see `is_void`); it is passed on, never judged and never learned.
 
 Tensors in, verdicts and counts out; the engines keep one `Sentinel` per receiving cell.
+mesh/bench/sentinel_replay.py measures it on replays of real boundary tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("log_rms", "mean_cos")
+FEATURES = ("log_rms", "log_norm", "align")
 # messages: the memory of the EMAs (each a running mean until this many were seen). The mean
 # forgets fast, so it lags little behind an honest drift (the lag of an EMA under a steady drift
 # is the drift per message x (time constant - 1)); the scale remembers longer, so one honest
@@ -48,15 +61,30 @@ FEATURES = ("log_rms", "mean_cos")
 MEAN_TIME_CONSTANT = 8
 SLOPE_TIME_CONSTANT = 16
 SCALE_WINDOW = 32
-# floors of the scale, per message kind and feature: a jump below z_max x floor is never a drop.
-# An activation's norm follows the weights, which move slowly (log_rms 0.1 at z_max 8: factors
-# under ~2.2x pass however steady the stream); a gradient's follows its microbatch's loss, which
-# jumps (honest spikes of 7x between microbatches in the tiny model's runs): factors under ~16x
+# floors of the scale, per message kind and feature, below and above the prediction: a miss
+# under z_max x floor is never a drop. Set from the honest extremes in replays of real boundary
+# tensors (mesh/bench/sentinel_replay.py; tiny models with 32 tokens a microbatch have the
+# noisiest streams), with margin:
+# - activations: norms follow the weights, which move slowly: 0.05 (at z_max 8: factors under
+#   1.5x pass however steady the stream; the largest honest misses, 1.5x, came early in
+#   training, while the recent misses made the scale wider than that);
+# - gradients: a gradient's norm follows its microbatch's loss, which spikes up and never falls
+#   far. log_rms: 0.2 below (5x; honest at most 3.4x), 0.6 above (120x; a few tokens of an
+#   honest microbatch spiked it 67x); log_norm: 0.12 below (2.6x; honest at most 1.8x), 0.3
+#   above (11x; honest at most 7.5x, a loss spike at the last boundary);
+# - align: 0.25 below lets an honest message be up to 7x less aligned than predicted (the worst
+#   seen: 4.9x, in that loss spike); noise is ~10x (32 tokens) to 100x (the clamp, ALIGN_MIN)
+#   less, a flip clamped. Never judged above (inf).
+INF = math.inf
 FLOORS = {
-    "activation": {"log_rms": 0.1, "mean_cos": 0.02},
-    "gradient": {"log_rms": 0.35, "mean_cos": 0.02},
+    "activation": {"log_rms": (0.05, 0.05), "log_norm": (0.05, 0.05), "align": (0.25, INF)},
+    "gradient": {"log_rms": (0.2, 0.6), "log_norm": (0.12, 0.3), "align": (0.25, INF)},
 }
 MAD_TO_STD = 1.25  # the mean absolute deviation of a normal variable is 0.8 sigma
+LEARN_CLIP = 2.0  # scales: an accepted message's miss is learned clipped at this (see learn)
+SKETCH_DIM = 64  # coordinates a token table keeps per token id
+TABLE_TIME_CONSTANT = 32  # a token id's row: a running mean of its first 32 messages, then EMA
+ALIGN_MIN = 0.01  # alignment is clamped here before its log (a cosine <= 0 has no log)
 
 
 @dataclass(frozen=True)
@@ -78,20 +106,118 @@ def is_void(x: torch.Tensor) -> bool:
     return not bool(x.any())
 
 
-def features(
-    x: torch.Tensor, reference: torch.Tensor | None
-) -> tuple[dict[str, float], torch.Tensor]:
-    """The message's features and its token-mean vector (over every dim but the last). With no
-    reference direction yet, mean_cos is NaN (the first message defines the direction)."""
+def token_keys(kind: str, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The token ids a message's rows are keyed by: the microbatch's input tokens for an
+    activation, its targets (the next tokens) for a gradient."""
+    return targets if kind == "gradient" else inputs
+
+
+def sketch_matrix(width: int) -> torch.Tensor | None:
+    """The fixed projection of a token's vector to SKETCH_DIM coordinates (None: narrow enough
+    to keep as it is). The same for every sender and run: nothing to agree on."""
+    if width <= SKETCH_DIM:
+        return None
+    gen = torch.Generator().manual_seed(0x5E17)
+    return torch.randn(width, SKETCH_DIM, generator=gen) / math.sqrt(SKETCH_DIM)
+
+
+@dataclass
+class TokenTable:
+    """Per token id: the running mean direction of the (unit, sketched) vectors seen for it,
+    and the running mean of their log norm's offset from their message's mean log norm."""
+
+    rows: torch.Tensor  # (ids, coordinates); grows to the largest id seen
+    offsets: torch.Tensor  # (ids,)
+    counts: torch.Tensor  # (ids,) messages that carried each id
+    sketch: torch.Tensor | None
+
+    @classmethod
+    def empty(cls, width: int, device: torch.device) -> TokenTable:
+        """A table on the device the messages arrive on (no copy of them to the host)."""
+        sketch = sketch_matrix(width)
+        dims = width if sketch is None else SKETCH_DIM
+        zeros = torch.zeros(0, device=device)
+        sketch = None if sketch is None else sketch.to(device)
+        return cls(torch.zeros(0, dims, device=device), zeros, zeros.clone(), sketch)
+
+    def units(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each row of a (tokens, width) tensor sketched and scaled to unit length."""
+        v = flat if self.sketch is None else flat @ self.sketch
+        return v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
+
+    def known(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which ids have a row learned from at least one message."""
+        out = torch.zeros_like(ids, dtype=torch.bool)
+        inside = ids < self.counts.shape[0]
+        out[inside] = self.counts[ids[inside]] > 0
+        return out
+
+    def alignment(self, units: torch.Tensor, ids: torch.Tensor) -> float:
+        """Mean over the tokens of known ids of the cosine between the token's unit vector and
+        its id's row; NaN when no id is known."""
+        known = self.known(ids)
+        if not bool(known.any()):
+            return math.nan
+        rows = self.rows[ids[known]]
+        cos = (units[known] * rows).sum(1) / rows.norm(dim=1).clamp_min(1e-30)
+        return float(cos.mean())
+
+    def mix_offset(self, ids: torch.Tensor) -> float:
+        """How far above the usual mean log norm this message's token mix is expected to be
+        (unknown ids: 0)."""
+        known = self.known(ids)
+        return float(self.offsets[ids[known]].sum()) / max(1, ids.numel())
+
+    def learn(self, units: torch.Tensor, ids: torch.Tensor, log_norms: torch.Tensor) -> None:
+        """Move each id's row and offset towards this message's mean for that id."""
+        have, need = self.rows.shape[0], int(ids.max()) + 1
+        if need > have:  # doubling: a handful of copies over a run, whatever the vocabulary
+            grow = max(need, 2 * have) - have
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(grow, self.rows.shape[1])])
+            self.offsets = torch.cat([self.offsets, self.offsets.new_zeros(grow)])
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
+        present, inverse, per_id = torch.unique(ids, return_inverse=True, return_counts=True)
+        self.counts[present] += 1
+        rate = 1.0 / self.counts[present].clamp(max=TABLE_TIME_CONSTANT)
+        # per-id sums (index_put_: index_add_ on the CPU waits on its thread pool for ~60 ms
+        # a call on a busy box, even for 16 rows)
+        sums = units.new_zeros(len(present), units.shape[1])
+        mean_units = sums.index_put_((inverse,), units, accumulate=True)
+        old = self.rows[present]
+        self.rows[present] = old + rate[:, None] * (mean_units / per_id[:, None] - old)
+        rel = log_norms - log_norms.mean()
+        mean_rel = rel.new_zeros(len(present)).index_put_((inverse,), rel, accumulate=True) / per_id
+        old_offset = self.offsets[present]
+        self.offsets[present] = old_offset + rate * (mean_rel - old_offset)
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a received tensor is judged by, and what learning it would fold in."""
+
+    values: dict[str, float]  # per feature
+    ids: torch.Tensor  # (tokens,) the id of each row
+    units: torch.Tensor  # (tokens, coordinates) each row sketched, unit length
+    log_norms: torch.Tensor  # (tokens,)
+
+
+def features(x: torch.Tensor, tokens: torch.Tensor, table: TokenTable) -> Message:
+    """The message's features against `table`. tokens: (B, T) ids of x's (B, T, width) rows
+    (token_keys)."""
     flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+    ids = tokens.detach().reshape(-1).to(device=flat.device, dtype=torch.long)
+    if ids.numel() != flat.shape[0]:
+        raise ValueError(f"sentinel: {ids.numel()} token ids for {flat.shape[0]} rows")
     rms = float(flat.square().mean().sqrt())
-    token_mean = flat.mean(dim=0)
-    if reference is None:
-        cos = math.nan
-    else:
-        denom = float(token_mean.norm() * reference.norm())
-        cos = float(token_mean @ reference) / denom if denom > 0 else 0.0
-    return {"log_rms": math.log(max(rms, 1e-30)), "mean_cos": cos}, token_mean
+    log_norms = flat.norm(dim=1).clamp_min(1e-30).log()
+    units = table.units(flat)
+    align = table.alignment(units, ids)
+    values = {
+        "log_rms": math.log(max(rms, 1e-30)),
+        "log_norm": float(log_norms.mean()) - table.mix_offset(ids),
+        "align": align if math.isnan(align) else math.log(max(align, ALIGN_MIN)),
+    }
+    return Message(values, ids, units, log_norms)
 
 
 @dataclass
@@ -104,10 +230,12 @@ class SenderStats:
     flagged: bool = False
     mean: dict[str, float] = field(default_factory=dict)
     slope: dict[str, float] = field(default_factory=dict)  # the level's trend per message
+    learned: dict[str, int] = field(default_factory=dict)  # accepted values per feature
     # |x - predicted| of the last SCALE_WINDOW accepted messages, per feature
     deviations: dict[str, deque[float]] = field(default_factory=dict)
-    direction: torch.Tensor | None = None  # running token-mean vector
+    table: TokenTable | None = None  # per token id: the running direction
     recent: deque[bool] = field(default_factory=deque)  # last verdicts, True = dropped
+    since: int = 0  # messages dropped since the last accepted one
 
 
 @dataclass(frozen=True)
@@ -117,68 +245,98 @@ class Verdict:
     warmup: bool = False
 
 
+def trend_steps(since: int) -> float:
+    """How many messages of trend the next message is predicted ahead: 1, and while a sender
+    is dropped a damped count (Gardner's damped trend, 1 + d + d^2 + ..., d = 1 -
+    1/SLOPE_TIME_CONSTANT): an honest drift goes on meanwhile, but a trend taken from a fast
+    early phase would overshoot if carried on straight (at most SLOPE_TIME_CONSTANT steps)."""
+    damping = 1.0 - 1.0 / SLOPE_TIME_CONSTANT
+    return (1.0 - damping ** (since + 1)) / (1.0 - damping)
+
+
 def predicted(stats: SenderStats, name: str) -> float:
     """The feature's expected value for the next message: the level plus the trend."""
-    return stats.mean[name] + stats.slope.get(name, 0.0)
+    return stats.mean[name] + stats.slope.get(name, 0.0) * trend_steps(stats.since)
+
+
+def scale(stats: SenderStats, name: str, kind: str, above: bool) -> float:
+    """A feature's scale on one side of its prediction: 1.25 x its recent mean absolute miss,
+    at least the floor."""
+    devs = stats.deviations.get(name, ())
+    mad = sum(devs) / len(devs) if devs else 0.0
+    return max(MAD_TO_STD * mad, FLOORS[kind][name][above])
 
 
 def z_scores(stats: SenderStats, values: dict[str, float], kind: str) -> dict[str, float]:
     out = {}
     for name in FEATURES:
-        if name not in stats.mean:
+        if name not in stats.mean or math.isnan(values[name]):
             continue
-        devs = stats.deviations.get(name, ())
-        mad = sum(devs) / len(devs) if devs else 0.0
-        scale = max(MAD_TO_STD * mad, FLOORS[kind][name])
-        out[name] = abs(values[name] - predicted(stats, name)) / scale
+        miss = values[name] - predicted(stats, name)
+        out[name] = abs(miss) / scale(stats, name, kind, miss > 0)
     return out
 
 
-def learn(stats: SenderStats, values: dict[str, float], token_mean: torch.Tensor) -> None:
+def learn(stats: SenderStats, msg: Message, kind: str, clip: float = math.inf) -> None:
     """Fold an accepted message into the statistics: its deviations join the scale's window,
-    then the mean moves (a running mean at first, then an EMA)."""
-    n = stats.accepted + 1
-    rate = 1.0 / min(n, MEAN_TIME_CONSTANT)
+    then the mean moves (a running mean at first, then an EMA), and its tokens' rows move.
+    After the warm-up each miss is clipped at `clip` scales first (a Huber-like update): an
+    attacked message that slipped in just under the bound moves the statistics by a bounded
+    step, so the next ones are not let in more easily; its token rows are kept out of the
+    table if its alignment was off by more than that. An honest shift is still followed, a
+    bounded step per message."""
+    misaligned = z_scores(stats, msg.values, kind).get("align", 0.0) > clip
     for name in FEATURES:
-        x = values[name]
-        if math.isnan(x):  # mean_cos of the first message: no direction to compare with yet
+        x = msg.values[name]
+        if math.isnan(x):  # align of a message none of whose ids was seen yet
             continue
+        n = stats.learned.get(name, 0) + 1
+        stats.learned[name] = n
         if name not in stats.mean:
             stats.mean[name] = x
             stats.deviations[name] = deque(maxlen=SCALE_WINDOW)
             continue
         guess = predicted(stats, name)
-        stats.deviations[name].append(abs(x - guess))
+        bound = clip * scale(stats, name, kind, x > guess)
+        miss = min(max(x - guess, -bound), bound)
+        stats.deviations[name].append(abs(miss))
         level = stats.mean[name]
-        stats.mean[name] = guess + rate * (x - guess)
+        stats.mean[name] = guess + miss / min(n, MEAN_TIME_CONSTANT)
         slope = stats.slope.get(name, 0.0)
         slope_rate = 1.0 / min(n - 1, SLOPE_TIME_CONSTANT)
-        stats.slope[name] = slope + slope_rate * (stats.mean[name] - level - slope)
-    if stats.direction is None:
-        stats.direction = token_mean.clone()
-    else:
-        stats.direction.mul_(1 - rate).add_(token_mean, alpha=rate)
-    stats.accepted = n
+        step = (stats.mean[name] - level) / trend_steps(stats.since)  # per step across a gap
+        stats.slope[name] = slope + slope_rate * (step - slope)
+    assert stats.table is not None
+    if not misaligned:
+        stats.table.learn(msg.units, msg.ids, msg.log_norms)
+    stats.accepted += 1
+    stats.since = 0
 
 
-def judge(stats: SenderStats, spec: SentinelSpec, x: torch.Tensor, kind: str) -> Verdict:
-    """The verdict on one received (non-void) tensor of `kind` (activation or gradient);
-    updates `stats` (learned only if accepted, counts and the flag either way)."""
-    values, token_mean = features(x, stats.direction)
+def judge(
+    stats: SenderStats, spec: SentinelSpec, x: torch.Tensor, kind: str, tokens: torch.Tensor
+) -> Verdict:
+    """The verdict on one received (non-void) tensor of `kind` (activation or gradient) whose
+    rows belong to `tokens` (token_keys); updates `stats` (learned only if accepted, counts
+    and the flag either way)."""
+    if stats.table is None:
+        stats.table = TokenTable.empty(x.shape[-1], x.device)
+    msg = features(x, tokens, stats.table)
     stats.seen += 1
     if stats.accepted < spec.warmup:
-        learn(stats, values, token_mean)
+        learn(stats, msg, kind)
         return Verdict(True, {}, warmup=True)
-    z = z_scores(stats, values, kind)
+    z = z_scores(stats, msg.values, kind)
     drop = not all(math.isfinite(v) and v <= spec.z_max for v in z.values())
     stats.recent.append(drop)
     while len(stats.recent) > spec.flag_window:
         stats.recent.popleft()
     if drop:
         stats.dropped += 1
+        stats.since += 1
         stats.flagged = stats.flagged or sum(stats.recent) >= spec.flag_drops
     else:
-        learn(stats, values, token_mean)
+        learn(stats, msg, kind, LEARN_CLIP)
     return Verdict(not drop, z)
 
 
@@ -189,13 +347,13 @@ class Sentinel:
     spec: SentinelSpec
     streams: dict[tuple[str, str], SenderStats] = field(default_factory=dict)
 
-    def check(self, sender: str, kind: str, x: torch.Tensor) -> bool:
+    def check(self, sender: str, kind: str, x: torch.Tensor, tokens: torch.Tensor) -> bool:
         """True: use the tensor; False: drop this microbatch (counted). kind: a key of
-        FLOORS (activation, gradient)."""
+        FLOORS (activation, gradient); tokens: the ids of x's rows (token_keys)."""
         if kind not in FLOORS:
             raise ValueError(f"sentinel: kind must be one of {sorted(FLOORS)}, got {kind!r}")
         stats = self.streams.setdefault((sender, kind), SenderStats())
-        return judge(stats, self.spec, x, kind).accepted
+        return judge(stats, self.spec, x, kind, tokens).accepted
 
     @property
     def dropped(self) -> int:

@@ -81,9 +81,10 @@ def run_comms_bench(out_dir: Path, quick: bool = False) -> dict:
 # ---------------------------------------------------------------- codecs (in this process)
 
 
-def bench_codecs(quick: bool) -> list[dict]:
-    n = 1 << 20 if quick else 1 << 22
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+def bench_codecs(quick: bool, device: str = "cpu", n: int | None = None) -> list[dict]:
+    """Every codec on n values (default 4M, quick 1M) on device (scripts/gpu_check.sh: CUDA)."""
+    n = n or (1 << 20 if quick else 1 << 22)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     nz = x != 0
     rows = []
     for codec in codecs.CODECS:
@@ -96,19 +97,27 @@ def bench_codecs(quick: bool) -> list[dict]:
                 "bytes_per_value": enc.nbytes / n,
                 "rel_err_median": rel.median().item(),
                 "rel_err_max": rel.max().item(),
-                "encode_mb_s": 4 * n / 1e6 / _best(lambda c=codec: codecs.encode(x, c), quick),
-                "decode_mb_s": 4 * n / 1e6 / _best(lambda e=enc: codecs.decode(e), quick),
+                "encode_mb_s": 4 * n / 1e6 / _best(lambda c=codec: codecs.encode(x, c), quick, x),
+                "decode_mb_s": 4 * n / 1e6 / _best(lambda e=enc: codecs.decode(e), quick, x),
             }
         )
     return rows
 
 
-def _best(fn: Callable[[], object], quick: bool) -> float:
+def _best(fn: Callable[[], object], quick: bool, on: torch.Tensor | None = None) -> float:
+    """fn's fastest of 3 (quick) or 7 runs in s; on: a tensor whose CUDA device is waited for."""
+
+    def sync() -> None:
+        if on is not None and on.is_cuda:
+            torch.cuda.synchronize(on.device)
+
     fn()  # warm up (lazy imports, allocator)
     times = []
     for _ in range(3 if quick else 7):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 

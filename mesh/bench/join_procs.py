@@ -56,11 +56,17 @@ def tiny_grid_config(
     seq_len: int = 16,
     schedule_steps: int | None = None,
     dp: str = "",
+    slowdown: float = 1.0,
 ) -> Path:
     """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
     the default corpus, Shakespeare) that runs until stopped (run.toml); `runtime`: more TOML
     lines for its [runtime] table; `steps`: the run's horizon; `schedule_steps`: the lr and
-    lambda schedules' (None: `steps`); `dp`: TOML lines for its [dp] table."""
+    lambda schedules' (None: `steps`); `dp`: TOML lines for its [dp] table; `slowdown`: every
+    cell's runtime.slowdowns factor (a cell then waits (slowdown - 1) x the CPU time of each
+    forward and backward; its messages and bookkeeping are not slowed)."""
+    cells = [f'"s{j}r{i}={slowdown}"' for i in range(replicas) for j in range(stages)]
+    if slowdown != 1.0:
+        runtime = f"slowdowns = [{', '.join(cells)}]\n{runtime}"
     path = directory / "run.toml"
     data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(

@@ -1,14 +1,14 @@
 """`meshtrain bench model`: what one cell of a real model costs on this machine.
 
-Per stage of llama-20m and llama-160m, fp32 against bf16: the cell's forward+backward time per
-microbatch (the runtime's own path: the stashed version's recompute-and-backward through
-stage_forward, as the worker runs it) against a plain torch loop over the same layers
-(module(x), backward) - the runtime's overhead; the no-grad forward an async cell runs first to
-send activations early, apart; tokens/s and achieved FLOP/s (6 x matmul parameters per token +
-12 x layers x seq_len x d for attention); and the cell's peak memory (its build, a full stash,
-one microbatch, one update) against `meshtrain plan`. On CUDA, memory is
-torch.cuda.max_memory_allocated and MFU is against the device's dense bf16 peak; on the CPU it
-is the peak of live tensor storage, counted by a dispatch mode.
+Per stage of llama-20m and llama-160m (or the models named: llama-1b on a GPU), fp32 against
+bf16: the cell's forward+backward time per microbatch (the runtime's own path: the stashed
+version's recompute-and-backward through stage_forward, as the worker runs it) against a plain
+torch loop over the same layers (module(x), backward) - the runtime's overhead; the no-grad
+forward an async cell runs first to send activations early, apart; tokens/s and achieved FLOP/s
+(6 x matmul parameters per token + 12 x layers x seq_len x d for attention); and the cell's peak
+memory (its build, a full stash, one microbatch, one update) against `meshtrain plan`. On CUDA,
+memory is torch.cuda.max_memory_allocated and MFU is against the device's dense bf16 peak; on the
+CPU it is the peak of live tensor storage, counted by a dispatch mode.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from mesh.model.build import (
     stage_module,
 )
 
-PRESETS = ("llama-20m", "llama-160m")
-# dense bf16 tensor-core peaks (FLOP/s) by device name fragment, from the vendors' sheets
+PRESETS = ("llama-20m", "llama-160m")  # the default; `--preset` names any of configs/models/
+# dense bf16 tensor-core peaks (FLOP/s) by device name fragment, from the vendors' sheets: MFU's
+# usual denominator. The H200 is the H100 SXM's chip with more and faster memory: the same
+# 989 TFLOP/s dense (its sheet's 1979 counts 2:4 sparsity).
 BF16_PEAK = {
     "H200": 989e12,
     "H100": 989e12,
@@ -235,21 +237,31 @@ def run_model_bench(
     quick: bool = False,
     device: str = "auto",
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    presets: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Every stage of each preset in fp32 and bf16; writes summary.json and table.md."""
+    """Every stage of each preset in fp32 and bf16; writes summary.json and table.md after each
+    stage, so a run stopped at its time limit keeps the stages it finished."""
     dev = torch.device(
         "cuda"
         if device == "auto" and torch.cuda.is_available()
         else ("cpu" if device == "auto" else device)
     )
     # the CPU keeps microbatches small (one sequence); quick: llama-20m only, shorter sequences
-    presets = PRESETS[:1] if quick else PRESETS
+    presets = presets or (PRESETS[:1] if quick else PRESETS)
     shape = {
         "cpu": ["pipeline.microbatch_size=1"] + (["model.seq_len=128"] if quick else []),
         "cuda": ["pipeline.microbatch_size=8"],
     }[dev.type]
     reps = 5 if quick else 11
-    rows = []
+    rows: list[dict[str, Any]] = []
+    summary = {
+        "device": _device_name(dev),
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
     for preset in presets:
         for precision in ("fp32", "bf16"):
             cfg = load_config(
@@ -262,18 +274,10 @@ def run_model_bench(
                     **bench_stage(cfg, j, reps, dev),
                 }
                 rows.append(row)
+                (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                (out / "table.md").write_text(model_table(summary) + "\n")
                 if on_row:
                     on_row(row)
-    summary = {
-        "device": _device_name(dev),
-        "threads": torch.get_num_threads(),
-        "quick": quick,
-        "torch": torch.__version__,
-        "rows": rows,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "table.md").write_text(model_table(summary) + "\n")
     return summary
 
 

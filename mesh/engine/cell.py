@@ -221,15 +221,19 @@ class Cell:
         seed = sparse.stable_seed(self.cfg.run.seed, self.stage, self.replica, which, microbatch)
         return sentinel.poisoned(x, hostile, seed)
 
-    def screen(self, sender: str, kind: str, x: torch.Tensor) -> str:
+    def screen(
+        self, sender: str, kind: str, x: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> str:
         """The verdict on a decoded tensor received from `sender` (kind: activation or
-        gradient): "use", "void" (the sender skipped this microbatch: pass the skip on), or
-        "drop" (runtime.sentinel found it far outside the sender's statistics: skip it)."""
+        gradient) for the microbatch whose (inputs, targets) are `batch`: "use", "void" (the
+        sender skipped this microbatch: pass the skip on), or "drop" (runtime.sentinel found
+        it far outside the sender's statistics: skip it)."""
         if sentinel.is_void(x):
             return "void"
-        if self.sentinel is None or self.sentinel.check(sender, kind, x):
+        if self.sentinel is None:
             return "use"
-        return "drop"
+        tokens = sentinel.token_keys(kind, *batch)
+        return "use" if self.sentinel.check(sender, kind, x, tokens) else "drop"
 
     # ---- data-parallel averaging ------------------------------------------------------------
     def open_round(self, index: int) -> tuple[Round, torch.Tensor]:

@@ -12,7 +12,7 @@ rest against a real cell.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -163,11 +163,36 @@ def plan_cell(cfg: Config, stage: int) -> CellPlan:
         inflight=inflight,
         inflight_bytes=inflight * act_in + grad_in,
         transport_bytes=transport,
-        activation_bytes=saved_bytes(m, len(layers), first, last, B, cfg.runtime.precision)
-        + output_bytes(m, last, B),
+        activation_bytes=activation_bytes(cfg, stage, cfg.runtime.precision),
         pp_up_bytes_per_token=pp_bytes_per_token(cfg, stage, cfg.pipeline.codec),
         dp_bytes_per_update=dp_update,
     )
+
+
+def activation_bytes(cfg: Config, stage: int, precision: str) -> int:
+    """What one microbatch's forward keeps for its backward at `precision`, and its output."""
+    layers, first, last = stage_layers(cfg.model, cfg.grid.stages, stage)
+    B = cfg.pipeline.microbatch_size
+    return saved_bytes(cfg.model, len(layers), first, last, B, precision) + output_bytes(
+        cfg.model, last, B
+    )
+
+
+def at_precision(cfg: Config, cells: list[CellPlan], precision: str) -> list[CellPlan]:
+    """The same cells with another compute precision (runtime.precision): only what a forward
+    keeps for its backward changes; the masters, states and buffers stay fp32 either way."""
+    return [replace(c, activation_bytes=activation_bytes(cfg, c.stage, precision)) for c in cells]
+
+
+def stages_that_fit(cells: list[CellPlan], memory_bytes: float) -> list[int]:
+    return [c.stage for c in cells if c.total_bytes <= memory_bytes]
+
+
+def stage_to_take(cells: list[CellPlan], memory_bytes: float) -> int | None:
+    """The stage a peer with `memory_bytes` should take: the largest that fits (ties: the
+    lower stage), leaving the smaller stages to peers with less memory; None when none fits."""
+    fit = [c for c in cells if c.total_bytes <= memory_bytes]
+    return max(fit, key=lambda c: (c.total_bytes, -c.stage)).stage if fit else None
 
 
 def pp_bytes_per_token(cfg: Config, stage: int, codec: str) -> float:

@@ -46,6 +46,7 @@ class _Link:
     upper: Cell
     lower: Cell
     microbatch: int
+    batch: tuple[torch.Tensor, torch.Tensor]  # its inputs and targets: what the sentinel keys by
     verdicts: Counter[str]  # the grid's count of drops and voids
     cut: list[int]  # the microbatch's: stages up to cut[0] got no gradient from it (-1: all did)
 
@@ -56,9 +57,8 @@ class _Link:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sent = self.upper.outgoing(x.detach(), "activation", self.microbatch)
         got = codecs.roundtrip(sent, self.codec)
-        verdict = self.lower.screen(
-            cell_name(self.upper.stage, self.upper.replica), "activation", got
-        )
+        sender = cell_name(self.upper.stage, self.upper.replica)
+        verdict = self.lower.screen(sender, "activation", got, self.batch)
         if verdict != "use":
             self.verdicts["void_forward"] += 1
             self.verdicts["poison"] += verdict == "drop"
@@ -67,9 +67,8 @@ class _Link:
     def backward(self, g: torch.Tensor) -> torch.Tensor:
         sent = self.lower.outgoing(g, "gradient", self.microbatch)
         got = codecs.roundtrip(sent, self.codec)
-        verdict = self.upper.screen(
-            cell_name(self.lower.stage, self.lower.replica), "gradient", got
-        )
+        sender = cell_name(self.lower.stage, self.lower.replica)
+        verdict = self.upper.screen(sender, "gradient", got, self.batch)
         if verdict == "use":
             return got
         self.verdicts["poison"] += verdict == "drop"
@@ -182,7 +181,8 @@ class GridSim:
             for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
                 h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
                 if j < self.P - 1:
-                    link = _Link(cfg.pipeline.codec, c, cells[j + 1], b, self.verdicts, cut)
+                    nxt = cells[j + 1]
+                    link = _Link(cfg.pipeline.codec, c, nxt, b, (x, y), self.verdicts, cut)
                     before = self.verdicts["void_forward"]
                     h = cross_link(h, link)
                     if self.verdicts["void_forward"] > before:
@@ -310,7 +310,7 @@ class GridSim:
     def run(self, on_step: Callable[[int, float], None] | None = None) -> SimResult:
         cfg, start = self.cfg, time.perf_counter()
         curve, train_curve, diverged = [], [], False
-        for _ in range(cfg.run.steps):
+        while self.update < cfg.run.steps:  # a resumed grid (sim_state.restore) goes on
             try:
                 loss = self.step()
             except CodecError:  # a non-finite payload: the run has diverged

@@ -19,6 +19,13 @@ from mesh.config import ModelConfig
 from mesh.model.kv import KVCache, attend
 
 
+def embedding(n: int, d: int) -> nn.Embedding:
+    """An (n, d) embedding left uninitialised: stages are built on the meta device and then
+    initialised by mesh.model.build, and nn.Embedding's own init (normal_) on the meta device
+    imports torch._dynamo, 1.5 s of CPU in every process that builds a first stage."""
+    return nn.Embedding(n, d, _weight=torch.empty(n, d))
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, layer: int) -> None:
         super().__init__()
@@ -72,8 +79,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.first, self.last, self.layers = first, last, layers
         if first:
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.tok_emb = embedding(cfg.vocab_size, cfg.d_model)
+            self.pos_emb = embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
         if last:
             self.ln_f = nn.LayerNorm(cfg.d_model)

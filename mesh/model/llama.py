@@ -16,6 +16,7 @@ from torch import nn
 
 from mesh.config import ModelConfig
 from mesh.model import boundary as ends
+from mesh.model.gpt import embedding
 from mesh.model.kv import KVCache, attend
 
 
@@ -122,7 +123,7 @@ class StageModule(nn.Module):
         self.first, self.last, self.layers = first, last, layers
         self.head_dim, self.theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
         if first:
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.tok_emb = embedding(cfg.vocab_size, cfg.d_model)
         spec = boundary or ends.BoundarySpec()
         self.boundary = ends.build_ends(spec, cfg.d_model, cfg.vocab_size, stage, first, last)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})

@@ -292,16 +292,22 @@ def cell_state(cell: Cell, fingerprint: str) -> dict[str, Any]:
     }
 
 
-def save_cell(cell: Cell, fingerprint: str, run_dir: str | Path) -> Path:
+def save_cell(
+    cell: Cell, fingerprint: str, run_dir: str | Path, extra: dict[str, Any] | None = None
+) -> Path:
     """Write the cell's checkpoint for its current step atomically; prune old ones, and the
-    temporary files of earlier writers of this cell that were killed mid-save."""
+    temporary files of earlier writers of this cell that were killed mid-save. `extra`: more
+    entries of the file (a logical run's simulator state, mesh/engine/sim_state.py), which
+    every reader of a cell's state passes over."""
     path = checkpoint_path(run_dir, cell.stage, cell.replica, cell.step)
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep_torn(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    state = cell_state(cell, fingerprint)
+    assert not set(extra or {}) & set(state), "an extra entry must not replace the cell's"
     try:
         with tmp.open("wb") as f:
-            torch.save(cell_state(cell, fingerprint), f)  # CPU tensors straight from memory
+            torch.save({**state, **(extra or {})}, f)  # CPU tensors straight from memory
             f.flush()
             os.fsync(f.fileno())
     except BaseException as e:  # a failed write (a full disk) leaves nothing and the older ones

@@ -1,15 +1,17 @@
 """Spawn, watch and reap the local peer processes of a grid (simulate and the tests use it).
 
-Each cell is its own process (spawn context, so no state leaks from the parent) running
-`mesh.runtime.trainer.run_cell`. The parent holds the rendezvous (a TCP store address, or a
-bootstrap DHT), draws one progress bar from the cells' metrics files, and on Ctrl-C or an error
-terminates every child (SIGTERM, then SIGKILL after a grace period) and reaps them all.
+Each cell is its own process running `mesh.runtime.trainer.run_cell`, forked from a fork
+server that imported torch once (`cell_context`; no state leaks from the parent). The parent
+holds the rendezvous (a TCP store address, or a bootstrap DHT), draws one progress bar from the
+cells' metrics files, and on Ctrl-C or an error terminates every child (SIGTERM, then SIGKILL
+after a grace period) and reaps them all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.forkserver
 import signal
 import threading
 import time
@@ -63,7 +65,7 @@ class LocalGrid:
         # pipeline.window = "auto": sized once here, so every cell runs the same schedule
         self.tree = resolve_window(cfg).model_dump(mode="json")
         self.procs: dict[tuple[int, int], Any] = {}
-        self._ctx = mp.get_context("spawn")
+        self._ctx = cell_context()
 
     def start(
         self,
@@ -116,6 +118,25 @@ class LocalGrid:
 
     def stop(self, grace_s: float = 5.0) -> None:
         _stop_all(list(self.procs.values()), grace_s)
+
+
+# What the fork server imports once, before it forks any cell: a spawned cell spent ~2 s of CPU
+# importing them. None starts a Python thread or opens a file; the native threads of numpy's and
+# scipy's OpenBLAS are stopped and restarted around a fork (pthread_atfork).
+CELL_PRELOAD = ["torch", "mesh.runtime.trainer", "comms.torchdist.transport", "comms.p2p.transport"]
+
+
+def cell_context() -> multiprocessing.context.ForkServerContext:
+    """The cells' start method: "forkserver", one server process per launcher (started on the
+    first call, in the main thread with SIGTERM ignored, a disposition every cell inherits:
+    see _sigterm_ignored). Each cell is a fork of it, then prepared as a spawned process is
+    (the launcher's working directory, sys.path and __main__). Its parent is the server, not
+    the launcher: a cell watches the launcher itself (mesh.runtime.stop.watch_parent)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(CELL_PRELOAD)
+    with _sigterm_ignored():
+        multiprocessing.forkserver.ensure_running()
+    return ctx
 
 
 def grid_cells(cfg: Config) -> list[tuple[int, int]]:
@@ -347,10 +368,11 @@ class MetricsTail:
 
 @contextlib.contextmanager
 def _sigterm_ignored() -> Iterator[None]:
-    """Spawn children with SIGTERM ignored (an ignored signal stays ignored across exec): a
-    child still importing torch when a stop comes would otherwise die of it (exit -15) before
-    run_cell installs its handler, which makes SIGTERM a clean stop (checkpoint, release,
-    exit 0). _stop_all repeats the signal until then. Only the main thread can set handlers."""
+    """Start children, and the cells' fork server whose forks inherit it, with SIGTERM ignored
+    (an ignored signal stays ignored across exec): a child still starting when a stop comes
+    would otherwise die of it (exit -15) before run_cell installs its handler, which makes
+    SIGTERM a clean stop (checkpoint, release, exit 0). _stop_all repeats the signal until
+    then. Only the main thread can set handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -282,6 +282,9 @@ class Registry:
         self.rejected = 0  # claims ignored: malformed, unsealed or without a valid token
         self.bad_signatures: Counter[str] = Counter()  # record kind -> records that did not unseal
         self._leaders: dict[str, str] = {}  # leader cell -> signer of its last owner seen
+        # cell -> signers whose claim on it the last read found withdrawn (release(): a clean
+        # stop) and not yet expired; a claim that expired without one was never released
+        self.withdrawn: dict[str, set[str]] = {}
 
     def _seal(self, key: str, subkey: str, value: dict[str, Any], ttl_s: float) -> dict[str, Any]:
         """value as stored: sealed with the run's Auth (unsealed without one: tests of the
@@ -316,14 +319,30 @@ class Registry:
         read would look free)."""
         replicas = list(replicas)
         found = self.d.dht_get_many(
-            [claims_key(i) for i in replicas], timeout_s=max(2.0, 2 * self.heartbeat_s)
+            [claims_key(i) for i in replicas],
+            timeout_s=max(2.0, 2 * self.heartbeat_s),
+            withdrawn=True,
         )
         if any(f is None for f in found):
             return None
         out = []
         for replica, claims in zip(replicas, found):
-            out.extend(self._valid(replica, claims or {}))
+            claims = claims or {}
+            self._withdrawn(replica, [k for k, v in claims.items() if v is None])
+            out.extend(self._valid(replica, {k: v for k, v in claims.items() if v is not None}))
         return out
+
+    def _withdrawn(self, replica: int, subkeys: list[str]) -> None:
+        """Note the claims of `replica`'s cells their owners withdrew (by the subkey's signer:
+        only the owner can write under its marker, so nobody withdraws another's claim)."""
+        for cell in [c for c in self.withdrawn if replica_of(c) == replica]:
+            del self.withdrawn[cell]
+        for subkey in subkeys:
+            cell, _, rest = subkey.partition("/")
+            at = rest.find("[owner:")
+            signer = signer_of(subkey, f"{cell}/{rest[:at]}") if at > 0 else None
+            if signer and replica_of(cell) == replica:
+                self.withdrawn.setdefault(cell, set()).add(signer)
 
     def _valid(self, replica: int, found: dict[str, Any]) -> list[CellRecord]:
         out = []

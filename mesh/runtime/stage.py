@@ -244,7 +244,7 @@ class StageWorker(Rounds):
         t0 = time.perf_counter()
         msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
         x = msg.tensor().to(self.device)
-        void = not self.emu and self._screened(self.prev, "activation", x) != "use"
+        void = not self.emu and self._screened(self.prev, "activation", x, b) != "use"
         self.in_flight[b] = _InFlight(x, -1, void=void)
         if self.emu:
             self.emu.waited(t0)
@@ -314,7 +314,7 @@ class StageWorker(Rounds):
         fl = self.in_flight[b]
         fl.grad_out = msg.tensor().to(self.device)
         if not self.emu and not fl.void:
-            fl.void = self._screened(self.next, "gradient", fl.grad_out) != "use"
+            fl.void = self._screened(self.next, "gradient", fl.grad_out, b) != "use"
         if self.emu:
             self.emu.waited(t0)
 
@@ -408,9 +408,11 @@ class StageWorker(Rounds):
             self.after_update()
         self.cell.push_version(shared=self.emu is not None)
 
-    def _screened(self, sender: str, kind: str, x: torch.Tensor) -> str:
-        """cell.screen's verdict on a received tensor; a drop is counted as rejects 'poison'."""
-        verdict = self.cell.screen(sender, kind, x)
+    def _screened(self, sender: str, kind: str, x: torch.Tensor, b: int) -> str:
+        """cell.screen's verdict on a received tensor of microbatch b (every stage reads its
+        tokens: the sentinel keys its statistics by them); a drop is counted as rejects
+        'poison'."""
+        verdict = self.cell.screen(sender, kind, x, self._batch(b))
         if verdict == "drop":
             self.transport.stats.add_reject("poison")
         return verdict

@@ -8,6 +8,7 @@ imports: stdlib, mesh.runtime.proctree.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -89,13 +90,19 @@ PARENT_POLL_S = 1.0
 def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
     """Stop this process cleanly (SIGTERM to itself: checkpoint, release, exit 0) once the
     process that started it is gone: a launcher killed with SIGKILL cannot stop its cells, and
-    an orphan would train on beside the next grid a `--resume` starts. Linux re-parents an
-    orphan, so a changed parent pid is the sign; polled, as there is no portable notice."""
+    an orphan would train on beside the next grid a `--resume` starts. A multiprocessing child
+    watches its launcher's end of the pipe it was started through (it closes however the
+    launcher dies; a cell's parent pid is the fork server's, which outlives the launcher while
+    a cell runs); any other process polls for a changed parent pid (Linux re-parents an orphan)."""
+    launcher = mp.parent_process()
     parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
+        if launcher is not None:
+            launcher.join()
+        else:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
         while True:  # again until it takes: a cell still starting ignores SIGTERM until ready
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(poll_s)

@@ -62,13 +62,18 @@ def shots_dir(default: Path) -> Path:
 
 
 class Page(HTMLParser):
-    """What the dashboard drew: each grid cell's state, the loss chart's point count."""
+    """What the dashboard drew: each grid cell's state, the loss chart's point count, its key
+    (what lines and dots are) and its legend (the replicas), the bytes bars by link kind."""
 
     def __init__(self, html: str) -> None:
         super().__init__()
         self.cells: dict[str, str] = {}
         self.loss_points: int | None = None
+        self.loss_key = ""
+        self.legend: list[str] = []  # replicas, in the legend's order
+        self.byte_kinds: list[str] = []
         self.polled = False
+        self._in_key = False
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -77,8 +82,20 @@ class Page(HTMLParser):
             self.cells[a["data-cell"]] = a.get("data-state") or ""
         if a.get("id") == "loss-chart" and a.get("data-points") is not None:
             self.loss_points = int(a["data-points"])
+        if a.get("class") == "legend" and a.get("data-replica") is not None:
+            self.legend.append(a["data-replica"] or "")
+        if tag == "rect" and a.get("data-kind"):
+            self.byte_kinds.append(a["data-kind"] or "")
+        self._in_key = a.get("id") == "loss-key"
         if tag == "body" and a.get("data-polled"):
             self.polled = True
+
+    def handle_data(self, data: str) -> None:
+        if self._in_key:
+            self.loss_key += data
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_key = False
 
 
 def look(url: str) -> Page:

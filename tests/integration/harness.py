@@ -1,7 +1,8 @@
 """Run one real process per peer, each with its own transport, on 127.0.0.1.
 
-`run_peers(backend, names, groups, scenario, timeout_s, **kwargs)` spawns a process per name
-(multiprocessing "spawn": no inherited threads or sockets), each builds its transport with
+`run_peers(backend, names, groups, scenario, timeout_s, **kwargs)` starts a process per name
+(forked from the cells' fork server, mesh.runtime.launch.cell_context: no inherited threads or
+sockets, torch already imported), each builds its transport with
 `comms.build.make_transport` and runs `scenarios.<scenario>(transport, peer, **kwargs)`, whose
 JSON-able dict comes back through a pipe. The parent holds the rendezvous
 (`comms.build.local_rendezvous`: a free port for torch, a bootstrap DHT for hivemind).
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from comms.build import local_rendezvous, make_transport
+from mesh.runtime.launch import cell_context
 
 KILLED = {"killed": True}
 STARTED = "started"  # every peer's first checkpoint: its transport is built
@@ -84,7 +86,7 @@ def run_peers(
         kwargs: passed to the scenario function.
     """
     faults = faults or {}
-    ctx = mp.get_context("spawn")
+    ctx = cell_context()
     # One pipe per child and direction: a child killed while writing cannot hold a lock that
     # the others need (a shared mp.Queue has one).
     events, to_parent = zip(*(ctx.Pipe(duplex=False) for _ in names), strict=True)
@@ -189,6 +191,7 @@ def _reap(procs: dict[str, mp.Process], grace_s: float = 30.0) -> None:
 
 def _child(backend, name, names, groups, scenario, timeout_s, build, kwargs, events, go, err):
     """Child process body: stderr to a file, build, run, report, close."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a cell's fork server ignores it
     fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1)

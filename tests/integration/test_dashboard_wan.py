@@ -47,7 +47,7 @@ def get_json(url: str) -> dict:
 
 def test_dashboard_of_a_joined_grid(text_file, tmp_path):
     browser.chromium()  # skip before starting anything when there is no browser
-    cfg = tiny_grid_config(tmp_path, text_file)
+    cfg = tiny_grid_config(tmp_path, text_file, slowdown=4.0)  # less CPU: see test_join
     dht, maddr = start_dht()
     procs: dict[str, subprocess.Popen] = {}
     try:

@@ -1,17 +1,17 @@
 """The hivemind backend (comms/p2p/transport.py, comms/p2p/mean.py) with real processes on
 127.0.0.1.
 
-Each peer is a spawned process with its own P2PTransport (its own DHT process and p2pd), driven
-over a pipe by the test; results are compared to one-process references (codecs.roundtrip, the
-member-order mean of dequantized payloads). A killed peer is killed alone (SIGKILL to its pid):
-its DHT process and p2pd must exit and remove their /tmp/hivemind-*.sock files by
-themselves, which the fault tests check. Every test checks that the p2pd daemons it started are
-gone (peers run in their own sessions, so a hung one is killed with its whole group).
+Each peer is a process (a fork of the cells' fork server) with its own P2PTransport (its own DHT
+process and p2pd), driven over a pipe by the test; results are compared to one-process
+references (codecs.roundtrip, the member-order mean of dequantized payloads). A killed peer is
+killed alone (SIGKILL to its pid): its DHT process and p2pd must exit and remove their
+/tmp/hivemind-*.sock files by themselves, which the fault tests check. Every test checks that the
+p2pd daemons it started are gone (peers run in their own sessions, so a hung one is killed with
+its whole group).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import re
@@ -33,9 +33,9 @@ from comms.p2p.transport import LOOPBACK, P2PTransport
 from comms.throttle import LinkProfile
 from comms.transport import MeanStatus, mean_in_member_order
 from comms.wire import Expect, Kind
+from mesh.runtime.launch import cell_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-CTX = mp.get_context("spawn")
 
 
 # ------------------------------------------------------------------ the peer process
@@ -43,6 +43,7 @@ CTX = mp.get_context("spawn")
 
 def _peer_main(conn, name: str, run_id: str, initial_peers: list[str]) -> None:
     os.setsid()  # own process group: the test can kill this peer with its DHT and p2pd
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a cell's fork server ignores it
     t = P2PTransport(name, run_id=run_id, initial_peers=initial_peers, timeout_s=20.0)
     conn.send(("ready", t.visible_maddrs()))
     handles = {}
@@ -120,8 +121,9 @@ _COMMANDS = {
 class Peer:
     def __init__(self, name: str, run_id: str, initial_peers: list[str]) -> None:
         self.name = name
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_peer_main, args=(child, name, run_id, initial_peers))
+        ctx = cell_context()  # torch and the transport imported once, in its fork server
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, run_id, initial_peers))
         self.proc.start()
 
     def ready(self, timeout_s: float = 90.0) -> list[str]:

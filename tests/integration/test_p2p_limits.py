@@ -178,3 +178,35 @@ def test_a_forged_config_record_is_refused_by_a_joiners_reader(boot):
         owner.close()
         forger.close()
         reader.close()
+
+
+def test_a_withdrawn_claim_reads_back_as_released_through_a_real_dht(boot):
+    """release() stores None over a claim (MSGPack through a real DHT): status reads the cell
+    free and released, by the claim's signer, while the withdrawal lives; plain reads (every
+    peer's claim logic) never see it."""
+    from cli.status import status_rows
+    from mesh.config import load_config
+    from mesh.runtime.registry import CellRecord, Registry, claims_key
+
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=1", "model.n_layers=2"])
+    owner = DhtClient(boot, "withdraw", 30.0)
+    reader = DhtClient(boot, "withdraw", 30.0)
+    try:
+        claimant = Registry(owner, None, 1.0)
+        for j in range(2):
+            assert claimant.beat(
+                CellRecord(f"s{j}r0", "QmPeer", 1, 1.0, 0, 3, 5.0, time.time(), None)
+            )
+        reg = Registry(reader, None, 1.0)
+        wait_for(lambda: status_rows(reg, cfg)["free"] == [], 30, "both claims in the DHT")
+        assert claimant.release("s1r0", "QmPeer")
+        wait_for(lambda: status_rows(reg, cfg)["free"] == ["s1r0"], 30, "the release")
+        rows = status_rows(reg, cfg)
+        assert rows["released"] == {"s1r0": [owner.owner_marker]}
+        assert [c["signer"] for c in rows["cells"]] == [owner.owner_marker]
+        assert rows["rejected_claims"] == 0  # a withdrawal is not a bad claim
+        plain = reader.dht_get(claims_key(0))
+        assert plain is not None and all(v is not None for v in plain.values())
+    finally:
+        owner.close()
+        reader.close()

@@ -29,25 +29,45 @@ def _sim(text_file, *extra):
     return GridSim(cfg).run()
 
 
-def test_a_hostile_stage_is_dropped_and_the_honest_loss_holds(text_file):
-    clean = _sim(text_file)
-    assert clean.rejects.get("poison", 0) == 0 and clean.flagged == {}
-    # stage 0 of replica 1 sends its activations x100 from update 64 on (the default onset)
-    hostile = _sim(text_file, "runtime.pipeline_poison=['s0r1=scale:100']")
-    assert hostile.flagged == {"s1r1": ["s0r1"]}
+@pytest.fixture(scope="module")
+def clean(text_file):
+    run = _sim(text_file)
+    assert run.rejects.get("poison", 0) == 0 and run.flagged == {}
+    return run
+
+
+@pytest.mark.parametrize(
+    ("attack", "receiver", "onset"),
+    [
+        # stage 0 of replica 1 sends its activations x100 from update 64 on (the default onset)
+        ("s0r1=scale:100", "s1r1", 64),
+        # stage 1 of replica 1 sends its gradients back x100, sign-flipped, or as noise of the
+        # same RMS; stage 0 drops them
+        ("s1r1=scale:100@40", "s0r1", 40),
+        ("s1r1=flip@40", "s0r1", 40),
+        ("s1r1=random@40", "s0r1", 40),
+    ],
+)
+def test_a_hostile_stage_is_dropped_and_the_honest_loss_holds(
+    text_file, clean, attack, receiver, onset
+):
+    hostile = _sim(text_file, f"runtime.pipeline_poison=['{attack}']")
+    assert hostile.flagged == {receiver: [attack.split("=")[0]]}
     # every microbatch from the onset on (an honest stream may lose a rare spike besides)
-    assert 200 - 64 <= hostile.rejects["poison"] <= 200 - 64 + 2
+    assert 200 - onset <= hostile.rejects["poison"] <= 200 - onset + 2
     honest, reference = hostile.val_loss_replicas[0], clean.val_loss_replicas[0]
     assert abs(honest - reference) / reference < 0.05, (honest, reference)
-    # gradients: stage 1 of replica 1 sends them back x100; stage 0 drops them
-    back = _sim(text_file, "runtime.pipeline_poison=['s1r1=scale:100@40']")
-    assert back.flagged == {"s0r1": ["s1r1"]}
-    assert 200 - 40 <= back.rejects["poison"] <= 200 - 40 + 2
-    honest = back.val_loss_replicas[0]
-    assert abs(honest - reference) / reference < 0.05, (honest, reference)
 
 
-def test_the_runtime_drops_counts_and_flags_a_hostile_stage(text_file, tmp_path):
+def test_an_undefended_gradient_flip_hurts_the_honest_replica(text_file, clean):
+    """What the sentinel holds off: the same flip with runtime.sentinel off costs the honest
+    replica (through the averaging) more than the 5% the defended run stays within."""
+    hostile = _sim(text_file, "runtime.pipeline_poison=['s1r1=flip@40']", "runtime.sentinel=false")
+    honest, reference = hostile.val_loss_replicas[0], clean.val_loss_replicas[0]
+    assert (honest - reference) / reference > 0.05, (honest, reference)
+
+
+def _runtime(text_file, tmp_path, attack):
     cfg = load_config(
         [],
         [
@@ -59,12 +79,16 @@ def test_the_runtime_drops_counts_and_flags_a_hostile_stage(text_file, tmp_path)
             "dp.mode=none",
             "runtime.timeout_s=30",
             "runtime.sentinel_warmup=8",
-            "runtime.pipeline_poison=['s0r0=scale:100@12']",
+            f"runtime.pipeline_poison=['{attack}']",
         ],
     )
     run = run_grid(cfg, tmp_path, timeout_s=240)
     assert run.ok, run.exit_codes
-    rows = read_metrics(tmp_path)
+    return read_metrics(tmp_path)
+
+
+def test_the_runtime_drops_counts_and_flags_a_hostile_stage(text_file, tmp_path):
+    rows = _runtime(text_file, tmp_path, "s0r0=scale:100@12")
     last = [r for r in rows[(1, 0)] if "flagged" in r][-1]
     assert last["flagged"] == ["s0r0"]
     # stage 0 is at update 12 when it sends microbatch 13 (async: one forward ahead)
@@ -75,3 +99,17 @@ def test_the_runtime_drops_counts_and_flags_a_hostile_stage(text_file, tmp_path)
     # the skip went back to stage 0 as a void gradient: its sentinel drops nothing
     sender = [r for r in rows[(0, 0)] if "rejects" in r and "flagged" in r][-1]
     assert sender["flagged"] == [] and "poison" not in sender["rejects"]
+
+
+def test_the_runtime_drops_a_sign_flipped_gradient(text_file, tmp_path):
+    """Stage 1 sends its gradients back negated from update 12 on: stage 0 keys them by the
+    microbatch's targets (every stage reads the data), drops each one and flags stage 1;
+    stage 1 still trains on every microbatch."""
+    rows = _runtime(text_file, tmp_path, "s1r0=flip@12")
+    last = [r for r in rows[(0, 0)] if "flagged" in r][-1]
+    assert last["flagged"] == ["s1r0"]
+    assert last["rejects"]["poison"] == 30 - 12
+    receiver = [r for r in rows[(1, 0)] if "flagged" in r][-1]
+    assert receiver["flagged"] == [] and "poison" not in receiver["rejects"]
+    losses = [r["loss"] for r in rows[(1, 0)] if "loss" in r]
+    assert len(losses) == 30 and all(loss is not None for loss in losses)

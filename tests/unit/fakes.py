@@ -27,5 +27,11 @@ class FakeDirectory:
             return None
         return {k: v for k, v in self.data.get(key, {}).items() if v is not None}
 
-    def dht_get_many(self, keys, timeout_s=None):
-        return [self.dht_get(key, timeout_s) for key in keys]
+    def dht_get_many(self, keys, timeout_s=None, withdrawn=False):
+        out = []
+        for key in keys:
+            found = self.dht_get(key, timeout_s)  # counts the read (None: no answer)
+            if found is not None and withdrawn:  # with the withdrawn subkeys (value None)
+                found = dict(self.data.get(key, {}))
+            out.append(found)
+        return out

@@ -23,6 +23,7 @@ from mesh.runtime.checkpoint import (
     save_cell,
     saved_steps,
 )
+from mesh.runtime.launch import cell_context
 
 TINY = helpers.TINY_MODEL
 
@@ -115,10 +116,9 @@ def test_sigkill_at_random_points_inside_saves_never_costs_a_valid_checkpoint(tm
     """Item 6 of issue 16: a cell process is SIGKILLed 20 times at random points inside
     save_cell (found by waiting for it to enter a save, then a random part of a save's length);
     after each kill every checkpoint on disk is intact, and the restarted process resumes from
-    the newest one. The processes fork from a server that imported torch once (seconds, not
-    minutes)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "mesh.runtime.checkpoint", "mesh.model.build"])
+    the newest one. The processes fork from the cells' server, which imported torch once
+    (seconds, not minutes)."""
+    ctx = cell_context()
     cfg, fresh = _cell(0, *BIG)
     fp, rng, run_dir = cfg.state_fingerprint(), random.Random(16), tmp_path / "run"
     inside, resumed = 0, []

@@ -100,3 +100,37 @@ def test_progress_bar_shows_no_eta_until_steps_were_timed():
         assert "remaining" not in bar.bar.bar_format
         bar.goto(40 + ETA_AFTER_STEPS)
         assert "remaining" in bar.bar.bar_format and bar.bar.n == 40 + ETA_AFTER_STEPS
+
+
+def test_progress_bar_draws_its_last_step_once():
+    """Every redraw is a line in a log: the 100% line was drawn by the last step and again by
+    the close (with the whole run's rate)."""
+    import io
+
+    from cli.report import progress_bar
+
+    log = io.StringIO()
+    with progress_bar(10, "t", file=log) as bar:
+        bar.bar.mininterval, bar.bar.miniters, bar.bar.dynamic_miniters = 0, 1, False
+        for step in range(1, 11):
+            bar.goto(step, 3.0 - step / 10)
+        bar.goto(10)  # simulate's own goto(run.steps) after the grid finished
+    lines = [line for line in log.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert sum("10/10" in line for line in lines) == 1, lines
+    assert any("9/10" in line for line in lines) and "loss=2.000" in lines[-1]
+
+
+def test_summary_table_says_what_the_rounds_in_flight_are():
+    from cli.simulate import ROUNDS_NOTE, summary_table
+
+    summary = {
+        "grid": "4x2", "steps": 300, "tokens": 307200, "tokens_per_s": 481.0,
+        "fraction_of_ideal": 0.03, "val_loss": 2.7123, "val_bpb": 3.9131,
+        "bytes": {"pp_per_replica_step": 393721, "dp_per_replica_step": 21124},
+        "rounds": {"rounds_started": 2246, "rounds_applied": 2178, "rounds_partial": 3,
+                   "rounds_failed": 48},
+    }  # fmt: skip
+    headers, rows = summary_table(summary)
+    assert headers[-1] == "rounds started/applied/failed/in flight"
+    assert rows[0][-1] == "2246/2178/48/20"
+    assert "in flight at the end" in ROUNDS_NOTE and "{tau}" in ROUNDS_NOTE

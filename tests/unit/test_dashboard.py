@@ -17,7 +17,7 @@ from fakes import FakeDirectory
 from cli.status import status_rows
 from mesh.config import load_config
 from mesh.runtime.dashboard.live import LiveView
-from mesh.runtime.dashboard.rundir import RunDirView, thin, tokens_per_step
+from mesh.runtime.dashboard.rundir import RunDirView, SentTotals, thin, tokens_per_step
 from mesh.runtime.dashboard.server import SourceError, make_server
 from mesh.runtime.dashboard.state import (
     DEAD,
@@ -195,6 +195,75 @@ def test_live_view_states_dead_cells_and_curves():
     reg.beat(_claim("s1r0", "QmNew", 0, 110.0, inc=0))
     d = view.json(status_rows(reg, cfg, now=110.1), 110.1)
     assert {c["cell"]: c["state"] for c in d["cells"]}["s1r0"] == DOWNLOADING
+
+
+def test_live_view_a_released_cell_is_free_as_status_says_and_its_bytes_stay():
+    """A peer that stops cleanly withdraws its claim: `status` lists its cell free (released),
+    and so does the dashboard (not dead); what it sent stays in the totals. A withdrawal under
+    another signer than the claim's is not its owner's: that cell, gone, is dead."""
+    directory = FakeDirectory()
+    reg = Registry(directory, None, HB)
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=1"])
+    view = LiveView()
+    for j in range(2):
+        reg.beat(_claim(f"s{j}r0", f"Qm{j}", 5, 100.0, {"bytes": {"pp": 10 + j}}))
+    d = view.json(status_rows(reg, cfg, now=100.2), 100.2)
+    assert d["bytes_sent"] == {"pp": 21}
+    assert reg.release("s1r0", "Qm1")
+    rows = status_rows(reg, cfg, now=101.0)
+    assert rows["free"] == ["s1r0"] and rows["released"] == {"s1r0": ["[owner:test]"]}
+    d = view.json(rows, 101.0)
+    assert {c["cell"]: c["state"] for c in d["cells"]} == {"s0r0": TRAINING}
+    assert d["free"] == ["s1r0"] and d["bytes_sent"] == {"pp": 21}
+    # the withdrawal expires: still free, not dead
+    directory.data["cells.r0"] = {k: v for k, v in directory.data["cells.r0"].items() if v}
+    d = view.json(status_rows(reg, cfg, now=110.0), 110.0)
+    assert d["free"] == ["s1r0"] and d["bytes_sent"] == {"pp": 21}
+    # a new peer takes the cell: its bytes add to the old peer's
+    reg.beat(_claim("s1r0", "QmNew", 6, 110.0, {"bytes": {"pp": 4}}))
+    d = view.json(status_rows(reg, cfg, now=110.1), 110.1)
+    assert d["bytes_sent"] == {"pp": 10 + 11 + 4}
+    # s0r0 vanishes, and another process writes a withdrawal in its name: not its owner's
+    claims = directory.data["cells.r0"]
+    directory.data["cells.r0"] = {k: v for k, v in claims.items() if "s0r0" not in k}
+    assert Registry(directory.joined("[owner:evil]"), None, HB).release("s0r0", "Qm0")
+    rows = status_rows(reg, cfg, now=111.0)
+    assert rows["released"] == {"s0r0": ["[owner:evil]"]}
+    d = view.json(rows, 111.0)
+    assert {c["cell"]: c["state"] for c in d["cells"]}["s0r0"] == DEAD
+
+
+def test_run_dir_a_cleanly_stopped_cell_is_free_and_totals_keep_every_life(tmp_path):
+    host = socket.gethostname()
+    gone = {"event": "started", "step": 0, "pid": _dead_pid(), "host": host}
+    saved = {"event": "saved", "checkpoint": "x", "released": True}
+    _write_run(
+        tmp_path,
+        {
+            # stopped cleanly (SIGTERM, Ctrl-C): saved, released; its process is gone
+            (0, 0): [gone, _row(0, 0, 1, 0.1), _row(0, 0, 2, 0.2), saved],
+            # killed: no saved row
+            (1, 0): [gone, _row(1, 0, 1, 0.1, loss=5.0)],
+            # restarted: the second life's counters start again at 0
+            (0, 1): [gone, _row(0, 1, 3, 0.3), saved, gone, _row(0, 1, 1, 0.5)],
+        },
+    )
+    d = RunDirView(tmp_path).json()
+    states = {c["cell"]: c["state"] for c in d["cells"]}
+    assert d["free"] == ["s0r0", "s1r1"] and states == {"s1r0": DEAD, "s0r1": DEAD}
+    assert d["bytes_sent"] == {"activation": 200 + 100 + (300 + 100)}
+
+
+def test_sent_totals_keep_departed_senders_and_bank_restarts():
+    t = SentTotals()
+    t.see("a", {"pp": 10, "dp": 5})
+    t.see("b", {"pp": 7})
+    t.see("a", {"pp": 12, "dp": 5})
+    assert t.total() == {"pp": 19, "dp": 5}
+    t.see("a", {"pp": 1})  # a new process under the same name: counters from 0
+    assert t.total() == {"pp": 12 + 7 + 1, "dp": 5}
+    t.see("b", {"pp": "x"})  # not a number: not counted; the totals stay
+    assert t.total() == {"pp": 12 + 7 + 1, "dp": 5}
 
 
 def test_exporters_numbers_and_ports():

@@ -47,3 +47,44 @@ def test_final_poll_adds_the_last_step_between_marks(tmp_path, text_file):
     assert [r["step"] for r in read_val(tmp_path)] == [4]
     tracker.poll(final=True)
     assert [r["step"] for r in read_val(tmp_path)] == [4, 6]
+
+
+HANG_S = 60  # only a hang: a loaded 2-core box
+
+
+def test_background_validation_leaves_the_launchers_thread_free(tmp_path, text_file):
+    """simulate's watch loop draws the progress bar; an evaluation in it held the bar still
+    for its length (then it jumped 34% to 77%). In background() the evaluation runs on its
+    own thread: the caller's thread goes on while one is under way."""
+    import threading
+
+    cfg, corpus = _saved_run(tmp_path, text_file, every=2)
+    entered, release = threading.Event(), threading.Event()
+    threads = []
+
+    class Held(ValTracker):
+        def poll(self, final=False):
+            threads.append(threading.current_thread())
+            entered.set()
+            assert release.wait(HANG_S)
+            super().poll(final)
+
+    tracker = Held(cfg, tmp_path, corpus)
+    with tracker.background(period_s=0.01):
+        assert entered.wait(HANG_S)  # an evaluation is under way, and this thread runs on
+        assert threads[0] is not threading.main_thread()
+        release.set()
+    assert [r["step"] for r in read_val(tmp_path)] == [2, 4, 6]
+
+    failed = threading.Event()
+
+    class Broken(ValTracker):
+        def poll(self, final=False):
+            failed.set()
+            raise OSError("disk full")
+
+    import pytest
+
+    with pytest.raises(OSError, match="disk full"):  # an evaluation's error is not lost
+        with Broken(cfg, tmp_path, corpus).background(period_s=0.01):
+            assert failed.wait(HANG_S)

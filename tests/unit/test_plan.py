@@ -120,3 +120,95 @@ def test_show_config_prints_parameters_per_stage():
     assert res.exit_code == 0, res.output
     assert "# parameters per stage: s0 328,550,400, s1 254,822,400" in res.output
     assert "(total 1,166,747,904)" in res.output
+
+
+# ---- the memory answer: precision, fits, the stage to take ---------------------------------
+
+
+def _table_column(output: str, header: str) -> list[str]:
+    lines = [line for line in output.splitlines() if line.startswith("|")]
+    names = [c.strip() for c in lines[0].strip("|").split("|")]
+    col = names.index(header)
+    return [[c.strip() for c in line.strip("|").split("|")][col] for line in lines[2:6]]
+
+
+def test_plan_recommends_the_largest_stage_that_fits():
+    from cli.plan import _gb_short
+
+    # the default grid's stages differ: stage 0 keeps 4 versions and the embedding, stage 2 two
+    cfg = load_config([], [])
+    totals = sorted((c.total_bytes, c.stage) for c in plan(cfg))
+    assert len({t for t, _ in totals}) == 4, totals  # four different sizes
+    # room for the two smallest stages, not the third
+    memory_gb = (totals[1][0] + totals[2][0]) / 2 / 1e9
+    res = CliRunner().invoke(main, ["plan", "--memory-gb", repr(memory_gb)])
+    assert res.exit_code == 0, res.output
+    fits = _table_column(res.output, f"fits {_gb_short(memory_gb * 1e9)} GB")
+    fitting = sorted(s for _, s in totals[:2])
+    assert [j for j, f in enumerate(fits) if f == "yes"] == fitting
+    assert f"stages {fitting[0]}, {fitting[1]} fit; take stage {totals[1][1]} " in res.output
+    assert f"meshtrain join --stage {totals[1][1]}" in res.output
+    assert "precision: fp32 compute (runtime.precision)" in res.output
+    assert f"memory: --memory-gb {memory_gb:g}" in res.output
+
+
+def test_plan_with_no_stage_that_fits_names_the_leaner_settings():
+    res = CliRunner().invoke(
+        main, ["plan", "--config", "configs/models/llama-1b.toml", "--memory-gb", "13"]
+    )
+    assert res.exit_code == 0, res.output
+    assert set(_table_column(res.output, "fits 13 GB")) == {"no"}
+    assert "with 13 GB: no stage fits; the smallest, stage 2, needs 15.82 GB" in res.output
+    # bf16 compute and 8-bit states bring stage 2 to 12.75 GB
+    assert (
+        "with --set runtime.precision=bf16 --set optim.state_8bit=true: stage 2 fits; "
+        "take stage 2 (12.75 GB)" in res.output
+    )
+    res = CliRunner().invoke(main, ["plan", "--memory-gb", "0"])
+    assert res.exit_code == 2 and "--memory-gb must be > 0" in res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_plan_without_a_gpu_says_so_and_checks_this_machines_memory():
+    from cli.plan import _gb_short, host_memory_bytes
+
+    res = CliRunner().invoke(main, ["plan", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    out = json.loads(res.output)
+    assert out["memory_bytes"] == host_memory_bytes()
+    assert out["memory_source"].startswith("no GPU here (torch sees none)")
+    assert out["take_stage"] == 0 and out["precision"] == "fp32"
+    res = CliRunner().invoke(main, ["plan"])
+    host = _gb_short(host_memory_bytes())
+    assert f"no GPU here (torch sees none): assumed this machine's memory, {host} GB" in res.output
+    assert f"fits {host} GB" in res.output
+    assert "the whole grid, as `meshtrain simulate` runs it here: 0.08 GB, fits" in res.output
+
+
+def test_memory_to_check_prefers_the_flag_then_the_smallest_gpu():
+    from cli.plan import memory_to_check
+
+    gpus = [("big", 80_000_000_000), ("small", 24_000_000_000)]
+    assert memory_to_check(16.0, gpus, 10**12) == (16e9, "--memory-gb 16")
+    memory, source = memory_to_check(None, gpus, 10**12)
+    assert memory == 24e9 and source == "this machine's GPU: small, 24 GB, the smallest of 2"
+    memory, source = memory_to_check(None, [], 32_000_000_000)
+    assert memory == 32e9 and source.startswith("no GPU here")
+    memory, source = memory_to_check(None, [], 32_000_000_000, "cpu")
+    assert memory == 32e9 and source == "runtime.device = cpu: this machine's memory, 32 GB"
+
+
+def test_stage_to_take_is_the_largest_that_fits():
+    from dataclasses import replace
+
+    from mesh.engine.plan import stage_to_take, stages_that_fit
+
+    base = plan(load_config([], []))[0]
+    cells = [replace(base, stage=j, weights_bytes=w) for j, w in enumerate([5, 9, 7, 9])]
+    extra = base.total_bytes - base.weights_bytes
+    assert stages_that_fit(cells, extra + 8) == [0, 2]
+    assert stage_to_take(cells, extra + 8) == 2
+    assert stage_to_take(cells, extra + 9) == 1  # a tie: the lower stage
+    assert stage_to_take(cells, extra + 4) is None

@@ -2,7 +2,7 @@
 processes it had started with it: the main thread may be blocked in C++ (a TCPStore connect)
 where no Python handler runs, and the start would hold the process for up to runtime.timeout_s
 (60 s by default), past a launcher's grace period (mesh/runtime/stop.py,
-StopSignal.immediate)."""
+StopSignal.immediate). A cell whose launcher was SIGKILLed stops (watch_parent)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,56 @@ def test_a_deferred_stop_waits_out_the_connect():
     seen until the call returns."""
     rc, took_s, _ = _stop_while_connecting("deferred", wait_s=5)
     assert rc is None, f"the deferred stop exited ({rc}) after {took_s:.1f}s"
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from mesh.config import Config
+from mesh.runtime.launch import LocalGrid
+from tests.unit.test_stop_signal import cell_that_waits
+grid = LocalGrid(Config(), Path(sys.argv[1]), {{}})
+grid.start((0, 0), target=cell_that_waits)
+print(grid.pid((0, 0)), flush=True)
+time.sleep({hang})
+"""
+
+
+def cell_that_waits(*run_cell_args: object) -> None:
+    """A cell process reduced to its stop: SIGTERM is a clean exit, the launcher is watched."""
+    from mesh.runtime.stop import STOP, watch_parent
+
+    signal.signal(signal.SIGTERM, STOP.handler)
+    watch_parent(poll_s=0.2)
+    time.sleep(HANG_S)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_a_cell_whose_launcher_was_killed_stops_and_leaves_nothing(tmp_path):
+    """The launcher SIGKILLed (it cannot stop its cells): the cell stops on its own, and so
+    does the process it was forked from (LocalGrid's fork server, which outlives the launcher
+    while a cell holds it)."""
+    root = Path(__file__).resolve().parents[2]
+    code = LAUNCHER.format(hang=3 * HANG_S)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    cell = server = 0
+    try:
+        cell = int(launcher.stdout.readline())
+        server = _parent_of(cell)
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not alive(cell), HANG_S, "the orphaned cell to stop")
+        wait_for(lambda: not alive(server), HANG_S, "its fork server to exit")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in (cell, server):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -4,7 +4,12 @@ training loss curves it gathered from the heartbeats since it started.
 
 A claim that stops beating expires from the DHT after 4 heartbeats and its cell reads as free;
 a cell this dashboard saw held and no longer sees is shown dead (with what it last showed)
-until someone claims it again: a peer that vanished is what a user watching needs to see.
+until someone claims it again: a peer that vanished is what a user watching needs to see. A
+peer that stopped cleanly withdrew its claim (status's `released`, checked against the signer
+of the claim this dashboard saw): its cell is free, as `meshtrain status` says.
+
+Bytes sent per link kind sum every peer this dashboard saw, the ones that left included (with
+the totals they last reported), so the totals never go down when a peer leaves.
 
 imports: stdlib, this package's state and rundir (thin).
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mesh.runtime.dashboard.rundir import thin
+from mesh.runtime.dashboard.rundir import SentTotals, thin
 from mesh.runtime.dashboard.state import DEAD, Seen, StepClock, cell_state
 
 DEFAULT_HEARTBEAT_S = 1.0  # runtime.heartbeat_s's default, when the run's record is unreadable
@@ -27,11 +32,12 @@ class LiveView:
         self.last: dict[str, tuple[dict[str, Any], float]] = {}  # cell -> (row, seen at)
         self.losses: dict[str, dict[int, float]] = {}  # replica -> step -> loss
         self.start: float | None = None
+        self.sent = SentTotals()  # by (cell, peer): a peer that left keeps its last totals
 
     def json(self, rows: dict[str, Any], now: float) -> dict[str, Any]:
         heartbeat_s = (rows.get("run") or {}).get("heartbeat_s") or DEFAULT_HEARTBEAT_S
         P = int(rows["grid"].split("x")[0]) if rows.get("grid") else None
-        cells, bytes_by_kind = [], {}
+        cells = []
         for c in rows["cells"]:
             seen = Seen(
                 claimed=True,
@@ -43,13 +49,15 @@ class LiveView:
             self.last[c["cell"]] = (c, now)
             if c.get("since"):
                 self.start = min(self.start or c["since"], c["since"])
-            for kind, n in (c.get("bytes_sent") or {}).items():
-                bytes_by_kind[kind] = bytes_by_kind.get(kind, 0) + n
+            self.sent.see((c["cell"], c["peer"]), c.get("bytes_sent") or {})
             stage, _, replica = c["cell"][1:].partition("r")
             if P is not None and int(stage) == P - 1 and c.get("loss") is not None:
                 self.losses.setdefault(replica, {})[c["step"]] = c["loss"]
         free = []
+        released = rows.get("released") or {}
         for name in rows["free"]:
+            if name in self.last and self.last[name][0].get("signer") in released.get(name, []):
+                del self.last[name]  # its peer stopped cleanly: free, not dead
             if name not in self.last:
                 free.append(name)
                 continue
@@ -68,7 +76,7 @@ class LiveView:
             "cells": cells,
             "free": free,
             "run": run,
-            "bytes_sent": bytes_by_kind,
+            "bytes_sent": self.sent.total(),
             "curves": {"train": train, "val": {}},
             "now": now,
         }

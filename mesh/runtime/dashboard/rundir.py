@@ -76,6 +76,7 @@ class CellTail:
     losses: Curve = field(default_factory=Curve)  # (step, loss), bounded
     recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RATE_ROWS))
     mtime: float | None = None
+    sent: SentTotals = field(default_factory=lambda: SentTotals())  # every life of the cell
 
     def poll(self) -> None:
         try:
@@ -97,6 +98,8 @@ class CellTail:
                 self.take(row)
 
     def take(self, row: dict[str, Any]) -> None:
+        if isinstance(row.get("bytes_sent"), dict):
+            self.sent.see(self.path.name, row["bytes_sent"])
         if row.get("final"):
             self.final = row
         elif "event" in row:
@@ -109,6 +112,31 @@ class CellTail:
                 self.recent.append((row["step"], float(row["time_s"])))
             if isinstance(row.get("loss"), int | float):
                 self.losses.append((int(row.get("step", 0)), float(row["loss"])))
+
+
+class SentTotals:
+    """Bytes sent per link kind, summed over every sender seen (a cell's process, a peer):
+    one that left keeps its last totals in the sum, and one whose counters started again (a
+    new process under the same key: a restart, a resume) banks what its old life sent."""
+
+    def __init__(self) -> None:
+        self.latest: dict[Any, dict[str, int]] = {}
+        self.banked: dict[str, int] = {}
+
+    def see(self, sender: Any, counts: dict[str, Any]) -> None:
+        counts = {k: int(n) for k, n in counts.items() if isinstance(n, int | float)}
+        old = self.latest.get(sender, {})
+        if any(counts.get(k, 0) < n for k, n in old.items()):  # a new life's counters
+            for k, n in old.items():
+                self.banked[k] = self.banked.get(k, 0) + n
+        self.latest[sender] = counts
+
+    def total(self) -> dict[str, int]:
+        out = dict(self.banked)
+        for counts in self.latest.values():
+            for k, n in counts.items():
+                out[k] = out.get(k, 0) + n
+        return out
 
 
 def thin(points: list[Any], n: int = MAX_POINTS) -> list[Any]:
@@ -139,6 +167,8 @@ def seen_of(tail: CellTail | None, failed: bool, now: float, host: str) -> Seen:
         alive=alive,
         final=tail.final is not None,
         waiting_event=event == "waiting",
+        # a clean stop's last row (mesh/runtime/trainer.py): saved, and released on a DHT run
+        released=event == "saved" and not failed,
     )
 
 
@@ -207,15 +237,15 @@ def build_json(
             name = cell_name(j, i)
             tail = tails.get((j, i))
             failed = (run_dir / "logs" / f"{cell_name(j, i)}.err").is_file()
-            row = (tail.final or tail.last) if tail is not None else None
             seen = seen_of(tail, failed, now, host)
             state = cell_state(seen, cfg.runtime.heartbeat_s)
+            if tail is not None:  # a cell that stopped still counts what it sent
+                for kind, n in tail.sent.total().items():
+                    bytes_by_kind[kind] = bytes_by_kind.get(kind, 0) + n
             if state == FREE:
                 free.append(name)
                 continue
             cells.append(cell_json(name, tail, state, seen, now, cfg))
-            for kind, n in ((row or {}).get("bytes_sent") or {}).items():
-                bytes_by_kind[kind] = bytes_by_kind.get(kind, 0) + int(n)
     per_step = tokens_per_step(cfg)
     train = {
         str(i): thin([[s * per_step, loss] for s, loss in tails[(P - 1, i)].losses])

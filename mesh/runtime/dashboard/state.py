@@ -2,8 +2,9 @@
 
 States: training (its rows / heartbeats move), waiting (alive but its step stands still: its
 replica waits for a neighbour, or a round), downloading (claimed, loading its stage's state
-before it trains), free (nobody holds it), dead (its process is gone, or its heartbeats stopped),
-finished (it wrote its final row).
+before it trains), free (nobody holds it: never held, or its peer stopped cleanly, saved and
+released it, as `meshtrain status` counts it), dead (its process is gone without a clean stop,
+or its heartbeats stopped), finished (it wrote its final row).
 
 imports: stdlib only.
 """
@@ -36,13 +37,14 @@ class Seen:
     final: bool = False  # it wrote its final row
     loading: bool = False  # claimed but not yet training (a join's placeholder, state catch-up)
     waiting_event: bool = False  # its last row says it waits for a neighbour
+    released: bool = False  # its process stopped cleanly: saved, its claim withdrawn
 
 
 def cell_state(seen: Seen, heartbeat_s: float) -> str:
     """The one word a dashboard shows for a cell."""
     if seen.final:
         return FINISHED
-    if not seen.claimed:
+    if not seen.claimed or seen.released:
         return FREE
     if seen.alive is False:
         return DEAD

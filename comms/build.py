@@ -39,7 +39,8 @@ def make_transport(
     Args:
         backend: "torch" (torch.distributed) or "hivemind" (libp2p through a DHT).
         me, peers, groups: this peer, every peer in rank order, averaging groups.
-        rendezvous: torch only: "tcp://HOST:PORT" of the store peers[0] binds.
+        rendezvous: torch only: "tcp://HOST:PORT" of the TCPStore (served by local_rendezvous
+            with serve_store=False, else bound by peers[0]).
         initial_peers: hivemind only: multiaddrs of any DHT node to bootstrap from.
         host: address to bind (loopback by default; tests never leave 127.0.0.x).
         timeout_s: startup deadline and default deadline of waits.
@@ -84,11 +85,21 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
     """What a group of local peers needs to find each other, as make_transport kwargs; lives
     as long as the context (the parent process of a test or bench holds it).
 
-    torch: a free TCP port on host for the store ({"rendezvous": "tcp://host:port"}).
+    torch: the rendezvous TCPStore, served from this process ({"rendezvous":
+    "tcp://host:port", "serve_store": False}), so that it outlives every peer: a peer that is
+    started again forms its links anew with the live ones.
     hivemind: a bootstrap DHT node on host ({"initial_peers": [maddr, ...]}).
     """
     if backend == "torch":
-        yield {"rendezvous": f"tcp://{host}:{free_port(host)}"}
+        from datetime import timedelta
+
+        from comms.torchdist.gloo import store_server
+
+        store = store_server(host, 0, timedelta(seconds=60))
+        try:
+            yield {"rendezvous": f"tcp://{host}:{store.port}", "serve_store": False}
+        finally:
+            del store  # stops the server, frees the port
         return
     if backend == "hivemind":
         # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----

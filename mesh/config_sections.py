@@ -334,10 +334,11 @@ class RuntimeConfig(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="simulate on torch: how many times the grid starts again after a cell "
-        "died (a signal, or out of memory), each replica from the newest step all its cells "
-        "saved (a gloo world cannot re-admit a rank), before it stops, saved and resumable; on "
-        "hivemind a dead cell's replica waits for a restart or a join (runtime.rejoin_timeout_s)",
+        description="simulate on torch: how many times a run starts a replica again after "
+        "one of its cells died (a signal, or out of memory), from the newest step all its cells "
+        "saved, while the other replicas train on; past that the grid stops, saved and "
+        "resumable; on hivemind a dead cell's replica waits for a restart or a join "
+        "(runtime.rejoin_timeout_s)",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"

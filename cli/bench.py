@@ -32,8 +32,8 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
 
 
 def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
-    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12) as a sorted list without
-    repeats (None: the study's default)."""
+    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12; or another option's
+    integers, --stages 4,8) as a sorted list without repeats (None: the study's default)."""
     if not seeds:
         return None
     out: set[int] = set()
@@ -45,7 +45,7 @@ def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
                 raise ValueError
             out.update(range(first, last + 1))
     except ValueError:
-        raise ConfigError(f"{option} {seeds}: expected seeds >= 0 like 0,1 or 10-17") from None
+        raise ConfigError(f"{option} {seeds}: expected integers >= 0 like 0,1 or 10-17") from None
     return sorted(out)
 
 
@@ -206,6 +206,13 @@ def bench_ablations(
     default=None,
     help="Comma-separated seeds to report (default 0,1,2,3; the lrs are tuned on seed 100).",
 )
+@click.option(
+    "--stages",
+    "stages_csv",
+    default=None,
+    help="Comma-separated pipeline depths P to run (default 4,8); the rows of other depths that "
+    "--out's summary.json holds are kept, and a later run with the same --out reuses these runs.",
+)
 @user_errors
 def bench_boundary(
     config_files: tuple[str, ...],
@@ -214,6 +221,7 @@ def bench_boundary(
     out: str,
     workers: int,
     seeds: str | None,
+    stages_csv: str | None,
 ) -> None:
     """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
     method at 4-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
@@ -230,7 +238,12 @@ def bench_boundary(
             "prepare ... --out data/shakespeare-bpe4k --tokenizer bpe:4096` (README: Demo), or "
             "--set data.path=... and model.vocab_size to another dataset"
         )
-    summary = run_boundary(base, Path(out), quick, workers, chosen)
+    stages = parse_seeds(stages_csv, "--stages")
+    if stages is not None and any(p < 2 for p in stages):
+        raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    summary = run_boundary(
+        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None
+    )
     click.echo(table(summary))
 
 
@@ -281,8 +294,9 @@ def bench_comms(quick: bool, out: str) -> None:
 @click.option(
     "--real-size",
     is_flag=True,
-    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over 100 Mbit/s and 50 ms, "
-    "compute at 40% of an H100, full fp8 against compressed boundaries (about 3 minutes).",
+    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over a 100 Mbit/s uplink a "
+    "cell and 50 ms, compute at 40% of an H100, full fp8 against compressed boundaries, time "
+    "dilated to fit this host (10-30 minutes).",
 )
 @user_errors
 def bench_throughput(
@@ -301,10 +315,16 @@ def bench_throughput(
     from mesh.bench.throughput.runs import run_throughput
 
     if real_size:
-        from mesh.bench.throughput.real_size import merge_into, real_size_table, run_real_size
+        from mesh.bench.throughput.real_size import (
+            merge_into,
+            real_size_table,
+            run_real_size,
+            with_loss_costs,
+        )
 
         base = load_config(list(config_files), list(overrides))
-        entry = run_real_size(base, Path(out) / "real-size", steps=15 if quick else 40)
+        entry = run_real_size(base, Path(out) / "real-size", steps=20 if quick else 60)
+        entry = with_loss_costs(entry, Path(out).parent)
         merge_into(Path(out), entry)
         click.echo(real_size_table(entry))
         return

@@ -79,6 +79,7 @@ def run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
         "dp_bytes_per_replica_step": r.dp_bytes_per_replica_step,
         "pp_bytes_per_replica_step": r.pp_bytes_per_replica_step,
         "diverged": r.diverged,
+        "rejects": r.rejects,  # e.g. boundary tensors a sentinel dropped ("poison")
         "clip_rate": round(r.clip_rate, 4),
         "wall_s": round(r.wall_s, 2),
         "curve": r.curve,

@@ -40,7 +40,7 @@ from mesh.runtime.checkpoint import (
     save_cell,
     saved_steps,
 )
-from mesh.runtime.emulate import link_profile, resolve_window
+from mesh.runtime.emulate import cell_shaping, resolve_window
 from mesh.runtime.failure import (
     LOST_NEIGHBOUR,
     reserve_failure_report,
@@ -105,7 +105,7 @@ def cell_transport(
         groups,
         host=cfg.runtime.host,
         timeout_s=cfg.runtime.timeout_s,
-        **{"shaping": link_profile(cfg), **extra, **options},
+        **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},
     )
 
 

@@ -137,6 +137,22 @@ def test_shaped_links_follow_the_model(backend: str) -> None:
         assert r["mean_status"] == "ok" and lat / 1e3 <= r["mean_s"], r
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_links_on_one_uplink_share_its_bandwidth(backend: str) -> None:
+    """8 frames of 100 KB from a to b and c, alternating, over an 8 Mbit/s uplink they share:
+    the last arrives no sooner than 8 transmissions and the latency after the first left (each
+    link with a wire of its own would take 4)."""
+    mbps, nbytes, lat = 8.0, 100_000, 20.0
+    up = LinkProfile(bandwidth_mbps=mbps, latency_ms=lat, uplink="a")
+    build = {"shaping": {"b": up, "c": up}}
+    res = run_peers(backend, ["a", "b", "c"], {}, "shared_uplink", TIMEOUT_S, build=build,
+                    nbytes=nbytes)  # fmt: skip
+    last = max(res["b"]["arrivals"] + res["c"]["arrivals"])
+    # never faster than the model (release times are lower bounds; a hang is caught by the
+    # receives' deadlines)
+    assert last - res["a"]["start"] >= 0.95 * 8 * up.transmit_s(nbytes) + lat / 1e3, res
+
+
 # ---- torch backend only ----
 
 

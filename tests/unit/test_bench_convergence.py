@@ -213,7 +213,7 @@ def test_evaluation_seeds_that_tuned_are_refused(tmp_path):
         (["--tune", "--confirm-seeds", "12"], "seed 12 also tuned"),  # the default 10-17
         (["--tune-seeds", "5"], "go with --tune"),
         (["--interval", "--seeds", "10"], "--seeds goes with"),
-        (["--seeds", "x"], "expected seeds"),
+        (["--seeds", "x"], "expected integers"),
     ],
 )
 def test_bench_convergence_refuses_overlapping_seeds_in_one_line(tmp_path, args, says):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -104,16 +105,52 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
     if backend == "hivemind":
         # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
         _optional_module("comms.p2p.transport")
-        from comms.p2p.dht import start_dht
-
-        dht = start_dht([], 120.0, host_maddrs=[f"/ip4/{host}/tcp/0"])
+        # The node runs in a spawned process of its own: hivemind forks its DHT process from
+        # whoever starts it, and a fork of a process with threads (a test's in-process gloo
+        # groups and TCPStores, torch's pools) can hang before it says ready, every time.
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_bootstrap_node, args=(host, theirs), name="bootstrap-dht")
+        proc.start()
+        theirs.close()
         try:
-            yield {"initial_peers": [str(a) for a in dht.get_visible_maddrs()]}
+            if not ours.poll(BOOTSTRAP_START_S):
+                raise TimeoutError(f"the bootstrap DHT node did not start in {BOOTSTRAP_START_S} s")
+            yield {"initial_peers": ours.recv()}  # EOFError: it failed (its stderr says why)
         finally:
-            dht.shutdown()
+            with contextlib.suppress(OSError):
+                ours.send("stop")
+            ours.close()
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         return
         # ---- end of hivemind branch ----
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+BOOTSTRAP_START_S = 180.0  # start_dht's own deadline (120 s) and a spawned interpreter's start
+
+
+def _bootstrap_node(host: str, conn: Any) -> None:
+    """A spawned process: a bootstrap DHT node on host; sends its multiaddrs on `conn`, then
+    serves until the parent says stop or goes away (the pipe closes)."""
+    import signal
+
+    from comms.p2p.dht import start_dht
+
+    # Ctrl-C reaches the whole process group: the parent decides when this node stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    dht = start_dht([], 120.0, host_maddrs=[f"/ip4/{host}/tcp/0"])
+    try:
+        conn.send([str(a) for a in dht.get_visible_maddrs()])
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+    finally:
+        dht.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -31,12 +31,22 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
     return wrap
 
 
-def parse_seeds(seeds: str | None) -> list[int] | None:
-    """--seeds 0,1,2 as a list (None: the study's default)."""
+def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
+    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12; or another option's
+    integers, --stages 4,8) as a sorted list without repeats (None: the study's default)."""
+    if not seeds:
+        return None
+    out: set[int] = set()
     try:
-        return [int(s) for s in seeds.split(",")] if seeds else None
+        for part in seeds.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            out.update(range(first, last + 1))
     except ValueError:
-        raise ConfigError(f"--seeds {seeds}: expected integers like 0,1") from None
+        raise ConfigError(f"{option} {seeds}: expected integers >= 0 like 0,1 or 10-17") from None
+    return sorted(out)
 
 
 @click.group()
@@ -70,6 +80,29 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
 )
 @click.option(
+    "--seeds",
+    default=None,
+    help="The data-parallel study's evaluation seeds, e.g. 10-17 (default 10-17; --quick: 10,11); "
+    "refused where a seed also tuned (tuning.json's seeds, or --tune-seeds with --tune).",
+)
+@click.option(
+    "--methods",
+    default=None,
+    help="The data-parallel methods to run, comma-separated, FullSync and AsyncMesh-fp8 among "
+    "them (default: all); the others keep their runs of summary.json on their own seeds, "
+    "marked in the table as not on the evaluation seeds.",
+)
+@click.option(
+    "--tune-seeds",
+    default=None,
+    help="With --tune: the seeds its stages run on (default 0).",
+)
+@click.option(
+    "--confirm-seeds",
+    default=None,
+    help="With --tune: the seeds each arm's best settings are confirmed on (default 1).",
+)
+@click.option(
     "--interval",
     "interval_axis",
     is_flag=True,
@@ -87,10 +120,35 @@ def bench_convergence(
     tune: bool,
     dp_only: bool,
     interval_axis: bool,
+    seeds: str | None,
+    methods: str | None,
+    tune_seeds: str | None,
+    confirm_seeds: str | None,
 ) -> None:
-    """Every baseline at equal tokens on the corpus, 4 seeds, plus the pipeline-only study (2)."""
-    from mesh.bench.convergence import run_convergence, run_lr_sweep
+    """Every baseline at equal tokens on the corpus, 8 evaluation seeds the tuning never used,
+    plus the pipeline-only study (2 seeds)."""
+    from mesh.bench.convergence import EVAL_SEEDS, check_methods, run_convergence, run_lr_sweep
+    from mesh.bench.tuning import CONFIRM_SEEDS, TUNE_SEEDS, check_held_out
 
+    evaluation = parse_seeds(seeds)
+    tuning = parse_seeds(tune_seeds, "--tune-seeds")
+    confirm = parse_seeds(confirm_seeds, "--confirm-seeds")
+    if (tuning or confirm) and not tune:
+        raise ConfigError("--tune-seeds and --confirm-seeds go with --tune")
+    if evaluation and (lr_sweep or interval_axis):
+        raise ConfigError(
+            "--seeds goes with the study or --tune (--interval and --lr-sweep run "
+            "on the study's own seeds)"
+        )
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    if chosen is not None:
+        if tune or lr_sweep or interval_axis:
+            raise ConfigError("--methods goes with the study (not --tune, --lr-sweep, --interval)")
+        check_methods(chosen)
+    if tune:  # the tuning's seeds against the study's evaluation seeds
+        check_held_out(
+            evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
+        )
     cfg = resolve_config(config_files, overrides)
     if interval_axis:
         from mesh.bench.interval import run_interval, table
@@ -104,14 +162,16 @@ def bench_convergence(
     if tune:
         from mesh.bench.tuning import run_tuning
 
-        run_tuning(cfg, Path(out), quick=quick, workers=workers)
+        run_tuning(cfg, Path(out), quick, workers, tuning, confirm)
         click.echo((Path(out) / "tuning.md").read_text())
         return
     if lr_sweep:
         run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
         click.echo((Path(out) / "lr_sweep.md").read_text())
         return
-    run_convergence(cfg, Path(out), quick=quick, workers=workers, pipeline=not dp_only)
+    run_convergence(
+        cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
+    )
 
 
 @bench.command("ablations")
@@ -146,6 +206,13 @@ def bench_ablations(
     default=None,
     help="Comma-separated seeds to report (default 0,1,2,3; the lrs are tuned on seed 100).",
 )
+@click.option(
+    "--stages",
+    "stages_csv",
+    default=None,
+    help="Comma-separated pipeline depths P to run (default 4,8); the rows of other depths that "
+    "--out's summary.json holds are kept, and a later run with the same --out reuses these runs.",
+)
 @user_errors
 def bench_boundary(
     config_files: tuple[str, ...],
@@ -154,6 +221,7 @@ def bench_boundary(
     out: str,
     workers: int,
     seeds: str | None,
+    stages_csv: str | None,
 ) -> None:
     """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
     method at 4-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
@@ -170,7 +238,12 @@ def bench_boundary(
             "prepare ... --out data/shakespeare-bpe4k --tokenizer bpe:4096` (README: Demo), or "
             "--set data.path=... and model.vocab_size to another dataset"
         )
-    summary = run_boundary(base, Path(out), quick, workers, chosen)
+    stages = parse_seeds(stages_csv, "--stages")
+    if stages is not None and any(p < 2 for p in stages):
+        raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    summary = run_boundary(
+        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None
+    )
     click.echo(table(summary))
 
 
@@ -221,8 +294,9 @@ def bench_comms(quick: bool, out: str) -> None:
 @click.option(
     "--real-size",
     is_flag=True,
-    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over 100 Mbit/s and 50 ms, "
-    "compute at 40% of an H100, full fp8 against compressed boundaries (about 3 minutes).",
+    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over a 100 Mbit/s uplink a "
+    "cell and 50 ms, compute at 40% of an H100, full fp8 against compressed boundaries, time "
+    "dilated to fit this host (10-30 minutes).",
 )
 @user_errors
 def bench_throughput(
@@ -241,10 +315,16 @@ def bench_throughput(
     from mesh.bench.throughput.runs import run_throughput
 
     if real_size:
-        from mesh.bench.throughput.real_size import merge_into, real_size_table, run_real_size
+        from mesh.bench.throughput.real_size import (
+            merge_into,
+            real_size_table,
+            run_real_size,
+            with_loss_costs,
+        )
 
         base = load_config(list(config_files), list(overrides))
-        entry = run_real_size(base, Path(out) / "real-size", steps=15 if quick else 40)
+        entry = run_real_size(base, Path(out) / "real-size", steps=20 if quick else 60)
+        entry = with_loss_costs(entry, Path(out).parent)
         merge_into(Path(out), entry)
         click.echo(real_size_table(entry))
         return

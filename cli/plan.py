@@ -129,7 +129,7 @@ def plan(
     click.echo(f"\nuplink per cell at {tokens_per_s:,.0f} tokens/s by codec (Mbit/s):")
     print_table(
         ["codec", "pipeline (busiest cell)", "averaging (largest stage)"],
-        [[codec, "-" if pp is None else f"{pp:,.0f}", f"{dp:,.0f}"]
+        [[codec, "-" if pp is None else f"{pp:,.0f}", "-" if dp is None else f"{dp:,.0f}"]
          for codec, pp, dp in uplink_by_codec(cfg, tokens_per_s)],
     )  # fmt: skip
 

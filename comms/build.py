@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +40,8 @@ def make_transport(
     Args:
         backend: "torch" (torch.distributed) or "hivemind" (libp2p through a DHT).
         me, peers, groups: this peer, every peer in rank order, averaging groups.
-        rendezvous: torch only: "tcp://HOST:PORT" of the store peers[0] binds.
+        rendezvous: torch only: "tcp://HOST:PORT" of the TCPStore (served by local_rendezvous
+            with serve_store=False, else bound by peers[0]).
         initial_peers: hivemind only: multiaddrs of any DHT node to bootstrap from.
         host: address to bind (loopback by default; tests never leave 127.0.0.x).
         timeout_s: startup deadline and default deadline of waits.
@@ -84,25 +86,71 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
     """What a group of local peers needs to find each other, as make_transport kwargs; lives
     as long as the context (the parent process of a test or bench holds it).
 
-    torch: a free TCP port on host for the store ({"rendezvous": "tcp://host:port"}).
+    torch: the rendezvous TCPStore, served from this process ({"rendezvous":
+    "tcp://host:port", "serve_store": False}), so that it outlives every peer: a peer that is
+    started again forms its links anew with the live ones.
     hivemind: a bootstrap DHT node on host ({"initial_peers": [maddr, ...]}).
     """
     if backend == "torch":
-        yield {"rendezvous": f"tcp://{host}:{free_port(host)}"}
+        from datetime import timedelta
+
+        from comms.torchdist.gloo import store_server
+
+        store = store_server(host, 0, timedelta(seconds=60))
+        try:
+            yield {"rendezvous": f"tcp://{host}:{store.port}", "serve_store": False}
+        finally:
+            del store  # stops the server, frees the port
         return
     if backend == "hivemind":
         # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
         _optional_module("comms.p2p.transport")
-        import hivemind
-
-        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"])
+        # The node runs in a spawned process of its own: hivemind forks its DHT process from
+        # whoever starts it, and a fork of a process with threads (a test's in-process gloo
+        # groups and TCPStores, torch's pools) can hang before it says ready, every time.
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_bootstrap_node, args=(host, theirs), name="bootstrap-dht")
+        proc.start()
+        theirs.close()
         try:
-            yield {"initial_peers": [str(a) for a in dht.get_visible_maddrs()]}
+            if not ours.poll(BOOTSTRAP_START_S):
+                raise TimeoutError(f"the bootstrap DHT node did not start in {BOOTSTRAP_START_S} s")
+            yield {"initial_peers": ours.recv()}  # EOFError: it failed (its stderr says why)
         finally:
-            dht.shutdown()
+            with contextlib.suppress(OSError):
+                ours.send("stop")
+            ours.close()
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         return
         # ---- end of hivemind branch ----
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+BOOTSTRAP_START_S = 180.0  # start_dht's own deadline (120 s) and a spawned interpreter's start
+
+
+def _bootstrap_node(host: str, conn: Any) -> None:
+    """A spawned process: a bootstrap DHT node on host; sends its multiaddrs on `conn`, then
+    serves until the parent says stop or goes away (the pipe closes)."""
+    import signal
+
+    from comms.p2p.dht import start_dht
+
+    # Ctrl-C reaches the whole process group: the parent decides when this node stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    dht = start_dht([], 120.0, host_maddrs=[f"/ip4/{host}/tcp/0"])
+    try:
+        conn.send([str(a) for a in dht.get_visible_maddrs()])
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+    finally:
+        dht.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

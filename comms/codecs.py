@@ -20,6 +20,17 @@ Codecs (bytes per value at block 128):
   ~0.15% of values), so bytes differ from bnb's but bnb decodes them (tests check both).
   Block sizes are limited to the ones bnb documents (64..4096) so a bnb peer could decode them.
 
+- int4_hadamard: 4 bits a value, two values a byte (the first in the low nibble; an odd count
+  leaves the last high nibble 0), one fp32 scale per block (0.5 + 4/128). Each full block is
+  rotated by the orthonormal Hadamard matrix H / sqrt(block) before it is quantized (as
+  TAH-Quant, arXiv 2506.01352, does per tile), so an outlier spreads over its block instead of
+  flattening the rest of it to zero; then s = absmax(rotated block) / 7 and q = round(r / s) in
+  [-7, 7] (two's complement nibbles). Decode undoes both: x = (q H) s. The partial tail block is
+  quantized unrotated (no Hadamard matrix of its size). Block sizes are powers of two up to
+  1024. Per value the rotated error is at most s / 2, so a block's L2 error is at most
+  sqrt(block) x s / 2. Inputs past +-2**122 are clamped first (as bf16 clamps near its max), so
+  neither the scales nor the decode overflow float32.
+
 Blocks are taken over the flattened tensor; the last block may be partial. Full blocks are a
 reshape, the partial tail is handled separately (no padding copy, no Python loop over blocks).
 
@@ -46,13 +57,18 @@ _FP8: dict[str, tuple[torch.dtype, float]] = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": (torch.float8_e5m2, 57344.0),
 }
-_BLOCKED = frozenset({"fp8_e4m3", "fp8_e5m2", "int8_blockwise"})
+_INT4 = "int4_hadamard"
+_INT4_QMAX = 7
+_INT4_MAX_BLOCK = 1024  # its Hadamard matrix is 4 MB
+_INT4_LIMIT = 2.0**122  # |x| past this is clamped: scale <= limit x sqrt(1024) / 7 stays finite
+_BLOCKED = frozenset({"fp8_e4m3", "fp8_e5m2", "int8_blockwise", _INT4})
 _DATA_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp8_e4m3": torch.uint8,
     "fp8_e5m2": torch.uint8,
     "int8_blockwise": torch.uint8,
+    _INT4: torch.uint8,  # two values a byte
 }
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -96,6 +112,14 @@ def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
+def data_nbytes(numel: int, codec: str) -> int:
+    """Bytes of `Encoded.data` for numel values (4-bit codecs: two values a byte)."""
+    _check_codec(codec)
+    if codec == _INT4:
+        return -(-numel // 2)
+    return numel * _DATA_DTYPE[codec].itemsize
+
+
 def check_block_size(codec: str, block_size: int) -> None:
     """Raise CodecError unless block_size is usable with codec."""
     _check_codec(codec)
@@ -103,6 +127,11 @@ def check_block_size(codec: str, block_size: int) -> None:
         raise CodecError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
     if codec == "int8_blockwise" and block_size not in INT8_BLOCK_SIZES:
         raise CodecError(f"int8_blockwise block_size must be one of {sorted(INT8_BLOCK_SIZES)}")
+    if codec == _INT4 and (block_size > _INT4_MAX_BLOCK or block_size & (block_size - 1)):
+        raise CodecError(
+            f"{_INT4} block_size must be a power of two <= {_INT4_MAX_BLOCK} (a Hadamard "
+            f"block), got {block_size}"
+        )
 
 
 def encoded_nbytes(numel: int, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -110,7 +139,7 @@ def encoded_nbytes(numel: int, codec: str, block_size: int = DEFAULT_BLOCK_SIZE)
     check_block_size(codec, block_size)
     if numel < 0:
         raise CodecError(f"numel must be >= 0, got {numel}")
-    n = numel * _DATA_DTYPE[codec].itemsize
+    n = data_nbytes(numel, codec)
     if codec in _BLOCKED:
         n += 4 * num_blocks(numel, block_size)
     return n
@@ -119,7 +148,7 @@ def encoded_nbytes(numel: int, codec: str, block_size: int = DEFAULT_BLOCK_SIZE)
 def bytes_per_value(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Asymptotic wire bytes per value (scales amortized over full blocks)."""
     check_block_size(codec, block_size)
-    b = float(_DATA_DTYPE[codec].itemsize)
+    b = 0.5 if codec == _INT4 else float(_DATA_DTYPE[codec].itemsize)
     return b + 4.0 / block_size if codec in _BLOCKED else b
 
 
@@ -140,6 +169,9 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) ->
             raise NotFiniteError("encode: input is not finite")
         if codec == "int8_blockwise":
             return Encoded(codec, shape, _int8_codes(flat, amax, block_size), amax, block_size)
+        if codec == _INT4:
+            data, scales = _int4_encode(flat, amax, block_size)
+            return Encoded(codec, shape, data, scales, block_size)
         fp8, qmax = _FP8[codec]
         scales = amax / qmax
         # An all-zero block (or one so tiny that amax / qmax underflows) gets scale 1: no 0/0.
@@ -179,6 +211,9 @@ def decode(enc: Encoded) -> torch.Tensor:
     elif codec in _FP8:
         out = data.view(_FP8[codec][0]).to(torch.float32)
         _per_block(torch.mul, out, enc.scales, bs, out)
+    elif codec == _INT4:
+        assert enc.scales is not None  # check_encoded: a blocked codec carries its scales
+        out = _int4_decode(data, enc.scales, n, bs)
     else:  # int8_blockwise: code[q] * absmax, the same float ops as bnb's dequantize
         out = _int8_tables(data.device)[0].index_select(0, data.to(torch.int32))
         _per_block(torch.mul, out, enc.scales, bs, out)
@@ -218,8 +253,9 @@ def check_encoded(enc: Encoded) -> None:
         raise CodecError(
             f"{enc.codec} data must be {_DATA_DTYPE[enc.codec]}, got {_describe(data)}"
         )
-    if data.numel() != n:
-        raise CodecError(f"data has {data.numel()} values, shape {shape} needs {n}")
+    want = data_nbytes(n, enc.codec) // data.element_size()
+    if data.numel() != want:
+        raise CodecError(f"data has {data.numel()} entries, shape {shape} needs {want}")
     if enc.codec not in _BLOCKED:
         if enc.scales is not None:
             raise CodecError(f"{enc.codec} carries no scales")
@@ -267,6 +303,61 @@ def _per_block(
         op(src[: nf * bs].view(nf, bs), scales[:nf, None], out=out[: nf * bs].view(nf, bs))
     if n > nf * bs:
         op(src[nf * bs :], scales[nf], out=out[nf * bs :])
+
+
+def _int4_encode(
+    flat: torch.Tensor, amax: torch.Tensor, bs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed nibbles, scales) of finite values whose per-block absmax is amax."""
+    n = flat.numel()
+    if n and float(amax.max()) > _INT4_LIMIT:
+        flat = flat.clamp(-_INT4_LIMIT, _INT4_LIMIT)
+    nf = n // bs
+    rotated = flat.clone() if nf * bs < n else flat.new_empty(n)
+    if nf:
+        torch.mm(flat[: nf * bs].view(nf, bs), _hadamard(bs, flat.device),
+                 out=rotated[: nf * bs].view(nf, bs))  # fmt: skip
+    scales = _block_absmax(rotated, bs) / _INT4_QMAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: no 0/0
+    _per_block(torch.div, rotated, scales, bs, rotated)
+    q = rotated.round_().clamp_(-_INT4_QMAX, _INT4_QMAX).to(torch.int8).view(torch.uint8)
+    if n % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    nib = q.view(-1, 2) & 0x0F
+    return nib[:, 0] | (nib[:, 1] << 4), scales
+
+
+def _int4_decode(data: torch.Tensor, scales: torch.Tensor, n: int, bs: int) -> torch.Tensor:
+    """The float32 values of n packed nibbles (sizes checked by check_encoded)."""
+    if n % 2 and int(data[-1]) >> 4:
+        raise CodecError(f"{_INT4}: the pad nibble after {n} values must be 0")
+    # one lookup a byte gives both of its values (two's complement nibbles; -8 decodes too)
+    out = _int4_pairs(data.device).index_select(0, data.to(torch.int32)).view(-1)[:n]
+    nf = n // bs
+    if nf:  # x = (q H) s: the rotation first, on small integers (nothing near float32's max)
+        full = out[: nf * bs].view(nf, bs)
+        full.copy_(full @ _hadamard(bs, out.device))
+    _per_block(torch.mul, out, scales, bs, out)
+    return out
+
+
+@cache
+def _int4_pairs(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32: the (low, high) nibble values of every byte."""
+    nib = torch.arange(16)
+    value = torch.where(nib > 7, nib - 16, nib).to(torch.float32)
+    byte = torch.arange(256)
+    return torch.stack([value[byte & 0x0F], value[byte >> 4]], dim=1).to(device)
+
+
+@cache
+def _hadamard(bs: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of order bs (a power of two; Sylvester's construction),
+    symmetric, so it is its own inverse."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < bs:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(bs)).to(torch.float32).to(device)
 
 
 def _check_codec(codec: str) -> None:

@@ -11,7 +11,10 @@ The model of one direction of one link (pure, in `LinkShaper.schedule` / `releas
   delay_i    = max(0, latency + U(-jitter, +jitter))     U from random.Random(link seed)
   release_i  = max(release_{i-1}, finish_i + delay_i)    jitter never reorders a link
 Bandwidth is a token bucket of depth zero (no burst: bytes leave at exactly the rate, like a
-busy WAN uplink); `release_i` is when the receiver may see message i (its last byte). Bytes are
+busy WAN uplink); `release_i` is when the receiver may see message i (its last byte). Links of
+one peer whose profiles name the same `uplink` share one bandwidth (a home or office uplink
+carries every destination's bytes): there `finish_{i-1}` is the uplink's last message, to any
+of them, while latency, jitter and the release order stay per link. Bytes are
 what the transport puts on the wire per message (its framing included). `LinkSender` is the
 thread that sleeps until each release time and then calls the real transport, so `send()`
 returns at once and messages still pipeline (message 2 is not held back by message 1's
@@ -45,6 +48,8 @@ class LinkProfile:
     latency_ms: float = 0.0
     jitter_ms: float = 0.0
     seed: int = 0
+    # links of one peer (LinkShapers) whose profiles name the same uplink share its bandwidth
+    uplink: str = ""
 
     def __post_init__(self) -> None:
         if self.bandwidth_mbps is not None and not self.bandwidth_mbps > 0:
@@ -77,18 +82,33 @@ def link_seed(seed: int, stream: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(stream.encode())) & 0xFFFFFFFF
 
 
+class Wire:
+    """The bandwidth one or more links share: when it finishes carrying its last message."""
+
+    def __init__(self) -> None:
+        self.finish = float("-inf")
+        self.lock = threading.Lock()
+
+    def carry(self, seconds: float, now: float) -> float:
+        """Reserve the wire for `seconds` from `now` or its last message's end; that end."""
+        with self.lock:
+            self.finish = max(now, self.finish) + seconds
+            return self.finish
+
+
 class LinkShaper:
     """The timing model of one link direction (thread-safe; no sleeping here).
 
     Args:
         profile: the link's bandwidth, latency, jitter and seed.
         stream: mixed into the jitter seed ("src->dst", so links differ); "" = profile.seed.
+        wire: the bandwidth it shares with other links (a peer's uplink); None: its own.
     """
 
-    def __init__(self, profile: LinkProfile, stream: str = "") -> None:
+    def __init__(self, profile: LinkProfile, stream: str = "", wire: Wire | None = None) -> None:
         self.profile = profile
         self._rng = random.Random(link_seed(profile.seed, stream) if stream else profile.seed)
-        self._finish = float("-inf")  # when the link finishes carrying the last message
+        self._wire = Wire() if wire is None else wire
         self._release = float("-inf")  # release time of the last message
         self._lock = threading.Lock()
 
@@ -96,12 +116,11 @@ class LinkShaper:
         """Reserve the link for a message of nbytes arriving at `now`; its release time."""
         p = self.profile
         with self._lock:
-            start = max(now, self._finish)
-            self._finish = start + p.transmit_s(nbytes)
+            finish = self._wire.carry(p.transmit_s(nbytes), now)
             delay = p.latency_ms
             if p.jitter_ms > 0:
                 delay += self._rng.uniform(-p.jitter_ms, p.jitter_ms)
-            self._release = max(self._release, self._finish + max(0.0, delay) / 1e3)
+            self._release = max(self._release, finish + max(0.0, delay) / 1e3)
             return self._release
 
     def delay_s(self, nbytes: int, now: float | None = None) -> float:
@@ -133,7 +152,8 @@ class LinkShapers:
     Args:
         me: this peer's name (seeds each link's jitter stream with "me->to").
         shaping: None (no shaping), one profile (or PROFILES name) for every link, or a dict
-            destination -> profile; destinations missing from the dict are not shaped.
+            destination -> profile; destinations missing from the dict are not shaped. Links
+            whose profiles name the same `uplink` share one Wire (its bandwidth).
     """
 
     def __init__(self, me: str, shaping: Shaping) -> None:
@@ -145,14 +165,18 @@ class LinkShapers:
         elif shaping is not None:
             self._per_peer = {k: resolve_profile(v) for k, v in shaping.items()}
         self._shapers: dict[str, LinkShaper | None] = {}
+        self._uplinks: dict[str, Wire] = {}
         self._lock = threading.Lock()
 
     def for_peer(self, to: str) -> LinkShaper | None:
         with self._lock:
             if to not in self._shapers:
                 p = self._per_peer.get(to, self._default)
-                shaped = p is not None and p.is_shaped
-                self._shapers[to] = LinkShaper(p, f"{self.me}->{to}") if shaped else None
+                shaper = None
+                if p is not None and p.is_shaped:
+                    wire = self._uplinks.setdefault(p.uplink, Wire()) if p.uplink else None
+                    shaper = LinkShaper(p, f"{self.me}->{to}", wire)
+                self._shapers[to] = shaper
             return self._shapers[to]
 
     def delay_s(self, to: str, nbytes: int) -> float:

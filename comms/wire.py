@@ -9,7 +9,8 @@ Layout (little-endian), body right after the header:
   magic b"MSHT" | version u8 (=1) | kind u8 | codec u8 (index in CODECS) | dtype u8 (decoded
   dtype, DType) | ndim u8 (<= 8) | block_size u32 | sender_step i64 | name_len u16 | name utf-8
   (<= 256 bytes) | dims ndim x i64 (>= 0) | data_len u64 | scales_len u64 | crc32(body) u32
-  body = data bytes (codec's data dtype) then scale bytes (fp32, blocked codecs only).
+  body = data bytes (codec's data dtype; a 4-bit codec packs two values a byte) then scale
+  bytes (fp32, blocked codecs only).
 Tensor bytes are little-endian too: they are read in place with torch.frombuffer, which uses
 the host order (x86, ARM); a big-endian host would need a byteswap here.
 
@@ -320,7 +321,7 @@ def _header(mv: memoryview, max_body_bytes: int | None = None) -> _Header | Reje
         numel = codecs.check_shape(shape)
     except CodecError as e:
         return Reject("bad_shape", str(e))
-    want_data = numel * codecs.data_dtype(codec).itemsize
+    want_data = codecs.data_nbytes(numel, codec)
     want_scales = 4 * codecs.num_blocks(numel, block_size) if codecs.is_blocked(codec) else 0
     if max_body_bytes is not None and (
         data_len + scales_len > max_body_bytes or want_data > max_body_bytes
@@ -352,7 +353,7 @@ def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject
     kind, codec, block_size, step, name, shape = (
         h.kind, h.codec, h.block_size, h.step, h.name, h.shape
     )  # fmt: skip
-    numel, data_len, scales_len, crc, body_at = h.numel, h.data_len, h.scales_len, h.crc, h.body_at
+    data_len, scales_len, crc, body_at = h.data_len, h.scales_len, h.crc, h.body_at
     end = body_at + data_len + scales_len
     if size < end:
         return Reject("truncated", f"{size} bytes < {end}")
@@ -370,7 +371,8 @@ def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject
     if zlib.crc32(mv[body_at:end]) != crc:
         return Reject("bad_checksum", f"crc32 != {crc:#010x}")
 
-    data = _view(mv, codecs.data_dtype(codec), numel, body_at)
+    dtype = codecs.data_dtype(codec)
+    data = _view(mv, dtype, data_len // dtype.itemsize, body_at)
     scales = None
     if codecs.is_blocked(codec):
         scales = _view(mv, torch.float32, scales_len // 4, body_at + data_len)

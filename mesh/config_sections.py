@@ -99,7 +99,10 @@ class PipelineConfig(_Section):
         4, ge=1, description="M: microbatches per update for gpipe/1f1b/2bw (async updates each)"
     )
     codec: Literal[choices.PIPELINE_CODECS] = Field(
-        "bf16", description="codec of activations and their gradients between stages"
+        "bf16",
+        description="codec of activations and their gradients between stages (comms/codecs.py); "
+        "int4_hadamard: 4 bits a value with a Hadamard rotation per block of 128 (0.53 bytes a "
+        "value; docs/boundaries.md for its measured loss)",
     )
     window: Literal["none", "auto"] | list[int] = Field(
         "none",
@@ -331,10 +334,11 @@ class RuntimeConfig(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="simulate on torch: how many times the grid starts again after a cell "
-        "died (a signal, or out of memory), each replica from the newest step all its cells "
-        "saved (a gloo world cannot re-admit a rank), before it stops, saved and resumable; on "
-        "hivemind a dead cell's replica waits for a restart or a join (runtime.rejoin_timeout_s)",
+        description="simulate on torch: how many times a run starts a replica again after "
+        "one of its cells died (a signal, or out of memory), from the newest step all its cells "
+        "saved, while the other replicas train on; past that the grid stops, saved and "
+        "resumable; on hivemind a dead cell's replica waits for a restart or a join "
+        "(runtime.rejoin_timeout_s)",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
@@ -414,6 +418,14 @@ class RuntimeConfig(_Section):
     )
     link_latency_ms: float | None = Field(
         None, ge=0, description="overrides the link profile's one-way latency (ms)"
+    )
+    link_shared: Literal["none", "pipeline", "all"] = Field(
+        "none",
+        description="which of a cell's outgoing links share one uplink of the profile's "
+        "bandwidth, as a home or office uplink carries every destination's bytes (each link "
+        "keeps its latency): none: each link has its own; pipeline: the activations on and "
+        "the gradients back (a middle stage's two frames a microbatch queue on one wire); "
+        "all: the averaging rounds too",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",

@@ -4,6 +4,7 @@ seeds and budget (session 13: the re-tune chose tau 2, where a stale mean is two
 the drift correction has little to correct; the paper's runs and session 12's used tau 5).
 
     python3 scripts/orderings_at_tau.py [--tau 5] [--workers 2] [--out results/convergence]
+                                        [--seeds 10,11,...]  (default: the study's seeds)
 
 Writes orderings_tau<N>.md and .json beside the study's table; about 10 minutes here with the
 default two methods.
@@ -19,10 +20,10 @@ METHODS = "AsyncMesh-fp8,AsyncSPARTA"  # the default --methods (AsyncMesh-fp8 is
 
 
 def main() -> None:
-    from mesh.bench.convergence import study_variants
-    from mesh.bench.report import fmt_gap, format_table, paired_gap
+    from mesh.bench.convergence import cached_losses, study_variants
+    from mesh.bench.report import fmt_interval, format_table, paired_interval
     from mesh.bench.simruns import run_specs
-    from mesh.bench.tuning import load_tuned
+    from mesh.bench.tuning import load_tuned, tuning_seeds
     from mesh.config import load_config
 
     ap = argparse.ArgumentParser()
@@ -30,39 +31,42 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="results/convergence")
     ap.add_argument("--methods", default=METHODS, help="comma-separated DP methods")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds (default: the study's)")
     a = ap.parse_args()
     methods = ["AsyncMesh-fp8", *(m for m in a.methods.split(",") if m != "AsyncMesh-fp8")]
     out = Path(a.out)
     variants = [(m, m, {"dp.tau": a.tau}) for m in methods]
-    study, specs, budget = study_variants(out, "orderings", variants)
-    seeds = study["seeds"]["dp"]
+    chosen = [int(s) for s in a.seeds.split(",")] if a.seeds else None
+    study, specs, budget = study_variants(out, "orderings", variants, chosen)
+    seeds = sorted({s.seed for s in specs})
     tuned, _ = load_tuned(out / "tuning.json")
     runs = run_specs(load_config([]), specs, budget, Path(f"runs/orderings_tau{a.tau}"),
                      a.workers, f"tau {a.tau}")  # fmt: skip
     loss: dict[str, dict[int, float]] = {}
     for r in runs:
         loss.setdefault(r["method"], {})[r["seed"]] = r["val_loss"]
-    fs = {r["seed"]: r["val_loss"] for r in study["runs"] if r["method"] == "FullSync"}
+    fs = cached_losses(load_config([]), out, "FullSync", seeds)  # the study's, where it has it
     rows = []
     for method in methods:
         vals = loss[method]
         mean = sum(vals.values()) / len(vals)
-        rows.append([method, f"{mean:.4f}", fmt_gap(paired_gap(vals, fs)),
-                     fmt_gap(paired_gap(vals, loss["AsyncMesh-fp8"]))])  # fmt: skip
+        rows.append([method, f"{mean:.4f}", fmt_interval(paired_interval(vals, fs)),
+                     fmt_interval(paired_interval(vals, loss["AsyncMesh-fp8"]))])  # fmt: skip
     lines = [
         f"# The orderings at tau = {a.tau}",
         "",
         f"The convergence study's 4x2 grid, {budget['orderings']} microbatches per replica, seeds "
-        f"{seeds}; every async method at the study's tuned settings except dp.tau = {a.tau} "
-        f"(tuned: {tuned['AsyncMesh-fp8'].get('dp.tau', 5)}); FullSync is the study's "
-        "(scripts/orderings_at_tau.py).",
+        f"{seeds} (tuned on {tuning_seeds(out / 'tuning.json')}); every async method at the "
+        f"study's tuned settings except dp.tau = {a.tau} (tuned: "
+        f"{tuned['AsyncMesh-fp8'].get('dp.tau', 5)}); FullSync is the study's. Gaps paired by "
+        "seed: mean +- SE [95% t interval] (scripts/orderings_at_tau.py).",
         "",
         format_table(
             [
                 "method",
                 "val loss (mean)",
-                "gap to FullSync (paired, +- SE)",
-                "gap to AsyncMesh-fp8 (paired, +- SE)",
+                "gap to FullSync (paired)",
+                "gap to AsyncMesh-fp8 (paired)",
             ],
             rows,
         ),  # fmt: skip

@@ -191,22 +191,29 @@ class PeerDHT(hivemind.DHT):
 def _stop_own_daemons() -> None:
     """Stop any p2pd this process started and remove the socket files named after it."""
     me = os.getpid()
+    for pid in _p2pd_children(me):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(40):  # reap it: no zombie outlives us
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    for path in Path("/tmp").glob(f"hivemind-{me}-*"):
+        path.unlink(missing_ok=True)
+
+
+def _p2pd_children(parent: int) -> list[int]:
+    """The pids of the p2pd processes whose parent is `parent` (from /proc)."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
             comm = text[text.index("(") + 1 : text.rindex(")")]
             ppid = int(text[text.rindex(")") + 1 :].split()[1])
-            if ppid == me and comm == "p2pd":
-                pid = int(stat.parent.name)
-                os.kill(pid, signal.SIGTERM)
-                for _ in range(40):  # reap it: no zombie outlives us
-                    if os.waitpid(pid, os.WNOHANG)[0]:
-                        break
-                    time.sleep(0.05)
-                else:
-                    os.kill(pid, signal.SIGKILL)
-    for path in Path("/tmp").glob(f"hivemind-{me}-*"):
-        path.unlink(missing_ok=True)
+            if ppid == parent and comm == "p2pd":
+                pids.append(int(stat.parent.name))
+    return pids
 
 
 async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
@@ -231,6 +238,41 @@ def permanent(start_error: BaseException) -> bool:
     )
 
 
+# what a DHT process may take beyond p2pd's startup_timeout to say it is ready (its first
+# routing-table work); past it the start is taken as stuck
+READY_SLACK_S = 30.0
+
+
+def _started(initial_peers: list[str], startup_s: float, **kwargs: Any) -> PeerDHT:
+    """One start, bounded: hivemind waits for the DHT process without a deadline, and a process
+    forked from one with many threads (torch's pools, an in-process gloo group) can hang before
+    it says anything. A start not ready in time is killed with its p2pd, and raises TimeoutError
+    (start_dht retries it)."""
+    dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
+    dht.start()
+    try:
+        dht.wait_until_ready(startup_s + READY_SLACK_S)
+    except TimeoutError:
+        _kill_stuck(dht.pid)
+        dht.join(5)
+        raise TimeoutError(f"DHT process not ready in {startup_s + READY_SLACK_S:.0f} s") from None
+    return dht
+
+
+def _kill_stuck(pid: int | None) -> None:
+    """SIGKILL a stuck DHT process and any p2pd it started (p2pd is reaped by init once its
+    parent is gone, the DHT process by our join)."""
+    if pid is None:
+        return
+    for child in _p2pd_children(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    for path in Path("/tmp").glob(f"hivemind-{pid}-*"):
+        path.unlink(missing_ok=True)
+
+
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
@@ -241,7 +283,7 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
     while True:
         try:
             startup = max(5.0, min(15.0, deadline - time.monotonic()))
-            return PeerDHT(initial_peers or None, start=True, startup_timeout=startup, **kwargs)
+            return _started(initial_peers, startup, **kwargs)
         except Exception as e:
             if permanent(e) or time.monotonic() + delay >= deadline:
                 raise

@@ -4,31 +4,46 @@ Role: `TorchTransport` implements `comms.transport.Transport` inside a trusted c
 machine (the simulator, tests). Its process groups are built directly (ProcessGroupGloo over a
 TCPStore), not through the global default group, so nothing here is process-global.
 
-Point-to-point. A message is `wire.pack` bytes on one gloo group spanning every peer: one uint8
-tensor [int64 length | first 64 KiB of the frame] (tag 1), then the rest of a larger frame
-(tag 2); gloo lets a recv buffer be larger than what was sent, so a small message is one gloo
-message. Per destination, a sender thread (comms.throttle.LinkSender: shaping, FIFO, `send`
-returns at once); per source, a receiver thread that checks the declared length against
+Links. One 2-member gloo group per pair of peers that talk (`links`: every other peer by
+default; the runtime passes a cell's pipeline neighbours and its stage's column), keyed in the
+store by both peers and both incarnations, so a peer that is restarted forms new pairs with
+the live peers while they keep their other links (comms/torchdist/pairs.py). The store is
+served by whoever launched the peers (`serve_store=False`, comms.build.local_rendezvous) or by
+peers[0]; only the former outlives every peer.
+
+Point-to-point. A message is `wire.pack` bytes on the pair's group: one uint8 tensor [int64
+length | first 64 KiB of the frame] (tag 1), then the rest of a larger frame (tag 2); gloo
+lets a recv buffer be larger than what was sent, so a small message is one gloo message. Per
+destination, a sender thread (comms.throttle.LinkSender: shaping, FIFO, `send` returns at once;
+a new one for each pair); per source, a receiver thread that checks the declared length against
 `max_message_bytes` BEFORE allocating the body, and a validator thread for large frames (so the
 next recv is posted while the last body is checked; small ones are checked inline when nothing
 is queued, order is kept) that runs `wire.unpack` (size, crc, finiteness), counts and drops
-rejects, and files messages in a bounded per-sender mailbox (backpressure when full); `recv`
-waits on the mailbox with a deadline.
+rejects, and files messages in a bounded per-sender mailbox (backpressure when full, except
+for a sender whose next incarnation started: its message is dropped as stale, so a full box
+never holds the link off a restarted peer); `recv` waits on the mailbox with a deadline.
 Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
 - A recv that times out closes EVERY pair of its group ("Application timeout caused pair
-  closure"), so receiver threads wait without a deadline (group timeout of 30 days). A send
-  completes only once the receiver posted its recv; `is_completed()` of a send/recv stays
-  false until `wait()` is called, so p2p waits cannot be polled.
+  closure"), so receiver threads wait without a deadline. A group's own timeout (also that of
+  any wait given none) is fixed at its construction (set_timeout does not reach the pairs), so
+  a pair group is built with the startup deadline, which bounds its construction, and every
+  send and recv on it waits with an explicit 30-day one. A send completes only once the
+  receiver posted its recv; `is_completed()` of a send/recv stays false until `wait()` is
+  called, so p2p waits cannot be polled.
 - gloo cannot skip bytes: a declared length over the limit (or negative) is counted as a reject
-  and that link is cut (we stop reading from that sender; `recv` from it raises PeerLost).
-- A dead peer resets its pairs: that link's threads see an error and mark it lost; survivors
-  keep talking to each other.
+  and that link is cut (we stop reading from that sender; `recv` from it raises PeerLost) until
+  the peer's next incarnation.
+- A dead peer resets its pairs: that link's threads see an error at once and mark it lost; the
+  other pairs, on the same gloo device or not, keep working, and a pair formed again under new
+  store keys with the peer's next process works.
 - A blocked gloo wait cannot be interrupted (abort and shutdown do not wake it), and a daemon
   thread whose gloo wait returns while the interpreter exits aborts the process ("terminate
   called without an active exception": pybind11's noexcept GIL guard meets pthread_exit). So
   `close` (also registered with atexit) sends a goodbye (length -1) to each peer, whose
   receiver answers with its own; after `close_timeout_s`, threads still blocked on a frozen peer
-  are woken by poisoning the p2p group on purpose (a 1 ms recv that times out), and then end.
+  are woken by poisoning that peer's pair on purpose (a 1 ms recv that times out), and then end.
+  A pair group still being built (the other side died between its handshake and its group)
+  cannot be woken: its thread ends by itself within `timeout_s`.
 
 Group means (an all-gather of wire frames over these links, kind AVERAGE; arriving frames go
 to their round, not the mailbox): comms/torchdist/mean.py.
@@ -44,32 +59,28 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import queue
-import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-import torch.distributed as dist
 
 from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
-from comms.throttle import Delivery, LinkSender, LinkShapers, Shaping
-from comms.torchdist.gloo import gloo_group
+from comms.throttle import Delivery, LinkShapers, Shaping
+from comms.torchdist.gloo import FOREVER, store_client, store_server
 from comms.torchdist.mean import MAX_GROUP_NAME, GroupMeans, MeanGroup
+from comms.torchdist.pairs import END, Link, PairLinks
 from comms.transport import TransportStats
 from comms.wire import Expect, Kind, Message, Reject
 
-_TAG_HEAD, _TAG_REST, _TAG_POISON = 1, 2, 3
+_TAG_HEAD, _TAG_REST = 1, 2
 _HEAD = 64 << 10  # frame bytes that travel with the length: small frames take one gloo message
 _BYE = -1  # declared length of the goodbye frame (no body)
-_POISON_WAIT = timedelta(milliseconds=1)
 
 
 def parse_rendezvous(addr: str) -> tuple[str, int]:
@@ -80,37 +91,29 @@ def parse_rendezvous(addr: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-@dataclass(eq=False)
-class _Link:
-    """What we know about one other peer."""
-
-    name: str
-    rank: int
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    box: collections.deque[Message] = field(default_factory=collections.deque)
-    box_bytes: int = 0
-    closed: str = ""  # why no more messages will arrive ("" while open)
-    sender: LinkSender | None = None
-    receiver: threading.Thread | None = None
-    validator: threading.Thread | None = None
-    inbox: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=2))
-    queued: int = 0  # items given to the validator and not yet done
-
-
-class TorchTransport(GroupMeans):
+class TorchTransport(PairLinks, GroupMeans):
     """Transport over torch.distributed (see the module docstring).
 
     Args:
         me: this peer's name; must be in peers.
-        peers: every peer's name, in rank order (peers[0] hosts the rendezvous store).
+        peers: every peer's name, in rank order (peers[0] serves the store if serve_store).
         groups: averaging group name -> member names (order = summation order).
-        rendezvous: "tcp://HOST:PORT" of the TCPStore (bound by peers[0], loopback in tests).
-        timeout_s: startup deadline: every peer must arrive within it (else PeerTimeout).
+        rendezvous: "tcp://HOST:PORT" of the TCPStore (loopback in tests).
+        timeout_s: startup deadline: every linked peer's process must be there within it
+            (else PeerTimeout), unless it closed and is not needed (then each pair has
+            pairs.FORM_S to form); also bounds building a pair group.
         shaping: per-destination LinkProfile dict, one profile for every link, or None.
         max_message_bytes: largest declared p2p frame accepted (checked before allocating).
         host: address gloo binds and announces for its pairs.
         mailbox_messages / mailbox_bytes: bound of each sender's mailbox (backpressure).
         close_timeout_s: how long close() waits for goodbyes before abandoning threads.
+        links: the peers this one talks to (default: every other peer); must hold the other
+            members of its groups.
+        needed: the links startup waits for even when that peer closed before (its next
+            process is waited for; default: every link). A link to a peer that closed and is
+            not needed starts closed (PeerLost) and forms when the peer starts again.
+        serve_store: peers[0] serves the store at `rendezvous` (False: someone else does,
+            e.g. the launcher, and the links can form again after any peer restarts).
     """
 
     backend = "torch"
@@ -129,14 +132,25 @@ class TorchTransport(GroupMeans):
         mailbox_messages: int = 64,
         mailbox_bytes: int = 1 << 30,
         close_timeout_s: float = 2.0,
+        links: list[str] | None = None,
+        needed: list[str] | None = None,
+        serve_store: bool = True,
     ) -> None:
         if me not in peers or len(set(peers)) != len(peers):
             raise ValueError(f"peers must be unique names including me={me!r}: {peers}")
+        linked = [p for p in peers if p != me] if links is None else list(links)
+        if me in linked or len(set(linked)) != len(linked) or not set(linked) <= set(peers):
+            raise ValueError(f"links must be other peers, each once: {links}")
+        needed = linked if needed is None else list(needed)
+        if not set(needed) <= set(linked):
+            raise ValueError(f"needed peers {set(needed) - set(linked)} are not links")
         for g, members in groups.items():
             if len(g.encode()) > MAX_GROUP_NAME or not members or len(set(members)) != len(members):
                 raise ValueError(f"group {g!r}: bad name or members {members}")
             if not set(members) <= set(peers):
                 raise ValueError(f"group {g!r} names unknown peers {set(members) - set(peers)}")
+            if me in members and not set(members) - {me} <= set(linked):
+                raise ValueError(f"group {g!r}: no link to {set(members) - {me} - set(linked)}")
         self.me, self.peers, self.timeout_s = me, list(peers), timeout_s
         self.rank = peers.index(me)
         self.max_message_bytes = max_message_bytes
@@ -149,52 +163,29 @@ class TorchTransport(GroupMeans):
         self._stale: collections.deque[str] = collections.deque(maxlen=64)  # see drop_tags
         self._lock = threading.Lock()
         self._init_means()
-
-        self._store = self._world = None
+        self._init_links()
+        self._server = None
         self._groups: dict[str, MeanGroup] = {}
-        self._links: dict[str, _Link] = {}
+        for g in sorted(groups):
+            if me in groups[g]:
+                self._groups[g] = MeanGroup(g, tuple(groups[g]))
+        self._links: dict[str, Link] = {p: Link(p, int(p < me)) for p in linked}
         try:
-            self._connect(rendezvous, groups, host)
+            rz_host, port = parse_rendezvous(rendezvous)
+            wait = timedelta(seconds=timeout_s)
+            if serve_store and self.rank == 0:  # bind the store ourselves: on that address only
+                store = self._server = store_server(rz_host, port, wait)
+            else:
+                store = store_client(rz_host, port, wait)
+            self._open_links(store, host, set(needed))
         except BaseException as e:
             self._closed = True
+            self._leave()
+            self._wake_links()
             self._release(stuck=list(self._links.values()))
             if isinstance(e, RuntimeError):  # DistStoreError, DistNetworkError, gloo connect
                 raise PeerTimeout(f"{me}: startup at {rendezvous} failed: {e}"[:500]) from e
             raise
-
-    def _connect(self, rendezvous: str, groups: dict[str, list[str]], host: str) -> None:
-        """Rendezvous, the world group, receiver threads, a barrier."""
-        me, peers, timeout_s = self.me, self.peers, self.timeout_s
-        rz_host, port = parse_rendezvous(rendezvous)
-        rz_timeout = timedelta(seconds=timeout_s)
-        listen = None
-        if self.rank == 0:  # bind the store ourselves: only on the rendezvous address
-            listen = socket.create_server((rz_host, port), reuse_port=False)
-        self._store = dist.TCPStore(
-            rz_host,
-            port,
-            len(peers),
-            self.rank == 0,
-            rz_timeout,
-            master_listen_fd=None if listen is None else listen.detach(),
-        )
-        self._world = gloo_group(
-            dist.PrefixStore("mt/world", self._store), self.rank, len(peers), host
-        )
-        for g in sorted(groups):
-            if me in groups[g]:
-                self._groups[g] = MeanGroup(g, tuple(groups[g]))
-        self._links = {p: _Link(p, r) for r, p in enumerate(peers) if p != me}
-        for link in self._links.values():
-            link.receiver = threading.Thread(
-                target=self._receive_loop, args=(link,), name=f"recv<-{link.name}", daemon=True
-            )
-            link.validator = threading.Thread(
-                target=self._validate_loop, args=(link,), name=f"check<-{link.name}", daemon=True
-            )
-            link.receiver.start()
-            link.validator.start()
-        _store_barrier(self._store, "mt/ready", len(peers), time.monotonic() + timeout_s)
         atexit.register(self.close)  # threads must not sit in gloo waits while Python exits
 
     # ---------------------------------------------------------------- Transport protocol
@@ -261,11 +252,11 @@ class TorchTransport(GroupMeans):
         }
 
     def close(self) -> None:
-        """Say goodbye to every peer, stop our threads, release the process groups; idempotent.
+        """Say goodbye to every peer, stop our threads, release the pair groups; idempotent.
 
         Threads still blocked on a peer after close_timeout_s (a frozen peer) are woken by
-        poisoning the p2p group (a 1 ms recv that times out closes all its pairs): a thread
-        left inside a gloo wait that returns while the interpreter exits aborts the process
+        poisoning that peer's pair (a 1 ms recv that times out closes it): a thread left
+        inside a gloo wait that returns while the interpreter exits aborts the process
         (pybind11 + Python 3.11), so none may be left behind.
         """
         with self._lock:
@@ -273,30 +264,33 @@ class TorchTransport(GroupMeans):
                 return
             self._closed = True
         atexit.unregister(self.close)
+        self._leave()  # the peers' link threads stop waiting for this incarnation
+        self._wake_links()
         deadline = time.monotonic() + self.close_timeout_s
-        for link in self._links.values():
-            if not link.closed.startswith("lost"):
-                self._sender(link).finish((b"", "control", _BYE))
+        for link in self._links.values():  # a peer that said goodbye was answered then
+            with link.cond:
+                sender = link.sender if link.up else None
+            if sender is not None:
+                sender.finish((b"", "control", _BYE))
         self._close_means()  # open rounds fail ("transport closed"), the rounds' thread ends
-        p2p = [t for ln in self._links.values() for t in (ln.sender, ln.receiver, ln.validator)]
-        _join_all(p2p, deadline)
+        _join_all([t for ln in self._links.values() for t in _threads(ln)], deadline)
         self._release(stuck=[link for link in self._links.values() if _alive(link)])
 
-    def _release(self, stuck: list[_Link]) -> None:
-        """Wake threads stuck in gloo waits (poison), wake recv() callers, free the groups."""
-        if stuck and self._world is not None:
-            with contextlib.suppress(Exception):  # the timed-out recv closes every pair
-                dummy = torch.empty(1, dtype=torch.int64)
-                self._world.recv([dummy], stuck[0].rank, _TAG_POISON).wait(_POISON_WAIT)
-            threads = [t for ln in stuck for t in (ln.sender, ln.receiver, ln.validator)]
-            _join_all(threads, time.monotonic() + 1.0)
+    def _release(self, stuck: list[Link]) -> None:
+        """Wake threads stuck in gloo waits (poison their pairs), wake recv() callers, free
+        the groups and the store."""
+        for link in stuck:
+            self._poison(link)
+        _join_all([t for ln in stuck for t in _threads(ln)], time.monotonic() + 1.0)
         for link in self._links.values():
             self._mark_closed(link, "transport closed")
-        if self._world is not None:
-            with contextlib.suppress(Exception):
-                self._world.shutdown()
+            if link.pair is not None and not _alive(link):
+                with contextlib.suppress(Exception):
+                    link.pair.shutdown()
+        if self._watcher is not None:
+            self._watcher.join(1.0)
         self._groups = {}  # start_mean after close: "not in a group"
-        self._store = None  # peers[0]: stops the rendezvous server, frees its port
+        self._store = self._server = None  # a served store stops and frees its port
 
     def __enter__(self) -> TorchTransport:
         return self
@@ -313,47 +307,44 @@ class TorchTransport(GroupMeans):
 
     # ---------------------------------------------------------------- point-to-point internals
 
-    def _link(self, name: str) -> _Link:
+    def _link(self, name: str) -> Link:
         link = self._links.get(name)
         if link is None:
-            raise ValueError(f"unknown peer {name!r} (me={self.me!r})")
+            raise ValueError(f"unknown peer {name!r} (me={self.me!r}, links {list(self._links)})")
         return link
 
-    def _sender(self, link: _Link) -> LinkSender:
-        with self._lock:
-            if link.sender is None:
-                link.sender = LinkSender(
-                    link.name,
-                    lambda item: self._deliver(link, item),
-                    self._shapers.for_peer(link.name),
-                    on_lost=lambda e: self._mark_closed(link, f"lost: {e}"),
-                )
-            return link.sender
+    def _submit(self, link: Link, frame: bytes, kind: str, declared: int) -> Delivery:
+        """To the current pair's sender; at once PeerLost while the link is down."""
+        with link.cond:
+            sender = link.sender if link.up and not self._closed else None
+            why = "transport closed" if self._closed else link.closed or "not connected"
+        if sender is None:
+            return Delivery.failed(link.name, PeerLost(f"link to {link.name!r}: {why}"))
+        return sender.submit((frame, kind, declared), 8 + len(frame))
 
-    def _submit(self, link: _Link, frame: bytes, kind: str, declared: int) -> Delivery:
-        if self._closed:
-            return Delivery.failed(link.name, PeerLost("transport closed"))
-        return self._sender(link).submit((frame, kind, declared), 8 + len(frame))
-
-    def _deliver(self, link: _Link, item: tuple[bytes, str, int]) -> None:
+    def _deliver(self, link: Link, pair: Any, item: tuple[bytes, str, int]) -> None:
         """Sender thread: one gloo message with the length and the first _HEAD frame bytes
         (all of a small frame), then the rest if any (only when the length is the true one)."""
         frame, kind, declared = item
         head = struct.pack("<q", declared) + frame[:_HEAD]
-        self._world.send([torch.frombuffer(head, dtype=torch.uint8)], link.rank, _TAG_HEAD).wait()
+        head_t = torch.frombuffer(head, dtype=torch.uint8)
+        pair.send([head_t], link.peer_rank, _TAG_HEAD).wait(FOREVER)
         if declared == len(frame) > _HEAD:
             rest = torch.frombuffer(frame, dtype=torch.uint8, offset=_HEAD)
-            self._world.send([rest], link.rank, _TAG_REST).wait()
+            pair.send([rest], link.peer_rank, _TAG_REST).wait(FOREVER)
         self.stats.add_sent(link.name, kind, 8 + len(frame))
 
-    def _receive_loop(self, link: _Link) -> None:
-        """Receiver thread for one source: frames off the wire. Small frames are checked right
-        here when nothing is queued; large ones go to the link's validator, so the next recv is
-        posted while the last body is checked. Order is kept either way."""
+    def _receive(self, link: Link, pair: Any) -> None:
+        """The link's thread, for one pair: frames off the wire until the pair's last item.
+        Small frames are checked right here when nothing is queued; large ones go to the
+        link's validator, so the next recv is posted while the last body is checked. Order
+        is kept either way."""
         try:
             while True:
                 head = torch.zeros(8 + _HEAD, dtype=torch.uint8)  # zeros: short sends read 0s
-                self._world.recv([head], link.rank, _TAG_HEAD).wait()
+                posted = pair.recv([head], link.peer_rank, _TAG_HEAD)
+                self._receiving(link)
+                posted.wait(FOREVER)
                 n = int(head[:8].view(torch.int64).item())
                 if n == _BYE:
                     item = ("bye", 8, None)
@@ -364,16 +355,16 @@ class TorchTransport(GroupMeans):
                 else:
                     body = torch.empty(n, dtype=torch.uint8)  # n was checked: allocate
                     body[:_HEAD].copy_(head[8:])
-                    self._world.recv([body[_HEAD:]], link.rank, _TAG_REST).wait()
+                    pair.recv([body[_HEAD:]], link.peer_rank, _TAG_REST).wait(FOREVER)
                     item = ("body", n, body)
                 if self._dispatch(link, item):
                     return
         except Exception as e:  # noqa: BLE001 - a reset pair means the peer is gone
             self._dispatch(link, ("lost", 0, f"lost: {str(e)[:200]}"))
 
-    def _dispatch(self, link: _Link, item: tuple[str, int, object]) -> bool:
+    def _dispatch(self, link: Link, item: tuple[str, int, object]) -> bool:
         """Handle item here if the validator is idle and item is cheap, else queue it; True
-        for the link's last item."""
+        for the pair's last item."""
         with link.cond:
             inline = link.queued == 0 and (item[0] != "body" or item[1] <= _HEAD)
             if not inline:
@@ -383,19 +374,20 @@ class TorchTransport(GroupMeans):
         link.inbox.put(item)
         return item[0] != "body"
 
-    def _validate_loop(self, link: _Link) -> None:
-        """Validator thread for one source: queued items in arrival order."""
+    def _validate_loop(self, link: Link) -> None:
+        """Validator thread for one source: queued items in arrival order, every pair's."""
         while True:
             item = link.inbox.get()
-            done = self._check(link, *item)
+            if item is END:
+                return
+            self._check(link, *item)
             with link.cond:
                 link.queued -= 1
-            if done:
-                return
+                link.cond.notify_all()
 
-    def _check(self, link: _Link, what: str, n: int, item: object) -> bool:
+    def _check(self, link: Link, what: str, n: int, item: object) -> bool:
         """wire.unpack (size, crc, finiteness), count, file in the mailbox; or the goodbye,
-        cut or loss of the link. True when no more items will come from it."""
+        cut or loss of the pair. True when no more items will come from it."""
         if what == "body":
             got = wire.unpack(memoryview(item.numpy()), self._limit)
             kind = got.kind.name.lower() if isinstance(got, Message) else "invalid"
@@ -420,7 +412,7 @@ class TorchTransport(GroupMeans):
             self._mark_closed(link, item)
         return True
 
-    def _file(self, link: _Link, msg: Message) -> None:
+    def _file(self, link: Link, msg: Message) -> None:
         nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
         if any(msg.name.startswith(p) for p in self._stale):
             self.stats.add_reject("stale")
@@ -436,12 +428,15 @@ class TorchTransport(GroupMeans):
                 if self._closed:
                     self.stats.add_reject("mailbox_closed")
                     return
+                if link.seen_inc > link.inc:  # its sender is gone: the next pair drops the
+                    self.stats.add_reject("stale")  # box anyway, and must not wait on us
+                    return
                 link.cond.wait(0.1)  # backpressure: the sender's gloo send waits on us
             link.box.append(msg)
             link.box_bytes += nbytes
             link.cond.notify_all()
 
-    def _take(self, link: _Link, tag: str) -> Message | None:
+    def _take(self, link: Link, tag: str) -> Message | None:
         for i, msg in enumerate(link.box):
             if msg.name == tag:
                 del link.box[i]
@@ -450,9 +445,15 @@ class TorchTransport(GroupMeans):
                 return msg
         return None
 
-    def _mark_closed(self, link: _Link, why: str) -> None:
+    def _mark_closed(self, link: Link, why: str, life: int | None = None) -> None:
+        """No more messages will come from the peer until its next incarnation forms a new
+        pair; ours fail at once from now on, except after a cut (we stopped reading, the peer
+        did not); `life`: only if that pair is still the link's current one."""
         with link.cond:
+            if life is not None and life != link.lives:
+                return
             link.closed = link.closed or why
+            link.up = link.up and why.startswith("broken")
             link.cond.notify_all()
         self._member_lost(link.name, link.closed)
 
@@ -465,22 +466,19 @@ class TorchTransport(GroupMeans):
         link = self._links.get(name)
         return "" if link is None else link.closed
 
-    def _peer_left(self, link: _Link) -> None:
+    def _peer_left(self, link: Link) -> None:
         """The peer said goodbye: its remaining messages stay readable; answer with ours so
         its receiver thread for us can end (drop what we still had queued for it)."""
         self._mark_closed(link, "peer closed")
-        self._sender(link).finish((b"", "control", _BYE), drop_pending=True)
+        if link.sender is not None:
+            link.sender.finish((b"", "control", _BYE), drop_pending=True)
 
 
-def _store_barrier(store: dist.Store, key: str, n: int, deadline: float) -> None:
-    store.add(key, 1)
-    while store.add(key, 0) < n:
-        if time.monotonic() > deadline:
-            raise PeerTimeout(f"only {store.add(key, 0)} of {n} peers ready in time")
-        time.sleep(0.01)
+def _threads(link: Link) -> list:
+    return [link.sender, link.receiver, link.validator]
 
 
-def _alive(link: _Link) -> bool:
+def _alive(link: Link) -> bool:
     """True while a thread of this link may still sit in a gloo wait."""
     threads = (link.receiver, link.sender._thread if link.sender else None)
     return any(t is not None and t.is_alive() for t in threads)

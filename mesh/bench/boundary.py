@@ -5,9 +5,18 @@ axis has its own study) of a small Llama on the prepared Shakespeare BPE, traine
 tokens: the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8
 boundaries, the synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
 (pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary 4,
-8, 16, 32 and 64 times smaller than full bf16. The gap of an arm is its validation loss against
-the reference's, paired by seed, as a share of the reference (bits per byte is the loss times a
-constant of the dataset, so its relative gap is the same).
+8, 16, 32 and 64 times smaller than full bf16, and the learned boundary with 4-bit coordinates
+(pipeline.codec = int4_hadamard) at the rank that makes it 16, 32, 64 and 128 times smaller.
+The gap of an arm is its validation loss against the reference's, paired by seed, as a share of
+the reference (bits per byte is the loss times a constant of the dataset, so its relative gap is
+the same).
+
+A study re-run in the same --out reuses the runs its summary.json already holds (same config
+fingerprint and budget), so adding arms runs only the new ones, and a run of some depths
+(--stages 4) keeps the rows of the others. The cache trusts that a fingerprint means the same
+numbers: after a change to the simulator's numbers, or on another machine (the same code, data
+and config can give other floats there, so other trajectories: docs/boundaries.md), start from a
+fresh --out. The pipeline sentinel is off in every arm (runtime.sentinel).
 
 The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
 FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
@@ -26,6 +35,7 @@ from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.engine.plan import boundary_bytes, rank_for_compression
+from mesh.engine.uplink import INT4_CODEC, INT4_RATIOS, arm_label
 from mesh.methods import METHODS
 
 RATIOS = (4, 8, 16, 32, 64)
@@ -62,7 +72,10 @@ PUBLISHED = [
 def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     """(arm, its overrides) for one P: the baselines, then each method at each ratio."""
     tokens, d = base.tokens_per_microbatch, base.model.d_model
-    grid = {"grid.stages": stages, "grid.replicas": 1}
+    # the pipeline sentinel (a defence against hostile stages) is off: its drops are not a
+    # boundary's cost, and on a learned boundary's early, fast-turning coordinates it can drop
+    # every later message of an honest stage (docs/boundaries.md)
+    grid = {"grid.stages": stages, "grid.replicas": 1, "runtime.sentinel": False}
     async_ = {**METHODS["AsyncMesh-fp8"], **grid, "pipeline.boundary": "full"}
     out = [
         (REFERENCE, {**async_, "pipeline.codec": "bf16"}),
@@ -70,12 +83,13 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
         ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
                       "pipeline.codec": "bf16"}),
     ]  # fmt: skip
-    for method in COMPRESSED:
-        for ratio in RATIOS:
-            rank = rank_for_compression(tokens, d, ratio, "fp8_e4m3")
-            ov = {**async_, "pipeline.codec": "fp8_e4m3", "pipeline.boundary": method,
-                  "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
-            out.append((f"{method} {ratio}x", ov))
+    compressed = [(m, ratio, "fp8_e4m3") for m in COMPRESSED for ratio in RATIOS]
+    compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_RATIOS]
+    for method, ratio, codec in compressed:
+        rank = rank_for_compression(tokens, d, ratio, codec)
+        ov = {**async_, "pipeline.codec": codec, "pipeline.boundary": method,
+              "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
+        out.append((arm_label(method, ratio, codec), ov))
     return out
 
 
@@ -158,26 +172,71 @@ def frontier(rows: list[dict[str, Any]], max_gap: float = 0.01) -> dict[int, dic
     return out
 
 
+def earlier_runs(out: Path) -> list[dict[str, Any]]:
+    """The runs (and lr sweep) of a study already written to out/summary.json."""
+    old = _earlier_summary(out)
+    return [*old.get("lr_sweep", []), *old.get("runs", [])]
+
+
+def _earlier_summary(out: Path) -> dict[str, Any]:
+    import json
+
+    path = out / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _depth(run: dict[str, Any]) -> int:
+    """A run's P, from its label ("P8 learned 16x", "P4 full bf16 lr=0.004")."""
+    return int(run["method"].split()[0][1:])
+
+
+def held_depths(
+    old: dict[str, Any], stages: tuple[int, ...], microbatches: int
+) -> tuple[dict[int, dict[str, float]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """What an earlier summary holds for the depths this call does not run, at the same budget:
+    their tuned lrs, lr sweep and runs (kept, so --stages 4 adds to a study of P = 4 and 8)."""
+    lrs = {int(p): v for p, v in old.get("lrs", {}).items() if int(p) not in stages}
+
+    def kept(key: str) -> list[dict[str, Any]]:
+        return [r for r in old.get(key, [])
+                if _depth(r) in lrs and r.get("microbatches") == microbatches]  # fmt: skip
+
+    runs = kept("runs")
+    lrs = {p: v for p, v in lrs.items() if p in {_depth(r) for r in runs}}
+    return lrs, [r for r in kept("lr_sweep") if _depth(r) in lrs], runs
+
+
 def run_boundary(
-    base: Config, out: Path, quick: bool, workers: int, seeds: list[int] | None = None
+    base: Config,
+    out: Path,
+    quick: bool,
+    workers: int,
+    seeds: list[int] | None = None,
+    stages: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
+    old = _earlier_summary(out)
+    known = [*old.get("lr_sweep", []), *old.get("runs", [])]
     budget = {"boundary": 24 if quick else 300}
-    stages = (2,) if quick else STAGES
+    stages = stages or ((2,) if quick else STAGES)
     lrs_tried = LR_GRID[1:2] if quick else LR_GRID
     start = time.perf_counter()
     tuned: dict[int, dict[str, float]] = {}
     sweeps, runs = [], []
     for p in stages:
         sweep = run_specs(base, lr_specs(base, p, TUNE_SEED, lrs_tried), budget, out, workers,
-                          f"boundary P={p}: lr")  # fmt: skip
+                          f"boundary P={p}: lr", known)  # fmt: skip
         tuned[p] = {
             arm: best_lr([r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")])
             for arm in (REFERENCE, "FullSync")
         }
         sweeps += sweep
     specs = [s for p in stages for s in build_specs(base, p, seeds, tuned[p])]
-    runs = run_specs(base, specs, budget, out, workers, "boundary")
+    runs = run_specs(base, specs, budget, out, workers, "boundary", known)
+    held_lrs, held_sweep, held_runs = held_depths(old, stages, budget["boundary"])
+    tuned.update(held_lrs)
+    sweeps, runs = sweeps + held_sweep, runs + held_runs
+    stages = tuple(sorted(tuned))
     rows = [row for p in stages for row in summarize_rows(base, runs, p)]
     best = frontier(rows)
     summary = {
@@ -211,12 +270,13 @@ def table(summary: dict[str, Any]) -> str:
     rows = []
     for r in summary["rows"]:
         gap = None if r["loss_gap"] is None else (r["loss_gap"], r["loss_gap_se"] or math.nan)
+        na = "not run" if not r["seeds"] else "n/a"
         rows.append([
             r["P"], r["arm"], r["rank"], r["codec"], f"{r['compression']:.1f}x",
             f"{r['bytes_per_token']:.2f}",
-            "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
-            "n/a" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
-            "n/a" if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
+            na if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+            na if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
+            na if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
             len(r["seeds"]),
         ])  # fmt: skip
     headers = ["P", "arm", "width", "codec", "vs bf16", "B/token/boundary", "val loss",
@@ -264,19 +324,22 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     full_bf16 = next((r["bytes_per_token"] for r in rows if r["arm"] == REFERENCE), None)
     markers = {4: "o", 8: "s", 2: "^"}
+    lines = {("learned", "fp8_e4m3"): "-", ("subspace", "fp8_e4m3"): "--",
+             ("learned", INT4_CODEC): "-."}  # fmt: skip
     for p in sorted({r["P"] for r in rows}):
-        for method in ("learned", "subspace"):
+        for (method, codec), ls in lines.items():
             pts = sorted(
                 (r["bytes_per_token"], 100 * r["loss_gap"])
                 for r in rows
-                if r["P"] == p and r["method"] == method and r["loss_gap"] is not None
-            )
+                if r["P"] == p and r["method"] == method and r["codec"] == codec
+                and r["loss_gap"] is not None
+            )  # fmt: skip
             if pts:
                 ax.plot(
                     *zip(*pts, strict=True),
                     marker=markers.get(p, "o"),
-                    ls="-" if method == "learned" else "--",
-                    label=f"{method}, P={p}",
+                    ls=ls,
+                    label=f"{method} {codec.split('_')[0]}, P={p}",
                 )
         for r in rows:
             if r["P"] == p and r["arm"] in ("full fp8", "FullSync") and r["loss_gap"] is not None:

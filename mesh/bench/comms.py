@@ -41,6 +41,7 @@ import torch
 from comms import codecs
 from comms.build import local_rendezvous, make_transport
 from comms.throttle import PROFILES, LinkProfile
+from comms.torchdist.gloo import FOREVER
 from comms.wire import Expect, Kind
 
 BACKENDS: list[str] = ["torch", "hivemind"]
@@ -176,17 +177,17 @@ def _transport_peer(t, me: str, names: list[str], quick: bool) -> dict:
 
 
 def _raw_gloo(t, other: str, x: torch.Tensor, n: int, sender: bool) -> float:
-    """The same tensor over bare gloo send/recv on the transport's own group (tag 10)."""
-    world, rank = t._world, t._links[other].rank
+    """The same tensor over bare gloo send/recv on the transport's own pair group (tag 10)."""
+    pair, rank = t._links[other].pair, t._links[other].peer_rank
     buf = torch.empty_like(x)
     start = time.perf_counter()
     for _ in range(n):
         if sender:
-            world.send([x], rank, 10).wait()
+            pair.send([x], rank, 10).wait(FOREVER)
         else:
-            world.recv([buf], rank, 10).wait()
+            pair.recv([buf], rank, 10).wait(FOREVER)
     ack = torch.zeros(1)
-    (world.recv if sender else world.send)([ack], rank, 11).wait()
+    (pair.recv if sender else pair.send)([ack], rank, 11).wait(FOREVER)
     return n * x.numel() * 4 / (time.perf_counter() - start) / 1e6
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from mesh.bench import simruns
 from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, run_specs
-from mesh.config import Config
+from mesh.config import Config, ConfigError
 from mesh.methods import METHODS
 
 # Where the studies read the tuned settings (written by --tune; committed with the results)
@@ -72,11 +72,40 @@ EDGE_STEPS = 2
 CONFIRM_TOP = 3
 CONFIRM_SEEDS = [1]
 ARMS = ("FullSync", "AsyncMesh-fp8")
+# What every run of the study and its tuning pins: the partition selector's coordinate map the
+# tuning was run with (dp.index_map's default became "keyed" after it; the two maps pick other
+# coordinates, so a keyed run is another run: the tuned settings and the study's run cache are
+# the permutation map's)
+STUDY_PINS: dict[str, Any] = {"dp.index_map": "permutation"}
+
+
+def check_held_out(evaluation: list[int], tuning: list[int], what: str = "--seeds") -> None:
+    """The evaluation seeds must be seeds the tuning never used: a ConfigError naming the
+    seeds both sets hold (a tuned setting scored on its own tuning seeds is flattered)."""
+    both = sorted(set(evaluation) & set(tuning))
+    if both:
+        raise ConfigError(
+            f"{what} {','.join(map(str, evaluation))}: seed{'s' * (len(both) > 1)} "
+            f"{','.join(map(str, both))} also tuned the settings (tuning seeds "
+            f"{','.join(map(str, sorted(set(tuning))))}); evaluate on seeds the tuning never used"
+        )
+
+
+def tuning_seeds(path: Path = TUNING_FILE) -> list[int]:
+    """The seeds a committed tuning ran on (its stages' and its confirmation's); none without a
+    tuning file or with a --quick one (the study then runs untuned)."""
+    if not path.is_file():
+        return []
+    summary = json.loads(path.read_text())
+    if summary.get("quick"):
+        return []
+    return sorted({*summary.get("seeds", []), *summary.get("confirm_seeds", [])})
 
 
 def _spec(arm: str, settings: dict[str, Any], seed: int) -> Spec:
     ov = dict(METHODS[arm])
-    ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4, **settings})
+    ov.update({"grid.stages": 4, "grid.replicas": 2, "pipeline.microbatches": 4, **STUDY_PINS})
+    ov.update(settings)
     label = ", ".join(f"{k.split('.')[-1]}={_fmt(v)}" for k, v in sorted(settings.items()))
     return Spec("tune", f"{arm} | {label}", seed, 4 if arm == "FullSync" else 1, tuple(ov.items()))
 
@@ -123,9 +152,11 @@ def _run(base: Config, specs: list[tuple[Spec, dict[str, Any]]], out: Path, work
     return runs
 
 
-def _specs(settings: list[tuple[str, dict[str, Any]]]) -> list[tuple[Spec, dict[str, Any]]]:
+def _specs(
+    settings: list[tuple[str, dict[str, Any]]], seeds: list[int]
+) -> list[tuple[Spec, dict[str, Any]]]:
     """(arm, settings) on every tuning seed: each spec with the settings it carries."""
-    return [(_spec(arm, st, seed), st) for arm, st in settings for seed in TUNE_SEEDS]
+    return [(_spec(arm, st, seed), st) for arm, st in settings for seed in seeds]
 
 
 def _momentum_stage(arm: str, so_far: dict[str, Any]) -> list[dict[str, Any]]:
@@ -146,10 +177,10 @@ def _staleness_stage(so_far: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _edge_step(runs: list[dict[str, Any]], arm: str) -> dict[str, Any] | None:
+def _edge_step(runs: list[dict[str, Any]], arm: str, seeds: list[int]) -> dict[str, Any] | None:
     """The next lr to try for the arm when its best lr so far lies at the edge of those tried
-    at the same other settings (None: it does not)."""
-    best, _ = best_settings(runs, arm, TUNE_SEEDS)
+    at the same other settings on the tuning seeds (None: it does not)."""
+    best, _ = best_settings(runs, arm, seeds)
     others = {k: v for k, v in best.items() if k != "optim.lr"}
     lrs = {
         r["settings"]["optim.lr"]
@@ -165,8 +196,18 @@ def _edge_step(runs: list[dict[str, Any]], arm: str) -> dict[str, Any] | None:
     return None
 
 
-def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, Any]:
-    """The stages; tuning.json and tuning.md go to `out` (the convergence study's)."""
+def run_tuning(
+    base: Config,
+    out: Path,
+    quick: bool,
+    workers: int,
+    seeds: list[int] | None = None,
+    confirm_seeds: list[int] | None = None,
+) -> dict[str, Any]:
+    """The stages on `seeds` (default TUNE_SEEDS), the confirmation on `confirm_seeds` (default
+    CONFIRM_SEEDS); tuning.json and tuning.md go to `out` (the convergence study's)."""
+    seeds = TUNE_SEEDS if seeds is None else seeds
+    confirm_seeds = CONFIRM_SEEDS if confirm_seeds is None else confirm_seeds
     budget = simruns.QUICK_MICROBATCHES if quick else 1600
     path = out / "tuning.json"
     # an earlier tuning's runs, and the study's own (its arms at the tuned settings on the
@@ -175,48 +216,45 @@ def run_tuning(base: Config, out: Path, quick: bool, workers: int) -> dict[str, 
     work = out / "tuning"
     stage1 = [("FullSync", {"optim.lr": lr}) for lr in FULLSYNC_LRS]
     stage1 += [("AsyncMesh-fp8", {"optim.lr": lr}) for lr in ASYNC_LRS]
-    specs = _specs(stage1)
+    specs = _specs(stage1, seeds)
     runs = _run(base, specs, work, workers, budget, known)
     # stages 2 and 3, each on top of the async arm's best so far
     for changes in (ASYNC_STAGE2, SCHEDULE_PROBE):
-        so_far, _ = best_settings(runs, "AsyncMesh-fp8", TUNE_SEEDS)
-        specs += _specs([("AsyncMesh-fp8", {**so_far, **ov}) for ov in changes])
+        so_far, _ = best_settings(runs, "AsyncMesh-fp8", seeds)
+        specs += _specs([("AsyncMesh-fp8", {**so_far, **ov}) for ov in changes], seeds)
         runs = _run(base, specs, work, workers, budget, known)
     # stages 4 and 5, for both arms on top of each one's best so far
     for stage in (_momentum_stage, _lr_stage):
-        tried = [
-            (arm, st) for arm in ARMS for st in stage(arm, best_settings(runs, arm, TUNE_SEEDS)[0])
-        ]
+        tried = [(arm, st) for arm in ARMS for st in stage(arm, best_settings(runs, arm, seeds)[0])]
         have = {s.method for s, _ in specs}  # an lr x1.5 may be one stage 1 tried already
-        specs += [(s, st) for s, st in _specs(tried) if s.method not in have]
+        specs += [(s, st) for s, st in _specs(tried, seeds) if s.method not in have]
         runs = _run(base, specs, work, workers, budget, known)
     # stage 6: the async arm's staleness corrections
-    so_far, _ = best_settings(runs, "AsyncMesh-fp8", TUNE_SEEDS)
+    so_far, _ = best_settings(runs, "AsyncMesh-fp8", seeds)
     have = {s.method for s, _ in specs}
-    tried = _specs([("AsyncMesh-fp8", st) for st in _staleness_stage(so_far)])
+    tried = _specs([("AsyncMesh-fp8", st) for st in _staleness_stage(so_far)], seeds)
     specs += [(s, st) for s, st in tried if s.method not in have]
     runs = _run(base, specs, work, workers, budget, known)
     # an arm whose best lr is the largest (smallest) it tried at its other settings steps on
     # (x1.5, x0.75) until it is not, at most EDGE_STEPS times: a best at the range's edge
     # says the range was too short, for either arm
     for _ in range(EDGE_STEPS):
-        tried = [(arm, st) for arm in ARMS if (st := _edge_step(runs, arm)) is not None]
+        tried = [(arm, st) for arm in ARMS if (st := _edge_step(runs, arm, seeds)) is not None]
         if not tried:
             break
-        specs += _specs(tried)
+        specs += _specs(tried, seeds)
         runs = _run(base, specs, work, workers, budget, known)
     # the last stage: the top settings of each arm on the confirmation seeds too
-    seeds = TUNE_SEEDS + CONFIRM_SEEDS
     settings = {s.method: st for s, st in specs}
-    top = [name for arm in ARMS for name in ranked(runs, arm, TUNE_SEEDS)[:CONFIRM_TOP]]
+    top = [name for arm in ARMS for name in ranked(runs, arm, seeds)[:CONFIRM_TOP]]
     specs += [(_spec(name.split(" | ")[0], settings[name], seed), settings[name])
-              for name in top for seed in CONFIRM_SEEDS]  # fmt: skip
+              for name in top for seed in confirm_seeds]  # fmt: skip
     runs = _run(base, specs, work, workers, budget, known)
-    best = {arm: best_settings(runs, arm, seeds) for arm in ARMS}
+    best = {arm: best_settings(runs, arm, seeds + confirm_seeds) for arm in ARMS}
     summary = {
         "microbatches_per_replica": budget,
-        "seeds": TUNE_SEEDS,
-        "confirm_seeds": CONFIRM_SEEDS,
+        "seeds": seeds,
+        "confirm_seeds": confirm_seeds,
         "confirm_top": CONFIRM_TOP,
         "quick": quick,
         "best": {arm: {"settings": st, "val_loss": v} for arm, (st, v) in best.items()},

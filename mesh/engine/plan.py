@@ -217,9 +217,12 @@ def link_mbps(cell: CellPlan, cfg: Config, tokens_per_s: float) -> tuple[float, 
     return pp, dp
 
 
-def uplink_by_codec(cfg: Config, tokens_per_s: float) -> list[tuple[str, float | None, float]]:
+def uplink_by_codec(
+    cfg: Config, tokens_per_s: float
+) -> list[tuple[str, float | None, float | None]]:
     """(codec, pipeline Mbit/s of the busiest cell or None where the pipeline has no such codec,
-    averaging Mbit/s of the largest stage's cell) for every codec."""
+    averaging Mbit/s of the largest stage's cell or None where averaging has none) for every
+    codec."""
     from typing import get_args
 
     from mesh.config import DPConfig, PipelineConfig, with_overrides
@@ -227,15 +230,17 @@ def uplink_by_codec(cfg: Config, tokens_per_s: float) -> list[tuple[str, float |
     pp_codecs = get_args(PipelineConfig.model_fields["codec"].annotation)
     dp_codecs = get_args(DPConfig.model_fields["codec"].annotation)
     busiest = max(range(cfg.grid.stages), key=lambda j: pp_bytes_per_token(cfg, j, "fp32"))
-    out = []
-    for codec in dp_codecs:
-        pp = None
+    out: list[tuple[str, float | None, float | None]] = []
+    for codec in dict.fromkeys((*dp_codecs, *pp_codecs)):
+        pp = dp = None
         if codec in pp_codecs:
             pp = pp_bytes_per_token(cfg, busiest, codec) * tokens_per_s * 8 / 1e6
-        other = with_overrides(cfg, {"dp.codec": codec})
-        dp = max(
-            link_mbps(plan_cell(other, j), other, tokens_per_s)[1] for j in (0, cfg.grid.stages - 1)
-        )
+        if codec in dp_codecs:
+            other = with_overrides(cfg, {"dp.codec": codec})
+            dp = max(
+                link_mbps(plan_cell(other, j), other, tokens_per_s)[1]
+                for j in (0, cfg.grid.stages - 1)
+            )
         out.append((codec, pp, dp))
     return out
 
@@ -257,7 +262,8 @@ def compression_vs_bf16(tokens: int, d_model: int, method: str, rank: int, codec
 def rank_for_compression(tokens: int, d_model: int, ratio: float, codec: str) -> int:
     """The largest rank whose payload is at least `ratio` x smaller than full bf16 (>= 1)."""
     full = codecs.encoded_nbytes(tokens * d_model, "bf16")
-    r = max(1, int(d_model * 2 / ratio))
+    # from above: bytes per value with the scales amortized never exceed the real bytes
+    r = max(1, min(d_model, int(d_model * 2 / (ratio * codecs.bytes_per_value(codec))) + 1))
     while r > 1 and codecs.encoded_nbytes(tokens * r, codec) * ratio > full:
         r -= 1
     return r

@@ -22,6 +22,15 @@ from mesh.engine.plan import compression_vs_bf16, link_mbps, plan_cell, rank_for
 RATIOS = (4, 8, 16, 32, 64)
 INTERVALS = (1, 2, 4, 8, 16, 32, 64)
 COMPRESSED_CODEC = "fp8_e4m3"
+# 4-bit coordinates (learned boundaries only, as the boundary study measures them)
+INT4_CODEC = "int4_hadamard"
+INT4_RATIOS = (16, 32, 64, 128)
+
+
+def arm_label(method: str, ratio: int, codec: str) -> str:
+    """A compressed boundary's name, as the boundary study's arms and plan's options spell it:
+    "learned 16x" (fp8 coordinates), "learned 32x int4" (4-bit ones)."""
+    return f"{method} {ratio}x" + ("" if codec == COMPRESSED_CODEC else f" {codec.split('_')[0]}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,8 @@ class Setting:
 
 
 def boundary_options(cfg: Config) -> list[BoundaryOption]:
-    """full bf16, full fp8, and (for a llama) each compressed method at each ratio."""
+    """full bf16, full fp8, and (for a llama) each compressed method at each ratio in fp8, and
+    learned boundaries at 16-128x in 4 bits."""
     tokens, d = cfg.tokens_per_microbatch, cfg.model.d_model
     out = [
         BoundaryOption(f"full {c.split('_')[0]}", "full", d, c,
@@ -66,11 +76,12 @@ def boundary_options(cfg: Config) -> list[BoundaryOption]:
     ]  # fmt: skip
     if cfg.model.arch != "llama" or cfg.grid.stages < 2:
         return out
-    for method in ("learned", "subspace"):
-        for ratio in RATIOS:
-            r = min(d, rank_for_compression(tokens, d, ratio, COMPRESSED_CODEC))
-            comp = compression_vs_bf16(tokens, d, method, r, COMPRESSED_CODEC)
-            out.append(BoundaryOption(f"{method} {ratio}x", method, r, COMPRESSED_CODEC, comp))
+    arms = [(m, ratio, COMPRESSED_CODEC) for m in ("learned", "subspace") for ratio in RATIOS]
+    arms += [("learned", ratio, INT4_CODEC) for ratio in INT4_RATIOS]
+    for method, ratio, codec in arms:
+        r = min(d, rank_for_compression(tokens, d, ratio, codec))
+        comp = compression_vs_bf16(tokens, d, method, r, codec)
+        out.append(BoundaryOption(arm_label(method, ratio, codec), method, r, codec, comp))
     return out
 
 

@@ -21,6 +21,7 @@ imports: torch, comms, mesh (no cli).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -116,6 +117,33 @@ def link_profile(cfg: Config) -> LinkProfile | None:
     lat = rt.link_latency_ms if rt.link_latency_ms is not None else base.latency_ms
     p = LinkProfile(bandwidth_mbps=bw, latency_ms=lat, jitter_ms=base.jitter_ms, seed=cfg.run.seed)
     return p if p.is_shaped else None
+
+
+def cell_shaping(cfg: Config, stage: int, replica: int) -> LinkProfile | dict[str, LinkProfile]:
+    """What cell (stage, replica) shapes its outgoing links with (comms.throttle.Shaping): the
+    one profile for every link, or with runtime.link_shared per destination, the shared ones
+    naming this cell's uplink."""
+    p = link_profile(cfg)
+    shared = cfg.runtime.link_shared
+    if p is None or shared == "none":
+        return p  # type: ignore[return-value]
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    me = cell_name(stage, replica)
+    pipeline = {cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < P}
+    uplink = dataclasses.replace(p, uplink=me)
+    return {
+        name: uplink if shared == "all" or name in pipeline else p
+        for name in (cell_name(j, i) for i in range(m) for j in range(P))
+        if name != me
+    }
+
+
+def uplink_frames(cfg: Config, stage: int) -> int:
+    """Pipeline frames a microbatch puts on one wire of stage `stage`: with a shared uplink a
+    middle stage's activation and gradient (2), else one per link."""
+    if cfg.runtime.link_shared == "none":
+        return 1
+    return (stage < cfg.grid.stages - 1) + (stage > 0)
 
 
 def link_bytes_per_s(cfg: Config) -> float | None:
@@ -249,6 +277,9 @@ def resolve_window(cfg: Config, headroom: float = 0.25) -> Config:
             for i in range(cfg.grid.replicas)
         ]
     lat = link_latency_s(cfg)
+    # a shared uplink: a frame may wait behind the other direction's, and a middle stage's
+    # period holds both
+    transfer *= max(uplink_frames(cfg, j) for j in range(cfg.grid.stages))
     extra = [0] * cfg.grid.stages
     for row in rows:
         period = max(max(row), transfer)
@@ -310,7 +341,8 @@ def throughput(
 
     Compute: emulated (forward_ms + backward_ms) x slowdown exactly (bench 3.4.3); real: the
     cell's busy thread CPU time per microbatch (3.4.2). Link: the larger of the activation and
-    the gradient bytes the cell sent per microbatch over the link bandwidth.
+    the gradient bytes the cell sent per microbatch over the link bandwidth; with
+    runtime.link_shared their sum (one uplink carries both; "all": the averaging bytes too).
     """
     P, m = cfg.grid.stages, cfg.grid.replicas
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
@@ -332,7 +364,13 @@ def throughput(
         mbs = max(1, int(r.get("microbatches", r["step"] * mpu)))
         busy[k] = float(r.get("busy_s", 0.0)) / mbs
         sent = final_bytes.get(k, r.get("bytes_sent", {}))
-        per_mb = max(sent.get("activation", 0), sent.get("gradient", 0)) / mbs
+        act, grad = sent.get("activation", 0), sent.get("gradient", 0)
+        shared = cfg.runtime.link_shared
+        per_mb = (
+            max(act, grad)
+            if shared == "none"
+            else act + grad + (sent.get("average", 0) if shared == "all" else 0)
+        ) / mbs
         link[k] = per_mb / bw if bw else 0.0
     if cfg.runtime.compute == "emulated":
         compute = compute_table(cfg)

@@ -2,9 +2,10 @@
 
 Each cell is its own process running `mesh.runtime.trainer.run_cell`, forked from a fork
 server that imported torch once (`cell_context`; no state leaks from the parent). The parent
-holds the rendezvous (a TCP store address, or a bootstrap DHT), draws one progress bar from the
-cells' metrics files, and on Ctrl-C or an error terminates every child (SIGTERM, then SIGKILL
-after a grace period) and reaps them all.
+holds the rendezvous for the whole run (the TCP store, which outlives every cell, or a
+bootstrap DHT), draws one progress bar from the cells' metrics files, on torch starts a dead
+cell's replica again (run_grid), and on Ctrl-C or an error terminates every child (SIGTERM,
+then SIGKILL after a grace period) and reaps them all.
 """
 
 from __future__ import annotations
@@ -164,13 +165,15 @@ def run_grid(
     are of a life the resume abandons, and go (drop_abandoned).
     A cell that fails on its own (it raised: exit code 1 or 2) stops the grid at once (every
     cell saves): GridRun.failure names it and says why. A cell that DIES (a signal: killed,
-    out of memory) on torch.distributed, where a gloo world cannot re-admit a rank: the whole
-    grid is stopped (every cell saves) and started again, each replica from the newest step
-    all its cells saved (replicas need not agree), up to runtime.max_restarts times (each said
-    through on_notice); its neighbours' exits (LOST_NEIGHBOUR) are part of that fault, not
-    failures; past the restarts the grid stops, saved: GridRun.failure says so, and
-    `--resume` continues. On hivemind the others ride it out (its replica waits up to
-    runtime.rejoin_timeout_s for a replacement: a restart or a `join`).
+    out of memory) on torch.distributed: its replica alone starts again, in place: its other
+    cells (which leave with LOST_NEIGHBOUR once a neighbour is gone, or are stopped here) are
+    stopped and every cell of the replica restarts from the newest step all of them saved;
+    the other replicas train on untouched (same processes; the links re-form with the new
+    processes: comms/torchdist/pairs.py). Up to runtime.max_restarts times a run, each said
+    through on_notice with the replica and its step; past that the grid stops, saved:
+    GridRun.failure says so, and `--resume` continues. On hivemind the others ride it out
+    (its replica waits up to runtime.rejoin_timeout_s for a replacement: a restart or a
+    `join`).
     A stop (KeyboardInterrupt, or `stop` requested by a launcher's signal handler) stops and
     saves every cell: GridRun.interrupted, GridRun.stopped_by names the signal.
     """
@@ -192,20 +195,11 @@ def run_grid(
     tail = MetricsTail(out_dir, cfg.grid.stages - 1, resume_step or 0)
     grid: LocalGrid | None = None
     try:
-        while True:
-            with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
-                grid = LocalGrid(cfg, out_dir, options)
-                outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s,
-                                 grace_s, restarts, notice, stop)  # fmt: skip
-            if outcome.died is None:
-                break
-            if stop is not None:
-                stop.check()
-            # torch: the grid stopped (every cell saved); start it again from the replicas' cuts
-            steps = replica_resume_steps(cfg, out_dir)
-            at = ", ".join(f"replica {i} from step {s or 0}" for i, s in _by_replica(steps).items())
-            notice(f"{outcome.died} ({at})")
-    except KeyboardInterrupt:  # between two grids (no cell running): a stop all the same
+        with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+            grid = LocalGrid(cfg, out_dir, options)
+            outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s, grace_s,
+                             restarts, notice, stop)  # fmt: skip
+    except KeyboardInterrupt:  # outside the watch (no cell running): a stop all the same
         outcome = _Outcome(interrupted=True)
     except Stopped as e:
         outcome = _Outcome(interrupted=True, stopped_by=e.signal_name)
@@ -223,7 +217,6 @@ def run_grid(
 class _Outcome:
     interrupted: bool = False
     failure: CellFailure | None = None
-    died: str | None = None  # torch: a cell died, the grid stopped to start again
     stopped_by: str | None = None
 
 
@@ -265,13 +258,14 @@ def _watch(
     notice: Callable[[str], None],
     stop: StopRequest | None = None,
 ) -> _Outcome:
-    """Start the cells, watch them until they are all done, restart what dies (see run_grid)."""
+    """Start the cells, watch them until they are all done, restart a dead cell's replica
+    (see run_grid)."""
     out = _Outcome()
     try:
         for cell in grid_cells(cfg):
             grid.start(cell, steps[cell])
         last_step = -1
-        while grid.running():
+        while True:
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"grid did not finish within {timeout_s} s")
             time.sleep(0.2)
@@ -293,8 +287,11 @@ def _watch(
                     )  # fmt: skip
                     break
                 restarts.append(what)
+                at = restart_replica(cfg, grid, cell[1], grace_s)
                 n = f"restart {len(restarts)} of {cfg.runtime.max_restarts}"
-                out.died = f"{what}; the grid starts again, {n}"
+                notice(f"{what}; replica {cell[1]} starts again from step {at or 0}, {n}")
+                continue
+            if not grid.running():
                 break
             if on_progress:
                 step, loss = tail.progress()
@@ -311,24 +308,24 @@ def _watch(
     return out
 
 
+def restart_replica(cfg: Config, grid: LocalGrid, replica: int, grace_s: float) -> int | None:
+    """Stop what is left of a replica (each cell saves; those saves are past the cut and go),
+    and start all its cells again from the newest step every one of them saved (None: from
+    the start). Returns that step."""
+    cells = [(j, replica) for j in range(cfg.grid.stages)]
+    _stop_all([grid.procs[c] for c in cells], grace_s)
+    step = resume_point(grid.out_dir, cells, cfg.state_fingerprint()).step
+    drop_abandoned(grid.out_dir, dict.fromkeys(cells, step))
+    for cell in cells:
+        grid.start(cell, step)
+    return step
+
+
 def _death(code: int | None) -> str:
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
             return signal.Signals(-code).name
     return "lost a neighbour" if code == LOST_NEIGHBOUR else f"exit {code}"
-
-
-def replica_resume_steps(cfg: Config, out_dir: Path) -> dict[tuple[int, int], int | None]:
-    """Where each cell starts again after a grid restart: its replica's newest step that all
-    of the replica's cells have an intact checkpoint of (None: from the start); the replica's
-    checkpoints past it go (drop_abandoned)."""
-    fp = cfg.state_fingerprint()
-    steps: dict[tuple[int, int], int | None] = {}
-    for i in range(cfg.grid.replicas):
-        cells = [(j, i) for j in range(cfg.grid.stages)]
-        steps.update(dict.fromkeys(cells, resume_point(out_dir, cells, fp).step))
-    drop_abandoned(out_dir, steps)
-    return steps
 
 
 def drop_abandoned(out_dir: Path, steps: dict[tuple[int, int], int | None]) -> None:
@@ -339,10 +336,6 @@ def drop_abandoned(out_dir: Path, steps: dict[tuple[int, int], int | None]) -> N
         for step in saved_steps(out_dir, *cell):
             if start is None or step > start:
                 checkpoint_path(out_dir, *cell, step).unlink(missing_ok=True)
-
-
-def _by_replica(steps: dict[tuple[int, int], int | None]) -> dict[int, int | None]:
-    return {i: s for (_, i), s in sorted(steps.items(), key=lambda kv: kv[0][1])}
 
 
 class MetricsTail:

@@ -7,8 +7,8 @@ be at the same step (a cell that joined adopted its stage's step from a live pee
 weight versions relative to its own step at the session start (mesh/runtime/stage.py).
 
 Two coordinators:
-- `StaticCoordinator` (torch.distributed, where a restarted rank cannot rejoin a running world):
-  one session from the cells' common step; it never breaks.
+- `StaticCoordinator` (torch.distributed): one session from the cells' common step; it never
+  breaks (a replica whose cell died is stopped and started again whole, by the launcher).
 - `DhtCoordinator` (hivemind): every cell heartbeats a claim record
   (mesh/runtime/registry.py). Stage 0 leads its replica: once every cell of the replica has a live
   claim it writes a new session record (epoch = wall-clock ms, so a restarted leader still moves

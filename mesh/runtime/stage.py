@@ -406,7 +406,7 @@ class StageWorker(Rounds):
         self._update_loss, self._update_used = 0.0, 0
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             self.after_update()
-        self.cell.push_version()
+        self.cell.push_version(shared=self.emu is not None)
 
     def _screened(self, sender: str, kind: str, x: torch.Tensor, b: int) -> str:
         """cell.screen's verdict on a received tensor of microbatch b (every stage reads its

@@ -40,7 +40,7 @@ from mesh.runtime.checkpoint import (
     save_cell,
     saved_steps,
 )
-from mesh.runtime.emulate import link_profile, resolve_window
+from mesh.runtime.emulate import cell_shaping, resolve_window
 from mesh.runtime.failure import (
     LOST_NEIGHBOUR,
     reserve_failure_report,
@@ -62,6 +62,16 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     names = [cell_name(j, i) for i in range(m) for j in range(P)]
     groups = {group_name(j): [cell_name(j, i) for i in range(m)] for j in range(P)}
     return names, groups
+
+
+def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
+    """The torch transport's links of a cell: its pipeline neighbours and its stage's column
+    (not every cell of the grid), of which the neighbours are needed at its start even when
+    they closed before (a replica started again starts all its cells at once), while a column
+    peer that is done is not waited for."""
+    nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < cfg.grid.stages]
+    column = [cell_name(stage, i) for i in range(cfg.grid.replicas) if i != replica]
+    return {"links": nbrs + column, "needed": nbrs}
 
 
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
@@ -86,6 +96,8 @@ def cell_transport(
     hivemind, records carry the membership token of (run key, config fingerprint)."""
     names, groups = grid_names(cfg)
     extra = backend_options(cfg, run_key)
+    if cfg.runtime.backend == "torch":
+        extra.update(cell_links(cfg, stage, replica))
     return make_transport(
         cfg.runtime.backend,
         cell_name(stage, replica),
@@ -93,7 +105,7 @@ def cell_transport(
         groups,
         host=cfg.runtime.host,
         timeout_s=cfg.runtime.timeout_s,
-        **{"shaping": link_profile(cfg), **extra, **options},
+        **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},
     )
 
 
@@ -421,8 +433,8 @@ def cell_process_main(
     resume_step: int | None = None,
 ) -> None:
     """run_cell as a process's whole life: exit at once when it returns (0) or raises (2 for
-    a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed grid cannot go on
-    without it; the launcher restarts the grid), 1 for anything else; the reason in
+    a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed pipeline cannot
+    go on without it; the launcher restarts its replica), 1 for anything else; the reason in
     DIR/logs/sJrI.err, not on the terminal,
     where eight cells would print eight tracebacks), skipping interpreter finalization. Its
     files are closed and fsynced by then; what is left are daemon threads (rounds past their

@@ -5,12 +5,15 @@
 sockets, torch already imported), each builds its transport with
 `comms.build.make_transport` and runs `scenarios.<scenario>(transport, peer, **kwargs)`, whose
 JSON-able dict comes back through a pipe. The parent holds the rendezvous
-(`comms.build.local_rendezvous`: a free port for torch, a bootstrap DHT for hivemind).
+(`comms.build.local_rendezvous`: the TCPStore for torch, a bootstrap DHT for hivemind).
 
 Faults are scripted, never raced: a scenario calls `peer.checkpoint("point")`, which tells the
 parent it reached that point and waits for a go. For `faults={"p3": ("kill", "before_mean")}`
 the parent SIGKILLs p3 there; with ("stop", point) it SIGSTOPs p3 and, once every other peer
-has reported, lets it go and SIGCONTs it. Peers at points without a fault get a go at once,
+has reported, lets it go and SIGCONTs it; with ("restart", point) it SIGKILLs p3 there and, once
+every other peer waits at checkpoint RESPAWN, starts p3 again (a new process, `peer.life` 2,
+the scenario from its start) and lets them go when the new p3's transport is built (its
+STARTED). Peers at points without a fault get a go at once,
 except at STARTED, every peer's first checkpoint once its transport is built: a barrier, so the
 scenarios begin together (start-up on a loaded 2-core host can differ by more than a round's
 deadline; a member still starting is not what a scenario tests).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -42,6 +46,7 @@ from mesh.runtime.launch import cell_context
 
 KILLED = {"killed": True}
 STARTED = "started"  # every peer's first checkpoint: its transport is built
+RESPAWN = "respawn"  # where the other peers wait while a restarted peer starts again
 HANG_S = 60.0  # beyond the scenario's own deadlines, how long a run may take before it is hung
 
 
@@ -54,6 +59,7 @@ class Peer:
     groups: dict[str, list[str]]
     backend: str
     timeout_s: float
+    life: int = 1  # 2 for a peer started again after a "restart" fault
     _events: Any = field(repr=False, default=None)
     _go: Any = field(repr=False, default=None)
 
@@ -81,41 +87,46 @@ def run_peers(
 
     Args:
         timeout_s: the transports' deadline; the whole run gets HANG_S plus 4 times that.
-        faults: name -> ("kill" | "stop", checkpoint name).
+        faults: name -> ("kill" | "stop" | "restart", checkpoint name).
         build: extra make_transport kwargs (e.g. shaping).
         kwargs: passed to the scenario function.
     """
     faults = faults or {}
     ctx = cell_context()
-    # One pipe per child and direction: a child killed while writing cannot hold a lock that
-    # the others need (a shared mp.Queue has one).
-    events, to_parent = zip(*(ctx.Pipe(duplex=False) for _ in names), strict=True)
-    from_parent, go_ends = zip(*(ctx.Pipe(duplex=False) for _ in names), strict=True)
-    go = dict(zip(names, go_ends, strict=True))
+    procs: dict[str, Any] = {}
+    go: dict[str, Any] = {}
+    events: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="mt-peers-") as tmp, local_rendezvous(backend) as rz:
-        procs = {}
-        for i, n in enumerate(names):
-            args = (backend, n, names, groups, scenario, timeout_s, {**rz, **(build or {})})
+
+        def spawn(n: str, life: int = 1) -> None:
+            # one pipe per child and direction: a child killed while writing cannot hold a
+            # lock that the others need (a shared mp.Queue has one)
+            event_end, to_parent = ctx.Pipe(duplex=False)
+            from_parent, go_end = ctx.Pipe(duplex=False)
+            args = (backend, n, names, groups, scenario, timeout_s, {**rz, **(build or {})}, life)
             err = str(Path(tmp) / f"{n}.err")
             p = ctx.Process(
-                target=_child,
-                args=(*args, kwargs, to_parent[i], from_parent[i], err),
-                name=f"peer-{n}",
+                target=_child, args=(*args, kwargs, to_parent, from_parent, err), name=f"peer-{n}"
             )
             p.start()
-            procs[n] = p
-        for conn in (*to_parent, *from_parent):
-            conn.close()  # the children hold their ends
+            to_parent.close()  # the child holds its ends
+            from_parent.close()
+            procs[n], go[n] = p, go_end
+            events.append(event_end)
+
+        for n in names:
+            spawn(n)
         try:
             # a hang guard, not a stopwatch: start-up of 4 peers alone can take half a minute
             # on a loaded 2-core box
-            results = _drive(procs, events, go, faults, time.monotonic() + HANG_S + 4 * timeout_s)
+            results = _drive(procs, events, go, faults, time.monotonic() + HANG_S + 4 * timeout_s,
+                             spawn)  # fmt: skip
         finally:
             _reap(procs)
         errs = {n: (Path(tmp) / f"{n}.err").read_text(errors="replace") for n in names}
     problems = [f"{n}: no result" for n in names if n not in results]
     problems += [f"{n}: {r['error']}" for n, r in results.items() if "error" in r]
-    for n, p in procs.items():
+    for n, p in procs.items():  # a restarted peer: its second process
         killed = faults.get(n, ("",))[0] == "kill"
         if "Traceback" in errs[n]:
             problems.append(f"{n} printed a traceback:\n{errs[n][-3000:]}")
@@ -126,12 +137,15 @@ def run_peers(
     return results
 
 
-def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
+def _drive(procs, events, go, faults, deadline: float, spawn) -> dict[str, dict]:
     """Answer checkpoints, apply faults, collect results until every live peer reported."""
     results: dict[str, dict] = {}
     stopped: dict[str, str] = {}  # name -> point where it waits
     started: set[str] | None = set()  # peers waiting at STARTED; None once they all went on
-    open_ = list(events)
+    respawning: list[str] = []  # killed peers to start again once the others wait at RESPAWN
+    waiting: set[str] = set()  # peers waiting at RESPAWN
+    restarted: str | None = None  # the peer whose new process is starting
+    open_ = events
     while True:
         live = [n for n in procs if n not in results]
         if not live:
@@ -145,6 +159,10 @@ def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
                 go[n].send(("go", point))
                 os.kill(procs[n].pid, signal.SIGCONT)
             stopped = {}
+        if respawning and restarted is None and set(live) - set(respawning) <= waiting:
+            restarted = respawning.pop(0)
+            spawn(restarted, life=2)
+            results.pop(restarted)
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not open_:
             return results
@@ -159,12 +177,21 @@ def _drive(procs, events, go, faults, deadline: float) -> dict[str, dict]:
         if msg[0] == "ready":
             _, n, point = msg
             action, at = faults.get(n, ("", ""))
-            if point == STARTED:
+            if point == STARTED and n == restarted:  # its transport is up: all go on
+                for m in [n, *waiting]:
+                    go[m].send(("go", STARTED if m == n else RESPAWN))
+                waiting, restarted = set(), None
+            elif point == STARTED and started is not None:
                 started.add(n)
-            elif at == point and action == "kill":
+            elif point == RESPAWN:
+                waiting.add(n)
+            elif at == point and action in ("kill", "restart") and n not in respawning:
                 os.kill(procs[n].pid, signal.SIGKILL)
                 procs[n].join(10)
                 results[n] = dict(KILLED)
+                if action == "restart":
+                    respawning.append(n)
+                    faults = {**faults, n: ("", "")}  # its second life runs without a fault
             elif at == point and action == "stop":
                 os.kill(procs[n].pid, signal.SIGSTOP)
                 stopped[n] = point
@@ -189,7 +216,7 @@ def _reap(procs: dict[str, mp.Process], grace_s: float = 30.0) -> None:
             p.join(5)
 
 
-def _child(backend, name, names, groups, scenario, timeout_s, build, kwargs, events, go, err):
+def _child(backend, name, names, groups, scenario, timeout_s, build, life, kwargs, events, go, err):
     """Child process body: stderr to a file, build, run, report, close."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a cell's fork server ignores it
     fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -201,10 +228,9 @@ def _child(backend, name, names, groups, scenario, timeout_s, build, kwargs, eve
 
         torch.set_num_threads(1)  # 2 cores for up to 4 peers
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import scenarios
-
-        fn = getattr(scenarios, scenario)
-        peer = Peer(name, list(names), dict(groups), backend, timeout_s, events, go)
+        module, _, fn_name = scenario.rpartition(":")  # "module:function", or one of scenarios'
+        fn = getattr(importlib.import_module(module or "scenarios"), fn_name)
+        peer = Peer(name, list(names), dict(groups), backend, timeout_s, life, events, go)
         t = make_transport(backend, name, names, groups, timeout_s=timeout_s, **build)
         try:
             peer.checkpoint(STARTED)

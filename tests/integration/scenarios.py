@@ -351,6 +351,36 @@ def shaped(t, peer, latency_ms: float, mbps: float, nbytes: int = 100_000) -> di
     return out
 
 
+def shared_uplink(t, peer, nbytes: int = 100_000) -> dict:
+    """names[0] sends 4 frames to each of names[1] and names[2], alternating, over links that
+    share one uplink (build={"shaping": {dest: LinkProfile(..., uplink=...)}}); it reports when
+    it began sending, the receivers their arrival times (one machine: one monotonic clock)."""
+    a, b, c = peer.names[:3]
+    wait = peer.timeout_s
+    small = codecs.encode(torch.zeros(4), "fp32")
+    big = codecs.encode(torch.zeros(nbytes // 4), "fp32")
+    if peer.name == a:  # a first exchange opens the streams (not what the link model times)
+        for other in (b, c):
+            t.send(other, "hello", Kind.CONTROL, small, 0)
+        for other in (b, c):
+            t.recv(other, "ready", Expect(), wait)
+        start = time.monotonic()
+        for i in range(4):
+            for other in (b, c):
+                t.send(other, f"s{i}", Kind.ACTIVATION, big, i)
+        for other in (b, c):
+            t.recv(other, "done", Expect(), wait)
+        return {"start": start}
+    t.recv(a, "hello", Expect(), wait)
+    t.send(a, "ready", Kind.CONTROL, small, 0).wait(wait)
+    arrivals = []
+    for i in range(4):
+        t.recv(a, f"s{i}", Expect(), 4 * wait)
+        arrivals.append(time.monotonic())
+    t.send(a, "done", Kind.CONTROL, small, 0).wait(wait)
+    return {"arrivals": arrivals}
+
+
 def _by_kind(counter: Counter, peer: str, kinds: tuple[str, ...]) -> dict[str, int]:
     return {k: n for (p, k), n in counter.items() if p == peer and k in kinds}
 

@@ -1,9 +1,9 @@
 """The fault matrix of the torch backend (`simulate`'s default), as a user meets it: the CLI in
 its own process, real cells, real signals. A slow replica with a short round deadline keeps
-averaging; a killed cell is restarted and the run finishes; past runtime.max_restarts the grid
-stops saved and `--resume` finishes it; SIGTERM to the launcher stops and saves every cell,
-exit 0, nothing left running, and the run resumes; a second launcher on a live directory is
-refused in one line."""
+averaging; a killed cell's replica is restarted while the other trains on, and the run
+finishes; past runtime.max_restarts the grid stops saved and `--resume` finishes it; SIGTERM
+to the launcher stops and saves every cell, exit 0, nothing left running, and the run resumes;
+a second launcher on a live directory is refused in one line."""
 
 from __future__ import annotations
 
@@ -112,10 +112,100 @@ def test_a_slow_replica_with_a_short_round_deadline_keeps_averaging(tmp_path):
     assert rounds["rounds_applied"] >= 0.8 * started, rounds
 
 
+def _lives(out: Path, cell: str) -> list[list[dict]]:
+    """The update rows of each process of the cell, in order."""
+    lives: list[list[dict]] = []
+    for r in _rows(out, cell):
+        if r.get("event") == "started":
+            lives.append([])
+        elif lives and "event" not in r and not r.get("final"):
+            lives[-1].append(r)
+    return lives
+
+
+@pytest.mark.timeout(3 * RUN_S)  # two lives of one replica back to back: a hang guard
+def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_path):
+    """SIGKILL of s1r1 past a checkpoint of its replica: replica 1 alone starts again from its
+    newest shared checkpoint (said on the console) while replica 0 trains on in the same
+    processes, its steps never going back; once replica 1 is back, rounds between the replicas
+    are applied again on both sides; every cell reaches the last step, exit 0. Emulated compute
+    8x slower than the default, so replica 0 is still training when replica 1 is back (its
+    start took 25 s on a 2-core box at load 20; replica 0 has about twice that left)."""
+    out = tmp_path / "run"
+    steps = 200
+    pace = ("runtime.compute='emulated'", "runtime.forward_ms=80", "runtime.backward_ms=160")
+    proc = subprocess.Popen(_cmd(out, steps, *_sets(*pace)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        helpers.wait_for(lambda: _step(out, "1-1") >= 6 and _step(out, "0-1") >= 6, RUN_S,
+                         "replica 1 past a checkpoint")  # fmt: skip
+        os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
+        helpers.wait_for(lambda: len(_lives(out, "1-1")) == 2 and _lives(out, "1-1")[1], RUN_S,
+                         "replica 1's second life training")  # fmt: skip
+        # rounds replica 0 applied so far: any later one has a payload of replica 1's new life
+        # (a round needs another member's payload; those launched before the kill are long
+        # applied or failed: the restart takes seconds, a round lands tau = 5 updates late)
+        applied_at_back = {c: _lives(out, c)[0][-1]["rounds_applied"] for c in ("0-0", "1-0")}
+        _, err = proc.communicate(timeout=2 * RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    notes = [ln for ln in err.replace("\r", "\n").splitlines() if "died" in ln]
+    assert len(notes) == 1 and notes[0].startswith(
+        "cell s1r1 died (SIGKILL); replica 1 starts again from step "
+    ) and notes[0].endswith(", restart 1 of 3"), notes  # fmt: skip
+    resumed_at = int(notes[0].split("from step ")[1].split(",")[0])
+    assert resumed_at >= 5, notes  # from its checkpoint, not from the start
+    for cell in ("0-0", "1-0"):  # one process, steps 1..300 in order, rounds applied again
+        (life,) = _lives(out, cell)
+        assert [r["step"] for r in life] == list(range(1, steps + 1)), cell
+        assert life[-1]["rounds_applied"] - applied_at_back[cell] >= 10, (cell, applied_at_back)
+    for cell in ("0-1", "1-1"):  # a second process from the replica's checkpoint to the end
+        first, second = _lives(out, cell)
+        assert second[0]["step"] == resumed_at + 1 and second[-1]["step"] == steps, cell
+        assert second[-1]["rounds_applied"] >= 10, (cell, second[-1])
+        resumed = [r for r in _rows(out, cell) if r.get("event") == "resumed"]
+        assert len(resumed) == 1 and resumed[0]["step"] == resumed_at, resumed
+    assert set(_final_steps(out).values()) == {steps}
+
+
+def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
+    """SIGTERM to the launcher as soon as it said it starts a killed cell's replica again (its
+    new cells are still starting: SIGTERM is ignored until their handler is in): exit 0, the
+    stop said, no process of any life left, and `--resume` finishes the run (each replica
+    from its own cut)."""
+    out, log = tmp_path / "run", tmp_path / "err.txt"
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(_cmd(out, 400), stdout=subprocess.PIPE, stderr=err_file,
+                                text=True)  # fmt: skip
+    try:
+        helpers.wait_for(lambda: _step(out, "1-1") >= 6, RUN_S, "s1r1 past a checkpoint")
+        os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
+        helpers.wait_for(lambda: "replica 1 starts again" in log.read_text(), RUN_S,
+                         "the restart's notice")  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"stopped (SIGTERM): every cell saved; continue with --resume {out}" in stdout
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert not [p for p in _pids(out) if pid_alive(p)]
+    end = _saved_at(out) + 10
+    res = _run([*_cmd(out, end), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(_final_steps(out).values()) == {end}
+
+
 def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(tmp_path):
-    """SIGKILL of s1r1: the grid starts again from each replica's newest shared checkpoint and
-    finishes (every cell at the last step). With runtime.max_restarts = 1, a second kill stops
-    the grid, every other cell saved, in one line; `--resume` finishes it."""
+    """SIGKILL of s1r1: its replica starts again from its newest shared checkpoint. With
+    runtime.max_restarts = 1, a second kill stops the grid, every other cell saved, in one
+    line; `--resume` finishes it."""
     out = tmp_path / "run"
     steps = 400
     proc = subprocess.Popen(
@@ -133,7 +223,8 @@ def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(
             proc.kill()
             proc.wait()
     assert proc.returncode == 1, err[-3000:]
-    assert "cell s1r1 died (SIGKILL); the grid starts again, restart 1 of 1 (replica 0 from" in err
+    assert "cell s1r1 died (SIGKILL); replica 1 starts again from step " in err
+    assert ", restart 1 of 1" in err
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "after 1 restarts" in errors[0] and "resume" in errors[0], err
     assert "Traceback" not in err

@@ -12,6 +12,7 @@ from scenarios import ROUND_WAIT_S
 
 from comms import codecs
 from comms.throttle import LinkProfile
+from comms.wire import Expect, Kind
 
 BACKENDS = ["torch", "hivemind"]
 MEAN_ATOL = {"torch": 0.0, "hivemind": 0.0}  # 0: bit-identical to the one-process reference
@@ -136,7 +137,56 @@ def test_shaped_links_follow_the_model(backend: str) -> None:
         assert r["mean_status"] == "ok" and lat / 1e3 <= r["mean_s"], r
 
 
-# ---- torch backend only: in-process checks (no spawn, one-peer worlds) ----
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_links_on_one_uplink_share_its_bandwidth(backend: str) -> None:
+    """8 frames of 100 KB from a to b and c, alternating, over an 8 Mbit/s uplink they share:
+    the last arrives no sooner than 8 transmissions and the latency after the first left (each
+    link with a wire of its own would take 4)."""
+    mbps, nbytes, lat = 8.0, 100_000, 20.0
+    up = LinkProfile(bandwidth_mbps=mbps, latency_ms=lat, uplink="a")
+    build = {"shaping": {"b": up, "c": up}}
+    res = run_peers(backend, ["a", "b", "c"], {}, "shared_uplink", TIMEOUT_S, build=build,
+                    nbytes=nbytes)  # fmt: skip
+    last = max(res["b"]["arrivals"] + res["c"]["arrivals"])
+    # never faster than the model (release times are lower bounds; a hang is caught by the
+    # receives' deadlines)
+    assert last - res["a"]["start"] >= 0.95 * 8 * up.transmit_s(nbytes) + lat / 1e3, res
+
+
+# ---- torch backend only ----
+
+
+def test_torch_peer_restarted_forms_its_links_again_and_the_others_never_break() -> None:
+    """r2 is killed after a round and started again (a new process: a new incarnation). The
+    survivors see its link lost at once, average among themselves meanwhile (partial rounds,
+    bit-identical to the reference of the two) over a link that never broke, and once r2 is
+    back messages go both ways and a round of all three equals the reference again."""
+    peers = ["r0", "r1", "r2"]
+    victim, survivors = peers[-1], peers[:-1]
+    res = run_peers("torch", peers, {"g": peers}, "scenarios_restart:rejoin", TIMEOUT_S,
+                    faults={victim: ("restart", "before_kill")}, victim=victim)  # fmt: skip
+    digests = set()
+    for name in survivors:
+        r = res[name]
+        assert r["life"] == 1 and r["before"]["status"] == "ok" and r["before"]["equal_ref"], r
+        assert r["victim_gone"] == "lost", r
+        for rnd in r["meanwhile"]:
+            assert rnd["status"] == "partial" and rnd["contributors"] == survivors, rnd
+            assert rnd["equal_ref"], rnd
+        assert r["p2p_meanwhile"] and r["back_ok"], r
+        assert r["after"]["status"] == "ok" and r["after"]["equal_ref"], r["after"]
+        other = next(s for s in survivors if s != name)
+        assert r["links"][other] == {"lives": 1, "closed": ""}, r["links"]  # never broke
+        assert r["links"][victim] == {"lives": 2, "closed": ""}, r["links"]  # formed again
+        digests.add(r["after"]["digest"])
+    v = res[victim]
+    assert v["life"] == 2 and v["incarnation"] == 2 and v["back_ok"], v
+    assert v["after"]["status"] == "ok" and v["after"]["equal_ref"], v["after"]
+    assert v["links"] == {s: {"lives": 1, "closed": ""} for s in survivors}, v["links"]
+    assert digests | {v["after"]["digest"]} == {v["after"]["digest"]}
+
+
+# in-process checks (no spawn, one-peer worlds)
 
 
 def test_torch_single_peer_world_and_close() -> None:
@@ -193,6 +243,115 @@ def test_torch_startup_deadline_and_bad_arguments() -> None:
             TorchTransport(*args, rz)
     with pytest.raises(ValueError, match="rendezvous"):
         TorchTransport("a", ["a"], {}, "udp://127.0.0.1:1")
+    for links, needed in [(["a", "b"], None), (["b", "b"], None), (["b"], ["c"])]:
+        with pytest.raises(ValueError):
+            TorchTransport("a", ["a", "b", "c"], {}, rz, links=links, needed=needed)
+    with pytest.raises(ValueError, match="no link"):  # a group member it has no link with
+        TorchTransport("a", ["a", "b", "c"], {"g": ["a", "c"]}, rz, links=["b"])
+
+
+def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
+    """In one process, over the launcher-style store (local_rendezvous): b closes. A new peer
+    that needs b waits for b's next process and starts with it; one that does not need b
+    starts at once with b's link closed (PeerLost, its rounds go on without b) and forms it
+    when b comes back. Links are only those asked for."""
+    import threading
+
+    import torch
+
+    from comms.build import local_rendezvous, make_transport
+    from comms.errors import PeerLost
+
+    names = ["a", "b", "c", "d"]
+    x = codecs.encode(torch.arange(4.0), "fp32")
+    with local_rendezvous("torch") as rz:
+
+        def start(me: str, links: list[str], **kw) -> object:
+            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, links=links,
+                                  **rz, **kw)  # fmt: skip
+
+        got: dict[str, object] = {}
+        first = threading.Thread(target=lambda: got.update({"a": start("a", ["b"])}))
+        first.start()
+        b = start("b", ["a"])
+        first.join()
+        a = got["a"]
+        b.close()
+        c = start("c", ["b"], needed=[])  # b closed: c starts at once, without it
+        with pytest.raises(PeerLost, match="peer closed"):
+            c.recv("b", "x", Expect(), TIMEOUT_S)
+        waiting = threading.Thread(target=lambda: got.update({"d": start("d", ["b"])}))
+        waiting.start()  # d needs b: it waits for b's next process
+        b2 = start("b", ["a", "c", "d"])
+        waiting.join()
+        d = got["d"]
+        assert b2.incarnation == 2 and a._links["b"].lives == 2
+        for peer in (a, c, d):  # b's new process talks to each, both ways
+            peer_name = peer.me
+            b2.send(peer_name, "x", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+            assert torch.equal(_recv_when_formed(peer, "b", TIMEOUT_S).tensor(), x.data)
+            peer.send("b", "y", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+            assert torch.equal(b2.recv(peer_name, "y", Expect(), TIMEOUT_S).tensor(), x.data)
+        with pytest.raises(ValueError, match="unknown peer"):
+            a.send("c", "x", Kind.CONTROL, x, 0)  # no link between a and c
+        closing = [threading.Thread(target=t.close) for t in (a, b2, c, d)]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
+
+
+def test_torch_a_full_mailbox_does_not_hold_a_restarted_peer_off() -> None:
+    """a's mailbox from b holds one message and a never reads it: b's second message holds
+    a's receiver (backpressure) and its third waits in gloo. b goes and starts again: a drops
+    what its gone incarnation still sends (counted stale) and forms the link with the new b,
+    whose messages arrive. Were the receiver left waiting for room, the link never formed."""
+    import threading
+
+    import torch
+
+    from comms.build import local_rendezvous, make_transport
+
+    names = ["a", "b"]
+    x = codecs.encode(torch.arange(4.0), "fp32")
+    with local_rendezvous("torch") as rz:
+
+        def start(me: str, **kw) -> object:
+            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, **rz, **kw)
+
+        got: dict[str, object] = {}
+        first = threading.Thread(target=lambda: got.update({"a": start("a", mailbox_messages=1)}))
+        first.start()
+        b = start("b")
+        first.join()
+        a = got["a"]
+        b.send("a", "old0", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
+        for i in (1, 2):
+            b.send("a", f"old{i}", Kind.CONTROL, x, 0)  # the 1st waits for room, the 2nd in gloo
+        b.close()  # its goodbye is never read: it gives up after close_timeout_s
+        b2 = start("b", needed=[])
+        b2.send("a", "x", Kind.CONTROL, x, 0)
+        assert torch.equal(_recv_when_formed(a, "b", TIMEOUT_S).tensor(), x.data)
+        assert a._links["b"].lives == 2 and a.stats.rejects["stale"] >= 2, a.stats.rejects
+        for t in (a, b2):
+            t.close()
+
+
+def _recv_when_formed(t, frm: str, timeout_s: float):
+    """A recv on a link that is closed until its peer's new process forms it raises PeerLost
+    at once: ask again until the deadline."""
+    import time
+
+    from comms.errors import PeerLost
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return t.recv(frm, "x", Expect(), max(0.0, deadline - time.monotonic()))
+        except PeerLost:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

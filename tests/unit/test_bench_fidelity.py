@@ -58,11 +58,11 @@ def test_an_lr_at_the_edge_of_those_tried_steps_on_and_an_inner_one_does_not():
 
     runs = [run(1e-3, 2.3), run(2e-3, 2.2, b=1), run(3e-3, 2.1, b=1), run(9e-3, 2.5)]
     # the best (3e-3 at b=1) is the largest lr tried at b=1 (9e-3 was at other settings)
-    assert tuning._edge_step(runs, "A") == {"optim.lr": 0.0045, "b": 1}
+    assert tuning._edge_step(runs, "A", [0]) == {"optim.lr": 0.0045, "b": 1}
     runs.append(run(4.5e-3, 2.15, b=1))
-    assert tuning._edge_step(runs, "A") is None  # now inside: 2e-3 < 3e-3 < 4.5e-3
+    assert tuning._edge_step(runs, "A", [0]) is None  # now inside: 2e-3 < 3e-3 < 4.5e-3
     runs.append(run(1e-3, 2.0, b=1))  # the smallest at b=1 wins: step down
-    assert tuning._edge_step(runs, "A") == {"optim.lr": 0.00075, "b": 1}
+    assert tuning._edge_step(runs, "A", [0]) == {"optim.lr": 0.00075, "b": 1}
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ from mesh.algo.schedule import (
 from mesh.config import ConfigError, RuntimeConfig, load_config, parse_slowdowns
 from mesh.runtime.emulate import (
     ComputeClock,
+    activation_frame_bytes,
+    cell_shaping,
     compute_table,
     emulated_op_s,
     link_profile,
@@ -28,6 +30,7 @@ from mesh.runtime.emulate import (
     stage_times,
     steady_rate,
     throughput,
+    uplink_frames,
     window_of,
 )
 
@@ -347,3 +350,36 @@ def test_link_config_files_spell_out_their_profiles() -> None:
             want.bandwidth_mbps,
             want.latency_ms,
         )
+
+
+def test_a_shared_uplink_carries_a_cells_pipeline_frames_together() -> None:
+    base = ["grid.stages=3", "grid.replicas=2", "model.n_layers=3", "runtime.compute='emulated'",
+            "runtime.link_bandwidth_mbps=8", "runtime.link_latency_ms=10"]  # fmt: skip
+    plain = load_config([], base)
+    assert cell_shaping(plain, 1, 0) == link_profile(plain)  # every link its own bandwidth
+    pipe = load_config([], [*base, "runtime.link_shared='pipeline'"])
+    shaping = cell_shaping(pipe, 1, 0)
+    assert isinstance(shaping, dict) and set(shaping) == {"s0r0", "s2r0", "s0r1", "s1r1", "s2r1"}
+    assert shaping["s0r0"].uplink == shaping["s2r0"].uplink == "s1r0"  # its two neighbours
+    assert shaping["s1r1"].uplink == "" and shaping["s1r1"].bandwidth_mbps == 8.0  # averaging
+    assert all(p.latency_ms == 10.0 for p in shaping.values())
+    every = cell_shaping(load_config([], [*base, "runtime.link_shared='all'"]), 1, 0)
+    assert {p.uplink for p in every.values()} == {"s1r0"}
+    assert [uplink_frames(pipe, j) for j in range(3)] == [1, 2, 1]
+    assert [uplink_frames(plain, j) for j in range(3)] == [1, 1, 1]
+    # accounting: a middle stage's link time is both frames over the one uplink
+    tp = throughput(pipe, _rows(pipe, {0: 0.2, 1: 0.2}, n=20, act=100_000, avg=5_000))
+    assert tp.link_s[0] == pytest.approx([0.1, 0.2, 0.1])
+    assert throughput(plain, _rows(plain, {0: 0.2, 1: 0.2}, n=20, act=100_000, avg=0)).link_s[
+        0
+    ] == pytest.approx([0.1, 0.1, 0.1])
+    all_cfg = load_config([], [*base, "runtime.link_shared='all'"])
+    tp = throughput(all_cfg, _rows(all_cfg, {0: 0.2, 1: 0.2}, n=20, act=100_000, avg=5_000))
+    assert tp.link_s[0] == pytest.approx([0.105, 0.205, 0.105])
+    # the window: a hop may wait behind the other direction's frame, and the period holds both
+    w = ["model.d_model=128", "model.seq_len=128", "pipeline.window='auto'"]
+    shared = load_config([], [*base, *w, "runtime.link_shared='pipeline'"])
+    transfer = 2 * activation_frame_bytes(shared) / 1e6
+    row = compute_table(shared)[0]
+    want = extra_warmups(row, 0.01 * 1.25, transfer * 1.25, max(max(row), transfer))
+    assert resolve_window(shared, headroom=0.25).pipeline.window == want

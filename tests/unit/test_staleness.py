@@ -143,3 +143,31 @@ def test_prediction_keys_leave_old_fingerprints_alone(text_file):
     assert load_config([], [*base, "pipeline.weight_prediction=0"]).fingerprint() == plain
     assert load_config([], [*base, "pipeline.prediction_beta=0.9"]).fingerprint() == plain
     assert load_config([], [*base, "pipeline.weight_prediction=1"]).fingerprint() != plain
+
+
+def test_a_new_version_reuses_the_evicted_ones_buffer(text_file):
+    """The stash holds exactly the versions its schedule reads, each the weights of its step;
+    the one that leaves gives its buffer to the next (no stage-sized allocation an update)."""
+    _, cells = _cells(text_file, "pipeline.schedule=async")
+    c = cells[0]  # delay 2: three versions
+    torch.manual_seed(3)
+    seen = {}
+    for _ in range(6):
+        c.apply_update([torch.randn_like(p) for p in c.params])
+        evicted = next(iter(c.history.values())) if len(c.history) == 3 else None
+        c.push_version()
+        seen[c.step] = c.flat.clone()
+        assert list(c.history) == sorted(c.history)[-3:] and c.step in c.history
+        for step, version in c.history.items():
+            if step in seen:
+                assert torch.equal(version, seen[step])  # older versions untouched
+            assert version is not c.flat
+        if evicted is not None:
+            assert c.history[c.step].data_ptr() == evicted.data_ptr()
+    assert len(c.history) == c.versions_to_keep() == 3
+    # emulated compute: the version is the live tensor, no copy; a later copy never writes it
+    c.push_version(shared=True)
+    assert c.history[c.step] is c.flat
+    c.step += 1
+    c.push_version()
+    assert c.history[c.step - 1] is c.flat and c.history[c.step] is not c.flat

@@ -179,3 +179,27 @@ def test_delivery_failed() -> None:
     assert d.done()
     with pytest.raises(PeerLost, match="gone"):
         d.wait(0)
+
+
+def test_links_naming_one_uplink_share_its_bandwidth() -> None:
+    """A peer's links on one uplink carry one message at a time between them (the bytes to
+    every destination leave through the same wire); latency stays per link; a link on no
+    uplink, or on another one, keeps its own bandwidth."""
+    up = LinkProfile(bandwidth_mbps=10.0, latency_ms=100.0, uplink="home")
+    alone = LinkProfile(bandwidth_mbps=10.0, latency_ms=100.0)
+    far = LinkProfile(bandwidth_mbps=10.0, latency_ms=300.0, uplink="home")
+    shapers = LinkShapers("a", {"b": up, "c": up, "d": alone, "e": far})
+    b, c, d, e = (shapers.for_peer(n) for n in "bcde")
+    t = 5.0
+    assert b.schedule(MB, t) == pytest.approx(t + 0.1 + 0.1)  # the wire, then the latency
+    assert c.schedule(MB, t) == pytest.approx(t + 0.2 + 0.1)  # waited for b's bytes
+    assert d.schedule(MB, t) == pytest.approx(t + 0.1 + 0.1)  # its own wire
+    assert e.schedule(MB, t) == pytest.approx(t + 0.3 + 0.3)  # behind b and c, its latency
+    assert b.schedule(MB, t + 10) == pytest.approx(t + 10 + 0.2)  # an idle uplink: no wait
+    # two peers' shapers never share: the uplink is a peer's own
+    other = LinkShapers("z", {"b": up}).for_peer("b")
+    assert other.schedule(MB, t) == pytest.approx(t + 0.2)
+    # a backlog over n links of one uplink runs at the uplink's rate, not n times it
+    many = LinkShapers("a", {str(i): up for i in range(4)})
+    ends = [many.for_peer(str(i % 4)).schedule(MB, 0.0) for i in range(40)]
+    assert max(ends) == pytest.approx(40 * 0.1 + 0.1)

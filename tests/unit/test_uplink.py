@@ -94,3 +94,36 @@ def test_plan_reads_the_studies_measured_costs(tmp_path):
     assert res.exit_code == 0, res.output
     line = next(ln for ln in res.output.splitlines() if ln.startswith("| learned 16x"))
     assert "+0.30%" in line
+
+
+def test_4bit_boundaries_are_options_with_their_measured_cost():
+    c = cfg()
+    opts = {o.label: o for o in up.boundary_options(c)}
+    for ratio in up.INT4_RATIOS:
+        o = opts[f"learned {ratio}x int4"]
+        assert o.codec == "int4_hadamard" and o.compression >= ratio
+        # the largest rank at that ratio: one more coordinate would not make it
+        assert up.rank_for_compression(
+            c.tokens_per_microbatch, c.model.d_model, ratio, "int4_hadamard"
+        ) == o.rank  # fmt: skip
+    # 4 bits carry about twice the coordinates of fp8 in the same bytes
+    assert opts["learned 32x int4"].rank >= 1.9 * opts["learned 32x"].rank
+    # measured cheaper than fp8 at a similar ratio and fitting where fp8's 16x does not:
+    # chosen, and its overrides name the codec
+    costs = {o: 0.05 for o in opts} | {"learned 32x int4": 0.002}
+    cands = up.settings(c, 20_000, costs, {h: 0.0 for h in up.INTERVALS})
+    tight = next(
+        s for s in cands if s.option.label == "learned 32x int4" and s.interval_steps == 64
+    )
+    best = up.choose(cands, tight.busiest_mbps * 1.01)
+    assert best is not None and best.option.label == "learned 32x int4"
+    assert best.overrides()["pipeline.codec"] == "int4_hadamard"
+
+
+def test_plan_lists_4bit_for_the_pipeline_only():
+    from mesh.engine.plan import uplink_by_codec
+
+    rows = {codec: (pp, dp) for codec, pp, dp in uplink_by_codec(cfg(), 20_000)}
+    pp, dp = rows["int4_hadamard"]
+    assert dp is None and pp is not None  # averaging payloads stay at 8 bits or more
+    assert 0.5 < pp / rows["fp8_e4m3"][0] < 0.53  # 0.53 bytes a value against fp8's 1.03

@@ -68,7 +68,7 @@ def raw(
     """A message built field by field; defaults form a valid all-zero message."""
     codec = CODECS[codec_id] if codec_id < len(CODECS) else "fp32"
     n = math.prod(dims) if all(d >= 0 for d in dims) else 0
-    want_data = n * codecs.data_dtype(codec).itemsize
+    want_data = codecs.data_nbytes(n, codec)
     want_scales = 4 * codecs.num_blocks(n, max(block_size, 1)) if codecs.is_blocked(codec) else 0
     data_len = min(want_data, 2**64 - 1) if data_len is None else data_len
     scales_len = min(want_scales, 2**64 - 1) if scales_len is None else scales_len
@@ -169,9 +169,10 @@ def nan_message(codec: str) -> bytes:
         data[17] = bad[codec]
         enc = Encoded(codec, enc.shape, data, enc.scales, enc.block_size)
         return pack("w", Kind.AVERAGE, enc, 3)
-    body = bytearray(pack("w", Kind.AVERAGE, enc, 3))  # int8: an Inf scale, crc recomputed
+    body = bytearray(pack("w", Kind.AVERAGE, enc, 3))  # int8, int4: an Inf scale, crc recomputed
     struct.pack_into("<f", body, len(body) - 4, math.inf)
-    return raw(codec_id=4, dims=(300,), kind=3, step=3, body=bytes(body[-(300 + 12) :]))
+    size = codecs.encoded_nbytes(300, codec)
+    return raw(codec_id=CODECS.index(codec), dims=(300,), kind=3, step=3, body=bytes(body[-size:]))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -181,7 +182,7 @@ def test_non_finite_payload_rejected_and_counted(codec: str) -> None:
     r = counter.observe(unpack(buf))
     assert reason(r) == "not_finite"
     assert counter.counts() == {"not_finite": 1} and counter.total == 1
-    if codec != "int8_blockwise":  # structure is fine; the values are only checked on decode
+    if codec not in ("int8_blockwise", "int4_hadamard"):  # structure is fine; values: on decode
         m = unpack(buf, check_finite=False)
         assert isinstance(m, Message)
         with pytest.raises(CodecError):
@@ -198,7 +199,7 @@ def test_every_reject_reason_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
         "bad_magic": (b"PK\x03\x04" + good[4:], None),
         "bad_version": (raw(version=2), None),
         "bad_kind": (raw(kind=0), None),
-        "unknown_codec": (raw(codec_id=5), None),
+        "unknown_codec": (raw(codec_id=len(CODECS)), None),
         "unknown_dtype": (raw(dtype=2), None),
         "bad_ndim": (raw(ndim=9, dims=(1,) * 9), None),
         "bad_block_size": (raw(block_size=0), None),
@@ -333,7 +334,7 @@ def test_fuzz_shape_and_length_fields(b: bytes) -> None:
     # negative, huge, overflowing dims and ndim > 8; lengths right (None) or not; any body
     dims = tuple(DIMS[c % len(DIMS)] for c in b[2 : 2 + b[1] % 10])
     data_len, scales_len = LEN_PAIRS[b[11] % len(LEN_PAIRS)]
-    f = dict(codec_id=b[0] % 5, dims=dims, data_len=data_len, scales_len=scales_len)
+    f = dict(codec_id=b[0] % len(CODECS), dims=dims, data_len=data_len, scales_len=scales_len)
     other, body = int.from_bytes(b[12:14], "little"), b[14:]
     assert_total(unpack(raw(**f)))  # body: zeros of the declared size, when that is small
     assert_total(unpack(raw(**f, body=body, crc=other if other % 2 else None)))
@@ -418,3 +419,33 @@ def test_held_bytes_refuses_a_header_no_valid_frame_has() -> None:
     assert wire.held_bytes(bytes(frame[:10])).reason == "truncated"
     frame[-40 - 20 + 4] ^= 0xFF  # data_len (20 bytes of tail before the 40-byte body)
     assert isinstance(wire.held_bytes(bytes(frame)), wire.Reject)
+
+
+def test_malformed_int4_frames_rejected() -> None:
+    """A 4-bit frame packs two values a byte: its sizes are checked as such before anything is
+    allocated, and a body that no encoder writes is refused."""
+    int4 = CODECS.index("int4_hadamard")
+    x = randn(301)
+    good = pack_tensor("act", Kind.ACTIVATION, x, "int4_hadamard", 1)
+    m = unpack(good)
+    assert isinstance(m, Message) and torch.equal(m.tensor(), roundtrip(x, "int4_hadamard"))
+    assert len(good) == 23 + 3 + 8 + 20 + 151 + 4 * 3
+    scales = bytes(4 * 3)
+    # a byte a value (as int8 would be), a byte short, a byte long: the lengths disagree
+    for data_len in (301, 150, 152):
+        frame = raw(codec_id=int4, dims=(301,), data_len=data_len, body=bytes(data_len) + scales)
+        assert reason(unpack(frame)) == "length_mismatch", data_len
+    # a block size with no Hadamard matrix
+    assert reason(unpack(raw(codec_id=int4, dims=(301,), block_size=96))) == "bad_block_size"
+    # the pad nibble after an odd count is not 0 (crc valid: the body is what the peer meant)
+    body = bytearray(good[-(151 + 12) :])
+    body[150] |= 0xF0
+    bad = raw(codec_id=int4, dims=(301,), body=bytes(body))
+    assert reason(unpack(bad)) == "bad_payload"
+    # a declared size far past the bound, refused before allocation
+    tracemalloc.start()
+    r = unpack(raw(codec_id=int4, dims=(2**40,), body=b""))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert reason(r) == "too_large" and peak < 1 << 20
+    assert reason(unpack(nan_message("int4_hadamard"))) == "not_finite"

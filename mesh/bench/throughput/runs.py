@@ -83,7 +83,7 @@ def _one_window(worker: Any, steps: int, base: int) -> list[dict[str, Any]]:
     the window's start), then a final row written after the worker drained its sends."""
     transport, cell = worker.transport, worker.cell
     sent0 = transport.stats.sent_by_kind()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     rows: list[dict[str, Any]] = []
 
     def sent() -> dict[str, int]:
@@ -98,6 +98,7 @@ def _one_window(worker: Any, steps: int, base: int) -> list[dict[str, Any]]:
                 "replica": w.i,
                 "step": cell.step - base,
                 "time_s": round(time.perf_counter() - t0, 5),
+                "cpu_s": round(time.process_time() - cpu0, 5),  # the process's, all threads
                 "bytes_sent": sent(),
                 "microbatches": st.microbatches,
                 "busy_s": round(st.busy_s, 6),
@@ -127,9 +128,14 @@ def _one_window(worker: Any, steps: int, base: int) -> list[dict[str, Any]]:
 
 
 def _run_windows(
-    cfg: Config, plan: list[tuple[str, Config, int, int]], out: Path, timeout_s: float
+    cfg: Config,
+    plan: list[tuple[str, Config, int, int]],
+    out: Path,
+    timeout_s: float,
+    barrier_timeout_s: float = 300.0,
 ) -> None:
-    """Spawn the grid's cells, run the plan, reap them; RuntimeError if a cell failed."""
+    """Spawn the grid's cells, run the plan, reap them; RuntimeError if a cell failed. Every
+    window runs on the transport of the first one's config (its links' shaping)."""
     from comms.build import local_rendezvous
 
     ctx = mp.get_context("spawn")
@@ -144,7 +150,7 @@ def _run_windows(
                 for j in range(P):
                     p = ctx.Process(
                         target=_bench_cell,
-                        args=(trees, j, i, str(out), options, barrier, 300.0),
+                        args=(trees, j, i, str(out), options, barrier, barrier_timeout_s),
                         name=f"bench-s{j}r{i}",
                     )
                     p.start()

@@ -182,7 +182,7 @@ class Config(_Section):
             )
         parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
         parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
-        from mesh.algo.sentinel import parse_pipeline_poison
+        from mesh.algo.pipeline_poison import parse_pipeline_poison
 
         parse_pipeline_poison(self.runtime.pipeline_poison, g.stages, g.replicas)
         from mesh.algo.robust import ROBUST_MIN_MEMBERS

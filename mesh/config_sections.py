@@ -360,8 +360,8 @@ class RuntimeConfig(_Section):
         description="emulated hostile stages (tests, benchmarks): what a cell does to every "
         "tensor it sends across a pipeline boundary (activations forward, gradients back), "
         '"sJrI=MODE[@STEP]" with MODE scale:F (times F), flip (negated) or random (noise of '
-        "the same RMS), from its update STEP on (default: 2 x sentinel_warmup microbatches, "
-        'once the receivers know it), e.g. ["s0r1=scale:100"] (mesh/algo/sentinel.py)',
+        "the same RMS), from its update STEP on (default: twice the sentinel's warm-up, "
+        'once the receivers know it), e.g. ["s0r1=scale:100"] (mesh/algo/pipeline_poison.py)',
     )
     sentinel: bool = Field(
         True,
@@ -371,7 +371,10 @@ class RuntimeConfig(_Section):
         "counted as rejects 'poison'; the microbatch is skipped along its replica's pipeline",
     )
     sentinel_warmup: int = Field(
-        32, ge=1, description="sentinel: messages of each sender learned before any verdict"
+        32,
+        ge=1,
+        description="sentinel: messages of each sender learned before any verdict (at least "
+        "the learning-rate warm-up: optim.warmup_steps x microbatches per update)",
     )
     sentinel_z: float = Field(
         8.0,

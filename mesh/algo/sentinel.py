@@ -2,10 +2,10 @@
 
 A stage that sends finite garbage (activations or gradients scaled, sign-flipped, or noise)
 passes every wire check. Each receiving stage keeps, per sender and message kind, running
-statistics of three cheap features of every tensor it receives (Sentinel-style, Pluralis,
+statistics of four cheap features of every tensor it receives (Sentinel-style, Pluralis,
 arXiv 2603.03592: running statistics of what crosses a boundary, no recomputation; the
-features are our own). Two of them are keyed by the microbatch's token ids, which the receiver
-knows (every stage reads the same microbatch from the corpus): the input tokens for an
+features are our own). Three of them are keyed by the microbatch's token ids, which the
+receiver knows (every stage reads the same microbatch from the corpus): the input tokens for an
 activation, the targets for a gradient (`token_keys`), through a `TokenTable` per stream.
 
 - `log_rms`: log of the root-mean-square value (a scaled tensor moves it by log(factor));
@@ -13,11 +13,16 @@ activation, the targets for a gradient (`token_keys`), through a `TokenTable` pe
   mix is expected to add (each id's running offset from its messages' mean): the mix and a few
   spiking tokens no longer count, so it is ~3x tighter than log_rms on honest streams;
 - `align`: the mean over tokens of the cosine between a token's vector and the running mean
-  direction of its id's vectors, as a log. A residual stream carries its token (honest ~0.95);
-  the loss pulls the hidden state towards the target's output embedding, and that pull
-  survives back through the later stages (honest gradients ~0.8 with their targets' running
-  directions). A sign flip turns the cosine negative, noise of the same RMS to ~0: far below
-  any honest message. Only a fall is judged (more aligned than usual is what honest looks like).
+  direction of its id's vectors, as a log. A residual stream carries its token; the loss pulls
+  the hidden state towards the target's output embedding, and that pull survives back through
+  the later stages. An activation's rows are centred first (the message's mean row taken out):
+  a residual stream also carries a direction common to all its tokens, which moves as training
+  goes and would otherwise swing every token's cosine at once; what is left is the token's own.
+  A sign flip turns the cosine negative, noise of the same RMS to ~0: far below any honest
+  message. Only a fall is judged (more aligned than usual is what honest looks like);
+- `coherence`: the mean over the tokens whose id occurs more than once in the message of the
+  cosine between the token's vector and its message-mates of the same id, as a log: the same
+  signal without the table (noise falls to ~0 however the table stands; a flip keeps it).
 
 Per message: one pass over the tensor, a projection of each token's vector to SKETCH_DIM
 coordinates when it is wider (a fixed random matrix: cosines survive), and a lookup of its B x T
@@ -30,13 +35,22 @@ deviation for normal data; an honest spike widens it for a while), with a floor 
 side so a steady stream does not make the bound hair-trigger. A message's z-score per feature
 is |x - predicted| / scale.
 
-Verdicts: the first `warmup` messages of a sender are learned and accepted; after that, a
-message with any z-score above `z_max` is dropped. Dropped messages never update the
-statistics, so an attacker cannot drag them, and while a sender is dropped the trend is carried
-on, damped (`trend_steps`); an accepted one is learned with its miss clipped at LEARN_CLIP
-scales (`learn`). A sender is flagged once `flag_drops` of its last `flag_window` verdicts were
-drops (and stays flagged). A sender hostile from its first message defines its own baseline:
-detection needs an honest warm-up, as Sentinel's does.
+Verdicts: the first `warmup` messages of a sender are learned and accepted (the engine makes it
+cover the learning-rate warm-up, `warmup_messages`: the streams move fastest while the rate
+ramps up); after that, a message with any z-score above `z_max` is dropped. An accepted message
+is learned with its miss clipped at LEARN_CLIP scales (`learn`). A dropped one is not learned,
+so an attacker cannot drag the statistics; but once FOLLOW_AFTER messages of a sender in a row
+were dropped, each further dropped one whose directions are its sender's (align and coherence
+within the bound: not a flip, not noise) has its tokens' rows learned and moves the levels of
+log_rms and log_norm towards it by a bounded step plus the dropped run's own drift (`follow`).
+An honest stream the statistics lost (one that drifted on while its messages were dropped) is
+caught up with and let in again, so no honest sender is locked out for good; a flipped or
+noisy stream never moves them; a steady scaled one moves them slowly (a jump: a tenth of the
+step), so it stays dropped for long. The
+trend is carried on damped while a sender is dropped (`trend_steps`). A sender is flagged once
+`flag_drops` of its last `flag_window` verdicts were drops (and stays flagged). A sender
+hostile from its first message defines its own baseline: detection needs an honest warm-up, as
+Sentinel's does.
 
 An all-zero tensor is the pipeline's "void" marker: the sender's stage dropped that microbatch
 (see `is_void`); it is passed on, never judged and never learned.
@@ -53,7 +67,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("log_rms", "log_norm", "align")
+FEATURES = ("log_rms", "log_norm", "align", "coherence")
 # messages: the memory of the EMAs (each a running mean until this many were seen). The mean
 # forgets fast, so it lags little behind an honest drift (the lag of an EMA under a steady drift
 # is the drift per message x (time constant - 1)); the scale remembers longer, so one honest
@@ -63,28 +77,55 @@ SLOPE_TIME_CONSTANT = 16
 SCALE_WINDOW = 32
 # floors of the scale, per message kind and feature, below and above the prediction: a miss
 # under z_max x floor is never a drop. Set from the honest extremes in replays of real boundary
-# tensors (mesh/bench/sentinel_replay.py; tiny models with 32 tokens a microbatch have the
-# noisiest streams), with margin:
-# - activations: norms follow the weights, which move slowly: 0.05 (at z_max 8: factors under
-#   1.5x pass however steady the stream; the largest honest misses, 1.5x, came early in
-#   training, while the recent misses made the scale wider than that);
+# tensors, with margin: the default demo (4x2, 8 blocks of d = 64, 512 tokens a microbatch,
+# six seeds, 1x and 2x replicas) and mesh/bench/sentinel_replay.py's runs (tiny models with 32
+# tokens a microbatch have the noisiest streams):
+# - activations: norms follow the weights, which move slowly once the learning-rate warm-up is
+#   over, but they jump when it peaks: 0.12 (at z_max 8: factors under 2.6x pass however
+#   steady the stream; the demo's honest activations jumped up to 2.3x over the prediction in
+#   the 15 messages after its learning-rate warm-up);
 # - gradients: a gradient's norm follows its microbatch's loss, which spikes up and never falls
-#   far. log_rms: 0.2 below (5x; honest at most 3.4x), 0.6 above (120x; a few tokens of an
-#   honest microbatch spiked it 67x); log_norm: 0.12 below (2.6x; honest at most 1.8x), 0.3
-#   above (11x; honest at most 7.5x, a loss spike at the last boundary);
-# - align: 0.25 below lets an honest message be up to 7x less aligned than predicted (the worst
-#   seen: 4.9x, in that loss spike); noise is ~10x (32 tokens) to 100x (the clamp, ALIGN_MIN)
-#   less, a flip clamped. Never judged above (inf).
+#   far. log_rms: 0.2 below (5x), 0.75 above (400x; a few tokens of an honest microbatch
+#   spiked it 67x); log_norm: 0.12 below (2.6x; honest at most 1.8x), 0.45 above (37x; the
+#   demo's honest loss spikes just after the learning-rate warm-up moved it 20x);
+# - align: 0.35 below lets an honest message be up to 16x less aligned than predicted (the
+#   worst seen: 7x, in a loss spike); coherence: 0.2 (5x). Noise is ~10x (32 tokens) to 1000x
+#   (the clamp, ALIGN_MIN) less aligned, a flip clamped. Never judged above (inf).
 INF = math.inf
 FLOORS = {
-    "activation": {"log_rms": (0.05, 0.05), "log_norm": (0.05, 0.05), "align": (0.25, INF)},
-    "gradient": {"log_rms": (0.2, 0.6), "log_norm": (0.12, 0.3), "align": (0.25, INF)},
+    "activation": {
+        "log_rms": (0.12, 0.12),
+        "log_norm": (0.12, 0.12),
+        "align": (0.35, INF),
+        "coherence": (0.2, INF),
+    },
+    "gradient": {
+        "log_rms": (0.2, 0.75),
+        "log_norm": (0.12, 0.45),
+        "align": (0.35, INF),
+        "coherence": (0.2, INF),
+    },
 }
+# per kind: whether a message's rows are centred (its mean row taken out) before their
+# directions are judged (see align)
+CENTRED = {"activation": True, "gradient": False}
 MAD_TO_STD = 1.25  # the mean absolute deviation of a normal variable is 0.8 sigma
 LEARN_CLIP = 2.0  # scales: an accepted message's miss is learned clipped at this (see learn)
 SKETCH_DIM = 64  # coordinates a token table keeps per token id
 TABLE_TIME_CONSTANT = 32  # a token id's row: a running mean of its first 32 messages, then EMA
-ALIGN_MIN = 0.01  # alignment is clamped here before its log (a cosine <= 0 has no log)
+ALIGN_MIN = 0.001  # alignment is clamped here before its log (a cosine <= 0 has no log)
+DIRECTIONS = ("align", "coherence")  # the features a flip or noise moves; the others: norms
+# a sender dropped this many times in a row is being lost track of (an honest stream drifts on
+# while its statistics stand still) or attacked: from then on, each dropped message whose
+# directions are its sender's moves the levels of log_rms and log_norm towards it (see follow)
+FOLLOW_AFTER = 32
+# log units per message: how far follow moves such a level: FOLLOW_RATE while the miss is within
+# FOLLOW_Z x z_max scales (an honest stream that drifted out of the bound: it is kept at the
+# bound's edge and let in again once it drifts slower than this beyond its trend), a tenth of
+# it further out (a jump, as a scaled stream makes: x4 on an activation at its floor takes
+# ~450 messages to be let in; an honest jump is still caught up with, slowly)
+FOLLOW_RATE = 0.005
+FOLLOW_Z = 1.25
 
 
 @dataclass(frozen=True)
@@ -201,7 +242,25 @@ class Message:
     log_norms: torch.Tensor  # (tokens,)
 
 
-def features(x: torch.Tensor, tokens: torch.Tensor, table: TokenTable) -> Message:
+def coherence(units: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean over the tokens whose id occurs more than once in the message of the cosine between
+    the token's unit vector and the sum of the other same-id vectors; NaN when no id repeats."""
+    present, inverse, per_id = torch.unique(ids, return_inverse=True, return_counts=True)
+    sums = units.new_zeros(len(present), units.shape[1])
+    sums.index_put_((inverse,), units, accumulate=True)
+    repeated = per_id[inverse] > 1
+    if not bool(repeated.any()):
+        return math.nan
+    others = sums[inverse[repeated]] - units[repeated]
+    cos = (units[repeated] * others).sum(1) / others.norm(dim=1).clamp_min(1e-30)
+    return float(cos.mean())
+
+
+def _log_cos(c: float) -> float:
+    return c if math.isnan(c) else math.log(max(c, ALIGN_MIN))
+
+
+def features(x: torch.Tensor, tokens: torch.Tensor, table: TokenTable, kind: str) -> Message:
     """The message's features against `table`. tokens: (B, T) ids of x's (B, T, width) rows
     (token_keys)."""
     flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
@@ -210,12 +269,12 @@ def features(x: torch.Tensor, tokens: torch.Tensor, table: TokenTable) -> Messag
         raise ValueError(f"sentinel: {ids.numel()} token ids for {flat.shape[0]} rows")
     rms = float(flat.square().mean().sqrt())
     log_norms = flat.norm(dim=1).clamp_min(1e-30).log()
-    units = table.units(flat)
-    align = table.alignment(units, ids)
+    units = table.units(flat - flat.mean(0) if CENTRED[kind] else flat)
     values = {
         "log_rms": math.log(max(rms, 1e-30)),
         "log_norm": float(log_norms.mean()) - table.mix_offset(ids),
-        "align": align if math.isnan(align) else math.log(max(align, ALIGN_MIN)),
+        "align": _log_cos(table.alignment(units, ids)),
+        "coherence": _log_cos(coherence(units, ids)),
     }
     return Message(values, ids, units, log_norms)
 
@@ -236,6 +295,8 @@ class SenderStats:
     table: TokenTable | None = None  # per token id: the running direction
     recent: deque[bool] = field(default_factory=deque)  # last verdicts, True = dropped
     since: int = 0  # messages dropped since the last accepted one
+    # per norm feature: its value in the first message of the current run of drops
+    streak: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -285,7 +346,8 @@ def learn(stats: SenderStats, msg: Message, kind: str, clip: float = math.inf) -
     step, so the next ones are not let in more easily; its token rows are kept out of the
     table if its alignment was off by more than that. An honest shift is still followed, a
     bounded step per message."""
-    misaligned = z_scores(stats, msg.values, kind).get("align", 0.0) > clip
+    z = z_scores(stats, msg.values, kind)
+    misaligned = any(z.get(name, 0.0) > clip for name in DIRECTIONS)
     for name in FEATURES:
         x = msg.values[name]
         if math.isnan(x):  # align of a message none of whose ids was seen yet
@@ -313,6 +375,37 @@ def learn(stats: SenderStats, msg: Message, kind: str, clip: float = math.inf) -
     stats.since = 0
 
 
+def follow(stats: SenderStats, msg: Message, kind: str, z_max: float) -> None:
+    """Fold in what a dropped message whose directions are its sender's can safely teach (once
+    FOLLOW_AFTER of them in a row were dropped): its
+    tokens' rows, and a step of each norm feature's level towards it of at most FOLLOW_RATE
+    (a tenth of it when the miss is beyond FOLLOW_Z x z_max scales) plus the drift per message
+    of the dropped run itself away from the prediction (since its first message, `streak`):
+    an honest stream that drifts on while it is dropped is caught up with at FOLLOW_RATE a
+    message however fast it drifts, so an honest sender is not dropped for good; a steady scaled
+    stream does not drift. The scale and the trend are left as they are (the trend goes on
+    damped, see trend_steps)."""
+    for name in FEATURES:
+        x = msg.values[name]
+        if name in DIRECTIONS or name not in stats.mean or math.isnan(x):
+            continue
+        miss = x - predicted(stats, name)
+        near = abs(miss) <= FOLLOW_Z * z_max * scale(stats, name, kind, miss > 0)
+        drift = (x - stats.streak.get(name, x)) / max(1, stats.since)
+        away = max(0.0, drift if miss > 0 else -drift)
+        step = (FOLLOW_RATE if near else FOLLOW_RATE / 10) + away
+        stats.mean[name] += min(max(miss, -step), step)
+    assert stats.table is not None
+    stats.table.learn(msg.units, msg.ids, msg.log_norms)
+
+
+def warmup_messages(warmup: int, lr_warmup_updates: int, per_update: int) -> int:
+    """The messages of each sender learned before any verdict: at least `warmup`, and the whole
+    learning-rate warm-up (`lr_warmup_updates` updates of `per_update` microbatches each): the
+    streams move fastest while the rate ramps up, and a trend learned there does not last."""
+    return max(warmup, lr_warmup_updates * per_update)
+
+
 def judge(
     stats: SenderStats, spec: SentinelSpec, x: torch.Tensor, kind: str, tokens: torch.Tensor
 ) -> Verdict:
@@ -321,7 +414,7 @@ def judge(
     and the flag either way)."""
     if stats.table is None:
         stats.table = TokenTable.empty(x.shape[-1], x.device)
-    msg = features(x, tokens, stats.table)
+    msg = features(x, tokens, stats.table, kind)
     stats.seen += 1
     if stats.accepted < spec.warmup:
         learn(stats, msg, kind)
@@ -332,6 +425,12 @@ def judge(
     while len(stats.recent) > spec.flag_window:
         stats.recent.popleft()
     if drop:
+        if stats.since == 0:
+            stats.streak = {k: v for k, v in msg.values.items() if k not in DIRECTIONS}
+        if stats.since >= FOLLOW_AFTER and all(
+            z.get(name, 0.0) <= spec.z_max for name in DIRECTIONS
+        ):
+            follow(stats, msg, kind, spec.z_max)
         stats.dropped += 1
         stats.since += 1
         stats.flagged = stats.flagged or sum(stats.recent) >= spec.flag_drops
@@ -369,69 +468,3 @@ class Sentinel:
             f"{sender}/{kind}": {"seen": s.seen, "dropped": s.dropped, "flagged": int(s.flagged)}
             for (sender, kind), s in sorted(self.streams.items())
         }
-
-
-# ---- the emulated hostile stage (runtime.pipeline_poison) -------------------------------------
-POISON_MODES = ("scale", "flip", "random")
-
-
-@dataclass(frozen=True)
-class PipelinePoison:
-    """What a hostile cell does to every tensor it sends across a pipeline boundary
-    (activations forward, gradients backward) from update `start` on."""
-
-    mode: str  # scale: times factor; flip: negated; random: noise of the same RMS
-    factor: float = 1.0
-    start: int | None = None  # None: the receivers' warm-up (runtime.sentinel_warmup)
-
-
-def parse_pipeline_poison(
-    items: list[str], stages: int, replicas: int, key: str = "runtime.pipeline_poison"
-) -> dict[tuple[int, int], PipelinePoison]:
-    """["sJrI=MODE[@STEP]", ...] with MODE scale:F | flip | random -> {(stage, replica): ...};
-    ValueError naming the key, the entry and the form when an entry is malformed."""
-    from mesh.algo.topology import Cell as Place
-
-    form = "expected 'sJrI=MODE[@STEP]' with MODE scale:F, flip or random, e.g. 's0r1=scale:100'"
-    out: dict[tuple[int, int], PipelinePoison] = {}
-    for item in items:
-        name, eq, rest = str(item).partition("=")
-        place = Place.parse(name.strip())
-        body, at, start_text = rest.strip().partition("@")
-        mode, colon, arg = body.strip().partition(":")
-        poison: PipelinePoison | None = None
-        try:
-            start = int(start_text) if at else None
-            if start is not None and start < 0:
-                raise ValueError
-            if mode == "scale" and colon:
-                factor = float(arg)
-                if math.isfinite(factor):
-                    poison = PipelinePoison("scale", factor, start)
-            elif mode in ("flip", "random") and not colon:
-                poison = PipelinePoison(mode, 1.0, start)
-        except ValueError:
-            poison = None
-        if place is None or not eq or poison is None:
-            raise ValueError(f"{key} entry {item!r}: {form}")
-        j, i = place.stage, place.replica
-        if not (0 <= j < stages and 0 <= i < replicas):
-            raise ValueError(
-                f"{key} entry {item!r}: cell {place} is not in the {stages}x{replicas} grid"
-            )
-        if (j, i) in out:
-            raise ValueError(f"{key} lists cell {place} twice")
-        out[(j, i)] = poison
-    return out
-
-
-def poisoned(x: torch.Tensor, poison: PipelinePoison, seed: int) -> torch.Tensor:
-    """The tensor a hostile sender sends instead of x (random: seeded noise, the same RMS)."""
-    if poison.mode == "scale":
-        return x * poison.factor
-    if poison.mode == "flip":
-        return -x
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype)
-    rms = x.detach().to(torch.float32).square().mean().sqrt()
-    return noise * (rms / noise.to(torch.float32).square().mean().sqrt()).to(x.dtype)

@@ -28,7 +28,7 @@ def sentinel_state(sentinel: Sentinel) -> list[dict[str, object]]:
     return [
         {"sender": sender, "kind": kind, "seen": s.seen, "accepted": s.accepted,
          "dropped": s.dropped, "flagged": s.flagged, "since": s.since, "mean": dict(s.mean),
-         "slope": dict(s.slope), "learned": dict(s.learned),
+         "slope": dict(s.slope), "learned": dict(s.learned), "streak": dict(s.streak),
          "deviations": {k: list(d) for k, d in s.deviations.items()},
          "recent": list(s.recent), "table": _table_state(s.table)}
         for (sender, kind), s in sorted(sentinel.streams.items())
@@ -90,6 +90,7 @@ def _stats_of(entry: object) -> SenderStats | None:
         and isinstance(entry.get("flagged"), bool)
         and _floats(entry.get("mean"), float)
         and _floats(entry.get("slope"), float)
+        and _floats(entry.get("streak", {}), float)  # absent from older checkpoints
         and _floats(entry.get("learned"), int)
         and isinstance(devs, dict)
         and all(k in FEATURES and isinstance(v, list) for k, v in devs.items())
@@ -106,6 +107,7 @@ def _stats_of(entry: object) -> SenderStats | None:
     return SenderStats(
         seen=seen, accepted=accepted, dropped=dropped, flagged=entry["flagged"],
         mean=dict(entry["mean"]), slope=dict(entry["slope"]), learned=dict(entry["learned"]),
+        streak=dict(entry.get("streak", {})),
         deviations={k: deque(v, maxlen=SCALE_WINDOW) for k, v in devs.items()},
         table=table, recent=deque(recent), since=since,
     )  # fmt: skip

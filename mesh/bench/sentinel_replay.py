@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from mesh.algo.sentinel import Sentinel, SentinelSpec, parse_pipeline_poison, poisoned
+from mesh.algo.pipeline_poison import parse_pipeline_poison, poisoned
+from mesh.algo.sentinel import Sentinel, SentinelSpec
 from mesh.config import Config, load_config
 
 Message = tuple[torch.Tensor, torch.Tensor]  # the tensor and its rows' token ids

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from comms import codecs
-from mesh.algo import robust, sentinel, sparse
+from mesh.algo import pipeline_poison, robust, sentinel, sparse
 from mesh.algo.optim import (
     OptimSpec,
     StageOptimizer,
@@ -107,16 +107,17 @@ class Cell:
         poison = parse_cell_factors(self.cfg.runtime.poison, g.stages, g.replicas, "poison")
         self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
         rt = self.cfg.runtime
-        hostile = sentinel.parse_pipeline_poison(rt.pipeline_poison, g.stages, g.replicas)
+        hostile = pipeline_poison.parse_pipeline_poison(rt.pipeline_poison, g.stages, g.replicas)
         self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
         mpu = microbatches_per_update(self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches)
+        warmup = sentinel.warmup_messages(rt.sentinel_warmup, self.cfg.optim.warmup_steps, mpu)
         # an emulated attack starts once its receivers know the sender (twice their warm-up)
         self.poison_start = 0
         if self.pipeline_poison is not None:
             start = self.pipeline_poison.start
-            self.poison_start = -(-2 * rt.sentinel_warmup // mpu) if start is None else start
+            self.poison_start = -(-2 * warmup // mpu) if start is None else start
         spec = sentinel.SentinelSpec(
-            rt.sentinel_warmup,
+            warmup,
             rt.sentinel_z,
             rt.sentinel_flag_drops,
             max(32, rt.sentinel_flag_drops),
@@ -219,7 +220,7 @@ class Cell:
             return x
         which = int(kind == "gradient")
         seed = sparse.stable_seed(self.cfg.run.seed, self.stage, self.replica, which, microbatch)
-        return sentinel.poisoned(x, hostile, seed)
+        return pipeline_poison.poisoned(x, hostile, seed)
 
     def screen(
         self, sender: str, kind: str, x: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]

@@ -36,6 +36,18 @@ def clean(text_file):
     return run
 
 
+def test_the_default_demo_drops_and_flags_nothing():
+    """The default demo's grid and model (4x2, 8 blocks, 512 tokens a microbatch; seed 0, whose
+    receivers once dropped honest tensors during the learning-rate warm-up and one then locked
+    its sender out), through its learning-rate warm-up and the loss spikes just after: no
+    receiver drops or flags an honest neighbour."""
+    cfg = load_config(
+        [], ["run.seed=0", "run.steps=150", "run.eval_every=1000", "data.val_batches=2"]
+    )
+    run = GridSim(cfg).run()
+    assert run.rejects.get("poison", 0) == 0 and run.flagged == {}
+
+
 @pytest.mark.parametrize(
     ("attack", "receiver", "onset"),
     [

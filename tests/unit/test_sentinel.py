@@ -1,4 +1,5 @@
-"""The pipeline sentinel's pure parts (mesh/algo/sentinel.py) and the pipeline_poison config."""
+"""The pipeline sentinel's pure parts (mesh/algo/sentinel.py) and the pipeline_poison config
+(mesh/algo/pipeline_poison.py)."""
 
 import math
 from collections import deque
@@ -8,15 +9,13 @@ import pytest
 import torch
 
 from mesh.algo import sentinel
+from mesh.algo.pipeline_poison import PipelinePoison, parse_pipeline_poison, poisoned
 from mesh.algo.sentinel import (
     FLOORS,
-    PipelinePoison,
     Sentinel,
     SentinelSpec,
     TokenTable,
     is_void,
-    parse_pipeline_poison,
-    poisoned,
     token_keys,
     trend_steps,
 )
@@ -81,12 +80,8 @@ def test_the_warm_up_accepts_anything_and_learns_it():
     [
         ("scale:100", "activation"),
         ("scale:0.01", "activation"),
-        ("scale:2", "activation"),
-        ("scale:0.5", "activation"),
         ("flip", "activation"),
         ("random", "activation"),
-        ("scale:100", "gradient"),
-        ("scale:0.01", "gradient"),
         ("flip", "gradient"),
         ("random", "gradient"),
     ],
@@ -100,9 +95,30 @@ def test_garbage_after_the_warm_up_is_dropped_and_its_sender_flagged(mode, kind)
     assert s.summary()[f"s0r1/{kind}"] == {"seen": 200, "dropped": 136, "flagged": 1}
 
 
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        ("scale:3", "activation"),
+        ("scale:0.33", "activation"),
+        ("scale:100", "gradient"),
+        ("scale:0.01", "gradient"),
+    ],
+)
+def test_a_scale_near_the_bound_is_dropped_and_flagged_until_followed(mode, kind):
+    """A steady scaled stream within reach of the bound (x3 against an activation's floor; x100
+    against these synthetic gradients, which jitter 0.3 in log norm per message) is dropped and
+    its sender flagged; after FOLLOW_AFTER drops in a row the level follows it by FOLLOW_RATE
+    a message (an honest stream would look the same), so it may be let in later."""
+    (poison,) = parse_pipeline_poison([f"s0r0={mode}"], 1, 1).values()
+    s, out = verdicts(honest_stream(200, kind), kind, poison, onset=64)
+    assert all(out[:64]) and not any(out[64 : 64 + sentinel.FOLLOW_AFTER])
+    assert s.flagged() == ["s0r1"]
+
+
 def test_dropped_messages_do_not_drag_the_statistics():
-    """An attacker that jumps is dropped for as long as it lasts, and after it stops, its
-    honest messages are accepted at the old level."""
+    """An attacker that jumps is dropped for as long as it lasts (its messages move the level
+    by FOLLOW_RATE each at most), and after it stops, its honest messages are accepted at the
+    old level."""
     stream = list(honest_stream(300))
     s = Sentinel(SentinelSpec())
     got = []
@@ -115,6 +131,87 @@ def test_dropped_messages_do_not_drag_the_statistics():
     assert stats.accepted == 64 + 100
     level = math.log(float(stream[-1][0].square().mean().sqrt()))
     assert abs(stats.mean["log_rms"] - level) < 0.5
+
+
+def test_an_honest_level_change_is_caught_up_with_not_locked_out():
+    """A sender whose norms step out of the bound and stay there (what an honest stream looks
+    like to statistics that stopped learning while it drifted) is dropped at first, then let
+    in again once the level followed it: no honest sender is dropped for good."""
+    bound = SentinelSpec().z_max * FLOORS["activation"]["log_rms"][1]
+    factor = math.exp(1.2 * bound)  # a fifth of the bound beyond it
+    s = Sentinel(SentinelSpec())
+    got = [
+        s.check("s0r1", "activation", x * (factor if k >= 64 else 1.0), ids)
+        for k, (x, ids) in enumerate(honest_stream(300))
+    ]
+    assert not any(got[64:66])  # beyond the bound: dropped
+    back = got.index(True, 64)
+    # the gap beyond the bound closes by FOLLOW_RATE a message
+    assert back - 64 <= sentinel.FOLLOW_AFTER + 0.2 * bound / sentinel.FOLLOW_RATE + 8
+    assert got[back:].count(False) <= 3 and all(got[-150:])  # at the edge a while, then in
+
+
+def test_a_stream_that_drifts_on_while_dropped_is_caught_up_with():
+    """Out of the bound and drifting further (0.003 a message): follow's step covers the run's
+    own drift, so the gap still closes by FOLLOW_RATE a message (without it: by 0.002)."""
+    bound = SentinelSpec().z_max * FLOORS["activation"]["log_rms"][1]
+    s = Sentinel(SentinelSpec())
+    got = [
+        s.check("s0r1", "activation", x * math.exp(1.1 * bound + 0.003 * (k - 64)), ids)
+        if k >= 64
+        else s.check("s0r1", "activation", x, ids)
+        for k, (x, ids) in enumerate(honest_stream(300))
+    ]
+    assert not any(got[64:66])
+    back = got.index(True, 64)
+    gap = 0.1 * bound + 0.003 * sentinel.FOLLOW_AFTER  # beyond the bound when follow starts
+    assert back - 64 <= sentinel.FOLLOW_AFTER + gap / sentinel.FOLLOW_RATE + 8
+    assert got[back:].count(False) <= 3 and all(got[-100:])
+
+
+def test_follow_steps_slowly_towards_a_jump_and_faster_near_the_bound():
+    """Beyond FOLLOW_Z x z_max scales a dropped message moves a level a tenth of FOLLOW_RATE:
+    a jump (a scaled stream) stays out long; nearer, FOLLOW_RATE."""
+    s = Sentinel(SentinelSpec())
+    stream = list(honest_stream(65))
+    for x, ids in stream[:64]:
+        assert s.check("s0r1", "activation", x, ids)
+    stats = s.streams[("s0r1", "activation")]
+    x, ids = stream[64]
+    for factor, step in ((100.0, sentinel.FOLLOW_RATE / 10), (1.6, sentinel.FOLLOW_RATE)):
+        msg = sentinel.features(factor * x, ids, stats.table, "activation")
+        before = stats.mean["log_rms"]
+        counts = stats.table.counts.clone()
+        sentinel.follow(stats, msg, "activation", 8.0)
+        assert stats.mean["log_rms"] == pytest.approx(before + step)
+        assert int((stats.table.counts - counts).sum()) == len(ids.unique())
+
+
+@pytest.mark.parametrize("mode", ["flip", "random"])
+def test_a_flip_or_noise_never_moves_the_statistics_however_long_it_lasts(mode):
+    """While a flipped or noisy stream is dropped, its norms (which are honest: a flip keeps
+    them, noise has the same RMS) move nothing, and its directions keep it out for good, even
+    while the sender's honest norms drift."""
+    (poison,) = parse_pipeline_poison([f"s0r0={mode}"], 1, 1).values()
+    for kind in ("activation", "gradient"):
+        s, out = verdicts(honest_stream(600, kind, drift=0.002), kind, poison, onset=64)
+        assert all(out[:64]) and not any(out[64:]), out[64:].count(True)
+
+
+def test_coherence_is_the_cosine_with_same_id_message_mates():
+    units = torch.tensor([[1.0, 0], [0.6, 0.8], [0, 1.0], [1.0, 0]])
+    ids = torch.tensor([3, 3, 5, 7])
+    # id 3's two tokens see each other (cosine 0.6); ids 5 and 7 occur once: left out
+    assert sentinel.coherence(units, ids) == pytest.approx(0.6)
+    assert math.isnan(sentinel.coherence(units[2:], ids[2:]))
+    noisy = torch.tensor([[1.0, 0], [0, 1.0], [1.0, 0], [-1.0, 0]])
+    assert sentinel.coherence(noisy, torch.tensor([1, 1, 2, 2])) == pytest.approx(-0.5)
+
+
+def test_the_warm_up_covers_the_learning_rate_warm_up():
+    assert sentinel.warmup_messages(32, 100, 1) == 100
+    assert sentinel.warmup_messages(32, 10, 4) == 40
+    assert sentinel.warmup_messages(32, 2, 1) == 32
 
 
 def test_flag_needs_repeated_drops_within_the_window():
@@ -176,15 +273,16 @@ def test_a_wide_vector_is_sketched_and_keeps_its_cosines():
 def test_features_see_scale_in_the_norms_and_direction_in_the_alignment():
     table = TokenTable.empty(D, torch.device("cpu"))
     x, ids = next(honest_stream(1))
-    m = sentinel.features(x, ids, table)
+    m = sentinel.features(x, ids, table, "activation")
     table.learn(m.units, m.ids, m.log_norms)
-    base = sentinel.features(x, ids, table).values
-    scaled = sentinel.features(3 * x, ids, table).values
+    base = sentinel.features(x, ids, table, "activation").values
+    scaled = sentinel.features(3 * x, ids, table, "activation").values
     assert scaled["log_rms"] - base["log_rms"] == pytest.approx(math.log(3))
     assert scaled["log_norm"] - base["log_norm"] == pytest.approx(math.log(3))
     # each row is the mean of its id's vectors in this message: close to them, not equal
-    assert scaled["align"] == pytest.approx(base["align"]) and base["align"] > math.log(0.9)
-    flipped = sentinel.features(-x, ids, table).values
+    assert scaled["align"] == pytest.approx(base["align"], abs=1e-5)
+    assert base["align"] > math.log(0.9)
+    flipped = sentinel.features(-x, ids, table, "activation").values
     assert flipped["align"] == pytest.approx(math.log(sentinel.ALIGN_MIN))  # clamped
 
 
@@ -216,7 +314,7 @@ def test_a_message_let_in_near_the_bound_moves_the_statistics_a_bounded_step():
         assert s.check("s0r1", "gradient", x, ids)
     stats = s.streams[("s0r1", "gradient")]
     x, ids = stream[79]
-    msg = sentinel.features(x, ids, stats.table)
+    msg = sentinel.features(x, ids, stats.table, "gradient")
     scale = sentinel.scale(stats, "align", "gradient", above=False)
     guess = sentinel.predicted(stats, "align")
     msg.values["align"] = guess - 7 * scale  # z 7: accepted at z_max 8
@@ -376,7 +474,7 @@ ONSET = 64  # the default onset of runtime.pipeline_poison: twice the warm-up
         ("activation", "scale:100"),
         ("gradient", "flip"),
         ("gradient", "random"),
-        ("gradient", "scale:16"),
+        ("gradient", "scale:100"),
         ("gradient", "scale:0.01"),
     ],
 )

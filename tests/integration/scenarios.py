@@ -201,7 +201,18 @@ def group_mean(t, peer, numel: int = 10_000, codec_list=MEAN_CODECS) -> dict:
             for m in members:
                 if m != peer.name:
                     expected[m] += mean_bytes(group, i, codecs.encode(vals[peer.name], codec))
-    out["average_sent"] = {p: n for (p, k), n in t.stats.bytes_sent.items() if k == "average"}
+    # a frame is counted once its send finished, on the link's sender thread, which may still be
+    # at the last frame when this peer's last round ended (the others' frames end a round, not
+    # ours): wait for the counters to settle, at most the transport's deadline
+    deadline = time.monotonic() + peer.timeout_s
+
+    def sent() -> dict[str, int]:
+        with t.stats.lock:
+            return {p: n for (p, k), n in t.stats.bytes_sent.items() if k == "average"}
+
+    while sent() != dict(expected) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["average_sent"] = sent()
     out["average_received"] = {
         p: n for (p, k), n in t.stats.bytes_received.items() if k == "average"
     }

@@ -116,9 +116,11 @@ def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int
         assert res[victim] == KILLED
     else:  # resumed after the others left (no traceback: checked by run_peers). hivemind: its
         # round fails (no one took its payload: acks). torch: the others' frames of that round
-        # waited for it (a trailing replica's rounds work so), a mean of all three payloads
-        want = "failed" if backend == "hivemind" else "ok"
-        assert res[victim]["resumed"] and res[victim]["status"] == want, res[victim]
+        # waited for it (a trailing replica's rounds work so), a mean of all three payloads, or
+        # of those a survivor finished sending before its close gave up on the frozen peer
+        # (close_timeout_s: on a loaded box a frame can still be in its socket then)
+        want = {"failed"} if backend == "hivemind" else {"ok", "partial"}
+        assert res[victim]["resumed"] and res[victim]["status"] in want, res[victim]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

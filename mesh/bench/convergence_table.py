@@ -363,7 +363,9 @@ def _candidates(dp: dict[str, dict[int, float]], out: Path) -> list[str]:
         "",
         "Candidates against the staleness, tuned on the tuning seeds and measured on this "
         "study's seeds ([candidates.md](candidates.md)), paired by seed, mean +- SE [95% t "
-        "interval]:",
+        "interval]. A candidate changes the asynchronous arm alone: FullSync keeps its tuned "
+        "AdamW, so an optimizer candidate's gap to FullSync is not the headline's like for like "
+        "(the same optimizer in FullSync is not measured here):",
         "",
         *lines,
     ]

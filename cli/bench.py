@@ -7,46 +7,12 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from cli.options import config_options, resolve_config, user_errors
+from cli.options import config_options, parse_seeds, resolve_config, study_options, user_errors
 from mesh.config import ConfigError, load_config
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def study_options(name: str, quick_help: str) -> Callable[[F], F]:
-    """The options of a simulator study: the config, --quick, --out results/NAME, --workers."""
-
-    def wrap(f: F) -> F:
-        f = click.option(
-            "--workers", type=int, default=2, help="Runs in parallel (one core each)."
-        )(f)
-        f = click.option("--out", type=click.Path(file_okay=False), default=f"results/{name}")(f)
-        f = click.option("--quick", is_flag=True, help=quick_help)(f)
-        return config_options(f)
-
-    return wrap
-
-
-def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
-    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12; or another option's
-    integers, --stages 4,8) as a sorted list without repeats (None: the study's default)."""
-    if not seeds:
-        return None
-    out: set[int] = set()
-    try:
-        for part in seeds.split(","):
-            lo, sep, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi) if sep else int(lo)
-            if first < 0 or last < first:
-                raise ValueError
-            out.update(range(first, last + 1))
-    except ValueError:
-        raise ConfigError(f"{option} {seeds}: expected integers >= 0 like 0,1 or 10-17") from None
-    return sorted(out)
 
 
 @click.group()

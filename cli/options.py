@@ -1,5 +1,6 @@
-"""What every command shares: config options (--config, --set), their resolution, and the
-decorator that turns our user errors into one line and exit code 2, never a traceback.
+"""What every command shares: config options (--config, --set), their resolution, the
+decorator that turns our user errors into one line and exit code 2, never a traceback, and the
+studies' options (--quick, --out, --workers, --seeds).
 
 imports: click, mesh.config, mesh.errors (light: no torch, no hivemind).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -83,3 +84,38 @@ def run_options(key_help: str = KEY_HELP) -> Callable[[Callable[..., Any]], Call
         )(fn)
 
     return wrap
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def study_options(name: str, quick_help: str) -> Callable[[F], F]:
+    """The options of a simulator study: the config, --quick, --out results/NAME, --workers."""
+
+    def wrap(f: F) -> F:
+        f = click.option(
+            "--workers", type=int, default=2, help="Runs in parallel (one core each)."
+        )(f)
+        f = click.option("--out", type=click.Path(file_okay=False), default=f"results/{name}")(f)
+        f = click.option("--quick", is_flag=True, help=quick_help)(f)
+        return config_options(f)
+
+    return wrap
+
+
+def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:
+    """--seeds 0,1,2 or 10-17 (ranges inclusive, mixed: 0,10-12; or another option's
+    integers, --stages 4,8) as a sorted list without repeats (None: the study's default)."""
+    if not seeds:
+        return None
+    out: set[int] = set()
+    try:
+        for part in seeds.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            out.update(range(first, last + 1))
+    except ValueError:
+        raise ConfigError(f"{option} {seeds}: expected integers >= 0 like 0,1 or 10-17") from None
+    return sorted(out)

@@ -100,9 +100,8 @@ class PipelineConfig(_Section):
     )
     codec: Literal[choices.PIPELINE_CODECS] = Field(
         "bf16",
-        description="codec of activations and their gradients between stages (comms/codecs.py); "
-        "int4_hadamard: 4 bits a value with a Hadamard rotation per block of 128 (0.53 bytes a "
-        "value; docs/boundaries.md for its measured loss)",
+        description="codec of activations and their gradients between stages; int4_hadamard: "
+        "4 bits a value, Hadamard-rotated blocks of 128 (docs/boundaries.md)",
     )
     window: Literal["none", "auto"] | list[int] = Field(
         "none",
@@ -310,17 +309,15 @@ class RunConfig(_Section):
 
 class RuntimeConfig(_Section):
     backend: Literal[choices.BACKENDS] = Field(
-        "torch", description="torch.distributed (gloo/NCCL) in a cluster, hivemind over a WAN"
+        "torch", description="torch.distributed (gloo) in a cluster, hivemind over a WAN"
     )
     timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
     round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
     host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
     dht_mode: Literal["server", "client"] = Field(
         "server",
-        description="hivemind: client = use the DHT without serving it (stores nothing, answers "
-        "no DHT request; still dialed directly, unlike join --client-mode, which also relays). "
-        "For the peers of a large grid beside a few `meshtrain dht` servers: 32 DHT servers on "
-        "one 2-core box took it whole and answered partial reads (results/scale)",
+        description="hivemind: client = use the DHT without serving it (still dialed directly); "
+        "for a large grid's peers beside a few `meshtrain dht` servers (results/scale)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where a cell computes: auto = cuda when present, else cpu"
@@ -334,11 +331,9 @@ class RuntimeConfig(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="simulate on torch: how many times a run starts a replica again after "
-        "one of its cells died (a signal, or out of memory), from the newest step all its cells "
-        "saved, while the other replicas train on; past that the grid stops, saved and "
-        "resumable; on hivemind a dead cell's replica waits for a restart or a join "
-        "(runtime.rejoin_timeout_s)",
+        description="simulate on torch: how many times a replica starts again from its newest "
+        "common step after a cell died, the others training on; past that the grid stops, "
+        "saved and resumable (hivemind: runtime.rejoin_timeout_s)",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
@@ -357,18 +352,15 @@ class RuntimeConfig(_Section):
     )
     pipeline_poison: list[str] = Field(
         [],
-        description="emulated hostile stages (tests, benchmarks): what a cell does to every "
-        "tensor it sends across a pipeline boundary (activations forward, gradients back), "
-        '"sJrI=MODE[@STEP]" with MODE scale:F (times F), flip (negated) or random (noise of '
-        "the same RMS), from its update STEP on (default: twice the sentinel's warm-up, "
-        'once the receivers know it), e.g. ["s0r1=scale:100"] (mesh/algo/pipeline_poison.py)',
+        description="emulated hostile stages (tests, benchmarks): what a cell does to what it "
+        'sends across a boundary, "sJrI=MODE[@STEP]", MODE scale:F, flip or random (same RMS), '
+        "from update STEP (default: twice the sentinel's warm-up; mesh/algo/pipeline_poison.py)",
     )
     sentinel: bool = Field(
         True,
         description="each stage keeps running statistics of what each neighbour sends it "
-        "(its norms, and each token's direction against the running one of its token id: "
-        "the input token forward, the target back) and drops a microbatch far outside them, "
-        "counted as rejects 'poison'; the microbatch is skipped along its replica's pipeline",
+        "(norms, each token's direction against its token id's) and drops a microbatch far "
+        "outside them (rejects 'poison'; skipped along its replica's pipeline)",
     )
     sentinel_warmup: int = Field(
         32,
@@ -421,11 +413,9 @@ class RuntimeConfig(_Section):
     )
     link_shared: Literal["none", "pipeline", "all"] = Field(
         "none",
-        description="which of a cell's outgoing links share one uplink of the profile's "
-        "bandwidth, as a home or office uplink carries every destination's bytes (each link "
-        "keeps its latency): none: each link has its own; pipeline: the activations on and "
-        "the gradients back (a middle stage's two frames a microbatch queue on one wire); "
-        "all: the averaging rounds too",
+        description="a cell's outgoing links that share one uplink of the profile's bandwidth "
+        "(latency stays per link): none; pipeline (activations on, gradients back); all (and "
+        "the averaging rounds)",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",

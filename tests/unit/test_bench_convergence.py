@@ -172,7 +172,7 @@ def test_a_narrow_asyncsparta_margin_points_at_the_orderings_at_another_tau(tmp_
 
 
 def test_seeds_options_take_lists_and_ranges_and_refuse_the_rest():
-    from cli.bench import parse_seeds
+    from cli.options import parse_seeds
     from mesh.config import ConfigError
 
     assert parse_seeds(None) is None and parse_seeds("") is None

@@ -142,7 +142,10 @@ def test_ctrl_c_stops_a_logical_run_saved_and_resume_finishes_it(tmp_path, text_
     from mesh.bench.join_procs import meshtrain, wait_for
 
     run = tmp_path / "run"
-    sets = [f"--set={s}" for s in [*SETS, f"data.path='{text_file}'"]]
+    # the default sentinel bound: at 0.5 a cell's every microbatch can be dropped from the start
+    # (1 run in 5), so it never reaches the checkpoint this test waits for
+    sets = [s for s in SETS if not s.startswith("runtime.sentinel_z=")]
+    sets = [f"--set={s}" for s in [*sets, f"data.path='{text_file}'"]]
     proc = meshtrain("simulate", "--backend", "logical", "--steps", "100000", "--out", str(run),
                      *sets, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
     try:

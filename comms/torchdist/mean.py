@@ -68,6 +68,9 @@ class MeanGroup:
     open: dict[int, MeanRound] = field(default_factory=dict)
     early: dict[int, dict[str, Message]] = field(default_factory=dict)  # not started here yet
     early_bytes: int = 0
+    # frames refused on arrival (crc, finiteness) for rounds not started here yet: member ->
+    # reason, so the round, once started, counts them refused rather than waits for them
+    refused: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
 class MeanRound:
@@ -257,6 +260,11 @@ class GroupMeans:
                 self._drop_early(g, rid, "late")
             for member, msg in self._pop_early(g, round_id).items():
                 self._take_frame(r, member, msg)
+            for rid in [x for x in g.refused if x < round_id]:
+                del g.refused[rid]
+            for member, reason in g.refused.pop(round_id, {}).items():
+                if member not in r.got:
+                    r.gone.setdefault(member, f"rejected: {reason}")
             for member in g.members:
                 if member != self.me and member not in r.got:
                     why = self._link_lost(member)
@@ -326,6 +334,11 @@ class GroupMeans:
             return
         with self._mean_cond:
             r = g.open.get(parsed[1])
+            if r is None and parsed[1] > g.launched:  # its round has not started here yet
+                g.refused.setdefault(parsed[1], {}).setdefault(sender, reason)
+                while len(g.refused) > EARLY_ROUNDS:
+                    g.refused.pop(min(g.refused))
+                return
             if r is not None and sender not in r.got and sender not in r.gone:
                 r.gone[sender] = f"rejected: {reason}"
                 if r.gathered():

@@ -171,7 +171,10 @@ class PeerDHT(hivemind.DHT):
         # (uv)loop objects must not be touched from outside their loop thread.
         node = getattr(self, "_node", None)
         if node is None:
-            return  # our parent died while we were starting: nothing of ours is up yet
+            # our parent died while we were starting: p2pd may be up already, its socket files
+            # named after us (P2P._UNIX_SOCKET_PREFIX), before the node that knows it is
+            _stop_own_daemons()
+            return
         p2p = node.p2p
         with contextlib.suppress(ProcessLookupError):
             os.kill(p2p._child.pid, signal.SIGTERM)
@@ -192,13 +195,15 @@ def _stop_own_daemons() -> None:
     """Stop any p2pd this process started and remove the socket files named after it."""
     me = os.getpid()
     for pid in _p2pd_children(me):
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(40):  # reap it: no zombie outlives us
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        # gone already, or reaped by the event loop's child watcher: nothing left to do
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(40):  # reap it: no zombie outlives us
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
     for path in Path("/tmp").glob(f"hivemind-{me}-*"):
         path.unlink(missing_ok=True)
 

@@ -221,6 +221,18 @@ def group_mean(t, peer, numel: int = 10_000, codec_list=MEAN_CODECS) -> dict:
     return out
 
 
+def link_end(t, other: str, wait_s: float) -> str:
+    """How a receive from `other` of a message it never sends ends: "lost" (its link is
+    known gone), "timeout" (the deadline passed) or "no" (something arrived)."""
+    try:
+        t.recv(other, "never", Expect(), wait_s)
+    except PeerLost:
+        return "lost"
+    except PeerTimeout:
+        return "timeout"
+    return "no"
+
+
 def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
     """names[0] misbehaves, names[1] receives: a NaN payload, a garbage frame, a pickle blob, a
     wrong shape, a NaN mean contribution and finally a 2^40-byte declared length. Everything is
@@ -271,13 +283,7 @@ def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
     got["mean1"] = r1.status.value
     ref1 = reference_mean([good[m] for m in members])
     got["mean1_ok"] = r1.mean is not None and bool(torch.equal(r1.mean, ref1))
-    try:
-        t.recv(a, "never", Expect(), wait)
-        got["cut_off"] = "no"
-    except PeerLost:
-        got["cut_off"] = "lost"
-    except PeerTimeout:
-        got["cut_off"] = "timeout"
+    got["cut_off"] = link_end(t, a, wait)
     t.send(a, "after", Kind.ACTIVATION, codecs.encode(x, "fp32"), 9).wait(wait)
     got["rejects"] = dict(t.stats.rejects)
     return got

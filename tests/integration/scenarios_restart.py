@@ -12,10 +12,10 @@ import time
 
 import torch
 from harness import RESPAWN
-from scenarios import ROUND_WAIT_S, digest, reference_mean, tensor
+from scenarios import ROUND_WAIT_S, digest, link_end, reference_mean, tensor
 
 from comms import codecs
-from comms.errors import PeerLost, PeerTimeout
+from comms.errors import PeerLost
 from comms.wire import Expect, Kind
 
 
@@ -49,13 +49,7 @@ def rejoin(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3") -
     if peer.life == 1:
         out["before"] = mean(0, members)
         peer.checkpoint("before_kill")  # the victim is killed here
-        try:
-            t.recv(victim, "never", Expect(), ROUND_WAIT_S)
-            out["victim_gone"] = "no"
-        except PeerLost:
-            out["victim_gone"] = "lost"
-        except PeerTimeout:
-            out["victim_gone"] = "timeout"
+        out["victim_gone"] = link_end(t, victim, ROUND_WAIT_S)
         out["meanwhile"] = [mean(r, survivors) for r in (1, 2)]
         other = next(s for s in survivors if s != peer.name)
         h = t.send(other, f"mid/{peer.name}", Kind.ACTIVATION, enc, 1)

@@ -61,6 +61,11 @@ class Rounds:
         # (time, index) at each launch opportunity: this cell's pace and its partners'
         self._own_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
         self._seen_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
+        # the partners' pace is counted in the rounds they launch, not in how far the newest
+        # index moved: a trailer that jumps moves it as fast as the leader does, and a leader
+        # that read that as a partner keeping up would never bound its lead, so the trailer
+        # would keep jumping (a 3x slower replica met a third of its rounds so, 1 run in 3)
+        self._seen_newest, self._seen_launches = -1, 0
 
     def drop_rounds(self, old_step: int) -> None:
         """After the cell's state was replaced (it was at old_step): rounds launched on the old
@@ -104,11 +109,14 @@ class Rounds:
 
     def _lead(self, own_index: int, newest: int) -> int | None:
         """How far past its partners' newest round this cell may launch (round_clock.lead_limit),
-        from the paces of its own count and of the newest round seen."""
+        from the paces of its own count and of the partners' launches (each newer round seen
+        counts one: never more than they launched, and a jump counts one)."""
         now = time.monotonic()
         self._own_pace.append((now, own_index))
+        if newest > self._seen_newest:  # a partner launched (one or more rounds) since
+            self._seen_newest, self._seen_launches = newest, self._seen_launches + 1
         if newest >= 0:
-            self._seen_pace.append((now, newest))
+            self._seen_pace.append((now, self._seen_launches))
         own = round_clock.pace(list(self._own_pace))
         if own is None or own <= 0:
             return None

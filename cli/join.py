@@ -344,17 +344,17 @@ def run_join(
         reads = RUN_READS if cfg_local is None else 2
         rec = read_run_record(Registry(scout, None, 1.0), reads, run_key)
         cfg = config_of_record(rec, cfg_local, sets, run_key)
-        cfg = with_overrides(cfg, {"runtime.backend": "hivemind"})
+        cfg = with_overrides(cfg, {"transport.backend": "hivemind"})
         check_extras(cfg)  # before a claim: a missing package is one line here
         data = None
-        if cfg.runtime.compute == "real":  # before a claim: a bad data path is one line here
+        if cfg.emulation.compute == "real":  # before a claim: a bad data path is one line here
             run_data = rec.data if rec is not None else None
             data = run_record_data(check_data(cfg, verify_data, run_data).manifest)
         check_reach(scout, initial_peers, announce_maddrs, client_mode, skip_reach_check)
         if not run_key:  # said once, before the claim: the user can still stop and add one
             click.echo(OPEN_RUN_WARNING, err=True)
         auth = Auth.of(run_key, cfg.fingerprint())
-        registry = Registry(scout, auth, cfg.runtime.heartbeat_s)
+        registry = Registry(scout, auth, cfg.elastic.heartbeat_s)
         if registry.run(run_key) is None:
             registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data))
         if stage is not None and not 0 <= stage < cfg.grid.stages:

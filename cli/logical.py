@@ -1,7 +1,7 @@
 """`meshtrain simulate --backend logical`: the whole grid in one process (mesh/engine/sim.py).
 
 With --out its run directory is like the cell processes' (config.toml, a checkpoint of every
-cell every runtime.checkpoint_every updates and at the end, summary.json), so export, generate
+cell every checkpoint.every updates and at the end, summary.json), so export, generate
 and the dashboard read it, and `--resume DIR` continues it: every cell from the newest step all
 of them saved, with the simulator's own state saved beside each checkpoint (its rounds in
 flight, sentinel statistics and counters: mesh/engine/sim_state.py), so a resumed run ends with
@@ -63,7 +63,7 @@ def simulate_logical(
 
     def on_step(step: int, loss: float) -> None:
         bar.goto(step, loss)
-        every = cfg.runtime.checkpoint_every
+        every = cfg.checkpoint.every
         if out is not None and every and step % every == 0:
             save_grid(sim, cfg, out)
         if stop is not None and stop.signal_name is not None:

@@ -77,7 +77,7 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
     type=click.Choice(["torch", "hivemind", "logical"]),
     default=None,
     help="torch/hivemind: every cell its own process talking over that transport on "
-    "127.0.0.1 (default: runtime.backend, torch); logical: the whole grid in one process on "
+    "127.0.0.1 (default: transport.backend, torch); logical: the whole grid in one process on "
     "a logical clock (exact, fast; for studies).",
 )
 @click.option(
@@ -123,7 +123,7 @@ def simulate(
 
         # a logical run's checkpoints hold the simulator's state: it continues on that backend
         backend = "logical" if is_logical_run(Path(resume)) else None
-    backend = backend or cfg.runtime.backend
+    backend = backend or cfg.transport.backend
     # heavy imports after the config is known to be valid: a typo answers at once
     from mesh.methods import METHODS, apply_method
 

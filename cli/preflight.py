@@ -4,7 +4,7 @@ costs the user one line and exit 2 within seconds, not eight tracebacks after tw
 - the data: the corpus loads (path exists, UTF-8, long enough; a prepared dataset's manifest
   and shard sizes, and with --verify-data its shards' hashes), it is the run's (data.digest),
   and its tokens fit the vocabulary;
-- the machine: runtime.host can be bound, runtime.device = cuda has a GPU;
+- the machine: transport.host can be bound, runtime.device = cuda has a GPU;
 - a resume: the directory is a run, the new config changes nothing that the updates so far
   depend on, and every cell has an intact checkpoint at a common step (newer damaged files are
   passed over, and the user is told).
@@ -72,8 +72,8 @@ def check_extras(cfg: Config) -> None:
     """The optional packages the config's features need are installed (else one line, exit 2,
     before any cell starts): metrics exporters and 8-bit optimizer states."""
     wanted = [  # (module, the setting that needs it, whether it is on)
-        ("tensorboard", "runtime.tensorboard", cfg.runtime.tensorboard),
-        ("prometheus_client", "runtime.prometheus_port", bool(cfg.runtime.prometheus_port)),
+        ("tensorboard", "metrics.tensorboard", cfg.metrics.tensorboard),
+        ("prometheus_client", "metrics.prometheus_port", bool(cfg.metrics.prometheus_port)),
         ("bitsandbytes", "optim.state_8bit", cfg.optim.state_8bit),
     ]
     for module, key, on in wanted:
@@ -87,17 +87,17 @@ def check_machine(cfg: Config) -> None:
             f"dp.noise_codec = {cfg.dp.noise_codec!r} is a study instrument of the simulator; "
             "set it to 'none', or run on one process (`simulate --backend logical`)"
         )
-    host = cfg.runtime.host
+    host = cfg.transport.host
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
     except OSError as e:
         raise ConfigError(
-            f"runtime.host = {host!r}: cannot listen there ({e.strerror or e}); use an address "
+            f"transport.host = {host!r}: cannot listen there ({e.strerror or e}); use an address "
             "of this machine, e.g. 127.0.0.1"
         ) from None
     check_extras(cfg)
-    if cfg.runtime.device == "cuda" and cfg.runtime.compute == "real":
+    if cfg.runtime.device == "cuda" and cfg.emulation.compute == "real":
         import torch
 
         if not torch.cuda.is_available():
@@ -116,7 +116,7 @@ def resume_config(
     if not any(ckpts.glob("*/step-*.pt")):
         raise ConfigError(
             f"--resume {run_dir}: not a run directory (no checkpoints under {ckpts}); a run "
-            "saves every runtime.checkpoint_every updates and on a clean stop"
+            "saves every checkpoint.every updates and on a clean stop"
         )
     stored = load_config([toml])
     new = load_config([toml, *config_files], overrides)

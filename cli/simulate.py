@@ -32,13 +32,13 @@ def simulate_processes(
 ) -> None:
     """Check everything a cell would trip over, then run the grid as processes; one line and
     exit 2 for a user error (here or in a cell), the summary table otherwise."""
-    cfg = with_overrides(cfg, {"runtime.backend": backend})
+    cfg = with_overrides(cfg, {"transport.backend": backend})
     # resolved here, so a --resume runs the same schedule (and fingerprint): the in-flight window
     # and the lr / lambda horizon (a resume that extends run.steps keeps the one it started with)
     cfg = resolve_window(cfg)
     if cfg.run.schedule_steps is None:
         cfg = with_overrides(cfg, {"run.schedule_steps": cfg.run.steps})
-    corpus = None if cfg.runtime.compute == "emulated" else check_data(cfg, verify_data)
+    corpus = None if cfg.emulation.compute == "emulated" else check_data(cfg, verify_data)
     check_machine(cfg)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     created = not out.exists()
@@ -203,7 +203,9 @@ def plot_run(cfg: Config, out: Path) -> None:
         val = [(r["tokens"], r["val_loss"]) for r in read_val(out) if r["replica"] == i]
         curves[f"replica {i} validation"] = val
         styles[f"replica {i} validation"] = {"marker": "o", "linewidth": 2, "color": f"C{i}"}
-    title = f"{cfg.grid.stages}x{cfg.grid.replicas} {cfg.pipeline.schedule}, {cfg.runtime.backend}"
+    title = (
+        f"{cfg.grid.stages}x{cfg.grid.replicas} {cfg.pipeline.schedule}, {cfg.transport.backend}"
+    )
     plot_curves(curves, out / "loss.png", "tokens (all replicas)", "loss (nats/token)", title,
                 styles=styles)  # fmt: skip
 

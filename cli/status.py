@@ -124,7 +124,7 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
         "rejects": stats.get("rejects"),
         # heartbeats of this cell the DHT did not take: a persistent failure expires its claim
         "beat_errors": stats.get("beat_errors", 0),
-        # neighbours whose pipeline tensors this cell's sentinel flagged (runtime.sentinel)
+        # neighbours whose pipeline tensors this cell's sentinel flagged (sentinel.enabled)
         "flagged": stats.get("flagged", []),
         "loss": stats.get("loss"),
         "bytes_sent": stats.get("bytes"),
@@ -150,7 +150,7 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
     rows = status_rows(Registry(directory, auth, READ_TIMEOUT_S / 2), cfg, key)
     rows["run"] = None if rec is None else {"fingerprint": rec.fingerprint}
     if cfg is not None:
-        rows["run"].update(heartbeat_s=cfg.runtime.heartbeat_s, steps=cfg.run.steps)
+        rows["run"].update(heartbeat_s=cfg.elastic.heartbeat_s, steps=cfg.run.steps)
         rows["tokens_per_step"] = tokens_per_step(cfg)  # per replica: the loss curves' x
     return rows
 

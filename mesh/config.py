@@ -7,7 +7,6 @@ exits 2. Imports: pydantic, tomllib (no comms, no cli).
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
@@ -18,6 +17,19 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError, model_validator
 
+from mesh.config_keys import REMOVED_KEYS, is_removed, move_old_keys, moved_to, suggest_key
+from mesh.config_local import (  # noqa: F401 - the sections are part of this module's API
+    LOCAL_SECTIONS,
+    MOVED_KEYS,
+    CheckpointConfig,
+    ElasticConfig,
+    EmulationConfig,
+    FaultsConfig,
+    MetricsConfig,
+    RuntimeConfig,
+    SentinelConfig,
+    TransportConfig,
+)
 from mesh.config_sections import (  # noqa: F401 - the sections are part of this module's API
     HASHED_AWAY_AT,
     LATER_KEYS,
@@ -30,7 +42,6 @@ from mesh.config_sections import (  # noqa: F401 - the sections are part of this
     OptimConfig,
     PipelineConfig,
     RunConfig,
-    RuntimeConfig,
     _Section,
 )
 
@@ -58,9 +69,9 @@ def _check_arch(m: ModelConfig) -> None:
 
 
 def parse_slowdowns(items: list[str], stages: int, replicas: int) -> dict[tuple[int, int], float]:
-    """runtime.slowdowns ["s2r0=2.0", ...] -> {(stage, replica): factor}; ValueError naming
+    """emulation.slowdowns ["s2r0=2.0", ...] -> {(stage, replica): factor}; ValueError naming
     the key and the entry when a cell is not in the grid, repeated, or a factor is not > 0."""
-    return parse_cell_factors(items, stages, replicas, "runtime.slowdowns", positive=True)
+    return parse_cell_factors(items, stages, replicas, "emulation.slowdowns", positive=True)
 
 
 def parse_cell_factors(
@@ -105,6 +116,14 @@ class Config(_Section):
     dp: DPConfig = DPConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
+    # each peer's own (mesh/config_local.py): outside the fingerprint
+    transport: TransportConfig = TransportConfig()
+    elastic: ElasticConfig = ElasticConfig()
+    emulation: EmulationConfig = EmulationConfig()
+    faults: FaultsConfig = FaultsConfig()
+    sentinel: SentinelConfig = SentinelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="before")
@@ -180,11 +199,11 @@ class Config(_Section):
                 f"dp.subset_block = {self.dp.subset_block} needs dp.selector = 'partition' and "
                 "dp.index_map = 'keyed'; set those or dp.subset_block=1"
             )
-        parse_slowdowns(self.runtime.slowdowns, g.stages, g.replicas)
-        parse_cell_factors(self.runtime.poison, g.stages, g.replicas, "runtime.poison")
+        parse_slowdowns(self.emulation.slowdowns, g.stages, g.replicas)
+        parse_cell_factors(self.faults.poison, g.stages, g.replicas, "faults.poison")
         from mesh.algo.pipeline_poison import parse_pipeline_poison
 
-        parse_pipeline_poison(self.runtime.pipeline_poison, g.stages, g.replicas)
+        parse_pipeline_poison(self.faults.pipeline_poison, g.stages, g.replicas)
         from mesh.algo.robust import ROBUST_MIN_MEMBERS
 
         if self.dp.aggregate != "mean" and g.replicas < ROBUST_MIN_MEMBERS:
@@ -250,7 +269,8 @@ class Config(_Section):
         d["run"] = run
         # the digest says what a peer's data holds, not its path (None: hash as before the key)
         del d["data"]["digest" if self.data.digest is None else "path"]
-        del d["runtime"]  # how this peer connects is its own business
+        for section in LOCAL_SECTIONS:  # how this peer connects, saves, ... is its own business
+            del d[section]
         del d["model"]["init_from"]  # a path: init_digest says what the weights are
         if self.dp.codec == "fp32":  # lossless: the feedback changes no number, so no run
             d["dp"]["payload_error_feedback"] = HASHED_AWAY_AT[("dp", "payload_error_feedback")]
@@ -322,76 +342,12 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-# the names other trainers use for our keys' leaves: matched before edit distance, which would
-# turn optim.learning_rate into optim.warmup_steps' neighbours rather than optim.lr
-SYNONYMS = {
-    "learning_rate": "lr",
-    "lr_rate": "lr",
-    "momentum": "beta1",
-    "wd": "weight_decay",
-    "clip": "grad_clip",
-    "max_grad_norm": "grad_clip",
-    "warmup": "warmup_steps",
-    "layers": "n_layers",
-    "num_layers": "n_layers",
-    "num_hidden_layers": "n_layers",
-    "hidden_size": "d_model",
-    "num_heads": "n_heads",
-    "num_attention_heads": "n_heads",
-    "context_length": "seq_len",
-    "block_size": "seq_len",
-    "max_seq_len": "seq_len",
-    "batch_size": "microbatch_size",
-    "max_steps": "steps",
-    "num_steps": "steps",
-    "iterations": "steps",
-    "pipeline_stages": "stages",
-    "pp": "stages",
-    "dp": "replicas",
-    "data_parallel": "replicas",
-}
-
-
-def suggest_key(key: str, known: list[str]) -> str | None:
-    """The known key a mistyped one most likely means: a synonym of its leaf in the same
-    section, then the same leaf (or synonym) in another section, then the closest spelling."""
-    *parents, leaf = key.split(".")
-    section = ".".join(parents)
-    for name in (SYNONYMS.get(leaf.lower(), leaf.lower()), leaf.lower()):
-        if f"{section}.{name}" in known:
-            return f"{section}.{name}"
-        elsewhere = [k for k in known if k.rsplit(".", 1)[-1] == name]
-        if len(elsewhere) == 1:
-            return elsewhere[0]
-    hint = difflib.get_close_matches(key, known, n=1)
-    return hint[0] if hint else None
-
-
-# keys that no longer exist: key -> (the value that is what every run now does, why). A config
-# that spells out that value (every run's config.toml written while the key existed does) still
-# loads; any other value is a ConfigError, since the run would not do what it asks.
-REMOVED_KEYS = {
-    "runtime.mean_path": (
-        "direct",
-        "removed (issue 16): hivemind's averager path is gone and averaging rounds always take "
-        "the direct all-gather on the peers' streams; delete the key",
-    ),
-}
-
-
-def _removed(key: str, value: Any, origin: str) -> bool:
-    """Whether `key` is a removed key (to be left out of the tree); ConfigError if its value
-    asks for what was removed."""
-    if key not in REMOVED_KEYS:
-        return False
-    kept, why = REMOVED_KEYS[key]
-    if value != kept:
-        raise ConfigError(f"{key} = {value!r}: {why} (from {origin})")
-    return True
-
-
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, origin: str) -> None:
-    if _removed(key, value, origin):
+    if is_removed(key, value, origin):
+        return
+    if key in MOVED_KEYS:
+        for new in moved_to(key, origin):
+            _set_dotted(tree, new, value, origin)
         return
     known = _known_keys(Config)
     if key not in known:
@@ -451,8 +407,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     for key in REMOVED_KEYS:  # a tree from an older peer or file
         section, leaf = key.split(".")
         node = tree.get(section)
-        if isinstance(node, dict) and leaf in node and _removed(key, node[leaf], "config"):
+        if isinstance(node, dict) and leaf in node and is_removed(key, node[leaf], "config"):
             tree = {**tree, section: {k: v for k, v in node.items() if k != leaf}}
+    tree = move_old_keys(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -108,7 +108,7 @@ class PipelineConfig(_Section):
         description="async only: extra warm-up forwards per stage so a latent link never starves "
         "the pipeline (design 4); each adds one step of staleness (stage j's forward of "
         "microbatch b reads version b-(P-1-j)-window[j]). 'auto': sized at launch from the "
-        "round trip (runtime.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
+        "round trip (transport.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )
 
     boundary: Literal[choices.BOUNDARIES] = Field(
@@ -307,150 +307,6 @@ class RunConfig(_Section):
     threads: int = Field(1, ge=1, description="torch threads per process")
 
 
-class RuntimeConfig(_Section):
-    backend: Literal[choices.BACKENDS] = Field(
-        "torch", description="torch.distributed (gloo) in a cluster, hivemind over a WAN"
-    )
-    timeout_s: float = Field(60.0, gt=0, description="deadline of a pipeline receive")
-    round_timeout_s: float = Field(10.0, gt=0, description="deadline of an averaging round")
-    host: str = Field("127.0.0.1", description="address peers bind (simulate: loopback)")
-    dht_mode: Literal["server", "client"] = Field(
-        "server",
-        description="hivemind: client = use the DHT without serving it (still dialed directly); "
-        "for a large grid's peers beside a few `meshtrain dht` servers (results/scale)",
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where a cell computes: auto = cuda when present, else cpu"
-    )
-    rejoin_timeout_s: float = Field(
-        120.0,
-        gt=0,
-        description="hivemind: how long a cell waits for a lost neighbour of its replica to be "
-        "replaced (restart or join) before it gives up",
-    )
-    max_restarts: int = Field(
-        3,
-        ge=0,
-        description="simulate on torch: how many times a replica starts again from its newest "
-        "common step after a cell died, the others training on; past that the grid stops, "
-        "saved and resumable (hivemind: runtime.rejoin_timeout_s)",
-    )
-    heartbeat_s: float = Field(
-        1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
-    )
-    max_lag_steps: int = Field(
-        20,
-        ge=0,
-        description="hivemind: a cell this many updates behind the most advanced live peer of "
-        "its stage reloads that peer's state before it trains (a joiner always does)",
-    )
-    poison: list[str] = Field(
-        [],
-        description="emulated hostile peers (tests, benchmarks): per-cell factors its averaging "
-        'payloads are multiplied by before they are sent, e.g. ["s0r3=-1000"]; such a cell '
-        "takes no averages itself",
-    )
-    pipeline_poison: list[str] = Field(
-        [],
-        description="emulated hostile stages (tests, benchmarks): what a cell does to what it "
-        'sends across a boundary, "sJrI=MODE[@STEP]", MODE scale:F, flip or random (same RMS), '
-        "from update STEP (default: twice the sentinel's warm-up; mesh/algo/pipeline_poison.py)",
-    )
-    sentinel: bool = Field(
-        True,
-        description="each stage keeps running statistics of what each neighbour sends it "
-        "(norms, each token's direction against its token id's) and drops a microbatch far "
-        "outside them (rejects 'poison'; skipped along its replica's pipeline)",
-    )
-    sentinel_warmup: int = Field(
-        32,
-        ge=1,
-        description="sentinel: messages of each sender learned before any verdict (at least "
-        "the learning-rate warm-up: optim.warmup_steps x microbatches per update)",
-    )
-    sentinel_z: float = Field(
-        8.0,
-        gt=0,
-        description="sentinel: drop a message whose feature is this many scales (~standard "
-        "deviations of its recent honest values) from the predicted one",
-    )
-    sentinel_flag_drops: int = Field(
-        3,
-        ge=1,
-        description="sentinel: a sender with this many drops among its last 32 messages is "
-        "flagged (status, dashboard)",
-    )
-    checkpoint_every: int = Field(
-        50, ge=0, description="save each cell every N updates (and on a clean stop); 0: only then"
-    )
-    compute: Literal["real", "emulated"] = Field(
-        "real",
-        description="emulated: no model math; forward/backward sleep forward_ms/backward_ms x "
-        "slowdown while real payloads of the real shapes cross the links (systems benchmarks)",
-    )
-    forward_ms: float = Field(
-        10.0, gt=0, description="emulated: forward time per microbatch per stage at slowdown 1"
-    )
-    backward_ms: float = Field(
-        20.0, gt=0, description="emulated: backward time per microbatch per stage at slowdown 1"
-    )
-    slowdowns: list[str] = Field(
-        [],
-        description='per-cell compute factors, e.g. ["s2r0=2.0"] (stage 2 of replica 0 twice '
-        "as slow); unlisted cells 1.0. Real compute: each forward/backward then waits "
-        "(factor-1) x its own time",
-    )
-    link: Literal[choices.LINKS] = Field(
-        "none",
-        description="profile of every link, pipeline and averaging (comms.throttle.PROFILES: "
-        "datacenter 10 Gbit/0.1 ms, wan100 100 Mbit/20 ms, wan10 10 Mbit/100 ms one-way)",
-    )
-    link_bandwidth_mbps: float | None = Field(
-        None, gt=0, description="overrides the link profile's bandwidth (Mbit/s per direction)"
-    )
-    link_latency_ms: float | None = Field(
-        None, ge=0, description="overrides the link profile's one-way latency (ms)"
-    )
-    link_shared: Literal["none", "pipeline", "all"] = Field(
-        "none",
-        description="a cell's outgoing links that share one uplink of the profile's bandwidth "
-        "(latency stays per link): none; pipeline (activations on, gradients back); all (and "
-        "the averaging rounds)",
-    )
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="compute of a stage's forward and backward: bf16 autocasts them (CPU and "
-        "CUDA); weights, optimizer states, drift and averaging stay fp32 masters, and what "
-        "crosses a link follows the codecs",
-    )
-    malloc_arenas: int = Field(
-        2,
-        ge=0,
-        description="glibc malloc arenas of a cell process (MALLOC_ARENA_MAX; 0: glibc's 8 per "
-        "core): short-lived round and link threads otherwise each keep an arena of freed, "
-        "fragmented memory, and a long run's RSS grows (mesh/runtime/memory.py)",
-    )
-    trim_every_s: float = Field(
-        60.0,
-        ge=0,
-        description="hand the heap's free pages back to the OS (malloc_trim) this often "
-        "(checked after each update), and after every broken session; 0: never",
-    )
-    # not in LATER_KEYS: the whole [runtime] table stays out of the fingerprint
-    tensorboard: bool = Field(
-        False,
-        description="also write each cell's metrics rows as TensorBoard event files, "
-        "DIR/tensorboard/s<stage>r<replica>/ (the JSONL rows stay the record)",
-    )
-    prometheus_port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description="serve each cell's metrics for Prometheus on runtime.host, port "
-        "prometheus_port + replica x stages + stage (one port per cell of the grid)",
-    )
-
-
 # Keys added after the first release, by section: left at their defaults they stay out of the
 # fingerprint, so the runs (and checkpoints) of configs that predate them keep theirs.
 LATER_KEYS: dict[str, tuple[str, ...]] = {
@@ -488,6 +344,7 @@ HASHED_AWAY_AT: dict[tuple[str, str], Any] = {
     ("dp", "payload_error_feedback"): False,
     ("dp", "index_map"): "permutation",
 }
+# the sections every peer of a run shares (mesh/config_local.py: those each peer sets itself)
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "grid": GridConfig,
@@ -496,5 +353,4 @@ SECTIONS: dict[str, type[_Section]] = {
     "dp": DPConfig,
     "data": DataConfig,
     "run": RunConfig,
-    "runtime": RuntimeConfig,
 }

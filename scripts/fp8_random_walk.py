@@ -33,7 +33,7 @@ def run_arm(args: tuple[str, int]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         toml = tiny_grid_config(Path(tmp), None, steps=steps, d_model=SOAK_D_MODEL,
                                 seq_len=SOAK_SEQ_LEN, schedule_steps=steps)  # fmt: skip
-        cfg = load_config([str(toml)], ["runtime.backend=torch", *ARMS[name]])
+        cfg = load_config([str(toml)], ["transport.backend=torch", *ARMS[name]])
         r = GridSim(cfg).run()
     return {"arm": name, "val_loss": r.val_loss, "curve": r.curve, "train": r.train_curve}
 

@@ -163,7 +163,7 @@ PY
 common=("${model[@]}" --grid 4x2 --steps "$steps" --backend torch
   --set runtime.precision='"bf16"' --set runtime.device="\"$device\""
   --set pipeline.microbatch_size="$microbatch" --set run.eval_every="$steps"
-  --set data.val_batches=2 --set runtime.checkpoint_every=0) # one checkpoint, at the clean stop
+  --set data.val_batches=2 --set checkpoint.every=0) # one checkpoint, at the clean stop
 part grid-bf16 70 "$res/grid-bf16.md" "${mt[@]}" simulate "${common[@]}" \
   --set pipeline.codec='"bf16"' --out "$runs/gpu-160m-bf16"
 part grid-fp8 70 "$res/grid-fp8.md" "${mt[@]}" simulate "${common[@]}" \

@@ -1,4 +1,4 @@
-"""The emulated hostile pipeline stage (runtime.pipeline_poison): what a cell does to every
+"""The emulated hostile pipeline stage (faults.pipeline_poison): what a cell does to every
 tensor it sends across a pipeline boundary, for tests and benchmarks of the receivers' sentinel
 (mesh/algo/sentinel.py)."""
 
@@ -23,7 +23,7 @@ class PipelinePoison:
 
 
 def parse_pipeline_poison(
-    items: list[str], stages: int, replicas: int, key: str = "runtime.pipeline_poison"
+    items: list[str], stages: int, replicas: int, key: str = "faults.pipeline_poison"
 ) -> dict[tuple[int, int], PipelinePoison]:
     """["sJrI=MODE[@STEP]", ...] with MODE scale:F | flip | random -> {(stage, replica): ...};
     ValueError naming the key, the entry and the form when an entry is malformed."""

@@ -16,7 +16,7 @@ fingerprint and budget), so adding arms runs only the new ones, and a run of som
 (--stages 4) keeps the rows of the others. The cache trusts that a fingerprint means the same
 numbers: after a change to the simulator's numbers, or on another machine (the same code, data
 and config can give other floats there, so other trajectories: docs/boundaries.md), start from a
-fresh --out. The pipeline sentinel is off in every arm (runtime.sentinel).
+fresh --out. The pipeline sentinel is off in every arm (sentinel.enabled).
 
 The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
 FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
@@ -75,7 +75,7 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     # the pipeline sentinel (a defence against hostile stages) is off: its drops are not a
     # boundary's cost, and on a learned boundary's early, fast-turning coordinates it can drop
     # every later message of an honest stage (docs/boundaries.md)
-    grid = {"grid.stages": stages, "grid.replicas": 1, "runtime.sentinel": False}
+    grid = {"grid.stages": stages, "grid.replicas": 1, "sentinel.enabled": False}
     async_ = {**METHODS["AsyncMesh-fp8"], **grid, "pipeline.boundary": "full"}
     out = [
         (REFERENCE, {**async_, "pipeline.codec": "bf16"}),

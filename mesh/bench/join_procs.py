@@ -47,7 +47,7 @@ def tiny_grid_config(
     directory: Path,
     text_file: Path | None,
     replicas: int = 2,
-    runtime: str = "",
+    local: str = "",
     steps: int = 100000,
     stages: int = 2,
     heartbeat_s: float = 1.0,
@@ -59,18 +59,23 @@ def tiny_grid_config(
     slowdown: float = 1.0,
 ) -> Path:
     """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
-    the default corpus, Shakespeare) that runs until stopped (run.toml); `runtime`: more TOML
-    lines for its [runtime] table; `steps`: the run's horizon; `schedule_steps`: the lr and
-    lambda schedules' (None: `steps`); `dp`: TOML lines for its [dp] table; `slowdown`: every
-    cell's runtime.slowdowns factor (a cell then waits (slowdown - 1) x the CPU time of each
-    forward and backward; its messages and bookkeeping are not slowed)."""
+    the default corpus, Shakespeare) that runs until stopped (run.toml); `local`: more TOML
+    lines of dotted keys of the local sections (e.g. 'elastic.rejoin_timeout_s = 600');
+    `steps`: the run's horizon; `schedule_steps`: the lr and lambda schedules' (None: `steps`);
+    `dp`: TOML lines for its [dp] table; `slowdown`: every cell's emulation.slowdowns factor
+    (a cell then waits (slowdown - 1) x the CPU time of each forward and backward; its
+    messages and bookkeeping are not slowed)."""
     cells = [f'"s{j}r{i}={slowdown}"' for i in range(replicas) for j in range(stages)]
     if slowdown != 1.0:
-        runtime = f"slowdowns = [{', '.join(cells)}]\n{runtime}"
+        local = f"emulation.slowdowns = [{', '.join(cells)}]\n{local}"
     path = directory / "run.toml"
     data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(
         f"""
+elastic.heartbeat_s = {heartbeat_s}
+elastic.max_lag_steps = 5
+transport.round_timeout_s = {round_timeout_s}
+{local}
 [model]
 n_layers = {stages}
 d_model = {d_model}
@@ -88,11 +93,6 @@ microbatch_size = 2
 [run]
 steps = {steps}
 {"" if schedule_steps is None else f"schedule_steps = {schedule_steps}"}
-[runtime]
-heartbeat_s = {heartbeat_s}
-max_lag_steps = 5
-round_timeout_s = {round_timeout_s}
-{runtime}
 """
     )
     return path

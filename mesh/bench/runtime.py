@@ -23,7 +23,7 @@ from mesh.methods import apply_method
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import summarize_run
 
-SETS = {"grid.stages": 2, "grid.replicas": 2, "run.steps": 200, "runtime.checkpoint_every": 0}
+SETS = {"grid.stages": 2, "grid.replicas": 2, "run.steps": 200, "checkpoint.every": 0}
 QUICK = {"run.steps": 40}
 
 
@@ -38,7 +38,7 @@ def run_equivalence(base: Config, out: Path, quick: bool = False) -> dict[str, A
         res = GridSim(c).run()
         runs.append(_row("logical", seed, res.val_loss, time.perf_counter() - t0))
         for backend in ("torch", "hivemind") if seed == 0 else ("torch",):
-            cb = with_overrides(c, {"runtime.backend": backend})
+            cb = with_overrides(c, {"transport.backend": backend})
             run_dir = out / f"{backend}-seed{seed}"
             grid = run_grid(cb, run_dir, timeout_s=1800)
             if not grid.ok:

@@ -1,7 +1,7 @@
 """`meshtrain bench scale`: 32 joined peers (an 8x4 grid) on one box over one bootstrap.
 
 Real `meshtrain dht` + 32 `meshtrain join` processes on 127.0.0.1 (mesh/bench/grid.py), each a
-cell of a tiny model with emulated compute (runtime.compute = "emulated": forward and backward
+cell of a tiny model with emulated compute (emulation.compute = "emulated": forward and backward
 sleep FORWARD_MS / BACKWARD_MS, real payloads cross the links; one torch thread), so the box
 runs the protocol, not the math. Measured:
 - time_to_all_training_s: from the first join's start (the others start together once it put
@@ -40,7 +40,7 @@ from mesh.runtime.session import REJOIN_NOTE
 
 TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measured on anyway
 # 32 claims beating every second, each beat reading all claims, swamp a loaded 2-core box's
-# DHT: replicas then see their cells come and go and (runtime.rejoin_timeout_s, 120 s by
+# DHT: replicas then see their cells come and go and (elastic.rejoin_timeout_s, 120 s by
 # default) give up forming. A claim lives 4 beats either way.
 HEARTBEAT_S = 2.0
 STAGGER_S = 0.5  # between join starts: 31 interpreters importing torch at once only thrash
@@ -64,8 +64,9 @@ def scale_config(directory: Path, text_file: Path, stages: int, replicas: int) -
         directory,
         text_file,
         replicas,
-        runtime=f'compute = "emulated"\nrejoin_timeout_s = {TRAIN_WAIT_S}\n'
-        f'forward_ms = {FORWARD_MS}\nbackward_ms = {BACKWARD_MS}\ndht_mode = "{DHT_MODE}"',
+        local=f'emulation.compute = "emulated"\nelastic.rejoin_timeout_s = {TRAIN_WAIT_S}\n'
+        f"emulation.forward_ms = {FORWARD_MS}\nemulation.backward_ms = {BACKWARD_MS}\n"
+        f'transport.dht_mode = "{DHT_MODE}"',
         steps=10_000_000,
         stages=stages,
         heartbeat_s=HEARTBEAT_S,

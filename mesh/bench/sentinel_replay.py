@@ -2,7 +2,7 @@
 
 A simulator run records every activation and gradient that crosses a pipeline boundary, with
 the token ids its receiver keys it by (`record`). `replay` then feeds one such stream to a
-fresh sentinel, with an emulated attack (runtime.pipeline_poison's modes) on every message
+fresh sentinel, with an emulated attack (faults.pipeline_poison's modes) on every message
 from an onset on: what share of the attacked messages is dropped, and how many of a clean
 replay are. Replays are cheap and exact (one recording, every attack), which a grid run per
 attack is not; tests/unit/test_sentinel.py replays a small recording the same way.
@@ -63,7 +63,7 @@ class Recorder(Sentinel):
 
 
 def record(cfg: Config) -> tuple[dict[Stream, list[Message]], int]:
-    """Every boundary message of a simulator run of cfg (runtime.sentinel on), per stream,
+    """Every boundary message of a simulator run of cfg (sentinel.enabled on), per stream,
     and how many the run's own sentinels dropped."""
     from mesh.algo.topology import cell_name
     from mesh.engine.sim import GridSim
@@ -71,7 +71,7 @@ def record(cfg: Config) -> tuple[dict[Stream, list[Message]], int]:
     sim = GridSim(cfg)
     recorders = {}
     for cell in (c for row in sim.cells for c in row):
-        assert cell.sentinel is not None, "record needs runtime.sentinel on"
+        assert cell.sentinel is not None, "record needs sentinel.enabled on"
         cell.sentinel = Recorder(cell.sentinel.spec)
         recorders[cell_name(cell.stage, cell.replica)] = cell.sentinel
     sim.run()
@@ -91,7 +91,7 @@ def replay(
     spec: SentinelSpec | None = None,
 ) -> list[bool]:
     """A fresh sentinel's verdicts (True: accepted) on a recorded stream, every message from
-    `onset` on attacked by `mode` (runtime.pipeline_poison's MODE; None: clean)."""
+    `onset` on attacked by `mode` (faults.pipeline_poison's MODE; None: clean)."""
     poison = (
         None if mode is None else next(iter(parse_pipeline_poison([f"s0r0={mode}"], 1, 1).values()))
     )

@@ -50,9 +50,9 @@ def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
         # (the steps clock, where a spec asks for it: the paper's 1k of 30k steps)
         "dp.lambda_hold_steps": max(1, steps // 30),
         # the studies measure honest grids: the pipeline sentinel (on by default since the
-        # studies' runs were made) drops honest microbatches at a loss spike, and a [runtime]
-        # key is outside the fingerprint, so a run with it would pass for the cached one
-        "runtime.sentinel": False,
+        # studies' runs were made) drops honest microbatches at a loss spike, and its section
+        # is outside the fingerprint, so a run with it would pass for the cached one
+        "sentinel.enabled": False,
     }
     return with_overrides(base, {**shares, **ov})
 

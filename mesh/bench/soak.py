@@ -3,8 +3,8 @@ peer SIGKILLed and replaced by a fresh `join` every ~10 minutes, each peer's res
 
 Real `meshtrain dht` + `meshtrain join` processes on 127.0.0.1 (mesh/bench/grid.py), a tiny
 model on a generated text file (real compute, so the loss means something; each forward and
-backward then waits runtime.slowdowns x its time, so four peers leave the box room), every link
-shaped in-process by the transport to 100 Mbit/s and 20 ms one way (runtime.link = "wan100").
+backward then waits emulation.slowdowns x its time, so four peers leave the box room), every link
+shaped in-process by the transport to 100 Mbit/s and 20 ms one way (transport.link = "wan100").
 A sampler thread reads, every --sample period and for each live peer, /proc (RSS, descriptors
 and threads of the cell process, its DHT process and p2pd; the /tmp/hivemind-*.sock files the
 tree holds) and the new rows of the cell's metrics file (its last `health` row: threads, live
@@ -38,7 +38,9 @@ CELLS = ["s0r0", "s1r1", "s1r0", "s0r1"]  # the kill order: each cell in turn
 FORM_S = 240  # forming the grid or replacing a peer longer than this is a failure
 CLAIM_LIVES_S = 4 * 1.0  # a dead peer's claim expires after 4 heartbeats (heartbeat_s = 1)
 # runtime lines of the soak's grid: shaped links; real compute that waits 3x its own time
-SOAK_RUNTIME = 'link = "wan100"\nslowdowns = ["s0r0=4", "s1r0=4", "s0r1=4", "s1r1=4"]\n'
+SOAK_LOCAL = (
+    'transport.link = "wan100"\nemulation.slowdowns = ["s0r0=4", "s1r0=4", "s0r1=4", "s1r1=4"]\n'
+)
 SOAK_STEPS = 10_000_000  # never reached: the soak stops the grid
 # The lr and lambda schedules span the soak, as a real run's span the run: cosine over the
 # updates a soak of that length makes (86k per cell in 60 min here, session 9). The first soak
@@ -163,7 +165,7 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
             horizon = max(100, round(minutes * SOAK_UPDATES_PER_MIN))
             # Shakespeare, not the tests' random words: their entropy floor is reached within
             # minutes, and the soak's loss must be able to fall for the whole hour
-            cfg = tiny_grid_config(Path(tmp), None, runtime=SOAK_RUNTIME, steps=SOAK_STEPS,
+            cfg = tiny_grid_config(Path(tmp), None, local=SOAK_LOCAL, steps=SOAK_STEPS,
                                    d_model=SOAK_D_MODEL, seq_len=SOAK_SEQ_LEN,
                                    schedule_steps=horizon)  # fmt: skip
             meta["schedule_steps"] = horizon

@@ -104,13 +104,15 @@ class Cell:
         self.history = OrderedDict()
         self.history[0] = self.version_weights()
         g = self.cfg.grid
-        poison = parse_cell_factors(self.cfg.runtime.poison, g.stages, g.replicas, "poison")
+        poison = parse_cell_factors(self.cfg.faults.poison, g.stages, g.replicas, "poison")
         self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
-        rt = self.cfg.runtime
-        hostile = pipeline_poison.parse_pipeline_poison(rt.pipeline_poison, g.stages, g.replicas)
+        guard = self.cfg.sentinel
+        hostile = pipeline_poison.parse_pipeline_poison(
+            self.cfg.faults.pipeline_poison, g.stages, g.replicas
+        )
         self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
         mpu = microbatches_per_update(self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches)
-        warmup = sentinel.warmup_messages(rt.sentinel_warmup, self.cfg.optim.warmup_steps, mpu)
+        warmup = sentinel.warmup_messages(guard.warmup, self.cfg.optim.warmup_steps, mpu)
         # an emulated attack starts once its receivers know the sender (twice their warm-up)
         self.poison_start = 0
         if self.pipeline_poison is not None:
@@ -118,11 +120,11 @@ class Cell:
             self.poison_start = -(-2 * warmup // mpu) if start is None else start
         spec = sentinel.SentinelSpec(
             warmup,
-            rt.sentinel_z,
-            rt.sentinel_flag_drops,
-            max(32, rt.sentinel_flag_drops),
+            guard.z,
+            guard.flag_drops,
+            max(32, guard.flag_drops),
         )
-        self.sentinel = sentinel.Sentinel(spec) if rt.sentinel else None
+        self.sentinel = sentinel.Sentinel(spec) if guard.enabled else None
 
     # ---- weights and versions -------------------------------------------------------------
     @property
@@ -214,7 +216,7 @@ class Cell:
     # ---- pipeline boundaries: what this cell sends and what it takes ----------------------
     def outgoing(self, x: torch.Tensor, kind: str, microbatch: int) -> torch.Tensor:
         """What this cell sends across a pipeline boundary for x (an activation or the gradient
-        of its input): x itself, or with runtime.pipeline_poison the emulated attack's tensor."""
+        of its input): x itself, or with faults.pipeline_poison the emulated attack's tensor."""
         hostile = self.pipeline_poison
         if hostile is None or self.step < self.poison_start:
             return x
@@ -227,7 +229,7 @@ class Cell:
     ) -> str:
         """The verdict on a decoded tensor received from `sender` (kind: activation or
         gradient) for the microbatch whose (inputs, targets) are `batch`: "use", "void" (the
-        sender skipped this microbatch: pass the skip on), or "drop" (runtime.sentinel found
+        sender skipped this microbatch: pass the skip on), or "drop" (sentinel.enabled found
         it far outside the sender's statistics: skip it)."""
         if sentinel.is_void(x):
             return "void"
@@ -284,7 +286,7 @@ class Cell:
 
     def apply_round(self, rnd: Round) -> None:
         """Roll the stale mean forward with the drift correction (only live weights change).
-        An emulated hostile cell (runtime.poison) takes no averages: it trains on its own, so a
+        An emulated hostile cell (faults.poison) takes no averages: it trains on its own, so a
         grid with one stays finite wherever the honest cells keep the poison out."""
         assert rnd.mean is not None
         if self.poison is not None:

@@ -33,7 +33,7 @@ class Round:
     payload_bytes: int  # what this cell puts on the wire for the round (encoded)
     mean: torch.Tensor | None = None  # filled when the round completes
     sent: torch.Tensor | None = None  # what this cell puts in the round instead of its
-    # snapshot: an emulated hostile peer's scaled values (runtime.poison)
+    # snapshot: an emulated hostile peer's scaled values (faults.poison)
     own: torch.Tensor | None = None  # its decoded own payload (dp.payload_error_feedback)
 
     @property

@@ -37,8 +37,8 @@ from mesh.model.build import build_cell_stages, lm_loss, run_stages, stage_forwa
 @dataclass
 class _Link:
     """One boundary of one microbatch: stage j (upper) sends activations to stage j+1 (lower)
-    and takes the gradient back. Each side's emulated attack (runtime.pipeline_poison) applies
-    to what it sends, and the receiver screens what arrives (runtime.sentinel), as the runtime's
+    and takes the gradient back. Each side's emulated attack (faults.pipeline_poison) applies
+    to what it sends, and the receiver screens what arrives (sentinel.enabled), as the runtime's
     stages do (mesh/runtime/stage.py). A dropped activation voids the whole microbatch; a
     dropped (or void) gradient gives the stages up to j nothing from it."""
 
@@ -114,7 +114,7 @@ class SimResult:
     # refused, by reason: averaging payloads (outlier), boundary tensors (poison)
     rejects: dict[str, int] = field(default_factory=dict)
     clip_rate: float = 0.0  # share of the cells' updates whose gradient norm was clipped
-    # receiving cell -> the senders its sentinel flagged (runtime.sentinel); {}: none
+    # receiving cell -> the senders its sentinel flagged (sentinel.enabled); {}: none
     flagged: dict[str, list[str]] = field(default_factory=dict)
 
 

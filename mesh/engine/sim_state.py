@@ -9,7 +9,7 @@ has no handles to lose: each round's mean is known from its launch. So beside ea
 checkpoint, under the key `simulator`, a logical run saves:
 
 - the cell's rounds in flight (up to dp.tau / dp.interval_steps of them), each with its mean;
-- its sentinel's statistics per sender and message kind (runtime.sentinel: a verdict depends
+- its sentinel's statistics per sender and message kind (sentinel.enabled: a verdict depends
   on everything the cell accepted before);
 - its clip count, whether its last update stalled, the deviation bound's window (dp.outlier_k);
 - the grid's counters (bytes sent, rejects, the last training loss), the same in every cell's.
@@ -99,7 +99,7 @@ def _checked(cell: Cell, state: Any, step: int) -> tuple[list[Round], Any, list[
     if not isinstance(distances, list) or not all(isinstance(d, float) for d in distances):
         raise ValueError(f"{name}: malformed simulator state (distances)")
     if (cell.sentinel is None) != (state.get("sentinel") is None):
-        raise ValueError(f"{name}: the saved sentinel state does not match runtime.sentinel")
+        raise ValueError(f"{name}: the saved sentinel state does not match sentinel.enabled")
     entries = state.get("rounds")
     if not isinstance(entries, list):
         raise ValueError(f"{name}: malformed simulator state (rounds)")

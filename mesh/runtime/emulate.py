@@ -1,6 +1,6 @@
 """Emulated compute, link profiles and the throughput accounting of a run (design 4).
 
-Role: what `runtime.compute = "emulated"`, `runtime.slowdowns`, `runtime.link` and
+Role: what `emulation.compute = "emulated"`, `emulation.slowdowns`, `transport.link` and
 `pipeline.window = "auto"` mean in numbers, and how a run's metrics rows become tokens/s, the
 ideal and `fraction_of_ideal` (bench-and-reliability.md 3.3-3.4). Used by the stage worker
 (`ComputeClock`), the trainer (the link profile), the launcher (the window), `summarize_run`
@@ -94,24 +94,24 @@ class ComputeClock:
 
 
 def slowdown(cfg: Config, stage: int, replica: int) -> float:
-    """The compute factor of cell (stage, replica) from runtime.slowdowns (1.0 if unlisted)."""
-    table = parse_slowdowns(cfg.runtime.slowdowns, cfg.grid.stages, cfg.grid.replicas)
+    """The compute factor of cell (stage, replica) from emulation.slowdowns (1.0 if unlisted)."""
+    table = parse_slowdowns(cfg.emulation.slowdowns, cfg.grid.stages, cfg.grid.replicas)
     return table.get((stage, replica), 1.0)
 
 
 def emulated_op_s(cfg: Config, stage: int, replica: int) -> tuple[float, float]:
     """(forward, backward) seconds per microbatch of one cell in emulated mode."""
     f = slowdown(cfg, stage, replica)
-    return cfg.runtime.forward_ms * f / 1e3, cfg.runtime.backward_ms * f / 1e3
+    return cfg.emulation.forward_ms * f / 1e3, cfg.emulation.backward_ms * f / 1e3
 
 
 # ---- links ----------------------------------------------------------------------------------
 
 
 def link_profile(cfg: Config) -> LinkProfile | None:
-    """The profile every link gets: runtime.link, with link_bandwidth_mbps / link_latency_ms
+    """The profile every link gets: transport.link, with link_bandwidth_mbps / link_latency_ms
     replacing its fields when set; None when nothing is shaped."""
-    rt = cfg.runtime
+    rt = cfg.transport
     base = PROFILES[rt.link] if rt.link != "none" else LinkProfile()
     bw = rt.link_bandwidth_mbps if rt.link_bandwidth_mbps is not None else base.bandwidth_mbps
     lat = rt.link_latency_ms if rt.link_latency_ms is not None else base.latency_ms
@@ -121,10 +121,10 @@ def link_profile(cfg: Config) -> LinkProfile | None:
 
 def cell_shaping(cfg: Config, stage: int, replica: int) -> LinkProfile | dict[str, LinkProfile]:
     """What cell (stage, replica) shapes its outgoing links with (comms.throttle.Shaping): the
-    one profile for every link, or with runtime.link_shared per destination, the shared ones
+    one profile for every link, or with transport.link_shared per destination, the shared ones
     naming this cell's uplink."""
     p = link_profile(cfg)
-    shared = cfg.runtime.link_shared
+    shared = cfg.transport.link_shared
     if p is None or shared == "none":
         return p  # type: ignore[return-value]
     P, m = cfg.grid.stages, cfg.grid.replicas
@@ -141,7 +141,7 @@ def cell_shaping(cfg: Config, stage: int, replica: int) -> LinkProfile | dict[st
 def uplink_frames(cfg: Config, stage: int) -> int:
     """Pipeline frames a microbatch puts on one wire of stage `stage`: with a shared uplink a
     middle stage's activation and gradient (2), else one per link."""
-    if cfg.runtime.link_shared == "none":
+    if cfg.transport.link_shared == "none":
         return 1
     return (stage < cfg.grid.stages - 1) + (stage > 0)
 
@@ -181,7 +181,7 @@ def compute_table(
     """Compute seconds per microbatch, [replica][stage]: emulated (f + b) x slowdown, or the
     `measured` busy time per microbatch of each cell (real compute)."""
     P, m = cfg.grid.stages, cfg.grid.replicas
-    if cfg.runtime.compute == "emulated":
+    if cfg.emulation.compute == "emulated":
         return [[sum(emulated_op_s(cfg, j, i)) for j in range(P)] for i in range(m)]
     if measured is None:
         raise ValueError("real compute: pass the measured busy time per microbatch of each cell")
@@ -268,7 +268,7 @@ def resolve_window(cfg: Config, headroom: float = 0.25) -> Config:
         return with_overrides(cfg, {"pipeline.window": "none"})
     bw = link_bytes_per_s(cfg)
     transfer = activation_frame_bytes(cfg) / bw if bw else 0.0
-    if cfg.runtime.compute == "emulated":
+    if cfg.emulation.compute == "emulated":
         rows = compute_table(cfg)
     else:
         measured = measure_compute_s(cfg)
@@ -342,7 +342,7 @@ def throughput(
     Compute: emulated (forward_ms + backward_ms) x slowdown exactly (bench 3.4.3); real: the
     cell's busy thread CPU time per microbatch (3.4.2). Link: the larger of the activation and
     the gradient bytes the cell sent per microbatch over the link bandwidth; with
-    runtime.link_shared their sum (one uplink carries both; "all": the averaging bytes too).
+    transport.link_shared their sum (one uplink carries both; "all": the averaging bytes too).
     """
     P, m = cfg.grid.stages, cfg.grid.replicas
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
@@ -365,14 +365,14 @@ def throughput(
         busy[k] = float(r.get("busy_s", 0.0)) / mbs
         sent = final_bytes.get(k, r.get("bytes_sent", {}))
         act, grad = sent.get("activation", 0), sent.get("gradient", 0)
-        shared = cfg.runtime.link_shared
+        shared = cfg.transport.link_shared
         per_mb = (
             max(act, grad)
             if shared == "none"
             else act + grad + (sent.get("average", 0) if shared == "all" else 0)
         ) / mbs
         link[k] = per_mb / bw if bw else 0.0
-    if cfg.runtime.compute == "emulated":
+    if cfg.emulation.compute == "emulated":
         compute = compute_table(cfg)
     else:
         compute = [[busy.get((j, i), 0.0) for j in range(P)] for i in range(m)]

@@ -1,5 +1,5 @@
 """A cell's metrics rows for the tools people already run: TensorBoard event files
-(runtime.tensorboard) and a Prometheus endpoint (runtime.prometheus_port). Both see the rows
+(metrics.tensorboard) and a Prometheus endpoint (metrics.prometheus_port). Both see the rows
 mesh.runtime.metrics.MetricsSink has just written as JSON; a cell killed mid-run loses at most
 the TensorBoard events of its last FLUSH_S seconds, never a JSONL row.
 
@@ -53,7 +53,7 @@ class TensorBoardExporter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise need_extra("tensorboard", "runtime.tensorboard") from None
+            raise need_extra("tensorboard", "metrics.tensorboard") from None
 
         self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
         self.tokens_per_update, self.prev = tokens_per_update, None
@@ -77,7 +77,7 @@ class PrometheusExporter:
         try:
             import prometheus_client as pc
         except ImportError:
-            raise need_extra("prometheus_client", "runtime.prometheus_port") from None
+            raise need_extra("prometheus_client", "metrics.prometheus_port") from None
 
         self.pc, self.cell, self.tokens_per_update, self.prev = pc, cell, tokens_per_update, None
         self.registry = pc.CollectorRegistry()
@@ -88,7 +88,7 @@ class PrometheusExporter:
             from mesh.config import ConfigError
 
             raise ConfigError(
-                f"runtime.prometheus_port: cell {cell} cannot serve on {host}:{port} ({e}); "
+                f"metrics.prometheus_port: cell {cell} cannot serve on {host}:{port} ({e}); "
                 "pick another base port (each cell takes base + replica x stages + stage)"
             ) from e
 
@@ -121,11 +121,15 @@ def open_exporters(
     cfg: Any, stage: int, replica: int, out_dir: Path, tokens_per_update: int
 ) -> list[Any]:
     out: list[Any] = []
-    rt = cfg.runtime
+    rt = cfg.metrics
     if rt.tensorboard:
         log_dir = out_dir / "tensorboard" / cell_name(stage, replica)
         out.append(TensorBoardExporter(log_dir, tokens_per_update))
     if rt.prometheus_port is not None:
         port = prometheus_port_of(rt.prometheus_port, stage, replica, cfg.grid.stages)
-        out.append(PrometheusExporter(rt.host, port, cell_name(stage, replica), tokens_per_update))
+        out.append(
+            PrometheusExporter(
+                cfg.transport.host, port, cell_name(stage, replica), tokens_per_update
+            )
+        )
     return out

@@ -169,10 +169,10 @@ def run_grid(
     cells (which leave with LOST_NEIGHBOUR once a neighbour is gone, or are stopped here) are
     stopped and every cell of the replica restarts from the newest step all of them saved;
     the other replicas train on untouched (same processes; the links re-form with the new
-    processes: comms/torchdist/pairs.py). Up to runtime.max_restarts times a run, each said
+    processes: comms/torchdist/pairs.py). Up to elastic.max_restarts times a run, each said
     through on_notice with the replica and its step; past that the grid stops, saved:
     GridRun.failure says so, and `--resume` continues. On hivemind the others ride it out
-    (its replica waits up to runtime.rejoin_timeout_s for a replacement: a restart or a
+    (its replica waits up to elastic.rejoin_timeout_s for a replacement: a restart or a
     `join`).
     A stop (KeyboardInterrupt, or `stop` requested by a launcher's signal handler) stops and
     saves every cell: GridRun.interrupted, GridRun.stopped_by names the signal.
@@ -195,7 +195,7 @@ def run_grid(
     tail = MetricsTail(out_dir, cfg.grid.stages - 1, resume_step or 0)
     grid: LocalGrid | None = None
     try:
-        with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+        with local_rendezvous(cfg.transport.backend, cfg.transport.host) as options:
             grid = LocalGrid(cfg, out_dir, options)
             outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s, grace_s,
                              restarts, notice, stop)  # fmt: skip
@@ -274,21 +274,21 @@ def _watch(
             out.failure = grid.first_failure()
             if out.failure is not None:
                 break
-            dead = grid.dead() if cfg.runtime.backend == "torch" else []
+            dead = grid.dead() if cfg.transport.backend == "torch" else []
             if dead:
                 cell, code = dead[0]
                 what = f"cell {cell_name(*cell)} died ({_death(code)})"
-                if len(restarts) >= cfg.runtime.max_restarts:
+                if len(restarts) >= cfg.elastic.max_restarts:
                     out.failure = CellFailure(
                         cell_name(*cell), LOST_NEIGHBOUR,
                         f"died ({_death(code)}) after {len(restarts)} restarts "
-                        f"(runtime.max_restarts = {cfg.runtime.max_restarts}); every cell saved: "
+                        f"(elastic.max_restarts = {cfg.elastic.max_restarts}); every cell saved: "
                         "resume the run to go on", None,
                     )  # fmt: skip
                     break
                 restarts.append(what)
                 at = restart_replica(cfg, grid, cell[1], grace_s)
-                n = f"restart {len(restarts)} of {cfg.runtime.max_restarts}"
+                n = f"restart {len(restarts)} of {cfg.elastic.max_restarts}"
                 notice(f"{what}; replica {cell[1]} starts again from step {at or 0}, {n}")
                 continue
             if not grid.running():

@@ -99,7 +99,7 @@ def summarize_run(
         },
         "rounds": rounds,
         "rejects": sum(sum(r.get("rejects", {}).values()) for r in last.values()),
-        "compute": cfg.runtime.compute,
+        "compute": cfg.emulation.compute,
         "steady_tokens_per_s": tp.tokens_per_s,
         "ideal_tokens_per_s": tp.ideal_tokens_per_s,
         "fraction_of_ideal": tp.fraction_of_ideal,
@@ -124,7 +124,7 @@ def beat_stats(row: dict[str, Any]) -> dict[str, Any]:
 
 class MetricsSink:
     """Where a cell's per-update rows go: one JSON line each, flushed (the record everything
-    else reads), then the exporters runtime.tensorboard / runtime.prometheus_port ask for
+    else reads), then the exporters metrics.tensorboard / metrics.prometheus_port ask for
     (mesh/runtime/exporters.py), which see the same rows."""
 
     def __init__(

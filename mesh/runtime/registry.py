@@ -7,7 +7,7 @@ field is type-checked here and records without a valid membership token are igno
   so no DHT key is read by every peer of a 32-peer grid and an answer is 1/m of the grid; a
   claim filed under another replica's key is rejected), signed (only
   the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
-  `runtime.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
+  `elastic.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
   process's incarnation), since (claim time), epoch, step, tps, t, auth, and optionally stats
   (loss, rounds, rejects, bytes: what `status --json` and the dashboard show)}. A claim that stops
   beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
@@ -88,7 +88,7 @@ def parse_stats(value: object) -> dict[str, Any] | None:
         out["rejects"] = int(value["rejects"])
     if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
         out["beat_errors"] = int(value["beat_errors"])
-    flagged = value.get("flagged")  # neighbours runtime.sentinel flagged (mesh/algo/sentinel.py)
+    flagged = value.get("flagged")  # neighbours sentinel.enabled flagged (mesh/algo/sentinel.py)
     if isinstance(flagged, list) and len(flagged) <= 2 and all(_cell_name(c) for c in flagged):
         out["flagged"] = list(flagged)
     sent = value.get("bytes")

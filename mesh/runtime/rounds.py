@@ -122,7 +122,7 @@ class Rounds:
             return None
         dp = self.cfg.dp
         open_s = min(
-            self.cfg.runtime.round_timeout_s,
+            self.cfg.transport.round_timeout_s,
             (dp.tau + dp.max_round_lag_steps) / (own * dp.interval_steps),
         )
         return round_clock.lead_limit(
@@ -137,7 +137,7 @@ class Rounds:
             index,
             rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
             self.cfg.dp.codec,
-            self.cfg.runtime.round_timeout_s,
+            self.cfg.transport.round_timeout_s,
         )
         self.cell.rounds.launch(rnd, handle)
         self.stats.rounds_started += 1
@@ -159,7 +159,7 @@ class Rounds:
                     return
             self.cell.rounds.pop()
             t0 = time.perf_counter()
-            res = handle.result(self.cfg.runtime.round_timeout_s)
+            res = handle.result(self.cfg.transport.round_timeout_s)
             if self.emu:
                 self.emu.waited(t0)  # strict: the next op cannot start before the round landed
             self._finish_round(rnd, res)
@@ -195,7 +195,7 @@ class Rounds:
 
     def _drain_rounds(self) -> None:
         """At the end, wait briefly for rounds in flight so peers are not left hanging."""
-        deadline = time.monotonic() + self.cfg.runtime.round_timeout_s
+        deadline = time.monotonic() + self.cfg.transport.round_timeout_s
         for handle in self.cell.rounds.handles():
             handle.result(max(0.0, deadline - time.monotonic()))
         self.cell.rounds.void()

@@ -12,18 +12,17 @@ updates after its launch, so a run reproduces the simulator's numbers.
 Faults are values: a round that fails is dropped and counted; a partial round (a member
 missing) is applied over the members that contributed, since every survivor computed the same
 mean. The pipeline runs in sessions (mesh/runtime/session.py): on a fixed grid (torch) a neighbour
-that stops answering makes `recv` raise PeerTimeout after `runtime.timeout_s`, a clear error rather
-than a hang; on an elastic grid (hivemind) the cell drops its in-flight microbatches when its
-replica's session breaks and continues in the next one, once the lost cell is back.
+that stops answering makes `recv` raise PeerTimeout after `transport.recv_timeout_s`, a clear error
+rather than a hang; on an elastic grid (hivemind) the cell drops its in-flight microbatches when
+its replica's session breaks and continues in the next one, once the lost cell is back.
 
 With `pipeline.window` (async) stage j runs window[j] extra warm-up forwards, so its forward of
-microbatch b reads version b - (P-1-j) - window[j] (schedule.version_for with the window) and
-it stashes that many more versions. With `runtime.compute = "emulated"` (mesh/runtime/emulate.py) a
+microbatch b reads version b - (P-1-j) - window[j] (schedule.version_for with the window) and it
+stashes that many more versions. With `emulation.compute = "emulated"` (mesh/runtime/emulate.py) a
 cell does no model math: forward and backward occupy an emulated device for forward_ms /
-backward_ms x the cell's slowdown, while real tensors of the real shapes go through the codecs
-and the transport; the optimizer step is skipped (weights stay), averaging rounds still run on
-the real parameter subsets.
-"""
+backward_ms x the cell's slowdown, while real tensors of the real shapes go through the codecs and
+the transport; the optimizer step is skipped (weights stay), averaging rounds still run on the real
+parameter subsets. """
 
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ class _InFlight:
     inputs: torch.Tensor  # what the forward consumed (tokens on stage 0)
     version: int
     grad_out: torch.Tensor | None = None
-    # dropped on its way (runtime.sentinel) or voided by a neighbour that dropped it: no math,
+    # dropped on its way (sentinel.enabled) or voided by a neighbour that dropped it: no math,
     # an all-zero tensor (the void marker) goes on in its place
     void: bool = False
 
@@ -107,7 +106,7 @@ class StageWorker(Rounds):
         self.window = window_of(cfg)
         self.slowdown = slowdown(cfg, self.j, self.i)
         self.emu: ComputeClock | None = None
-        if cfg.runtime.compute == "emulated":
+        if cfg.emulation.compute == "emulated":
             self.emu = ComputeClock()
             self.t_f, self.t_b = emulated_op_s(cfg, self.j, self.i)
             gen = torch.Generator().manual_seed(cfg.run.seed * 1009 + self.j * 31 + self.i)
@@ -202,10 +201,10 @@ class StageWorker(Rounds):
 
     def _recv(self, frm: str, tag: str, expect: Expect) -> Any:
         """transport.recv in short waits, asking between them whether the session still stands.
-        Fixed grid: PeerTimeout after runtime.timeout_s. Elastic (hivemind): a lost neighbour
-        is waited for up to runtime.rejoin_timeout_s, since the replica re-forms around it."""
+        Fixed grid: PeerTimeout after transport.recv_timeout_s. Elastic (hivemind): a lost neighbour
+        is waited for up to elastic.rejoin_timeout_s, since the replica re-forms around it."""
         elastic = self.coord.elastic
-        limit = self.cfg.runtime.rejoin_timeout_s if elastic else self._timeout()
+        limit = self.cfg.elastic.rejoin_timeout_s if elastic else self._timeout()
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
@@ -224,7 +223,7 @@ class StageWorker(Rounds):
                     time.sleep(CHECK_EVERY_S)
 
     def _timeout(self) -> float:
-        return self.cfg.runtime.timeout_s
+        return self.cfg.transport.recv_timeout_s
 
     def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -274,7 +273,7 @@ class StageWorker(Rounds):
             weights, inputs = self.cell.weights(version), self.in_flight[b].inputs
             out = stage_forward(self.cell.module, weights, inputs, self.precision, self._tokens(b))
         self._busy(t0)
-        out = self.cell.outgoing(out, "activation", b)  # runtime.pipeline_poison: a hostile cell
+        out = self.cell.outgoing(out, "activation", b)  # faults.pipeline_poison: a hostile cell
         enc = codecs.encode(out, self.cfg.pipeline.codec)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
 
@@ -352,7 +351,7 @@ class StageWorker(Rounds):
             grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
         self._busy(t0)
         if self.j > 0:
-            sent = self.cell.outgoing(grads[0], "gradient", b)  # runtime.pipeline_poison
+            sent = self.cell.outgoing(grads[0], "gradient", b)  # faults.pipeline_poison
             enc = codecs.encode(sent, self.cfg.pipeline.codec)
             assert self.prev is not None
             self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)

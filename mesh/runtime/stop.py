@@ -52,7 +52,7 @@ class StopSignal:
     def immediate(self) -> Iterator[None]:
         """A stop inside exits the process at once (exit 0), from a thread the signal's wakeup
         fd wakes: the main thread may sit in a C++ call (a TCPStore or gloo connect waits up to
-        runtime.timeout_s) where a Python handler cannot run, and a stop must not wait that
+        transport.start_timeout_s) where a Python handler cannot run, and a stop must not wait that
         long. The processes this one started (a half-started DHT and its p2pd) are killed
         first, by PID. Only for a window where nothing else needs undoing: no file open,
         nothing claimed, nothing trained since the last save."""

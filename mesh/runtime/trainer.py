@@ -77,11 +77,11 @@ def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
     """What the config asks of a cell's transport beyond names and links: on hivemind, the
     membership token of (run key, config fingerprint) and the DHT mode."""
-    if cfg.runtime.backend != "hivemind":
+    if cfg.transport.backend != "hivemind":
         return {}
     return {
         "auth": Auth.of(run_key, cfg.fingerprint()),
-        "dht_client": cfg.runtime.dht_mode == "client",
+        "dht_client": cfg.transport.dht_mode == "client",
     }
 
 
@@ -96,15 +96,15 @@ def cell_transport(
     hivemind, records carry the membership token of (run key, config fingerprint)."""
     names, groups = grid_names(cfg)
     extra = backend_options(cfg, run_key)
-    if cfg.runtime.backend == "torch":
+    if cfg.transport.backend == "torch":
         extra.update(cell_links(cfg, stage, replica))
     return make_transport(
-        cfg.runtime.backend,
+        cfg.transport.backend,
         cell_name(stage, replica),
         names,
         groups,
-        host=cfg.runtime.host,
-        timeout_s=cfg.runtime.timeout_s,
+        host=cfg.transport.host,
+        timeout_s=cfg.transport.start_timeout_s,
         **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},
     )
 
@@ -113,7 +113,7 @@ def cell_device(cfg: Config, stage: int, replica: int) -> torch.device:
     """runtime.device: "cpu"; "cuda": GPU (cell index mod the visible GPUs, so a simulated
     grid spreads over them); "auto": cuda when this machine has one. Emulated compute: cpu."""
     want = cfg.runtime.device
-    if cfg.runtime.compute == "emulated" or want == "cpu":
+    if cfg.emulation.compute == "emulated" or want == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         if want == "cuda":
@@ -134,12 +134,12 @@ def make_coordinator(
     """Fixed grid on torch.distributed; DHT sessions and heartbeats on hivemind (data: the
     dataset's identity for the run's record, mesh.data.manifest.run_record_data)."""
     mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
-    if cfg.runtime.backend != "hivemind":
+    if cfg.transport.backend != "hivemind":
         return StaticCoordinator(cfg.run.steps, mpu)
     # assert: build_transport makes a hivemind transport for the hivemind backend
     assert isinstance(transport, DirectoryTransport), type(transport)
     auth = Auth.of(run_key, cfg.fingerprint())
-    registry = Registry(transport, auth, cfg.runtime.heartbeat_s)
+    registry = Registry(transport, auth, cfg.elastic.heartbeat_s)
     peer = transport.peer_id
     return DhtCoordinator(
         registry,
@@ -150,7 +150,7 @@ def make_coordinator(
         replica=cell.replica,
         steps=cfg.run.steps,
         mpu=mpu,
-        wait_s=cfg.runtime.rejoin_timeout_s,
+        wait_s=cfg.elastic.rejoin_timeout_s,
         run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data),
         since=since,
         step=cell.step,
@@ -169,7 +169,7 @@ def catch_up(
     event: Callable[..., None] | None = None,
 ) -> CellRecord | None:
     """Reload state from the most advanced live peer of this stage when this cell is more than
-    runtime.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled); the
+    elastic.max_lag_steps behind it (a fresh joiner, or a cell whose replica was stalled); the
     peers further ahead are the next donors if one fails mid-transfer. Returns the claim of the
     peer whose state was loaded (the cell is at its step now), or None when nothing was loaded
     (a failed download is an event row, `state_download_failed`, with its reason)."""
@@ -182,13 +182,17 @@ def catch_up(
         return None  # the DHT did not answer: train on, catch up at the next session
     column = [cell_name(cell.stage, r) for r in others]
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
-    ahead = [r for r in live if r.step - cell.step > cfg.runtime.max_lag_steps]
+    ahead = [r for r in live if r.step - cell.step > cfg.elastic.max_lag_steps]
     if not ahead:
         return None
     old_step = cell.step
     with worker.lock:
         got = download_state(
-            transport, cell, [r.cell for r in ahead], cfg.runtime.timeout_s, staging_dir=staging_dir
+            transport,
+            cell,
+            [r.cell for r in ahead],
+            cfg.elastic.state_timeout_s,
+            staging_dir=staging_dir,
         )
     if not got:
         if event is not None:
@@ -222,7 +226,7 @@ def run_cell(
     cfg = config_from_dict(cfg_tree)
     memory.limit_arenas(cfg.runtime.malloc_arenas)  # before the transport's threads start
     torch.set_num_threads(cfg.run.threads)
-    emulated = cfg.runtime.compute == "emulated"
+    emulated = cfg.emulation.compute == "emulated"
     if emulated:
         cfg = resolve_window(cfg)  # deterministic here; real compute: the launcher resolves it
     corpus = (
@@ -267,8 +271,9 @@ def run_cell(
 
     try:
         # a stop while the transport starts ends it at once (its helper processes with it):
-        # a start may take up to runtime.timeout_s (p2pd's bootstrap retries on a busy host, a
-        # TCPStore connect blocked in C++ where no handler runs), longer than a launcher waits
+        # a start may take up to transport.start_timeout_s (p2pd's bootstrap retries on a busy
+        # host, a TCPStore connect blocked in C++ where no handler runs), longer than a launcher
+        # waits
         with STOP.immediate():
             transport = cell_transport(cfg, stage, replica, transport_options, run_key)
         with metrics.open("a") as f:
@@ -292,7 +297,7 @@ def run_cell(
             trimmed = [time.perf_counter()]
 
             def on_step(w: StageWorker) -> None:
-                every = cfg.runtime.checkpoint_every
+                every = cfg.checkpoint.every
                 if every and cell.step % every == 0:
                     with STOP.deferred():
                         save_cell(cell, cfg.state_fingerprint(), out_dir)
@@ -309,7 +314,7 @@ def run_cell(
                 row = _row(w, transport, now - start)
                 if isinstance(coord, DhtCoordinator):
                     coord.beat.stats = beat_stats(row)
-                    if row["flagged"]:  # runtime.sentinel's flagged neighbours
+                    if row["flagged"]:  # sentinel.enabled's flagged neighbours
                         coord.beat.stats["flagged"] = row["flagged"]
                 sink.write(row)
 
@@ -408,7 +413,7 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "rounds_jumped": st.rounds_jumped,
         "rounds_skipped": st.rounds_skipped,
         "rejects": dict(transport.stats.rejects),
-        # neighbours runtime.sentinel flagged for sending far outside their statistics
+        # neighbours sentinel.enabled flagged for sending far outside their statistics
         "flagged": cell.sentinel.flagged() if cell.sentinel is not None else [],
         "microbatches": st.microbatches,
         "busy_s": round(st.busy_s, 6),

@@ -57,9 +57,9 @@ def grid(tmp_path_factory, text_file):
     d = tmp_path_factory.mktemp("live")
     run_dir, base = d / "run", free_port_block(P * M)
     sets = [
-        *helpers.TINY, f"data.path='{text_file}'", "runtime.tensorboard=true",
-        f"runtime.prometheus_port={base}", f"runtime.heartbeat_s={HEARTBEAT_S}",
-        "runtime.timeout_s=300", "runtime.checkpoint_every=0",
+        *helpers.TINY, f"data.path='{text_file}'", "metrics.tensorboard=true",
+        f"metrics.prometheus_port={base}", f"elastic.heartbeat_s={HEARTBEAT_S}",
+        "transport.recv_timeout_s=300", "checkpoint.every=0",
     ]  # fmt: skip
     log = (d / "simulate.log").open("w")
     sim = meshtrain(

@@ -34,7 +34,7 @@ from mesh.runtime.registry import HEARTBEAT_LIVES
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HANG_S = 120  # only hangs: four joins each start torch, hivemind and a p2pd on a 2-core box
-HEARTBEAT_S = 1.0  # tiny_grid_config's runtime.heartbeat_s
+HEARTBEAT_S = 1.0  # tiny_grid_config's elastic.heartbeat_s
 CELLS = {"s0r0", "s1r0", "s0r1", "s1r1"}
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 DISK_BYTES = 20 << 20
 FREE_BYTES = 600 << 10  # room for one round of checkpoints of the 2x1 grid, not two
-RUN = [*helpers.TINY, "runtime.checkpoint_every=2", "runtime.timeout_s=30", "run.steps=8"]
+RUN = [*helpers.TINY, "checkpoint.every=2", "transport.recv_timeout_s=30", "run.steps=8"]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ hivemind (elastic): the other replica keeps training while a cell is gone; the r
 (its own latest checkpoint, then its stage's live state since it fell behind) rejoins and its
 replica's pipeline resumes in a new session. torch.distributed (fixed world): the other replica
 keeps training and its rounds fail fast; the dead cell's neighbour gives up with a clear error
-after runtime.timeout_s instead of hanging.
+after transport.recv_timeout_s instead of hanging.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ TINY = [
     "pipeline.schedule=async",
     "dp.tau=2",
     "dp.fraction=0.25",
-    "runtime.checkpoint_every=5",
-    "runtime.heartbeat_s=0.5",
+    "checkpoint.every=5",
+    "elastic.heartbeat_s=0.5",
 ]
 
 
@@ -78,10 +78,10 @@ def test_killed_cell_restarts_and_its_replica_resumes(text_file, tmp_path):
             *TINY,
             f"data.path='{text_file}'",
             ENDLESS,
-            "runtime.backend=hivemind",
-            "runtime.max_lag_steps=5",
-            "runtime.round_timeout_s=5",
-            "runtime.rejoin_timeout_s=90",
+            "transport.backend=hivemind",
+            "elastic.max_lag_steps=5",
+            "transport.round_timeout_s=5",
+            "elastic.rejoin_timeout_s=90",
         ],
     )
     victim, partner, survivor = (1, 1), (0, 1), (1, 0)
@@ -135,7 +135,7 @@ def test_cells_stopped_while_starting_exit_cleanly(text_file, tmp_path, backend)
     window died with -15 (its handler was not installed yet), and so did a restarted cell that
     a test stopped as soon as it saw its first life's rows."""
     cfg = load_config(
-        [], [*TINY, f"data.path='{text_file}'", ENDLESS, f"runtime.backend={backend}"]
+        [], [*TINY, f"data.path='{text_file}'", ENDLESS, f"transport.backend={backend}"]
     )
     with local_rendezvous(backend) as options:
         grid = LocalGrid(cfg, tmp_path, options)
@@ -154,10 +154,10 @@ def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_pat
             *TINY,
             f"data.path='{text_file}'",
             ENDLESS,
-            "runtime.backend=hivemind",
-            "runtime.max_lag_steps=100000",  # it keeps its own state: its late rounds show
-            "runtime.round_timeout_s=2",
-            "runtime.rejoin_timeout_s=90",
+            "transport.backend=hivemind",
+            "elastic.max_lag_steps=100000",  # it keeps its own state: its late rounds show
+            "transport.round_timeout_s=2",
+            "elastic.rejoin_timeout_s=90",
         ],
     )
     frozen, survivor, partner = (1, 1), (1, 0), (0, 1)
@@ -175,7 +175,7 @@ def test_frozen_cell_is_dropped_from_rounds_and_nothing_hangs(text_file, tmp_pat
                 wait_for(
                     lambda: (
                         _step(tmp_path, survivor) >= at_stop + 10
-                        and time.monotonic() - stopped > 4 * cfg.runtime.heartbeat_s + 1
+                        and time.monotonic() - stopped > 4 * cfg.elastic.heartbeat_s + 1
                         and bool(_events(tmp_path, partner, "session_broken"))
                     ),
                     90,
@@ -208,9 +208,9 @@ def test_torch_killed_cell_other_replica_keeps_training(text_file, tmp_path):
             *TINY,
             f"data.path='{text_file}'",
             ENDLESS,
-            "runtime.backend=torch",
-            "runtime.timeout_s=8",
-            "runtime.round_timeout_s=3",
+            "transport.backend=torch",
+            "transport.recv_timeout_s=8",
+            "transport.round_timeout_s=3",
         ],
     )
     victim, partner, survivor = (1, 1), (0, 1), (1, 0)
@@ -222,7 +222,7 @@ def test_torch_killed_cell_other_replica_keeps_training(text_file, tmp_path):
             wait_for(lambda: _step(tmp_path, victim) >= 5, 120, "the victim to reach step 5")
             os.kill(grid.pid(victim), signal.SIGKILL)
             at_kill = _step(tmp_path, survivor)
-            # its neighbour gives up after runtime.timeout_s with a clear error: no hang
+            # its neighbour gives up after transport.recv_timeout_s with a clear error: no hang
             wait_for(lambda: grid.exit_codes()[partner] is not None, 60, "the neighbour to give up")
             wait_for(lambda: _step(tmp_path, survivor) >= at_kill + 20, 60, "the other replica")
             survivor_alive = grid.procs[survivor].is_alive()
@@ -294,14 +294,14 @@ def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pat
         "grid.stages=1",
         f"data.path='{text_file}'",
         "run.steps=80",
-        "runtime.backend=hivemind",
+        "transport.backend=hivemind",
         "dp.codec=fp32",
-        "runtime.round_timeout_s=5",
+        "transport.round_timeout_s=5",
         # the replicas form seconds apart on a loaded box, and unslowed this tiny model runs
         # its 80 updates in about a second: the first replica would finish before the second
         # starts. Slowed 20x (8-10 s a run; 8x was not enough once at load 4) and with rounds
         # open 100 updates, they overlap and average
-        "runtime.slowdowns=['s0r0=20', 's0r1=20']",
+        "emulation.slowdowns=['s0r0=20', 's0r1=20']",
         "dp.max_round_lag_steps=100",
     ]
     runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_averaging_peer)
@@ -346,8 +346,8 @@ def test_nan_activation_peer_is_rejected_and_honest_loss_holds(text_file, tmp_pa
         *TINY,
         f"data.path='{text_file}'",
         "run.steps=80",
-        "runtime.backend=hivemind",
-        "runtime.round_timeout_s=5",
+        "transport.backend=hivemind",
+        "transport.round_timeout_s=5",
     ]
     runs = _clean_and_attacked(load_config([], base), tmp_path, (0, 1), nan_activation_peer)
     for name, (_, codes) in runs.items():

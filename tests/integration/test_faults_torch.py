@@ -1,7 +1,7 @@
 """The fault matrix of the torch backend (`simulate`'s default), as a user meets it: the CLI in
 its own process, real cells, real signals. A slow replica with a short round deadline keeps
 averaging; a killed cell's replica is restarted while the other trains on, and the run
-finishes; past runtime.max_restarts the grid stops saved and `--resume` finishes it; SIGTERM
+finishes; past elastic.max_restarts the grid stops saved and `--resume` finishes it; SIGTERM
 to the launcher stops and saves every cell, exit 0, nothing left running, and the run resumes;
 a second launcher on a live directory is refused in one line."""
 
@@ -24,7 +24,7 @@ from mesh.runtime.rows import parse_rows
 pytestmark = pytest.mark.integration
 
 GRID = ["--backend", "torch", "--grid", "2x2"]
-TINY = [*helpers.TINY, "runtime.checkpoint_every=5", "runtime.timeout_s=30"]
+TINY = [*helpers.TINY, "checkpoint.every=5", "transport.recv_timeout_s=30"]
 RUN_S = 300  # a hang guard for one simulate, far above the ~30 s one takes on a loaded box
 
 
@@ -102,7 +102,8 @@ def test_a_slow_replica_with_a_short_round_deadline_keeps_averaging(tmp_path):
     (a late round used to turn averaging off for the rest of the run)."""
     out = tmp_path / "run"
     res = _run(_cmd(out, 120, *_sets(
-        "runtime.compute='emulated'", 'runtime.slowdowns=["s1r1=3.0"]', "runtime.round_timeout_s=1",
+        "emulation.compute='emulated'", 'emulation.slowdowns=["s1r1=3.0"]',
+        "transport.round_timeout_s=1",
     )))  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     rounds = json.loads((out / "summary.json").read_text())["rounds"]
@@ -133,7 +134,7 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
     start took 25 s on a 2-core box at load 20; replica 0 has about twice that left)."""
     out = tmp_path / "run"
     steps = 200
-    pace = ("runtime.compute='emulated'", "runtime.forward_ms=80", "runtime.backward_ms=160")
+    pace = ("emulation.compute='emulated'", "emulation.forward_ms=80", "emulation.backward_ms=160")
     proc = subprocess.Popen(_cmd(out, steps, *_sets(*pace)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -204,12 +205,12 @@ def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
 
 def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(tmp_path):
     """SIGKILL of s1r1: its replica starts again from its newest shared checkpoint. With
-    runtime.max_restarts = 1, a second kill stops the grid, every other cell saved, in one
+    elastic.max_restarts = 1, a second kill stops the grid, every other cell saved, in one
     line; `--resume` finishes it."""
     out = tmp_path / "run"
     steps = 400
     proc = subprocess.Popen(
-        _cmd(out, steps, *_sets("runtime.max_restarts=1", 'runtime.slowdowns=["s1r1=2.0"]')),
+        _cmd(out, steps, *_sets("elastic.max_restarts=1", 'emulation.slowdowns=["s1r1=2.0"]')),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Only hangs are bounded here, with room for a loaded 2-core box; how long joining, resuming and
 # failing take is measured by `meshtrain bench join` (results/join/table.md).
 HANG_S = 60
-SLOWDOWN = 4.0  # runtime.slowdowns of every cell
+SLOWDOWN = 4.0  # emulation.slowdowns of every cell
 
 
 def test_grid_formed_by_joins(text_file, tmp_path):

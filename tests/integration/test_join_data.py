@@ -40,7 +40,7 @@ def test_a_join_with_other_data_is_refused_naming_the_difference(tmp_path):
     docs = [generated_text(2000, seed=i) for i in range(40)]
     ours = _dataset(tmp_path / "ours", docs)
     theirs = _dataset(tmp_path / "theirs", [*docs[:-1], docs[-1] + "One more line.\n"])
-    cfg = tiny_grid_config(tmp_path, ours, replicas=1, runtime="rejoin_timeout_s = 600")
+    cfg = tiny_grid_config(tmp_path, ours, replicas=1, local="elastic.rejoin_timeout_s = 600")
     dht, maddr = start_dht()
     peers = ["--initial-peers", maddr, *LOOPBACK]
     log = (tmp_path / "first.log").open("w")

@@ -529,7 +529,7 @@ async def _serves_dht(_dht, node) -> bool:
 
 
 def test_a_dht_client_peer_serves_no_dht_and_is_still_dialed_directly():
-    """runtime.dht_mode = "client": the peer's DHT node answers no DHT request, yet its
+    """transport.dht_mode = "client": the peer's DHT node answers no DHT request, yet its
     records are in the DHT (through the server) and a peer sends to it over a direct link."""
     from comms.p2p.dht import DhtClient
 

@@ -1,5 +1,5 @@
-"""A hostile pipeline stage (runtime.pipeline_poison) against the receivers' sentinel
-(runtime.sentinel, mesh/algo/sentinel.py): in the simulator, the honest replica's loss stays
+"""A hostile pipeline stage (faults.pipeline_poison) against the receivers' sentinel
+(sentinel.enabled, mesh/algo/sentinel.py): in the simulator, the honest replica's loss stays
 within 5% of a clean run with the same seed and a clean run drops nothing; in the process
 runtime, the same drops are counted in the rows and the sender is flagged."""
 
@@ -63,7 +63,7 @@ def test_the_default_demo_drops_and_flags_nothing():
 def test_a_hostile_stage_is_dropped_and_the_honest_loss_holds(
     text_file, clean, attack, receiver, onset
 ):
-    hostile = _sim(text_file, f"runtime.pipeline_poison=['{attack}']")
+    hostile = _sim(text_file, f"faults.pipeline_poison=['{attack}']")
     assert hostile.flagged == {receiver: [attack.split("=")[0]]}
     # every microbatch from the onset on (an honest stream may lose a rare spike besides)
     assert 200 - onset <= hostile.rejects["poison"] <= 200 - onset + 2
@@ -72,9 +72,9 @@ def test_a_hostile_stage_is_dropped_and_the_honest_loss_holds(
 
 
 def test_an_undefended_gradient_flip_hurts_the_honest_replica(text_file, clean):
-    """What the sentinel holds off: the same flip with runtime.sentinel off costs the honest
+    """What the sentinel holds off: the same flip with sentinel.enabled off costs the honest
     replica (through the averaging) more than the 5% the defended run stays within."""
-    hostile = _sim(text_file, "runtime.pipeline_poison=['s1r1=flip@40']", "runtime.sentinel=false")
+    hostile = _sim(text_file, "faults.pipeline_poison=['s1r1=flip@40']", "sentinel.enabled=false")
     honest, reference = hostile.val_loss_replicas[0], clean.val_loss_replicas[0]
     assert (honest - reference) / reference > 0.05, (honest, reference)
 
@@ -89,9 +89,9 @@ def _runtime(text_file, tmp_path, attack):
             "grid.replicas=1",
             "run.steps=30",
             "dp.mode=none",
-            "runtime.timeout_s=30",
-            "runtime.sentinel_warmup=8",
-            f"runtime.pipeline_poison=['{attack}']",
+            "transport.recv_timeout_s=30",
+            "sentinel.warmup=8",
+            f"faults.pipeline_poison=['{attack}']",
         ],
     )
     run = run_grid(cfg, tmp_path, timeout_s=240)

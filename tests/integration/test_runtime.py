@@ -18,8 +18,8 @@ pytestmark = pytest.mark.integration
 
 TINY = [
     *helpers.TINY,
-    "runtime.timeout_s=30",
-    "runtime.round_timeout_s=30",
+    "transport.recv_timeout_s=30",
+    "transport.round_timeout_s=30",
 ]
 
 LLAMA = [
@@ -66,7 +66,7 @@ def _final_flats(out: Path, cfg) -> dict:
             "pipeline.boundary=learned",
             "pipeline.boundary_rank=4",
             "pipeline.anchor_rank=4",
-            "runtime.backend=hivemind",
+            "transport.backend=hivemind",
         ],  # fmt: skip
     ],
     ids=[
@@ -126,7 +126,7 @@ def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):
         "grid.replicas=2",
         "run.steps=40",  # a tiny grid runs 8 steps in about a second: room to stop at step 4
         "dp.mode=none",
-        "runtime.checkpoint_every=2",
+        "checkpoint.every=2",
         "pipeline.weight_prediction=1",
     ]
     cfg = load_config([], base)
@@ -167,8 +167,8 @@ def test_poisoning_replica_is_refused_and_counted_by_the_runtime(text_file, tmp_
             "dp.fraction=0.25",
             "dp.aggregate=median",
             "dp.outlier_k=10",
-            'runtime.poison=["s0r2=-1000"]',
-            f"runtime.backend={backend}",
+            'faults.poison=["s0r2=-1000"]',
+            f"transport.backend={backend}",
         ],
     )
     run = run_grid(cfg, tmp_path, timeout_s=240)

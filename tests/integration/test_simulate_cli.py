@@ -18,7 +18,7 @@ from mesh.runtime.launch import run_grid
 
 pytestmark = pytest.mark.integration
 
-TINY = [*helpers.TINY, "runtime.checkpoint_every=2", "runtime.timeout_s=30"]
+TINY = [*helpers.TINY, "checkpoint.every=2", "transport.recv_timeout_s=30"]
 
 
 def _meshtrain(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ def test_arms_are_the_baselines_and_each_method_at_each_ratio(base):
     for method in study.COMPRESSED:
         for ratio in study.RATIOS:
             ov = arms[f"{method} {ratio}x"]
-            assert ov["runtime.sentinel"] is False  # a defence's drops are no boundary's cost
+            assert ov["sentinel.enabled"] is False  # a defence's drops are no boundary's cost
             assert ov["pipeline.boundary"] == method and ov["grid.stages"] == 4
             cfg = spec_config(base, study._spec(f"{method} {ratio}x", ov, 0, 1e-3), 300)
             assert cfg.pipeline.boundary_rank == ov["pipeline.boundary_rank"] <= 64

@@ -294,7 +294,7 @@ def test_the_table_gives_the_headline_out_of_sample_first(tmp_path):
 def test_the_committed_studys_runs_keep_their_configs():
     """Every committed DP run's config is the one the study builds today (same fingerprint), so
     the run cache reuses it; a new default that changes the numbers must not slip past it (the
-    pipeline sentinel is a [runtime] key, outside the fingerprint: the studies pin it off)."""
+    pipeline sentinel is a local section, outside the fingerprint: the studies pin it off)."""
     from pathlib import Path
 
     from mesh.bench.convergence import _dp_spec
@@ -312,7 +312,7 @@ def test_the_committed_studys_runs_keep_their_configs():
     for r in runs:
         cfg = spec_config(base, _dp_spec(r["method"], r["seed"], tuned=tuned), r["microbatches"])
         assert cfg.fingerprint() == r["config_fingerprint"], (r["method"], r["seed"])
-        assert cfg.runtime.sentinel is False
+        assert cfg.sentinel.enabled is False
 
 
 def test_a_study_stopped_part_way_reports_what_it_has(tmp_path):

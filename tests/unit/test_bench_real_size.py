@@ -36,8 +36,8 @@ def test_compute_is_plans_flops_at_40pct_of_an_h100(grid):
 def test_arms_carry_the_real_payloads(grid):
     cfg, compute = grid
     assert cfg.boundary_shape == (8, 1024, 2304)
-    assert (cfg.runtime.link_bandwidth_mbps, cfg.runtime.link_latency_ms) == (100.0, 50.0)
-    assert cfg.runtime.link_shared == "pipeline" and cfg.dp.subset_block == 64  # the preset's
+    assert (cfg.transport.link_bandwidth_mbps, cfg.transport.link_latency_ms) == (100.0, 50.0)
+    assert cfg.transport.link_shared == "pipeline" and cfg.dp.subset_block == 64  # the preset's
     sizes, shares = {}, {}
     for method, ratio, codec in rs.ARMS:
         c = rs.arm_config(cfg, method, ratio, codec)
@@ -63,14 +63,14 @@ def test_time_dilation_scales_every_duration_and_keeps_the_fractions(grid):
     c = rs.arm_config(cfg, "learned", 64, "fp8_e4m3")
     k = 7.5
     d = rs.dilated(c, k)
-    rt, dt = c.runtime, d.runtime
-    assert dt.forward_ms == pytest.approx(k * rt.forward_ms)
-    assert dt.backward_ms == pytest.approx(k * rt.backward_ms)
-    assert dt.link_latency_ms == pytest.approx(k * rt.link_latency_ms)
-    assert dt.link_bandwidth_mbps == pytest.approx(rt.link_bandwidth_mbps / k)
-    assert dt.timeout_s == pytest.approx(k * rt.timeout_s)
-    assert dt.round_timeout_s == pytest.approx(k * rt.round_timeout_s)
-    assert d.pipeline.window == c.pipeline.window and d.runtime.slowdowns == c.runtime.slowdowns
+    emu, link, d_emu, d_link = c.emulation, c.transport, d.emulation, d.transport
+    assert d_emu.forward_ms == pytest.approx(k * emu.forward_ms)
+    assert d_emu.backward_ms == pytest.approx(k * emu.backward_ms)
+    assert d_link.link_latency_ms == pytest.approx(k * link.link_latency_ms)
+    assert d_link.link_bandwidth_mbps == pytest.approx(link.link_bandwidth_mbps / k)
+    assert d_link.recv_timeout_s == pytest.approx(k * link.recv_timeout_s)
+    assert d_link.round_timeout_s == pytest.approx(k * link.round_timeout_s)
+    assert d.pipeline.window == c.pipeline.window and d.emulation.slowdowns == c.emulation.slowdowns
     # the window a dilated arm would size for itself is the same: every time scaled alike
     auto = {"pipeline.window": "auto"}
     assert resolve_window(with_overrides(d, auto)).pipeline.window == c.pipeline.window
@@ -81,7 +81,7 @@ def test_time_dilation_scales_every_duration_and_keeps_the_fractions(grid):
     )
     # the calibration arm: no sleeps to speak of, no shaping
     u = rs.unconstrained(c)
-    assert u.runtime.forward_ms < 0.01 and link_profile(u) is None
+    assert u.emulation.forward_ms < 0.01 and link_profile(u) is None
     # k: the host gets MARGIN x its own time an update, never less than real time
     assert rs.dilation(0.2, 0.05) == pytest.approx(rs.MARGIN * 4)
     assert rs.dilation(0.01, 3.0) == 1.0

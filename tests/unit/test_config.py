@@ -1,9 +1,10 @@
+import tomllib
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
-from mesh.config import ConfigError, DPConfig, load_config, with_overrides
+from mesh.config import ConfigError, DPConfig, config_from_dict, load_config, with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,16 +190,95 @@ def test_removed_mean_path_key_says_so_and_old_run_configs_still_load(tmp_path):
     assert "mean_path" not in load_config().to_toml()
 
 
+# a run's config.toml as the single [runtime] table wrote it (every key of that table)
+OLD_RUNTIME_TABLE = """
+[runtime]
+backend = "hivemind"
+timeout_s = 45.0
+round_timeout_s = 12.0
+host = "127.0.0.2"
+dht_mode = "client"
+device = "cpu"
+rejoin_timeout_s = 90.0
+max_restarts = 2
+heartbeat_s = 0.5
+max_lag_steps = 7
+poison = ["s0r1=-1000"]
+pipeline_poison = ["s1r0=flip@3"]
+sentinel = false
+sentinel_warmup = 16
+sentinel_z = 6.0
+sentinel_flag_drops = 4
+checkpoint_every = 9
+compute = "emulated"
+forward_ms = 3.0
+backward_ms = 6.0
+slowdowns = ["s1r1=2.0"]
+link = "wan100"
+link_bandwidth_mbps = 50.0
+link_latency_ms = 30.0
+link_shared = "pipeline"
+precision = "bf16"
+malloc_arenas = 1
+trim_every_s = 30.0
+tensorboard = true
+prometheus_port = 9100
+"""
+NEW_SECTIONS = [
+    "transport.backend='hivemind'", "transport.recv_timeout_s=45", "transport.start_timeout_s=45",
+    "elastic.state_timeout_s=45", "transport.round_timeout_s=12", "transport.host='127.0.0.2'",
+    "transport.dht_mode='client'", "runtime.device='cpu'", "elastic.rejoin_timeout_s=90",
+    "elastic.max_restarts=2", "elastic.heartbeat_s=0.5", "elastic.max_lag_steps=7",
+    "faults.poison=['s0r1=-1000']", "faults.pipeline_poison=['s1r0=flip@3']",
+    "sentinel.enabled=false", "sentinel.warmup=16", "sentinel.z=6.0", "sentinel.flag_drops=4",
+    "checkpoint.every=9", "emulation.compute='emulated'", "emulation.forward_ms=3.0",
+    "emulation.backward_ms=6.0", "emulation.slowdowns=['s1r1=2.0']", "transport.link='wan100'",
+    "transport.link_bandwidth_mbps=50.0", "transport.link_latency_ms=30.0",
+    "transport.link_shared='pipeline'", "runtime.precision='bf16'", "runtime.malloc_arenas=1",
+    "runtime.trim_every_s=30.0", "metrics.tensorboard=true", "metrics.prometheus_port=9100",
+]  # fmt: skip
+
+
+def test_an_old_runtime_table_loads_into_the_new_sections_with_a_notice(tmp_path, capfd):
+    """The keys of the one [runtime] table moved to sections by concern: an old run's
+    config.toml (and an older peer's config tree) loads with every value in its new place, one
+    line a moved key on stderr, and the same fingerprint: the local sections, as [runtime]
+    was, stay out of it."""
+    import mesh.config_keys as keys
+
+    keys._NOTICED.clear()
+    grid = ["grid.stages=2", "grid.replicas=2"]
+    stored = tmp_path / "config.toml"
+    stored.write_text(OLD_RUNTIME_TABLE)
+    old = load_config([stored], grid)
+    new = load_config([], [*grid, *NEW_SECTIONS])
+    assert old == new
+    assert old.fingerprint() == new.fingerprint() == load_config([], grid).fingerprint()
+    notices = capfd.readouterr().err.splitlines()
+    assert len(notices) == 26, notices  # one per moved key; device and the memory keys stayed
+    timeout = [n for n in notices if "config key runtime.timeout_s is now " in n]
+    assert "transport.recv_timeout_s and transport.start_timeout_s and elastic.state" in timeout[0]
+    assert all(line.endswith("it still works") for line in notices)
+    assert load_config([stored], grid) == old and not capfd.readouterr().err  # once a process
+    # a tree an older peer sent (the DHT's run config), and a new key given beside its old one
+    tree = tomllib.loads(OLD_RUNTIME_TABLE)
+    assert config_from_dict({"grid": {"stages": 2, "replicas": 2}, **tree}) == new
+    both = load_config([], ["runtime.sentinel_z=3", "sentinel.z=5"])
+    assert both.sentinel.z == 5  # later wins, as for any key
+    written = new.to_toml()  # in the new layout: no key of the old table is written again
+    assert "\n[transport]\n" in written and "\ntimeout_s =" not in written
+
+
 def test_the_dht_mode_reaches_a_hivemind_cells_transport():
     from mesh.runtime.trainer import backend_options
 
-    hive = ["runtime.backend=hivemind"]
+    hive = ["transport.backend=hivemind"]
     assert backend_options(load_config([], hive), None)["dht_client"] is False
-    client = load_config([], [*hive, "runtime.dht_mode=client"])
+    client = load_config([], [*hive, "transport.dht_mode=client"])
     assert backend_options(client, None)["dht_client"] is True
     assert backend_options(load_config([], []), None) == {}  # torch: no DHT at all
-    with pytest.raises(ConfigError, match="runtime.dht_mode"):
-        load_config([], [*hive, "runtime.dht_mode=relay"])
+    with pytest.raises(ConfigError, match="transport.dht_mode"):
+        load_config([], [*hive, "transport.dht_mode=relay"])
 
 
 def test_subset_block_hashes_away_at_one_and_needs_the_keyed_partition():
@@ -236,8 +316,8 @@ def test_every_named_choice_is_defined_once_and_the_config_offers_it():
         "dp.codec": choices.DP_CODECS,
         "dp.correction": choices.CORRECTIONS,
         "dp.aggregate": choices.AGGREGATES,
-        "runtime.backend": choices.BACKENDS,
-        "runtime.link": choices.LINKS,
+        "transport.backend": choices.BACKENDS,
+        "transport.link": choices.LINKS,
     }
     for key, names in fields.items():
         section, field = key.split(".")

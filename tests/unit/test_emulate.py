@@ -17,7 +17,7 @@ from mesh.algo.schedule import (
     version_for,
     versions_kept,
 )
-from mesh.config import ConfigError, RuntimeConfig, load_config, parse_slowdowns
+from mesh.config import ConfigError, TransportConfig, load_config, parse_slowdowns
 from mesh.runtime.emulate import (
     ComputeClock,
     activation_frame_bytes,
@@ -111,7 +111,7 @@ def test_oversleep_is_learned_and_bounded() -> None:
 
 def test_slowdowns_parse_and_name_the_key() -> None:
     assert parse_slowdowns(["s2r0=2.0", " s0r1 = 1.5 "], 4, 2) == {(2, 0): 2.0, (0, 1): 1.5}
-    cfg = load_config([], ["runtime.slowdowns=['s2r0=2.0']", "runtime.compute='emulated'"])
+    cfg = load_config([], ["emulation.slowdowns=['s2r0=2.0']", "emulation.compute='emulated'"])
     assert slowdown(cfg, 2, 0) == 2.0 and slowdown(cfg, 2, 1) == 1.0
     assert emulated_op_s(cfg, 2, 0) == pytest.approx((0.020, 0.040))
     assert compute_table(cfg)[0] == pytest.approx([0.03, 0.03, 0.06, 0.03])
@@ -125,30 +125,32 @@ def test_slowdowns_parse_and_name_the_key() -> None:
         "s1r1=fast": "expected 'sJrI=FACTOR'",
     }
     for item, msg in bad.items():
-        with pytest.raises(ConfigError, match="runtime.slowdowns") as e:
-            load_config([], [f"runtime.slowdowns=['{item}']"])
+        with pytest.raises(ConfigError, match="emulation.slowdowns") as e:
+            load_config([], [f"emulation.slowdowns=['{item}']"])
         assert msg in str(e.value)
     with pytest.raises(ConfigError, match="twice"):
-        load_config([], ["runtime.slowdowns=['s1r1=2', 's1r1=3']"])
+        load_config([], ["emulation.slowdowns=['s1r1=2', 's1r1=3']"])
     # a smaller grid: the cell check follows the grid
     with pytest.raises(ConfigError, match="2x2"):
-        load_config([], ["grid.stages=2", "grid.replicas=2", "runtime.slowdowns=['s2r0=2']"])
+        load_config([], ["grid.stages=2", "grid.replicas=2", "emulation.slowdowns=['s2r0=2']"])
 
 
 def test_link_profiles_match_comms_and_override() -> None:
-    names = typing.get_args(RuntimeConfig.model_fields["link"].annotation)
+    names = typing.get_args(TransportConfig.model_fields["link"].annotation)
     assert set(names) - {"none"} == set(PROFILES)
     assert link_profile(load_config([], [])) is None
-    wan = link_profile(load_config([], ["runtime.link='wan10'"]))
+    wan = link_profile(load_config([], ["transport.link='wan10'"]))
     assert wan is not None and (wan.bandwidth_mbps, wan.latency_ms) == (10.0, 100.0)
-    custom = link_profile(load_config([], ["runtime.link='wan100'", "runtime.link_latency_ms=5"]))
+    custom = link_profile(
+        load_config([], ["transport.link='wan100'", "transport.link_latency_ms=5"])
+    )
     assert custom is not None and (custom.bandwidth_mbps, custom.latency_ms) == (100.0, 5.0)
-    only_bw = link_profile(load_config([], ["runtime.link_bandwidth_mbps=50"]))
+    only_bw = link_profile(load_config([], ["transport.link_bandwidth_mbps=50"]))
     assert only_bw is not None and (only_bw.bandwidth_mbps, only_bw.latency_ms) == (50.0, 0.0)
-    with pytest.raises(ConfigError, match="runtime.link"):
-        load_config([], ["runtime.link='wan5'"])
-    with pytest.raises(ConfigError, match="runtime.link_bandwidth_mbps"):
-        load_config([], ["runtime.link_bandwidth_mbps=0"])
+    with pytest.raises(ConfigError, match="transport.link"):
+        load_config([], ["transport.link='wan5'"])
+    with pytest.raises(ConfigError, match="transport.link_bandwidth_mbps"):
+        load_config([], ["transport.link_bandwidth_mbps=0"])
 
 
 def test_window_config_is_validated() -> None:
@@ -221,18 +223,18 @@ def test_resolve_window_from_the_link() -> None:
         "model.n_layers=4",
         "model.d_model=128",
         "model.seq_len=128",
-        "runtime.compute='emulated'",
+        "emulation.compute='emulated'",
         "pipeline.window='auto'",
     ]
     no_link = resolve_window(load_config([], base))
     assert no_link.pipeline.window == [0, 0, 0, 0]
-    wan = resolve_window(load_config([], [*base, "runtime.link='wan100'"]), headroom=0.0)
+    wan = resolve_window(load_config([], [*base, "transport.link='wan100'"]), headroom=0.0)
     # 256 KiB bf16 frame at 12.5 MB/s = 21 ms, latency 20 ms: rtt_0 = 0.12 + 6 * 0.041
     transfer = 262224 / 12.5e6
     want = math.ceil((0.12 + 6 * (0.02 + transfer)) / 0.03) - 4
     assert wan.pipeline.window[0] == want
     assert wan.pipeline.window[-1] == 0
-    roomy = resolve_window(load_config([], [*base, "runtime.link='wan100'"]))
+    roomy = resolve_window(load_config([], [*base, "transport.link='wan100'"]))
     assert roomy.pipeline.window[0] >= want and roomy.pipeline.window[-1] == 0
     sync = resolve_window(load_config([], [*base, "pipeline.schedule='gpipe'"]))
     assert sync.pipeline.window == "none"
@@ -240,7 +242,7 @@ def test_resolve_window_from_the_link() -> None:
     real = [
         "grid.stages=2", "model.n_layers=2", "model.d_model=16", "model.n_heads=2",
         "model.seq_len=16", "pipeline.microbatch_size=2", "pipeline.window='auto'",
-        "runtime.link_latency_ms=1000",
+        "transport.link_latency_ms=1000",
     ]  # fmt: skip
     w = resolve_window(load_config([], real)).pipeline.window
     assert isinstance(w, list) and w[0] > 0 and w[1] == 0
@@ -282,8 +284,8 @@ def _rows(cfg, period: dict[int, float], n: int, act: int, avg: int) -> dict:
 def test_fraction_of_ideal_from_rows() -> None:
     cfg = load_config(
         [],
-        ["grid.stages=2", "grid.replicas=2", "model.n_layers=2", "runtime.compute='emulated'",
-         "runtime.slowdowns=['s1r0=2.0']", "model.seq_len=16", "pipeline.microbatch_size=2"],
+        ["grid.stages=2", "grid.replicas=2", "model.n_layers=2", "emulation.compute='emulated'",
+         "emulation.slowdowns=['s1r0=2.0']", "model.seq_len=16", "pipeline.microbatch_size=2"],
     )  # fmt: skip
     tok = cfg.tokens_per_microbatch
     # replica 0 is 2x slower at stage 1: ideal = tok (1/0.06 + 1/0.03)
@@ -303,8 +305,8 @@ def test_fraction_of_ideal_from_rows() -> None:
 def test_a_slow_link_sets_the_stage_time() -> None:
     cfg = load_config(
         [],
-        ["grid.stages=2", "grid.replicas=1", "model.n_layers=2", "runtime.compute='emulated'",
-         "runtime.link_bandwidth_mbps=8"],
+        ["grid.stages=2", "grid.replicas=1", "model.n_layers=2", "emulation.compute='emulated'",
+         "transport.link_bandwidth_mbps=8"],
     )  # fmt: skip
     # 100 kB per microbatch at 1 MB/s = 0.1 s > 0.03 s compute
     tp = throughput(cfg, _rows(cfg, {0: 0.1}, n=20, act=100_000, avg=0))
@@ -353,17 +355,17 @@ def test_link_config_files_spell_out_their_profiles() -> None:
 
 
 def test_a_shared_uplink_carries_a_cells_pipeline_frames_together() -> None:
-    base = ["grid.stages=3", "grid.replicas=2", "model.n_layers=3", "runtime.compute='emulated'",
-            "runtime.link_bandwidth_mbps=8", "runtime.link_latency_ms=10"]  # fmt: skip
+    base = ["grid.stages=3", "grid.replicas=2", "model.n_layers=3", "emulation.compute='emulated'",
+            "transport.link_bandwidth_mbps=8", "transport.link_latency_ms=10"]  # fmt: skip
     plain = load_config([], base)
     assert cell_shaping(plain, 1, 0) == link_profile(plain)  # every link its own bandwidth
-    pipe = load_config([], [*base, "runtime.link_shared='pipeline'"])
+    pipe = load_config([], [*base, "transport.link_shared='pipeline'"])
     shaping = cell_shaping(pipe, 1, 0)
     assert isinstance(shaping, dict) and set(shaping) == {"s0r0", "s2r0", "s0r1", "s1r1", "s2r1"}
     assert shaping["s0r0"].uplink == shaping["s2r0"].uplink == "s1r0"  # its two neighbours
     assert shaping["s1r1"].uplink == "" and shaping["s1r1"].bandwidth_mbps == 8.0  # averaging
     assert all(p.latency_ms == 10.0 for p in shaping.values())
-    every = cell_shaping(load_config([], [*base, "runtime.link_shared='all'"]), 1, 0)
+    every = cell_shaping(load_config([], [*base, "transport.link_shared='all'"]), 1, 0)
     assert {p.uplink for p in every.values()} == {"s1r0"}
     assert [uplink_frames(pipe, j) for j in range(3)] == [1, 2, 1]
     assert [uplink_frames(plain, j) for j in range(3)] == [1, 1, 1]
@@ -373,12 +375,12 @@ def test_a_shared_uplink_carries_a_cells_pipeline_frames_together() -> None:
     assert throughput(plain, _rows(plain, {0: 0.2, 1: 0.2}, n=20, act=100_000, avg=0)).link_s[
         0
     ] == pytest.approx([0.1, 0.1, 0.1])
-    all_cfg = load_config([], [*base, "runtime.link_shared='all'"])
+    all_cfg = load_config([], [*base, "transport.link_shared='all'"])
     tp = throughput(all_cfg, _rows(all_cfg, {0: 0.2, 1: 0.2}, n=20, act=100_000, avg=5_000))
     assert tp.link_s[0] == pytest.approx([0.105, 0.205, 0.105])
     # the window: a hop may wait behind the other direction's frame, and the period holds both
     w = ["model.d_model=128", "model.seq_len=128", "pipeline.window='auto'"]
-    shared = load_config([], [*base, *w, "runtime.link_shared='pipeline'"])
+    shared = load_config([], [*base, *w, "transport.link_shared='pipeline'"])
     transfer = 2 * activation_frame_bytes(shared) / 1e6
     row = compute_table(shared)[0]
     want = extra_warmups(row, 0.01 * 1.25, transfer * 1.25, max(max(row), transfer))

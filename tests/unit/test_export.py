@@ -295,7 +295,7 @@ def test_a_llama_1b_export_is_planned_in_shards_from_shapes_alone():
 
 @pytest.mark.slow
 def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text_file):
-    """`simulate --backend logical --out DIR` saves every cell at runtime.checkpoint_every and
+    """`simulate --backend logical --out DIR` saves every cell at checkpoint.every and
     at its end, in the cell processes' format: export gives a model `transformers` loads with
     the simulator's own logits, generate samples from the run directory; --resume of the
     finished run has nothing to do."""
@@ -303,7 +303,7 @@ def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text
 
     run = tmp_path / "run"
     sets = [f"--set={s}" for s in [*TINY, *TINY_LLAMA, f"data.path='{text_file}'",
-                                   "runtime.checkpoint_every=2"]]  # fmt: skip
+                                   "checkpoint.every=2"]]  # fmt: skip
     args = ["simulate", "--backend", "logical", "--grid", "2x2", "--steps", "5", *sets]
     res = CliRunner().invoke(main, [*args, "--out", str(run)])
     assert res.exit_code == 0, res.output

@@ -32,8 +32,8 @@ def test_core_holds_no_extra_and_all_holds_every_one():
 @pytest.mark.parametrize(
     ("module", "key", "value"),
     [
-        ("tensorboard", "runtime.tensorboard", "true"),
-        ("prometheus_client", "runtime.prometheus_port", "9400"),
+        ("tensorboard", "metrics.tensorboard", "true"),
+        ("prometheus_client", "metrics.prometheus_port", "9400"),
         ("bitsandbytes", "optim.state_8bit", "true"),
     ],
 )

@@ -101,7 +101,7 @@ def test_simulate_init_from_trains_from_the_models_weights(tmp_path, text_file):
     run = tmp_path / "run"
     res = CliRunner().invoke(main, ["simulate", "--backend", "logical", "--grid", "2x1",
                                     "--steps", "6", "--init-from", str(tmp_path / "hf"),
-                                    "--set=runtime.checkpoint_every=0", *sets,
+                                    "--set=checkpoint.every=0", *sets,
                                     "--out", str(run)])  # fmt: skip
     assert res.exit_code == 0, res.output
     summary = json.loads((run / "summary.json").read_text())

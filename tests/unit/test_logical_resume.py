@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow  # three small runs of the simulator and their che
 GRID, STEPS = (2, 2), 10
 SETS = [
     *helpers.TINY, "grid.stages=2", "grid.replicas=2", f"run.schedule_steps={STEPS}",
-    "runtime.checkpoint_every=4", "dp.tau=2", "run.eval_every=5",
+    "checkpoint.every=4", "dp.tau=2", "run.eval_every=5",
     # a sentinel that learns fast and drops often: its verdicts after the resume depend on
     # what it learned before
-    "runtime.sentinel_warmup=2", "runtime.sentinel_z=0.5",
+    "sentinel.warmup=2", "sentinel.z=0.5",
 ]  # fmt: skip
 
 
@@ -144,7 +144,7 @@ def test_ctrl_c_stops_a_logical_run_saved_and_resume_finishes_it(tmp_path, text_
     run = tmp_path / "run"
     # the default sentinel bound: at 0.5 a cell's every microbatch can be dropped from the start
     # (1 run in 5), so it never reaches the checkpoint this test waits for
-    sets = [s for s in SETS if not s.startswith("runtime.sentinel_z=")]
+    sets = [s for s in SETS if not s.startswith("sentinel.z=")]
     sets = [f"--set={s}" for s in [*sets, f"data.path='{text_file}'"]]
     proc = meshtrain("simulate", "--backend", "logical", "--steps", "100000", "--out", str(run),
                      *sets, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip

@@ -64,7 +64,7 @@ SIM = [
     "run.steps=120",
     "run.eval_every=1000",
 ]
-POISON = 'runtime.poison=["s0r3=-1000","s1r3=-1000"]'  # weights scaled by 1e3, sign-flipped
+POISON = 'faults.poison=["s0r3=-1000","s1r3=-1000"]'  # weights scaled by 1e3, sign-flipped
 
 
 def _sim(text_file, *extra):

@@ -372,9 +372,9 @@ def test_parse_pipeline_poison():
 def test_config_refuses_a_bad_entry_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(
-            [], ["grid.stages=2", "grid.replicas=2", "runtime.pipeline_poison=['s0r1=melt']"]
+            [], ["grid.stages=2", "grid.replicas=2", "faults.pipeline_poison=['s0r1=melt']"]
         )
-    assert "runtime.pipeline_poison" in str(e.value) and "\n" not in str(e.value)
+    assert "faults.pipeline_poison" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_flagged_senders_travel_in_heartbeats_and_show_in_status():
@@ -461,7 +461,7 @@ def test_a_real_clean_run_drops_nothing(recorded, kind):
     assert all(replay(recorded[kind], kind))
 
 
-ONSET = 64  # the default onset of runtime.pipeline_poison: twice the warm-up
+ONSET = 64  # the default onset of faults.pipeline_poison: twice the warm-up
 
 
 @pytest.mark.parametrize(

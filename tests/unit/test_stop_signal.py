@@ -1,7 +1,7 @@
 """A cell's stop (SIGTERM) while its transport starts exits at once, exit 0, and takes the
 processes it had started with it: the main thread may be blocked in C++ (a TCPStore connect)
-where no Python handler runs, and the start would hold the process for up to runtime.timeout_s
-(60 s by default), past a launcher's grace period (mesh/runtime/stop.py,
+where no Python handler runs, and the start would hold the process for up to
+transport.start_timeout_s (60 s by default), past a launcher's grace period (mesh/runtime/stop.py,
 StopSignal.immediate). A cell whose launcher was SIGKILLed stops (watch_parent)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class Grid:
     id: str
     stages: int
     replicas: int
-    link: str  # runtime.link profile name
+    link: str  # transport.link profile name
     slowdowns: tuple[str, ...] = ()
 
 
@@ -37,13 +37,13 @@ BENCH = {  # bench-and-reliability 4.1 / 4.2
     "pipeline.microbatch_size": 8,
     "pipeline.microbatches": 4,
     "pipeline.window": "auto",
-    "runtime.compute": "emulated",
-    "runtime.forward_ms": 10.0,
-    "runtime.backward_ms": 20.0,
-    "runtime.backend": "torch",
-    "runtime.checkpoint_every": 0,
-    "runtime.timeout_s": 120.0,  # a recv may wait out a slow window start on 10 Mbit
-    "runtime.round_timeout_s": 60.0,  # A4: the fast replica's rounds wait for the slow one
+    "emulation.compute": "emulated",
+    "emulation.forward_ms": 10.0,
+    "emulation.backward_ms": 20.0,
+    "transport.backend": "torch",
+    "checkpoint.every": 0,
+    "transport.recv_timeout_s": 120.0,  # a recv may wait out a slow window start on 10 Mbit
+    "transport.round_timeout_s": 60.0,  # A4: the fast replica's rounds wait for the slow one
     "run.threads": 1,
     "run.steps": 1_000_000,  # only lr / lambda schedules read it; windows set their own length
 }
@@ -66,8 +66,8 @@ def grid_config(base: Config, g: Grid) -> Config:
         {
             "grid.stages": g.stages,
             "grid.replicas": g.replicas,
-            "runtime.link": g.link,
-            "runtime.slowdowns": list(g.slowdowns),
+            "transport.link": g.link,
+            "emulation.slowdowns": list(g.slowdowns),
         },
     )
 

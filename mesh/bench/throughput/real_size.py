@@ -7,14 +7,14 @@ H100's dense bf16 peak,
 
     t_stage = (6 x matmul parameters + 12 x layers x T x d) [FLOP/token] x B x T / (0.4 x 989e12)
 
-split one third forward, two thirds backward (runtime.forward_ms / backward_ms of the middle
-stages, runtime.slowdowns for a stage whose FLOPs differ: the last holds the head). No model
+split one third forward, two thirds backward (emulation.forward_ms / backward_ms of the middle
+stages, emulation.slowdowns for a stage whose FLOPs differ: the last holds the head). No model
 math runs, so only what crosses the links matters: each cell holds a stand-in of one block of
 d 2304 (1 kv head, SwiGLU width 64, vocab 256) to keep 8 cells within this box's memory; the
 averaging rounds therefore move the stand-in's bytes, not a real stage's (`plan
 --uplink-mbit` sizes those), over links of their own.
 
-The link is a cell's uplink (runtime.link_shared = pipeline): a middle stage's activation on and
+The link is a cell's uplink (transport.link_shared = pipeline): a middle stage's activation on and
 gradient back leave through one 100 Mbit/s wire, so its link time per microbatch is two frames
 (the link model: fraction of compute-ideal = t_slowest / max(t_slowest, frames x frame / bw)).
 
@@ -58,8 +58,8 @@ from mesh.runtime.metrics import read_metrics
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, the vendor's sheet
 MFU = 0.40
 REAL_MODEL = "configs/models/llama-1b.toml"
-LINK = {"runtime.link": "none", "runtime.link_bandwidth_mbps": 100.0,
-        "runtime.link_latency_ms": 50.0, "runtime.link_shared": "pipeline"}  # fmt: skip
+LINK = {"transport.link": "none", "transport.link_bandwidth_mbps": 100.0,
+        "transport.link_latency_ms": 50.0, "transport.link_shared": "pipeline"}  # fmt: skip
 STAND_IN = {"model.n_layers": 4, "model.n_kv_heads": 1, "model.intermediate_size": 64,
             "model.vocab_size": 256}  # fmt: skip
 FP8 = "fp8_e4m3"
@@ -107,9 +107,9 @@ def real_size_config(base: Config) -> tuple[Config, list[float]]:
         base,
         {**{f"model.{k}": v for k, v in real.model.model_dump().items()}, **STAND_IN, **keep,
          **LINK, "grid.stages": 4, "grid.replicas": 2, "pipeline.microbatch_size": 8,
-         "runtime.forward_ms": 1e3 * mid / 3, "runtime.backward_ms": 2e3 * mid / 3,
-         "runtime.slowdowns": slow, "runtime.timeout_s": TIMEOUT_S,
-         "runtime.round_timeout_s": ROUND_TIMEOUT_S,
+         "emulation.forward_ms": 1e3 * mid / 3, "emulation.backward_ms": 2e3 * mid / 3,
+         "emulation.slowdowns": slow, "transport.recv_timeout_s": TIMEOUT_S,
+         "transport.round_timeout_s": ROUND_TIMEOUT_S,
          # the preset's averaging layout (runs of 64 values a round), as a real run has it
          "dp.subset_block": real.dp.subset_block},
     )  # fmt: skip
@@ -133,27 +133,28 @@ def uplink_s_per_microbatch(cfg: Config, bandwidth_bytes_per_s: float) -> float:
 
 def predicted_period_s(cfg: Config, compute: list[float]) -> float:
     """The link model's time per update: the slowest stage's compute or the busiest uplink."""
-    bw = cfg.runtime.link_bandwidth_mbps * 1e6 / 8
+    bw = cfg.transport.link_bandwidth_mbps * 1e6 / 8
     return max(max(compute), uplink_s_per_microbatch(cfg, bw))
 
 
 def unconstrained(cfg: Config) -> Config:
     """The arm with no compute sleeps (1 us an op) and no shaping: the host's own pace."""
     return with_overrides(cfg, {
-        "runtime.forward_ms": 1e-3, "runtime.backward_ms": 1e-3, "runtime.slowdowns": [],
-        "runtime.link_bandwidth_mbps": None, "runtime.link_latency_ms": None,
+        "emulation.forward_ms": 1e-3, "emulation.backward_ms": 1e-3, "emulation.slowdowns": [],
+        "transport.link_bandwidth_mbps": None, "transport.link_latency_ms": None,
     })  # fmt: skip
 
 
 def dilated(cfg: Config, k: float) -> Config:
     """Every duration of the emulation x k: compute, latency and timeouts longer, bandwidth
     lower; the window (in microbatches) and every fraction stay as they are."""
-    rt = cfg.runtime
+    emu, link = cfg.emulation, cfg.transport
     return with_overrides(cfg, {
-        "runtime.forward_ms": rt.forward_ms * k, "runtime.backward_ms": rt.backward_ms * k,
-        "runtime.link_bandwidth_mbps": rt.link_bandwidth_mbps / k,
-        "runtime.link_latency_ms": rt.link_latency_ms * k,
-        "runtime.timeout_s": rt.timeout_s * k, "runtime.round_timeout_s": rt.round_timeout_s * k,
+        "emulation.forward_ms": emu.forward_ms * k, "emulation.backward_ms": emu.backward_ms * k,
+        "transport.link_bandwidth_mbps": link.link_bandwidth_mbps / k,
+        "transport.link_latency_ms": link.link_latency_ms * k,
+        "transport.recv_timeout_s": link.recv_timeout_s * k,
+        "transport.round_timeout_s": link.round_timeout_s * k,
     })  # fmt: skip
 
 
@@ -195,7 +196,7 @@ def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
 
     cfg, compute = real_size_config(base)
     arms = [(arm_name(m, r, c), arm_config(cfg, m, r, c), m) for m, r, c in ARMS]
-    bw = cfg.runtime.link_bandwidth_mbps * 1e6 / 8
+    bw = cfg.transport.link_bandwidth_mbps * 1e6 / 8
     slowest = max(compute)
     t0 = time.perf_counter()
     cal = [(f"calibrate-{label.replace(' ', '-')}", unconstrained(c), CALIBRATION_STEPS,
@@ -252,9 +253,9 @@ def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
         },  # fmt: skip
         "model": "llama-1b boundary shapes; compute from llama-1b's stages",
         "link": {
-            "bandwidth_mbps": cfg.runtime.link_bandwidth_mbps,
-            "latency_ms": cfg.runtime.link_latency_ms,
-            "shared": cfg.runtime.link_shared,
+            "bandwidth_mbps": cfg.transport.link_bandwidth_mbps,
+            "latency_ms": cfg.transport.link_latency_ms,
+            "shared": cfg.transport.link_shared,
         },  # fmt: skip
         "compute_formula": "t_stage = (6 x matmul params + 12 x layers x T x d) x B x T / "
         f"({MFU} x {H100_BF16_PEAK:.3g}); forward 1/3, backward 2/3",

@@ -144,7 +144,7 @@ def _run_windows(
     trees = [(name, c.model_dump(mode="json"), steps, base) for name, c, steps, base in plan]
     procs = []
     start = time.perf_counter()
-    with local_rendezvous(cfg.runtime.backend, cfg.runtime.host) as options:
+    with local_rendezvous(cfg.transport.backend, cfg.transport.host) as options:
         try:
             for i in range(m):
                 for j in range(P):
@@ -273,9 +273,9 @@ def run_throughput(
     codec = pp_codec_bytes(grid_config(base, grids[0]))
     summary = {
         "protocol": {
-            "forward_ms": base.runtime.forward_ms,
-            "backward_ms": base.runtime.backward_ms,
-            "compute": base.runtime.compute,
+            "forward_ms": base.emulation.forward_ms,
+            "backward_ms": base.emulation.backward_ms,
+            "compute": base.emulation.compute,
             "tokens_per_microbatch": base.tokens_per_microbatch,
             "microbatches": base.pipeline.microbatches,
             "windows": windows,

@@ -21,7 +21,7 @@ from typing import Any
 from mesh.runtime.dashboard.rundir import SentTotals, thin
 from mesh.runtime.dashboard.state import DEAD, Seen, StepClock, cell_state
 
-DEFAULT_HEARTBEAT_S = 1.0  # runtime.heartbeat_s's default, when the run's record is unreadable
+DEFAULT_HEARTBEAT_S = 1.0  # elastic.heartbeat_s's default, when the run's record is unreadable
 
 
 class LiveView:

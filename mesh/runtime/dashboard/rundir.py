@@ -238,7 +238,7 @@ def build_json(
             tail = tails.get((j, i))
             failed = (run_dir / "logs" / f"{cell_name(j, i)}.err").is_file()
             seen = seen_of(tail, failed, now, host)
-            state = cell_state(seen, cfg.runtime.heartbeat_s)
+            state = cell_state(seen, cfg.elastic.heartbeat_s)
             if tail is not None:  # a cell that stopped still counts what it sent
                 for kind, n in tail.sent.total().items():
                     bytes_by_kind[kind] = bytes_by_kind.get(kind, 0) + n
@@ -268,7 +268,7 @@ def build_json(
             "source": str(run_dir),
             "fingerprint": fingerprint,
             "start": start,
-            "heartbeat_s": cfg.runtime.heartbeat_s,
+            "heartbeat_s": cfg.elastic.heartbeat_s,
             "steps": cfg.run.steps,
         },
         "bytes_sent": bytes_by_kind,
@@ -299,7 +299,7 @@ def cell_json(
         "rounds": {k: int(row.get(f"rounds_{k}", 0)) for k in ("applied", "partial", "failed")},
         "rejects": sum(int(v) for v in rejects.values()),
         "loss": row.get("loss"),
-        # neighbours this cell's sentinel flagged (runtime.sentinel), as status shows them
+        # neighbours this cell's sentinel flagged (sentinel.enabled), as status shows them
         "flagged": [c for c in row.get("flagged") or [] if isinstance(c, str)],
     }
 

@@ -111,9 +111,18 @@ def reuse(
 def worker_pool(workers: int) -> multiprocessing.pool.Pool:
     """A study's worker processes: forks of the cells' server (torch imported once, not once a
     worker), SIGTERM back at its default, so the pool's terminate ends them as it expects."""
-    return cell_context().Pool(
-        workers, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL)
-    )
+    return cell_context().Pool(workers, initializer=_worker_started)
+
+
+def _worker_started() -> None:
+    """A pool worker ends with its study: SIGTERM at its default (the pool's terminate), and
+    a watch on the launcher, since a study killed by SIGKILL cannot end its workers, and each
+    holds its task pipe's write end too, so an idle one would wait for a task for ever (and
+    keep the fork server's resource tracker alive beside it)."""
+    from mesh.runtime.stop import watch_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    watch_parent()
 
 
 def run_specs(

@@ -142,3 +142,43 @@ def test_a_cell_whose_launcher_was_killed_stops_and_leaves_nothing(tmp_path):
         for pid in (cell, server):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+POOL_LAUNCHER = """
+import os, time
+from mesh.bench.simruns import worker_pool
+pool = worker_pool(2)
+runs = [pool.apply_async(time.sleep, ({hang},)) for _ in range(2)]  # two long runs under way
+print(*sorted({{p.pid for p in pool._pool}}), flush=True)
+time.sleep({hang})
+"""
+
+
+@pytest.mark.slow
+def test_a_studys_workers_end_when_the_study_is_killed():
+    """A study SIGKILLed (a timeout's kill, the OOM killer) cannot end its pool: its workers
+    stop the runs under way and end on their own, and so does the fork server they came
+    from (without the watch, each ran its run to the end first: a study's run is minutes)."""
+    root = Path(__file__).resolve().parents[2]
+    study = subprocess.Popen(
+        [sys.executable, "-c", POOL_LAUNCHER.format(hang=3 * HANG_S)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    workers: list[int] = []
+    try:
+        workers = [int(p) for p in study.stdout.readline().split()]
+        assert len(workers) == 2
+        server = _parent_of(workers[0])
+        workers.append(server)
+        study.kill()
+        study.wait()
+        for pid in workers:
+            wait_for(lambda pid=pid: not alive(pid), HANG_S, f"process {pid} to end")
+    finally:
+        if study.poll() is None:
+            study.kill()
+            study.wait()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -5,10 +5,11 @@ seed, budget and config fingerprint). `bench convergence` and `bench ablations` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing.pool
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,23 @@ def reuse(
     return out
 
 
-def worker_pool(workers: int) -> multiprocessing.pool.Pool:
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     """A study's worker processes: forks of the cells' server (torch imported once, not once a
-    worker), SIGTERM back at its default, so the pool's terminate ends them as it expects."""
-    return cell_context().Pool(workers, initializer=_worker_started)
+    worker), SIGTERM back at its default, so the pool's terminate ends them as it expects.
+
+    Done, the workers are told to end (close, join), not terminated: a worker still starting
+    (a study whose every run was cached closes its pool at once) has the server's SIGTERM
+    ignored until its initializer runs, so terminate's SIGTERM was lost and its join waited for
+    ever. An error still terminates them."""
+    pool = cell_context().Pool(workers, initializer=_worker_started)
+    try:
+        yield pool
+    except BaseException:
+        pool.terminate()
+        raise
+    pool.close()
+    pool.join()
 
 
 def _worker_started() -> None:

@@ -143,13 +143,14 @@ def test_a_cell_whose_launcher_was_killed_stops_and_leaves_nothing(tmp_path):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
+
 POOL_LAUNCHER = """
 import os, time
 from mesh.bench.simruns import worker_pool
-pool = worker_pool(2)
-runs = [pool.apply_async(time.sleep, ({hang},)) for _ in range(2)]  # two long runs under way
-print(*sorted({{p.pid for p in pool._pool}}), flush=True)
-time.sleep({hang})
+with worker_pool(2) as pool:
+    runs = [pool.apply_async(time.sleep, ({hang},)) for _ in range(2)]  # two long runs under way
+    print(*sorted({{p.pid for p in pool._pool}}), flush=True)
+    time.sleep({hang})
 """
 
 
@@ -182,3 +183,13 @@ def test_a_studys_workers_end_when_the_study_is_killed():
         for pid in workers:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_study_with_nothing_to_run_ends():
+    """A study whose every run was cached opens its pool and is done at once: it ends (its
+    workers were still starting, SIGTERM ignored, when terminate's SIGTERM came: it hung)."""
+    root = Path(__file__).resolve().parents[2]
+    code = "from mesh.bench.simruns import worker_pool\nwith worker_pool(2):\n    pass\n"
+    study = subprocess.run([sys.executable, "-c", code], cwd=root, timeout=HANG_S * 4)
+    assert study.returncode == 0

@@ -29,7 +29,14 @@ from cli.reach import (
     reach_verdict,
 )
 from mesh.algo.topology import cell_name
-from mesh.config import Config, ConfigError, load_config, with_overrides
+from mesh.config import (
+    LOCAL_PREFIXES,
+    LOCAL_SECTIONS,
+    Config,
+    ConfigError,
+    load_config,
+    with_overrides,
+)
 from mesh.runtime.registry import (
     CLAIMING,
     CellRecord,
@@ -215,12 +222,13 @@ def config_of_record(
     if theirs.fingerprint() != rec.fingerprint:
         raise JoinError(
             f"the run's config record does not match its fingerprint {rec.fingerprint}; "
-            "a --set of a training key changes it: set only runtime.* keys when joining"
+            "a --set of a training key changes it: set only keys of the local sections ("
+            f"{', '.join(LOCAL_SECTIONS)}) when joining"
         )
     if local is not None and local.fingerprint() != rec.fingerprint:
         from cli.preflight import changed_keys
 
-        changed = [k for k in changed_keys(local, theirs) if not k.startswith("runtime.")]
+        changed = [k for k in changed_keys(local, theirs) if not k.startswith(LOCAL_PREFIXES)]
         if "data.digest" in changed:  # the data's own check says what differs
             check_data(with_overrides(theirs, {"data.path": local.data.path}), run_data=rec.data)
         raise JoinError(

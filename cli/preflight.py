@@ -18,12 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.algo.topology import cell_name
-from mesh.config import Config, ConfigError, load_config, with_overrides
+from mesh.config import (
+    LOCAL_PREFIXES,
+    LOCAL_SECTIONS,
+    Config,
+    ConfigError,
+    load_config,
+    with_overrides,
+)
 from mesh.errors import CheckpointError, need_extra
 
 # settings a resume may change: they decide where the run stops, how it is watched and how
 # its peers connect, never the math of an update (checked again through the state fingerprint)
-RESUMABLE = ("run.steps", "run.eval_every", "run.threads", "data.val_batches", "runtime.")
+RESUMABLE = ("run.steps", "run.eval_every", "run.threads", "data.val_batches", *LOCAL_PREFIXES)
 
 
 def check_data(cfg: Config, verify: bool = False, run_data: dict | None = None):
@@ -127,7 +134,8 @@ def resume_config(
         raise ConfigError(
             f"--resume {run_dir}: {', '.join(changed) or 'the config'} would change the math of "
             f"the {stored.run.steps}-step run so far; a resume may change only "
-            "run.steps, run.eval_every, run.threads, data.val_batches and runtime.*"
+            "run.steps, run.eval_every, run.threads, data.val_batches and the local sections ("
+            f"{', '.join(LOCAL_SECTIONS)})"
         )
     return stored, new
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from mesh.config_keys import REMOVED_KEYS, is_removed, move_old_keys, moved_to, suggest_key
 from mesh.config_local import (  # noqa: F401 - the sections are part of this module's API
+    LOCAL_PREFIXES,
     LOCAL_SECTIONS,
     MOVED_KEYS,
     CheckpointConfig,

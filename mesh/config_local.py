@@ -221,6 +221,8 @@ LOCAL_SECTIONS: dict[str, type[_Section]] = {
     "metrics": MetricsConfig,
     "runtime": RuntimeConfig,
 }
+# the dotted keys of the local sections start so
+LOCAL_PREFIXES = tuple(f"{section}." for section in LOCAL_SECTIONS)
 # the keys of the one [runtime] table these sections came from -> where each lives now (one
 # old key set three separate waits); an old config.toml or --set still works, with a notice
 MOVED_KEYS: dict[str, tuple[str, ...]] = {

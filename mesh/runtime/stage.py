@@ -22,7 +22,7 @@ stashes that many more versions. With `emulation.compute = "emulated"` (mesh/run
 cell does no model math: forward and backward occupy an emulated device for forward_ms /
 backward_ms x the cell's slowdown, while real tensors of the real shapes go through the codecs and
 the transport; the optimizer step is skipped (weights stay), averaging rounds still run on the real
-parameter subsets. """
+parameter subsets."""
 
 from __future__ import annotations
 

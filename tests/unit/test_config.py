@@ -323,3 +323,28 @@ def test_every_named_choice_is_defined_once_and_the_config_offers_it():
         section, field = key.split(".")
         model = type(getattr(load_config([], []), section))
         assert model.model_json_schema()["properties"][field]["enum"] == list(names), key
+
+
+def test_a_resume_may_change_every_local_section_and_no_training_key(tmp_path):
+    """`simulate --resume` takes the local sections (how the peer connects, saves, guards):
+    they never change the math so far; a training key is refused, named. An old run's
+    config.toml (one [runtime] table) resumes as well."""
+    from cli.preflight import resume_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "0-0").mkdir(parents=True)
+    (run / "checkpoints" / "0-0" / "step-00000004.pt").write_bytes(b"")
+    # as `simulate` writes it: the schedules' horizon resolved
+    (run / "config.toml").write_text(load_config([], ["run.schedule_steps=300"]).to_toml())
+    local = ["transport.recv_timeout_s=5", "sentinel.z=3", "checkpoint.every=2",
+             "elastic.max_restarts=0", "emulation.slowdowns=['s1r0=2']", "metrics.tensorboard=true",
+             "faults.poison=['s0r0=-1']", "runtime.precision='bf16'"]  # fmt: skip
+    stored, new = resume_config(run, [], local)
+    assert (new.sentinel.z, new.checkpoint.every) == (3, 2)
+    assert new.state_fingerprint() == stored.state_fingerprint()
+    with pytest.raises(ConfigError, match=r"run: dp\.tau would change the math"):
+        resume_config(run, [], [*local, "dp.tau=3"])
+    grid = "[grid]\nstages = 2\nreplicas = 2\n[run]\nschedule_steps = 300\n"
+    (run / "config.toml").write_text(OLD_RUNTIME_TABLE + grid)
+    stored, new = resume_config(run, [], ["sentinel.z=3"])
+    assert (stored.sentinel.z, new.sentinel.z, new.transport.backend) == (6.0, 3.0, "hivemind")

@@ -364,10 +364,26 @@ def _candidates(dp: dict[str, dict[int, float]], out: Path) -> list[str]:
         "Candidates against the staleness, tuned on the tuning seeds and measured on this "
         "study's seeds ([candidates.md](candidates.md)), paired by seed, mean +- SE [95% t "
         "interval]. A candidate changes the asynchronous arm alone: FullSync keeps its tuned "
-        "AdamW, so an optimizer candidate's gap to FullSync is not the headline's like for like "
-        "(the same optimizer in FullSync is not measured here):",
+        "AdamW, so an optimizer candidate's gap to FullSync is not the headline's like for like:",
         "",
         *lines,
+        *_like_for_like(out, set(am8)),
+    ]
+
+
+def _like_for_like(out: Path, seeds: set[int]) -> list[str]:
+    """Both arms with rotated_adam on this study's seeds (scripts/like_for_like.py)."""
+    path = out / "like_for_like.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {"evaluation": {}}
+    ev = {k: {int(s): v for s, v in d.items()} for k, d in saved["evaluation"].items()}
+    fs = ev.get("FullSync rotated_adam", {})
+    gap = paired_interval(ev.get("AsyncMesh-fp8 rotated_adam", {}), fs, relative=True)
+    if gap is None or set(fs) != seeds:
+        return []
+    return [
+        f"- like for like ([like_for_like.md](like_for_like.md)): FullSync with rotated_adam "
+        f"too (lr {saved['chosen_lr']:g}, tuned on the tuning seeds): AsyncMesh-fp8 with "
+        f"rotated_adam ends {fmt_interval(gap, pct=True)} from it."
     ]
 
 

@@ -388,3 +388,30 @@ def test_bench_convergence_refuses_unknown_or_headless_methods_in_one_line(tmp_p
     assert res.exit_code == 2, res.output
     assert says in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "runs.partial.jsonl").exists()
+
+
+def test_an_optimizer_candidate_is_also_judged_like_for_like(tmp_path):
+    """A candidate measured on the study's seeds is listed with its gap to FullSync's AdamW;
+    with like_for_like.json, also with its gap to FullSync on the same optimizer, and only
+    when that ran on the study's seeds."""
+    runs = _fake_runs()
+    summary = _summary(runs)
+    am8 = {r["seed"]: r["val_loss"] for r in runs if r["method"] == "AsyncMesh-fp8"}
+    better = {s: v - 0.1 for s, v in am8.items()}
+    cands = {"candidates": {"rotated_adam": {"change": {}, "tuning": {}, "evaluation": better}}}
+    (tmp_path / "candidates.json").write_text(json.dumps(cands))
+    write_outputs(summary, tmp_path)
+    assert "- rotated_adam: -0.1000 +- 0.0000" in (tmp_path / "table.md").read_text()
+    assert "FullSync with rotated_adam too" not in (tmp_path / "table.md").read_text()
+    fs_rotated = {s: v * 1.02 for s, v in better.items()}  # the candidate 1/1.02 - 1 from it
+    saved = {"chosen_lr": 0.006, "evaluation": {"FullSync rotated_adam": fs_rotated,
+                                                "AsyncMesh-fp8 rotated_adam": better}}  # fmt: skip
+    (tmp_path / "like_for_like.json").write_text(json.dumps(saved))
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "FullSync with rotated_adam too (lr 0.006, tuned on the tuning seeds)" in table
+    assert "rotated_adam ends -1.96% +- 0.00%" in table
+    saved["evaluation"]["FullSync rotated_adam"] = {0: 2.0}  # not the study's seeds
+    (tmp_path / "like_for_like.json").write_text(json.dumps(saved))
+    write_outputs(summary, tmp_path)
+    assert "FullSync with rotated_adam too" not in (tmp_path / "table.md").read_text()

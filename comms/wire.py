@@ -217,6 +217,18 @@ def held_bytes(
     return h.data_len + h.scales_len + (4 * h.numel if decoded else 0)
 
 
+def frame_label(head: bytes | bytearray | memoryview) -> tuple[Kind, str] | None:
+    """The kind and name a frame's header declares (its first bytes, as held_bytes reads
+    them), or None when the header is not one a valid frame has: what a receiver that rejected
+    the frame's body can still say about it (the body was not valid, the label is the
+    sender's claim; the stream it came on says who the sender is)."""
+    try:
+        h = _header(memoryview(head).cast("B"))
+    except Exception:  # noqa: BLE001 - total like unpack
+        return None
+    return None if isinstance(h, Reject) else (Kind(h.kind), h.name)
+
+
 def expect_reject(msg: Message, expect: Expect) -> Reject | None:
     """The metadata checks of unpack, for a message already validated on arrival (transports
     validate bytes as they arrive, then match what a receiver expects when it asks)."""

@@ -22,3 +22,25 @@ TINY = [
 # the bounded wait lives with the local-grid helpers that `meshtrain bench join` shares with the
 # join tests (mesh/bench/join_procs.py); this is the same function
 wait_for = join_procs.wait_for
+
+
+class BootNode:
+    """A bootstrap DHT node on 127.0.0.1 for a test's peers, in a spawned process
+    (comms.build.local_rendezvous): one hivemind forks from a test process that holds threads
+    (an earlier test's transports, gloo groups) can hang before it says ready. It answers the
+    two calls the tests make of a hivemind.DHT: get_visible_maddrs() and shutdown()."""
+
+    def __init__(self) -> None:
+        from comms.build import local_rendezvous
+
+        self._rendezvous = local_rendezvous("hivemind")
+        self._maddrs: list[str] = self._rendezvous.__enter__()["initial_peers"]
+
+    def get_visible_maddrs(self) -> list[str]:
+        return list(self._maddrs)
+
+    def shutdown(self) -> None:
+        self._rendezvous.__exit__(None, None, None)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """shutdown() already waited for the node's process."""

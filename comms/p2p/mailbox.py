@@ -47,6 +47,9 @@ class Mailbox:
         # tags nobody will take any more (a finished round's missing payloads): dropped on
         # arrival and counted as "late", so a frozen peer's stale contribution never lingers
         self._closed: dict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)
+        # averaging payloads refused on arrival (NaN, bad crc): tag -> why; a take of one
+        # raises PeerLost, so its round leaves the sender out at once instead of at its deadline
+        self._refused: dict[str, OrderedDict[str, str]] = defaultdict(OrderedDict)
         # tag prefixes nobody will take from anyone (a broken session's "epoch/"): "stale"
         self._closed_prefixes: OrderedDict[str, None] = OrderedDict()
         # told of each filed message (sender, tag) and each sender marked lost (sender, None)
@@ -93,6 +96,19 @@ class Mailbox:
             self._cond.notify_all()
         for fn in self._listeners:
             fn(sender, None)
+
+    def refuse(self, sender: str, tag: str, why: str) -> None:
+        """sender's message `tag` arrived and was refused (its body failed a check): a take of
+        `tag` from sender raises PeerLost while nothing valid with the tag waits. For averaging
+        payloads: each is one frame a round, never sent again."""
+        with self._cond:
+            refused = self._refused[sender]
+            refused[tag] = why
+            while len(refused) > CLOSED_TAGS:
+                refused.popitem(last=False)
+            self._cond.notify_all()
+        for fn in self._listeners:
+            fn(sender, tag)
 
     def close_tag(self, sender: str, tag: str) -> int:
         """Nobody will take `tag` from sender any more: drop it now and when it arrives.
@@ -162,6 +178,10 @@ class Mailbox:
                     return msg
                 if sender in self._lost:
                     raise PeerLost(f"{sender!r} is cut off: {self._lost[sender]}")
+                if tag in self._refused.get(sender, ()):
+                    raise PeerLost(
+                        f"{sender!r}'s {tag!r} was refused: {self._refused[sender][tag]}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None

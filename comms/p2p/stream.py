@@ -257,6 +257,9 @@ class StreamMixin:
             res = await self._read_body(reader, total, head)
             if isinstance(res, Reject):
                 self.stats.add_reject(res.reason)
+                label = wire.frame_label(head)
+                if label is not None and label[0] == wire.Kind.AVERAGE:
+                    self.mailbox.refuse(sender, label[1], res.reason)
             else:
                 assert res.held_bytes == held, (res.held_bytes, held)
                 handed = True  # put files it, or drops it and gives its room back itself

@@ -270,15 +270,16 @@ def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
         got["nan_delivered"] = True
     except PeerTimeout:
         got["nan_delivered"] = False
-    if peer.backend == "torch":  # a's NaN contribution refused on arrival before round 0
-        # starts here (the order that once failed the round instead of leaving a out of it)
-        deadline = time.monotonic() + wait
-        while t.stats.rejects["not_finite"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+    # a's NaN contribution refused on arrival before round 0 starts here: the order that once
+    # failed the round (torch) or held it to its deadline (hivemind), past a's round 1
+    deadline = time.monotonic() + wait
+    while t.stats.rejects["not_finite"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     r0 = t.start_mean("g", members, 0, good[b], "fp32", wait).result(wait + 2)
     r1 = t.start_mean("g", members, 1, good[b], "fp32", wait).result(wait + 2)
     got["mean0"] = r0.status.value
     got["mean0_contributors"] = list(r0.contributors)
+    got["mean0_reason"] = r0.reason
     got["mean0_is_own"] = r0.mean is not None and bool(torch.equal(r0.mean, good[b]))
     got["mean1"] = r1.status.value
     ref1 = reference_mean([good[m] for m in members])

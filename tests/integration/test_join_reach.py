@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 from p2p_procs import assert_gone, process_tree, sockets_of
 
@@ -125,14 +126,12 @@ def test_any_dht_peer_answers_when_the_bootstrap_does_not():
     (join goes on and says so); once a peer's transport serves the DHT, it answers instead."""
     from functools import partial
 
-    import hivemind
-
     from cli.reach import peer_id_of, reach_verdict
     from comms.p2p import dialback
     from comms.p2p.dht import start_dht
     from comms.p2p.transport import P2PTransport
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    boot = helpers.BootNode()
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     ask = partial(dialback.ask, [peer_id_of(maddrs[0])], 2, 30.0, None)
     scout = peer = None

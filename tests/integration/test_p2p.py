@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import helpers
 import hivemind
 import pytest
 import torch
@@ -169,7 +170,7 @@ class Cluster:
     """n peer processes bootstrapped from a DHT in this process (like the suite's harness)."""
 
     def __init__(self, names: list[str], run_id: str) -> None:
-        self.boot = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+        self.boot = helpers.BootNode()
         maddrs = [str(m) for m in self.boot.get_visible_maddrs()]
         self.peers = {n: Peer(n, run_id, maddrs) for n in names}
         for p in self.peers.values():
@@ -368,7 +369,7 @@ def test_bootstrap_from_plain_hivemind_dht():
 def test_shaped_link_and_stable_identity(tmp_path):
     """A LinkProfile on a->b holds each message for its transmit time + latency; a peer that
     restarts with the same identity_path keeps its PeerID."""
-    dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    dht = helpers.BootNode()
     boot = [str(m) for m in dht.get_visible_maddrs()]
     key, profile = str(tmp_path / "a.key"), LinkProfile(bandwidth_mbps=40.0, latency_ms=30.0)
     try:
@@ -439,9 +440,8 @@ def test_peer_killed_during_mean():
 def test_cut_round_ends_at_once_over_the_payloads_it_has():
     """A member that never contributes is dropped when the caller cuts the round (the runtime
     does so max_round_lag_steps updates after the round was due), long before its deadline."""
-    import hivemind
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    boot = helpers.BootNode()
     peers = [str(a) for a in boot.get_visible_maddrs()]
     a = P2PTransport("a", initial_peers=peers, peers=["b"])
     b = P2PTransport("b", initial_peers=peers, peers=["a"])
@@ -467,7 +467,7 @@ def test_rounds_in_flight_share_one_thread_and_match_the_reference():
     contributes late, and each ends OK with the reference mean, the same on both members."""
     import threading
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    boot = helpers.BootNode()
     peers = [str(a) for a in boot.get_visible_maddrs()]
     a = P2PTransport("a", initial_peers=peers, peers=["b"])
     b = P2PTransport("b", initial_peers=peers, peers=["a"])
@@ -505,7 +505,7 @@ def test_sends_to_an_absent_peer_share_one_lookup_a_second():
     from comms.errors import PeerLost, PeerTimeout
     from comms.p2p.dht import DHT_COUNTS
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    boot = helpers.BootNode()
     peers = [str(a) for a in boot.get_visible_maddrs()]
     a = P2PTransport("a", initial_peers=peers, timeout_s=4.0)
     try:
@@ -533,7 +533,7 @@ def test_a_dht_client_peer_serves_no_dht_and_is_still_dialed_directly():
     records are in the DHT (through the server) and a peer sends to it over a direct link."""
     from comms.p2p.dht import DhtClient
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    boot = helpers.BootNode()
     peers = [str(a) for a in boot.get_visible_maddrs()]
     a = P2PTransport("a", initial_peers=peers, dht_client=True, peers=["b"])
     b = P2PTransport("b", initial_peers=peers, peers=["a"])

@@ -6,14 +6,14 @@ Each test closes the transports it started (their DHT processes reap their p2pd)
 
 from __future__ import annotations
 
-import hivemind
+import helpers
 import pytest
 import torch
 from helpers import wait_for
 
 from comms import codecs
 from comms.p2p.stream import Ack
-from comms.p2p.transport import LOOPBACK, P2PTransport
+from comms.p2p.transport import P2PTransport
 from comms.wire import Expect, Kind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture
 def pair():
-    boot = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    boot = helpers.BootNode()
     peers = [str(m) for m in boot.get_visible_maddrs()]
     a = P2PTransport("s0r0", run_id="stale", initial_peers=peers, peers=["s1r0"])
     b = P2PTransport("s1r0", run_id="stale", initial_peers=peers, peers=["s0r0"])

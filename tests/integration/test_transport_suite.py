@@ -70,6 +70,8 @@ def test_bad_input_rejected_counted_receiver_keeps_working(backend: str, tmp_pat
     # a NaN mean contribution: excluded (partial) on b, a FAILED (its own payload was rejected)
     assert (a["mean0"], b["mean0"]) == ("failed", "partial")
     assert b["mean0_contributors"] == ["b"] and b["mean0_is_own"]
+    # ... because it was refused (at once), not because its deadline passed without it
+    assert "not_finite" in b["mean0_reason"], b["mean0_reason"]
     assert (a["mean1"], b["mean1"]) == ("ok", "ok") and b["mean1_ok"]
     # a 2^40-byte declared length cuts the link (PeerLost, not the recv's deadline passing);
     # the other direction still works

@@ -39,6 +39,29 @@ def test_late_payload_of_a_closed_round_is_dropped_and_counted():
     assert box.try_reserve("s1r1", 16)  # its room was given back
 
 
+def test_a_refused_round_payload_ends_the_wait_for_it_at_once():
+    """An averaging payload refused on arrival (NaN, bad crc) is never sent again: a take of
+    its tag says so (PeerLost naming the reason) instead of waiting out the round's deadline,
+    the waiting round is woken, and other tags of the sender are untouched."""
+    from comms import wire
+    from comms.errors import PeerLost
+
+    box = Mailbox(8, 1 << 20)
+    woken = []
+    box.on_put(lambda sender, tag: woken.append((sender, tag)))
+    box.refuse("s1r1", "mean/stage1/7/1", "not_finite")
+    assert woken == [("s1r1", "mean/stage1/7/1")]
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="refused: not_finite"):
+        box.take("s1r1", "mean/stage1/7/1", t0 + 30)
+    assert time.monotonic() - t0 < 10  # not the deadline's 30 s
+    assert box.take("s1r1", "mean/stage1/8/1", time.monotonic()) is None  # another round
+    # what the receiver reads off a frame whose body it refused
+    frame = wire.pack("mean/stage1/7/1", Kind.AVERAGE, codecs.encode(torch.ones(4), "fp32"), 3)
+    assert wire.frame_label(frame[: wire.MAX_HEADER_BYTES]) == (Kind.AVERAGE, "mean/stage1/7/1")
+    assert wire.frame_label(b"\x00garbage") is None
+
+
 def test_a_broken_sessions_messages_are_dropped_at_once_and_on_arrival():
     """close_prefix (a broken pipeline session, mesh/runtime/stage.py reset): waiting messages
     of that session go now, not after the mailbox's ttl; later ones go on arrival; other

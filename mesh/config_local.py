@@ -73,7 +73,7 @@ class ElasticConfig(_Section):
         ge=0,
         description="simulate on torch: how many times a replica starts again from its newest "
         "common step after a cell died, the others training on; past that the grid stops, "
-        "saved and resumable (hivemind: runtime.rejoin_timeout_s)",
+        "saved and resumable (hivemind: elastic.rejoin_timeout_s)",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="hivemind: claim heartbeat period; a claim lives 4 periods"
@@ -179,7 +179,7 @@ class MetricsConfig(_Section):
         None,
         ge=1,
         le=65535,
-        description="serve each cell's metrics for Prometheus on runtime.host, port "
+        description="serve each cell's metrics for Prometheus on transport.host, port "
         "prometheus_port + replica x stages + stage (one port per cell of the grid)",
     )
 

@@ -26,7 +26,7 @@ HELPER = "12D3KooWQVCufsETVHgmVEnipuJXXjAB8gj2sM4jKKVi7Mq9iM5b"
         ("/ip6/2606:4700::1111/tcp/31337", "public"),
         ("/dns4/boot.example.org/tcp/31337", "dns"),
         (f"/ip4/8.8.8.8/tcp/1/p2p/{HELPER}/p2p-circuit/p2p/{ID}", "relay"),
-        ("/ip4/0.0.0.0/tcp/5", "other"),
+        ("/ip6/::/tcp/5", "other"),  # the unspecified address: nothing to dial
         ("/unix/tmp/x.sock", "other"),
     ],
 )

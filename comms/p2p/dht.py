@@ -208,17 +208,35 @@ def _stop_own_daemons() -> None:
         path.unlink(missing_ok=True)
 
 
-def _p2pd_children(parent: int) -> list[int]:
-    """The pids of the p2pd processes whose parent is `parent` (from /proc)."""
+def _children(parent: int, comm: str | None = None) -> list[int]:
+    """The pids of the processes whose parent is `parent` (named `comm`, if given), from /proc."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat.read_text()
-            comm = text[text.index("(") + 1 : text.rindex(")")]
+            name = text[text.index("(") + 1 : text.rindex(")")]
             ppid = int(text[text.rindex(")") + 1 :].split()[1])
-            if ppid == parent and comm == "p2pd":
+            if ppid == parent and (comm is None or name == comm):
                 pids.append(int(stat.parent.name))
     return pids
+
+
+def _p2pd_children(parent: int) -> list[int]:
+    """The pids of the p2pd processes whose parent is `parent` (from /proc)."""
+    return _children(parent, "p2pd")
+
+
+def _daemons_named_after(pid: int) -> list[int]:
+    """The p2pd processes listening on a socket named after DHT process `pid` (its
+    -listen=/unix/tmp/hivemind-PID-p2pd-*.sock), wherever they were re-parented to."""
+    mark = f"/tmp/hivemind-{pid}-p2pd-".encode()
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError, ValueError):
+            named_p2pd = (cmdline.parent / "comm").read_text().strip() == "p2pd"
+            if named_p2pd and mark in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+    return found
 
 
 async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
@@ -246,36 +264,79 @@ def permanent(start_error: BaseException) -> bool:
 # what a DHT process may take beyond p2pd's startup_timeout to say it is ready (its first
 # routing-table work); past it the start is taken as stuck
 READY_SLACK_S = 30.0
+# A healthy DHT process starts its p2pd within a second of its fork (0.2 s idle, a few s on a
+# loaded 2-core box). One with no child past this is stuck where it was forked (a fork of a
+# process with threads can inherit a lock held for ever) and never will: retried at once,
+# instead of after the whole startup deadline.
+NO_DAEMON_S = 10.0
 
 
 def _started(initial_peers: list[str], startup_s: float, **kwargs: Any) -> PeerDHT:
     """One start, bounded: hivemind waits for the DHT process without a deadline, and a process
     forked from one with many threads (torch's pools, an in-process gloo group) can hang before
-    it says anything. A start not ready in time is killed with its p2pd, and raises TimeoutError
-    (start_dht retries it)."""
+    it says anything. A start not ready in time (or with no p2pd after NO_DAEMON_S, or whose
+    process died) is killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
     dht.start()
-    try:
-        dht.wait_until_ready(startup_s + READY_SLACK_S)
-    except TimeoutError:
+    t0 = time.monotonic()
+    while True:
+        try:
+            dht.wait_until_ready(0.5)
+            return dht
+        except TimeoutError:
+            pass
+        waited_s = time.monotonic() - t0
+        if waited_s >= startup_s + READY_SLACK_S:
+            why = f"not ready in {startup_s + READY_SLACK_S:.0f} s"
+        elif waited_s >= NO_DAEMON_S and not _children(dht.pid):
+            why = f"stuck: no p2pd started in {NO_DAEMON_S:.0f} s"
+        elif not dht.is_alive():  # reaped: its pid may name another process by now
+            why = f"exited (code {dht.exitcode}) before it was ready"
+            _remove_leftovers(dht.pid)
+            raise TimeoutError(f"DHT process {why}")
+        else:
+            continue
         _kill_stuck(dht.pid)
         dht.join(5)
-        raise TimeoutError(f"DHT process not ready in {startup_s + READY_SLACK_S:.0f} s") from None
-    return dht
+        raise TimeoutError(f"DHT process {why}")
 
 
 def _kill_stuck(pid: int | None) -> None:
-    """SIGKILL a stuck DHT process and any p2pd it started (p2pd is reaped by init once its
-    parent is gone, the DHT process by our join)."""
+    """SIGKILL a stuck DHT process and everything it started, and remove its socket files. It
+    is stopped first, so it starts nothing while its children are listed; a p2pd that was
+    still being exec'd then (not yet named p2pd) is found by the socket it listens on."""
     if pid is None:
         return
-    for child in _p2pd_children(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP)
+    _kill_and_wait([*_children(pid), pid])
+    _remove_leftovers(pid)
+
+
+def _remove_leftovers(pid: int) -> None:
+    """Kill the p2pd of DHT process `pid` (gone) and remove the socket files named after it."""
+    _kill_and_wait(_daemons_named_after(pid))
     for path in Path("/tmp").glob(f"hivemind-{pid}-*"):
         path.unlink(missing_ok=True)
+
+
+def _kill_and_wait(pids: list[int], wait_s: float = 5.0) -> None:
+    """SIGKILL pids and wait until each is dead (gone, or a zombie for its parent to reap): a
+    process killed in the middle of bind() still creates its socket file, after kill returns."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:

@@ -4,10 +4,22 @@ Tiers: everything under tests/integration and tests/throttled spawns processes (
 p2pd, network namespaces) and is marked `integration` and `slow` here; a unit test that spawns
 processes or runs a study carries `slow` itself. `python3 -m pytest -m "not slow"` is the fast
 tier, the developer's loop; `python3 -m pytest` (CI) runs both.
+
+Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) two tests run at once, and:
+- the process grids (GRID_MODULES: eight-peer soaks, join grids, cell kills) run one after the
+  other, on one worker (`xdist_group("grid")`): two at once would be 16+ processes on 2 cores;
+- a test that must have the machine to itself (ALONE_MODULES: shaped links measure rates, a
+  replica's pace is judged against another's, a test diffs every /tmp/hivemind-* file) holds
+  an exclusive lock that every other test holds shared, so it waits for the test running
+  beside it and none starts beside it (a turnstile keeps a stream of shared holders from
+  starving it). Run one test at a time (no -n), the locks are never contended.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +27,17 @@ import pytest
 from mesh.bench.join_procs import generated_text
 
 PROCESS_DIRS = {"integration", "throttled"}
+GRID_MODULES = {
+    "test_soak_scale_quick.py",
+    "test_join.py",
+    "test_faults.py",
+    "test_faults_torch.py",
+    "test_dashboard_wan.py",
+    "test_gpu_check.py",
+    "test_simulate_cli.py",
+    "test_pipeline_poison.py",
+}
+ALONE_MODULES = {"test_join_messages.py", "test_replicas_at_different_speeds.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -23,8 +46,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if PROCESS_DIRS & parts:
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.slow)
-        if "throttled" in parts:  # shaped links measure rates: one at a time (pytest-xdist)
-            item.add_marker(pytest.mark.xdist_group("netns"))
+        if item.path.name in GRID_MODULES:
+            item.add_marker(pytest.mark.xdist_group("grid"))
+        if "throttled" in parts or item.path.name in ALONE_MODULES:
+            item.add_marker(pytest.mark.alone)
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_beside(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist: an `alone` test holds the machine-wide test lock exclusively, every
+    other test holds it shared (see the module docstring)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    base = Path("/tmp") / f"meshtrain-tests-{run}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,11 @@ tier, the developer's loop; `python3 -m pytest` (CI) runs both.
 Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) two tests run at once, and:
 - the process grids (GRID_MODULES: eight-peer soaks, join grids, cell kills) run one after the
   other, on one worker (`xdist_group("grid")`): two at once would be 16+ processes on 2 cores;
-- a test that must have the machine to itself (ALONE_MODULES: shaped links measure rates, a
-  replica's pace is judged against another's, a test diffs every /tmp/hivemind-* file) holds
-  an exclusive lock that every other test holds shared, so it waits for the test running
-  beside it and none starts beside it (a turnstile keeps a stream of shared holders from
-  starving it). Run one test at a time (no -n), the locks are never contended.
+- a test marked `alone` (tests/throttled, whose shaped links measure rates; a test that diffs
+  every /tmp/hivemind-* file) holds an exclusive lock that every other test holds shared, so
+  it waits for the test running beside it and none starts beside it (a turnstile keeps a
+  stream of shared holders from starving it). One test at a time (no -n), the locks are
+  never contended.
 """
 
 from __future__ import annotations
@@ -27,19 +27,17 @@ import pytest
 from mesh.bench.join_procs import generated_text
 
 PROCESS_DIRS = {"integration", "throttled"}
-GRID_MODULES = {
+GRID_MODULES = {  # eight-peer grids and cell kills: one at a time
     "test_soak_scale_quick.py",
     "test_join.py",
-    "test_faults.py",
     "test_faults_torch.py",
     "test_dashboard_wan.py",
     "test_gpu_check.py",
-    "test_simulate_cli.py",
-    "test_pipeline_poison.py",
 }
-ALONE_MODULES = {"test_join_messages.py", "test_replicas_at_different_speeds.py"}
 
 
+# first: pytest-xdist's own hook (registered later, so called earlier) reads xdist_group
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         parts = set(item.path.parts)
@@ -48,7 +46,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if item.path.name in GRID_MODULES:
             item.add_marker(pytest.mark.xdist_group("grid"))
-        if "throttled" in parts or item.path.name in ALONE_MODULES:
+        if "throttled" in parts:  # shaped links measure rates
             item.add_marker(pytest.mark.alone)
 
 

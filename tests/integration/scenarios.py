@@ -300,7 +300,7 @@ def mean_fault(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3
     if peer.name == victim:
         peer.checkpoint("before_mean")  # killed here, or frozen and later resumed
         res = t.start_mean("g", members, 0, vals, codec, deadline).result(deadline + 2)
-        return {"resumed": True, "status": res.status.value}
+        return {"resumed": True, "status": res.status.value, "reason": res.reason}
     t0 = time.monotonic()
     res = t.start_mean("g", members, 0, vals, codec, deadline).result(ROUND_WAIT_S)
     first_s = time.monotonic() - t0

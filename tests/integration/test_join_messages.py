@@ -165,6 +165,7 @@ def _p2pd_bootstrapping_to(maddr: str) -> list[int]:
     return found
 
 
+@pytest.mark.alone  # every new /tmp/hivemind-* file is taken to be its own
 def test_a_failed_join_leaves_no_socket_files(tmp_path):
     from hivemind.p2p import PeerID
 

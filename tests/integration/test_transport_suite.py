@@ -120,9 +120,18 @@ def test_peer_killed_or_frozen_during_mean(backend: str, action: str, names: int
         # round fails (no one took its payload: acks). torch: the others' frames of that round
         # waited for it (a trailing replica's rounds work so), a mean of all three payloads, or
         # of those a survivor finished sending before its close gave up on the frozen peer
-        # (close_timeout_s: on a loaded box a frame can still be in its socket then)
-        want = {"failed"} if backend == "hivemind" else {"ok", "partial"}
-        assert res[victim]["resumed"] and res[victim]["status"] in want, res[victim]
+        # (close_timeout_s); on a loaded box no frame may have left in that time, and then its
+        # round fails for want of the others' payloads: never for a dead group or a closed
+        # transport (the failure this test exists to tell from recovery)
+        victim_res = res[victim]
+        assert victim_res["resumed"], victim_res
+        if backend == "hivemind":
+            assert victim_res["status"] == "failed", victim_res
+        else:
+            assert victim_res["status"] in ("ok", "partial") or (
+                victim_res["status"] == "failed"
+                and victim_res["reason"] == "no other member's payload in time"
+            ), victim_res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -29,7 +29,8 @@ def host_port(maddr: str) -> tuple[str, str, int] | None:
 def address_class(maddr: str) -> str:
     """What kind of address a multiaddr dials: "relay" (through a /p2p-circuit), "loopback"
     (this machine only), "private" (a LAN, VPN or container network: RFC 1918, CGNAT, link-local,
-    ULA), "public", "dns" (a name: whatever it resolves to), or "other" (unparsable)."""
+    ULA), "public", "dns" (a name: whatever it resolves to), or "other" (unparsable, or no one
+    host's: unspecified, multicast, broadcast and other reserved addresses)."""
     if "/p2p-circuit" in maddr:
         return "relay"
     hp = host_port(maddr)
@@ -44,7 +45,7 @@ def address_class(maddr: str) -> str:
         return "other"
     if ip.is_loopback:
         return "loopback"
-    if ip.is_unspecified:
+    if ip.is_unspecified or ip.is_multicast or ip.is_reserved:  # 255.255.255.255 is reserved
         return "other"
     if ip.is_private or ip.is_link_local or ip in ipaddress.ip_network("100.64.0.0/10"):
         return "private"

@@ -51,16 +51,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _alone_or_beside(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under pytest-xdist: an `alone` test holds the machine-wide test lock exclusively, every
-    other test holds it shared (see the module docstring)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+def _alone_or_beside(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist: an `alone` test holds the run's test lock exclusively, every other
+    test holds it shared (see the module docstring). The lock files lie in the run's base
+    temporary folder, shared by its workers (pytest keeps the last three runs')."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
         yield
         return
     alone = request.node.get_closest_marker("alone") is not None
-    base = Path("/tmp") / f"meshtrain-tests-{run}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+    base = tmp_path_factory.getbasetemp().parent
+    with open(base / "tests.turnstile", "a") as turnstile, open(base / "tests.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -27,6 +27,10 @@ HELPER = "12D3KooWQVCufsETVHgmVEnipuJXXjAB8gj2sM4jKKVi7Mq9iM5b"
         ("/dns4/boot.example.org/tcp/31337", "dns"),
         (f"/ip4/8.8.8.8/tcp/1/p2p/{HELPER}/p2p-circuit/p2p/{ID}", "relay"),
         ("/ip6/::/tcp/5", "other"),  # the unspecified address: nothing to dial
+        ("/ip4/224.0.0.1/tcp/5", "other"),  # multicast: a group, not a peer
+        ("/ip6/ff02::1/tcp/5", "other"),
+        ("/ip4/255.255.255.255/tcp/5", "other"),  # broadcast (Python calls it private)
+        ("/ip4/240.0.0.1/tcp/5", "other"),  # reserved
         ("/unix/tmp/x.sock", "other"),
     ],
 )

@@ -62,10 +62,13 @@ def _alone_or_beside(
         return
     alone = request.node.get_closest_marker("alone") is not None
     base = tmp_path_factory.getbasetemp().parent
-    with open(base / "tests.turnstile", "a") as turnstile, open(base / "tests.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    # POSIX record locks (lockf), not flock: a process forked by the test (a hivemind DHT, a
+    # module fixture's peer that outlives it) does not inherit them, where it would hold a
+    # flock as long as it lives, and a waiting `alone` test with it for ever
+    with open(base / "tests.turnstile", "a+") as turnstile, open(base / "tests.lock", "a+") as lock:
+        fcntl.lockf(turnstile, fcntl.LOCK_EX)
+        fcntl.lockf(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.lockf(turnstile, fcntl.LOCK_UN)
         yield
 
 

@@ -264,41 +264,22 @@ def permanent(start_error: BaseException) -> bool:
 # what a DHT process may take beyond p2pd's startup_timeout to say it is ready (its first
 # routing-table work); past it the start is taken as stuck
 READY_SLACK_S = 30.0
-# A healthy DHT process starts its p2pd within a second of its fork (0.2 s idle, a few s on a
-# loaded 2-core box). One with no child past this is stuck where it was forked (a fork of a
-# process with threads can inherit a lock held for ever) and never will: retried at once,
-# instead of after the whole startup deadline.
-NO_DAEMON_S = 10.0
 
 
 def _started(initial_peers: list[str], startup_s: float, **kwargs: Any) -> PeerDHT:
     """One start, bounded: hivemind waits for the DHT process without a deadline, and a process
     forked from one with many threads (torch's pools, an in-process gloo group) can hang before
-    it says anything. A start not ready in time (or with no p2pd after NO_DAEMON_S, or whose
-    process died) is killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
+    it says anything. A start not ready in time is killed with its p2pd, and raises TimeoutError
+    (start_dht retries it)."""
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
     dht.start()
-    t0 = time.monotonic()
-    while True:
-        try:
-            dht.wait_until_ready(0.5)
-            return dht
-        except TimeoutError:
-            pass
-        waited_s = time.monotonic() - t0
-        if waited_s >= startup_s + READY_SLACK_S:
-            why = f"not ready in {startup_s + READY_SLACK_S:.0f} s"
-        elif waited_s >= NO_DAEMON_S and not _children(dht.pid):
-            why = f"stuck: no p2pd started in {NO_DAEMON_S:.0f} s"
-        elif not dht.is_alive():  # reaped: its pid may name another process by now
-            why = f"exited (code {dht.exitcode}) before it was ready"
-            _remove_leftovers(dht.pid)
-            raise TimeoutError(f"DHT process {why}")
-        else:
-            continue
+    try:
+        dht.wait_until_ready(startup_s + READY_SLACK_S)
+    except TimeoutError:
         _kill_stuck(dht.pid)
         dht.join(5)
-        raise TimeoutError(f"DHT process {why}")
+        raise TimeoutError(f"DHT process not ready in {startup_s + READY_SLACK_S:.0f} s") from None
+    return dht
 
 
 def _kill_stuck(pid: int | None) -> None:
@@ -311,6 +292,15 @@ def _kill_stuck(pid: int | None) -> None:
         os.kill(pid, signal.SIGSTOP)
     _kill_and_wait([*_children(pid), pid])
     _remove_leftovers(pid)
+
+
+def kill_unstopped(dht: PeerDHT, wait_s: float = 5.0) -> None:
+    """A DHT process still running after shutdown and join (it ignores SIGTERM, so hivemind's
+    "terminating it the hard way" does nothing): SIGKILL it with its p2pd and remove its socket
+    files, instead of leaving both running for the rest of our process's life."""
+    if dht.is_alive():
+        _kill_stuck(dht.pid)
+        dht.join(wait_s)
 
 
 def _remove_leftovers(pid: int) -> None:

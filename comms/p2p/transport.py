@@ -51,6 +51,7 @@ from comms.p2p.dht import (
     PeerRecord,
     RunRecords,
     adopt_socket,
+    kill_unstopped,
     msgpack_bytes,
     start_dht,
 )
@@ -316,6 +317,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         with contextlib.suppress(Exception):
             self.dht.shutdown()
         self.dht.join(10.0)
+        kill_unstopped(self.dht)  # a DHT stuck in its shutdown (seen under load, mid-transfer)
 
     def __enter__(self) -> P2PTransport:
         return self

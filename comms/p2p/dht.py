@@ -9,7 +9,7 @@ the newest one that proves membership, so an outsider cannot shadow a member's n
 `watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
-imports: hivemind, comms.p2p.auth, stdlib (no torch, no mesh, no cli).
+imports: hivemind, comms.p2p.auth, comms.p2p.locks, stdlib (no torch, no mesh, no cli).
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from comms.p2p import locks
 from comms.p2p.auth import signer_of
+
+# before any DHT process is forked: hivemind's process-shared locks stay stuck for ever when a
+# process holding one dies, and every later DHT process of ours would hang on them
+locks.install()
 
 
 @dataclass(frozen=True)

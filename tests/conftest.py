@@ -48,6 +48,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("grid"))
         if "throttled" in parts:  # shaped links measure rates
             item.add_marker(pytest.mark.alone)
+    # `alone` tests first: under xdist each one waits for the other worker's test in flight,
+    # and early on that is a short one, where later it may be a grid's minutes
+    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
 
 
 @pytest.fixture(autouse=True)

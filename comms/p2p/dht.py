@@ -9,7 +9,7 @@ the newest one that proves membership, so an outsider cannot shadow a member's n
 `watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
-imports: hivemind, comms.p2p.auth, comms.p2p.locks, stdlib (no torch, no mesh, no cli).
+imports: hivemind, comms.p2p.auth, comms.p2p.locks, comms.procs, stdlib (no torch, no mesh, no cli).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from comms import procs
 from comms.p2p import locks
 from comms.p2p.auth import signer_of
 
@@ -213,35 +214,15 @@ def _stop_own_daemons() -> None:
         path.unlink(missing_ok=True)
 
 
-def _children(parent: int, comm: str | None = None) -> list[int]:
-    """The pids of the processes whose parent is `parent` (named `comm`, if given), from /proc."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            name = text[text.index("(") + 1 : text.rindex(")")]
-            ppid = int(text[text.rindex(")") + 1 :].split()[1])
-            if ppid == parent and (comm is None or name == comm):
-                pids.append(int(stat.parent.name))
-    return pids
-
-
 def _p2pd_children(parent: int) -> list[int]:
-    """The pids of the p2pd processes whose parent is `parent` (from /proc)."""
-    return _children(parent, "p2pd")
+    """The pids of the p2pd processes whose parent is `parent`."""
+    return procs.children(parent, "p2pd")
 
 
 def _daemons_named_after(pid: int) -> list[int]:
     """The p2pd processes listening on a socket named after DHT process `pid` (its
     -listen=/unix/tmp/hivemind-PID-p2pd-*.sock), wherever they were re-parented to."""
-    mark = f"/tmp/hivemind-{pid}-p2pd-".encode()
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError, ValueError):
-            named_p2pd = (cmdline.parent / "comm").read_text().strip() == "p2pd"
-            if named_p2pd and mark in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-    return found
+    return procs.named_with(f"/tmp/hivemind-{pid}-p2pd-".encode(), "p2pd")
 
 
 async def adopt_socket(path: str, _dht: hivemind.DHT, node: Any) -> None:
@@ -295,7 +276,7 @@ def _kill_stuck(pid: int | None) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGSTOP)
-    _kill_and_wait([*_children(pid), pid])
+    _kill_and_wait([*procs.children(pid), pid])
     _remove_leftovers(pid)
 
 
@@ -322,16 +303,8 @@ def _kill_and_wait(pids: list[int], wait_s: float = 5.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while any(map(_running, pids)) and time.monotonic() < deadline:
+    while any(map(procs.running, pids)) and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:

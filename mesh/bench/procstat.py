@@ -6,7 +6,7 @@ DHT process and that one's p2pd. For each, RSS, open descriptors and threads
 (/proc/net/unix). Linux only; a process that exits while it is read is skipped.
 (tests/integration/p2p_procs.py reads the same files for the hygiene tests.)
 
-imports: stdlib only.
+imports: stdlib, comms.procs (the tree, a process's name).
 """
 
 from __future__ import annotations
@@ -15,22 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mesh.runtime.proctree import process_tree
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+from comms.procs import comm, process_tree
 
 
 def proc_stats(pid: int) -> dict[str, float] | None:

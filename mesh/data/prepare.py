@@ -10,7 +10,7 @@ spread over the inputs, the same whatever the tokenizer).
 Everything is written into a staging directory beside DIR that is renamed to DIR at the very
 end, after the manifest: an interrupted prepare leaves no DIR (and no manifest) behind.
 
-imports: numpy, mesh.data (sources, shards, manifest, tokenizer), mesh.errors, mesh.procs.
+imports: numpy, mesh.data (sources, shards, manifest, tokenizer), mesh.errors, comms.procs.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from comms.procs import pid_alive
 from mesh.data.manifest import FORMAT, write_manifest
 from mesh.data.shards import ShardWriter, file_sha256, token_dtype
 from mesh.data.sources import Piece, Rejects, expand_inputs, read_pieces
 from mesh.data.tokenizer import ByteTokenizer, Tokenizer, parse_spec, tokenizer_from_spec
 from mesh.errors import DataError
-from mesh.procs import pid_alive
 
 BATCH_BYTES = 1 << 20  # text tokenized at once (an HF encoding holds ~40 bytes per byte)
 BPE_SAMPLE_BYTES = 32 << 20  # a BPE is trained on at most this much text

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from comms.procs import pid_alive
 from mesh.engine.cell import Cell
 from mesh.errors import CheckpointError, disk_full  # CheckpointError: re-exported
-from mesh.procs import pid_alive
 
 FORMAT = 2  # 2: the stashed versions as a list of tensors; 1 stacked them into one (a copy)
 READ_FORMATS = (1, 2)  # files of format 1 (earlier runs) still resume

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
+from comms.procs import pid_alive
 from mesh.algo.topology import cell_name
 from mesh.config import ConfigError
 from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
-from mesh.procs import pid_alive
 
 LOST_NEIGHBOUR = 3  # exit code of a cell that stopped because a peer it needs is gone
 USER_ERRORS = (ConfigError, DataError, CheckpointError, DiskFull)  # the message says the fix: 2

@@ -8,7 +8,7 @@ differs), is stale and taken over. Taking a free lock is atomic (a hard link to 
 of two launchers racing for one directory one wins); taking over a stale one is a rename over
 it, which two launchers racing over the same dead one's lock could both do.
 
-imports: stdlib, mesh.config (its ConfigError).
+imports: stdlib, comms.procs, mesh.config (its ConfigError).
 """
 
 from __future__ import annotations
@@ -19,22 +19,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from comms.procs import start_ticks
 from mesh.config import ConfigError
 
 LOCK_NAME = "run.lock"
-
-
-def process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when
-    there is no such process (or no /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def holder(run_dir: Path) -> dict | None:
@@ -45,7 +33,7 @@ def holder(run_dir: Path) -> dict | None:
         pid, start = int(held["pid"]), int(held["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return held if process_start(pid) == start else None
+    return held if start_ticks(pid) == start else None
 
 
 @contextlib.contextmanager
@@ -54,7 +42,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     a live launcher holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    me = {"pid": os.getpid(), "start": process_start(os.getpid()) or 0}
+    me = {"pid": os.getpid(), "start": start_ticks(os.getpid()) or 0}
     body = json.dumps(me).encode()
     tmp = path.with_name(f".{LOCK_NAME}.{os.getpid()}")
     tmp.write_bytes(body)

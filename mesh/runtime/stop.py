@@ -2,7 +2,7 @@
 release, exit 0), deferred inside a checkpoint write, and immediate while the transport starts
 (mesh/runtime/trainer.py run_cell installs the handler and opens the windows).
 
-imports: stdlib, mesh.runtime.proctree.
+imports: stdlib, comms.procs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from mesh.runtime.proctree import kill_descendants
+from comms.procs import kill_descendants
 
 
 class StopSignal:

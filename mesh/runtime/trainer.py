@@ -316,7 +316,8 @@ def run_cell(
                     coord.beat.stats = beat_stats(row)
                     if row["flagged"]:  # sentinel.enabled's flagged neighbours
                         coord.beat.stats["flagged"] = row["flagged"]
-                sink.write(row)
+                with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
+                    sink.write(row)
 
             def align() -> int:
                 if isinstance(coord, DhtCoordinator):

@@ -66,7 +66,7 @@ def test_a_start_stuck_after_it_started_a_child_is_killed_with_the_child(monkeyp
     real_kill = dht_mod._kill_stuck
 
     def kill(pid):
-        children.extend(dht_mod._children(pid))
+        children.extend(dht_mod.procs.children(pid))
         real_kill(pid)
 
     monkeypatch.setattr(dht_mod, "_kill_stuck", kill)

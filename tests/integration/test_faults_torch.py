@@ -17,7 +17,7 @@ from pathlib import Path
 import helpers
 import pytest
 
-from mesh.procs import pid_alive
+from comms.procs import pid_alive
 from mesh.runtime.metrics import read_metrics
 from mesh.runtime.rows import parse_rows
 

@@ -172,7 +172,7 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
     dht, maddr = start_dht()
     try:
         before = _hivemind_files()
-        host, dht_id = maddr.split("/p2p/")
+        host = maddr.split("/p2p/")[0]
         # the bootstrap's address with another peer's ID (it restarted without --identity):
         # the TCP probe passes, then p2pd fails to bootstrap and exits
         someone_else = PeerID(b"\x12\x20" + os.urandom(32)).to_base58()  # a sha256 multihash
@@ -187,10 +187,10 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
         bad_data.write_text('[data]\npath = "/nonexistent/corpus.txt"\n')
         code, out = _run("join", "--initial-peers", maddr, *LOOPBACK, "--config", str(bad_data))
         assert code == 2 and "error: data.path" in out and "Traceback" not in out, out
-        # malformed: refused by syntax before any daemon starts, with the right form
-        for bad in (host, f"{host[5:].replace('/tcp/', ':')}", f"{host}0000/p2p/{dht_id}"):
-            code, out = _run("join", "--initial-peers", bad, *LOOPBACK)
-            assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, (bad, out)
+        # malformed: refused by syntax before any daemon starts, with the right form (every
+        # malformed shape: tests/unit/test_join_ux.py)
+        code, out = _run("join", "--initial-peers", host[5:].replace("/tcp/", ":"), *LOOPBACK)
+        assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, out
         bound = _bound_sockets()
         left = sorted(str(p) for p in _hivemind_files() - before if str(p) not in bound)
         assert not left, left

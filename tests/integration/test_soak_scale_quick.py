@@ -76,7 +76,8 @@ def test_a_soak_stopped_by_sigterm_stops_its_grid_and_says_so(tmp_path):
 
     from helpers import wait_for
 
-    from mesh.bench.procstat import alive, process_tree
+    from comms.procs import process_tree
+    from comms.procs import running as alive
 
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "cli.main", "bench", "soak", "--quick", "--out", str(out)]

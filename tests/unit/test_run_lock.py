@@ -9,15 +9,16 @@ import sys
 
 import pytest
 
+from comms.procs import start_ticks
 from mesh.config import ConfigError
-from mesh.runtime.run_lock import LOCK_NAME, holder, process_start, run_lock
+from mesh.runtime.run_lock import LOCK_NAME, holder, run_lock
 
 
 def test_a_live_holder_refuses_a_second_launcher(tmp_path):
     # another live process holds it (a child that sleeps), written as run_lock writes it
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = process_start(child.pid)
+        start = start_ticks(child.pid)
         (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": child.pid, "start": start}))
         assert holder(tmp_path) == {"pid": child.pid, "start": start}
         with pytest.raises(ConfigError, match=f"in use by a running grid \\(pid {child.pid}\\)"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.bench.procstat import alive
+from comms.procs import running as alive
 from tests.helpers import wait_for
 
 STORE_TIMEOUT_S = 120  # what the child would wait without the fix

@@ -9,7 +9,7 @@ replica). A cell's process is looked up by the pid its `started` row names, when
 written on this machine; otherwise a cell whose rows stopped for DEAD_AFTER_BEATS heartbeats
 counts as dead.
 
-imports: stdlib, mesh.config, mesh.algo.schedule, mesh.procs, this package's state.
+imports: stdlib, mesh.config, mesh.algo.schedule, comms.procs, this package's state.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from comms.procs import running
 from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import cell_name
 from mesh.config import Config, load_config
-from mesh.procs import pid_alive
 from mesh.runtime.dashboard.state import FREE, Seen, cell_state
 
 RATE_ROWS = 20  # tokens/s over a cell's last this many updates
@@ -157,7 +157,7 @@ def seen_of(tail: CellTail | None, failed: bool, now: float, host: str) -> Seen:
         alive = False
     elif tail.started is not None and tail.started.get("host") == host:
         pid = tail.started.get("pid")
-        alive = _running(pid) if isinstance(pid, int) else None
+        alive = running(pid) if isinstance(pid, int) else None
     age = None if tail.mtime is None else max(0.0, now - tail.mtime)
     event = tail.last_event.get("event") if tail.last_is_event and tail.last_event else None
     return Seen(
@@ -202,17 +202,6 @@ class RunDirView:
                 continue
             self.tails.setdefault(key, CellTail(path)).poll()  # type: ignore[arg-type]
         return self.tails
-
-
-def _running(pid: int) -> bool:
-    """Whether the process exists and is not a zombie its parent has yet to reap (Linux)."""
-    if not pid_alive(pid):
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc here, or not ours to read: it exists
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def tokens_per_step(cfg: Config) -> int:

@@ -31,7 +31,6 @@ GRID_MODULES = {  # eight-peer grids and cell kills: one at a time
     "test_soak_scale_quick.py",
     "test_join.py",
     "test_faults_torch.py",
-    "test_dashboard_wan.py",
     "test_gpu_check.py",
 }
 
@@ -48,23 +47,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("grid"))
         if "throttled" in parts:  # shaped links measure rates
             item.add_marker(pytest.mark.alone)
-    # `alone` tests first: under xdist each one waits for the other worker's test in flight,
-    # and early on that is a short one, where later it may be a grid's minutes
-    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
 
 
-@pytest.fixture(autouse=True)
-def _alone_or_beside(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
+# outermost (tryfirst), so that the wait for the lock is not in pytest-timeout's time: a test's
+# timeout bounds the test, not the test that ran beside it
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     """Under pytest-xdist: an `alone` test holds the run's test lock exclusively, every other
     test holds it shared (see the module docstring). The lock files lie in the run's base
     temporary folder, shared by its workers (pytest keeps the last three runs')."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         yield
         return
-    alone = request.node.get_closest_marker("alone") is not None
-    base = tmp_path_factory.getbasetemp().parent
+    alone = item.get_closest_marker("alone") is not None
+    base = item.config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
     # POSIX record locks (lockf), not flock: a process forked by the test (a hivemind DHT, a
     # module fixture's peer that outlives it) does not inherit them, where it would hold a
     # flock as long as it lives, and a waiting `alone` test with it for ever

@@ -19,12 +19,20 @@ BUDGET_MS = 4000  # virtual time for the page's first polls
 HANG_S = 90  # one browser run; a loaded 2-core box is slow to start Chromium
 
 
-def chromium() -> str:
-    """The browser's path, or a clean skip saying how to get it."""
+def installed() -> str | None:
+    """The browser's path, None when there is none."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         path = shutil.which(name)
         if path:
             return path
+    return None
+
+
+def chromium() -> str:
+    """The browser's path, or a clean skip saying how to get it."""
+    path = installed()
+    if path:
+        return path
     pytest.skip("no chromium on PATH (apt-get install -y chromium): the browser test needs one")
 
 

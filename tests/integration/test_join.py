@@ -1,21 +1,28 @@
 """A grid formed over a DHT by `meshtrain dht` + `meshtrain join` processes on 127.0.0.1.
 
 One run (to pay the daemons' start-up once) walks through the issue's scenarios in order:
-formation by four joins (only the first brings a config), `status`, a falling loss, refused
-outsiders (no run key, another config fingerprint, an unkeyed transport sending activations),
-a killed peer replaced by a new join that downloads its stage's state, the bootstrap node
-killed (peers keep training; a join naming only it fails clearly), and a clean stop.
+formation by four joins (only the first brings a config), `status`, a falling loss, the run's
+dashboard over the DHT (refused without the run key; with it every cell training, in a real
+browser), refused outsiders (no run key, another config fingerprint, an unkeyed transport
+sending activations), a killed peer shown dead on the dashboard within its claim's lifetime
+and replaced by a new join that downloads its stage's state, the bootstrap node killed (peers
+keep training; a join naming only it fails clearly), and a clean stop.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import time
+import urllib.request
 
+import browser
 import pytest
 import torch
 
+from cli.status import READ_TIMEOUT_S
 from mesh.bench.join_procs import (
     LOOPBACK,
     cell_of,
@@ -28,6 +35,7 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
+from mesh.runtime.registry import HEARTBEAT_LIVES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,6 +43,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # failing take is measured by `meshtrain bench join` (results/join/table.md).
 HANG_S = 60
 SLOWDOWN = 4.0  # emulation.slowdowns of every cell
+HEARTBEAT_S = 1.0  # tiny_grid_config's elastic.heartbeat_s
+CELLS = {"s0r0", "s1r0", "s0r1", "s1r1"}
 
 
 def test_grid_formed_by_joins(text_file, tmp_path):
@@ -76,6 +86,27 @@ def test_grid_formed_by_joins(text_file, tmp_path):
             losses = [r["loss"] for r in rows(outs[n]) if r.get("loss") is not None]
             assert sum(losses[-5:]) / 5 < losses[0] - 0.3, (n, losses[0], losses[-5:])
 
+        # -- the run's dashboard, from the DHT: without the run key it shows nothing (one line,
+        #    exit 2); with it every cell is training and the loss chart has points
+        code, out, _ = run_meshtrain("dashboard", *peers, "--port", "0", key=None, timeout_s=HANG_S)
+        assert code == 2 and "run key" in out and "Traceback" not in out, out
+        dash = meshtrain(
+            "dashboard", *peers, "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        extra.append(dash)
+        line = dash.stdout.readline()
+        assert line.startswith("dashboard: http://127.0.0.1:"), line
+        url = line.split()[1]
+        wait_for(lambda: _all_training(url), HANG_S, "every cell training on the dashboard")
+        d = _dashboard_json(url)
+        assert d["run"]["fingerprint"] and d["grid"] == "2x2" and d["run_key"] == "ok"
+        assert all(c["rounds"] is not None and c["verified"] for c in d["cells"])
+        if browser.installed():  # .ci/run installs one
+            page = browser.look(url)
+            assert set(page.cells) == CELLS, page.cells
+            assert set(page.cells.values()) <= {"training", "waiting"}, page.cells
+            assert page.loss_points and page.loss_points >= 2
+
         # -- outsiders are refused, clearly
         code, out, _ = run_meshtrain("join", *peers, *LOOPBACK, key="not the key")
         assert code == 2 and "run key does not match" in out, out
@@ -102,8 +133,18 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         partner = next(n for n, c in cells.items() if c == (0, 1))
         survivor = next(n for n, c in cells.items() if c == (1, 0))
         os.killpg(joins[victim].pid, signal.SIGKILL)
+        killed_at = time.time()
         joins[victim].wait(10)
         at_kill = step(outs[survivor])
+        # the dashboard shows its cell dead within the claim's lifetime (plus one DHT read)
+        dead_at = _dead_on_the_dashboard(url, "s1r1")
+        assert dead_at - killed_at <= HEARTBEAT_LIVES * HEARTBEAT_S + READ_TIMEOUT_S
+        if browser.installed():
+            page = browser.look(url)
+            assert page.cells["s1r1"] == "dead" and len(page.cells) == 4, page.cells
+            shot = browser.screenshot(url, browser.shots_dir(tmp_path) / "dashboard-wan.png")
+            assert shot.stat().st_size > 10_000
+        stop(dash, timeout_s=20)  # a clean stop: its p2pd reaped, its sockets removed
         wait_for(lambda: step(outs[survivor]) >= at_kill + 20, 60, "the other replica")
         wait_for(
             lambda: "s1r1" in status(maddr)["free"], HANG_S, "the dead peer's claim to expire", 2
@@ -165,6 +206,34 @@ def test_grid_formed_by_joins(text_file, tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+
+
+def _dashboard_json(url: str) -> dict:
+    try:
+        return json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
+    except urllib.error.HTTPError as e:  # 503: the DHT did not answer this time
+        return json.loads(e.read())
+
+
+def _all_training(url: str) -> bool:
+    d = _dashboard_json(url)
+    states = {c["cell"]: c["state"] for c in d.get("cells", [])}
+    points = sum(len(v) for v in d.get("curves", {}).get("train", {}).values())
+    return states == dict.fromkeys(CELLS, "training") and points >= 2
+
+
+def _dead_on_the_dashboard(url: str, cell: str) -> float:
+    """The dashboard's clock (its JSON's `now`) when it first shows `cell` dead."""
+    dead_at: list[float] = []
+
+    def dead() -> bool:
+        d = _dashboard_json(url)
+        if {c["cell"]: c["state"] for c in d.get("cells", [])}.get(cell) == "dead":
+            dead_at.append(d["now"])
+        return bool(dead_at)
+
+    wait_for(dead, HANG_S, f"{cell} to show dead on the dashboard", period_s=0.2)
+    return dead_at[0]
 
 
 def _outsider_sends_activation(maddr: str, to: str) -> None:

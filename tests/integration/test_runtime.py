@@ -124,19 +124,25 @@ def test_stopped_grid_resumes_to_the_same_weights(text_file, tmp_path):
         f"data.path='{text_file}'",
         "grid.stages=2",
         "grid.replicas=2",
-        "run.steps=40",  # a tiny grid runs 8 steps in about a second: room to stop at step 4
+        "run.steps=40",
         "dp.mode=none",
         "checkpoint.every=2",
         "pipeline.weight_prediction=1",
     ]
     cfg = load_config([], base)
+    # the stopped run's cells wait 4x their compute (the numbers are the same: emulation is
+    # each peer's own setting): flat out, a tiny grid's 40 steps can end before the launcher's
+    # progress poll sees step 4 on a loaded box
+    slowed = ", ".join(f'"s{j}r{i}=5"' for i in range(2) for j in range(2))
+    slow_cfg = load_config([], [*base, f"emulation.slowdowns=[{slowed}]"])
+    assert slow_cfg.state_fingerprint() == cfg.state_fingerprint()
     stopped = tmp_path / "stopped"
 
     def stop_at_step_4(step, loss):
         if (common_step(stopped, [(0, 0), (1, 0), (0, 1), (1, 1)]) or 0) >= 4:
             raise KeyboardInterrupt
 
-    first = run_grid(cfg, stopped, on_progress=stop_at_step_4, timeout_s=240)
+    first = run_grid(slow_cfg, stopped, on_progress=stop_at_step_4, timeout_s=240)
     assert first.interrupted
     resumed = run_grid(cfg, stopped, resume=True, timeout_s=240)
     assert resumed.ok, resumed.exit_codes

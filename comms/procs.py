@@ -41,11 +41,26 @@ def _stat(pid: int | str) -> tuple[str, list[str]] | None:
         return None
 
 
+def state(pid: int) -> str | None:
+    """The process's (its main thread's) state letter: R running, S sleeping, Z zombie, ...;
+    None when there is no such process."""
+    stat = _stat(pid)
+    return stat[1][0] if stat and stat[1] else None
+
+
+def parent(pid: int) -> int | None:
+    """The pid of the process's parent now (init's, or a subreaper's, once its own died)."""
+    stat = _stat(pid)
+    try:
+        return int(stat[1][1]) if stat else None
+    except (IndexError, ValueError):
+        return None
+
+
 def running(pid: int) -> bool:
     """Exists and is not a zombie waiting for its parent (nor dead): what "alive" means for a
     process we started, whose parent may not have reaped it yet."""
-    stat = _stat(pid)
-    return stat is not None and bool(stat[1]) and stat[1][0] not in "ZX"
+    return state(pid) not in (None, "Z", "X")
 
 
 def comm(pid: int) -> str:
@@ -103,6 +118,13 @@ def named_with(arg: bytes, name: str) -> list[int]:
             if comm(int(cmdline.parent.name)) == name and arg in cmdline.read_bytes():
                 found.append(int(cmdline.parent.name))
     return found
+
+
+def bound_sockets() -> set[str]:
+    """The paths of the unix sockets bound now (in our network namespace): a socket file no
+    process has bound is a dead process's leftover."""
+    lines = (PROC / "net" / "unix").read_text().splitlines()[1:]
+    return {parts[-1] for parts in map(str.split, lines) if len(parts) >= 8}
 
 
 def kill_descendants() -> list[int]:

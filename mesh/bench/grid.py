@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from comms.procs import comm, process_tree
+from comms.procs import bound_sockets, comm, process_tree
 from comms.procs import running as alive
 from mesh.bench.join_procs import LOOPBACK, meshtrain, start_dht, stop, wait_for
 from mesh.bench.procstat import hivemind_sockets
@@ -161,8 +161,7 @@ def _kill_pid(pid: int, name: str) -> None:
 
 
 def _unlink_unbound(path: str) -> None:
-    bound = {ln.split()[-1] for ln in Path("/proc/net/unix").read_text().splitlines()[1:]}
-    if path not in bound:
+    if path not in bound_sockets():
         Path(path).unlink(missing_ok=True)
 
 

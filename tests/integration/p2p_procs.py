@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from comms.procs import comm, process_tree
+from comms.procs import bound_sockets, comm, process_tree
 from comms.procs import running as alive
 from mesh.bench.procstat import hivemind_sockets
 
@@ -39,7 +39,7 @@ def sockets_of(pids: list[int]) -> set[str]:
 def sweep_sockets(existing: set[Path]) -> None:
     """Remove hivemind socket files that appeared during the test and that no process has
     bound any more (left by a peer this test killed; a live socket is never touched)."""
-    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    bound = bound_sockets()
     for path in set(Path("/tmp").glob("hivemind-*.sock")) - existing:
         if str(path) not in bound:
             path.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from comms import procs
 from mesh.bench.join_procs import (
     KEY,
     LOOPBACK,
@@ -75,11 +76,11 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
     )
     dht, maddr = start_dht()
     peers = ["--initial-peers", maddr]
-    procs = [dht]
+    started = [dht]
     try:
         out_a, out_b = tmp_path / "a", tmp_path / "b"
         first = Join(tmp_path / "j0.log", *peers, "--config", str(cfg), "--out", str(out_a))
-        procs.append(first.proc)
+        started.append(first.proc)
         waiting = "waiting for s1r0 (free) to start replica 0"
         _wait(lambda: first.count(waiting) >= 1, "the lone join to say whom it waits for")
 
@@ -97,7 +98,7 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
 
         # -- a second join lets the replica start
         second = Join(tmp_path / "j1.log", *peers, "--out", str(out_b))
-        procs.append(second.proc)
+        started.append(second.proc)
         formed = "replica 0 formed (s0r0, s1r0)"
         _wait(lambda: formed in first.text(), "the replica to form")
         _wait(lambda: second.steps(out_b, "s1r0") >= 5, "the second join training")
@@ -131,7 +132,7 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
         # -- the same peer joins again: it takes back its cell and says it resumed
         formed_before = first.text().count(formed)
         again = Join(tmp_path / "j2.log", *peers, "--out", str(out_b))
-        procs.append(again.proc)
+        started.append(again.proc)
         resumed = f"resumed from my checkpoint at step {saved_step} ({saved})"
         _wait(lambda: resumed in again.text(), "the rejoin to say it resumed")
         _wait(lambda: first.text().count(formed) > formed_before, "the replica to re-form")
@@ -140,29 +141,12 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
             assert j.proc.wait(HANG_S) == 0, j.text()
         assert "Traceback" not in first.text() + second.text() + again.text()
     finally:
-        for p in procs:
+        for p in started:
             kill(p)
 
 
 def _hivemind_files() -> set[Path]:
     return set(Path("/tmp").glob("hivemind-*"))
-
-
-def _bound_sockets() -> set[str]:
-    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    return {parts[-1] for parts in map(str.split, lines) if len(parts) >= 8}
-
-
-def _p2pd_bootstrapping_to(maddr: str) -> list[int]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if args and args[0].endswith(b"p2pd") and any(maddr.encode() in a for a in args):
-            found.append(int(cmdline.parent.name))
-    return found
 
 
 @pytest.mark.alone  # every new /tmp/hivemind-* file is taken to be its own
@@ -191,9 +175,9 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
         # malformed shape: tests/unit/test_join_ux.py)
         code, out = _run("join", "--initial-peers", host[5:].replace("/tcp/", ":"), *LOOPBACK)
         assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, out
-        bound = _bound_sockets()
+        bound = procs.bound_sockets()
         left = sorted(str(p) for p in _hivemind_files() - before if str(p) not in bound)
         assert not left, left
-        assert not _p2pd_bootstrapping_to(host), "a failed join left its p2pd running"
+        assert not procs.named_with(host.encode(), "p2pd"), "a failed join left its p2pd running"
     finally:
         kill(dht)

@@ -10,11 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import helpers
 import pytest
-from p2p_procs import assert_gone, process_tree, sockets_of
+from p2p_procs import assert_gone, comm, process_tree, sockets_of
 
 from mesh.bench.join_procs import (
     LOOPBACK,
@@ -112,13 +111,7 @@ def test_p2pd_start_failures_are_one_line_with_the_fix(tmp_path):
 
 def _p2pds(pid: int) -> int:
     """How many p2pd processes run under `pid` (zombies count: a probe must be reaped)."""
-    found = 0
-    for p in process_tree(pid)[1:]:
-        try:
-            found += Path(f"/proc/{p}/comm").read_text().strip() == "p2pd"
-        except OSError:
-            pass
-    return found
+    return sum(comm(p) == "p2pd" for p in process_tree(pid)[1:])
 
 
 def test_any_dht_peer_answers_when_the_bootstrap_does_not():

@@ -3,6 +3,7 @@ named by prctl), never anyone else's."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,8 @@ def test_the_tree_its_names_and_a_search_by_argument() -> None:
         assert procs.named_with(mark.encode(), "odd) na me") == [parent.pid]
         assert procs.named_with(mark.encode(), "sleep") == []
         assert procs.start_ticks(parent.pid) <= procs.start_ticks(grandchild)
+        assert procs.parent(grandchild) == parent.pid and procs.parent(parent.pid) == os.getpid()
+        assert procs.state(grandchild) == "S"  # sleep 3600
     finally:
         parent.kill()
         parent.wait()
@@ -62,3 +65,12 @@ def test_a_gone_process_has_no_name_start_or_children() -> None:
     child.wait()
     assert procs.comm(child.pid) == "" and procs.start_ticks(child.pid) is None
     assert procs.children(child.pid) == [] and not procs.running(child.pid)
+    assert procs.state(child.pid) is None and procs.parent(child.pid) is None
+
+
+def test_bound_sockets_name_a_bound_unix_socket_and_not_a_leftover(tmp_path) -> None:
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        assert str(path) in procs.bound_sockets()
+    assert path.exists() and str(path) not in procs.bound_sockets()  # left behind

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from comms import procs
 from comms.procs import running as alive
 from tests.helpers import wait_for
 
@@ -45,8 +46,7 @@ def _free_port() -> int:
 
 def _main_thread_sleeping(pid: int) -> bool:
     # field 3 of /proc/PID/stat: the main thread's state; S once it waits inside the connect
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] == "S"
+    return procs.state(pid) == "S"
 
 
 def _stop_while_connecting(window: str, wait_s: float) -> tuple[int | None, float, int]:
@@ -113,8 +113,8 @@ def cell_that_waits(*run_cell_args: object) -> None:
     time.sleep(HANG_S)
 
 
-def _parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+def _parent_of(pid: int) -> int | None:
+    return procs.parent(pid)
 
 
 @pytest.mark.slow

@@ -6,6 +6,9 @@ Imported as `helpers` (pytest puts tests/, where conftest.py lives, on sys.path)
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 from mesh.bench import join_procs
 
 # --set overrides of the smallest model the tests train: 2 blocks of d=16.
@@ -22,6 +25,20 @@ TINY = [
 # the bounded wait lives with the local-grid helpers that `meshtrain bench join` shares with the
 # join tests (mesh/bench/join_procs.py); this is the same function
 wait_for = join_procs.wait_for
+
+
+def cli(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """`meshtrain ARGS` in its own process (forked from the preloaded server:
+    mesh.bench.prefork) run to its end: the exit code and the streams a user sees."""
+    p = join_procs.meshtrain(
+        *args, key=None, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        join_procs.kill(p)
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 class BootNode:

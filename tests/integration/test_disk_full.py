@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import helpers
@@ -39,8 +38,7 @@ def small_disk(tmp_path):
 
 
 def _meshtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cli.main", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return helpers.cli(*args, cwd=cwd, timeout_s=300)
 
 
 def _fill(disk: Path, leave_bytes: int) -> Path:

@@ -5,9 +5,6 @@ refused one leaves the run directory as it was. Real processes, as a user runs t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import helpers
 import pytest
@@ -21,10 +18,7 @@ pytestmark = pytest.mark.integration
 TINY = [*helpers.TINY, "checkpoint.every=2", "transport.recv_timeout_s=30"]
 
 
-def _meshtrain(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """The CLI in its own process: the exit code and the streams a user sees."""
-    cmd = [sys.executable, "-m", "cli.main", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+_meshtrain = helpers.cli
 
 
 def _sets(*items: str) -> list[str]:

@@ -6,9 +6,9 @@ CPU); a fork of the cells' fork server (mesh.runtime.launch.cell_context) spends
 The child is what `python -m cli.main ARGS` would be once its imports are done: its own session
 (a process group the caller can kill whole), the caller's environment and working directory,
 stdout/stderr where the caller said (a pipe, a file, /dev/null), default SIGINT/SIGTERM, and
-cli.main's `main` run with ARGS. `Preforked` answers as much of subprocess.Popen as the benches
-and tests use. Its parent is the fork server, not the caller (mesh.runtime.stop.watch_parent
-watches the caller through multiprocessing's pipe all the same).
+cli.main run as `python -m` runs it. `Preforked` answers as much of subprocess.Popen as the
+benches and tests use. Its parent is the fork server, not the caller
+(mesh.runtime.stop.watch_parent watches the caller through multiprocessing's pipe all the same).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import runpy
 import selectors
 import signal
 import subprocess
@@ -61,11 +62,11 @@ def _child_main(args: list[str], env: dict[str, str], cwd: str, out_fd: int, err
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    from cli import main as cli_main
-
-    sys.argv = [cli_main.__file__, *args]
+    # run as `python -m cli.main` runs it (the CLI is a program here, not an import of this
+    # layer's: mesh.bench starts it as it would start `python -m cli.main`)
+    sys.argv = ["-m", *args]
     try:
-        cli_main.main(args, prog_name="meshtrain")
+        runpy.run_module("cli.main", run_name="__main__", alter_sys=True)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

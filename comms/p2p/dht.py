@@ -252,19 +252,22 @@ def permanent(start_error: BaseException) -> bool:
 READY_SLACK_S = 30.0
 
 
-def _started(initial_peers: list[str], startup_s: float, **kwargs: Any) -> PeerDHT:
+def _started(
+    initial_peers: list[str], startup_s: float, ready_s: float | None = None, **kwargs: Any
+) -> PeerDHT:
     """One start, bounded: hivemind waits for the DHT process without a deadline, and a process
     forked from one with many threads (torch's pools, an in-process gloo group) can hang before
-    it says anything. A start not ready in time is killed with its p2pd, and raises TimeoutError
-    (start_dht retries it)."""
+    it says anything. A start not ready within ready_s (default: startup_s + READY_SLACK_S) is
+    killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
+    ready_s = startup_s + READY_SLACK_S if ready_s is None else ready_s
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
     dht.start()
     try:
-        dht.wait_until_ready(startup_s + READY_SLACK_S)
+        dht.wait_until_ready(ready_s)
     except TimeoutError:
         _kill_stuck(dht.pid)
         dht.join(5)
-        raise TimeoutError(f"DHT process not ready in {startup_s + READY_SLACK_S:.0f} s") from None
+        raise TimeoutError(f"DHT process not ready in {ready_s:.0f} s") from None
     return dht
 
 
@@ -316,8 +319,12 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
     delay = 0.5
     while True:
         try:
-            startup = max(5.0, min(15.0, deadline - time.monotonic()))
-            return _started(initial_peers, startup, **kwargs)
+            left = deadline - time.monotonic()
+            startup = max(5.0, min(15.0, left))
+            # a stuck start may take half of what is left, so that a second one fits the
+            # deadline (a healthy start is ready in seconds, p2pd's startup_timeout first)
+            ready = max(startup + 5.0, min(startup + READY_SLACK_S, left / 2))
+            return _started(initial_peers, startup, ready, **kwargs)
         except Exception as e:
             if permanent(e) or time.monotonic() + delay >= deadline:
                 raise

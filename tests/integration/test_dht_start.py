@@ -52,6 +52,29 @@ def test_a_stuck_start_is_killed_and_the_next_attempt_starts(monkeypatch, tmp_pa
         node.shutdown()
 
 
+def test_a_stuck_start_leaves_time_for_a_second_within_the_deadline(tmp_path, monkeypatch) -> None:
+    """A start that hangs is given up after half the time start_dht has, not after the whole
+    READY_SLACK_S (which alone exceeds a 30 s deadline), so the retry comes before the deadline."""
+    marker = tmp_path / "hang-once"
+    marker.touch()
+    real_run = dht_mod.PeerDHT.run
+
+    def hang_once(self) -> None:  # runs in the forked DHT process
+        if marker.exists():
+            marker.unlink()
+            time.sleep(3600)
+        real_run(self)
+
+    monkeypatch.setattr(dht_mod.PeerDHT, "run", hang_once)
+    t0 = time.monotonic()
+    node = dht_mod.start_dht([], 30.0, host_maddrs=[LOOPBACK])
+    try:
+        assert not marker.exists() and node.get_visible_maddrs()
+        assert time.monotonic() - t0 < 30.0 + 15.0  # the retry's own start, under load
+    finally:
+        node.shutdown()
+
+
 def test_a_start_stuck_after_it_started_a_child_is_killed_with_the_child(monkeypatch) -> None:
     real_run = dht_mod.PeerDHT.run
     children: list[int] = []

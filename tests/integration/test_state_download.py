@@ -33,6 +33,9 @@ BACKENDS = ["torch", "hivemind"]
 WIDE = ["model.arch=llama", "model.n_layers=2", "model.d_model=1152", "model.n_heads=8"]
 SMALL_CHUNKS = 16 << 10  # bytes: a tiny cell still goes in dozens of chunks
 TIMEOUT_S = 30.0
+# a DHT forked from this many-threaded test process can hang before it is ready: room for a
+# second start (comms.p2p.dht.start_dht gives a stuck one half of it)
+START_S = 60.0
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,7 +99,7 @@ def _transports(backend: str, names: list[str]) -> Iterator[dict[str, Transport]
             else:
                 for name in names:
                     out[name] = make_transport(
-                        backend, name, names, {}, timeout_s=TIMEOUT_S, run_id="state", **where
+                        backend, name, names, {}, timeout_s=START_S, run_id="state", **where
                     )
             yield out
         finally:  # at once: a torch peer's close waits for the others' goodbyes

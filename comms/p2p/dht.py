@@ -15,6 +15,7 @@ imports: hivemind, comms.p2p.auth, comms.p2p.locks, comms.procs, stdlib (no torc
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -261,7 +262,16 @@ def _started(
     killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
     ready_s = startup_s + READY_SLACK_S if ready_s is None else ready_s
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
-    dht.start()
+    # The forked process must never collect garbage it inherited: a cycle that holds a C++
+    # object of ours (a gloo group, a thread pool) runs its destructor there, on locks and
+    # threads that only exist here, and aborts the process ("Fatal Python error: Aborted",
+    # garbage-collecting). Frozen at the fork, such objects are outside every collection of
+    # the child; here they are unfrozen at once (CPython's gc.freeze idiom for fork).
+    gc.freeze()
+    try:
+        dht.start()
+    finally:
+        gc.unfreeze()
     try:
         dht.wait_until_ready(ready_s)
     except TimeoutError:

@@ -151,7 +151,7 @@ class Preforked:
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         """Everything the child writes to its pipes until it closes them, then its exit."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        chunks: dict[int, list[str]] = {}
+        chunks: dict[int, list[bytes]] = {}  # decoded whole: a read may split a character
         with selectors.DefaultSelector() as sel:
             for f in (self.stdout, self.stderr):
                 if f is not None:
@@ -164,13 +164,13 @@ class Preforked:
                 for key, _ in sel.select(left):
                     data = os.read(key.fd, 1 << 16)
                     if data:
-                        chunks[key.fd].append(data.decode(errors="replace"))
+                        chunks[key.fd].append(data)
                     else:
                         sel.unregister(key.fileobj)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.wait(left)
 
         def text(f: IO[str] | None) -> str | None:
-            return None if f is None else "".join(chunks[f.fileno()])
+            return None if f is None else b"".join(chunks[f.fileno()]).decode(errors="replace")
 
         return text(self.stdout), text(self.stderr)

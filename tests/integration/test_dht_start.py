@@ -75,6 +75,45 @@ def test_a_stuck_start_leaves_time_for_a_second_within_the_deadline(tmp_path, mo
         node.shutdown()
 
 
+class _AbortsInAChild:
+    """Garbage whose finalizer aborts any process but its creator's, as a C++ object whose
+    destructor joins threads or takes locks that only exist in the process that made it."""
+
+    def __init__(self) -> None:
+        self.creator, self.me = os.getpid(), self  # a cycle: only the collector frees it
+
+    def __del__(self) -> None:
+        if os.getpid() != self.creator:
+            os.abort()
+
+
+def test_a_dht_process_never_collects_the_garbage_it_inherited(monkeypatch) -> None:
+    """A cycle that was garbage in our process when the DHT forked is not collected in the DHT
+    process (its finalizer would run there): the start succeeds. Collections are off here until
+    the fork, so the cycle is still there; the DHT process collects at once (patched run)."""
+    import gc
+
+    real_run = dht_mod.PeerDHT.run
+
+    def collect_first(self) -> None:  # runs in the forked DHT process
+        gc.enable()
+        gc.collect()
+        real_run(self)
+
+    monkeypatch.setattr(dht_mod.PeerDHT, "run", collect_first)
+    gc.disable()
+    try:
+        _AbortsInAChild()  # unreachable at once, freed only by a collection
+        node = dht_mod.start_dht([], 20.0, host_maddrs=[LOOPBACK])
+    finally:
+        gc.enable()
+        gc.collect()  # here: its finalizer does nothing
+    try:
+        assert node.get_visible_maddrs()
+    finally:
+        node.shutdown()
+
+
 def test_a_start_stuck_after_it_started_a_child_is_killed_with_the_child(monkeypatch) -> None:
     real_run = dht_mod.PeerDHT.run
     children: list[int] = []

@@ -33,11 +33,7 @@ def cli(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedPr
     p = join_procs.meshtrain(
         *args, key=None, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        join_procs.kill(p)
-        raise
+    out, err = join_procs.finish(p, timeout_s)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 

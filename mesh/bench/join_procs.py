@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from comms.procs import process_tree
+from mesh.bench.procstat import hivemind_sockets
 from mesh.runtime.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -130,12 +132,18 @@ def run_meshtrain(
     """Run `meshtrain ARGS` to its end: (exit code, stdout+stderr, seconds it took)."""
     t0 = time.monotonic()
     p = meshtrain(*args, key=key, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = finish(p, timeout_s)
+    return p.returncode, out, time.monotonic() - t0
+
+
+def finish(p: Any, timeout_s: float) -> tuple[Any, Any]:
+    """p.communicate() within timeout_s; past it, p and its process group are killed and
+    TimeoutExpired raised (a hung command must not outlive its caller)."""
     try:
-        out, _ = p.communicate(timeout=timeout_s)
+        return p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill(p)
         raise
-    return p.returncode, out, time.monotonic() - t0
 
 
 def start_dht() -> tuple[subprocess.Popen, str]:
@@ -188,7 +196,12 @@ def stop(p: subprocess.Popen, timeout_s: float = 60) -> int:
 
 
 def kill(p: subprocess.Popen) -> None:
-    """SIGKILL the process's whole group (its p2pd children too) and reap it."""
+    """SIGKILL the process's whole group (its DHT process and p2pd too), reap it, and remove
+    the /tmp/hivemind-* socket files the group had bound: killed at once, none of its
+    processes lives to remove them (a machine that died; the next test's box is clean)."""
     if p.poll() is None:
+        held = hivemind_sockets(process_tree(p.pid))
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
+        for path in held:
+            Path(path).unlink(missing_ok=True)

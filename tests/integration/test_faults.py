@@ -9,6 +9,7 @@ after transport.recv_timeout_s instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -259,31 +260,30 @@ def _final_loss(out: Path, cell: tuple[int, int]) -> float:
 
 
 def _clean_and_attacked(cfg, tmp_path: Path, rogue: tuple[int, int], target) -> dict:
-    """The grid twice: clean, then with `rogue` running `target`. Each run goes until the cells
-    of the other replicas finish (the rogue's replica may never move), then stops cleanly.
-    Returns {"clean" | "attacked": (out dir, exit codes)}."""
+    """The grid twice at once, each with its own bootstrap DHT: clean, and with `rogue` running
+    `target` (side by side, not one after the other: each is mostly emulated waits). Each run
+    goes until the cells of the other replicas finish (the rogue's replica may never move), then
+    stops cleanly. Returns {"clean" | "attacked": (out dir, exit codes)}."""
     cells = [(j, i) for i in range(cfg.grid.replicas) for j in range(cfg.grid.stages)]
     honest = [c for c in cells if c[1] != rogue[1]]
-    runs = {}
-    for name in ("clean", "attacked"):
-        out = tmp_path / name
-        with local_rendezvous("hivemind") as options:
-            grid = LocalGrid(cfg, out, options)
-            try:
-                for cell in cells:
-                    if name == "attacked" and cell == rogue:
-                        grid.start(cell, target=target)
-                    else:
-                        grid.start(cell)
-                wait_for(
-                    lambda g=grid: all(g.procs[c].exitcode is not None for c in honest),
-                    180,
-                    "the honest replica to finish",
-                )
-                runs[name] = (out, _stop_cleanly(grid))
-            finally:
-                grid.stop()
-    return runs
+    with contextlib.ExitStack() as stack:
+        grids = {}
+        for name in ("clean", "attacked"):
+            options = stack.enter_context(local_rendezvous("hivemind"))
+            grids[name] = grid = LocalGrid(cfg, tmp_path / name, options)
+            stack.callback(grid.stop)
+        for name, grid in grids.items():
+            for cell in cells:
+                if name == "attacked" and cell == rogue:
+                    grid.start(cell, target=target)
+                else:
+                    grid.start(cell)
+        wait_for(
+            lambda: all(g.procs[c].exitcode is not None for g in grids.values() for c in honest),
+            180,
+            "the honest replicas to finish",
+        )
+        return {name: (tmp_path / name, _stop_cleanly(grid)) for name, grid in grids.items()}
 
 
 def test_nan_averaging_peer_is_rejected_and_honest_loss_holds(text_file, tmp_path):

@@ -12,8 +12,6 @@ keep training; a join naming only it fails clearly), and a clean stop.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -26,6 +24,7 @@ from cli.status import READ_TIMEOUT_S
 from mesh.bench.join_procs import (
     LOOPBACK,
     cell_of,
+    kill,
     meshtrain,
     rows,
     run_meshtrain,
@@ -132,9 +131,8 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         victim = next(n for n, c in cells.items() if c == (1, 1))
         partner = next(n for n, c in cells.items() if c == (0, 1))
         survivor = next(n for n, c in cells.items() if c == (1, 0))
-        os.killpg(joins[victim].pid, signal.SIGKILL)
         killed_at = time.time()
-        joins[victim].wait(10)
+        kill(joins[victim])  # the peer's machine dies: its DHT process and p2pd with it
         at_kill = step(outs[survivor])
         # the dashboard shows its cell dead within the claim's lifetime (plus one DHT read)
         dead_at = _dead_on_the_dashboard(url, "s1r1")
@@ -203,9 +201,7 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         assert stop(again) == 0
     finally:
         for p in [*joins.values(), dht, *extra]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+            kill(p)
 
 
 def _dashboard_json(url: str) -> dict:

@@ -8,12 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import wait_for
 
-from comms.procs import running
-from mesh.bench.join_procs import meshtrain, start_dht, stop
+from comms.procs import process_tree, running
+from mesh.bench.join_procs import kill, meshtrain, start_dht, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -66,17 +67,34 @@ def test_signals_wait_and_timeouts_as_popen(tmp_path):
         with pytest.raises(subprocess.TimeoutExpired):
             dht.wait(0.2)
         assert dht.poll() is None and running(dht.pid)
-        os.killpg(dht.pid, signal.SIGKILL)
+        # the node alone (its DHT process sees it go, stops p2pd and removes its sockets)
+        dht.send_signal(signal.SIGKILL)
         assert dht.wait(30) == -signal.SIGKILL
         assert dht.returncode == -signal.SIGKILL and not running(dht.pid)
         dht.kill()  # reaped: a no-op, as Popen's
     finally:
-        if dht.poll() is None:
-            os.killpg(dht.pid, signal.SIGKILL)
+        kill(dht)
     log = tmp_path / "log.txt"
     with log.open("w") as f:
         p = meshtrain("show-config", stdout=f, stderr=subprocess.STDOUT)
     assert p.wait(120) == 0 and "[dp]" in log.read_text()
+
+
+def test_kill_takes_the_whole_group_and_removes_its_socket_files():
+    """join_procs.kill, a machine dying under a test: the node, its DHT process and p2pd are
+    gone at once, and so are the socket files none of them lived to remove."""
+    dht, _ = start_dht()
+    try:
+        # (torch's shared-memory manager runs in a session of its own, and goes when its
+        # clients have gone)
+        group = [pid for pid in process_tree(dht.pid) if os.getpgid(pid) == dht.pid]
+        files = [f for pid in group for f in Path("/tmp").glob(f"hivemind-{pid}-*")]
+        assert len(group) == 3 and files, (group, files)
+        kill(dht)
+        assert not [f for f in files if f.exists()], files
+        wait_for(lambda: not any(running(pid) for pid in group), 10, "the group to be gone")
+    finally:
+        kill(dht)
 
 
 CALLER = """

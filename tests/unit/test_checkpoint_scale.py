@@ -122,7 +122,6 @@ def measure(run_dir: str) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 def test_a_300m_stage_saves_loads_and_exports_without_a_second_copy(tmp_path):
     if not Path("/proc/self/clear_refs").exists():

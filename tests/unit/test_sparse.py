@@ -343,7 +343,6 @@ def first_round_cost_ratio(index_map: str, numel: int = REAL_NUMEL, fraction: fl
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_keyed_partition_at_a_real_stage_size_costs_o_k_per_round() -> None:
     """300M coordinates, p = 0.05: a whole cycle of K = 20 rounds covers each exactly once
     (counted in a uint8 per coordinate, 300 MB), each round costs a small multiple of

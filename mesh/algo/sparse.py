@@ -254,6 +254,46 @@ def subset_indices(
     return perm[lo:hi].sort().values.to(torch.int64)
 
 
+def _run_rows(numel: int, idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """For idx made of whole runs of `block` values, in order (subset_indices with block > 1, or
+    a slice of it that starts where a run starts): the rows of its full runs in the tensor
+    viewed as (numel // block, block), and the length of the tensor's short last run if idx
+    ends with it (0 if not)."""
+    starts = idx[::block]
+    full = numel // block
+    tail = numel - full * block if int(starts[-1]) == full * block else 0
+    rows = starts[:-1] if tail else starts
+    # (the cheap checks: as many values as its runs hold, each run starting on a block)
+    whole = idx.numel() == rows.numel() * block + tail and not bool((starts % block).any())
+    assert whole, "idx is not whole runs of the block"
+    return torch.div(rows, block, rounding_mode="floor"), tail
+
+
+def gather_runs(x: torch.Tensor, idx: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """x.index_select(0, idx) for a 1-D contiguous x and idx from subset_indices(..., block),
+    each run read as one row of x (numel // block, block) instead of value by value: a round's
+    index tensor is 8 bytes a value to read, and each value a lookup (runs of 64 at a llama-1b
+    stage on a CPU: ~3x faster). The same values in the same order."""
+    if block == 1 or idx.numel() == 0:
+        return x.index_select(0, idx)
+    rows, tail = _run_rows(x.numel(), idx, block)
+    full = x.numel() // block * block
+    out = x[:full].view(-1, block).index_select(0, rows).reshape(-1)
+    return torch.cat([out, x[full:]]) if tail else out
+
+
+def scatter_runs_(x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, block: int = 1) -> None:
+    """x.index_copy_(0, idx, values) in runs (gather_runs' inverse, in place)."""
+    if block == 1 or idx.numel() == 0:
+        x.index_copy_(0, idx, values)
+        return
+    rows, tail = _run_rows(x.numel(), idx, block)
+    full, n = x.numel() // block * block, rows.numel() * block
+    x[:full].view(-1, block).index_copy_(0, rows, values[:n].view(-1, block))
+    if tail:
+        x[full:] = values[n:]
+
+
 def subset_sizes(numels: list[int], fraction: float, round_index: int = 0) -> list[int]:
     """Exact per-tensor payload sizes of a partition round (sizes differ by <= 1 over rounds)."""
     k = num_parts(fraction)

@@ -102,9 +102,17 @@ def measure_cell(preset: str, stage: int, run_dir: str) -> dict[str, Any]:
         cell.apply_round(rnd)
         whole.append((time.perf_counter() - t0) * 1e3)
     k = rnd.indices.numel()
-    t0 = time.perf_counter()
-    cell.flat.index_select(0, rnd.indices)  # the floor: gathering k values once
-    gather_ms = (time.perf_counter() - t0) * 1e3
+    # the floor, side by side: gathering k values once, value by value and in runs (the round
+    # gathers in runs where dp.subset_block > 1)
+    gather, gather_runs = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        cell.flat.index_select(0, rnd.indices)
+        gather.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        sparse.gather_runs(cell.flat, rnd.indices, dp.subset_block)
+        gather_runs.append((time.perf_counter() - t0) * 1e3)
+    gather_ms, gather_runs_ms = min(gather), min(gather_runs)
     del rnd, decoded
     peak = peak_rss_bytes() - base
     plan = plan_cell(cfg, stage)
@@ -134,6 +142,8 @@ def measure_cell(preset: str, stage: int, run_dir: str) -> dict[str, Any]:
         "averaging_ms": min(whole),
         "averaging_ms_per_update": min(whole) / dp.interval_steps,
         "gather_k_ms": gather_ms,
+        "gather_k_runs_ms": gather_runs_ms,
+        "subset_block": dp.subset_block,
         "peak_rss_bytes": peak,
         "plan_bytes": cell_plan,
         "peak_vs_plan": peak / cell_plan - 1,
@@ -250,7 +260,9 @@ def scale_model_table(summary: dict[str, Any]) -> str:
             lambda r: (
                 f"{r['averaging_ms']:,.0f} ms for k = {r['averaging_k'] / 1e6:.1f}M "
                 f"(select {r['select_ms']:,.0f} ms, "
-                f"gathering k alone {r['gather_k_ms']:.0f} ms)"
+                f"gathering k alone {r['gather_k_ms']:.0f} ms value by value, "
+                f"{r.get('gather_k_runs_ms', float('nan')):.0f} ms in runs of "
+                f"{r.get('subset_block', 1)})"
             ),
         ),
         line(

@@ -260,7 +260,7 @@ class Cell:
             dp.subset_block,
         )
         idx = idx.to(self.flat.device)
-        snap = self.flat.index_select(0, idx)
+        snap = sparse.gather_runs(self.flat, idx, dp.subset_block)
         sent = None if self.poison is None else snap * self.poison
         enc = codecs.encode(snap if sent is None else sent, dp.codec, dp.block_size)
         decoded = codecs.decode(enc)
@@ -296,16 +296,19 @@ class Cell:
         # in slices: the math is elementwise, so the result is the same bits, and a slice's
         # temporaries stay in the cache and the heap (a whole llama-1b round's are 66 MB each,
         # a fresh mapping and its page faults apiece: 1.7x slower on a CPU)
-        for lo in range(0, rnd.indices.numel(), APPLY_SLICE):
-            part = slice(lo, lo + APPLY_SLICE)
+        # (whole runs of dp.subset_block values a slice, so each is read and written in runs)
+        block = dp.subset_block
+        step = max(block, APPLY_SLICE // block * block)
+        for lo in range(0, rnd.indices.numel(), step):
+            part = slice(lo, lo + step)
             idx, snapshot, mean = rnd.indices[part], rnd.snapshot[part], rnd.mean[part]
-            live = self.flat.index_select(0, idx)
-            d = self.drift.index_select(0, idx)
+            live = sparse.gather_runs(self.flat, idx, block)
+            d = sparse.gather_runs(self.drift, idx, block)
             if rnd.own is not None:  # dp.payload_error_feedback
                 mean = sparse.relative_mean(mean, snapshot, rnd.own[part].to(mean.device))
             new_live, new_d = sparse.apply_arrival(live, snapshot, mean, d, dp.correction, lam)
-            self.flat.index_copy_(0, idx, new_live)
-            self.drift.index_copy_(0, idx, new_d)
+            sparse.scatter_runs_(self.flat, idx, new_live, block)
+            sparse.scatter_runs_(self.drift, idx, new_d, block)
         constrain_(self.module)  # an average of constrained weights, drift-corrected
 
     def lambda_for(self, round_index: int) -> float:

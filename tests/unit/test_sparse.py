@@ -363,6 +363,24 @@ def test_keyed_partition_at_a_real_stage_size_costs_o_k_per_round() -> None:
     assert bool((seen == 1).all())
 
 
+@pytest.mark.slow
+def test_runs_at_a_real_stage_size_land_where_value_by_value_would() -> None:
+    """A llama-1b stage's flat vector (300M values and a short last run), runs of 64: the
+    round holding the short run is scattered and gathered back whole, and nothing else moves."""
+    numel, block = REAL_NUMEL + 37, 64
+    r = next(  # the round that holds the tensor's short last run
+        r for r in range(num_parts(0.05))
+        if int(subset_indices(9, 2, 0, r, numel, 0.05, block=block)[-1]) == numel - 1
+    )  # fmt: skip
+    idx = subset_indices(9, 2, 0, r, numel, 0.05, block=block)
+    x = torch.zeros(numel)
+    values = torch.rand(idx.numel()) + 1.0  # none zero
+    sparse.scatter_runs_(x, idx, values, block)
+    assert int(torch.count_nonzero(x)) == idx.numel()
+    assert torch.equal(x.index_select(0, idx), values)
+    assert torch.equal(sparse.gather_runs(x, idx, block), values)
+
+
 @pytest.mark.parametrize(
     ("numel", "block"), [(1000, 64), (1024, 64), (65, 64), (10, 64), (4099, 7)]
 )
@@ -385,6 +403,67 @@ def test_runs_of_a_block_partition_the_tensor_and_stay_contiguous(numel, block):
     assert bool((seen == 1).all())
     again = sparse.subset_indices(3, 1, 0, k + 2, numel, 0.05, block=block)
     assert torch.equal(again, sparse.subset_indices(3, 1, 0, 2, numel, 0.05, block=block))
+
+
+@pytest.mark.parametrize(
+    ("numel", "block"), [(1000, 64), (1024, 64), (65, 64), (10, 64), (4099, 7), (4099, 1)]
+)
+def test_runs_are_gathered_and_scattered_as_value_by_value(numel, block):
+    """gather_runs / scatter_runs_ give index_select / index_copy_'s values in every round of a
+    cycle (the tensor's short last run included), and in slices that start where a run starts
+    (as Cell.apply_round takes them)."""
+    x = torch.randn(numel)
+    for r in range(sparse.num_parts(0.05)):
+        idx = sparse.subset_indices(5, 0, 0, r, numel, 0.05, block=block)
+        for part in (
+            slice(None),
+            *(slice(lo, lo + 3 * block) for lo in range(0, idx.numel(), 3 * block)),
+        ):
+            i = idx[part]
+            assert torch.equal(sparse.gather_runs(x, i, block), x.index_select(0, i))
+            values = torch.randn(i.numel())
+            a, b = x.clone(), x.clone()
+            sparse.scatter_runs_(a, i, values, block)
+            b.index_copy_(0, i, values)
+            assert torch.equal(a, b)
+
+
+def test_a_cell_round_in_runs_is_the_round_taken_value_by_value(monkeypatch) -> None:
+    """dp.subset_block: Cell.open_round and apply_round (in slices not a multiple of the block,
+    rounded down to whole runs) give what index_select / index_copy_ and apply_arrival give
+    value by value, bit for bit."""
+    import mesh.engine.cell as cell_mod
+
+    monkeypatch.setattr(cell_mod, "APPLY_SLICE", 100)  # -> slices of 96 values: 12 runs of 8
+    cfg = load_config([], ["grid.stages=1", "grid.replicas=2", "dp.subset_block=8"])
+    cell = Cell(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        cell.drift.copy_(torch.randn(cell.drift.shape, generator=gen) * 1e-3)
+        flat0, drift0 = cell.flat.clone(), cell.drift.clone()
+        rnd, decoded = cell.open_round(3)
+        assert rnd.indices.numel() > 96 and rnd.indices.numel() % 96
+        assert torch.equal(rnd.snapshot, flat0.index_select(0, rnd.indices))
+        rnd.mean, _ = cell.combine_round(["a", "b"], [decoded, decoded + 0.01], "a")
+        cell.flat.add_(torch.randn(cell.flat.shape, generator=gen) * 1e-3)  # trained meanwhile
+        live0 = cell.flat.clone()
+        cell.apply_round(rnd)
+    idx = rnd.indices
+    mean = sparse.relative_mean(rnd.mean, rnd.snapshot, rnd.own)
+    live, d = sparse.apply_arrival(
+        live0.index_select(0, idx), rnd.snapshot, mean, drift0.index_select(0, idx),
+        cfg.dp.correction, cell.lambda_for(3),
+    )  # fmt: skip
+    assert torch.equal(cell.flat, live0.index_copy_(0, idx, live))
+    assert torch.equal(cell.drift, drift0.index_copy_(0, idx, d))
+
+
+def test_values_that_are_not_whole_runs_are_refused():
+    idx = sparse.subset_indices(5, 0, 0, 1, 100_000, 0.05, block=64)
+    assert idx.numel() >= 128
+    for cut in (idx[:-1], idx[1:65]):  # a value short; a run's worth, not starting on a run
+        with pytest.raises(AssertionError, match="whole runs"):
+            sparse.gather_runs(torch.zeros(100_000), cut, 64)
 
 
 def test_a_block_needs_the_keyed_partition():

@@ -13,6 +13,7 @@ import hashlib
 import math
 import operator
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -254,43 +255,58 @@ def subset_indices(
     return perm[lo:hi].sort().values.to(torch.int64)
 
 
-def _run_rows(numel: int, idx: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """For idx made of whole runs of `block` values, in order (subset_indices with block > 1, or
-    a slice of it that starts where a run starts): the rows of its full runs in the tensor
-    viewed as (numel // block, block), and the length of the tensor's short last run if idx
-    ends with it (0 if not)."""
+@dataclass(frozen=True)
+class Runs:
+    """A round's indices idx into a tensor of numel values, as whole runs of `block` values
+    (see runs_of): the rows of its full runs in the tensor viewed as (numel // block, block),
+    and the length of the tensor's short last run if idx ends with it (0 if not). block 1:
+    idx itself (rows None)."""
+
+    numel: int
+    idx: torch.Tensor
+    block: int = 1
+    rows: torch.Tensor | None = None
+    tail: int = 0
+
+
+def runs_of(numel: int, idx: torch.Tensor, block: int = 1) -> Runs:
+    """idx (subset_indices with block > 1, or a slice of it that starts where a run starts) as
+    Runs, worked out once for every gather and scatter of it. Refuses (assert, our invariant)
+    an idx that is not whole runs, by the cheap checks: as many values as its runs hold, each
+    run starting on a block."""
+    if block == 1 or idx.numel() == 0:
+        return Runs(numel, idx)
     starts = idx[::block]
     full = numel // block
     tail = numel - full * block if int(starts[-1]) == full * block else 0
     rows = starts[:-1] if tail else starts
-    # (the cheap checks: as many values as its runs hold, each run starting on a block)
     whole = idx.numel() == rows.numel() * block + tail and not bool((starts % block).any())
     assert whole, "idx is not whole runs of the block"
-    return torch.div(rows, block, rounding_mode="floor"), tail
+    return Runs(numel, idx, block, torch.div(rows, block, rounding_mode="floor"), tail)
 
 
-def gather_runs(x: torch.Tensor, idx: torch.Tensor, block: int = 1) -> torch.Tensor:
-    """x.index_select(0, idx) for a 1-D contiguous x and idx from subset_indices(..., block),
-    each run read as one row of x (numel // block, block) instead of value by value: a round's
-    index tensor is 8 bytes a value to read, and each value a lookup (runs of 64 at a llama-1b
-    stage on a CPU: ~3x faster). The same values in the same order."""
-    if block == 1 or idx.numel() == 0:
-        return x.index_select(0, idx)
-    rows, tail = _run_rows(x.numel(), idx, block)
-    full = x.numel() // block * block
-    out = x[:full].view(-1, block).index_select(0, rows).reshape(-1)
-    return torch.cat([out, x[full:]]) if tail else out
+def gather_runs(x: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """x.index_select(0, runs.idx) for a 1-D contiguous x, each run read as one row of x
+    (numel // block, block) instead of value by value: a round's index tensor is 8 bytes a
+    value to read, and each value a lookup (runs of 64 at a llama-1b stage on a CPU: ~3x
+    faster). The same values in the same order."""
+    assert x.numel() == runs.numel, "runs of another tensor's size"
+    if runs.rows is None:
+        return x.index_select(0, runs.idx)
+    full = runs.numel // runs.block * runs.block
+    out = x[:full].view(-1, runs.block).index_select(0, runs.rows).reshape(-1)
+    return torch.cat([out, x[full:]]) if runs.tail else out
 
 
-def scatter_runs_(x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, block: int = 1) -> None:
-    """x.index_copy_(0, idx, values) in runs (gather_runs' inverse, in place)."""
-    if block == 1 or idx.numel() == 0:
-        x.index_copy_(0, idx, values)
+def scatter_runs_(x: torch.Tensor, runs: Runs, values: torch.Tensor) -> None:
+    """x.index_copy_(0, runs.idx, values) in runs (gather_runs' inverse, in place)."""
+    assert x.numel() == runs.numel, "runs of another tensor's size"
+    if runs.rows is None:
+        x.index_copy_(0, runs.idx, values)
         return
-    rows, tail = _run_rows(x.numel(), idx, block)
-    full, n = x.numel() // block * block, rows.numel() * block
-    x[:full].view(-1, block).index_copy_(0, rows, values[:n].view(-1, block))
-    if tail:
+    full, n = runs.numel // runs.block * runs.block, runs.rows.numel() * runs.block
+    x[:full].view(-1, runs.block).index_copy_(0, runs.rows, values[:n].view(-1, runs.block))
+    if runs.tail:
         x[full:] = values[n:]
 
 

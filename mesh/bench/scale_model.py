@@ -104,13 +104,13 @@ def measure_cell(preset: str, stage: int, run_dir: str) -> dict[str, Any]:
     k = rnd.indices.numel()
     # the floor, side by side: gathering k values once, value by value and in runs (the round
     # gathers in runs where dp.subset_block > 1)
-    gather, gather_runs = [], []
+    gather, gather_runs, numel = [], [], cell.flat.numel()
     for _ in range(3):
         t0 = time.perf_counter()
         cell.flat.index_select(0, rnd.indices)
         gather.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
-        sparse.gather_runs(cell.flat, rnd.indices, dp.subset_block)
+        sparse.gather_runs(cell.flat, sparse.runs_of(numel, rnd.indices, dp.subset_block))
         gather_runs.append((time.perf_counter() - t0) * 1e3)
     gather_ms, gather_runs_ms = min(gather), min(gather_runs)
     del rnd, decoded

@@ -260,7 +260,9 @@ class Cell:
             dp.subset_block,
         )
         idx = idx.to(self.flat.device)
-        snap = sparse.gather_runs(self.flat, idx, dp.subset_block)
+        snap = sparse.gather_runs(
+            self.flat, sparse.runs_of(self.flat.numel(), idx, dp.subset_block)
+        )
         sent = None if self.poison is None else snap * self.poison
         enc = codecs.encode(snap if sent is None else sent, dp.codec, dp.block_size)
         decoded = codecs.decode(enc)
@@ -302,13 +304,14 @@ class Cell:
         for lo in range(0, rnd.indices.numel(), step):
             part = slice(lo, lo + step)
             idx, snapshot, mean = rnd.indices[part], rnd.snapshot[part], rnd.mean[part]
-            live = sparse.gather_runs(self.flat, idx, block)
-            d = sparse.gather_runs(self.drift, idx, block)
+            runs = sparse.runs_of(self.flat.numel(), idx, block)  # once for all four
+            live = sparse.gather_runs(self.flat, runs)
+            d = sparse.gather_runs(self.drift, runs)
             if rnd.own is not None:  # dp.payload_error_feedback
                 mean = sparse.relative_mean(mean, snapshot, rnd.own[part].to(mean.device))
             new_live, new_d = sparse.apply_arrival(live, snapshot, mean, d, dp.correction, lam)
-            sparse.scatter_runs_(self.flat, idx, new_live, block)
-            sparse.scatter_runs_(self.drift, idx, new_d, block)
+            sparse.scatter_runs_(self.flat, runs, new_live)
+            sparse.scatter_runs_(self.drift, runs, new_d)
         constrain_(self.module)  # an average of constrained weights, drift-corrected
 
     def lambda_for(self, round_index: int) -> float:

@@ -375,10 +375,11 @@ def test_runs_at_a_real_stage_size_land_where_value_by_value_would() -> None:
     idx = subset_indices(9, 2, 0, r, numel, 0.05, block=block)
     x = torch.zeros(numel)
     values = torch.rand(idx.numel()) + 1.0  # none zero
-    sparse.scatter_runs_(x, idx, values, block)
+    runs = sparse.runs_of(numel, idx, block)
+    sparse.scatter_runs_(x, runs, values)
     assert int(torch.count_nonzero(x)) == idx.numel()
     assert torch.equal(x.index_select(0, idx), values)
-    assert torch.equal(sparse.gather_runs(x, idx, block), values)
+    assert torch.equal(sparse.gather_runs(x, runs), values)
 
 
 @pytest.mark.parametrize(
@@ -420,10 +421,11 @@ def test_runs_are_gathered_and_scattered_as_value_by_value(numel, block):
             *(slice(lo, lo + 3 * block) for lo in range(0, idx.numel(), 3 * block)),
         ):
             i = idx[part]
-            assert torch.equal(sparse.gather_runs(x, i, block), x.index_select(0, i))
+            runs = sparse.runs_of(numel, i, block)
+            assert torch.equal(sparse.gather_runs(x, runs), x.index_select(0, i))
             values = torch.randn(i.numel())
             a, b = x.clone(), x.clone()
-            sparse.scatter_runs_(a, i, values, block)
+            sparse.scatter_runs_(a, runs, values)
             b.index_copy_(0, i, values)
             assert torch.equal(a, b)
 
@@ -463,7 +465,7 @@ def test_values_that_are_not_whole_runs_are_refused():
     assert idx.numel() >= 128
     for cut in (idx[:-1], idx[1:65]):  # a value short; a run's worth, not starting on a run
         with pytest.raises(AssertionError, match="whole runs"):
-            sparse.gather_runs(torch.zeros(100_000), cut, 64)
+            sparse.runs_of(100_000, cut, 64)
 
 
 def test_a_block_needs_the_keyed_partition():

@@ -125,6 +125,13 @@ class Transport(Protocol):
         """The message from `frm` with `tag`, validated against `expect`; PeerTimeout after
         timeout_s. Messages that fail validation are counted in stats.rejects and dropped."""
 
+    def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
+        """The oldest message from `frm` whose tag starts with `prefix`, validated against
+        `expect` (its tag is the message's name); PeerTimeout after timeout_s (0: only what
+        waits now), PeerLost when `frm` is cut off and nothing matching waits. For a receiver
+        that cannot know a tag before it arrives: a stage pool's cell takes whichever
+        microbatch a neighbour routed to it."""
+
     def start_mean(
         self,
         group: str,

@@ -12,6 +12,8 @@ from comms.names import BACKENDS, CAST_CODECS, CODECS, LINK_PRESETS
 ARCHS = ("gpt", "llama")  # mesh/model/build.py FAMILIES
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")  # mesh/algo/schedule.py
 BOUNDARIES = ("full", "subspace", "learned")  # mesh/algo/boundary.py
+ROUTINGS = ("fixed", "pools")  # mesh/algo/routing.py
+POOL_CHOICES = ("load", "seeded")  # mesh/algo/routing.py
 OPTIMIZERS = ("nadamw", "adamw", "muon", "rotated_adam")  # mesh/algo/optim.py
 DP_MODES = ("none", "grad_allreduce", "param_avg")
 CORRECTIONS = ("ema", "delta", "replace")  # mesh/algo/sparse.py
@@ -42,6 +44,8 @@ __all__ = [
     "NOISE_CODECS",
     "OPTIMIZERS",
     "PIPELINE_CODECS",
+    "POOL_CHOICES",
+    "ROUTINGS",
     "SCHEDULES",
     "SELECTORS",
 ]

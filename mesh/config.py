@@ -201,6 +201,16 @@ class Config(_Section):
                 "dp.index_map = 'keyed'; set those or dp.subset_block=1"
             )
         parse_slowdowns(self.emulation.slowdowns, g.stages, g.replicas)
+        from mesh.algo.routing import parse_deaths
+
+        parse_deaths(self.emulation.deaths, g.stages, g.replicas)
+        if p.routing == "pools" and p.schedule != "async":
+            raise ValueError(
+                f"pipeline.routing = 'pools' needs pipeline.schedule = 'async' (got "
+                f"{p.schedule!r}): a pooled microbatch's path is drawn when it leaves a stage, "
+                "so no flushed batch spans a fixed chain; set pipeline.schedule='async' or "
+                "pipeline.routing='fixed'"
+            )
         parse_cell_factors(self.faults.poison, g.stages, g.replicas, "faults.poison")
         from mesh.algo.pipeline_poison import parse_pipeline_poison
 

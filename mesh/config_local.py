@@ -87,6 +87,24 @@ class ElasticConfig(_Section):
     state_timeout_s: float = Field(
         60.0, gt=0, description="deadline of each answer a donor sends in a state download"
     )
+    pool_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="pools: a microbatch whose gradient has not come back this long after it "
+        "left is voided and counted (its cell died or froze); nothing waits longer",
+    )
+    rebalance: bool = Field(
+        False,
+        description="pools: a cell of a stage whose pool has held at least rebalance_ratio x the "
+        "capacity of the thinnest stage for rebalance_after_s moves to the thinnest stage, "
+        "downloading its state as a joiner does (SWARM's rebalancing)",
+    )
+    rebalance_ratio: float = Field(
+        2.0, gt=1, description="pools: capacity ratio to the thinnest stage that moves a cell"
+    )
+    rebalance_after_s: float = Field(
+        30.0, gt=0, description="pools: how long a stage must stay that far above before a move"
+    )
 
 
 class EmulationConfig(_Section):
@@ -109,6 +127,12 @@ class EmulationConfig(_Section):
         description='per-cell compute factors, e.g. ["s2r0=2.0"] (stage 2 of replica 0 twice '
         "as slow); unlisted cells 1.0. Real compute: each forward/backward then waits "
         "(factor-1) x its own time",
+    )
+    deaths: list[str] = Field(
+        [],
+        description='the simulator (pools and fixed): cells dead for a span of updates, e.g. '
+        '["s2r1@100-300"] (dead from update 100, back at 300, its state then taken from a live '
+        'peer of its stage; "s2r1@100": for good)',
     )
 
 

@@ -142,6 +142,27 @@ class PipelineConfig(_Section):
         0.9, ge=0, lt=1, description="EMA factor of the update velocity weight_prediction uses"
     )
 
+    routing: Literal[choices.ROUTINGS] = Field(
+        "fixed",
+        description="fixed: stage j of replica i sends only to stage j+1 of replica i (a replica "
+        "runs at its slowest cell and stops at a dead one); pools: the live cells of a stage "
+        "form its pool and each microbatch picks its next cell by load, its gradient returning "
+        "along its path (async only; docs/pools.md)",
+    )
+    pool_window: int = Field(
+        4,
+        ge=1,
+        description="pools: microbatches a cell holds at most (each with its stashed weight "
+        "version); a full cell refuses new work and the sender picks another",
+    )
+    pool_choice: Literal[choices.POOL_CHOICES] = Field(
+        "load",
+        description="pools: load = a next cell drawn with probability ~ its measured rate / "
+        "(its queue + 1) (SWARM); seeded = drawn uniformly from the pool by a pure function of "
+        "(seed, stream, microbatch, stage), and each cell takes its microbatches one at a "
+        "time in (microbatch, stream) order: reproduces the simulator exactly",
+    )
+
     def extra_warmups(self) -> list[int] | None:
         """The resolved window as the schedule functions take it (None for 'none').
 
@@ -324,6 +345,9 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
         "boundary",
         "boundary_rank",
         "anchor_rank",
+        "routing",
+        "pool_window",
+        "pool_choice",
     ),
     "optim": ("delay_lr_share",),
     "dp": (

@@ -187,6 +187,30 @@ class Mailbox:
                     return None
                 self._cond.wait(left)
 
+    def take_prefix(self, sender: str, prefix: str, deadline: float) -> Message | None:
+        """The oldest message from sender whose tag starts with prefix (see `take`)."""
+        if not prefix:
+            raise ValueError("an empty prefix would match every tag")
+        with self._cond:
+            while True:
+                box = self._boxes.get(sender, {})
+                waiting = [(q[0][0], tag) for tag, q in box.items() if tag.startswith(prefix)]
+                if waiting:
+                    _, tag = min(waiting)
+                    q = box[tag]
+                    _, msg, nbytes = q.popleft()
+                    if not q:
+                        del box[tag]
+                    self._bytes[sender] -= nbytes
+                    self._count[sender] -= 1
+                    return msg
+                if sender in self._lost:
+                    raise PeerLost(f"{sender!r} is cut off: {self._lost[sender]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
     def pending(self, sender: str | None = None) -> int:
         """Messages waiting (from one sender, or from all)."""
         with self._cond:

@@ -251,6 +251,18 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
                 return msg
             self.stats.add_reject(bad.reason)  # dropped; keep waiting for a matching one
 
+    def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
+        """See comms.transport.Transport.recv_prefix."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.mailbox.take_prefix(frm, prefix, deadline)
+            if msg is None:
+                raise PeerTimeout(f"no message {prefix!r}* from {frm!r} within {timeout_s}s")
+            bad = expect_reject(msg, expect)
+            if bad is None:
+                return msg
+            self.stats.add_reject(bad.reason)
+
     def drop_tags(self, prefix: str) -> int:
         """See comms.transport.Transport.drop_tags (the mailbox counts drops as "stale")."""
         return self.mailbox.close_prefix(prefix)

@@ -216,6 +216,28 @@ class TorchTransport(PairLinks, GroupMeans):
                     raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
                 link.cond.wait(remaining)
 
+    def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
+        """See comms.transport.Transport.recv_prefix."""
+        if not prefix:
+            raise ValueError("an empty prefix would match every tag")
+        link = self._link(frm)
+        deadline = time.monotonic() + timeout_s
+        with link.cond:
+            while True:
+                msg = self._take(link, prefix, match_prefix=True)
+                if msg is not None:
+                    bad = wire.expect_reject(msg, expect)
+                    if bad is None:
+                        return msg
+                    self.stats.add_reject(bad.reason)
+                    continue
+                if link.closed:
+                    raise PeerLost(f"no message {prefix!r}* from {frm!r}: {link.closed}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeout(f"no message {prefix!r}* from {frm!r} within {timeout_s}s")
+                link.cond.wait(remaining)
+
     def drop_tags(self, prefix: str) -> int:
         """Drop waiting and later messages whose tag starts with prefix (a broken session's;
         a fixed grid's one session never breaks, so this serves the protocol and tests)."""
@@ -436,9 +458,9 @@ class TorchTransport(PairLinks, GroupMeans):
             link.box_bytes += nbytes
             link.cond.notify_all()
 
-    def _take(self, link: Link, tag: str) -> Message | None:
+    def _take(self, link: Link, tag: str, match_prefix: bool = False) -> Message | None:
         for i, msg in enumerate(link.box):
-            if msg.name == tag:
+            if msg.name == tag or (match_prefix and msg.name.startswith(tag)):
                 del link.box[i]
                 link.box_bytes -= msg.held_bytes
                 link.cond.notify_all()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +43,33 @@ def tokens_at(cfg: Config, step: int) -> int:
 
 
 def replica_loss(
-    cfg: Config, run_dir: Path, replica: int, step: int | None, batches: Batches
+    cfg: Config,
+    run_dir: Path,
+    replica: int,
+    step: int | Sequence[int | None] | None,
+    batches: Batches,
 ) -> float:
     """Mean validation loss of `replica`'s stages chained at checkpoint `step` (None: the
-    untrained model every run starts from)."""
+    untrained model every run starts from; a list: each stage's own step, as stage pools'
+    cells take different numbers of updates)."""
     stages = build_cell_stages(cfg)
-    if step is not None:
-        for j, st in enumerate(stages):
+    per_stage = step if isinstance(step, Sequence) else [step] * len(stages)
+    for j, (st, at) in enumerate(zip(stages, per_stage, strict=True)):
+        if at is not None:
             # mapped: only the weights are read, not the whole cell (10.5 GB at llama-1b stage 0)
-            state = read_checkpoint(checkpoint_path(run_dir, j, replica, step)).state
+            state = read_checkpoint(checkpoint_path(run_dir, j, replica, at)).state
             torch.nn.utils.vector_to_parameters(state["flat"], st.parameters())
     total = 0.0
     with torch.no_grad():
         for x, y in batches:
             total += lm_loss(run_stages(stages, x), y).item()
     return total / len(batches)
+
+
+def latest_steps(run_dir: Path, cfg: Config, replica: int) -> list[int | None]:
+    """Each stage's newest checkpoint of `replica`'s cells (None: none): a pooled grid's
+    replica chain, whose cells took different numbers of updates."""
+    return [(saved_steps(run_dir, j, replica) or [None])[-1] for j in range(cfg.grid.stages)]
 
 
 def common_steps(run_dir: Path, cfg: Config, replica: int) -> list[int]:

@@ -47,11 +47,12 @@ from mesh.runtime.failure import (
     write_failure,
 )
 from mesh.runtime.metrics import MetricsSink, beat_stats
+from mesh.runtime.pool import PoolStats, PoolWorker
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rounds import group_name
 from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
-from mesh.runtime.stage import StageWorker
+from mesh.runtime.stage import StageStats, StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP, watch_parent
 
@@ -69,8 +70,12 @@ def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
     (not every cell of the grid), of which the neighbours are needed at its start even when
     they closed before (a replica started again starts all its cells at once), while a column
     peer that is done is not waited for."""
-    nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < cfg.grid.stages]
-    column = [cell_name(stage, i) for i in range(cfg.grid.replicas) if i != replica]
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    if cfg.pipeline.routing == "pools":  # every cell of the stages before and after
+        nbrs = [cell_name(j, i) for j in (stage - 1, stage + 1) if 0 <= j < P for i in range(m)]
+    else:
+        nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < P]
+    column = [cell_name(stage, i) for i in range(m) if i != replica]
     return {"links": nbrs + column, "needed": nbrs}
 
 
@@ -288,7 +293,8 @@ def run_cell(
             if isinstance(coord, DhtCoordinator):
                 coord.on_event = event  # waiting for whom, sessions
                 coord.on_beat = _health_rows(event, transport)
-            worker = StageWorker(cfg, cell, transport, corpus)
+            pools = cfg.pipeline.routing == "pools"
+            worker = (PoolWorker if pools else StageWorker)(cfg, cell, transport, corpus)
             worker.critical = STOP.deferred
             if coord.elastic:
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
@@ -328,7 +334,9 @@ def run_cell(
                 return cell.step
 
             try:
-                while True:
+                if isinstance(worker, PoolWorker) and not coord.elastic:
+                    worker.run_pools(on_step)  # no sessions: the pools route around a loss
+                while not isinstance(worker, PoolWorker) or coord.elastic:
                     session = coord.next_session(align)
                     if session is None:
                         break
@@ -356,6 +364,7 @@ def run_cell(
                 "staleness_hist": {str(k): n for k, n in sorted(worker.stats.staleness.items())},
                 "rejects": dict(transport.stats.rejects),
                 "sessions_broken": worker.stats.sessions_broken,
+                **pool_row(worker.stats),
             }
             append_row(f, final)
     finally:
@@ -421,6 +430,21 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "staleness_max": st.staleness_max,
         "stash_bytes_peak": st.stash_bytes_peak,
         "rss_peak_mb": round(st.rss_peak_mb(), 1),
+        **pool_row(st),
+    }
+
+
+def pool_row(st: StageStats) -> dict[str, Any]:
+    """A pool cell's routing counters ({} on a fixed grid): where its microbatches went."""
+    if not isinstance(st, PoolStats):
+        return {}
+    return {
+        "routed": dict(st.routed),
+        "cross_replica": st.cross_replica,
+        "refused": st.refused,
+        "rerouted": st.rerouted,
+        "voided": st.voided,
+        "held_peak": st.held_peak,
     }
 
 

@@ -1,0 +1,191 @@
+"""Stage pools: which cell of the next stage takes a microbatch, and what a pool can carry. Pure.
+
+With `pipeline.routing = "pools"` the live cells of stage j are stage j's pool. A microbatch is
+named by (stream, index): stage 0's cells are the data streams, and every cell reads a
+microbatch's tokens and targets from its name, so only activations and gradients cross links.
+Leaving stage j a microbatch goes to a stage-(j+1) cell drawn with probability proportional to
+rate / (queue + 1) (SWARM's stochastic wiring, arXiv 2301.11913): `pick`. `pipeline.pool_choice =
+"seeded"` draws uniformly by a pure function of the name instead (`seeded_path`): both engines
+then route every microbatch the same way, which is what makes them comparable number for number.
+
+The capacity model: a fixed grid carries the sum over replicas of each replica's slowest cell
+(`fixed_bound`); pools carry the minimum over stages of the stage's summed speed (`pool_bound`).
+A joiner takes the stage of least capacity (`thinnest_stage`); with `elastic.rebalance` a cell
+of a stage that has held `ratio` x the thinnest stage's capacity for `after_s` moves there
+(`Rebalancer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+PRIOR_RATE = 1.0  # a cell nobody has measured yet: as fast as the measured ones' mean
+
+
+def weights(rates: Sequence[float | None], queues: Sequence[int]) -> list[float]:
+    """Each candidate's weight rate / (queue + 1); an unmeasured rate (None or <= 0) counts as
+    the mean of the measured ones, so a newcomer gets its share from the start."""
+    if len(rates) != len(queues):
+        raise ValueError(f"{len(rates)} rates for {len(queues)} queues")
+    known = [r for r in rates if r is not None and r > 0]
+    prior = sum(known) / len(known) if known else PRIOR_RATE
+    out = []
+    for rate, queue in zip(rates, queues, strict=True):
+        if queue < 0:
+            raise ValueError(f"queue {queue} < 0")
+        r = rate if rate is not None and rate > 0 else prior
+        out.append(r / (queue + 1))
+    return out
+
+
+def pick(ws: Sequence[float], u: float) -> int:
+    """The index drawn by u in [0, 1) from the weights ws (inverse CDF): index k with
+    probability ws[k] / sum(ws). Zero weights are never drawn."""
+    if not ws:
+        raise ValueError("no candidate to pick from")
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"u = {u} is outside [0, 1)")
+    total = sum(ws)
+    if total <= 0:
+        raise ValueError("every candidate has weight 0")
+    target, acc = u * total, 0.0
+    last = max(k for k, w in enumerate(ws) if w > 0)
+    for k, w in enumerate(ws):
+        acc += w
+        if w > 0 and target < acc:
+            return k
+    return last  # rounding at the top end
+
+
+def unit(*key: int | str) -> float:
+    """A uniform number in [0, 1) that is a pure function of key (the same on every peer)."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def seeded_path(seed: int, stream: int, index: int, pools: Sequence[Sequence[str]]) -> list[str]:
+    """The cells microbatch (stream, index) visits with pool_choice = "seeded": stage 0 is
+    pools[0][stream] (the stream's own cell), stage j >= 1 a uniform draw from pools[j] keyed by
+    (seed, stream, index, j). Every engine and every cell computes the same path."""
+    path = [pools[0][stream]]
+    for j in range(1, len(pools)):
+        pool = pools[j]
+        path.append(pool[pick([1.0] * len(pool), unit(seed, stream, index, j))])
+    return path
+
+
+def pool_bound(speeds: Sequence[Sequence[float]]) -> float:
+    """Microbatches per unit time a pooled grid carries at most: the minimum over stages of
+    the summed speed of the stage's live cells (speeds[stage][replica], 0 for a dead cell)."""
+    return min(sum(stage) for stage in speeds)
+
+
+def fixed_bound(speeds: Sequence[Sequence[float]]) -> float:
+    """The same for fixed wiring: each replica runs at its slowest cell (0 if one is dead)."""
+    replicas = len(speeds[0])
+    return sum(min(stage[i] for stage in speeds) for i in range(replicas))
+
+
+def thinnest_stage(capacity: Sequence[float], free: Sequence[int]) -> int | None:
+    """The stage a joiner should take: of the stages with a free cell, the one of least
+    capacity (ties: the lowest stage). None: no free cell anywhere."""
+    open_ = [j for j, n in enumerate(free) if n > 0]
+    if not open_:
+        return None
+    return min(open_, key=lambda j: (capacity[j], j))
+
+
+@dataclass
+class Rebalancer:
+    """SWARM's rebalancing as a watch over the stages' capacities: `check(now, capacity)`
+    returns (from, to) when a stage has held at least `ratio` x the capacity of the thinnest
+    stage for `after_s` without a break, and the cell asking is in that stage (it moves to
+    the thinnest). A move resets the watch (the pools change under it)."""
+
+    ratio: float
+    after_s: float
+    above_since: dict[int, float] = field(default_factory=dict)
+
+    def check(self, now: float, capacity: Sequence[float], my_stage: int) -> tuple[int, int] | None:
+        thin = min(range(len(capacity)), key=lambda j: (capacity[j], j))
+        floor = capacity[thin]
+        for j, c in enumerate(capacity):
+            high = j != thin and c >= self.ratio * floor and (floor > 0 or c > 0)
+            if not high:
+                self.above_since.pop(j, None)
+            else:
+                self.above_since.setdefault(j, now)
+        since = self.above_since.get(my_stage)
+        if since is None or now - since < self.after_s:
+            return None
+        self.above_since.clear()
+        return my_stage, thin
+
+
+_DEATH = re.compile(r"s(\d{1,4})r(\d{1,4})@(\d{1,9})(?:-(\d{1,9}))?")
+
+
+def parse_deaths(
+    items: Sequence[str], stages: int, replicas: int
+) -> dict[tuple[int, int], list[tuple[int, int | None]]]:
+    """emulation.deaths ["s2r1@100-300", "s0r0@50"] -> {(stage, replica): [(from, to|None)]}:
+    dead from update `from` until update `to` (None: for good). ValueError naming the key."""
+    out: dict[tuple[int, int], list[tuple[int, int | None]]] = {}
+    for item in items:
+        found = _DEATH.fullmatch(item.strip())
+        if found is None:
+            raise ValueError(
+                f"emulation.deaths entry {item!r}: write it as sJrI@FROM or sJrI@FROM-TO "
+                '(updates), e.g. "s2r1@100-300"'
+            )
+        j, i, start = int(found.group(1)), int(found.group(2)), int(found.group(3))
+        end = None if found.group(4) is None else int(found.group(4))
+        if j >= stages or i >= replicas:
+            raise ValueError(
+                f"emulation.deaths entry {item!r}: cell s{j}r{i} is not in the "
+                f"{stages}x{replicas} grid"
+            )
+        if end is not None and end <= start:
+            raise ValueError(f"emulation.deaths entry {item!r}: TO must be after FROM")
+        out.setdefault((j, i), []).append((start, end))
+    return out
+
+
+Spans = Mapping[tuple[int, int], Sequence[tuple[int, int | None]]]
+
+
+def dead_at(spans: Spans, cell: tuple[int, int], update: int) -> bool:
+    """Whether the cell is dead at this update (parse_deaths' spans)."""
+    return any(a <= update and (b is None or update < b) for a, b in spans.get(cell, ()))
+
+
+@dataclass
+class LoadBook:
+    """A sender's view of the next stage's cells: each one's last reported rate (microbatches a
+    second) and the queue it reported holding for other senders, plus what this sender has
+    outstanding there. Its queue estimate is the two added; `choose` draws by `weights`."""
+
+    rate: dict[str, float] = field(default_factory=dict)
+    others: dict[str, int] = field(default_factory=dict)
+    mine: dict[str, int] = field(default_factory=dict)
+
+    def report(self, cell: str, rate: float, others_held: int) -> None:
+        if rate > 0:
+            self.rate[cell] = rate
+        self.others[cell] = max(0, others_held)
+
+    def sent(self, cell: str) -> None:
+        self.mine[cell] = self.mine.get(cell, 0) + 1
+
+    def back(self, cell: str) -> None:
+        self.mine[cell] = max(0, self.mine.get(cell, 0) - 1)
+
+    def queue(self, cell: str) -> int:
+        return self.others.get(cell, 0) + self.mine.get(cell, 0)
+
+    def choose(self, cells: Sequence[str], u: float) -> str:
+        ws = weights([self.rate.get(c) for c in cells], [self.queue(c) for c in cells])
+        return cells[pick(ws, u)]

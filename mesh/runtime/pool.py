@@ -1,0 +1,470 @@
+"""A cell of a stage pool (`pipeline.routing = "pools"`): takes microbatches from any cell of the
+stage before, routes each onward to a cell of the stage after by load, returns gradients along
+the recorded path.
+
+A microbatch is named by (stream, index): stage 0's cell of replica i is stream i and issues
+indices 0 .. run.steps-1; every cell reads the microbatch's tokens and targets from its name
+(mesh/data/corpus.train_batch), so only activations and gradients cross links. The async
+schedule's rules hold per microbatch: the forward reads the newest weights and stashes that
+version, the backward recomputes on the stash, and every backward is one update of the live
+weights (then the averaging rounds run as on a fixed grid: mesh/runtime/rounds.py).
+
+Wire (all tags start with `pool/`, and each is parsed and bounded before use):
+- `pool/a/S/I` activation of microbatch (S, I), upstream -> downstream;
+- `pool/g/S/I/Q/R` its gradient, downstream -> upstream, with the sender's load: Q microbatches
+  held for other senders, R its measured rate in milli-microbatches a second;
+- `pool/r/S/I/Q/R` a refusal (the cell holds pipeline.pool_window already): the sender routes
+  the microbatch to another cell;
+- `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).
+
+Faults: a microbatch whose gradient is not back within elastic.pool_timeout_s, or whose cell is
+cut off (PeerLost), is routed to another live cell (its activation is kept until then) or, with
+no other cell, voided and counted; nothing waits for ever. A cell finishes when it holds nothing
+and every upstream cell sent FIN.
+
+With `pipeline.pool_choice = "seeded"` every path is a pure function of the name
+(mesh/algo/routing.seeded_path) and each cell takes its microbatches one at a time in
+(index, stream) order (`run_seeded`): the one-process simulator computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from comms import codecs
+from comms.errors import PeerLost, PeerTimeout
+from comms.transport import Transport
+from comms.wire import Expect, Kind, Message
+from mesh.algo import routing, sentinel
+from mesh.algo.topology import cell_name
+from mesh.config import Config
+from mesh.data.corpus import Corpus, train_batch
+from mesh.engine.cell import Cell
+from mesh.model.build import lm_loss, needs_tokens, stage_forward
+from mesh.runtime.stage import StageStats, StageWorker
+
+_TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
+IDLE_S = (0.0005, 0.004)  # the poll loop's sleep when nothing came: first, at most
+DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
+RATE_EMA = 0.2
+
+
+@dataclass
+class PoolStats(StageStats):
+    routed: collections.Counter[str] = field(default_factory=collections.Counter)  # to -> n
+    cross_replica: int = 0  # microbatches sent to a cell of another replica
+    refused: int = 0  # refusals this cell sent (it was full)
+    rerouted: int = 0  # microbatches sent again elsewhere (refused, or their cell lost)
+    voided: int = 0  # microbatches given up (no live cell took them, or void markers)
+    held_peak: int = 0
+
+
+@dataclass
+class _Held:
+    stream: int
+    index: int
+    inputs: torch.Tensor  # tokens at stage 0, else the received activation
+    version: int
+    sender: str | None  # upstream cell (None at stage 0)
+    sent_to: str | None = None  # downstream cell (None at the last stage)
+    sent_at: float = 0.0
+    out: codecs.Encoded | None = None  # the activation sent, kept to route it again
+
+
+def parse_tag(tag: str) -> tuple[str, int, int, int, float] | None:
+    """(kind, stream, index, others_held, rate) of a pool tag; None when malformed."""
+    found = _TAG.fullmatch(tag)
+    if found is None:
+        return None
+    kind, stream = found.group(1), int(found.group(2))
+    index = int(found.group(3) or 0)
+    others = int(found.group(4) or 0)
+    rate = int(found.group(5) or 0) / 1000.0
+    return kind, stream, index, others, rate
+
+
+class PoolWorker(StageWorker):
+    def __init__(
+        self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
+    ) -> None:
+        super().__init__(cfg, cell, transport, corpus)
+        self.stats = PoolStats()
+        self.window = None  # pools read the newest weights: no schedule window
+        self.ups = [cell_name(self.j - 1, r) for r in range(self.m)] if self.j > 0 else []
+        self.downs = [cell_name(self.j + 1, r) for r in range(self.m)] if self.next else []
+        self.held: dict[tuple[int, int], _Held] = {}
+        self.book = routing.LoadBook()
+        self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
+        self.fins: set[str] = set()
+        self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
+        self.next_index = cell.step  # stage 0: the stream's next microbatch
+        self.sec_per_mb: float | None = None  # EMA of this cell's compute per microbatch
+        self._fwd_s = 0.0  # the last forward's time (its backward adds it to the measure)
+        self._expect_ctl = Expect(kind=Kind.CONTROL, shape=(1,))
+        self._ctl = codecs.encode(torch.zeros(1), "fp32")
+
+    # ---- names and data -----------------------------------------------------------------
+    def _batch_of(self, stream: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        assert self.corpus is not None, "real compute needs the corpus"
+        x, y = train_batch(
+            self.corpus, cfg.run.seed, stream, b, cfg.pipeline.microbatch_size, cfg.model.seq_len
+        )
+        return x.to(self.device), y.to(self.device)
+
+    def _load_tag(self, kind: str, stream: int, index: int, to: str) -> str:
+        """A gradient's or refusal's tag with this cell's load as `to` should see it."""
+        mine = sum(1 for h in self.held.values() if h.sender == to)
+        rate = 0 if not self.sec_per_mb else int(1000 / self.sec_per_mb)
+        return f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}"
+
+    def _measured(self, seconds: float) -> None:
+        prev = self.sec_per_mb
+        self.sec_per_mb = seconds if prev is None else (1 - RATE_EMA) * prev + RATE_EMA * seconds
+
+    # ---- the loop (load-based routing) ------------------------------------------------------
+    def run_pools(self, on_step: object = None) -> PoolStats:
+        """Train until this cell's work is done: stage 0 until its stream issued run.steps
+        microbatches and got them back (or gave them up), a later stage until every upstream
+        cell said FIN and it holds nothing. Then FIN downstream and drain."""
+        if self.cfg.pipeline.pool_choice == "seeded":
+            self.run_seeded(on_step)
+            self.finish()
+            return self.stats
+        idle = IDLE_S[0]
+        while True:
+            t0 = time.perf_counter()
+            did = self._issue(on_step) if self.j == 0 else self._take_work(on_step)
+            did |= self._take_answers(on_step)
+            self._expire()
+            if self._done():
+                break
+            if not did:
+                time.sleep(idle)
+                idle = min(idle * 2, IDLE_S[1])
+                if self.emu:
+                    self.emu.waited(t0)
+            else:
+                idle = IDLE_S[0]
+        for d in self.downs:
+            self._control(d, "pool/f/0")
+        self.finish()
+        return self.stats
+
+    def _done(self) -> bool:
+        if self.held:
+            return False
+        if self.j == 0:
+            return self.next_index >= self.cfg.run.steps
+        return all(u in self.fins for u in self.ups)
+
+    def _issue(self, on_step: object) -> bool:
+        """Stage 0: start the stream's next microbatch while the window has room."""
+        if self.next_index >= self.cfg.run.steps or len(self.held) >= self.cfg.pipeline.pool_window:
+            return False
+        b = self.next_index
+        self.next_index += 1
+        tokens = self._fake_tokens if self.emu else self._batch_of(self.i, b)[0]
+        held = _Held(self.i, b, tokens, self.cell.step, None)
+        self._forward_held(held, on_step)
+        return True
+
+    def _take_work(self, on_step: object) -> bool:
+        """Stage j > 0: one activation (or FIN) from each upstream cell that has one waiting."""
+        did = False
+        for up in self.ups:
+            msg = self._poll(up, "pool/a/", self._expect_act)
+            if msg is not None:
+                did = True
+                self._on_activation(up, msg, on_step)
+            if up not in self.fins and self._poll(up, "pool/f/", self._expect_ctl) is not None:
+                self.fins.add(up)
+                did = True
+        return did
+
+    def _on_activation(self, up: str, msg: Message, on_step: object) -> None:
+        parsed = parse_tag(msg.name)
+        if parsed is None or parsed[0] != "a" or parsed[1] >= self.m:
+            self.transport.stats.add_reject("bad_tag")
+            return
+        _, stream, b, _, _ = parsed
+        if (stream, b) in self.held:
+            self.transport.stats.add_reject("duplicate")
+            return
+        if len(self.held) >= self.cfg.pipeline.pool_window:
+            self.stats.refused += 1
+            self._control(up, self._load_tag("r", stream, b, up))
+            return
+        x = msg.tensor().to(self.device)
+        if not self.emu and (sentinel.is_void(x) or self._screened_of(up, x, stream, b)):
+            self.stats.voided += 1
+            self._send_void(up, self._load_tag("g", stream, b, up), Kind.GRADIENT)
+            return
+        self._forward_held(_Held(stream, b, x, self.cell.step, up), on_step)
+
+    def _screened_of(self, sender: str, x: torch.Tensor, stream: int, b: int) -> bool:
+        """True when the sentinel drops it (counted as rejects 'poison')."""
+        verdict = self.cell.screen(sender, "activation", x, self._batch_of(stream, b))
+        if verdict == "drop":
+            self.transport.stats.add_reject("poison")
+        return verdict != "use"
+
+    def _forward_held(self, h: _Held, on_step: object) -> None:
+        """Forward h on the newest weights; the last stage goes on to its backward at once."""
+        self.held[(h.stream, h.index)] = h
+        self.stats.held_peak = max(self.stats.held_peak, len(self.held))
+        self._track_stash()
+        if self.next is None:
+            self._backward_held(h, None, on_step)
+            return
+        t0 = time.perf_counter()
+        if self.emu:
+            deadline = self.emu.begin(self.t_f)
+            enc = codecs.encode(self._fake_act, self.cfg.pipeline.codec)
+            self.emu.finish(deadline)
+            self.stats.busy_s += self.t_f
+        else:
+            t_cpu = time.thread_time()
+            with torch.no_grad():
+                tokens = self._tokens_of(h)
+                out = stage_forward(
+                    self.cell.module, self.cell.weights(h.version), h.inputs, self.precision, tokens
+                )
+            self._busy(t_cpu)
+            out = self.cell.outgoing(out, "activation", h.index)
+            enc = codecs.encode(out, self.cfg.pipeline.codec)
+        h.out = enc
+        self._fwd_s = time.perf_counter() - t0
+        self._route(h)
+
+    def _tokens_of(self, h: _Held) -> torch.Tensor | None:
+        return self._batch_of(h.stream, h.index)[0] if needs_tokens(self.cell.module) else None
+
+    def _live_downs(self, exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+        now = time.monotonic()
+        return [d for d in self.downs if d not in exclude and self.down_until.get(d, 0) <= now]
+
+    def _route(self, h: _Held, exclude: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+        """Send h's activation to a downstream cell drawn by load; False when none is live."""
+        live = self._live_downs(exclude)
+        if not live:
+            return False
+        to = self.book.choose(live, self.rng.random())
+        assert h.out is not None
+        self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
+        self.book.sent(to)
+        h.sent_to, h.sent_at = to, time.monotonic()
+        self.stats.routed[to] += 1
+        self.stats.cross_replica += to != cell_name(self.j + 1, self.i)
+        return True
+
+    def _take_answers(self, on_step: object) -> bool:
+        """Gradients and refusals from the downstream cells (none at the last stage)."""
+        did = False
+        for d in self.downs:
+            msg = self._poll(d, "pool/g/", self._expect_grad)
+            if msg is not None:
+                did = True
+                self._on_gradient(d, msg, on_step)
+            ref = self._poll(d, "pool/r/", self._expect_ctl)
+            if ref is not None:
+                did = True
+                self._on_refusal(d, ref)
+        return did
+
+    def _answer_for(self, d: str, msg: Message, kind: str) -> _Held | None:
+        parsed = parse_tag(msg.name)
+        if parsed is None or parsed[0] != kind:
+            self.transport.stats.add_reject("bad_tag")
+            return None
+        _, stream, b, others, rate = parsed
+        h = self.held.get((stream, b))
+        if h is None or h.sent_to != d:  # voided or routed elsewhere meanwhile: a late answer
+            self.transport.stats.add_reject("late")
+            return None
+        self.book.back(d)
+        self.book.report(d, rate, others)
+        return h
+
+    def _on_refusal(self, d: str, msg: Message) -> None:
+        h = self._answer_for(d, msg, "r")
+        if h is None:
+            return
+        self.stats.rerouted += 1
+        if not self._route(h, exclude={d}):
+            self._route(h)  # the only live cell: it may have room by now
+
+    def _on_gradient(self, d: str, msg: Message, on_step: object) -> None:
+        h = self._answer_for(d, msg, "g")
+        if h is None:
+            return
+        g = msg.tensor().to(self.device)
+        if not self.emu and sentinel.is_void(g):
+            self._void(h)
+            return
+        self._backward_held(h, g, on_step)
+
+    def _backward_held(self, h: _Held, grad_out: torch.Tensor | None, on_step: object) -> None:
+        """Recompute h's forward on its stashed version, backprop, send dL/d(input) back along
+        its path, and step the live weights (one update per microbatch, as async does)."""
+        self.held.pop((h.stream, h.index), None)
+        self.stats.microbatches += 1
+        self.stats.staleness[self.cell.step - h.version] += 1
+        tag = None if h.sender is None else self._load_tag("g", h.stream, h.index, h.sender)
+        t0 = time.perf_counter()
+        grads: tuple[torch.Tensor, ...] | None = None
+        if self.emu:  # no math: the device is busy for the op, a real-shaped tensor goes back
+            t = self.t_b + (self.t_f if self.next is None else 0.0)
+            deadline = self.emu.begin(t)
+            enc = codecs.encode(self._fake_grad, self.cfg.pipeline.codec) if h.sender else None
+            self.emu.finish(deadline)
+            self.stats.busy_s += t
+        else:
+            grads = self._grads_of(h, grad_out)
+            enc = None
+            if h.sender is not None:
+                sent = self.cell.outgoing(grads[0], "gradient", h.index)
+                enc = codecs.encode(sent, self.cfg.pipeline.codec)
+                grads = grads[1:]
+        if h.sender is not None and tag is not None and enc is not None:
+            self._send(h.sender, tag, Kind.GRADIENT, enc)
+        self._measured(time.perf_counter() - t0 + (0.0 if self.next is None else self._fwd_s))
+        # a state download snapshots between updates, never inside one; a stop signal waits
+        # until the update (optimizer, rounds, new version) is whole
+        with self.lock, self.critical():
+            if grads is None:
+                self.cell.step += 1  # emulated: no optimizer math, the weights stay
+            else:
+                self.stats.grad_norm = self.cell.apply_update(list(grads))
+            if self.cfg.dp.mode == "param_avg" and self.m > 1:
+                self.after_update()
+            self._push_version()
+        if callable(on_step):
+            on_step(self)
+
+    def _grads_of(self, h: _Held, grad_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        t0 = time.thread_time()
+        params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(h.version).items()}
+        leaves = list(params.values())
+        x = h.inputs
+        if self.j > 0:
+            x = x.detach().requires_grad_()
+            leaves = [x, *leaves]
+        out = stage_forward(self.cell.module, params, x, self.precision, self._tokens_of(h))
+        if self.next is None:
+            loss = lm_loss(out, self._batch_of(h.stream, h.index)[1])
+            grads = torch.autograd.grad(loss, leaves)
+            self.stats.loss = loss.item()
+        else:
+            assert grad_out is not None
+            grads = torch.autograd.grad(out, leaves, grad_outputs=grad_out)
+        self._busy(t0)
+        return grads
+
+    def _push_version(self) -> None:
+        """The new live version; stashes no held microbatch reads any more are let go (the
+        window bounds them: at most pool_window versions plus the live one)."""
+        cell = self.cell
+        pinned = {h.version for h in self.held.values()} | {cell.step}
+        spare = None
+        for v in [v for v in cell.history if v not in pinned]:
+            old = cell.history.pop(v)
+            spare = spare if old is cell.flat else old
+        if self.emu:
+            cell.history[cell.step] = cell.flat
+        else:
+            cell.history[cell.step] = cell.version_weights(spare)
+
+    def _void(self, h: _Held) -> None:
+        """Give h up: no gradient from it here, nor upstream (a void marker goes back)."""
+        self.held.pop((h.stream, h.index), None)
+        self.stats.voided += 1
+        if h.sender is not None:
+            self._send_void(
+                h.sender, self._load_tag("g", h.stream, h.index, h.sender), Kind.GRADIENT
+            )
+
+    def _expire(self) -> None:
+        """Microbatches whose cell was cut off or that are overdue go to another live cell, or
+        are voided when there is none."""
+        now = time.monotonic()
+        limit = self.cfg.elastic.pool_timeout_s
+        for h in list(self.held.values()):
+            if h.sent_to is None:
+                if h.out is not None and self._route(h):  # waiting for a live cell
+                    self.stats.rerouted += 1
+                elif h.out is not None and now - h.sent_at > limit:
+                    self._void(h)
+                continue
+            lost = self.down_until.get(h.sent_to, 0) > now
+            if not lost and now - h.sent_at <= limit:
+                continue
+            self.book.back(h.sent_to)
+            old, h.sent_to = h.sent_to, None
+            if self._route(h, exclude={old}):
+                self.stats.rerouted += 1
+            elif not lost or not self._live_downs():
+                self._void(h)
+
+    def _poll(self, frm: str, prefix: str, expect: Expect) -> Message | None:
+        """What waits from frm under prefix now, or None; a cut-off peer is marked down."""
+        if self.down_until.get(frm, 0) > time.monotonic():
+            return None
+        try:
+            return self.transport.recv_prefix(frm, prefix, expect, 0.0)
+        except PeerTimeout:
+            return None
+        except PeerLost:
+            self.down_until[frm] = time.monotonic() + DOWN_S
+            return None
+
+    def _control(self, to: str, tag: str) -> None:
+        self._send(to, tag, Kind.CONTROL, self._ctl)
+
+    # ---- seeded: every path a pure function of the name, one microbatch at a time -----------
+    def run_seeded(self, on_step: object = None) -> None:
+        """Take this cell's microbatches one at a time in (index, stream) order, each along its
+        seeded path: forward, wait for its gradient, backward, step. Deterministic, so the
+        simulator reproduces it (mesh/engine/pools.py); a lost cell is a PeerTimeout here."""
+        pools = [[cell_name(j, r) for r in range(self.m)] for j in range(self.P)]
+        me, seed = self.cell_name, self.cfg.run.seed
+        wait = self.cfg.elastic.pool_timeout_s
+        done = self.cell.step  # a resumed cell took this many of its microbatches already
+        for b in range(self.cfg.run.steps):
+            for s in range(self.m):
+                path = routing.seeded_path(seed, s, b, pools)
+                if path[self.j] != me:
+                    continue
+                if done > 0:
+                    done -= 1
+                    continue
+                self._seeded_one(s, b, path, wait, on_step)
+
+    def _seeded_one(self, s: int, b: int, path: list[str], wait: float, on_step: object) -> None:
+        up = path[self.j - 1] if self.j > 0 else None
+        down = path[self.j + 1] if self.j + 1 < self.P else None
+        if up is None:
+            x = self._batch_of(s, b)[0]
+        else:
+            x = self.transport.recv(up, f"pool/a/{s}/{b}", self._expect_act, wait).tensor()
+            x = x.to(self.device)
+        h = _Held(s, b, x, self.cell.step, up)
+        self.held[(s, b)] = h
+        if down is None:
+            self._backward_held(h, None, on_step)
+            return
+        with torch.no_grad():
+            weights = self.cell.weights(h.version)
+            out = stage_forward(self.cell.module, weights, x, self.precision, self._tokens_of(h))
+        self._send(
+            down, f"pool/a/{s}/{b}", Kind.ACTIVATION, codecs.encode(out, self.cfg.pipeline.codec)
+        )
+        h.sent_to, self._fwd_s = down, 0.0
+        msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
+        self._backward_held(h, msg.tensor().to(self.device), on_step)

@@ -1,0 +1,119 @@
+"""Stage pools' pure rules (mesh/algo/routing.py): the choice by load, the capacity bounds, the
+thinnest stage, rebalancing, the seeded paths and the death schedule."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from mesh.algo import routing
+from mesh.runtime.pool import parse_tag
+
+
+def test_weights_are_rate_over_queue_plus_one_and_an_unmeasured_cell_gets_the_mean() -> None:
+    assert routing.weights([2.0, 1.0], [0, 1]) == [2.0, 0.5]
+    assert routing.weights([2.0, None, 4.0], [0, 0, 3]) == [2.0, 3.0, 1.0]
+    assert routing.weights([None, None], [0, 0]) == [1.0, 1.0]
+    with pytest.raises(ValueError):
+        routing.weights([1.0], [0, 0])
+
+
+def test_pick_draws_in_proportion_to_the_weights() -> None:
+    rng = random.Random(0)
+    counts = Counter(routing.pick([1.0, 3.0, 0.0], rng.random()) for _ in range(20000))
+    assert counts[2] == 0  # a zero weight is never drawn
+    assert counts[1] / 20000 == pytest.approx(0.75, abs=0.02)
+    assert routing.pick([1.0, 1.0], 0.0) == 0
+    assert routing.pick([1.0, 1.0], 0.999999) == 1
+    with pytest.raises(ValueError):
+        routing.pick([], 0.5)
+    with pytest.raises(ValueError):
+        routing.pick([0.0, 0.0], 0.5)
+
+
+def test_the_load_book_sends_more_to_the_fast_and_idle_cell() -> None:
+    book = routing.LoadBook()
+    book.report("fast", 4.0, 0)
+    book.report("slow", 1.0, 0)
+    rng = random.Random(1)
+    counts = Counter(book.choose(["fast", "slow"], rng.random()) for _ in range(4000))
+    assert counts["fast"] / 4000 == pytest.approx(0.8, abs=0.03)
+    for _ in range(7):  # the fast cell now holds 7 of ours: 4/8 against 1/1
+        book.sent("fast")
+    assert book.queue("fast") == 7
+    counts = Counter(book.choose(["fast", "slow"], rng.random()) for _ in range(4000))
+    assert counts["slow"] > counts["fast"]
+    book.back("fast")
+    assert book.queue("fast") == 6
+
+
+def test_a_full_cell_is_left_out_and_the_sender_picks_another() -> None:
+    book = routing.LoadBook()
+    live = ["s1r0", "s1r1", "s1r2"]
+    refused = {"s1r1"}
+    rng = random.Random(2)
+    picks = {book.choose([c for c in live if c not in refused], rng.random()) for _ in range(200)}
+    assert picks == {"s1r0", "s1r2"}
+
+
+def test_the_bounds_of_fixed_wiring_and_pools() -> None:
+    speeds = [[1.0, 1.0], [1.0, 0.5], [0.25, 1.0]]  # stage x replica
+    assert routing.fixed_bound(speeds) == 0.25 + 0.5
+    assert routing.pool_bound(speeds) == 1.25
+    dead = [[1.0, 1.0], [0.0, 1.0]]
+    assert routing.fixed_bound(dead) == 1.0
+    assert routing.pool_bound(dead) == 1.0
+
+
+def test_a_joiner_takes_the_thinnest_stage_with_a_free_cell() -> None:
+    assert routing.thinnest_stage([3.0, 1.0, 2.0], [1, 1, 1]) == 1
+    assert routing.thinnest_stage([3.0, 1.0, 2.0], [1, 0, 1]) == 2
+    assert routing.thinnest_stage([1.0, 1.0], [1, 1]) == 0  # ties: the lowest stage
+    assert routing.thinnest_stage([1.0, 1.0], [0, 0]) is None
+
+
+def test_rebalancing_moves_a_cell_only_after_the_stage_held_twice_the_capacity_for_a_while() -> (
+    None
+):
+    watch = routing.Rebalancer(ratio=2.0, after_s=10.0)
+    caps = [4.0, 1.0, 2.0]
+    assert watch.check(0.0, caps, my_stage=0) is None
+    assert watch.check(5.0, caps, my_stage=0) is None
+    assert watch.check(6.0, caps, my_stage=2) is None  # stage 2 is at 2x too, but since 6 s
+    assert watch.check(10.0, caps, my_stage=0) == (0, 1)
+    # a break resets the clock
+    watch = routing.Rebalancer(ratio=2.0, after_s=10.0)
+    watch.check(0.0, caps, my_stage=0)
+    watch.check(5.0, [1.5, 1.0, 2.0], my_stage=0)
+    assert watch.check(12.0, caps, my_stage=0) is None
+    assert watch.check(22.0, caps, my_stage=0) == (0, 1)
+
+
+def test_seeded_paths_start_at_the_stream_and_agree_everywhere() -> None:
+    pools = [["s0r0", "s0r1"], ["s1r0", "s1r1"], ["s2r0", "s2r1"]]
+    paths = [routing.seeded_path(7, s, b, pools) for s in range(2) for b in range(200)]
+    assert all(p[0] == f"s0r{i // 200}" for i, p in enumerate(paths))
+    assert paths == [routing.seeded_path(7, s, b, pools) for s in range(2) for b in range(200)]
+    crossing = sum(p[1][-1] != p[0][-1] for p in paths) / len(paths)
+    assert 0.35 < crossing < 0.65  # uniform over the pool: about half leave their replica
+    assert paths != [routing.seeded_path(8, s, b, pools) for s in range(2) for b in range(200)]
+
+
+def test_the_death_schedule_parses_and_names_the_key() -> None:
+    spans = routing.parse_deaths(["s2r1@100-300", "s0r0@50"], 4, 2)
+    assert spans == {(2, 1): [(100, 300)], (0, 0): [(50, None)]}
+    assert routing.dead_at(spans, (2, 1), 100) and not routing.dead_at(spans, (2, 1), 300)
+    assert routing.dead_at(spans, (0, 0), 10**6) and not routing.dead_at(spans, (0, 0), 49)
+    for bad in ("s2r1", "s9r0@1", "s1r1@5-5", "x@1"):
+        with pytest.raises(ValueError, match="emulation.deaths"):
+            routing.parse_deaths([bad], 4, 2)
+
+
+def test_pool_tags_are_parsed_and_bounded() -> None:
+    assert parse_tag("pool/a/1/42") == ("a", 1, 42, 0, 0.0)
+    assert parse_tag("pool/g/0/7/3/2500") == ("g", 0, 7, 3, 2.5)
+    assert parse_tag("pool/f/0") == ("f", 0, 0, 0, 0.0)
+    for bad in ("pool/a/x/1", "pool/z/1/1", "pool/a/1/1/", "pool/a/1234567/1", "mean/a/1/1"):
+        assert parse_tag(bad) is None

@@ -139,13 +139,11 @@ def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) 
         timeout_raised = True
     timeout_elapsed = time.monotonic() - t0
 
-    # two tags sent in order 1, 2 and taken in order 2, 1; then b says done (CONTROL, not
-    # counted below), so a does not close while b still talks to it
+    # two tags sent in order 1, 2 and taken in order 2, 1
     y1, y2 = tensor(301, (8,)), tensor(302, (8,))
     if me == a:
         send("o/1", Kind.ACTIVATION, y1, "fp32", 1)
         send("o/2", Kind.ACTIVATION, y2, "fp32", 2).wait(wait)
-        t.recv(other, "done", Expect(kind=Kind.CONTROL), wait)
         out_of_order = True
     else:
         m2 = t.recv(other, "o/2", Expect(), wait)
@@ -153,6 +151,27 @@ def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) 
         expect_from("o/1", Kind.ACTIVATION, y1, "fp32", 1)
         expect_from("o/2", Kind.ACTIVATION, y2, "fp32", 2)
         out_of_order = torch.equal(m1.tensor(), y1) and torch.equal(m2.tensor(), y2)
+    # a receiver that cannot know the tag (a stage pool's cell): the oldest under a prefix,
+    # its name read from the message; nothing waiting under it is a timeout at once. Then b
+    # says done (CONTROL, not counted below), so a does not close while b still talks to it
+    if me == a:
+        send("q/9/a", Kind.ACTIVATION, y2, "fp32", 3)
+        send("p/7/x", Kind.ACTIVATION, y1, "fp32", 4)
+        send("p/3/y", Kind.ACTIVATION, y2, "fp32", 5).wait(wait)
+        t.recv(other, "done", Expect(kind=Kind.CONTROL), wait)
+    else:
+        first = t.recv_prefix(other, "p/", Expect(), wait)
+        second = t.recv_prefix(other, "p/", Expect(), wait)
+        try:
+            t.recv_prefix(other, "p/", Expect(), 0.0)
+            out_of_order = False  # nothing was left under p/
+        except PeerTimeout:
+            pass
+        q = t.recv(other, "q/9/a", Expect(), wait)
+        for tag, y, step in (("q/9/a", y2, 3), ("p/7/x", y1, 4), ("p/3/y", y2, 5)):
+            expect_from(tag, Kind.ACTIVATION, y, "fp32", step)
+        out_of_order &= (first.name, second.name) == ("p/7/x", "p/3/y")
+        out_of_order &= torch.equal(first.tensor(), y1) and torch.equal(q.tensor(), y2)
         t.send(other, "done", Kind.CONTROL, codecs.encode(torch.zeros(1), "fp32"), 0).wait(wait)
 
     kinds = ("activation", "gradient")

@@ -61,11 +61,11 @@ def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
 def run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
     """One simulator run (in a worker process): its record for summary.json."""
     from mesh.config import config_from_dict
-    from mesh.engine.sim import GridSim
+    from mesh.engine.pools import make_sim
 
     base_tree, spec, microbatches = args
     cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
-    r = GridSim(cfg).run()
+    r = make_sim(cfg).run()
     return {
         "microbatches": microbatches,
         "config_fingerprint": cfg.fingerprint(),

@@ -249,7 +249,7 @@ class GridSim:
         if mean is not None and dp.noise_codec != "none":
             seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
             mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
-        names = [f"r{i}" for i in range(self.m)]
+        names = [f"r{c.replica}" for c in column]  # a pool's live cells: not every replica
         for c, rnd in zip(column, rounds, strict=True):
             if mean is None:  # each replica screens against its own payload
                 rnd.mean, rejected = c.combine_round(names, decoded, f"r{c.replica}")

@@ -287,8 +287,13 @@ def _watch(
                     )  # fmt: skip
                     break
                 restarts.append(what)
-                at = restart_replica(cfg, grid, cell[1], grace_s)
                 n = f"restart {len(restarts)} of {cfg.elastic.max_restarts}"
+                if cfg.pipeline.routing == "pools":  # its stage's pool routes around it meanwhile
+                    grid.start(cell, -1)  # from its own newest checkpoint
+                    notice(f"{what}; it starts again from its own checkpoint, the pools "
+                           f"training on, {n}")  # fmt: skip
+                    continue
+                at = restart_replica(cfg, grid, cell[1], grace_s)
                 notice(f"{what}; replica {cell[1]} starts again from step {at or 0}, {n}")
                 continue
             if not grid.running():

@@ -1,0 +1,207 @@
+"""Stage pools on the simulator's logical clock: the same routing rule as the processes, driven by
+emulated speeds and a schedule of deaths, deterministic for a seed.
+
+At tick u every live stream s (stage 0's cell of replica s) sends microbatch (s, u) along a
+path: with `pipeline.pool_choice = "load"` stage j's cell is drawn with probability ~ speed /
+(queue + 1) (mesh/algo/routing.weights), its queue being the microbatches this tick already sent
+it, by a uniform number keyed by (seed, u, s, j); with "seeded" by routing.seeded_path. Streams go
+in order; each microbatch is one update of every cell on its path (async: a backward is an
+update), so a cell that takes two microbatches in a tick steps twice and one that takes none
+does not step. "load" reads the weights the async schedule's delay says (cell.step - (P-1-j),
+as the fixed grid's version_for does); "seeded" reads the newest, as the processes' seeded mode
+does one microbatch at a time, which is what makes the two engines equal number for number.
+
+`emulation.deaths` takes cells out for spans of ticks: a dead cell is in no path and no round; a
+stream whose stage-0 cell is dead issues nothing, and a microbatch that finds a stage empty is
+voided (counted). A cell coming back takes the state of the most advanced live cell of its stage,
+as a joiner downloads it. With `pipeline.routing = "fixed"` and deaths, each microbatch keeps to
+its replica and a replica with a dead cell is stalled: the fixed grid's behaviour to compare.
+Averaging is unchanged: each stage's live cells average with each other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from mesh.algo import routing
+from mesh.config import Config, parse_slowdowns
+from mesh.data.corpus import Corpus, train_batch
+from mesh.engine.cell import Cell, Params
+from mesh.engine.rounds import Action, after_update
+from mesh.engine.sim import GridSim, _Link, cross_link
+from mesh.model.build import lm_loss, stage_forward
+
+
+class PoolSim(GridSim):
+    def __init__(self, cfg: Config, corpus: Corpus | None = None) -> None:
+        super().__init__(cfg, corpus)
+        g = cfg.grid
+        self.spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
+        slow = parse_slowdowns(cfg.emulation.slowdowns, g.stages, g.replicas)
+        self.speed = [[1.0 / slow.get((j, i), 1.0) for i in range(self.m)] for j in range(self.P)]
+        self.streamed = 0  # microbatches that reached the last stage (tokens = this x each's)
+        self.voided = 0  # microbatches that found a stage with no live cell
+        self.cross_replica = 0  # hops to a cell of another replica
+        self.routed: Counter[tuple[int, int]] = Counter()  # cell -> microbatches it took
+        self._dead: set[tuple[int, int]] = set()
+
+    @property
+    def tokens(self) -> int:
+        return self.streamed * self.cfg.tokens_per_microbatch
+
+    # ---- one tick -----------------------------------------------------------------------
+    def step(self) -> float:
+        u = self.update
+        dead = {(j, i) for j in range(self.P) for i in range(self.m) if self._is_dead(j, i, u)}
+        for j, i in sorted(self._dead - dead):
+            self._revive(j, i, dead)
+        self._dead = dead
+        queue: Counter[tuple[int, int]] = Counter()
+        losses = []
+        for s in range(self.m):
+            if (0, s) in dead:
+                continue
+            path = self._path(u, s, dead, queue)
+            if path is None:
+                self.voided += 1
+                continue
+            losses.append(self._microbatch(u, s, path))
+        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            self._average_live(dead)
+        self.update += 1
+        if losses:
+            self._last_loss = sum(losses) / len(losses)
+        return self._last_loss
+
+    def _is_dead(self, j: int, i: int, u: int) -> bool:
+        return routing.dead_at(self.spans, (j, i), u)
+
+    def _path(
+        self, u: int, s: int, dead: set[tuple[int, int]], queue: Counter[tuple[int, int]]
+    ) -> list[int] | None:
+        """The replica index of the cell each stage gives microbatch (s, u); None: a stage
+        has no live cell for it (fixed: its own replica's cell is dead)."""
+        pipe, seed = self.cfg.pipeline, self.cfg.run.seed
+        if pipe.routing == "fixed":
+            path = [s] * self.P
+            return None if any((j, s) in dead for j in range(self.P)) else path
+        if pipe.pool_choice == "seeded":
+            assert not dead, "seeded routing draws from the whole pool: no deaths"
+            pools = [[str(i) for i in range(self.m)] for _ in range(self.P)]
+            return [int(c) for c in routing.seeded_path(seed, s, u, pools)]
+        path = [s]
+        for j in range(1, self.P):
+            live = [i for i in range(self.m) if (j, i) not in dead]
+            if not live:
+                return None
+            ws = routing.weights([self.speed[j][i] for i in live], [queue[(j, i)] for i in live])
+            path.append(live[routing.pick(ws, routing.unit(seed, u, s, j))])
+        for j, i in enumerate(path):
+            queue[(j, i)] += 1
+        return path
+
+    def _microbatch(self, u: int, s: int, path: list[int]) -> float:
+        """Forward microbatch (s, u) through the path's cells, backward, and one update of each
+        (stage order from the last: as the gradient reaches them)."""
+        cfg = self.cfg
+        cells = [self.cells[i][j] for j, i in enumerate(path)]
+        seeded = cfg.pipeline.pool_choice == "seeded" and cfg.pipeline.routing == "pools"
+        versions = [
+            c.step if seeded else max(min(c.history), c.step - (self.P - 1 - j))
+            for j, c in enumerate(cells)
+        ]
+        leaves: list[Params] = [
+            {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}
+            for c, v in zip(cells, versions, strict=True)
+        ]
+        x, y = train_batch(
+            self.corpus, cfg.run.seed, s, u, cfg.pipeline.microbatch_size, cfg.model.seq_len
+        )
+        h, cut = x, [-1]
+        for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
+            h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
+            if j < self.P - 1:
+                link = _Link(cfg.pipeline.codec, c, cells[j + 1], u, (x, y), self.verdicts, cut)
+                h = cross_link(h, link)
+                self.cross_replica += path[j + 1] != path[j]
+        self.pp_bytes += 2 * (self.P - 1) * self._act_bytes()
+        loss = lm_loss(h, y)
+        flat = [t for stage in leaves for t in stage.values()]
+        grads = list(torch.autograd.grad(loss, flat))
+        pos = 0
+        for c, stage in zip(cells, leaves, strict=True):
+            c.apply_update(grads[pos : pos + len(stage)])
+            pos += len(stage)
+            c.push_version()
+            self.routed[(c.stage, c.replica)] += 1
+        self.streamed += 1
+        return loss.item()
+
+    def _act_bytes(self) -> int:
+        from comms import codecs
+
+        cfg = self.cfg
+        values = cfg.tokens_per_microbatch * cfg.boundary_width
+        return codecs.encoded_nbytes(values, cfg.pipeline.codec)
+
+    def _average_live(self, dead: set[tuple[int, int]]) -> None:
+        """This tick's round actions for each stage's live cells (a stage with one live cell
+        launches nothing: alone is not a mean)."""
+        dp = self.cfg.dp
+        for j in range(self.P):
+            column = [self.cells[i][j] for i in range(self.m) if (j, i) not in dead]
+            for action in after_update(self.update, dp.interval_steps, dp.tau):
+                if action is Action.LAUNCH:
+                    if len(column) > 1:
+                        self._launch(j, column)
+                    continue
+                for c in column:
+                    for rnd in c.due_rounds():
+                        c.apply_round(rnd)
+
+    def _revive(self, j: int, i: int, dead: set[tuple[int, int]]) -> None:
+        """A cell back from the dead takes the state of the most advanced live cell of its
+        stage (a joiner's download): weights, optimizer, drift, step; its rounds are void."""
+        donors = [self.cells[r][j] for r in range(self.m) if (j, r) not in dead and r != i]
+        if not donors:
+            return  # nobody to copy: it goes on from its own state
+        donor = max(donors, key=lambda c: (c.step, -c.replica))
+        me: Cell = self.cells[i][j]
+        with torch.no_grad():
+            me.flat.copy_(donor.flat)
+            me.drift.copy_(donor.drift)
+        me.optimizer.load_state_dict(_cloned(donor.optimizer.state_dict()))
+        me.step = donor.step
+        me.rounds.void()
+        me.history.clear()
+        me.history[me.step] = me.version_weights()
+
+    def run(self, on_step=None):  # type: ignore[no-untyped-def]
+        res = super().run(on_step)
+        res.tokens = self.tokens
+        steps = max(self.update, 1)
+        res.pp_bytes_per_replica_step = self.pp_bytes / self.m / steps
+        return res
+
+    def pool_summary(self) -> dict[str, float]:
+        """What routing did: microbatches streamed and voided, hops across replicas."""
+        hops = max(1, self.streamed * (self.P - 1))
+        return {
+            "streamed": self.streamed,
+            "voided": self.voided,
+            "cross_replica_share": self.cross_replica / hops,
+        }
+
+
+def _cloned(sd: dict) -> dict:  # type: ignore[type-arg]
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def make_sim(cfg: Config, corpus: Corpus | None = None) -> GridSim:
+    """The simulator a config needs: PoolSim for stage pools or a death schedule, else the
+    fixed grid's GridSim (bit for bit what it always computed)."""
+    if cfg.pipeline.routing == "pools" or cfg.emulation.deaths:
+        return PoolSim(cfg, corpus)
+    return GridSim(cfg, corpus)

@@ -388,6 +388,19 @@ def run_join(
     _run_here(cfg, j, i, out, options, run_key, since - 1e-3)
 
 
+def _data_reference(cfg: Config) -> dict[str, Any] | None:
+    """The data's unigram and bigram cross-entropy for the summary (None where the data cannot
+    be read now: the summary is still shown)."""
+    from mesh.data.corpus import load_corpus, ngram_ce
+    from mesh.errors import DataError
+
+    try:
+        corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    except (DataError, OSError):
+        return None
+    return ngram_ce(corpus)
+
+
 def _run_here(
     cfg: Config, j: int, i: int, out: Path, options: dict[str, Any], run_key: str | None,
     since: float,
@@ -402,7 +415,9 @@ def _run_here(
 
     from cli.events import EventLines
     from cli.report import print_table, progress_bar
+    from cli.simulate import reference_cells
     from comms.errors import CommsError
+    from mesh.data.ngram import beside_loss
     from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
     from mesh.runtime.metrics import RowTail, read_metrics
     from mesh.runtime.session import CellLost
@@ -451,13 +466,23 @@ def _run_here(
         click.echo(failure.rstrip(), err=True)
     rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    ref = _data_reference(cfg)
     print_table(
-        ["cell", "steps", "last loss", "rounds applied/failed", "rejects"],
+        [
+            "cell",
+            "steps",
+            "last loss",
+            "data unigram/bigram",
+            "loss/bigram",
+            "rounds applied/failed",
+            "rejects",
+        ],  # fmt: skip
         [
             [
                 cell_name(j, i),
                 rows[-1]["step"] if rows else 0,
                 f"{losses[-1]:.4f}" if losses else "n/a",
+                *reference_cells(beside_loss(losses[-1] if losses else None, ref)),
                 f"{rows[-1]['rounds_applied']}/{rows[-1]['rounds_failed']}" if rows else "0/0",
                 json.dumps(rows[-1]["rejects"]) if rows else "{}",
             ]

@@ -8,7 +8,8 @@ flight, sentinel statistics and counters: mesh/engine/sim_state.py), so a resume
 the weights and loss of an uninterrupted one. SIGTERM, SIGHUP and Ctrl-C stop it after the
 update under way, every cell saved (a second Ctrl-C stops it at once, unsaved).
 
-imports: click, cli (report, simulate's stop signals), mesh (config, engine, runtime).
+imports: click, cli (report, simulate's stop signals and reference cells), mesh (config, data,
+engine, runtime).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from typing import Any
 import click
 
 from cli.report import print_table, progress_bar
+from cli.simulate import reference_cells
 from mesh.config import Config
+from mesh.data.corpus import ngram_ce
+from mesh.data.ngram import beside_loss
 from mesh.engine import sim_state
 from mesh.engine.sim import GridSim
 from mesh.runtime.checkpoint import (
@@ -83,13 +87,17 @@ def simulate_logical(
             f"interrupted at step {sim.update}: not saved since the last checkpoint", err=True
         )
         sys.exit(130)
-    summary = {"config_fingerprint": cfg.fingerprint(), **result.__dict__}
+    summary = {
+        "config_fingerprint": cfg.fingerprint(),
+        **result.__dict__,
+        **beside_loss(result.val_loss, ngram_ce(sim.corpus)),  # the data's reference points
+    }
     if out is not None:
         if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint
             save_grid(sim, cfg, out)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "pp B/replica/step",
-               "dp B/replica/step", "wall s"]  # fmt: skip
+    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "data unigram/bigram",
+               "loss/bigram", "pp B/replica/step", "dp B/replica/step", "wall s"]  # fmt: skip
     print_table(
         headers,
         [
@@ -99,6 +107,7 @@ def simulate_logical(
                 result.tokens,
                 "diverged" if result.val_loss is None else f"{result.val_loss:.4f}",
                 "n/a" if result.val_bpb is None else f"{result.val_bpb:.4f}",
+                *reference_cells(summary),
                 f"{result.pp_bytes_per_replica_step:,.0f}",
                 f"{result.dp_bytes_per_replica_step:,.0f}",
                 f"{result.wall_s:.1f}",

@@ -138,7 +138,7 @@ ROUNDS_NOTE = (
 def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     headers = [
         "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "val bits/byte",
-        "pp B/replica/step",
+        "data unigram/bigram", "loss/bigram", "pp B/replica/step",
         "dp B/replica/step", "rounds started/applied/failed/in flight",
     ]  # fmt: skip
     r = summary["rounds"]
@@ -152,11 +152,24 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
         _fmt_fraction(summary.get("fraction_of_ideal")),
         f"{summary['val_loss']:.4f}",
         f"{summary['val_bpb']:.4f}" if summary.get("val_bpb") is not None else "n/a",
+        *reference_cells(summary),
         f"{summary['bytes']['pp_per_replica_step']:,.0f}",
         f"{summary['bytes']['dp_per_replica_step']:,.0f}",
         rounds,
     ]
     return headers, [[str(c) for c in row]]
+
+
+def reference_cells(summary: dict) -> list[str]:
+    """The data's unigram and bigram cross-entropy (nats/token) and the loss's ratio to the
+    bigram's, for a table beside the validation loss ("n/a" for emulated compute)."""
+    if summary.get("data_bigram_ce") is None:
+        return ["n/a", "n/a"]
+    ratio = summary.get("val_loss_to_bigram")
+    return [
+        f"{summary['data_unigram_ce']:.3f}/{summary['data_bigram_ce']:.3f}",
+        "n/a" if ratio is None else f"{ratio:.2f}",
+    ]
 
 
 def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mesh.data.ngram import ngram_reference, well_formed
 from mesh.data.shards import Tokens
 from mesh.errors import DataError
 
@@ -90,6 +91,25 @@ class Corpus:
 def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
     """A loss in nats per token as bits per byte of text: comparable across tokenizers."""
     return nats_per_token / (math.log(2) * bytes_per_token)
+
+
+_NGRAM_CE: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def ngram_ce(corpus: Corpus) -> dict[str, Any]:
+    """The validation split's unigram and bigram cross-entropy, counts from the training split
+    (mesh/data/ngram.py): a prepared dataset's manifest's, else (a text's bytes, a manifest
+    written before it carried them) counted here once per process, a fraction of a second for
+    the demo corpus."""
+    entry = (corpus.manifest or {}).get("ngram_ce")
+    if well_formed(entry):
+        return entry
+    key = (corpus.digest, len(corpus.val))
+    if key not in _NGRAM_CE:
+        _NGRAM_CE[key] = ngram_reference(
+            corpus.train.parts, corpus.val.parts, corpus.vocab_size, corpus.val_bytes_per_token
+        )
+    return _NGRAM_CE[key]
 
 
 def split_documents(docs: list[bytes], val_fraction: float) -> tuple[bytes, bytes]:

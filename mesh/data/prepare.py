@@ -7,10 +7,13 @@ writer. The validation split is made of whole documents: a document goes there w
 the validation share of the text bytes seen so far nearest --val-fraction (a systematic sample
 spread over the inputs, the same whatever the tokenizer).
 
+The manifest records the validation split's unigram and bigram cross-entropy with counts from
+the training split (mesh/data/ngram.py): the reference points a run's loss is read against.
+
 Everything is written into a staging directory beside DIR that is renamed to DIR at the very
 end, after the manifest: an interrupted prepare leaves no DIR (and no manifest) behind.
 
-imports: numpy, mesh.data (sources, shards, manifest, tokenizer), mesh.errors, comms.procs.
+imports: numpy, mesh.data (sources, shards, manifest, ngram, tokenizer), mesh.errors, comms.procs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 
 from comms.procs import pid_alive
 from mesh.data.manifest import FORMAT, write_manifest
+from mesh.data.ngram import ngram_reference
 from mesh.data.shards import ShardWriter, file_sha256, token_dtype
 from mesh.data.sources import Piece, Rejects, expand_inputs, read_pieces
 from mesh.data.tokenizer import ByteTokenizer, Tokenizer, parse_spec, tokenizer_from_spec
@@ -174,6 +178,13 @@ def _write(
                 "validation holds whole documents, so give more documents (e.g. a long text "
                 "as several files) or a larger --val-fraction"
             )
+    # the reference points a run's validation loss is read against (not part of the digest)
+    ngram_ce = ngram_reference(
+        _split_arrays(stage, out["train"]["shards"], dtype),
+        _split_arrays(stage, out["val"]["shards"], dtype),
+        tok.vocab_size,
+        out["val"]["bytes"] / out["val"]["tokens"],
+    )
     tokenizer_entry: dict[str, Any] = {"name": tok.name, "file": None, "sha256": tok.sha256()}
     if not isinstance(tok, ByteTokenizer):
         tok.save(stage)
@@ -186,9 +197,14 @@ def _write(
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
         "splits": out,
+        "ngram_ce": ngram_ce,
         "rejects": rejects.as_dict(),
         "prepare_s": round(time.perf_counter() - start, 2),
     }
+
+
+def _split_arrays(stage: Path, shards: list[dict[str, Any]], dtype: np.dtype) -> list[np.ndarray]:
+    return [np.memmap(stage / s["file"], dtype=dtype, mode="r") for s in shards]
 
 
 def _whole_file(

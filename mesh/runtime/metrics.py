@@ -60,7 +60,8 @@ def summarize_run(
     A resumed run (from start_step; its rows after the file offsets `since`): rates and bytes
     are of this segment, tokens and the loss of the whole run."""
 
-    from mesh.data.corpus import bits_per_byte, load_corpus
+    from mesh.data.corpus import bits_per_byte, load_corpus, ngram_ce
+    from mesh.data.ngram import beside_loss
     from mesh.runtime.emulate import throughput
     from mesh.runtime.evaluate import common_steps, replica_loss, tokens_at, validation_batches
 
@@ -93,6 +94,8 @@ def summarize_run(
         "val_loss": sum(losses) / m,
         "val_bpb": bits_per_byte(sum(losses) / m, corpus.val_bytes_per_token),
         "val_loss_replicas": losses,
+        # the data's reference points beside the loss (mesh/data/ngram.py)
+        **beside_loss(sum(losses) / m, ngram_ce(corpus)),
         "bytes": {  # from the cells' final rows when present (written after sends drained)
             "pp_per_replica_step": tp.pp_bytes_per_replica_step,
             "dp_per_replica_step": tp.dp_bytes_per_replica_step,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench import simruns
+from mesh.bench.regime import data_reference, stamp
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, load_tuned, method_overrides
@@ -112,6 +113,7 @@ def run_ablations(
         "runs": runs,
     }
     write_outputs(summary, out)
+    summary.update(stamp(out, "ablations", data_reference(base)))  # the rule (bench/regime.py)
     (out / "runs.partial.jsonl").unlink()
     return summary
 

@@ -1,22 +1,28 @@
 """`meshtrain bench boundary`: what compressing a stage boundary costs in loss, at equal tokens.
 
 Every arm is one replica's pipeline (grid P x 1: the boundary is the pipeline's; the averaging
-axis has its own study) of a small Llama on the prepared Shakespeare BPE, trained on the same
-tokens: the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8
-boundaries, the synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
-(pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary 4,
-8, 16, 32 and 64 times smaller than full bf16, and the learned boundary with 4-bit coordinates
-(pipeline.codec = int4_hadamard) at the rank that makes it 16, 32, 64 and 128 times smaller.
-The gap of an arm is its validation loss against the reference's, paired by seed, as a share of
-the reference (bits per byte is the loss times a constant of the dataset, so its relative gap is
-the same).
+axis has its own study) of a small Llama on the Shakespeare bytes, trained on the same tokens:
+the async pipeline with full bf16 boundaries (the reference, 1x), with full fp8 boundaries, the
+synchronous pipeline (FullSync: GPipe with a flush), and each compressed method
+(pipeline.boundary = learned | subspace, fp8 coordinates) at the rank that makes its boundary
+FP8_RATIOS times smaller than full bf16, and the learned boundary with 4-bit coordinates
+(pipeline.codec = int4_hadamard) at the INT4_STUDY_RATIOS. The gap of an arm is its validation
+loss against the reference's, paired by seed, as a share of the reference (bits per byte is the
+loss times a constant of the dataset, so its relative gap is the same).
+
+The study is sized to pass the rule every study is read by (mesh/bench/regime.py): its reference
+must end at least 15% below the data's bigram cross-entropy, which a d 64 Llama reaches on bytes
+in about 1.6M tokens (a d 64 model on the 4k BPE at 154k tokens sat between the unigram and the
+bigram: results/boundary-bpe4k, an early-training observation). --width 64 or 192 picks the
+model (WIDTHS); each width is its own study in its own --out.
 
 A study re-run in the same --out reuses the runs its summary.json already holds (same config
-fingerprint and budget), so adding arms runs only the new ones, and a run of some depths
-(--stages 4) keeps the rows of the others. The cache trusts that a fingerprint means the same
-numbers: after a change to the simulator's numbers, or on another machine (the same code, data
-and config can give other floats there, so other trajectories: docs/boundaries.md), start from a
-fresh --out. The pipeline sentinel is off in every arm (sentinel.enabled).
+fingerprint and budget), so adding arms runs only the new ones, a stopped study resumes from its
+runs.partial.jsonl, and a run of some depths (--stages 4) keeps the rows of the others. The cache
+trusts that a fingerprint means the same numbers: after a change to the simulator's numbers, or
+on another machine (the same code, data and config can give other floats there, so other
+trajectories: docs/boundaries.md), start from a fresh --out. The pipeline sentinel is off in
+every arm (sentinel.enabled).
 
 The lrs are tuned on a seed that is not reported (TUNE_SEED): the async reference's and
 FullSync's best of LR_GRID at each P; every async arm of that P then runs at the reference's lr
@@ -31,33 +37,43 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.ablations import best_lr
+from mesh.bench.regime import data_reference, rule_fields, rule_line
 from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
-from mesh.bench.simruns import Spec, run_specs
+from mesh.bench.simruns import Spec, read_runs, reuse, run_specs
 from mesh.config import Config
 from mesh.engine.plan import boundary_bytes, rank_for_compression
-from mesh.engine.uplink import INT4_CODEC, INT4_RATIOS, arm_label
+from mesh.engine.uplink import INT4_CODEC, arm_label
 from mesh.methods import METHODS
+from mesh.model.build import stage_param_counts
 
-RATIOS = (4, 8, 16, 32, 64)
-COMPRESSED = ("learned", "subspace")
+FP8_RATIOS = {"learned": (8, 16, 32), "subspace": (8, 16)}
+INT4_STUDY_RATIOS = (32, 64)
+COMPRESSED = tuple(FP8_RATIOS)
 STAGES = (4, 8)
-REPORT_SEEDS = [0, 1, 2, 3]
+REPORT_SEEDS = [0, 1]
 TUNE_SEED = 100
-LR_GRID = (1e-3, 2e-3, 4e-3)
+# each baseline's lrs (FullSync's updates take 4 microbatches each: it wants a larger one)
+LR_GRID = {"full bf16": (4e-3, 8e-3), "FullSync": (8e-3, 1.6e-2)}
+QUICK_LRS = {"full bf16": (4e-3,), "FullSync": (8e-3,)}
+MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
+QUICK_MICROBATCHES = 24
 REFERENCE = "full bf16"
-# the study's model, unless the command line says otherwise: a small Llama on the demo's 4k BPE
+# the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)
+WIDTHS = {
+    64: ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.intermediate_size=172"],
+    192: ["model.d_model=192", "model.n_heads=6", "model.n_kv_heads=2",
+          "model.intermediate_size=512"],
+}  # fmt: skip
+# the study's model, unless the command line says otherwise
 STUDY_DEFAULTS = [
     "model.arch=llama",
-    "model.vocab_size=4096",
-    "model.d_model=64",
+    "model.vocab_size=256",
     "model.n_layers=8",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.intermediate_size=172",
-    "model.seq_len=64",
+    "model.seq_len=128",
     "pipeline.microbatch_size=8",
-    "data.path='data/shakespeare-bpe4k'",
     "data.val_batches=16",
+    *WIDTHS[64],
 ]
 ANCHOR_RANK = 16
 # published points, drawn at the bytes per token they would mean for our boundary (bf16 / ratio)
@@ -67,6 +83,9 @@ PUBLISHED = [
     ("MAPL", 4, 0.01),  # 4-16x at ~1% loss, 150M-1B LLaMA
     ("MAPL", 16, 0.01),
 ]
+# MAPL's equal-token results (its workshop version), drawn as a band: (ratio, low %, high %)
+# of loss cost, 4-8x within about 2% and 16x at about 3%
+MAPL_BAND = [(4, 0.0, 2.0), (8, 0.0, 2.0), (16, 1.0, 3.0)]
 
 
 def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
@@ -83,8 +102,8 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
         ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
                       "pipeline.codec": "bf16"}),
     ]  # fmt: skip
-    compressed = [(m, ratio, "fp8_e4m3") for m in COMPRESSED for ratio in RATIOS]
-    compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_RATIOS]
+    compressed = [(m, ratio, "fp8_e4m3") for m, ratios in FP8_RATIOS.items() for ratio in ratios]
+    compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_STUDY_RATIOS]
     for method, ratio, codec in compressed:
         rank = rank_for_compression(tokens, d, ratio, codec)
         ov = {**async_, "pipeline.codec": codec, "pipeline.boundary": method,
@@ -99,12 +118,12 @@ def _spec(arm: str, ov: dict[str, Any], seed: int, lr: float) -> Spec:
     return Spec("boundary", label, seed, mpu, tuple({**ov, "optim.lr": lr}.items()))
 
 
-def lr_specs(base: Config, stages: int, seed: int, lrs: tuple[float, ...]) -> list[Spec]:
-    """The reference and FullSync at each lr (labels end in lr=...)."""
+def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, ...]]) -> list[Spec]:
+    """The reference and FullSync at each of their lrs (labels end in lr=...)."""
     specs = []
     for arm, ov in arms(base, stages):
-        if arm in (REFERENCE, "FullSync"):
-            for lr in lrs:
+        if arm in lrs:
+            for lr in lrs[arm]:
                 s = _spec(arm, ov, seed, lr)
                 specs.append(Spec(s.study, f"{s.method} lr={lr:g}", seed, s.microbatches_per_update,
                                   s.overrides))  # fmt: skip
@@ -213,26 +232,31 @@ def run_boundary(
     workers: int,
     seeds: list[int] | None = None,
     stages: tuple[int, ...] | None = None,
+    report_only: bool = False,
 ) -> dict[str, Any]:
+    """The study (its lr sweeps, then every arm on every seed), resumed from what out/ holds.
+    report_only: run nothing, write the outputs from the runs finished so far (a study
+    stopped part way: the arms without runs are rows marked "not run")."""
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
     old = _earlier_summary(out)
     known = [*old.get("lr_sweep", []), *old.get("runs", [])]
-    budget = {"boundary": 24 if quick else 300}
+    budget = {"boundary": QUICK_MICROBATCHES if quick else MICROBATCHES}
     stages = stages or ((2,) if quick else STAGES)
-    lrs_tried = LR_GRID[1:2] if quick else LR_GRID
+    lrs_tried = QUICK_LRS if quick else LR_GRID
     start = time.perf_counter()
+    run = _cached if report_only else run_specs
     tuned: dict[int, dict[str, float]] = {}
     sweeps, runs = [], []
     for p in stages:
-        sweep = run_specs(base, lr_specs(base, p, TUNE_SEED, lrs_tried), budget, out, workers,
-                          f"boundary P={p}: lr", known)  # fmt: skip
-        tuned[p] = {
-            arm: best_lr([r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")])
-            for arm in (REFERENCE, "FullSync")
-        }
+        sweep = run(base, lr_specs(base, p, TUNE_SEED, lrs_tried), budget, out, workers,
+                    f"boundary P={p}: lr", known)  # fmt: skip
+        got = {arm: [r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")]
+               for arm in (REFERENCE, "FullSync")}  # fmt: skip
+        if all(got.values()):
+            tuned[p] = {arm: best_lr(rs) for arm, rs in got.items()}
         sweeps += sweep
-    specs = [s for p in stages for s in build_specs(base, p, seeds, tuned[p])]
-    runs = run_specs(base, specs, budget, out, workers, "boundary", known)
+    specs = [s for p in stages if p in tuned for s in build_specs(base, p, seeds, tuned[p])]
+    runs = run(base, specs, budget, out, workers, "boundary", known)
     held_lrs, held_sweep, held_runs = held_depths(old, stages, budget["boundary"])
     tuned.update(held_lrs)
     sweeps, runs = sweeps + held_sweep, runs + held_runs
@@ -242,28 +266,49 @@ def run_boundary(
     summary = {
         "model": {k: getattr(base.model, k) for k in ("arch", "d_model", "n_layers", "vocab_size",
                                                       "seq_len")},
-        "data": base.data.path,
+        "params": sum(stage_param_counts(base.model, 1)),
+        "data": base.data.path or "Shakespeare bytes (the default corpus)",
         "microbatch_tokens": base.tokens_per_microbatch,
         "microbatches_per_replica": budget["boundary"],
         "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
         "seeds": seeds,
         "tune_seed": TUNE_SEED,
+        "lr_grid": {arm: list(v) for arm, v in lrs_tried.items()},
         "lrs": {str(p): v for p, v in tuned.items()},
         "anchor_rank": ANCHOR_RANK,
         "quick": quick,
+        "complete": all(r["seeds"] == sorted(seeds) for r in rows) and bool(rows),
         "rows": rows,
         "best_within_1pct": {str(p): r and {k: r[k] for k in ("arm", "compression", "loss_gap")}
                              for p, r in ((p, best.get(p)) for p in stages)},
         "published": [{"name": n, "compression": c, "reported_loss_cost": g}
                       for n, c, g in PUBLISHED],
+        "mapl_equal_token_band": [{"compression": c, "loss_cost_pct": [lo, hi]}
+                                  for c, lo, hi in MAPL_BAND],
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s_of_runs": round(sum(r["wall_s"] for r in [*sweeps, *runs]), 1),
-        "lr_sweep": sweeps,
-        "runs": runs,
     }  # fmt: skip
+    summary.update(rule_fields("boundary", summary, data_reference(base)))
+    summary.update(lr_sweep=sweeps, runs=runs)
     write_outputs(summary, out)
-    (out / "runs.partial.jsonl").unlink(missing_ok=True)
+    if summary["complete"]:
+        (out / "runs.partial.jsonl").unlink(missing_ok=True)
     return summary
+
+
+def _cached(
+    base: Config,
+    specs: list[Spec],
+    budget: dict[str, int],
+    out: Path,
+    workers: int,
+    desc: str,
+    known: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """run_specs's answer from what has run (out's runs.partial.jsonl, `known`), running
+    nothing: the specs without a finished run are left out."""
+    found = reuse([*known, *read_runs(out / "runs.partial.jsonl")], specs, base, budget)
+    return sorted((r for r in found if r is not None), key=lambda r: (r["method"], r["seed"]))
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -282,16 +327,27 @@ def table(summary: dict[str, Any]) -> str:
     headers = ["P", "arm", "width", "codec", "vs bf16", "B/token/boundary", "val loss",
                "val bits/byte", "gap vs full bf16 async", "seeds"]  # fmt: skip
     m = summary["model"]
+    params = f"{summary['params'] / 1e6:.2f}M parameters, " if summary.get("params") else ""
     lines = [
         f"# Stage boundaries: loss against bytes at equal tokens ({summary['tokens_per_run']:,} "
         f"tokens a run)",
         "",
-        f"{m['arch']} d {m['d_model']} x {m['n_layers']} layers, vocab {m['vocab_size']}, "
-        f"seq {m['seq_len']}, on {summary['data']}; grid P x 1; seeds {summary['seeds']} "
-        f"(lrs tuned on seed {summary['tune_seed']}: {summary['lrs']}); learned anchors of rank "
-        f"{summary['anchor_rank']}. Gap: mean over seeds of loss / reference loss - 1, +- its "
-        "standard error.",
+        f"{m['arch']} d {m['d_model']} x {m['n_layers']} layers ({params}vocab {m['vocab_size']}, "
+        f"seq {m['seq_len']}), {summary['tokens_per_run']:,} tokens a run, on {summary['data']}; "
+        f"grid P x 1; seeds {summary['seeds']} (lrs tuned on seed {summary['tune_seed']}: "
+        f"{summary['lrs']}); learned anchors of rank {summary['anchor_rank']}. Gap: mean over "
+        "seeds of loss / reference loss - 1, +- its standard error.",
         "",
+        rule_line(summary),
+        "",
+    ]
+    if summary.get("complete") is False:
+        lines += [
+            "**Part of the study**: the rows marked 'not run', or with fewer seeds than "
+            "the study's, are still to run (the study resumes where it stopped).",
+            "",
+        ]
+    lines += [
         format_table(headers, rows),
         "",
     ]
@@ -346,6 +402,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                 ax.scatter([r["bytes_per_token"]], [100 * r["loss_gap"]], marker="x",
                            label=f"{r['arm']}, P={p}")  # fmt: skip
     if full_bf16:
+        band = summary.get("mapl_equal_token_band") or [
+            {"compression": c, "loss_cost_pct": [lo, hi]} for c, lo, hi in MAPL_BAND
+        ]
+        xs = [full_bf16 / b["compression"] for b in band]
+        ax.fill_between(xs, [b["loss_cost_pct"][0] for b in band],
+                        [b["loss_cost_pct"][1] for b in band], color="grey", alpha=0.2,
+                        label="MAPL, equal tokens (4-8x within ~2%, 16x ~3%)")  # fmt: skip
         for name, ratio, gap in PUBLISHED:
             ax.scatter([full_bf16 / ratio], [100 * gap], marker="*", s=90, color="grey")
             ax.annotate(name, (full_bf16 / ratio, 100 * gap), fontsize=7, xytext=(4, 3),
@@ -355,7 +418,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per token per boundary, each way (full bf16 = reference)")
     ax.set_ylabel("validation loss gap vs full bf16 async (%)")
-    ax.set_title("Compressed stage boundaries: loss against bytes at equal tokens")
+    m, ratio = summary["model"], summary.get("reference_to_bigram_ratio")
+    where = "" if ratio is None else f", reference at {ratio:.2f} x bigram CE"
+    ax.set_title(
+        f"Stage boundaries at equal tokens: {m['arch']} d {m['d_model']}, "
+        f"{summary['tokens_per_run'] / 1e6:.2f}M tokens a run{where}",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.convergence_table import DP_METHODS, write_outputs
+from mesh.bench.regime import data_reference, stamp
 from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, read_runs, reuse, run_one, run_specs, worker_pool
 from mesh.bench.tuning import (
@@ -308,5 +309,6 @@ def run_convergence(
         # outside "runs": the targets and every reader of the study's runs see its seeds only
         summary["kept"] = kept_runs(previous, dp_seeds, methods, tuned_on)
     write_outputs(summary, out)
+    summary.update(stamp(out, "convergence", data_reference(base)))  # the rule (bench/regime.py)
     (out / "runs.partial.jsonl").unlink()
     return summary

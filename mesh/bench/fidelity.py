@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench import simruns
+from mesh.bench.regime import data_reference, stamp
 from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, known_runs, load_tuned, method_overrides
@@ -129,6 +130,7 @@ def run_fidelity(base: Config, study: str, out: Path, quick: bool, workers: int)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     WRITERS[study](summary, out)
+    summary.update(stamp(out, study, data_reference(base)))  # the rule (bench/regime.py)
     (out / "runs.partial.jsonl").unlink()
     return summary
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mesh.bench.regime import data_reference, stamp
 from mesh.bench.report import format_table
 from mesh.config import Config, with_overrides
 from mesh.engine.sim import GridSim
@@ -71,6 +72,7 @@ def run_equivalence(base: Config, out: Path, quick: bool = False) -> dict[str, A
         f"\nnoise (seed spread of the simulator, at least 1%): {noise:.4f}; processes {verdict}\n"
     )
     (out / "table.md").write_text(table + note)
+    summary.update(stamp(out, "runtime", data_reference(base)))  # the rule (bench/regime.py)
     print(table + note)
     return summary
 

@@ -1,8 +1,11 @@
 """The boundary study's arms, rows and frontier (synthetic runs: the machinery, not the claim)."""
 
+import json
+
 import pytest
 
 from mesh.bench import boundary as study
+from mesh.bench.regime import rule_fields
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
 
@@ -15,22 +18,26 @@ def base(tmp_path_factory):
 def test_arms_are_the_baselines_and_each_method_at_each_ratio(base):
     arms = dict(study.arms(base, 4))
     assert list(arms)[:3] == [study.REFERENCE, "full fp8", "FullSync"]
-    for method in study.COMPRESSED:
-        for ratio in study.RATIOS:
+    assert len(arms) == 3 + 5 + 2  # learned 8-32x, subspace 8-16x, learned int4 32x and 64x
+    for method, ratios in study.FP8_RATIOS.items():
+        for ratio in ratios:
             ov = arms[f"{method} {ratio}x"]
             assert ov["sentinel.enabled"] is False  # a defence's drops are no boundary's cost
             assert ov["pipeline.boundary"] == method and ov["grid.stages"] == 4
             cfg = spec_config(base, study._spec(f"{method} {ratio}x", ov, 0, 1e-3), 300)
             assert cfg.pipeline.boundary_rank == ov["pipeline.boundary_rank"] <= 64
             assert (cfg.grid.replicas, cfg.run.steps, cfg.optim.lr) == (1, 300, 1e-3)
-    # 4-bit coordinates: learned boundaries at 16-128x, about twice fp8's rank at a ratio
-    for ratio in (16, 32, 64, 128):
+    # 4-bit coordinates: learned boundaries at 32x and 64x, about twice fp8's rank at a ratio
+    for ratio in study.INT4_STUDY_RATIOS:
         ov = arms[f"learned {ratio}x int4"]
         assert ov["pipeline.codec"] == "int4_hadamard" and ov["pipeline.boundary"] == "learned"
-    assert arms["learned 32x int4"]["pipeline.boundary_rank"] == 7  # fp8's 16x rank, 34x
-    assert arms["learned 16x int4"]["pipeline.boundary_rank"] == 15  # fp8's 8x rank
+    assert arms["learned 32x int4"]["pipeline.boundary_rank"] == 7  # fp8's 16x rank
+    assert arms["learned 16x"]["pipeline.boundary_rank"] == 7
     sync = spec_config(base, study._spec("FullSync", arms["FullSync"], 0, 2e-3), 300)
     assert (sync.pipeline.schedule, sync.run.steps) == ("gpipe", 75)  # equal tokens: 4 a step
+    # the wider study: the same arms, ranks three times as wide
+    wide = load_config([], [*study.STUDY_DEFAULTS, *study.WIDTHS[192]])
+    assert dict(study.arms(wide, 4))["learned 16x"]["pipeline.boundary_rank"] == 23
 
 
 def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_within_1pct(base):
@@ -45,9 +52,9 @@ def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_withi
     assert rows["learned 16x"]["loss_gap"] == pytest.approx(0.005)
     assert rows["learned 16x"]["compression"] >= 16 and rows["learned 16x"]["seeds"] == [0, 1]
     best = study.frontier(list(rows.values()))
-    assert best[4]["arm"] == "learned 128x int4"  # gap 0 in this synthetic set, 241x
+    assert best[4]["arm"] == "learned 64x int4"  # gap 0 in this synthetic set, 80x
     for r in rows.values():
-        if r["method"] == "subspace" or r["arm"] == "learned 64x" or "int4" in r["arm"]:
+        if r["method"] == "subspace" or "int4" in r["arm"]:
             r["loss_gap"] = 0.5
     assert study.frontier(list(rows.values()))[4]["arm"] == "learned 16x"
     rows["learned 32x int4"]["loss_gap"] = 0.004
@@ -55,25 +62,50 @@ def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_withi
 
 
 def test_a_rerun_reuses_the_runs_its_summary_holds(base, tmp_path):
-    import json
-
     assert study.earlier_runs(tmp_path) == []
     sweep, runs = [{"method": "P4 full bf16 lr=0.004"}], [{"method": "P4 learned 16x"}]
     (tmp_path / "summary.json").write_text(json.dumps({"lr_sweep": sweep, "runs": runs}))
     assert study.earlier_runs(tmp_path) == sweep + runs
 
 
-def test_outputs_are_written(base, tmp_path):
-    runs = [{"method": f"P4 {a}", "seed": 0, "val_loss": 6.0, "val_bpb": 2.0, "diverged": False}
-            for a, _ in study.arms(base, 4)]  # fmt: skip
+def _summary(base, ref_loss: float) -> dict:
+    runs = [{"method": f"P4 {a}", "seed": 0, "val_loss": ref_loss, "val_bpb": 2.0,
+             "diverged": False} for a, _ in study.arms(base, 4)]  # fmt: skip
     rows = study.summarize_rows(base, runs, 4)
-    summary = {"model": {"arch": "llama", "d_model": 64, "n_layers": 8, "vocab_size": 4096,
-                         "seq_len": 64}, "data": "x", "tokens_per_run": 1, "seeds": [0],
-               "tune_seed": 100, "lrs": {}, "anchor_rank": 16, "rows": rows,
-               "best_within_1pct": {"4": None}}  # fmt: skip
+    return {"model": {"arch": "llama", "d_model": 64, "n_layers": 8, "vocab_size": 256,
+                      "seq_len": 128}, "params": 420_000, "data": "x", "tokens_per_run": 1,
+            "seeds": [0], "tune_seed": 100, "lrs": {}, "anchor_rank": 16, "rows": rows,
+            "best_within_1pct": {"4": None}}  # fmt: skip
+
+
+# the data's reference points (as a manifest carries them): bigram 2.5 nats/token
+ENTRY = {"unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
+         "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6}}  # fmt: skip
+
+
+def test_outputs_are_written(base, tmp_path):
+    summary = _summary(base, 2.0)
+    summary.update(rule_fields("boundary", summary, ENTRY))
     study.write_outputs(summary, tmp_path)
-    assert "learned 16x" in (tmp_path / "table.md").read_text()
+    text = (tmp_path / "table.md").read_text()
+    assert "learned 16x" in text and "0.42M parameters" in text
     assert (tmp_path / "tradeoff.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("ref_loss, early", [(2.0, False), (2.125, False), (2.2, True)])
+def test_a_study_whose_reference_has_not_learned_says_so_in_its_report(
+    base, tmp_path, ref_loss, early
+):
+    summary = _summary(base, ref_loss)
+    summary.update(rule_fields("boundary", summary, ENTRY))
+    assert summary["reference_to_bigram_ratio"] == pytest.approx(ref_loss / 2.5)
+    assert summary["regime"] == ("early-training regime" if early else "passes the rule")
+    study.write_outputs(summary, tmp_path)
+    text = (tmp_path / "table.md").read_text()
+    assert ("early-training regime" in text) is early
+    assert "bigram 2.500 nats/token" in text
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["reference_to_bigram_ratio"] == summary["reference_to_bigram_ratio"]
 
 
 def test_a_run_of_some_depths_keeps_the_others_rows():

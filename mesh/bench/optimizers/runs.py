@@ -23,6 +23,7 @@ from mesh.bench.optimizers.protocol import (
     spec_config,
 )
 from mesh.bench.optimizers.report import write_outputs
+from mesh.bench.regime import data_reference, stamp
 from mesh.config import Config
 
 
@@ -186,6 +187,7 @@ def run_optimizers(
         "runs": runs,
     }
     write_outputs(summary, out)
+    summary.update(stamp(out, "optimizers", data_reference(base)))  # the rule (bench/regime.py)
     return summary
 
 

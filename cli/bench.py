@@ -226,9 +226,12 @@ def bench_boundary(
     stages = parse_seeds(stages_csv, "--stages")
     if stages is not None and any(p < 2 for p in stages):
         raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    # the default study at full budget is what `plan --uplink-mbit` ships with
+    publish = not quick and out == "results/boundary" and not config_files and not overrides
     summary = run_boundary(
-        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None, report_only
-    )
+        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None, report_only,
+        publish,
+    )  # fmt: skip
     click.echo(table(summary))
 
 

@@ -50,9 +50,9 @@ def _gb_short(n: float) -> str:
     "--results",
     "results_dir",
     type=click.Path(file_okay=False),
-    default="results",
-    show_default=True,
-    help="Where --uplink-mbit reads the studies' costs (boundary/, convergence/interval/).",
+    default=None,
+    help="Where --uplink-mbit reads the studies' costs (DIR/boundary/, DIR/convergence/"
+    "interval/); default: the costs shipped with meshtrain (mesh/engine/measured_costs.json).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @user_errors
@@ -62,7 +62,7 @@ def plan(
     tokens_per_s: float,
     memory_gb: float | None,
     uplink_mbit: float | None,
-    results_dir: str,
+    results_dir: str | None,
     as_json: bool,
 ) -> None:
     """Without training: per cell, the fp32 master weights, the stashed versions its schedule
@@ -76,7 +76,8 @@ def plan(
         raise ConfigError("--memory-gb must be > 0")
     cfg = resolve_config(config_files, overrides)
     if uplink_mbit is not None:
-        _uplink(cfg, tokens_per_s, uplink_mbit, Path(results_dir), as_json)
+        memory = _memory_with_uplink(cfg, memory_gb) if memory_gb is not None else None
+        _uplink(cfg, tokens_per_s, uplink_mbit, results_dir, as_json, memory)
         return
     from cli.report import print_table
     from mesh.engine.plan import link_mbps, plan, stage_to_take, stages_that_fit, uplink_by_codec
@@ -242,42 +243,99 @@ def _fit_phrase(stages: list[int]) -> str:
     return f"stages {', '.join(str(j) for j in stages)} fit"
 
 
-def measured_costs(cfg: Any, results: Path) -> tuple[dict[str, float], dict[int, float]]:
-    """The studies' loss gaps (shares): by boundary arm from results/boundary (its P nearest the
-    run's stages), by averaging interval from results/convergence/interval."""
-    boundary: dict[str, float] = {}
-    path = results / "boundary" / "summary.json"
-    if path.is_file():
-        rows = [
-            r for r in json.loads(path.read_text()).get("rows", []) if r.get("loss_gap") is not None
-        ]
-        if rows:
-            p = min({r["P"] for r in rows}, key=lambda p: (abs(p - cfg.grid.stages), p))
-            boundary = {r["arm"]: r["loss_gap"] for r in rows if r["P"] == p}
-    interval: dict[int, float] = {}
-    path = results / "convergence" / "interval" / "summary.json"
-    if path.is_file():
-        for r in json.loads(path.read_text()).get("rows", []):
-            if r.get("loss_gap") is not None:
-                interval[int(r["interval_steps"])] = r["loss_gap"]
-    return boundary, interval
+def measured_costs(
+    cfg: Any, results: str | None
+) -> tuple[dict[str, float], dict[int, float], str]:
+    """The studies' loss gaps (shares) by boundary arm (the study's P nearest the run's stages)
+    and by averaging interval, and one line saying which file they came from: the costs shipped
+    with the package, or --results DIR's studies."""
+    from mesh.engine import measured
+
+    if results is None:
+        found = measured.read_shipped()
+        what = measured.describe(found, cfg.grid.stages)
+        line = (
+            f"measured costs: {measured.SHIPPED} (shipped with meshtrain; {what})"
+            if what
+            else f"measured costs: none ({measured.SHIPPED} is missing or empty): every row "
+            "'not measured'"
+        )
+    else:
+        found, files = measured.read_results(Path(results))
+        what = measured.describe(found, cfg.grid.stages)
+        line = (
+            f"measured costs: {', '.join(map(str, files))} ({what})"
+            if files
+            else f"measured costs: none in --results {results} (no boundary/summary.json or "
+            "convergence/interval/summary.json): every row 'not measured'"
+        )
+    boundary, interval = measured.costs_for(found, cfg.grid.stages)
+    return boundary, interval, line
+
+
+def _memory_with_uplink(cfg: Any, memory_gb: float) -> dict[str, Any]:
+    """The memory answer of --memory-gb, kept when --uplink-mbit asks the link question too."""
+    from mesh.engine.plan import plan, stage_to_take, stages_that_fit
+
+    cells = plan(cfg)
+    memory, source = memory_to_check(memory_gb, [], 0, cfg.runtime.device)
+    return {
+        "memory_bytes": memory,
+        "memory_source": source,
+        "stages_that_fit": stages_that_fit(cells, memory),
+        "take_stage": stage_to_take(cells, memory),
+        "lines": memory_answer(cfg, cells, memory, source),
+    }
+
+
+def tie_note(best: Any, candidates: list[Any], uplink: float) -> str | None:
+    """Why the chosen setting won, where another that fits has the same measured cost: the
+    least compressed boundary wins a tie (it carries more of the activations for the same
+    measured loss, and a measured gap below zero counts as none), then the shortest averaging
+    interval (fresher averages for the same cost)."""
+    if best.cost is None:
+        return None
+    tied = [s for s in candidates if s.busiest_mbps <= uplink and s.cost == best.cost and s != best]
+    others = list(dict.fromkeys(s.option.label for s in tied if s.option != best.option))
+    if not others:
+        if any(s.option == best.option for s in tied):
+            return (
+                f"tie: longer intervals cost the same measured {_pct(best.cost)}; the shortest "
+                "that fits wins (fresher averages)"
+            )
+        return None
+    shown = ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
+    return (
+        f"tie: {shown} also fit at the same measured cost ({_pct(best.cost)}; a gap below zero "
+        f"counts as none); {best.option.label} wins as the least compressed of them (more of the "
+        "activations carried for the same measured loss), then the shortest interval"
+    )
 
 
 def _pct(cost: float | None) -> str:
     return "not measured" if cost is None else f"{100 * cost:+.2f}%"
 
 
-def _uplink(cfg: Any, tokens_per_s: float, uplink: float, results: Path, as_json: bool) -> None:
-    """Which pipeline boundary and averaging interval fit an uplink of `uplink` Mbit/s a cell."""
+def _uplink(
+    cfg: Any,
+    tokens_per_s: float,
+    uplink: float,
+    results: str | None,
+    as_json: bool,
+    memory: dict[str, Any] | None = None,
+) -> None:
+    """Which pipeline boundary and averaging interval fit an uplink of `uplink` Mbit/s a cell
+    (with memory: --memory-gb's answer too, above the link's)."""
     from cli.report import print_table
     from mesh.engine import uplink as up
 
     if uplink <= 0:
         raise ConfigError("--uplink-mbit must be > 0")
-    b_costs, i_costs = measured_costs(cfg, results)
+    b_costs, i_costs, source = measured_costs(cfg, results)
     cands = up.settings(cfg, tokens_per_s, b_costs, i_costs)
     best = up.choose(cands, uplink)
     shown = up.per_option(cands, uplink)
+    tie = None if best is None else tie_note(best, cands, uplink)
     if as_json:
         rows = [{"boundary": s.option.label, "rank": s.option.rank, "codec": s.option.codec,
                  "compression": s.option.compression, "interval_steps": s.interval_steps,
@@ -288,9 +346,16 @@ def _uplink(cfg: Any, tokens_per_s: float, uplink: float, results: Path, as_json
             if best is None
             else {**best.option.overrides(), "dp.interval_steps": best.interval_steps}
         )
+        mem = None if memory is None else {k: v for k, v in memory.items() if k != "lines"}
         click.echo(json.dumps({"uplink_mbit": uplink, "tokens_per_s": tokens_per_s,
-                               "options": rows, "chosen": chosen}, indent=2))  # fmt: skip
+                               "measured_costs": source, "options": rows, "chosen": chosen,
+                               "tie": tie, "memory": mem}, indent=2))  # fmt: skip
     else:
+        for line in (memory or {}).get("lines", []):
+            click.echo(line)
+        if memory is not None:
+            click.echo("")
+        click.echo(source)
         P = cfg.grid.stages
         click.echo(
             f"uplink {uplink:g} Mbit/s a cell at {tokens_per_s:,.0f} tokens/s a replica "
@@ -321,3 +386,5 @@ def _uplink(cfg: Any, tokens_per_s: float, uplink: float, results: Path, as_json
             f"update(s); busiest cell {best.busiest_mbps:,.1f} of {uplink:g} Mbit/s; measured "
             f"cost {_pct(best.cost)}\n  {sets}"
         )
+        if tie is not None:
+            click.echo(f"  {tie}")

@@ -22,6 +22,7 @@ BPE4K = "data/shakespeare-bpe4k"
 STUDIES = {
     "results/boundary-bpe4k": ("boundary", BPE4K),
     "results/convergence": ("convergence", None),
+    "results/convergence/interval": ("interval", None),
     "results/ablations": ("ablations", None),
     "results/fidelity/horizon": ("horizon", None),
     "results/fidelity/precision": ("precision", None),

@@ -41,6 +41,7 @@ from mesh.bench.regime import data_reference, rule_fields, rule_line
 from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
 from mesh.bench.simruns import Spec, read_runs, reuse, run_specs
 from mesh.config import Config
+from mesh.engine import measured
 from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.engine.uplink import INT4_CODEC, arm_label
 from mesh.methods import METHODS
@@ -233,10 +234,12 @@ def run_boundary(
     seeds: list[int] | None = None,
     stages: tuple[int, ...] | None = None,
     report_only: bool = False,
+    publish: bool = False,
 ) -> dict[str, Any]:
     """The study (its lr sweeps, then every arm on every seed), resumed from what out/ holds.
     report_only: run nothing, write the outputs from the runs finished so far (a study
-    stopped part way: the arms without runs are rows marked "not run")."""
+    stopped part way: the arms without runs are rows marked "not run"). publish: the costs
+    `plan --uplink-mbit` ships with become this study's (mesh/engine/measured.py)."""
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
     old = _earlier_summary(out)
     known = [*old.get("lr_sweep", []), *old.get("runs", [])]
@@ -291,6 +294,8 @@ def run_boundary(
     summary.update(rule_fields("boundary", summary, data_reference(base)))
     summary.update(lr_sweep=sweeps, runs=runs)
     write_outputs(summary, out)
+    if publish:
+        measured.record("boundary", measured.boundary_entry(summary, str(out / "summary.json")))
     if summary["complete"]:
         (out / "runs.partial.jsonl").unlink(missing_ok=True)
     return summary

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.convergence import study_variants
+from mesh.bench.regime import data_reference, stamp
 from mesh.bench.report import fmt_gap, format_table, paired_gap
 from mesh.bench.simruns import run_specs
 from mesh.bench.tuning import known_runs
 from mesh.config import Config
+from mesh.engine import measured
 
 INTERVALS = (1, 4, 16)
 LABEL = "interval"
@@ -81,6 +83,9 @@ def run_interval(base: Config, study_dir: Path, workers: int, quick: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "table.md").write_text(table(summary))
+    summary.update(stamp(out, "interval", data_reference(base)))  # the rule (bench/regime.py)
+    if not quick and study_dir == Path("results/convergence"):  # what plan ships with
+        measured.record("interval", measured.interval_entry(summary, str(out / "summary.json")))
     (out / "runs.partial.jsonl").unlink(missing_ok=True)
     return summary
 

@@ -86,6 +86,11 @@ def _by_arm(key: str, arm: str, name: str) -> Callable[[dict[str, Any]], dict[st
     return read
 
 
+def _interval(s: dict[str, Any]) -> dict[str, float]:
+    losses = [r.get("val_loss") for r in s.get("rows", []) if r.get("interval_steps") == 1]
+    return {"H1": losses[0]} if losses and losses[0] is not None else {}
+
+
 def _data(s: dict[str, Any]) -> dict[str, float]:
     return {k: r["val_loss_nats_per_token"] for k, r in s.get("runs", {}).items()}
 
@@ -101,6 +106,7 @@ REFERENCES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]] 
     "optimizers": ("delay-free adamw (P = 1)", _optimizers),
     "fp8-feedback": ("fp32 payloads", _by_arm("arm", "fp32", "fp32")),
     "runtime": ("the logical engine", _by_arm("engine", "logical", "logical")),
+    "interval": ("AsyncMesh-fp8 at H = 1", _interval),
     "data": ("each tokenizer's run", _data),
     "demo": ("the run", lambda s: {} if s.get("val_loss") is None else {"run": s["val_loss"]}),
 }  # fmt: skip

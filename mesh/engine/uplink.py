@@ -5,10 +5,11 @@ A cell sends its pipeline traffic (activations on, gradients back: plan.pp_bytes
 its share of the averaging rounds (a round every dp.interval_steps = H updates, so 1/H of one
 round's bytes an update) over the same uplink. Both settings are run-wide, so a setting fits
 when it fits the busiest cell. Among the settings that fit, the one chosen is the cheapest in
-loss as the studies measured it (results/boundary for the boundary, the convergence study's
-interval axis for H; their gaps add); settings a study has not measured rank after measured
-ones, the least compressed boundary first, then the shortest interval. Pure: the measured costs
-come in as arguments.
+loss as the studies measured it (the boundary study for the boundary, the convergence study's
+interval axis for H; their gaps add; mesh/engine/measured.py ships them); settings a study has
+not measured rank after measured ones. A tie in cost goes to the least compressed boundary (it
+carries more of the activations for the same measured loss; a gap below zero is noise and counts
+as none), then to the shortest interval. Pure: the measured costs come in as arguments.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`plan --uplink-mbit`: both axes sized to an uplink (mesh/engine/uplink.py)."""
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -127,3 +128,49 @@ def test_plan_lists_4bit_for_the_pipeline_only():
     pp, dp = rows["int4_hadamard"]
     assert dp is None and pp is not None  # averaging payloads stay at 8 bits or more
     assert 0.5 < pp / rows["fp8_e4m3"][0] < 0.53  # 0.53 bytes a value against fp8's 1.03
+
+
+def test_plan_outside_the_repository_reads_the_shipped_costs_and_says_so(tmp_path, monkeypatch):
+    from mesh.engine import measured
+
+    config = str(Path(LLAMA_20M[0]).resolve())
+    monkeypatch.chdir(tmp_path)  # no results/ here: a new user's directory
+    res = CliRunner().invoke(main, ["plan", "--config", config, "--uplink-mbit", "1000"])
+    assert res.exit_code == 0, res.output
+    said = [ln for ln in res.output.splitlines() if ln.startswith("measured costs: ")]
+    assert len(said) == 1 and str(measured.SHIPPED) in said[0] and "boundary: " in said[0]
+    shipped = measured.read_shipped()
+    assert shipped["boundary"]["gaps_by_P"]  # the package holds measured costs
+    assert "+" in next(ln for ln in res.output.splitlines() if ln.startswith("| learned 16x "))
+    # a results folder without studies: said in one line, every row unmeasured
+    res = CliRunner().invoke(
+        main, ["plan", "--config", config, "--uplink-mbit", "1000", "--results", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    assert f"measured costs: none in --results {tmp_path}" in res.output
+
+
+def test_plan_keeps_the_memory_answer_beside_the_uplink_one():
+    args = ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "1000", "--memory-gb", "0.05"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "memory: --memory-gb 0.05" in res.output and "with 0.05 GB" in res.output
+    assert "chosen: " in res.output
+    out = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    assert out["memory"]["memory_source"] == "--memory-gb 0.05"
+    assert "take_stage" in out["memory"] and out["chosen"] is not None
+
+
+def test_a_tie_says_why_the_chosen_setting_wins():
+    from cli.plan import tie_note
+
+    c = cfg()
+    costs = {o.label: 0.05 for o in up.boundary_options(c)}
+    costs |= {"learned 8x": -0.01, "learned 16x": 0.0, "learned 32x int4": -0.002}
+    cands = up.settings(c, 20_000, costs, {h: 0.0 for h in up.INTERVALS})
+    cands = [s for s in cands if s.option.method != "full"]
+    best = up.choose(cands, 1e9)
+    assert best.option.label == "learned 8x"  # the least compressed of the three at 0
+    note = tie_note(best, cands, 1e9)
+    assert "learned 16x" in note and "learned 32x int4" in note and "least compressed" in note
+    assert tie_note(best, [best], 1e9) is None

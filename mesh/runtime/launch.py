@@ -4,8 +4,9 @@ Each cell is its own process running `mesh.runtime.trainer.run_cell`, forked fro
 server that imported torch once (`cell_context`; no state leaks from the parent). The parent
 holds the rendezvous for the whole run (the TCP store, which outlives every cell, or a
 bootstrap DHT), draws one progress bar from the cells' metrics files, on torch starts a dead
-cell's replica again (run_grid), and on Ctrl-C or an error terminates every child (SIGTERM,
-then SIGKILL after a grace period) and reaps them all.
+cell's replica again (run_grid), and on an error terminates every child (SIGTERM, then SIGKILL
+after a grace period) and reaps them all. A stop (SIGTERM, SIGHUP, Ctrl-C) on torch first runs
+each replica's cells to one step (mesh/runtime/grid_stop.py), so that they save the same one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from mesh.runtime.checkpoint import (
 )
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import LOST_NEIGHBOUR, failure_report
+from mesh.runtime.grid_stop import one_step_stop, stop_grid_at_one_step
 from mesh.runtime.metrics import RowTail
+from mesh.runtime.stop import STOP, stop_file
 from mesh.runtime.trainer import cell_process_main
 
 
@@ -44,10 +47,13 @@ class GridRun:
     failure: CellFailure | None = None  # the first cell that failed on its own, if any
     restarts: list[str] = field(default_factory=list)  # what died and was restarted, in order
     stopped_by: str | None = None  # the signal that stopped the launcher (SIGTERM, SIGHUP)
+    stop_steps: dict[int, int] | None = None  # each replica's step a stop ran its cells to
+    left: list[str] = field(default_factory=list)  # pools: dead cells the grid trained on without
 
     @property
     def ok(self) -> bool:
-        return not self.interrupted and all(c == 0 for c in self.exit_codes.values())
+        codes = [c for cell, c in self.exit_codes.items() if cell_name(*cell) not in self.left]
+        return not self.interrupted and all(c == 0 for c in codes)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class LocalGrid:
         # pipeline.window = "auto": sized once here, so every cell runs the same schedule
         self.tree = resolve_window(cfg).model_dump(mode="json")
         self.procs: dict[tuple[int, int], Any] = {}
+        self.left: set[tuple[int, int]] = set()  # pools: dead cells not started again
+        # each cell's current life: the step it started from, its metrics file's size then
+        self.lives: dict[tuple[int, int], tuple[int, int]] = {}
         self._ctx = cell_context()
 
     def start(
@@ -78,14 +87,22 @@ class LocalGrid:
         the process's main (run_cell's arguments), e.g. a misbehaving peer in a test; it must
         install its own SIGTERM handler (run_cell does), since it starts with SIGTERM ignored."""
         j, i = cell
+        metrics = self.out_dir / "metrics" / f"{j}-{i}.jsonl"
+        size = metrics.stat().st_size if metrics.exists() else 0
+        self.lives[cell] = (max(resume_step or 0, 0), size)
         p = self._ctx.Process(
-            target=target,
-            args=(self.tree, j, i, str(self.out_dir), self.options, resume_step),
+            target=launched_cell,
+            args=(target, self.tree, j, i, str(self.out_dir), self.options, resume_step),
             name=f"cell-s{j}r{i}",
         )
         with _sigterm_ignored():
             p.start()
         self.procs[cell] = p
+
+    def running_lives(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """The running cells: (pid, the step its life started from, its metrics file's size
+        then)."""
+        return {c: (p.pid, *self.lives[c]) for c, p in self.procs.items() if p.is_alive()}
 
     def pid(self, cell: tuple[int, int]) -> int:
         return self.procs[cell].pid
@@ -114,7 +131,8 @@ class LocalGrid:
             (c, p.exitcode)
             for c, p in self.procs.items()
             if p.exitcode is not None and (p.exitcode < 0 or p.exitcode == LOST_NEIGHBOUR)
-        ]
+            and c not in self.left
+        ]  # fmt: skip
         return sorted(out, key=lambda x: x[1] >= 0)
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -125,6 +143,14 @@ class LocalGrid:
 # importing them. None starts a Python thread or opens a file; the native threads of numpy's and
 # scipy's OpenBLAS are stopped and restarted around a fork (pthread_atfork).
 CELL_PRELOAD = ["torch", "mesh.runtime.trainer", "comms.torchdist.transport", "comms.p2p.transport"]
+
+
+def launched_cell(target: Callable[..., None], *args: Any) -> None:
+    """A launcher's cell process: `target(*args)` ignoring the terminal's Ctrl-C, which reaches
+    the whole process group: the launcher handles it and stops its cells at one step."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    STOP.ctrl_c = False  # run_cell's handler ignores it too
+    target(*args)
 
 
 def cell_context() -> multiprocessing.context.ForkServerContext:
@@ -174,10 +200,13 @@ def run_grid(
     GridRun.failure says so, and `--resume` continues. On hivemind the others ride it out
     (its replica waits up to elastic.rejoin_timeout_s for a replacement: a restart or a
     `join`).
-    A stop (KeyboardInterrupt, or `stop` requested by a launcher's signal handler) stops and
-    saves every cell: GridRun.interrupted, GridRun.stopped_by names the signal.
+    A stop (`stop` requested by a launcher's signal handler) on a fixed torch grid runs each
+    replica's cells to one step (GridRun.stop_steps), where they end and save; on hivemind, or
+    on KeyboardInterrupt (a second Ctrl-C), every cell saves where it is. GridRun.interrupted,
+    GridRun.stopped_by names the signal.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    stop_file(out_dir).unlink(missing_ok=True)  # an earlier life's stop is not this one's
     if resume and resume_step is None and replica_steps is None:
         point = resume_point(out_dir, grid_cells(cfg), cfg.state_fingerprint())
         if point.step is None:
@@ -210,6 +239,8 @@ def run_grid(
         outcome.failure,
         restarts,
         outcome.stopped_by,
+        outcome.stop_steps,
+        left=[cell_name(*c) for c in sorted(grid.left)] if grid is not None else [],
     )
 
 
@@ -218,6 +249,7 @@ class _Outcome:
     interrupted: bool = False
     failure: CellFailure | None = None
     stopped_by: str | None = None
+    stop_steps: dict[int, int] | None = None
 
 
 class Stopped(Exception):  # noqa: N818 - a stop, not an error
@@ -278,6 +310,11 @@ def _watch(
             if dead:
                 cell, code = dead[0]
                 what = f"cell {cell_name(*cell)} died ({_death(code)})"
+                if len(restarts) >= cfg.elastic.max_restarts and cfg.pipeline.routing == "pools":
+                    grid.left.add(cell)  # a pool trains on without it
+                    notice(f"{what}; past elastic.max_restarts = {cfg.elastic.max_restarts} it "
+                           "stays out, the pools training on without it")  # fmt: skip
+                    continue
                 if len(restarts) >= cfg.elastic.max_restarts:
                     out.failure = CellFailure(
                         cell_name(*cell), LOST_NEIGHBOUR,
@@ -308,8 +345,12 @@ def _watch(
         out.interrupted = True
     except Stopped as e:
         out.interrupted, out.stopped_by = True, e.signal_name
+        if one_step_stop(cfg):
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C again: at once, below
+                out.stop_steps = stop_grid_at_one_step(cfg, grid, notice)
     finally:
-        grid.stop(grace_s)
+        grid.stop(grace_s)  # what is still running (after a one-step stop: nothing)
+        stop_file(grid.out_dir).unlink(missing_ok=True)
     return out
 
 

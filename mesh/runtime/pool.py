@@ -101,6 +101,7 @@ class PoolWorker(StageWorker):
         self.held: dict[tuple[int, int], _Held] = {}
         self.book = routing.LoadBook()
         self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
+        self.down_since: dict[str, float] = {}  # cut off since (cleared when heard again)
         self.fins: set[str] = set()
         self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
@@ -162,7 +163,12 @@ class PoolWorker(StageWorker):
             return False
         if self.j == 0:
             return self.next_index >= self.cfg.run.steps
-        return all(u in self.fins for u in self.ups)
+        return all(u in self.fins or self._gone(u) for u in self.ups)
+
+    def _gone(self, cell: str) -> bool:
+        """Cut off for longer than elastic.pool_timeout_s: it left the pool (no FIN to wait for)."""
+        since = self.down_since.get(cell)
+        return since is not None and time.monotonic() - since > self.cfg.elastic.pool_timeout_s
 
     def _issue(self, on_step: object) -> bool:
         """Stage 0: start the stream's next microbatch while the window has room."""
@@ -417,12 +423,16 @@ class PoolWorker(StageWorker):
         if self.down_until.get(frm, 0) > time.monotonic():
             return None
         try:
-            return self.transport.recv_prefix(frm, prefix, expect, 0.0)
+            msg = self.transport.recv_prefix(frm, prefix, expect, 0.0)
         except PeerTimeout:
-            return None
+            msg = None
         except PeerLost:
-            self.down_until[frm] = time.monotonic() + DOWN_S
+            now = time.monotonic()
+            self.down_until[frm] = now + DOWN_S
+            self.down_since.setdefault(frm, now)
             return None
+        self.down_since.pop(frm, None)
+        return msg
 
     def _control(self, to: str, tag: str) -> None:
         self._send(to, tag, Kind.CONTROL, self._ctl)

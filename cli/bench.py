@@ -69,6 +69,14 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     help="With --tune: the seeds each arm's best settings are confirmed on (default 1).",
 )
 @click.option(
+    "--like-for-like",
+    "like_for_like",
+    is_flag=True,
+    help="Instead: both headline arms with rotated_adam, each tuned with the same budget on the "
+    "tuning seeds, then on the evaluation seeds, with the async arm at FullSync's batch beside "
+    "them (like_for_like.md; about 40 runs, resumable).",
+)
+@click.option(
     "--interval",
     "interval_axis",
     is_flag=True,
@@ -86,6 +94,7 @@ def bench_convergence(
     tune: bool,
     dp_only: bool,
     interval_axis: bool,
+    like_for_like: bool,
     seeds: str | None,
     methods: str | None,
     tune_seeds: str | None,
@@ -116,6 +125,15 @@ def bench_convergence(
             evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
         )
     cfg = resolve_config(config_files, overrides)
+    if like_for_like:
+        from mesh.bench.like_for_like import run_like_for_like, table
+
+        if not (Path(out) / "summary.json").is_file():
+            raise ConfigError(
+                f"--like-for-like runs on a study's settings: {out}/summary.json is missing"
+            )
+        click.echo(table(run_like_for_like(cfg, Path(out), workers)))
+        return
     if interval_axis:
         from mesh.bench.interval import run_interval, table
 

@@ -116,14 +116,18 @@ def study_variants(
     """A study's DP methods with changes (name, method, overrides), on the seeds (default: the
     study's evaluation seeds) and budget of the study in `out` at its tuned settings: (the
     study's summary, the specs, their budget). For the scripts that take the study apart
-    (scripts/headline_gap.py, orderings_at_tau.py, staleness_candidates.py)."""
+    (scripts/headline_gap.py, orderings_at_tau.py, staleness_candidates.py) and the like for
+    like (mesh/bench/like_for_like.py)."""
     study = json.loads((out / "summary.json").read_text())
     tuned, _ = load_tuned(out / "tuning.json")
     specs = []
     for seed in study["seeds"]["dp"] if seeds is None else seeds:
         for name, method, change in variants:
-            ov = {**dict(_dp_spec(method, seed, tuned=tuned).overrides), **change}
-            specs.append(Spec(label, name, seed, 1, tuple(ov.items())))
+            own = _dp_spec(method, seed, tuned=tuned)
+            ov = {**dict(own.overrides), **change}
+            # the method's microbatches per update (FullSync's 4): equal tokens, not 4x them
+            mpu = own.microbatches_per_update
+            specs.append(Spec(label, name, seed, mpu, tuple(ov.items())))
     return study, specs, {label: study["microbatches_per_replica"]["dp"]}
 
 

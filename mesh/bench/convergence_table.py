@@ -372,18 +372,23 @@ def _candidates(dp: dict[str, dict[int, float]], out: Path) -> list[str]:
 
 
 def _like_for_like(out: Path, seeds: set[int]) -> list[str]:
-    """Both arms with rotated_adam on this study's seeds (scripts/like_for_like.py)."""
+    """Both arms with rotated_adam on this study's seeds, each tuned with the same budget
+    (mesh/bench/like_for_like.py); nothing from a result marked withdrawn."""
     path = out / "like_for_like.json"
     saved = json.loads(path.read_text()) if path.is_file() else {"evaluation": {}}
+    if saved.get("withdrawn"):
+        return [f"- like for like ([like_for_like.md](like_for_like.md)): withdrawn, "
+                f"{saved['withdrawn']}"]  # fmt: skip
     ev = {k: {int(s): v for s, v in d.items()} for k, d in saved["evaluation"].items()}
     fs = ev.get("FullSync rotated_adam", {})
     gap = paired_interval(ev.get("AsyncMesh-fp8 rotated_adam", {}), fs, relative=True)
     if gap is None or set(fs) != seeds:
         return []
+    lrs = {arm: c.get("optim.lr") for arm, c in saved.get("chosen", {}).items()}
     return [
-        f"- like for like ([like_for_like.md](like_for_like.md)): FullSync with rotated_adam "
-        f"too (lr {saved['chosen_lr']:g}, tuned on the tuning seeds): AsyncMesh-fp8 with "
-        f"rotated_adam ends {fmt_interval(gap, pct=True)} from it."
+        f"- like for like ([like_for_like.md](like_for_like.md)): both arms with rotated_adam, "
+        f"each tuned with the same budget on the tuning seeds (lrs {lrs}): AsyncMesh-fp8 ends "
+        f"{fmt_interval(gap, pct=True)} from FullSync."
     ]
 
 

@@ -1,0 +1,76 @@
+"""The like for like with equal budgets (mesh/bench/like_for_like.py): the same number of tuned
+settings for each arm, the pick by the tuning's rule, the decomposition arm at FullSync's batch
+and update count at equal tokens, and the report with the arms still to run."""
+
+import math
+
+import pytest
+
+from mesh.bench import like_for_like as lfl
+from mesh.bench.simruns import Spec, spec_config
+from mesh.config import load_config
+
+
+def test_both_arms_get_the_same_tuning_budget():
+    fs = lfl.fullsync_variants()
+    async_ = lfl.async_lr_variants() + lfl.async_stage2_variants({"optim.lr": 3e-3})
+    assert len(fs) == len(async_) == lfl.TUNE_RUNS
+    assert all(c["optim.name"] == "rotated_adam" for _, _, c in fs + lfl.async_lr_variants())
+    assert max(c["optim.lr"] for _, _, c in fs) > 9e-3  # past the earlier range's edge
+    stage2 = lfl.async_stage2_variants({**lfl.ROTATED, "optim.lr": 3e-3})
+    assert {tuple(sorted(set(c) - {"optim.lr", "optim.name"})) for _, _, c in stage2} == {
+        ("dp.tau",), ("optim.grad_clip",)}  # fmt: skip
+    assert all(c["optim.lr"] == 3e-3 for _, _, c in stage2)
+
+
+def test_the_pick_is_the_lowest_mean_and_a_diverged_run_never_wins():
+    runs = [
+        {"method": "a", "seed": 0, "val_loss": 1.0}, {"method": "a", "seed": 1, "val_loss": 1.2},
+        {"method": "b", "seed": 0, "val_loss": 0.9}, {"method": "b", "seed": 1, "val_loss": 1.2},
+        {"method": "c", "seed": 0, "val_loss": 0.1, "diverged": True},
+        {"method": "c", "seed": 1, "val_loss": 0.1},
+    ]  # fmt: skip
+    assert lfl.best_of(runs, ["a", "b", "c"]) == "b"
+    assert lfl.best_of(runs, ["a", "d"]) == "a"  # a setting without runs never wins
+    assert lfl._score([]) == math.inf
+
+
+def test_the_decomposition_arm_reads_fullsyncs_batch_at_equal_tokens():
+    base = load_config([], [])
+    name, method, ov = lfl.batch_variant({"optim.lr": 3e-3}, base.pipeline.microbatch_size)
+    spec = lfl._batched(Spec("like_for_like", name, 10, 1, tuple(ov.items())))
+    batched = spec_config(base, spec, 1600)
+    plain = spec_config(base, Spec("like_for_like", "x", 10, 1, (("optim.lr", 3e-3),)), 1600)
+    assert batched.pipeline.microbatch_size == 4 * plain.pipeline.microbatch_size
+    assert batched.run.steps * 4 == plain.run.steps  # FullSync's 400 updates
+    tokens = lambda c: c.run.steps * c.tokens_per_microbatch  # noqa: E731
+    assert tokens(batched) == tokens(plain)
+
+
+def test_the_report_marks_arms_not_run_yet():
+    summary = {
+        "tuning_seeds": [0, 1], "evaluation_seeds": [10, 11], "microbatches_per_replica": 1600,
+        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        "tuning_runs": [{"method": "FullSync rotated_adam lr 0.009", "seed": 0, "val_loss": 1.5}],
+        "evaluation": {"FullSync rotated_adam": {"10": 1.5, "11": 1.4},
+                       "AsyncMesh-fp8 rotated_adam": {"10": 1.65, "11": 1.54},
+                       "AsyncMesh-fp8 rotated_adam, microbatch x4": {}},
+    }  # fmt: skip
+    text = lfl.table(summary)
+    assert "not run" in text and "+10.0" in text
+    with pytest.raises(StopIteration):
+        lfl._change([], "missing")
+
+
+def test_a_fullsync_variant_reads_the_studys_tokens_not_four_times_them():
+    from pathlib import Path
+
+    from mesh.bench.convergence import _dp_spec, study_variants
+
+    base = load_config([], [])
+    _, specs, budget = study_variants(Path("results/convergence"), lfl.LABEL,
+                                      lfl.fullsync_variants()[:1], [0])  # fmt: skip
+    variant = spec_config(base, specs[0], budget[lfl.LABEL])
+    study = spec_config(base, _dp_spec("FullSync", 0), budget[lfl.LABEL])
+    # FullSync takes 4 microbatches an update: as many updates as the study's own FullSync
+    assert variant.run.steps == study.run.steps == budget[lfl.LABEL] // 4

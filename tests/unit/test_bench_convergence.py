@@ -402,16 +402,22 @@ def test_an_optimizer_candidate_is_also_judged_like_for_like(tmp_path):
     (tmp_path / "candidates.json").write_text(json.dumps(cands))
     write_outputs(summary, tmp_path)
     assert "- rotated_adam: -0.1000 +- 0.0000" in (tmp_path / "table.md").read_text()
-    assert "FullSync with rotated_adam too" not in (tmp_path / "table.md").read_text()
+    assert "both arms with rotated_adam" not in (tmp_path / "table.md").read_text()
     fs_rotated = {s: v * 1.02 for s, v in better.items()}  # the candidate 1/1.02 - 1 from it
-    saved = {"chosen_lr": 0.006, "evaluation": {"FullSync rotated_adam": fs_rotated,
-                                                "AsyncMesh-fp8 rotated_adam": better}}  # fmt: skip
+    chosen = {"FullSync": {"optim.lr": 0.006}, "AsyncMesh-fp8": {"optim.lr": 0.003}}
+    saved = {"chosen": chosen, "evaluation": {"FullSync rotated_adam": fs_rotated,
+                                              "AsyncMesh-fp8 rotated_adam": better}}  # fmt: skip
     (tmp_path / "like_for_like.json").write_text(json.dumps(saved))
     write_outputs(summary, tmp_path)
     table = (tmp_path / "table.md").read_text()
-    assert "FullSync with rotated_adam too (lr 0.006, tuned on the tuning seeds)" in table
-    assert "rotated_adam ends -1.96% +- 0.00%" in table
+    assert "both arms with rotated_adam, each tuned with the same budget" in table
+    assert "'FullSync': 0.006" in table and "AsyncMesh-fp8 ends -1.96% +- 0.00%" in table
+    # a result marked withdrawn is said to be, its gap never shown
+    (tmp_path / "like_for_like.json").write_text(json.dumps({**saved, "withdrawn": "4x tokens"}))
+    write_outputs(summary, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "withdrawn, 4x tokens" in table and "-1.96%" not in table
     saved["evaluation"]["FullSync rotated_adam"] = {0: 2.0}  # not the study's seeds
     (tmp_path / "like_for_like.json").write_text(json.dumps(saved))
     write_outputs(summary, tmp_path)
-    assert "FullSync with rotated_adam too" not in (tmp_path / "table.md").read_text()
+    assert "both arms with rotated_adam" not in (tmp_path / "table.md").read_text()

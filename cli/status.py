@@ -22,6 +22,7 @@ from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (
     CONFIG_KEY,
     CONFIG_SLOT,
+    CellRecord,
     Registry,
     RunRecord,
     free_cells,
@@ -99,7 +100,9 @@ def status_rows(
         grid = f"{P}x{m}"
         data = {"path": cfg.data.path, "digest": cfg.data.digest}
         free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
+    pools = pool_rows(owned, P) if cfg is not None and cfg.pipeline.routing == "pools" else None
     return {
+        "pools": pools,
         "run_key": key,
         "grid": grid,
         "data": data,
@@ -112,6 +115,24 @@ def status_rows(
         # records that did not unseal with the run's key, by kind (claim, session)
         "bad_signatures": dict(registry.bad_signatures),
     }
+
+
+def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]:
+    """Each stage's pool as the claims show it: its running cells, their summed capacity (a
+    pooled cell's heartbeat `tps` is what it could compute) and the share of the microbatches
+    its cells sent on that went to another replica's cell."""
+    out = []
+    for j in range(stages):
+        recs = [r for c, r in owned.items() if running(r) and c.startswith(f"s{j}r")]
+        routed = sum((r.stats or {}).get("routed", 0) for r in recs)
+        cross = sum((r.stats or {}).get("cross", 0) for r in recs)
+        out.append({
+            "stage": j,
+            "cells": len(recs),
+            "capacity_tps": round(sum(r.tps for r in recs), 1),
+            "cross_replica_share": round(cross / routed, 3) if routed else None,
+        })  # fmt: skip
+    return out
 
 
 def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:

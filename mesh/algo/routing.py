@@ -22,6 +22,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from mesh.algo.topology import Cell
+
 PRIOR_RATE = 1.0  # a cell nobody has measured yet: as fast as the measured ones' mean
 
 
@@ -96,6 +98,28 @@ def thinnest_stage(capacity: Sequence[float], free: Sequence[int]) -> int | None
     if not open_:
         return None
     return min(open_, key=lambda j: (capacity[j], j))
+
+
+def stage_capacity(rates: Mapping[str, float], stages: int) -> list[float]:
+    """Each stage's capacity from its live cells' measured rates ({cell name: rate}); a cell
+    not measured yet (rate <= 0: starting, or just joined) counts as the mean measured one."""
+    known = [r for r in rates.values() if r > 0]
+    prior = sum(known) / len(known) if known else PRIOR_RATE
+    out = [0.0] * stages
+    for name, rate in rates.items():
+        cell = Cell.parse(name)
+        if cell is not None and cell.stage < stages:
+            out[cell.stage] += rate if rate > 0 else prior
+    return out
+
+
+Place = tuple[int, int]  # (stage, replica)
+
+
+def thinnest_first(capacity: Sequence[float], cells: Sequence[Place]) -> list[Place]:
+    """(stage, replica) cells ordered for a joiner: stage of least capacity first (ties: the
+    lower stage), then by replica."""
+    return sorted(cells, key=lambda c: (capacity[c[0]], c[0], c[1]))
 
 
 @dataclass

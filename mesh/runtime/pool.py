@@ -30,9 +30,11 @@ With `pipeline.pool_choice = "seeded"` every path is a pure function of the name
 from __future__ import annotations
 
 import collections
+import math
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +55,7 @@ _TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}
 IDLE_S = (0.0005, 0.004)  # the poll loop's sleep when nothing came: first, at most
 DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
 RATE_EMA = 0.2
+MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
 
 
 @dataclass
@@ -102,6 +105,10 @@ class PoolWorker(StageWorker):
         self.book = routing.LoadBook()
         self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
         self.down_since: dict[str, float] = {}  # cut off since (cleared when heard again)
+        # the live cells by their claims (hivemind: the heartbeat's last read; None: unknown,
+        # which changes nothing); torch has none and learns a loss from its links
+        self.live: Callable[[], set[str] | None] | None = None
+        self._members_at = -math.inf
         self.fins: set[str] = set()
         self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
@@ -143,6 +150,7 @@ class PoolWorker(StageWorker):
             t0 = time.perf_counter()
             did = self._issue(on_step) if self.j == 0 else self._take_work(on_step)
             did |= self._take_answers(on_step)
+            self._members()
             self._expire()
             if self._done():
                 break
@@ -157,6 +165,31 @@ class PoolWorker(StageWorker):
             self._control(d, "pool/f/0")
         self.finish()
         return self.stats
+
+    def capacity_tps(self) -> float:
+        """Tokens a second this cell could compute if always fed (its heartbeat's `tps` in a
+        pool: a stage's capacity is its cells' sum; 0 until measured)."""
+        if not self.sec_per_mb:
+            return 0.0
+        return self.cfg.tokens_per_microbatch / self.sec_per_mb
+
+    def _members(self) -> None:
+        """At most every MEMBERS_S: neighbours without a live claim are down (routed around,
+        and an upstream one gone past elastic.pool_timeout_s owes no FIN); back when they are."""
+        now = time.monotonic()
+        if self.live is None or now - self._members_at < MEMBERS_S:
+            return
+        self._members_at = now
+        live = self.live()
+        if live is None:
+            return
+        for cell in (*self.ups, *self.downs):
+            if cell in live:
+                if self.down_since.pop(cell, None) is not None:
+                    self.down_until.pop(cell, None)
+            else:
+                self.down_until[cell] = now + DOWN_S
+                self.down_since.setdefault(cell, now)
 
     def _done(self) -> bool:
         if self.held:

@@ -88,6 +88,10 @@ def parse_stats(value: object) -> dict[str, Any] | None:
         out["rejects"] = int(value["rejects"])
     if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
         out["beat_errors"] = int(value["beat_errors"])
+    # stage pools: microbatches this cell routed, and of those to another replica's cell
+    for key in ("routed", "cross"):
+        if _count(value.get(key)):
+            out[key] = int(value[key])
     flagged = value.get("flagged")  # neighbours sentinel.enabled flagged (mesh/algo/sentinel.py)
     if isinstance(flagged, list) and len(flagged) <= 2 and all(_cell_name(c) for c in flagged):
         out["flagged"] = list(flagged)

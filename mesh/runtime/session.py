@@ -190,8 +190,12 @@ class DhtCoordinator:
         run_record: RunRecord | None = None,
         since: float | None = None,
         step: int = 0,
+        watch: list[int] | None = None,
     ) -> None:
         self.reg, self.cell, self.peer = registry, cell, peer
+        # the replicas whose claims each beat reads: its own, or (stage pools) every replica,
+        # whose cells of the stages before and after it routes to
+        self.watch = [replica] if watch is None else watch
         self.token = registry.token(peer)  # bound to the signer of our claims
         self.replica_cells, self.leader, self.replica = replica_cells, leader, replica
         self.steps, self.mpu, self.wait_s = steps, mpu, wait_s
@@ -270,11 +274,17 @@ class DhtCoordinator:
         at, owned = self._owned
         if max_age_s is not None and owned is not None and time.monotonic() - at <= max_age_s:
             return owned
-        owned = self.reg.owners([self.replica])
+        owned = self.reg.owners(self.watch)
         if owned is not None:
             self._owned = (time.monotonic(), owned)
             self._lost = self._lost or lost_to(owned, self.cell, self.peer, self.since)
         return owned
+
+    def cached_owners(self, max_age_s: float) -> dict[str, CellRecord] | None:
+        """The live claims as the heartbeat thread last read them, if that read is at most
+        max_age_s old (None: unknown; never a DHT read on the caller's thread)."""
+        at, owned = self._owned
+        return owned if owned is not None and time.monotonic() - at <= max_age_s else None
 
     def _beat_forever(self) -> None:
         """Heartbeats, and the check whether the running session still stands: here, off the

@@ -1,0 +1,98 @@
+"""Stage pools over hivemind: a grid of `meshtrain join`s on 127.0.0.1 with pipeline.routing =
+"pools". Joins fill the thinnest stage; a killed cell's stream keeps training through the other
+cells of that stage within seconds (no stall until a replacement joins); `status` shows each
+stage's pool."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from mesh.bench.join_procs import (
+    LOOPBACK,
+    cell_of,
+    kill,
+    meshtrain,
+    rows,
+    status,
+    step,
+    stop,
+    tiny_grid_config,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HANG_S = 90
+
+
+def _stream_step(out) -> int:
+    return step(out)
+
+
+def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
+    """2 stages x 2 replicas of joins: the first join's config makes it pools; the joins
+    without --stage fill the stages evenly (thinnest first); s1 cells carry both streams;
+    SIGKILL of one stage-1 cell: within seconds both streams train on through the other one
+    (its replica never waits for a replacement), and `status` shows the pools."""
+    cfg = tiny_grid_config(
+        tmp_path, text_file, slowdown=4.0, local="elastic.pool_timeout_s = 4"
+    )
+    text = cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"')
+    cfg.write_text(text)
+    dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    joins: dict[str, subprocess.Popen] = {}
+    try:
+        maddr = dht.stdout.readline().strip()
+        peers = ["--initial-peers", maddr]
+
+        def join(name: str, *extra: str) -> None:
+            log = (tmp_path / f"{name}.log").open("w")
+            joins[name] = meshtrain(
+                "join", *peers, *LOOPBACK, "--out", str(tmp_path / name), *extra,
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+        join("j0", "--config", str(cfg))
+        wait_for(lambda: "joined run" in (tmp_path / "j0.log").read_text(), 60, "the first claim")
+        for name in ("j1", "j2", "j3"):
+            join(name)
+            wait_for(lambda n=name: cell_of(tmp_path / n) is not None, HANG_S, f"{name}'s cell")
+        outs = {n: tmp_path / n for n in joins}
+        cells = {n: cell_of(o) for n, o in outs.items()}
+        # the thinnest stage first: two cells in each stage, whatever the order
+        assert sorted(j for j, _ in cells.values()) == [0, 0, 1, 1], cells
+        wait_for(lambda: all(step(o) >= 20 for o in outs.values()), 3 * HANG_S, "all training")
+        grid = status(maddr)
+        pools = {p["stage"]: p for p in grid["pools"]}
+        assert set(pools) == {0, 1} and all(p["cells"] == 2 for p in pools.values()), grid
+        assert all(p["capacity_tps"] > 0 for p in pools.values()), pools
+        victim = next(n for n, c in cells.items() if c == (1, 1))
+        streams = [n for n, c in cells.items() if c[0] == 0]
+        survivor = next(n for n, c in cells.items() if c == (1, 0))
+        kill(joins.pop(victim))
+        killed_at = time.monotonic()
+        at_kill = {n: step(outs[n]) for n in (*streams, survivor)}
+        # both streams go on (their microbatches through s1r0 alone), within seconds
+        wait_for(
+            lambda: all(step(outs[n]) >= at_kill[n] + 15 for n in streams), HANG_S,
+            "both streams training on without s1r1",
+        )  # fmt: skip
+        took_s = time.monotonic() - killed_at
+        assert step(outs[survivor]) >= at_kill[survivor] + 30  # it carries both streams now
+        wait_for(
+            lambda: "s1r1" not in {c["cell"] for c in status(maddr)["cells"]}, HANG_S,
+            "the killed cell's claim expired",
+        )  # fmt: skip
+        pools = {p["stage"]: p for p in status(maddr)["pools"]}
+        assert pools[1]["cells"] == 1 and pools[0]["cells"] == 2, pools
+        for n in streams:
+            events = [r.get("event") for r in rows(outs[n])]
+            assert "session_broken" not in events, (n, events)
+        assert took_s < HANG_S
+    finally:
+        for p in joins.values():
+            stop(p)
+        stop(dht)

@@ -119,3 +119,22 @@ def test_a_text_corpus_gets_the_same_on_bytes(tmp_path):
     assert entry["bigram"]["bits_per_byte"] == pytest.approx(
         entry["bigram"]["nats_per_token"] / math.log(2), abs=1e-5
     )
+
+
+def test_the_summaries_show_the_reference_points_beside_the_loss(tmp_path):
+    from cli.join import _data_reference
+    from cli.simulate import reference_cells
+    from mesh.config import load_config
+
+    text = tmp_path / "t.txt"
+    text.write_text(generated_text(20000, seed=4))
+    cfg = load_config([], [f"data.path='{text}'"])
+    entry = _data_reference(cfg)
+    assert entry == ngram_ce(load_corpus(str(text), cfg.data.val_fraction, cfg.model.seq_len))
+    bigram = entry["bigram"]["nats_per_token"]
+    cells = reference_cells(ngram.beside_loss(bigram * 0.5, entry))
+    assert cells == [f"{entry['unigram']['nats_per_token']:.3f}/{bigram:.3f}", "0.50"]
+    # data that cannot be read now: the summary still shows, its cells n/a
+    gone = load_config([], [f"data.path='{tmp_path / 'gone.txt'}'"])
+    assert _data_reference(gone) is None
+    assert reference_cells(ngram.beside_loss(1.0, None)) == ["n/a", "n/a"]

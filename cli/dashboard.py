@@ -52,11 +52,26 @@ def dht_source(initial_peers: list[str], run_id: str, run_key: str | None) -> tu
     return source, scout
 
 
-def run_dir_source(run_dir: Path) -> Source:
-    from mesh.runtime.dashboard.rundir import RunDirView
+def run_dir_source(run_dirs: list[Path]) -> Source:
+    """The JSON of a run directory; of several (a `train` run's node directories), of a view
+    linking them into one, linked again before each read (mesh/runtime/node_dirs.py)."""
+    import tempfile
 
-    view = RunDirView(run_dir)
-    return view.json
+    from mesh.runtime.dashboard.rundir import RunDirView
+    from mesh.runtime.node_dirs import check_dirs, merge_into
+
+    if len(run_dirs) == 1:
+        return RunDirView(run_dirs[0]).json
+    dirs = check_dirs(run_dirs, "--run")
+    merged = Path(tempfile.mkdtemp(prefix="meshtrain-dashboard-")) / "run"
+    nodes = [d.resolve() for d in dirs]
+    view = RunDirView(merge_into(nodes, merged))
+
+    def source() -> dict[str, Any]:
+        merge_into(nodes, merged)  # cells whose files appeared since
+        return view.json()
+
+    return source
 
 
 @click.command()
@@ -68,10 +83,11 @@ def run_dir_source(run_dir: Path) -> Source:
 )
 @click.option(
     "--run",
-    "run_dir",
+    "run_dirs",
+    multiple=True,
     type=click.Path(file_okay=False),
-    default=None,
-    help="A run directory (`simulate --out`, `join --out`), running or finished: files only.",
+    help="A run directory (`simulate --out`, `join --out`), running or finished: files only; "
+    "repeated: the node directories of one `train` run.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve on.")
 @click.option("--port", type=int, default=8080, show_default=True, help="Port (0: any free).")
@@ -81,7 +97,7 @@ def run_dir_source(run_dir: Path) -> Source:
 @user_errors
 def dashboard(
     initial_peers: tuple[str, ...],
-    run_dir: str | None,
+    run_dirs: tuple[str, ...],
     host: str,
     port: int,
     run_key: str | None,
@@ -90,11 +106,11 @@ def dashboard(
     """Serve a page that shows the grid as it trains: every cell's peer, step, tokens/s,
     heartbeat, rounds, rejects and state; the loss curves; bytes sent per link kind. It polls
     GET /api/status, the JSON of `meshtrain status --json` with each cell's state."""
-    if bool(initial_peers) == bool(run_dir):
+    if bool(initial_peers) == bool(run_dirs):
         raise ConfigError("give either --initial-peers MADDR (a live run) or --run DIR, not both")
     scout = None
-    if run_dir:
-        source = run_dir_source(Path(run_dir))
+    if run_dirs:
+        source = run_dir_source([Path(d) for d in run_dirs])
     else:
         source, scout = dht_source(list(initial_peers), run_id, run_key)
     try:

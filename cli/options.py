@@ -65,6 +65,16 @@ def resolve_config(
     return load_config(list(config_files), list(overrides) + list(extra))
 
 
+def grid_overrides(grid: str | None) -> list[str]:
+    """--grid PxM (simulate, train) as the config keys it stands for."""
+    if grid is None:
+        return []
+    parts = grid.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--grid {grid}: expected STAGESxREPLICAS, e.g. --grid 4x2")
+    return [f"grid.stages={parts[0]}", f"grid.replicas={parts[1]}"]
+
+
 KEY_HELP = (
     "The run's shared secret (or MESHTRAIN_RUN_KEY): only holders can claim cells, send "
     "activations or join averaging."

@@ -124,16 +124,20 @@ def thinnest_first(capacity: Sequence[float], cells: Sequence[Place]) -> list[Pl
 
 @dataclass
 class Rebalancer:
-    """SWARM's rebalancing as a watch over the stages' capacities: `check(now, capacity)`
-    returns (from, to) when a stage has held at least `ratio` x the capacity of the thinnest
-    stage for `after_s` without a break, and the cell asking is in that stage (it moves to
-    the thinnest). A move resets the watch (the pools change under it)."""
+    """SWARM's rebalancing as a watch over the stages' capacities: `check(now, capacity,
+    my_stage, my_rate)` returns (from, to) when the asking cell's stage has held at least
+    `ratio` x the capacity of the thinnest stage for `after_s` without a break, and moving the
+    cell (its rate from there to there) raises the grid's bottleneck without swapping it: what
+    its stage keeps is at least what the thin stage then has (so two stages never trade one
+    cell back and forth). A move resets the watch (the pools change under it)."""
 
     ratio: float
     after_s: float
     above_since: dict[int, float] = field(default_factory=dict)
 
-    def check(self, now: float, capacity: Sequence[float], my_stage: int) -> tuple[int, int] | None:
+    def check(
+        self, now: float, capacity: Sequence[float], my_stage: int, my_rate: float = 0.0
+    ) -> tuple[int, int] | None:
         thin = min(range(len(capacity)), key=lambda j: (capacity[j], j))
         floor = capacity[thin]
         for j, c in enumerate(capacity):
@@ -145,8 +149,20 @@ class Rebalancer:
         since = self.above_since.get(my_stage)
         if since is None or now - since < self.after_s:
             return None
+        if capacity[my_stage] - my_rate < floor + my_rate:
+            return None  # the move would only swap the bottleneck (or nearly: rates are noisy)
         self.above_since.clear()
         return my_stage, thin
+
+
+def mover(stage_cells: Mapping[str, float]) -> str | None:
+    """Which cell of an over-served stage moves ({cell name: rate} of its live cells): the one
+    of the highest replica, so every cell of the stage agrees without talking; None when the
+    stage has fewer than two (it never empties itself)."""
+    if len(stage_cells) < 2:
+        return None
+    named = [(Cell.parse(n), n) for n in stage_cells]
+    return max((c.replica, n) for c, n in named if c is not None)[1]
 
 
 _DEATH = re.compile(r"s(\d{1,4})r(\d{1,4})@(\d{1,9})(?:-(\d{1,9}))?")
@@ -184,6 +200,15 @@ Spans = Mapping[tuple[int, int], Sequence[tuple[int, int | None]]]
 def dead_at(spans: Spans, cell: tuple[int, int], update: int) -> bool:
     """Whether the cell is dead at this update (parse_deaths' spans)."""
     return any(a <= update and (b is None or update < b) for a, b in spans.get(cell, ()))
+
+
+def absent(spans: Spans, stages: int, replicas: int, routing_: str) -> set[Place]:
+    """The cells a process grid never starts: dead from update 0 for good (emulation.deaths
+    "sJrI@0"); on a fixed grid their whole replica (it cannot train without them)."""
+    gone = {c for c, s in spans.items() if any(a == 0 and b is None for a, b in s)}
+    if routing_ == "pools":
+        return gone
+    return {(j, i) for _, i in gone for j in range(stages)}
 
 
 @dataclass

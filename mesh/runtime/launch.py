@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from comms.build import local_rendezvous
+from mesh.algo import routing
 from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.runtime.checkpoint import (
@@ -167,8 +168,12 @@ def cell_context() -> multiprocessing.context.ForkServerContext:
 
 
 def grid_cells(cfg: Config) -> list[tuple[int, int]]:
-    """(stage, replica) of every cell, replica-major (the launch order)."""
-    return [(j, i) for i in range(cfg.grid.replicas) for j in range(cfg.grid.stages)]
+    """(stage, replica) of every cell, replica-major (the launch order), less the cells
+    emulation.deaths takes out from the start (routing.absent)."""
+    g = cfg.grid
+    spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
+    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
+    return [(j, i) for i in range(g.replicas) for j in range(g.stages) if (j, i) not in gone]
 
 
 def run_grid(

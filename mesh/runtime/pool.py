@@ -52,7 +52,7 @@ from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.stage import StageStats, StageWorker
 
 _TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
-IDLE_S = (0.0005, 0.004)  # the poll loop's sleep when nothing came: first, at most
+IDLE_S = (0.0005, 0.008)  # the poll loop's sleep when nothing came: first, at most
 DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
 RATE_EMA = 0.2
 MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
@@ -99,8 +99,10 @@ class PoolWorker(StageWorker):
         super().__init__(cfg, cell, transport, corpus)
         self.stats = PoolStats()
         self.window = None  # pools read the newest weights: no schedule window
-        self.ups = [cell_name(self.j - 1, r) for r in range(self.m)] if self.j > 0 else []
-        self.downs = [cell_name(self.j + 1, r) for r in range(self.m)] if self.next else []
+        ups = [cell_name(self.j - 1, r) for r in range(self.m)] if self.j > 0 else []
+        downs = [cell_name(self.j + 1, r) for r in range(self.m)] if self.next else []
+        self.ups = [c for c in ups if c not in self.absent]
+        self.downs = [c for c in downs if c not in self.absent]
         self.held: dict[tuple[int, int], _Held] = {}
         self.book = routing.LoadBook()
         self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
@@ -306,7 +308,9 @@ class PoolWorker(StageWorker):
     def _take_answers(self, on_step: object) -> bool:
         """Gradients and refusals from the downstream cells (none at the last stage)."""
         did = False
-        for d in self.downs:
+        # only a cell holding one of ours answers (each answer frees what we hold there)
+        waiting = {h.sent_to for h in self.held.values() if h.sent_to is not None}
+        for d in [d for d in self.downs if d in waiting]:
             msg = self._poll(d, "pool/g/", self._expect_grad)
             if msg is not None:
                 did = True

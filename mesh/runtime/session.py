@@ -83,6 +83,15 @@ class CellLost(Exception):
     owner's and stall its replica."""
 
 
+class StageMove(Exception):  # noqa: N818 - a decision, not an error
+    """Stage pools with elastic.rebalance: this cell leaves its over-served stage for the
+    thinnest one (`join` starts over there: a new stage's module and state)."""
+
+    def __init__(self, cell: str, to_stage: int) -> None:
+        super().__init__(f"{cell} moves to stage {to_stage}, the thinnest")
+        self.to_stage = to_stage
+
+
 # what `join` prints when it starts over after CellLost (a bench counts these lines)
 REJOIN_NOTE = "joining again for another free cell"
 

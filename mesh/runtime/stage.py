@@ -40,6 +40,7 @@ from comms import codecs
 from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanStatus, Transport
 from comms.wire import Expect, Kind
+from mesh.algo import routing
 from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
 from mesh.algo.topology import cell_name
 from mesh.config import Config
@@ -116,7 +117,13 @@ class StageWorker(Rounds):
             self._fake_grad = torch.randn(B, T, w, generator=gen) * 1e-3
         self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
         self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
-        self.column = [cell_name(self.j, r) for r in range(self.m)]
+        g = cfg.grid  # cells emulation.deaths takes out from the start average with nobody
+        gone = routing.absent(
+            routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas),
+            g.stages, g.replicas, cfg.pipeline.routing,
+        )  # fmt: skip
+        self.column = [cell_name(self.j, r) for r in range(self.m) if (self.j, r) not in gone]
+        self.absent = {cell_name(j, i) for j, i in gone}
         self.in_flight: dict[int, _InFlight] = {}
         self.grads = [torch.zeros_like(p) for p in cell.params]
         # no gradient of this update yet: the next backward's own tensors become the sum (no

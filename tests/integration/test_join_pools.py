@@ -32,14 +32,13 @@ def _stream_step(out) -> int:
     return step(out)
 
 
+@pytest.mark.timeout(600)  # a hang guard: four joins and a kill on a loaded box
 def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
     """2 stages x 2 replicas of joins: the first join's config makes it pools; the joins
     without --stage fill the stages evenly (thinnest first); s1 cells carry both streams;
     SIGKILL of one stage-1 cell: within seconds both streams train on through the other one
     (its replica never waits for a replacement), and `status` shows the pools."""
-    cfg = tiny_grid_config(
-        tmp_path, text_file, slowdown=4.0, local="elastic.pool_timeout_s = 4"
-    )
+    cfg = tiny_grid_config(tmp_path, text_file, slowdown=4.0, local="elastic.pool_timeout_s = 4")
     text = cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"')
     cfg.write_text(text)
     dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -92,6 +91,64 @@ def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
             events = [r.get("event") for r in rows(outs[n])]
             assert "session_broken" not in events, (n, events)
         assert took_s < HANG_S
+    finally:
+        for p in joins.values():
+            stop(p)
+        stop(dht)
+
+
+@pytest.mark.timeout(600)  # a hang guard: four joins, a move and a state download
+def test_rebalancing_moves_a_cell_to_the_thinnest_stage(text_file, tmp_path):
+    """2 stages x 3 replicas, elastic.rebalance on: three joins hold stage 0 and one stage 1
+    (3:1 capacity). The stage-0 cell of the highest replica moves (an event, and `join` says
+    so), downloads stage 1's state as a joiner does, and the grid trains on 2:2."""
+    cfg = tiny_grid_config(
+        tmp_path, text_file, replicas=3, slowdown=4.0,
+        local="elastic.pool_timeout_s = 4\nelastic.rebalance = true\n"
+              "elastic.rebalance_after_s = 3",
+    )  # fmt: skip
+    cfg.write_text(cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"'))
+    dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    joins: dict[str, subprocess.Popen] = {}
+    try:
+        maddr = dht.stdout.readline().strip()
+        peers = ["--initial-peers", maddr]
+
+        def join(name: str, *extra: str) -> None:
+            log = (tmp_path / f"{name}.log").open("w")
+            joins[name] = meshtrain(
+                "join", *peers, *LOOPBACK, "--out", str(tmp_path / name), *extra,
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+        join("j0", "--config", str(cfg), "--stage", "0")
+        wait_for(lambda: "joined run" in (tmp_path / "j0.log").read_text(), 60, "the first claim")
+        for name, stage in (("j1", "0"), ("j2", "0"), ("j3", "1")):
+            join(name, "--stage", stage)
+        logs = {n: tmp_path / f"{n}.log" for n in joins}
+        wait_for(
+            lambda: any("moving to stage 1" in p.read_text() for p in logs.values()),
+            3 * HANG_S, "a stage-0 cell moving",
+        )  # fmt: skip
+        movers = [n for n, p in logs.items() if "moving to stage 1" in p.read_text()]
+        assert len(movers) == 1, movers
+        out = tmp_path / movers[0]
+        events = [r for r in rows(out) if r.get("event") == "moved"]
+        assert events and events[0]["from_stage"] == 0 and events[0]["to_stage"] == 1, events
+
+        def pools_now() -> dict:
+            return {p["stage"]: p["cells"] for p in status(maddr)["pools"]}
+
+        wait_for(lambda: pools_now() == {0: 2, 1: 2}, 2 * HANG_S, "the pools at 2:2")
+        moved_cell = [c for c in status(maddr)["cells"] if c["cell"].startswith("s1r")]
+        assert len(moved_cell) == 2
+        at = {n: step(tmp_path / n) for n in joins}
+        wait_for(
+            lambda: all(step(tmp_path / n) > at[n] + 5 for n in joins), 2 * HANG_S,
+            "every cell training after the move",
+        )  # fmt: skip
+        loaded = [r for r in rows(out) if r.get("event") == "state_loaded"]
+        assert loaded, "the mover downloaded stage 1's state"
     finally:
         for p in joins.values():
             stop(p)

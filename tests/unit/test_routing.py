@@ -79,16 +79,27 @@ def test_rebalancing_moves_a_cell_only_after_the_stage_held_twice_the_capacity_f
 ):
     watch = routing.Rebalancer(ratio=2.0, after_s=10.0)
     caps = [4.0, 1.0, 2.0]
-    assert watch.check(0.0, caps, my_stage=0) is None
-    assert watch.check(5.0, caps, my_stage=0) is None
-    assert watch.check(6.0, caps, my_stage=2) is None  # stage 2 is at 2x too, but since 6 s
-    assert watch.check(10.0, caps, my_stage=0) == (0, 1)
+    assert watch.check(0.0, caps, my_stage=0, my_rate=1.0) is None
+    assert watch.check(5.0, caps, my_stage=0, my_rate=1.0) is None
+    assert watch.check(6.0, caps, my_stage=2, my_rate=1.0) is None  # at 2x too, but since 6 s
+    assert watch.check(10.0, caps, my_stage=0, my_rate=1.0) == (0, 1)
     # a break resets the clock
     watch = routing.Rebalancer(ratio=2.0, after_s=10.0)
     watch.check(0.0, caps, my_stage=0)
     watch.check(5.0, [1.5, 1.0, 2.0], my_stage=0)
     assert watch.check(12.0, caps, my_stage=0) is None
     assert watch.check(22.0, caps, my_stage=0) == (0, 1)
+
+
+def test_a_move_that_would_only_swap_the_bottleneck_is_not_made() -> None:
+    watch = routing.Rebalancer(ratio=2.0, after_s=0.0)
+    assert watch.check(0.0, [2.0, 1.0], my_stage=0, my_rate=1.0) is None  # 1:2 after: no gain
+    assert watch.check(1.0, [3.0, 1.0], my_stage=0, my_rate=1.0) == (0, 1)  # 2:2 after
+
+
+def test_the_mover_is_the_highest_replica_and_a_lone_cell_stays() -> None:
+    assert routing.mover({"s0r0": 1.0, "s0r2": 1.0, "s0r1": 3.0}) == "s0r2"
+    assert routing.mover({"s0r0": 1.0}) is None
 
 
 def test_seeded_paths_start_at_the_stream_and_agree_everywhere() -> None:

@@ -1,0 +1,237 @@
+"""`meshtrain bench pools`: stage pools against fixed wiring, side by side in one run.
+
+Process grids (torch backend, emulated compute: every cell its own process, real payloads
+through real links, forward/backward as waits of forward_ms/backward_ms x the cell's slowdown,
+stretched so the 2-core host is not the bottleneck), per scenario:
+- gpu-mix: 4x8, each cell's speed drawn from {1, 1, 0.5, 0.25} (seeded);
+- dead-10: 4x8 with 10% of the cells (3) dead from the start, one per stage from stage 1 on
+  (fixed wiring loses their replicas; pools lose their capacity);
+- churn: 4x4, a random live cell SIGKILLed every `churn_every_s` and started again from its
+  checkpoint by the launcher (a fresh peer in its place).
+Arms: fixed and pools. Each arm: tokens/s over the steady window (the streams' microbatches
+from 25% of the run's wall time on), the bounds of the capacity model for the same speeds
+(mesh/algo/routing: fixed_bound, pool_bound; microbatches a second: speed / (forward + backward)
+per cell), the fraction of the pool bound reached, the staleness (mean updates between a
+microbatch's read version and its update), and the microbatches voided.
+
+Targets: pools >= 1.4x fixed in gpu-mix; pools >= 0.85 of the pool bound.
+
+Writes summary.json, table.md and throughput.png under --out (results/pools).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mesh.algo import routing
+from mesh.bench.report import format_table, pyplot
+from mesh.config import Config, load_config
+from mesh.runtime.launch import run_grid
+from mesh.runtime.metrics import read_metrics
+from mesh.runtime.rows import parse_rows
+
+SPEEDS = (1.0, 1.0, 0.5, 0.25)
+TARGET_VS_FIXED = 1.4  # gpu-mix
+TARGET_OF_BOUND = 0.85
+STEADY_FROM = 0.25  # share of the run's wall time left out as warm-up
+
+
+def scenario_speeds(name: str, stages: int, replicas: int, seed: int = 0) -> list[list[float]]:
+    """speeds[stage][replica] of a scenario (0: dead from the start)."""
+    rng = random.Random(seed)
+    if name == "gpu-mix":
+        return [[rng.choice(SPEEDS) for _ in range(replicas)] for _ in range(stages)]
+    speeds = [[1.0] * replicas for _ in range(stages)]
+    if name == "dead-10":
+        dead = max(1, round(0.1 * stages * replicas))
+        for k in range(dead):  # spread over the stages after the first (stage 0: the streams)
+            j = 1 + k % (stages - 1)
+            speeds[j][rng.randrange(replicas)] = 0.0
+    return speeds
+
+
+def arm_config(
+    scenario: str, arm: str, speeds: list[list[float]], steps: int, base: list[str]
+) -> Config:
+    P, m = len(speeds), len(speeds[0])
+    cells = [(j, i, speeds[j][i]) for j in range(P) for i in range(m)]
+    slow = [f'"s{j}r{i}={1 / s:g}"' for j, i, s in cells if 0 < s < 1]
+    dead = [f'"s{j}r{i}@0"' for j, i, s in cells if s == 0]
+    sets = [
+        f"grid.stages={P}",
+        f"grid.replicas={m}",
+        f"run.steps={steps}",
+        f"pipeline.routing='{arm}'",
+        "emulation.compute='emulated'",
+        f"emulation.slowdowns=[{', '.join(slow)}]",
+        f"emulation.deaths=[{', '.join(dead)}]",
+        "checkpoint.every=20",
+        "elastic.max_restarts=1000",
+        "elastic.pool_timeout_s=10",
+        *base,
+    ]
+    return load_config([], sets)
+
+
+def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[str, Any]:
+    """Run one arm's grid; its steady tokens/s, staleness and voided microbatches."""
+    killer = None
+    stop = threading.Event()
+    if churn_every_s:
+        killer = threading.Thread(target=_churn, args=(out, churn_every_s, stop), daemon=True)
+        killer.start()
+    t0 = time.perf_counter()
+    run = run_grid(cfg, out, timeout_s=1800)
+    wall = time.perf_counter() - t0
+    stop.set()
+    rows = read_metrics(out)
+    streams = [v for (j, _), v in rows.items() if j == 0]
+    times = sorted(r["time_s"] for v in streams for r in v if "time_s" in r and not r.get("final"))
+    start = times[int(STEADY_FROM * len(times))] if times else 0.0
+    end = times[-1] if times else 0.0
+    done = sum(1 for t in times if start < t <= end)
+    stale_n = stale_sum = voided = 0
+    for v in rows.values():
+        final = [r for r in v if r.get("final")]
+        if not final:
+            continue
+        for k, n in final[-1].get("staleness_hist", {}).items():
+            stale_n, stale_sum = stale_n + n, stale_sum + int(k) * n
+        voided += final[-1].get("voided", 0)
+    tps = done * cfg.tokens_per_microbatch / (end - start) if end > start else 0.0
+    return {
+        "ok": run.ok,
+        "wall_s": round(wall, 1),
+        "tokens_per_s": round(tps, 1),
+        "staleness_mean": round(stale_sum / stale_n, 3) if stale_n else None,
+        "voided": voided,
+        "restarts": len(run.restarts),
+    }
+
+
+def _churn(out: Path, every_s: float, stop: threading.Event) -> None:
+    """SIGKILL a random live cell every every_s (the launcher starts it again)."""
+    rng = random.Random(1)
+    while not stop.wait(every_s):
+        pids = []
+        for path in (out / "metrics").glob("*.jsonl"):
+            started = [r for r in parse_rows(path.read_bytes()) if r.get("event") == "started"]
+            if started:
+                pids.append(started[-1]["pid"])
+        if pids:
+            try:
+                os.kill(rng.choice(sorted(pids)), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def bounds(cfg: Config, speeds: list[list[float]]) -> dict[str, float]:
+    """The capacity model's tokens/s for these speeds: fixed wiring and pools."""
+    per_mb_s = (cfg.emulation.forward_ms + cfg.emulation.backward_ms) / 1000
+    scale = cfg.tokens_per_microbatch / per_mb_s
+    return {
+        "fixed_bound_tps": round(routing.fixed_bound(speeds) * scale, 1),
+        "pool_bound_tps": round(routing.pool_bound(speeds) * scale, 1),
+    }
+
+
+SCENARIOS = {"gpu-mix": (4, 8), "dead-10": (4, 8), "churn": (4, 4)}
+
+
+def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    base = [
+        "model.n_layers=4",
+        "model.d_model=64",
+        "model.seq_len=64",
+        "pipeline.microbatch_size=8",
+        # stretched so 32 processes on 2 cores are not host-bound (time dilation)
+        "emulation.forward_ms=150",
+        "emulation.backward_ms=300",
+        "transport.recv_timeout_s=120",
+        "transport.round_timeout_s=30",
+    ]
+    steps = steps or (30 if quick else 80)
+    scenarios = {"gpu-mix": SCENARIOS["gpu-mix"]} if quick else SCENARIOS
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-pools-") as tmp:
+        for name, (P, m) in scenarios.items():
+            speeds = scenario_speeds(name, P, m)
+            row: dict[str, Any] = {"grid": f"{P}x{m}", "speeds": speeds}
+            for arm in ("fixed", "pools"):  # side by side, one after the other
+                cfg = arm_config(name, arm, speeds, steps, base)
+                churn = 20.0 if name == "churn" else None
+                row[arm] = measure(cfg, Path(tmp) / f"{name}-{arm}", churn)
+            row.update(bounds(cfg, speeds))
+            pools, fixed = row["pools"]["tokens_per_s"], row["fixed"]["tokens_per_s"]
+            row["pools_vs_fixed"] = round(pools / fixed, 3) if fixed else None
+            row["pools_of_bound"] = round(pools / row["pool_bound_tps"], 3)
+            results[name] = row
+    mix = results["gpu-mix"]
+    targets = {
+        "pools_vs_fixed_gpu_mix": {
+            "target": TARGET_VS_FIXED,
+            "measured": mix["pools_vs_fixed"],
+            "met": bool(mix["pools_vs_fixed"] and mix["pools_vs_fixed"] >= TARGET_VS_FIXED),
+        },
+        "pools_of_bound": {
+            "target": TARGET_OF_BOUND,
+            "measured": min(r["pools_of_bound"] for r in results.values()),
+            "met": all(r["pools_of_bound"] >= TARGET_OF_BOUND for r in results.values()),
+        },
+    }
+    summary = {"steps": steps, "quick": quick, "scenarios": results, "targets": targets}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "table.md").write_text(table(summary))
+    plot(summary, out / "throughput.png")
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    head = ["scenario", "grid", "fixed tok/s", "pools tok/s", "pools/fixed", "fixed bound",
+            "pool bound", "pools of bound", "staleness fixed/pools", "voided (pools)"]  # fmt: skip
+    rows = []
+    for name, r in summary["scenarios"].items():
+        f, p = r["fixed"], r["pools"]
+        rows.append([
+            name, r["grid"], f"{f['tokens_per_s']:,.0f}", f"{p['tokens_per_s']:,.0f}",
+            f"{r['pools_vs_fixed']:.2f}x" if r["pools_vs_fixed"] else "-",
+            f"{r['fixed_bound_tps']:,.0f}", f"{r['pool_bound_tps']:,.0f}",
+            f"{r['pools_of_bound']:.2f}", f"{f['staleness_mean']} / {p['staleness_mean']}",
+            str(p["voided"]),
+        ])  # fmt: skip
+    lines = [format_table(head, rows), ""]
+    for key, t in summary["targets"].items():
+        verdict = "met" if t["met"] else "MISSED"
+        lines.append(f"- {key}: {t['measured']} against {t['target']}: {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    names = list(summary["scenarios"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for k, arm in enumerate(("fixed", "pools")):
+        vals = [summary["scenarios"][n][arm]["tokens_per_s"] for n in names]
+        ax.bar([x + 0.38 * k for x in range(len(names))], vals, width=0.36, label=arm)
+    for x, n in enumerate(names):
+        r = summary["scenarios"][n]
+        ax.plot([x - 0.2, x + 0.6], [r["pool_bound_tps"]] * 2, "k--", lw=1)
+        ax.plot([x - 0.2, x + 0.6], [r["fixed_bound_tps"]] * 2, "k:", lw=1)
+    ax.set_xticks([x + 0.19 for x in range(len(names))], names)
+    ax.set_ylabel("tokens/s (steady)")
+    ax.set_title("fixed wiring against stage pools (dashed: pool bound, dotted: fixed bound)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""`meshtrain bench pools --convergence`: does routing cost loss? The convergence study's headline
+arm (AsyncMesh-fp8 with its tuned settings, 4x2, 1,600 microbatches a replica) on the simulator
+with one cell twice as slow (s1r0), fixed wiring against pools (each microbatch's next cell drawn
+by speed / (queue + 1), so s1r0 takes a third of stage 1's work), on the evaluation seeds 10-13:
+validation loss at equal tokens, the paired gap with its 95% interval. The fixed arm's numbers
+are the convergence study's own runs where their config fingerprint is the same (the simulator's
+fixed grid has no clock: a slow cell changes nothing there); the pools arm runs here, resumably.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from mesh.bench.convergence import _dp_spec
+from mesh.bench.regime import data_reference
+from mesh.bench.report import format_table
+from mesh.bench.simruns import Spec, read_runs, run_one, spec_config, worker_pool
+from mesh.bench.tuning import load_tuned
+from mesh.config import Config
+from mesh.data.ngram import regime, to_bigram
+
+SEEDS = (10, 11, 12, 13)
+MICROBATCHES = 1600
+SLOW = ["s1r0=2.0"]
+TARGET_GAP = 0.01  # pools within 1% of fixed
+
+
+def specs(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[Spec]]:
+    tuned, _ = load_tuned()
+    out: dict[str, list[Spec]] = {}
+    for arm in ("fixed", "pools"):
+        out[arm] = []
+        for seed in seeds:
+            s = _dp_spec("AsyncMesh-fp8", seed, tuned=tuned)
+            ov = {**dict(s.overrides), "pipeline.routing": arm, "emulation.slowdowns": SLOW}
+            out[arm].append(Spec("pools", f"AsyncMesh-fp8 {arm}", seed, 1, tuple(ov.items())))
+    return out
+
+
+def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "convergence.partial.jsonl"
+    done = {r["config_fingerprint"]: r for r in read_runs(partial)}
+    study = Path("results/convergence/summary.json")
+    if study.is_file():  # the convergence study's fixed-wiring runs: the same configs
+        for r in json.loads(study.read_text()).get("runs", []):
+            if r.get("microbatches") == MICROBATCHES:
+                done.setdefault(r["config_fingerprint"], r)
+    arms = specs()
+    todo = [
+        s
+        for arm in arms.values()
+        for s in arm
+        if spec_config(base, s, MICROBATCHES).fingerprint() not in done
+    ]
+    if todo:
+        with worker_pool(workers) as pool:
+            args = [(base.model_dump(mode="json"), s, MICROBATCHES) for s in todo]
+            for r in tqdm(pool.imap(run_one, args), total=len(args), desc="pools convergence"):
+                with partial.open("a") as f:
+                    f.write(json.dumps({k: v for k, v in r.items() if k != "curve"}) + "\n")
+                done[r["config_fingerprint"]] = r
+    loss = {
+        arm: [done[spec_config(base, s, MICROBATCHES).fingerprint()]["val_loss"] for s in ss]
+        for arm, ss in arms.items()
+    }
+    gap = relative_gap(loss["pools"], loss["fixed"])
+    ref = data_reference(base)
+    ratio = to_bigram(sum(loss["fixed"]) / len(loss["fixed"]), ref)
+    summary = {
+        "seeds": list(SEEDS),
+        "microbatches_per_replica": MICROBATCHES,
+        "tokens_per_replica": MICROBATCHES * base.tokens_per_microbatch,
+        "slowdowns": SLOW,
+        "val_loss": loss,
+        "pools_vs_fixed": gap,
+        "target": {"within": TARGET_GAP, "met": bool(gap["high"] <= TARGET_GAP)},
+        "reference_arm": "AsyncMesh-fp8 fixed",
+        "reference_to_bigram_ratio": ratio,
+        "regime": regime(ratio),
+    }
+    (out / "convergence.json").write_text(json.dumps(summary, indent=2))
+    rows = [
+        [str(seed), f"{f:.4f}", f"{p:.4f}"]
+        for seed, f, p in zip(SEEDS, loss["fixed"], loss["pools"], strict=True)
+    ]
+    verdict = "met" if summary["target"]["met"] else "MISSED"
+    (out / "convergence.md").write_text(
+        format_table(["seed", "fixed", "pools"], rows)
+        + f"\n\npools against fixed: {gap['mean']:+.2%} [95%: {gap['low']:+.2%}, "
+        f"{gap['high']:+.2%}] (target: within {TARGET_GAP:.0%}: {verdict}). Regime: the "
+        f"fixed arm ends at {ratio} of the data's bigram cross-entropy ({regime(ratio)}).\n"
+    )
+    return summary
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
+
+
+def relative_gap(values: list[float], reference: list[float]) -> dict[str, float]:
+    """Mean of the per-seed (value - reference) / reference, with its 95% t interval."""
+    import statistics
+
+    diffs = [(v - r) / r for v, r in zip(values, reference, strict=True)]
+    mean = statistics.mean(diffs)
+    half = T95[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return {"mean": round(mean, 5), "low": round(mean - half, 5), "high": round(mean + half, 5)}

@@ -1,0 +1,72 @@
+"""Stage pools on the simulator (mesh/engine/pools.py): deterministic for a seed, routing by
+speed, deaths taken out and brought back, and fixed wiring's stall under the same deaths."""
+
+from __future__ import annotations
+
+import helpers
+import torch
+
+from mesh.config import load_config
+from mesh.engine.pools import PoolSim, make_sim
+from mesh.engine.sim import GridSim
+
+
+def _cfg(text_file, *extra: str):
+    return load_config(
+        [],
+        [*helpers.TINY, f"data.path='{text_file}'", "grid.stages=2", "grid.replicas=3",
+         "model.n_layers=2", "run.steps=12", "run.eval_every=100", *extra],
+    )  # fmt: skip
+
+
+def _flats(sim: PoolSim) -> list[torch.Tensor]:
+    return [c.flat.clone() for row in sim.cells for c in row]
+
+
+def test_pools_are_deterministic_for_a_seed_and_fixed_stays_the_grid_sim(text_file):
+    cfg = _cfg(text_file, "pipeline.routing='pools'")
+    a, b = make_sim(cfg), make_sim(cfg)
+    assert isinstance(a, PoolSim)
+    for _ in range(cfg.run.steps):
+        a.step()
+        b.step()
+    assert all(torch.equal(x, y) for x, y in zip(_flats(a), _flats(b), strict=True))
+    assert a.routed == b.routed and a.cross_replica > 0
+    assert type(make_sim(_cfg(text_file))) is GridSim  # fixed without deaths: as it always was
+
+
+def test_a_slow_cell_takes_less_of_its_stage(text_file):
+    cfg = _cfg(text_file, "pipeline.routing='pools'", 'emulation.slowdowns=["s1r0=4.0"]')
+    sim = make_sim(cfg)
+    for _ in range(cfg.run.steps):
+        sim.step()
+    slow, fast = sim.routed[(1, 0)], min(sim.routed[(1, 1)], sim.routed[(1, 2)])
+    assert slow < fast, sim.routed
+    assert sum(sim.routed[(1, i)] for i in range(3)) == 3 * cfg.run.steps  # nothing lost
+
+
+def test_deaths_route_around_and_a_revived_cell_takes_its_stages_state(text_file):
+    cfg = _cfg(text_file, "pipeline.routing='pools'", 'emulation.deaths=["s1r2@3-8"]')
+    sim = make_sim(cfg)
+    assert isinstance(sim, PoolSim)
+    for _ in range(8):
+        sim.step()
+    assert sim.voided == 0 and sim.streamed == 3 * 8  # every stream went on through s1r0/s1r1
+    assert sim.routed[(1, 2)] <= 3 * 3  # only its ticks before the death
+    revived = sim.cells[2][1]
+    donor = max((sim.cells[r][1] for r in (0, 1)), key=lambda c: (c.step, -c.replica))
+    sim._revive(1, 2, set())  # what tick 8 does first: s1r2 is back
+    assert torch.equal(revived.flat, donor.flat) and revived.step == donor.step
+    sim.step()
+    assert sim.streamed == 3 * 9
+
+
+def test_fixed_wiring_stalls_a_replica_whose_cell_is_dead(text_file):
+    cfg = _cfg(text_file, 'emulation.deaths=["s1r2@0-6"]')
+    sim = make_sim(cfg)
+    assert isinstance(sim, PoolSim)  # deaths need the pool engine, fixed routing
+    for _ in range(cfg.run.steps):
+        sim.step()
+    assert sim.voided == 6 and sim.cross_replica == 0
+    assert sim.cells[2][0].step == cfg.run.steps - 6  # replica 2 trained only once back
+    assert sim.cells[0][0].step == cfg.run.steps

@@ -42,6 +42,7 @@ SPEEDS = (1.0, 1.0, 0.5, 0.25)
 TARGET_VS_FIXED = 1.4  # gpu-mix
 TARGET_OF_BOUND = 0.85
 STEADY_FROM = 0.25  # share of the run's wall time left out as warm-up
+RUN_TIMEOUT_S = 900  # a hang guard per arm
 
 
 def scenario_speeds(name: str, stages: int, replicas: int, seed: int = 0) -> list[list[float]]:
@@ -89,7 +90,10 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
         killer = threading.Thread(target=_churn, args=(out, churn_every_s, stop), daemon=True)
         killer.start()
     t0 = time.perf_counter()
-    run = run_grid(cfg, out, timeout_s=1800)
+    try:
+        ok = run_grid(cfg, out, timeout_s=RUN_TIMEOUT_S).ok
+    except TimeoutError:  # reported as not ok, with what it measured until then
+        ok = False
     wall = time.perf_counter() - t0
     stop.set()
     rows = read_metrics(out)
@@ -108,12 +112,15 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
         voided += final[-1].get("voided", 0)
     tps = done * cfg.tokens_per_microbatch / (end - start) if end > start else 0.0
     return {
-        "ok": run.ok,
+        "ok": ok,
         "wall_s": round(wall, 1),
         "tokens_per_s": round(tps, 1),
         "staleness_mean": round(stale_sum / stale_n, 3) if stale_n else None,
         "voided": voided,
-        "restarts": len(run.restarts),
+        "lives": sum(
+            sum(1 for r in read_metrics(out, events=True).get(k, []) if r.get("event") == "started")
+            for k in rows
+        ),
     }
 
 
@@ -175,6 +182,7 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             row["pools_vs_fixed"] = round(pools / fixed, 3) if fixed else None
             row["pools_of_bound"] = round(pools / row["pool_bound_tps"], 3)
             results[name] = row
+            (out / "summary.partial.json").write_text(json.dumps(results, indent=2))
     mix = results["gpu-mix"]
     targets = {
         "pools_vs_fixed_gpu_mix": {

@@ -112,6 +112,8 @@ class PoolWorker(StageWorker):
         self.live: Callable[[], set[str] | None] | None = None
         self._members_at = -math.inf
         self.fins: set[str] = set()
+        self.heard: dict[str, float] = {}  # upstream cell -> when its last activation came
+        self._started = time.monotonic()
         self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
         self.sec_per_mb: float | None = None  # EMA of this cell's compute per microbatch
@@ -201,9 +203,14 @@ class PoolWorker(StageWorker):
         return all(u in self.fins or self._gone(u) for u in self.ups)
 
     def _gone(self, cell: str) -> bool:
-        """Cut off for longer than elastic.pool_timeout_s: it left the pool (no FIN to wait for)."""
+        """It left the pool (no FIN to wait for): cut off for longer than elastic.pool_timeout_s,
+        or, once the run is ending (another upstream cell said FIN), silent that long (a cell
+        that died after its last send: its link can wait for a next life that never comes)."""
+        now, limit = time.monotonic(), self.cfg.elastic.pool_timeout_s
         since = self.down_since.get(cell)
-        return since is not None and time.monotonic() - since > self.cfg.elastic.pool_timeout_s
+        if since is not None and now - since > limit:
+            return True
+        return bool(self.fins) and now - self.heard.get(cell, self._started) > limit
 
     def _issue(self, on_step: object) -> bool:
         """Stage 0: start the stream's next microbatch while the window has room."""
@@ -223,6 +230,7 @@ class PoolWorker(StageWorker):
             msg = self._poll(up, "pool/a/", self._expect_act)
             if msg is not None:
                 did = True
+                self.heard[up] = time.monotonic()
                 self._on_activation(up, msg, on_step)
             if up not in self.fins and self._poll(up, "pool/f/", self._expect_ctl) is not None:
                 self.fins.add(up)

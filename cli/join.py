@@ -26,6 +26,7 @@ from cli.reach import (
     maddr_problems,
     p2pd_failure,
     peer_id_of,
+    public_relays,
     reach_verdict,
 )
 from mesh.algo.topology import cell_name
@@ -368,6 +369,8 @@ def run_join(
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
         j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
+        grid = [cell_name(s, r) for r in range(cfg.grid.replicas) for s in range(cfg.grid.stages)]
+        relays = public_relays(scout, auth, grid) if client_mode else []
     finally:
         scout.close()
     out = out or default_out(run_id, j, i)
@@ -377,6 +380,7 @@ def run_join(
         "initial_peers": list(initial_peers),
         "run_id": run_id,
         "client_mode": client_mode,
+        "relays": relays,  # with the bootstrap nodes (P2PTransport)
         **maddr_kwargs,
     }
     if identity:

@@ -179,16 +179,41 @@ def p2p_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @main.command()
 @p2p_options
+@click.option(
+    "--relay-time-limit-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800.0,
+    show_default=True,
+    help="How long this node relays one connection of a peer behind NAT before it resets it "
+    "(the two sides redial; transport.relay_time_limit_s on a join).",
+)
+@click.option(
+    "--relay-data-limit-mib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=4096.0,
+    show_default=True,
+    help="What this node relays on one connection, each way, before it resets it.",
+)
 @user_errors
 def dht(
-    host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...], identity: str | None
+    host_maddrs: tuple[str, ...],
+    announce_maddrs: tuple[str, ...],
+    identity: str | None,
+    relay_time_limit_s: float,
+    relay_data_limit_mib: float,
 ) -> None:
     """A bootstrap DHT node: prints the multiaddrs to pass to --initial-peers, runs until
-    stopped (Ctrl-C / SIGTERM). Any hivemind DHT node works as a bootstrap too."""
+    stopped (Ctrl-C / SIGTERM). Any hivemind DHT node works as a bootstrap too. It relays for
+    peers behind NAT (join --client-mode) within the two limits."""
     import signal
     import threading
 
+    from comms.p2p.relay import RelayLimits, p2pd_options
+
+    limits = RelayLimits(relay_time_limit_s, int(relay_data_limit_mib * 2**20))
+    relay_kwargs, flags = p2pd_options(False, [], limits)
     kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"]}
+    kwargs.update(relay_kwargs, p2pd_flags=flags)
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity:

@@ -2,12 +2,16 @@
 starts: a malformed multiaddr is refused by syntax with an example of the right form, and a
 join naming only a dead bootstrap node fails in about a second, not after p2pd's own tries.
 And what to tell the user about reachability: a dial-back's verdict with the fix (forward a port
-and announce it, or --client-mode), and p2pd's start-up failures as their cause and fix.
+and announce it, or --client-mode), and p2pd's start-up failures as their cause and fix. For a
+peer behind NAT, the run's cells that can relay for it (`public_relays`).
 
-imports: stdlib and comms.addrs (stdlib only): no daemon, no torch.
+imports: stdlib and comms.addrs (stdlib only): no daemon, no torch (public_relays imports
+comms.p2p when called, with the scout's DHT running already).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def any_reachable(maddrs: list[str], timeout_s: float = 3.0) -> bool:
@@ -215,3 +219,21 @@ def p2pd_failure(error: BaseException | str) -> str | None:
         if m is not None:
             return "the libp2p daemon (p2pd) could not start: " + message.format(*m.groups())
     return None
+
+
+def public_relays(scout: Any, auth: Any, cells: list[str], timeout_s: float = 5.0) -> list[str]:
+    """For a peer behind NAT (join --client-mode): relays among the run's cells that others dial
+    directly, from their name records (only records of run members, so an outsider cannot
+    become our relay); at most comms.p2p.relay.MAX_RELAYS, the bootstrap nodes come first."""
+    from comms.p2p.dht import pick_record
+    from comms.p2p.relay import relay_addrs
+
+    def admits(rec: Any) -> bool:  # comms.p2p.auth.Auth's membership token
+        return auth.valid(rec.peer_id.to_base58(), rec.signer, rec.auth)
+
+    peers = []
+    for found in scout.dht_get_many([f"peer.{c}" for c in cells], timeout_s=timeout_s):
+        rec = pick_record(found or {}, admits)
+        if rec is not None and admits(rec):
+            peers.append((rec.peer_id.to_base58(), rec.maddrs))
+    return relay_addrs(peers)

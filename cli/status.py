@@ -149,6 +149,8 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
         "flagged": stats.get("flagged", []),
         "loss": stats.get("loss"),
         "bytes_sent": stats.get("bytes"),
+        # reached through a relay (join --client-mode: behind NAT; docs/wan.md)
+        "relayed": bool(stats.get("relayed")),
     }
 
 
@@ -193,6 +195,7 @@ def status_table(rows: dict[str, Any], now: float | None = None) -> list[list[st
     return [
         [
             (c["cell"] if c["verified"] else f"{c['cell']} (unverified)")
+            + (" (relayed)" if c.get("relayed") else "")
             + (f" (flagged {', '.join(c['flagged'])})" if c.get("flagged") else ""),
             c["peer"][:12] + "...",
             str(c["step"]),

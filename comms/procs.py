@@ -121,10 +121,20 @@ def named_with(arg: bytes, name: str) -> list[int]:
 
 
 def bound_sockets() -> set[str]:
-    """The paths of the unix sockets bound now (in our network namespace): a socket file no
-    process has bound is a dead process's leftover."""
-    lines = (PROC / "net" / "unix").read_text().splitlines()[1:]
-    return {parts[-1] for parts in map(str.split, lines) if len(parts) >= 8}
+    """The paths of the unix sockets bound now, in every network namespace: a socket file no
+    process has bound is a dead process's leftover. /proc/net/unix lists only the reader's
+    namespace, and a peer started in a test's namespace (tests/throttled) binds its p2pd's
+    sockets in its own: a sweep beside such a test deleted them, and its peer lost p2pd."""
+    spaces = {os.readlink("/proc/self/ns/net"): PROC / "net" / "unix"}
+    for pid in PROC.glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            spaces.setdefault(os.readlink(pid / "ns" / "net"), pid / "net" / "unix")
+    bound: set[str] = set()
+    for table in spaces.values():
+        with contextlib.suppress(OSError):  # its only process just exited
+            lines = table.read_text().splitlines()[1:]
+            bound.update(parts[-1] for parts in map(str.split, lines) if len(parts) >= 8)
+    return bound
 
 
 def kill_descendants() -> list[int]:

@@ -29,6 +29,19 @@ class TransportConfig(_Section):
         description="hivemind: client = use the DHT without serving it (still dialed directly); "
         "for a large grid's peers beside a few `meshtrain dht` servers (results/scale)",
     )
+    relay_time_limit_s: float = Field(
+        1800.0,
+        gt=0,
+        description="hivemind, a peer others can dial: how long it relays one connection of a "
+        "peer behind NAT (join --client-mode) before it resets it and the two sides redial "
+        "(p2pd's -relayTimeLimit)",
+    )
+    relay_data_limit_mib: float = Field(
+        4096.0,
+        gt=0,
+        description="hivemind, a peer others can dial: what it relays on one connection, each "
+        "way, before it resets it and the two sides redial (p2pd's -relayDataLimit)",
+    )
     recv_timeout_s: float = Field(
         60.0, gt=0, description="deadline of a pipeline receive (activations, gradients)"
     )

@@ -6,7 +6,8 @@ subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs
 "t": publish time, "auth": token}, MSGPack-encoded by hivemind, type-checked here because any
 peer can write a key: a name holds one record per process that published it, and readers take
 the newest one that proves membership, so an outsider cannot shadow a member's name).
-`watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
+`start_dht(..., p2pd_flags={...})` passes p2pd flags hivemind has no parameter for
+(comms/p2p/relay.py). `watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
 
 imports: hivemind, comms.p2p.auth, comms.p2p.locks, comms.procs, stdlib (no torch, no mesh, no cli).
@@ -159,6 +160,7 @@ class PeerDHT(hivemind.DHT):
         # exits on a bootstrap peer it cannot reach and leaves its socket behind, or the DHT's
         # first ping fails with p2pd still running) can find what is ours and remove it
         P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
+        _add_p2pd_flags(getattr(self, "p2pd_flags", {}))
         try:
             super().run()
             _stop_own_daemons()  # nothing left after a clean shutdown; a failed start's leftovers
@@ -196,6 +198,19 @@ class PeerDHT(hivemind.DHT):
             except ChildProcessError:
                 return  # already reaped by the event loop's child watcher
             time.sleep(0.05)
+
+
+def _add_p2pd_flags(flags: dict[str, Any]) -> None:
+    """In the DHT process: every p2pd it starts gets these flags too (comms.p2p.relay's: p2pd
+    takes options hivemind's P2P.create has no parameter for, e.g. -relayTimeLimit)."""
+    if not flags:
+        return
+    make_args = P2P._make_process_args
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return make_args(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)
 
 
 def _stop_own_daemons() -> None:
@@ -261,7 +276,9 @@ def _started(
     it says anything. A start not ready within ready_s (default: startup_s + READY_SLACK_S) is
     killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
     ready_s = startup_s + READY_SLACK_S if ready_s is None else ready_s
+    p2pd_flags = kwargs.pop("p2pd_flags", None) or {}
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
+    dht.p2pd_flags = dict(p2pd_flags)
     # The forked process must never collect garbage it inherited: a cycle that holds a C++
     # object of ours (a gloo group, a thread pool) runs its destructor there, on locks and
     # threads that only exist here, and aborts the process ("Fatal Python error: Aborted",

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
 from comms.errors import PeerLost
 from comms.p2p.dht import DHT_COUNTS, PeerRecord, msgpack_bytes, parse_records, pick_record
+from comms.p2p.relay import dialable
 
 RESOLVE_POLL_S = 0.2
 ABSENT_BACKOFF = 1.5
@@ -89,9 +89,9 @@ class NameMixin:
                 if rec is not None:
                     # hivemind exposes no public connect; dial the published addresses so
                     # streams to peers we only know through the DHT find a route (the DHT
-                    # itself does the same).
+                    # itself does the same), a relay's circuit among them (comms/p2p/relay.py)
                     with contextlib.suppress(Exception):
-                        addrs = [Multiaddr(m) for m in rec.maddrs]
+                        addrs = dialable(rec.maddrs)
                         await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
                     self._records[name] = rec
                     return rec

@@ -58,6 +58,13 @@ from comms.p2p.dht import (
 from comms.p2p.mailbox import CLOSED_TAGS, Mailbox
 from comms.p2p.mean import MeanService, frame_name
 from comms.p2p.names import NameMixin
+from comms.p2p.relay import (
+    RelayLimits,
+    circuit_maddrs,
+    p2pd_options,
+    relays_in_use,
+    via_relay,
+)
 from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import MeanHandle, TransportStats
@@ -130,8 +137,11 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         client_mode: DHT client (does not serve DHT requests; for unreachable peers).
         dht_client: a DHT client only (still dialed directly, no relay): for most peers of a
             large grid, beside a few DHT servers.
-        use_auto_relay: take a reservation on a public relay to be reachable behind NAT
-            (default: client_mode).
+        relays: a client_mode peer's relays besides initial_peers (/p2p/ multiaddrs of public
+            peers): it takes a reservation on each at once and publishes its circuit addresses
+            through them (comms/p2p/relay.py).
+        relay_limits: what this peer, if not in client_mode, relays for others per connection
+            (comms.p2p.relay.RelayLimits; None: p2pd's defaults).
         timeout_s: default deadline of sends and name resolution.
         startup_timeout_s: deadline of starting the DHT and publishing our name (default
             max(timeout_s, 15): p2pd alone may need seconds on a busy host).
@@ -163,7 +173,8 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         identity_path: str | None = None,
         client_mode: bool = False,
         dht_client: bool = False,
-        use_auto_relay: bool | None = None,
+        relays: Sequence[str] = (),
+        relay_limits: RelayLimits | None = None,
         timeout_s: float = 30.0,
         startup_timeout_s: float | None = None,
         max_message_bytes: int = 256 << 20,
@@ -201,6 +212,9 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         self._inflight: set[cf.Future[Any]] = set()  # see _submit
         self._handler_name = f"{run_id}::{HANDLER}"
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=f"p2p-{me}")
+        self.client_mode = client_mode
+        self.relays = list(dict.fromkeys([*initial_peers, *relays])) if client_mode else []
+        relay_kwargs, p2pd_flags = p2pd_options(client_mode, self.relays, relay_limits)
         # The DHT forks its process: start it before our loop thread exists.
         self.dht = start_dht(
             list(initial_peers),
@@ -209,9 +223,8 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
             announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
             identity_path=identity_path,
             client_mode=not self.dht_server,
-            # unreachable peers take a relay reservation (hivemind's use_auto_relay); not
-            # verified on loopback, where no /p2p-circuit address appears (reference 3.3)
-            use_auto_relay=client_mode if use_auto_relay is None else use_auto_relay,
+            p2pd_flags=p2pd_flags,
+            **relay_kwargs,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -306,11 +319,15 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         if not self._closed:
             with contextlib.suppress(Exception):
                 tasks = self._run(count(), timeout_s)
-        return {
+        out = {
             "asyncio_tasks": tasks,
             "mailbox_pending": self.mailbox.pending(),
             "dht": DHT_COUNTS.as_dict(),
         }
+        if self.client_mode and not self._closed:  # behind NAT: which relays carry us now
+            with contextlib.suppress(Exception):
+                out["relayed_via"] = self._run(relays_in_use(self._p2p), timeout_s)
+        return out
 
     def close(self) -> None:
         """Stop streams, the loop thread and the DHT (which reaps its p2pd)."""
@@ -342,6 +359,11 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
+
+    @property
+    def relayed(self) -> bool:
+        """Whether others reach this peer through a relay (it announces /p2p-circuit)."""
+        return self.client_mode or via_relay(getattr(self, "_record", {}).get("maddrs", ()))
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<id>) that others can pass as initial_peers."""
@@ -410,6 +432,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         # without the /p2p/<id> suffix: p2pd's connect refuses addresses that carry it
         own = Multiaddr(f"/p2p/{self.peer_id}")
         maddrs = [str(m.decapsulate(own)) for m in await self._p2p.get_visible_maddrs()]
+        maddrs += [m for m in circuit_maddrs(self.relays) if m not in maddrs]
         self._record = {"v": 1, "peer_id": self.peer_id, "maddrs": maddrs, "t": time.time()}
         self._subkey = f"{self.peer_id}{self.owner_marker}"  # signed: only we can write it
         if self.auth is not None:

@@ -88,6 +88,8 @@ def parse_stats(value: object) -> dict[str, Any] | None:
         out["rejects"] = int(value["rejects"])
     if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
         out["beat_errors"] = int(value["beat_errors"])
+    if value.get("relayed") is True:  # others reach this cell through a relay (behind NAT)
+        out["relayed"] = True
     # stage pools: microbatches this cell routed, and of those to another replica's cell
     for key in ("routed", "cross"):
         if _count(value.get(key)):

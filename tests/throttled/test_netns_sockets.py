@@ -1,0 +1,39 @@
+"""A unix socket bound by a process in another network namespace counts as bound
+(comms.procs.bound_sockets): the leftover sweeps of tests beside a namespace test must not
+delete the sockets of its peers' p2pd. Root only; skipped cleanly otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from comms import procs
+from comms.netns import netns_pair, unavailable
+
+pytestmark = [pytest.mark.throttled, pytest.mark.slow]
+
+BIND = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+print("bound", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_socket_bound_in_another_network_namespace_is_bound(tmp_path):
+    why = unavailable()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    path = tmp_path / "peer.sock"
+    with netns_pair() as pair:
+        cmd = pair.cmd(pair.a, sys.executable, "-c", BIND, str(path))
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "bound"
+            assert str(path) in procs.bound_sockets()
+        finally:
+            p.communicate("", timeout=10)
+    assert path.exists() and str(path) not in procs.bound_sockets()  # its process is gone

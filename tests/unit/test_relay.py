@@ -1,0 +1,91 @@
+"""comms/p2p/relay.py: what a peer behind NAT asks of p2pd and publishes, and the multiaddr bytes
+p2pd can read (the namespace test, tests/throttled/test_join_nat_netns.py, dials them for real)."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from comms.p2p import dht
+from comms.p2p.relay import (
+    MAX_RELAYS,
+    RelayLimits,
+    circuit_maddrs,
+    dialable,
+    p2pd_options,
+    relay_addrs,
+    via_relay,
+    wire_maddr,
+)
+
+RELAY_ID = "12D3KooWGvU6jmNszxoL2uydnoQLtUZcz7cQ2qzFdCrTJNtwvt5M"
+OTHER_ID = "12D3KooWLmVKHJP3ztkbN8zXcZfBDMfZ9Go9tJ2ZeFmGyZ3M6fr5"
+
+
+def test_a_peer_id_is_written_as_its_multihash_as_go_multiaddr_reads_it():
+    text = f"/ip4/10.79.0.1/tcp/40513/p2p/{RELAY_ID}/p2p-circuit"
+    data = wire_maddr(text).to_bytes()
+    mh = PeerID.from_base58(RELAY_ID).to_bytes()
+    head = Multiaddr("/ip4/10.79.0.1/tcp/40513").to_bytes()
+    assert data == head + bytes([0xA5, 0x03, len(mh)]) + mh + bytes([0xA2, 0x02])
+    # hivemind's own encoding is a CIDv1 (0x01 0x72 ...): p2pd refuses it
+    assert Multiaddr(text).to_bytes() != data
+    assert str(Multiaddr(data)) == text  # and it still reads ours back as the same address
+
+
+@pytest.mark.parametrize(
+    "text", ["/ip4/1.2.3.4/tcp/5", "/ip6/::1/tcp/31337", "/dns4/example.org/tcp/1/ws"]
+)
+def test_addresses_without_a_peer_id_are_written_as_hivemind_writes_them(text):
+    assert wire_maddr(text).to_bytes() == Multiaddr(text).to_bytes()
+
+
+def test_malformed_record_addresses_are_skipped_not_raised():
+    good = f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY_ID}/p2p-circuit"
+    bad = ["/ip4/10.0.0.1/tcp/1/p2p", "/ip4/10.0.0.1/tcp/1/p2p/not-base58!", "/nonsense/1"]
+    assert [str(m) for m in dialable([*bad, good])] == [good]
+
+
+def test_circuit_addresses_go_through_relays_named_with_their_peer_id():
+    relays = [f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY_ID}", "/ip4/10.0.0.2/tcp/2"]
+    assert circuit_maddrs(relays) == [f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY_ID}/p2p-circuit"]
+    assert via_relay(["/ip4/10.1.0.2/tcp/3", *circuit_maddrs(relays)])
+    assert not via_relay(["/ip4/10.1.0.2/tcp/3"])
+
+
+def test_relays_are_peers_dialed_directly_at_their_most_public_address():
+    peers = [
+        (RELAY_ID, ["/ip4/127.0.0.1/tcp/1", "/ip4/10.0.0.5/tcp/1", "/ip4/93.184.216.34/tcp/1"]),
+        # a peer behind NAT itself (it announces a circuit): never a relay
+        (OTHER_ID, ["/ip4/192.168.1.2/tcp/7", f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY_ID}/p2p-circuit"]),
+    ]
+    assert relay_addrs(peers) == [f"/ip4/93.184.216.34/tcp/1/p2p/{RELAY_ID}"]
+    many = [(OTHER_ID, [f"/ip4/10.0.0.{k}/tcp/1"]) for k in range(1, 9)]
+    assert len(relay_addrs(many)) == MAX_RELAYS
+
+
+def test_a_client_mode_peer_reserves_on_its_relays_at_once_and_others_relay_within_limits():
+    relays = [f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY_ID}", f"/ip4/10.0.0.2/tcp/2/p2p/{OTHER_ID}"]
+    kwargs, flags = p2pd_options(True, relays, RelayLimits(5, 1000))
+    assert kwargs == {"use_auto_relay": True, "force_reachability": "private",
+                      "trusted_relays": relays}  # fmt: skip
+    assert flags == {"relayDiscovery": 0}  # static relays: no 3-minute wait for 4 candidates
+    kwargs, flags = p2pd_options(True, [], None)
+    assert "trusted_relays" not in kwargs and flags == {}
+    kwargs, flags = p2pd_options(False, relays, RelayLimits(2.5, 1 << 20))
+    # forced public: p2pd's relay service with these limits replaces go-libp2p's default one
+    assert kwargs == {"force_reachability": "public"}
+    assert flags == {"relayTimeLimit": "2.5s", "relayDataLimit": 1 << 20}
+    assert p2pd_options(False, [], None) == ({"force_reachability": "public"}, {})
+
+
+def test_the_dht_process_passes_extra_flags_to_every_p2pd_it_starts():
+    before = P2P.__dict__["_make_process_args"]
+    try:
+        dht._add_p2pd_flags({"relayTimeLimit": "3s", "relayDataLimit": 4096})
+        args = P2P._make_process_args("p2pd", relay=True, tls=False)
+        assert args == ["p2pd", "-relay=1", "-tls=0", "-relayTimeLimit=3s", "-relayDataLimit=4096"]
+    finally:
+        P2P._make_process_args = before
+    assert P2P._make_process_args("p2pd", relay=True) == ["p2pd", "-relay=1"]

@@ -29,13 +29,10 @@ With `pipeline.pool_choice = "seeded"` every path is a pure function of the name
 
 from __future__ import annotations
 
-import collections
 import math
 import random
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -49,47 +46,13 @@ from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
-from mesh.runtime.stage import StageStats, StageWorker
+from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
+from mesh.runtime.stage import StageWorker
 
-_TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
 IDLE_S = (0.0005, 0.008)  # the poll loop's sleep when nothing came: first, at most
 DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
 RATE_EMA = 0.2
 MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
-
-
-@dataclass
-class PoolStats(StageStats):
-    routed: collections.Counter[str] = field(default_factory=collections.Counter)  # to -> n
-    cross_replica: int = 0  # microbatches sent to a cell of another replica
-    refused: int = 0  # refusals this cell sent (it was full)
-    rerouted: int = 0  # microbatches sent again elsewhere (refused, or their cell lost)
-    voided: int = 0  # microbatches given up (no live cell took them, or void markers)
-    held_peak: int = 0
-
-
-@dataclass
-class _Held:
-    stream: int
-    index: int
-    inputs: torch.Tensor  # tokens at stage 0, else the received activation
-    version: int
-    sender: str | None  # upstream cell (None at stage 0)
-    sent_to: str | None = None  # downstream cell (None at the last stage)
-    sent_at: float = 0.0
-    out: codecs.Encoded | None = None  # the activation sent, kept to route it again
-
-
-def parse_tag(tag: str) -> tuple[str, int, int, int, float] | None:
-    """(kind, stream, index, others_held, rate) of a pool tag; None when malformed."""
-    found = _TAG.fullmatch(tag)
-    if found is None:
-        return None
-    kind, stream = found.group(1), int(found.group(2))
-    index = int(found.group(3) or 0)
-    others = int(found.group(4) or 0)
-    rate = int(found.group(5) or 0) / 1000.0
-    return kind, stream, index, others, rate
 
 
 class PoolWorker(StageWorker):
@@ -103,7 +66,7 @@ class PoolWorker(StageWorker):
         downs = [cell_name(self.j + 1, r) for r in range(self.m)] if self.next else []
         self.ups = [c for c in ups if c not in self.absent]
         self.downs = [c for c in downs if c not in self.absent]
-        self.held: dict[tuple[int, int], _Held] = {}
+        self.held: dict[tuple[int, int], Held] = {}
         self.book = routing.LoadBook()
         self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
         self.down_since: dict[str, float] = {}  # cut off since (cleared when heard again)
@@ -219,7 +182,7 @@ class PoolWorker(StageWorker):
         b = self.next_index
         self.next_index += 1
         tokens = self._fake_tokens if self.emu else self._batch_of(self.i, b)[0]
-        held = _Held(self.i, b, tokens, self.cell.step, None)
+        held = Held(self.i, b, tokens, self.cell.step, None)
         self._forward_held(held, on_step)
         return True
 
@@ -255,7 +218,7 @@ class PoolWorker(StageWorker):
             self.stats.voided += 1
             self._send_void(up, self._load_tag("g", stream, b, up), Kind.GRADIENT)
             return
-        self._forward_held(_Held(stream, b, x, self.cell.step, up), on_step)
+        self._forward_held(Held(stream, b, x, self.cell.step, up), on_step)
 
     def _screened_of(self, sender: str, x: torch.Tensor, stream: int, b: int) -> bool:
         """True when the sentinel drops it (counted as rejects 'poison')."""
@@ -264,7 +227,7 @@ class PoolWorker(StageWorker):
             self.transport.stats.add_reject("poison")
         return verdict != "use"
 
-    def _forward_held(self, h: _Held, on_step: object) -> None:
+    def _forward_held(self, h: Held, on_step: object) -> None:
         """Forward h on the newest weights; the last stage goes on to its backward at once."""
         self.held[(h.stream, h.index)] = h
         self.stats.held_peak = max(self.stats.held_peak, len(self.held))
@@ -292,14 +255,14 @@ class PoolWorker(StageWorker):
         self._fwd_s = time.perf_counter() - t0
         self._route(h)
 
-    def _tokens_of(self, h: _Held) -> torch.Tensor | None:
+    def _tokens_of(self, h: Held) -> torch.Tensor | None:
         return self._batch_of(h.stream, h.index)[0] if needs_tokens(self.cell.module) else None
 
     def _live_downs(self, exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         now = time.monotonic()
         return [d for d in self.downs if d not in exclude and self.down_until.get(d, 0) <= now]
 
-    def _route(self, h: _Held, exclude: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+    def _route(self, h: Held, exclude: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
         """Send h's activation to a downstream cell drawn by load; False when none is live."""
         live = self._live_downs(exclude)
         if not live:
@@ -329,7 +292,7 @@ class PoolWorker(StageWorker):
                 self._on_refusal(d, ref)
         return did
 
-    def _answer_for(self, d: str, msg: Message, kind: str) -> _Held | None:
+    def _answer_for(self, d: str, msg: Message, kind: str) -> Held | None:
         parsed = parse_tag(msg.name)
         if parsed is None or parsed[0] != kind:
             self.transport.stats.add_reject("bad_tag")
@@ -361,7 +324,7 @@ class PoolWorker(StageWorker):
             return
         self._backward_held(h, g, on_step)
 
-    def _backward_held(self, h: _Held, grad_out: torch.Tensor | None, on_step: object) -> None:
+    def _backward_held(self, h: Held, grad_out: torch.Tensor | None, on_step: object) -> None:
         """Recompute h's forward on its stashed version, backprop, send dL/d(input) back along
         its path, and step the live weights (one update per microbatch, as async does)."""
         self.held.pop((h.stream, h.index), None)
@@ -399,7 +362,7 @@ class PoolWorker(StageWorker):
         if callable(on_step):
             on_step(self)
 
-    def _grads_of(self, h: _Held, grad_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _grads_of(self, h: Held, grad_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         t0 = time.thread_time()
         params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(h.version).items()}
         leaves = list(params.values())
@@ -432,7 +395,7 @@ class PoolWorker(StageWorker):
         else:
             cell.history[cell.step] = cell.version_weights(spare)
 
-    def _void(self, h: _Held) -> None:
+    def _void(self, h: Held) -> None:
         """Give h up: no gradient from it here, nor upstream (a void marker goes back)."""
         self.held.pop((h.stream, h.index), None)
         self.stats.voided += 1
@@ -509,7 +472,7 @@ class PoolWorker(StageWorker):
         else:
             x = self.transport.recv(up, f"pool/a/{s}/{b}", self._expect_act, wait).tensor()
             x = x.to(self.device)
-        h = _Held(s, b, x, self.cell.step, up)
+        h = Held(s, b, x, self.cell.step, up)
         self.held[(s, b)] = h
         if down is None:
             self._backward_held(h, None, on_step)

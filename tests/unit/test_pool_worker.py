@@ -19,7 +19,8 @@ from comms.transport import TransportStats
 from mesh.config import load_config
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
-from mesh.runtime.pool import PoolWorker, parse_tag
+from mesh.runtime.pool import PoolWorker
+from mesh.runtime.pool_wire import parse_tag
 
 
 class Hub:

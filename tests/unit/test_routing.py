@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from mesh.algo import routing
-from mesh.runtime.pool import parse_tag
+from mesh.runtime.pool_wire import parse_tag
 
 
 def test_weights_are_rate_over_queue_plus_one_and_an_unmeasured_cell_gets_the_mean() -> None:

@@ -1,0 +1,49 @@
+"""A stage pool's wire names and bookkeeping (mesh/runtime/pool.py): its tags, parsed and
+bounded before use, a cell's routing counters, and what it holds of each microbatch."""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from comms import codecs
+from mesh.runtime.stage import StageStats
+
+_TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
+
+
+@dataclass
+class PoolStats(StageStats):
+    routed: collections.Counter[str] = field(default_factory=collections.Counter)  # to -> n
+    cross_replica: int = 0  # microbatches sent to a cell of another replica
+    refused: int = 0  # refusals this cell sent (it was full)
+    rerouted: int = 0  # microbatches sent again elsewhere (refused, or their cell lost)
+    voided: int = 0  # microbatches given up (no live cell took them, or void markers)
+    held_peak: int = 0
+
+
+@dataclass
+class Held:
+    stream: int
+    index: int
+    inputs: torch.Tensor  # tokens at stage 0, else the received activation
+    version: int
+    sender: str | None  # upstream cell (None at stage 0)
+    sent_to: str | None = None  # downstream cell (None at the last stage)
+    sent_at: float = 0.0
+    out: codecs.Encoded | None = None  # the activation sent, kept to route it again
+
+
+def parse_tag(tag: str) -> tuple[str, int, int, int, float] | None:
+    """(kind, stream, index, others_held, rate) of a pool tag; None when malformed."""
+    found = _TAG.fullmatch(tag)
+    if found is None:
+        return None
+    kind, stream = found.group(1), int(found.group(2))
+    index = int(found.group(3) or 0)
+    others = int(found.group(4) or 0)
+    rate = int(found.group(5) or 0) / 1000.0
+    return kind, stream, index, others, rate

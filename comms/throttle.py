@@ -186,15 +186,39 @@ class LinkShapers:
 
 
 class Delivery:
-    """Handle of one queued message (a comms.transport.SendHandle)."""
+    """Handle of one queued message (a comms.transport.SendHandle, a comms.means.Sent)."""
 
     def __init__(self, to: str) -> None:
         self.to = to
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._cancel: Callable[[], None] | None = None  # set by the LinkSender that queued it
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    def error(self) -> BaseException | None:
+        """Why the bytes never left, once done; None otherwise."""
+        return self._error if self._event.is_set() else None
+
+    def taken(self) -> None:
+        """None: a link without acknowledgements cannot tell whether the peer used them."""
+        return None
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call fn() once done (at once if it is; else on the thread that finishes it)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def cancel(self) -> None:
+        """Take the message out of its queue if it has not left yet (it fails: PeerLost)."""
+        if self._cancel is not None:
+            self._cancel()
 
     def wait(self, timeout_s: float) -> None:
         """Block until the bytes left; PeerTimeout after timeout_s, PeerLost if they never will."""
@@ -204,9 +228,14 @@ class Delivery:
             raise self._error
 
     def _finish(self, error: BaseException | None = None) -> None:
-        if not self._event.is_set():
+        with self._lock:
+            if self._event.is_set():
+                return
             self._error = error
             self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
 
     @classmethod
     def failed(cls, to: str, error: BaseException) -> Delivery:
@@ -275,6 +304,7 @@ class LinkSender(Generic[T]):
             now = self._clock()
             release = self._shaper.schedule(nbytes, now) if self._shaper else now
             d = Delivery(self.to)
+            d._cancel = lambda: self._drop(d)
             self._queue.append((release, item, d, nbytes))
             self._queued_bytes += nbytes
             self._cond.notify()
@@ -308,6 +338,18 @@ class LinkSender(Generic[T]):
     @property
     def lost(self) -> BaseException | None:
         return self._error
+
+    def _drop(self, d: Delivery) -> None:
+        """Take d's item out of the queue if it is still there (Delivery.cancel)."""
+        with self._cond:
+            for entry in self._queue:
+                if entry[2] is d:
+                    self._queue.remove(entry)
+                    self._queued_bytes -= entry[3]
+                    break
+            else:
+                return
+        d._finish(PeerLost(f"send to {self.to!r}: cancelled"))
 
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:

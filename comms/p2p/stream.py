@@ -46,8 +46,9 @@ from hivemind.p2p import P2P, PeerID
 
 from comms import wire
 from comms.errors import PeerLost
+from comms.group_means import GroupMeans
+from comms.mailbox import Mailbox
 from comms.p2p.dht import parse_records
-from comms.p2p.mailbox import Mailbox
 from comms.transport import TransportStats
 from comms.wire import Expect, Message, Reject
 
@@ -88,6 +89,7 @@ class StreamMixin:
     max_message_bytes: int
     stats: TransportStats
     mailbox: Mailbox
+    means: GroupMeans
     _p2p: P2P
     _handler_name: str
     # per peer: pooled streams (reader, writer, monotonic time they went idle)
@@ -101,11 +103,8 @@ class StreamMixin:
     _records: dict[str, Any]  # name -> the PeerRecord it resolved to
     admits: Callable[[Any], bool]  # PeerRecord -> whether it proves membership of our run
 
-    async def _deliver(
-        self, to: str, frame: bytes, deadline: float, declared_len: int | None = None
-    ) -> Ack:
-        """Send on a reused stream; on failure re-resolve the name and retry once on a new one.
-        declared_len (tests only): announce that many bytes instead of len(frame)."""
+    async def _deliver(self, to: str, frame: bytes, deadline: float) -> Ack:
+        """Send on a reused stream; on failure re-resolve the name and retry once on a new one."""
         errors = []
         failed = None  # the peer attempt 0 could not reach: attempt 1 prefers another record
         for attempt in range(2):
@@ -115,7 +114,7 @@ class StreamMixin:
                 raise PeerLost(f"{to!r} is not a member of this run: not sending to it")
             reused = bool(self._idle.get(rec.peer_id))
             try:
-                return await self._send_on_stream(rec.peer_id, frame, declared_len)
+                return await self._send_on_stream(rec.peer_id, frame)
             except Exception as e:  # noqa: BLE001 - any stream failure is a lost link
                 errors.append(f"{type(e).__name__}: {e}")
                 failed = rec.peer_id
@@ -123,14 +122,14 @@ class StreamMixin:
                     self._drop_idle(rec.peer_id)  # the idle stream may just have gone stale
         raise PeerLost(f"send to {to!r} failed: {'; '.join(errors)}"[:500])
 
-    async def _send_on_stream(self, peer: PeerID, frame: bytes, declared: int | None) -> Ack:
+    async def _send_on_stream(self, peer: PeerID, frame: bytes) -> Ack:
         # At most _STREAMS_PER_PEER streams per peer: a burst of small sends queues for a
         # pooled stream (~0.2 ms a message) instead of opening hundreds (~1.7 ms each).
         slots = self._slots.setdefault(peer, asyncio.Semaphore(_STREAMS_PER_PEER))
         async with slots:
-            return await self._send_on_pooled(peer, frame, declared)
+            return await self._send_on_pooled(peer, frame)
 
-    async def _send_on_pooled(self, peer: PeerID, frame: bytes, declared: int | None) -> Ack:
+    async def _send_on_pooled(self, peer: PeerID, frame: bytes) -> Ack:
         idle = self._idle.get(peer)
         reader = writer = None
         while idle:  # the receiver closes a stream idle for stream_idle_s: leave it earlier
@@ -144,8 +143,7 @@ class StreamMixin:
         ok = False
         try:
             me = self.me.encode()
-            total = len(frame) if declared is None else declared
-            writer.write(STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(me), total) + me)
+            writer.write(STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(me), len(frame)) + me)
             view = memoryview(frame)
             for off in range(0, len(frame), CHUNK_BYTES):
                 writer.write(view[off : off + CHUNK_BYTES])
@@ -259,7 +257,10 @@ class StreamMixin:
                 self.stats.add_reject(res.reason)
                 label = wire.frame_label(head)
                 if label is not None and label[0] == wire.Kind.AVERAGE:
-                    self.mailbox.refuse(sender, label[1], res.reason)
+                    self.means.refused(sender, label[1], res.reason)  # its round says refused
+            elif res.kind == wire.Kind.AVERAGE:  # to its round (its room is the round's affair)
+                self.stats.add_received(sender, res.kind, total)
+                answer = Ack.OK if self.means.file(sender, res) else Ack.DROPPED
             else:
                 assert res.held_bytes == held, (res.held_bytes, held)
                 handed = True  # put files it, or drops it and gives its room back itself

@@ -13,7 +13,7 @@ shares that daemon through a replica P2P on a private asyncio loop thread.
   claimed sender name resolves to the libp2p-authenticated PeerID of the stream, validates the
   bytes with `wire.unpack` (rejects are counted in stats, never raised into the peer), and files
   the message in a bounded per-sender mailbox keyed by tag (the wire name).
-- Group means: see comms/p2p/mean.py (an all-gather of payload frames on our streams).
+- Group means: comms/group_means.py over our streams (`send_frame`; an acked frame was taken).
 - Dial-backs: a peer that serves the DHT also answers joiners' "dial me back" (dialback.py).
 - Run records (cell claims, sessions, the run's config) in the same DHT: `dht_store` / `dht_get`
   (comms.p2p.dht.RunRecords); with `auth` (comms/p2p/auth.py) only members' streams are served.
@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
@@ -44,6 +43,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
+from comms.group_means import GroupMeans
+from comms.mailbox import Mailbox
 from comms.p2p import dialback
 from comms.p2p.auth import Auth
 from comms.p2p.dht import (
@@ -55,8 +56,6 @@ from comms.p2p.dht import (
     msgpack_bytes,
     start_dht,
 )
-from comms.p2p.mailbox import CLOSED_TAGS, Mailbox
-from comms.p2p.mean import MeanService, frame_name
 from comms.p2p.names import NameMixin
 from comms.p2p.relay import (
     RelayLimits,
@@ -67,8 +66,8 @@ from comms.p2p.relay import (
 )
 from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
-from comms.transport import MeanHandle, TransportStats
-from comms.wire import Expect, Kind, Message, expect_reject
+from comms.transport import Averaging, TransportStats
+from comms.wire import Expect, Kind, Message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -92,6 +91,10 @@ class SendResult:
             ) from e
         except cf.CancelledError as e:
             raise self._cancelled() from e
+
+    def taken(self) -> bool:
+        """The receiver took the frame (acked OK; comms.means.Sent)."""
+        return self.ack == Ack.OK
 
     @property
     def ack(self) -> Ack | None:
@@ -124,7 +127,7 @@ class SendResult:
         return cls(fut, to, tag)
 
 
-class P2PTransport(StreamMixin, NameMixin, RunRecords):
+class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
     """Transport over hivemind's libp2p (see the module docstring).
 
     Args:
@@ -200,6 +203,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         startup_s = max(timeout_s, 15.0) if startup_timeout_s is None else startup_timeout_s
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
+        self.means = GroupMeans(self, self.mailbox)
         self._records: dict[str, PeerRecord] = {}
         self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}  # see NameMixin
         self._absent: dict[str, tuple[float, float]] = {}
@@ -238,74 +242,30 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         except BaseException:
             self.close()
             raise
-        self._means = MeanService(self)
 
     # ---------------------------------------------------------------- Transport protocol
 
     def send(self, to: str, tag: str, kind: Kind, enc: Encoded, step: int) -> SendResult:
         """Frame `enc` now (a snapshot), deliver it in the background; see SendResult."""
-        frame = wire.pack(tag, kind, enc, step)
-        if self._closed:
-            return SendResult.failed(to, tag, PeerLost(f"transport of {self.me!r} is closed"))
-        shaper = self._shapers.for_peer(to)
-        release = shaper.schedule(len(frame), time.monotonic()) if shaper is not None else 0.0
-        fut = self._submit(self._send(to, tag, kind, frame, release))
-        return SendResult(fut, to, tag)
+        return self._post(to, tag, kind, wire.pack(tag, kind, enc, step))
+
+    def send_frame(self, to: str, frame: bytes) -> SendResult:
+        """Deliver frame bytes as they are (comms.means.RoundLink)."""
+        label = wire.frame_label(frame[: wire.MAX_HEADER_BYTES])
+        kind, tag = label if label is not None else ("raw", "<raw>")
+        return self._post(to, tag, kind, frame)
 
     def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
-        """The next message from `frm` named `tag` that matches `expect`; PeerTimeout otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self.mailbox.take(frm, tag, deadline)
-            if msg is None:
-                raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
-            bad = expect_reject(msg, expect)
-            if bad is None:
-                return msg
-            self.stats.add_reject(bad.reason)  # dropped; keep waiting for a matching one
+        """See comms.transport.Transport.recv (comms.mailbox.Mailbox.receive)."""
+        return self.mailbox.receive(frm, tag, expect, timeout_s)
 
     def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
         """See comms.transport.Transport.recv_prefix."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self.mailbox.take_prefix(frm, prefix, deadline)
-            if msg is None:
-                raise PeerTimeout(f"no message {prefix!r}* from {frm!r} within {timeout_s}s")
-            bad = expect_reject(msg, expect)
-            if bad is None:
-                return msg
-            self.stats.add_reject(bad.reason)
+        return self.mailbox.receive_prefix(frm, prefix, expect, timeout_s)
 
     def drop_tags(self, prefix: str) -> int:
         """See comms.transport.Transport.drop_tags (the mailbox counts drops as "stale")."""
         return self.mailbox.close_prefix(prefix)
-
-    def void_rounds(self, group: str, members: Sequence[str], round_ids: range) -> int:
-        """See comms.transport.Transport.void_rounds (counted "late" in the mailbox). Only the
-        latest rounds: the mailbox remembers CLOSED_TAGS closed tags per sender, and payloads of
-        older rounds were never sent to this process (a fresh joiner) or have expired."""
-        dropped = 0
-        for rid in round_ids[-CLOSED_TAGS:]:
-            for index, m in enumerate(members):
-                if m != self.me:
-                    dropped += self.mailbox.close_tag(m, frame_name(group, rid, index))
-        return dropped
-
-    def newest_round(self, group: str, members: Sequence[str]) -> int:
-        """See comms.transport.Transport.newest_round."""
-        return self._means.newest(group, list(members))
-
-    def start_mean(
-        self,
-        group: str,
-        members: list[str],
-        round_id: int,
-        values: torch.Tensor,
-        codec: str,
-        timeout_s: float,
-    ) -> MeanHandle:
-        """Background mean over `members`; see comms/p2p/mean.py."""
-        return self._means.start(group, list(members), round_id, values, codec, timeout_s)
 
     def health(self, timeout_s: float = 1.0) -> dict[str, Any]:
         """What leaks would show in: live asyncio tasks on our loop (None when the loop did not
@@ -334,9 +294,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         if self._closed:
             return
         self._closed = True
-        means = getattr(self, "_means", None)
-        if means is not None:
-            means.close()
+        self.means.close()
         if self._thread.is_alive():
             with contextlib.suppress(Exception):
                 self._run(self._teardown(), 10.0)
@@ -388,23 +346,15 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
         """Whether a peer's record proves membership of our run (always, without auth)."""
         return self.auth is None or self.auth.valid(rec.peer_id.to_base58(), rec.signer, rec.auth)
 
-    # ---------------------------------------------------------------- test hooks
-
-    def _send_raw(self, to: str, data: bytes, declared_len: int | None = None) -> SendResult:
-        """Deliver arbitrary bytes as one frame (no wire.pack); with declared_len, announce that
-        length and send no body. For bad-input tests (tests/integration/scenarios.py)."""
-        deadline = time.monotonic() + self.timeout_s
-        body = data if declared_len is None else b""
-        coro = self._deliver(to, body, deadline, declared_len)
-        return SendResult(self._submit(coro), to, "<raw>")
-
-    def _start_mean_encoded(
-        self, group: str, members: list[str], round_id: int, enc: Encoded, timeout_s: float
-    ) -> MeanHandle:
-        """start_mean with a ready (unchecked) Encoded: a misbehaving member, for tests."""
-        return self._means.start_encoded(group, list(members), round_id, enc, timeout_s)
-
     # ---------------------------------------------------------------- internals
+
+    def _post(self, to: str, tag: str, kind: Kind | str, frame: bytes) -> SendResult:
+        """Deliver a frame in the background, held back by the link model of `to`."""
+        if self._closed:
+            return SendResult.failed(to, tag, PeerLost(f"transport of {self.me!r} is closed"))
+        shaper = self._shapers.for_peer(to)
+        release = shaper.schedule(len(frame), time.monotonic()) if shaper is not None else 0.0
+        return SendResult(self._submit(self._send(to, tag, kind, frame, release)), to, tag)
 
     def _submit(self, coro: Any) -> cf.Future[Any]:
         """Run coro on our loop, fire and forget allowed. asyncio keeps only weak references to
@@ -499,7 +449,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _send(self, to: str, tag: str, kind: Kind, frame: bytes, release: float) -> Ack:
+    async def _send(self, to: str, tag: str, kind: Kind | str, frame: bytes, release: float) -> Ack:
         key = (to, tag)
         lock, users = self._order.get(key, (None, 0))
         lock = lock or asyncio.Lock()

@@ -30,7 +30,6 @@ imports: torch, comms only (no mesh, no cli).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import queue
@@ -44,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from comms.errors import PeerTimeout
+from comms.mailbox import Mailbox
 from comms.throttle import LinkSender, LinkShapers
 from comms.torchdist.gloo import gloo_device, pair_group
 from comms.transport import TransportStats
-from comms.wire import Message
 
 WATCH_S = 0.2  # how often a watcher polls the store for new or departed incarnations
 HANDSHAKE_POLL_S = 0.05  # how often a forming link looks for the other side's `here`
@@ -82,8 +81,6 @@ class Link:
     name: str
     peer_rank: int  # the peer's rank in our pair groups
     cond: threading.Condition = field(default_factory=threading.Condition)
-    box: collections.deque[Message] = field(default_factory=collections.deque)
-    box_bytes: int = 0
     closed: str = ""  # why no more messages will arrive ("" while open or not formed yet)
     sender: LinkSender | None = None  # the current pair's
     receiver: threading.Thread | None = None  # forms the pairs and receives on them
@@ -108,6 +105,7 @@ class PairLinks:
     me: str
     timeout_s: float
     stats: TransportStats
+    mailbox: Mailbox
     _closed: bool
     _links: dict[str, Link]
     _shapers: LinkShapers
@@ -220,10 +218,7 @@ class PairLinks:
         with link.cond:
             if self._closed:
                 return False
-            for _ in link.box:
-                self.stats.add_reject("stale")
-            link.box.clear()
-            link.box_bytes = 0
+            self.mailbox.reset(link.name)
             old = link.sender
             link.pair, link.inc, link.up, link.closed = pair, inc, True, ""
             link.lives += 1

@@ -19,9 +19,10 @@ a new one for each pair); per source, a receiver thread that checks the declared
 `max_message_bytes` BEFORE allocating the body, and a validator thread for large frames (so the
 next recv is posted while the last body is checked; small ones are checked inline when nothing
 is queued, order is kept) that runs `wire.unpack` (size, crc, finiteness), counts and drops
-rejects, and files messages in a bounded per-sender mailbox (backpressure when full, except
-for a sender whose next incarnation started: its message is dropped as stale, so a full box
-never holds the link off a restarted peer); `recv` waits on the mailbox with a deadline.
+rejects, and files messages in the bounded per-sender mailbox (comms/mailbox.py; backpressure
+when full, except for a sender whose next incarnation started: its message is dropped as stale,
+so a full box never holds the link off a restarted peer); `recv` waits on the mailbox with a
+deadline.
 Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
 - A recv that times out closes EVERY pair of its group ("Application timeout caused pair
   closure"), so receiver threads wait without a deadline. A group's own timeout (also that of
@@ -45,8 +46,8 @@ Facts about gloo that shape this design (measured, torch 2.13, Python 3.11):
   A pair group still being built (the other side died between its handshake and its group)
   cannot be woken: its thread ends by itself within `timeout_s`.
 
-Group means (an all-gather of wire frames over these links, kind AVERAGE; arriving frames go
-to their round, not the mailbox): comms/torchdist/mean.py.
+Group means: comms/group_means.py over these links (`send_frame`); arriving AVERAGE frames go to
+it, which keeps those of rounds not started yet in the mailbox.
 
 Bytes counted: 8 (length) + frame per message, goodbyes as kind "control", a round's frames as
 kind "average" (one to each other member, whatever the round's outcome).
@@ -57,7 +58,6 @@ imports: torch, comms only (no mesh, no cli).
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import struct
 import threading
@@ -71,11 +71,13 @@ import torch
 from comms import wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
+from comms.group_means import GroupMeans
+from comms.mailbox import Mailbox
+from comms.means import MAX_GROUP_BYTES
 from comms.throttle import Delivery, LinkShapers, Shaping
 from comms.torchdist.gloo import FOREVER, store_client, store_server
-from comms.torchdist.mean import MAX_GROUP_NAME, GroupMeans, MeanGroup
 from comms.torchdist.pairs import END, Link, PairLinks
-from comms.transport import TransportStats
+from comms.transport import Averaging, TransportStats
 from comms.wire import Expect, Kind, Message, Reject
 
 _TAG_HEAD, _TAG_REST = 1, 2
@@ -91,7 +93,7 @@ def parse_rendezvous(addr: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-class TorchTransport(PairLinks, GroupMeans):
+class TorchTransport(PairLinks, Averaging):
     """Transport over torch.distributed (see the module docstring).
 
     Args:
@@ -145,7 +147,11 @@ class TorchTransport(PairLinks, GroupMeans):
         if not set(needed) <= set(linked):
             raise ValueError(f"needed peers {set(needed) - set(linked)} are not links")
         for g, members in groups.items():
-            if len(g.encode()) > MAX_GROUP_NAME or not members or len(set(members)) != len(members):
+            if (
+                len(g.encode()) > MAX_GROUP_BYTES
+                or not members
+                or len(set(members)) != len(members)
+            ):
                 raise ValueError(f"group {g!r}: bad name or members {members}")
             if not set(members) <= set(peers):
                 raise ValueError(f"group {g!r} names unknown peers {set(members) - set(peers)}")
@@ -160,15 +166,11 @@ class TorchTransport(PairLinks, GroupMeans):
         self._limit = Expect(max_body_bytes=max_message_bytes)
         self._shapers = LinkShapers(me, shaping)
         self._closed = False
-        self._stale: collections.deque[str] = collections.deque(maxlen=64)  # see drop_tags
         self._lock = threading.Lock()
-        self._init_means()
+        self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
+        self.means = GroupMeans(self, self.mailbox, {g: ms for g, ms in groups.items() if me in ms})
         self._init_links()
         self._server = None
-        self._groups: dict[str, MeanGroup] = {}
-        for g in sorted(groups):
-            if me in groups[g]:
-                self._groups[g] = MeanGroup(g, tuple(groups[g]))
         self._links: dict[str, Link] = {p: Link(p, int(p < me)) for p in linked}
         try:
             rz_host, port = parse_rendezvous(rendezvous)
@@ -195,82 +197,33 @@ class TorchTransport(PairLinks, GroupMeans):
         frame = wire.pack(tag, kind, enc, step)
         return self._submit(self._link(to), frame, Kind(kind).name.lower(), len(frame))
 
+    def send_frame(self, to: str, frame: bytes) -> Delivery:
+        """Queue frame bytes as they are (comms.means.RoundLink)."""
+        label = wire.frame_label(frame[: wire.MAX_HEADER_BYTES])
+        kind = label[0].name.lower() if label is not None else "raw"
+        return self._submit(self._link(to), frame, kind, len(frame))
+
     def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
-        """The oldest message from frm named tag that matches expect (others with that tag
-        that do not match are counted as rejects and dropped)."""
-        link = self._link(frm)
-        deadline = time.monotonic() + timeout_s
-        with link.cond:
-            while True:
-                msg = self._take(link, tag)
-                if msg is not None:
-                    bad = wire.expect_reject(msg, expect)
-                    if bad is None:
-                        return msg
-                    self.stats.add_reject(bad.reason)
-                    continue
-                if link.closed:
-                    raise PeerLost(f"no message {tag!r} from {frm!r}: {link.closed}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeout(f"no message {tag!r} from {frm!r} within {timeout_s}s")
-                link.cond.wait(remaining)
+        """See comms.transport.Transport.recv (comms.mailbox.Mailbox.receive)."""
+        self._link(frm)
+        return self.mailbox.receive(frm, tag, expect, timeout_s)
 
     def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
         """See comms.transport.Transport.recv_prefix."""
-        if not prefix:
-            raise ValueError("an empty prefix would match every tag")
-        link = self._link(frm)
-        deadline = time.monotonic() + timeout_s
-        with link.cond:
-            while True:
-                msg = self._take(link, prefix, match_prefix=True)
-                if msg is not None:
-                    bad = wire.expect_reject(msg, expect)
-                    if bad is None:
-                        return msg
-                    self.stats.add_reject(bad.reason)
-                    continue
-                if link.closed:
-                    raise PeerLost(f"no message {prefix!r}* from {frm!r}: {link.closed}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeout(f"no message {prefix!r}* from {frm!r} within {timeout_s}s")
-                link.cond.wait(remaining)
+        self._link(frm)
+        return self.mailbox.receive_prefix(frm, prefix, expect, timeout_s)
 
     def drop_tags(self, prefix: str) -> int:
         """Drop waiting and later messages whose tag starts with prefix (a broken session's;
         a fixed grid's one session never breaks, so this serves the protocol and tests)."""
-        if not prefix:
-            raise ValueError("an empty prefix would close every tag")
-        self._stale.append(prefix)
-        dropped = 0
-        for link in self._links.values():
-            with link.cond:
-                for msg in [m for m in link.box if m.name.startswith(prefix)]:
-                    link.box.remove(msg)
-                    link.box_bytes -= msg.held_bytes
-                    self.stats.add_reject("stale")
-                    dropped += 1
-                link.cond.notify_all()
-        return dropped
+        return self.mailbox.close_prefix(prefix)
 
     def health(self) -> dict[str, Any]:
-        """Messages (and their held bytes) waiting in the mailboxes, rounds open and round
-        frames waiting for this member to start their round."""
-        pending = held = 0
-        for link in self._links.values():
-            with link.cond:
-                pending += len(link.box)
-                held += link.box_bytes
-        with self._mean_cond:
-            open_rounds = sum(len(g.open) for g in self._groups.values())
-            early = sum(len(f) for g in self._groups.values() for f in g.early.values())
+        """Messages (and their held bytes) waiting in the mailbox, rounds open."""
         return {
-            "mailbox_pending": pending,
-            "mailbox_bytes": held,
-            "rounds_open": open_rounds,
-            "round_frames_early": early,
+            "mailbox_pending": self.mailbox.pending(),
+            "mailbox_bytes": self.mailbox.held_bytes(),
+            **self.means.health(),
         }
 
     def close(self) -> None:
@@ -294,7 +247,7 @@ class TorchTransport(PairLinks, GroupMeans):
                 sender = link.sender if link.up else None
             if sender is not None:
                 sender.finish((b"", "control", _BYE))
-        self._close_means()  # open rounds fail ("transport closed"), the rounds' thread ends
+        self.means.close()  # open rounds fail ("transport closed"), the rounds' thread ends
         _join_all([t for ln in self._links.values() for t in _threads(ln)], deadline)
         self._release(stuck=[link for link in self._links.values() if _alive(link)])
 
@@ -311,7 +264,6 @@ class TorchTransport(PairLinks, GroupMeans):
                     link.pair.shutdown()
         if self._watcher is not None:
             self._watcher.join(1.0)
-        self._groups = {}  # start_mean after close: "not in a group"
         self._store = self._server = None  # a served store stops and frees its port
 
     def __enter__(self) -> TorchTransport:
@@ -319,13 +271,6 @@ class TorchTransport(PairLinks, GroupMeans):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---------------------------------------------------------------- test hooks (bad peers)
-
-    def _send_raw(self, to: str, data: bytes, declared_len: int | None = None) -> Delivery:
-        """Send arbitrary bytes as one frame (declared_len != len(data): length only, no body)."""
-        n = len(data) if declared_len is None else declared_len
-        return self._submit(self._link(to), bytes(data), "raw", n)
 
     # ---------------------------------------------------------------- point-to-point internals
 
@@ -416,10 +361,11 @@ class TorchTransport(PairLinks, GroupMeans):
             self.stats.add_received(link.name, kind, 8 + n)
             if isinstance(got, Reject):
                 self.stats.add_reject(got.reason)
-                if got.reason == "not_finite":  # a round's payload: its round says refused
-                    raw = wire.unpack(memoryview(item.numpy()), self._limit, check_finite=False)
-                    if isinstance(raw, Message) and raw.kind == Kind.AVERAGE:
-                        self._mean_rejected(link.name, raw.name, got.reason)
+                label = wire.frame_label(item[: wire.MAX_HEADER_BYTES].numpy())
+                if label is not None and label[0] == Kind.AVERAGE:  # its round says refused
+                    self.means.refused(link.name, label[1], got.reason)
+            elif got.kind == Kind.AVERAGE:  # a round's frame: to its round, or early in the box
+                self.means.file(link.name, got)
             else:
                 self._file(link, got)
             return False
@@ -435,37 +381,19 @@ class TorchTransport(PairLinks, GroupMeans):
         return True
 
     def _file(self, link: Link, msg: Message) -> None:
-        nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
-        if any(msg.name.startswith(p) for p in self._stale):
-            self.stats.add_reject("stale")
-            return
-        if msg.kind == Kind.AVERAGE:  # a round's frame goes to its round, never waits here
-            self._file_mean(link.name, msg)
-            return
-        with link.cond:
-            while link.box and (
-                len(link.box) >= self.mailbox_messages
-                or link.box_bytes + nbytes > self.mailbox_bytes
-            ):
-                if self._closed:
-                    self.stats.add_reject("mailbox_closed")
-                    return
-                if link.seen_inc > link.inc:  # its sender is gone: the next pair drops the
-                    self.stats.add_reject("stale")  # box anyway, and must not wait on us
-                    return
-                link.cond.wait(0.1)  # backpressure: the sender's gloo send waits on us
-            link.box.append(msg)
-            link.box_bytes += nbytes
-            link.cond.notify_all()
+        """Into the mailbox, once it has room (backpressure: the sender's gloo send waits on
+        us), unless we close or its sender is gone (its next pair drops the box anyway, and
+        must not wait on us)."""
 
-    def _take(self, link: Link, tag: str, match_prefix: bool = False) -> Message | None:
-        for i, msg in enumerate(link.box):
-            if msg.name == tag or (match_prefix and msg.name.startswith(tag)):
-                del link.box[i]
-                link.box_bytes -= msg.held_bytes
-                link.cond.notify_all()
-                return msg
-        return None
+        def give_up() -> str:
+            return "mailbox_closed" if self._closed else "stale" if link.seen_inc > link.inc else ""
+
+        nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
+        why = self.mailbox.wait_room(link.name, nbytes, give_up)
+        if why:
+            self.stats.add_reject(why)
+        else:
+            self.mailbox.put(link.name, msg, nbytes)
 
     def _mark_closed(self, link: Link, why: str, life: int | None = None) -> None:
         """No more messages will come from the peer until its next incarnation forms a new
@@ -477,16 +405,7 @@ class TorchTransport(PairLinks, GroupMeans):
             link.closed = link.closed or why
             link.up = link.up and why.startswith("broken")
             link.cond.notify_all()
-        self._member_lost(link.name, link.closed)
-
-    # ---------------------------------------------------------------- what the means use
-
-    def _submit_to(self, name: str, frame: bytes, kind: str) -> Delivery:
-        return self._submit(self._link(name), frame, kind, len(frame))
-
-    def _link_lost(self, name: str) -> str:
-        link = self._links.get(name)
-        return "" if link is None else link.closed
+        self.mailbox.mark_lost(link.name, link.closed)  # its rounds stop waiting for it
 
     def _peer_left(self, link: Link) -> None:
         """The peer said goodbye: its remaining messages stay readable; answer with ours so

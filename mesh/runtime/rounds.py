@@ -1,6 +1,6 @@
 """A cell's averaging rounds (the StageWorker's part that launches, applies and drops them).
 
-Role: design 1.3 steps 1-3 in the real runtime. Every interval updates the cell launches the
+Role: the averaging of the real runtime: every interval updates the cell launches the
 round the column's round clock says (mesh/algo/round_clock.py) through the transport's
 non-blocking mean; each round is applied tau or more updates later, in launch order, with the
 simulator's drift correction (mesh/engine/cell.py). A round still missing a member
@@ -18,6 +18,7 @@ import collections
 import time
 from typing import Any
 
+from comms.means import alone
 from comms.transport import MeanStatus
 from mesh.algo import round_clock, sparse
 from mesh.engine.rounds import Action, Round, after_update, round_index
@@ -50,7 +51,7 @@ class Rounds:
     device: Any
 
     def init_rounds(self) -> None:
-        self.last_round: int | None = None  # the index launched last (mesh/algo/round_clock.py)
+        self.last_round: int | None = None  # the round id launched last (round_clock.py)
         dp = self.cfg.dp
         self._jump_after = (
             round_clock.NEVER  # strict: rounds at the cell's own steps, as in the simulator
@@ -58,11 +59,11 @@ class Rounds:
             else round_clock.jump_threshold(dp.tau, dp.max_round_lag_steps, dp.interval_steps)
         )
         self._parts = sparse.num_parts(dp.fraction) if dp.selector == "partition" else None
-        # (time, index) at each launch opportunity: this cell's pace and its partners'
+        # (time, round id) at each launch opportunity: this cell's pace and its partners'
         self._own_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
         self._seen_pace: collections.deque[tuple[float, int]] = collections.deque(maxlen=PACE_N)
         # the partners' pace is counted in the rounds they launch, not in how far the newest
-        # index moved: a trailer that jumps moves it as fast as the leader does, and a leader
+        # round id moved: a trailer that jumps moves it as fast as the leader does, and a leader
         # that read that as a partner keeping up would never bound its lead, so the trailer
         # would keep jumping (a 3x slower replica met a third of its rounds so, 1 run in 3)
         self._seen_newest, self._seen_launches = -1, 0
@@ -79,16 +80,16 @@ class Rounds:
                 skipped = range(max(skipped.start, self.last_round + 1), skipped.stop)
             self.transport.void_rounds(group_name(self.j), self.column, skipped)
 
-    def _next_round(self, own_index: int) -> None:
+    def _next_round(self, own_round_id: int) -> None:
         """Launch the round the shared clock says (mesh/algo/round_clock.py): this cell's own
         count while it keeps up with its column, the newest round a peer launched once it
         trails it by jump_after rounds. The rounds jumped over will never be run here: the
         peers' payloads for them are dropped now, not held until the mailbox's ttl."""
         group = group_name(self.j)
         newest = self.transport.newest_round(group, self.column)
-        lead = self._lead(own_index, newest)
-        index = round_clock.next_round(
-            own_index,
+        lead = self._lead(own_round_id, newest)
+        round_id = round_clock.next_round(
+            own_round_id,
             self.last_round,
             newest,
             self._jump_after,
@@ -97,22 +98,22 @@ class Rounds:
             round_index(self.cfg.run.steps - 1, self.cfg.dp.interval_steps),
             lead,
         )
-        if index is None:
+        if round_id is None:
             self.stats.rounds_skipped += 1
             return
-        base = round_clock.own_next(own_index, self.last_round)
-        if index > base:
-            self.transport.void_rounds(group, self.column, range(base, index))
-            self.stats.rounds_jumped += index - base
-        self.last_round = index
-        self._launch_round(index)
+        base = round_clock.own_next(own_round_id, self.last_round)
+        if round_id > base:
+            self.transport.void_rounds(group, self.column, range(base, round_id))
+            self.stats.rounds_jumped += round_id - base
+        self.last_round = round_id
+        self._launch_round(round_id)
 
-    def _lead(self, own_index: int, newest: int) -> int | None:
+    def _lead(self, own_round_id: int, newest: int) -> int | None:
         """How far past its partners' newest round this cell may launch (round_clock.lead_limit),
         from the paces of its own count and of the partners' launches (each newer round seen
         counts one: never more than they launched, and a jump counts one)."""
         now = time.monotonic()
-        self._own_pace.append((now, own_index))
+        self._own_pace.append((now, own_round_id))
         if newest > self._seen_newest:  # a partner launched (one or more rounds) since
             self._seen_newest, self._seen_launches = newest, self._seen_launches + 1
         if newest >= 0:
@@ -129,12 +130,12 @@ class Rounds:
             open_s, own, round_clock.pace(list(self._seen_pace)), self._jump_after
         )
 
-    def _launch_round(self, index: int) -> None:
-        rnd, _ = self.cell.open_round(index)
+    def _launch_round(self, round_id: int) -> None:
+        rnd, _ = self.cell.open_round(round_id)
         handle = self.transport.start_mean(
             group_name(self.j),
             self.column,
-            index,
+            round_id,
             rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
             self.cfg.dp.codec,
             self.cfg.transport.round_timeout_s,
@@ -175,7 +176,7 @@ class Rounds:
 
     def _finish_round(self, rnd: Round, res: Any) -> None:
         usable = res.mean is not None and self.cell_name in res.contributors
-        if res.status is MeanStatus.FAILED or not usable or len(res.contributors) < 2:
+        if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.cell_name):
             self.stats.rounds_failed += 1
             return
         mean, dp = res.mean, self.cfg.dp
@@ -184,7 +185,8 @@ class Rounds:
             mean, rejected = self.cell.combine_round(res.contributors, parts, self.cell_name)
             for _ in rejected:
                 self.transport.stats.add_reject("outlier")
-            if len(res.contributors) - len(rejected) < 2:  # only our own payload is left
+            kept = [c for c in res.contributors if c not in rejected]
+            if alone(kept, self.cell_name):  # only our own payload is left
                 self.stats.rounds_failed += 1
                 return
         if res.status is MeanStatus.PARTIAL:

@@ -4,13 +4,12 @@ A scenario is `fn(transport, peer, **kwargs) -> dict` (JSON-able). It computes i
 one-process reference (every peer can regenerate every other peer's tensors from the seeds), so
 the test only compares numbers. Tensors are seeded by (purpose, index, member position).
 
-Backends must provide, besides the Transport protocol, two test hooks used by `bad_input`:
-- `_send_raw(to, data: bytes, declared_len: int | None = None)`: send bytes as one frame,
-  unchecked (declared_len != len(data): announce that length and send no body);
-- `_start_mean_encoded(group, members, round_id, enc: Encoded, timeout_s)`: start_mean with a
-  ready Encoded, skipping the sender-side finiteness check (a misbehaving peer).
-and an entry in WIRE_BYTES below (how many bytes a message and a mean contribution put on the
-wire), so byte counters are checked exactly.
+Backends provide, besides the Transport protocol, what `bad_input`'s misbehaving peer uses:
+`send_frame(to, data)` (comms.means.RoundLink: bytes as one frame, unchecked) and `means`
+(comms.group_means.GroupMeans, whose `start` takes a payload encoded already, unchecked); and
+an entry in WIRE_BYTES below (how many bytes a message and a mean contribution put on the wire,
+so byte counters are checked exactly) and in ANNOUNCE below (a frame header that lies about
+its length, written under the link's own framing).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 from comms import codecs, wire
 from comms.codecs import Encoded
 from comms.errors import PeerLost, PeerTimeout
+from comms.means import Contribution, FrameId
 from comms.wire import Expect, Kind
 
 P2P_CODECS = codecs.CODECS
@@ -35,13 +35,17 @@ ROUND_WAIT_S = 60.0
 
 
 # ---- per-backend wire accounting: a new backend adds its entry here ----
+def _round_frame(group: str, round_id: int, enc: Encoded) -> bytes:
+    """A member's frame in a round (the same length for every slot of a group of <= 10)."""
+    return wire.pack(FrameId(group, round_id, 0).name, Kind.AVERAGE, enc, round_id)
+
+
 def _torch_p2p_bytes(frame: bytes) -> int:
     return 8 + len(frame)  # int64 length tensor + frame
 
 
 def _torch_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
-    # per other member: the frame, on the link like any message (its int64 length first)
-    return 8 + len(wire.pack(f"{group}#{round_id}", Kind.AVERAGE, enc, round_id))
+    return _torch_p2p_bytes(_round_frame(group, round_id, enc))  # per other member
 
 
 def _hivemind_p2p_bytes(frame: bytes) -> int:
@@ -49,9 +53,7 @@ def _hivemind_p2p_bytes(frame: bytes) -> int:
 
 
 def _hivemind_mean_bytes(group: str, round_id: int, enc: Encoded) -> int:
-    from comms.p2p.mean import frame_bytes  # per other member; the same length for every index
-
-    return frame_bytes(group, round_id, 0, enc)
+    return _hivemind_p2p_bytes(_round_frame(group, round_id, enc))  # per other member
 
 
 WIRE_BYTES: dict[str, tuple[Callable[[bytes], int], Callable[[str, int, Encoded], int]]] = {
@@ -59,6 +61,36 @@ WIRE_BYTES: dict[str, tuple[Callable[[bytes], int], Callable[[str, int, Encoded]
     "hivemind": (_hivemind_p2p_bytes, _hivemind_mean_bytes),
 }
 # ---- end of per-backend wire accounting ----
+
+
+# ---- per-backend lying length: a frame header announcing nbytes, and no body ----
+def _torch_announce(t, to: str, nbytes: int) -> None:
+    t._submit(t._link(to), b"", "raw", nbytes)  # the int64 length says nbytes; no rest follows
+
+
+def _hivemind_announce(t, to: str, nbytes: int) -> None:
+    """A stream header (comms/p2p/stream.py) announcing nbytes; waits for the answer."""
+    from comms.p2p.stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION
+
+    async def announce() -> None:
+        rec = await t._resolve(to, time.monotonic() + t.timeout_s)
+        _, reader, writer = await t._p2p.call_binary_stream_handler(rec.peer_id, t._handler_name)
+        me = t.me.encode()
+        writer.write(STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(me), nbytes) + me)
+        await writer.drain()
+        try:
+            await reader.readexactly(1)
+        finally:
+            writer.close()
+
+    t._run(announce(), 2 * t.timeout_s)
+
+
+ANNOUNCE: dict[str, Callable[..., None]] = {
+    "torch": _torch_announce,
+    "hivemind": _hivemind_announce,
+}
+# ---- end of per-backend lying length ----
 
 
 def tensor(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -264,15 +296,16 @@ def bad_input(t, peer, marker: str, numel: int = 256) -> dict:
     if peer.name == a:
         nan = torch.full((16,), float("nan"))
         t.send(b, "nan", Kind.ACTIVATION, Encoded("fp32", (16,), nan, None), 0)
-        t._send_raw(b, b"\x00garbage frame, not a message" * 3)
-        t._send_raw(b, _pickle_blob(marker))
+        t.send_frame(b, b"\x00garbage frame, not a message" * 3)
+        t.send_frame(b, _pickle_blob(marker))
         t.send(b, "shape", Kind.ACTIVATION, codecs.encode(x[:4], "fp32"), 1)
         t.send(b, "shape", Kind.ACTIVATION, codecs.encode(x, "fp32"), 2)
         t.send(b, "good", Kind.ACTIVATION, codecs.encode(x, "fp32"), 3).wait(wait)
         bad_enc = Encoded("fp32", (numel,), torch.full((numel,), float("nan")), None)
-        r0 = t._start_mean_encoded("g", members, 0, bad_enc, wait).result(wait + 2)
+        bad = Contribution.encoded(bad_enc)  # a NaN contribution: unchecked, sent as it is
+        r0 = t.means.start("g", members, 0, bad, wait).result(wait + 2)
         r1 = t.start_mean("g", members, 1, good[a], "fp32", wait).result(wait + 2)
-        t._send_raw(b, b"", declared_len=1 << 40)
+        ANNOUNCE[peer.backend](t, b, 1 << 40)
         after = t.recv(b, "after", Expect(), wait)
         return {
             "mean0": r0.status.value,
@@ -466,7 +499,7 @@ def held_bytes(t, peer, numel: int) -> dict:
 
     while not arrived() and time.monotonic() < deadline:
         time.sleep(0.01)
-    held = len(t._links[a].box) if peer.backend == "torch" else t.mailbox.pending(a)
+    held = t.mailbox.pending(a)
     first = t.recv(a, "held/0", Expect(), wait)
     try:
         second = t.recv(a, "held/1", Expect(), wait) is not None

@@ -242,13 +242,14 @@ def nan_averaging_peer(*args, **kwargs) -> None:
     import torch
 
     from comms.codecs import Encoded
+    from comms.means import Contribution
     from comms.p2p.transport import P2PTransport
     from mesh.runtime.trainer import cell_process_main
 
     def poisoned(self, group, members, round_id, values, codec, timeout_s):
         n = values.numel()
         enc = Encoded("fp32", (n,), torch.full((n,), float("nan")), None)
-        return self._start_mean_encoded(group, members, round_id, enc, timeout_s)
+        return self.means.start(group, members, round_id, Contribution.encoded(enc), timeout_s)
 
     P2PTransport.start_mean = poisoned
     cell_process_main(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The hivemind backend (comms/p2p/transport.py, comms/p2p/mean.py) with real processes on
+"""The hivemind backend (comms/p2p/transport.py, comms/means.py) with real processes on
 127.0.0.1.
 
 Each peer is a process (a fork of the cells' fork server) with its own P2PTransport (its own DHT

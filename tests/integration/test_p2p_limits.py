@@ -17,9 +17,9 @@ import torch
 from helpers import wait_for
 
 from comms import codecs
+from comms.group_means import LINGER_ROUNDS
 from comms.p2p.auth import Auth
 from comms.p2p.dht import DhtClient
-from comms.p2p.mean import LINGER_ROUNDS
 from comms.p2p.stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION
 from comms.p2p.transport import LOOPBACK, P2PTransport
 from comms.wire import Expect, Kind
@@ -107,7 +107,7 @@ def test_a_rounds_sends_to_an_unreachable_member_stay_bounded(boot):
         ]
         assert all(h.result(30).status.name == "FAILED" for h in handles)
         wait_for(lambda: len(a._inflight) <= LINGER_ROUNDS, 10, "old rounds' sends cancelled")
-        assert a._means.lingering_sends() <= LINGER_ROUNDS
+        assert a.means.lingering_sends() <= LINGER_ROUNDS
     finally:
         a.close()
 

@@ -1,6 +1,6 @@
 """The shared round clock (mesh/algo/round_clock.py): which round a cell launches."""
 
-from comms.p2p.mean import frame_name, parse_frame_name
+from comms.means import FrameId
 from mesh.algo.round_clock import NEVER, jump_threshold, next_round
 
 
@@ -59,10 +59,10 @@ def test_jump_threshold():
 
 
 def test_round_ids_read_from_payload_names():
-    assert parse_frame_name(frame_name("stage-3", 1234, 1)) == ("stage-3", 1234)
-    assert parse_frame_name("mean/a/b/1") is None
-    assert parse_frame_name("epoch/1/act/5") is None
-    assert parse_frame_name("mean/") is None
+    fid = FrameId("stage-3", 1234, 1)
+    assert fid.name == "mean/stage-3/1234/1" and FrameId.parse(fid.name) == fid
+    for other in ("mean/a/b/1", "epoch/1/act/5", "mean/", "mean/a/1/²", "mean//1/0"):
+        assert FrameId.parse(other) is None, other
 
 
 def test_no_round_past_the_runs_last_index() -> None:

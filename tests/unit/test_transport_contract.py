@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from comms import transport as contract
-from comms.p2p.mean import MeanHandle as P2PMeanHandle
+from comms.means import MeanRound
 from comms.p2p.transport import P2PTransport
-from comms.torchdist.mean import MeanRound
 from comms.torchdist.transport import TorchTransport
 from mesh.runtime import session
 
@@ -42,7 +41,6 @@ CASES = [
     (contract.Transport, P2PTransport),
     (contract.DirectoryTransport, P2PTransport),
     (contract.MeanHandle, MeanRound),
-    (contract.MeanHandle, P2PMeanHandle),
     (session.Coordinator, session.StaticCoordinator),
     (session.Coordinator, session.DhtCoordinator),
 ]

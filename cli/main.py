@@ -16,8 +16,15 @@ from cli.dashboard import dashboard
 from cli.data import data
 from cli.export import export
 from cli.generate import generate
-from cli.options import config_options, resolve_config, run_options, user_errors
+from cli.options import (
+    config_options,
+    grid_overrides,
+    resolve_config,
+    run_options,
+    user_errors,
+)
 from cli.plan import plan
+from cli.train import train
 from mesh.config import ConfigError
 
 BOOTSTRAP_START_S = 60.0  # `meshtrain dht`: p2pd's start retried with backoff this long
@@ -35,6 +42,7 @@ main.add_command(data)
 main.add_command(export)
 main.add_command(generate)
 main.add_command(plan)
+main.add_command(train)
 
 verify_data_option = click.option(
     "--verify-data",
@@ -143,15 +151,6 @@ def simulate(
     corpus = check_data(cfg, verify_data)
     with stop_signals(ctrl_c=True) as stop:
         simulate_logical(cfg, Path(out) if out else None, corpus, bool(resume), stop)
-
-
-def grid_overrides(grid: str | None) -> list[str]:
-    if grid is None:
-        return []
-    parts = grid.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ConfigError(f"--grid {grid}: expected STAGESxREPLICAS, e.g. --grid 4x2")
-    return [f"grid.stages={parts[0]}", f"grid.replicas={parts[1]}"]
 
 
 def p2p_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -31,6 +31,7 @@ GRID_MODULES = {  # eight-peer grids and cell kills: one at a time
     "test_soak_scale_quick.py",
     "test_join.py",
     "test_faults_torch.py",
+    "test_train_cluster.py",
     "test_gpu_check.py",
 }
 

@@ -117,9 +117,12 @@ def cell_transport(
     )
 
 
-def cell_device(cfg: Config, stage: int, replica: int) -> torch.device:
+def cell_device(
+    cfg: Config, stage: int, replica: int, local_rank: int | None = None
+) -> torch.device:
     """runtime.device: "cpu"; "cuda": GPU (cell index mod the visible GPUs, so a simulated
-    grid spreads over them); "auto": cuda when this machine has one. Emulated compute: cpu."""
+    grid spreads over them; a process a cluster launcher started: its LOCAL_RANK mod the
+    visible GPUs); "auto": cuda when this machine has one. Emulated compute: cpu."""
     want = cfg.runtime.device
     if cfg.emulation.compute == "emulated" or want == "cpu":
         return torch.device("cpu")
@@ -127,8 +130,8 @@ def cell_device(cfg: Config, stage: int, replica: int) -> torch.device:
         if want == "cuda":
             raise ConfigError("runtime.device = cuda, but torch sees no GPU; use auto or cpu")
         return torch.device("cpu")
-    index = (replica * cfg.grid.stages + stage) % torch.cuda.device_count()
-    return torch.device("cuda", index)
+    place = replica * cfg.grid.stages + stage if local_rank is None else local_rank
+    return torch.device("cuda", place % torch.cuda.device_count())
 
 
 def make_coordinator(
@@ -219,12 +222,17 @@ def run_cell(
     resume_step: int | None = None,
     run_key: str | None = None,
     since: float | None = None,
+    local_rank: int | None = None,
+    coordinator: Callable[..., Any] | None = None,
 ) -> None:
     """One cell's process: train until the run's last step (or until stopped: SIGTERM / Ctrl-C
     save a checkpoint, release the cell and return normally).
 
     resume_step: load this step's checkpoint first; -1: the latest one of this cell, if any.
     since: claim time to publish (a join that won its claim keeps the same one).
+    local_rank: a cluster launcher's LOCAL_RANK (the GPU: cell_device).
+    coordinator: (cfg, worker, transport, event) -> the cell's coordinator, instead of the
+        backend's (`train`: mesh.runtime.cluster_start.ClusterStart).
     """
     # SIGTERM (the launcher stopping us, or a user): first of all, so a stop while we load is
     # a clean exit 0 too; from the transport on, it unwinds through `finally` so the transport
@@ -243,7 +251,7 @@ def run_cell(
         else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     )
     module = build_cell_stage(cfg, stage)
-    cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica)))
+    cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank)))
     if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
         fp = cfg.state_fingerprint()
         intact = [
@@ -299,6 +307,8 @@ def run_cell(
             pools = cfg.pipeline.routing == "pools"
             worker = (PoolWorker if pools else StageWorker)(cfg, cell, transport, corpus)
             worker.critical = STOP.deferred
+            if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
+                coord = coordinator(cfg, worker, transport, event)
             if coord.elastic:
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
                 server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)

@@ -120,8 +120,6 @@ class StateServer:
     """Answers state requests from the other replicas of this stage, in a background thread.
 
     spool_dir: where snapshot files go (None: the system's temporary folder).
-    corrupt_chunks_for_tests: TESTS ONLY: chunk index -> how many of its sends get one bit
-        flipped after hashing (a chunk damaged in flight, which the joiner must catch).
     """
 
     def __init__(
@@ -132,13 +130,11 @@ class StateServer:
         peers: list[str],
         *,
         spool_dir: str | None = None,
-        corrupt_chunks_for_tests: dict[int, int] | None = None,
     ) -> None:
         self.t, self.cell, self.lock, self.peers = transport, cell, lock, peers
         self.spool_dir = spool_dir
         self.served = 0  # manifests answered
         self.chunks_served = 0
-        self._corrupt = dict(corrupt_chunks_for_tests or {})
         self._snapshots: dict[tuple[str, int], _Snapshot] = {}
         self._ids = itertools.count(random.randrange(REQUEST_NUMBERS))
         self._buffer = buffer_for(0)
@@ -235,9 +231,6 @@ class StateServer:
             part = read_at(snap.file.fileno(), self._buffer[: stop - start], start * VALUE_BYTES)
         except OSError:
             return self._refuse(peer, tag, UNFIT)
-        if self._corrupt.get(index, 0) > 0:  # tests only: damage after hashing, still finite
-            self._corrupt[index] -= 1
-            part.view(torch.int32)[0] ^= 1
         # send frames the buffer at once (a copy), so the buffer serves the next chunk
         self.t.send(peer, tag, Kind.STATE, codecs.encode(part, "fp32"), m.step)
         self.chunks_served += 1

@@ -9,6 +9,7 @@ tests in tests/unit/test_state_chunks.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from p2p_procs import p2pd_descendants
 
 from comms.build import local_rendezvous, make_transport
 from comms.transport import Transport
+from comms.wire import Kind
 from mesh.config import load_config
 from mesh.engine.cell import Cell
 from mesh.model.build import build_stage
@@ -112,6 +114,27 @@ def _transports(backend: str, names: list[str]) -> Iterator[dict[str, Transport]
         helpers.wait_for(lambda: not p2pd_descendants(), 30, "p2pd children to exit")
 
 
+class DamagingLink:
+    """A donor's transport whose chunks are damaged in flight: chunk index -> how many of its
+    sends get one bit flipped after the donor hashed the chunk (the frame's crc is taken over
+    the damaged bytes: only the manifest's digests can catch it). Still finite."""
+
+    def __init__(self, t: Transport, damage: dict[int, int]) -> None:
+        self.t, self.damage = t, dict(damage)
+
+    def send(self, to, tag, kind, enc, step):
+        index = tag.rsplit("/", 1)[-1]
+        if kind == Kind.STATE and index.isdigit() and self.damage.get(int(index), 0) > 0:
+            self.damage[int(index)] -= 1
+            data = enc.data.clone()
+            data.view(torch.int32)[0] ^= 1
+            enc = dataclasses.replace(enc, data=data)
+        return self.t.send(to, tag, kind, enc, step)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.t, name)
+
+
 @contextlib.contextmanager
 def _serving(t: Transport, cell: Cell, peers: list[str], **kw: object) -> Iterator[StateServer]:
     server = StateServer(t, cell, threading.Lock(), peers, **kw)
@@ -165,7 +188,8 @@ def test_a_damaged_chunk_is_fetched_again_and_the_state_is_exact(extra):
     donor, joiner = _cell(extra, replica=0), _cell(extra, replica=1)
     _train(donor, 3, seed=2)
     with _transports("torch", ["s1r0", "s1r1"]) as ts:
-        with _serving(ts["s1r0"], donor, ["s1r1"], corrupt_chunks_for_tests={1: 1, 3: 2}) as srv:
+        damaging = DamagingLink(ts["s1r0"], {1: 1, 3: 2})
+        with _serving(damaging, donor, ["s1r1"]) as srv:
             got = download_state(ts["s1r1"], joiner, "s1r0", TIMEOUT_S, chunk_bytes=SMALL_CHUNKS)
         assert got, got.reason
         assert srv.chunks_served == _chunks(joiner, SMALL_CHUNKS) + 3
@@ -182,7 +206,7 @@ def test_a_chunk_damaged_every_time_is_never_adopted():
     _train(joiner, 1, seed=5)
     before = _state(joiner)
     with _transports("torch", ["s1r0", "s1r1"]) as ts:
-        with _serving(ts["s1r0"], donor, ["s1r1"], corrupt_chunks_for_tests={2: 10**9}):
+        with _serving(DamagingLink(ts["s1r0"], {2: 10**9}), donor, ["s1r1"]):
             got = download_state(ts["s1r1"], joiner, ["s1r0"], TIMEOUT_S, chunk_bytes=SMALL_CHUNKS)
     assert not got and got.donor is None
     assert got.reason == "state download from s1r0 failed: chunk 2 failed its digest 3 times"

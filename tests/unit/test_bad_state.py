@@ -27,6 +27,7 @@ from mesh.runtime.checkpoint import (
     load_cell,
     resume_point,
     save_cell,
+    write_digested,
 )
 from mesh.runtime.metrics import RowTail, read_metrics
 from mesh.runtime.rows import append_row, cut_torn_tail
@@ -57,9 +58,11 @@ def _file_size_limit(n_bytes):
 
 
 def _rewrite(path, change):
+    """The file's content changed, its digest made anew: bad values, not damaged bytes."""
     state = torch.load(path, weights_only=True)
     change(state)
-    torch.save(state, path)
+    with path.open("wb") as f:
+        write_digested(state, f)
 
 
 MALFORMED = {

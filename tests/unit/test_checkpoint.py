@@ -191,6 +191,74 @@ def test_resume_point_passes_over_a_truncated_newest_file(tmp_path):
     assert resume_point(tmp_path, cells, fp).step is None
 
 
+def _flip_middle(path, n=4096):
+    """n bytes in the middle of the file, each one's bits inverted (what a bad sector or a
+    bad copy does): the file still unpickles, with other numbers."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_with_bytes_flipped_in_the_middle_is_passed_over(tmp_path):
+    """4 KB flipped in the middle of a cell's newest checkpoint: the file still loads with
+    the right shapes (what let it be resumed from before the digest), but its digest does not
+    match: passed over like a truncated one, and the resume is from the step before."""
+    from mesh.runtime.checkpoint import DAMAGED, MappedCheckpoint, newest_intact
+
+    cfg = load_config([], [*TINY, "grid.stages=2"])
+    fp = cfg.state_fingerprint()
+    for stage in (0, 1):
+        _, cell = _cell(stage)
+        for _ in range(3):
+            _train(cell, 2)
+            save_cell(cell, fp, tmp_path)
+    newest = checkpoint_path(tmp_path, 1, 0, 6)
+    _flip_middle(newest)
+    assert MappedCheckpoint(newest).state["step"] == 6, "still loads: only the digest tells"
+    assert check_checkpoint(newest, fp, 1, 0) == f"unreadable ({DAMAGED})"
+    point = resume_point(tmp_path, [(0, 0), (1, 0)], fp)
+    assert point.step == 4 and [d[:3] for d in point.damaged] == [(1, 0, 6)]
+    assert newest_intact(tmp_path, 1, 0, fp) == 4 and newest_intact(tmp_path, 0, 0, fp) == 6
+
+
+def test_the_digest_trails_the_file_and_covers_every_byte(tmp_path):
+    """The file is torch.save's bytes, then one line: the SHA-256 of those bytes. Any
+    byte changed (the pickle at the start, a tensor, the zip's directory at the end) or the
+    line cut off is refused; a file of an earlier format (no digest) still resumes."""
+    import hashlib
+
+    from mesh.runtime.checkpoint import DIGEST_TAG, TRAILER_BYTES, digest_problem
+
+    cfg, cell = _cell(0)
+    fp = cfg.state_fingerprint()
+    _train(cell, 2)
+    path = save_cell(cell, fp, tmp_path)
+    data = path.read_bytes()
+    body, trailer = data[:-TRAILER_BYTES], data[-TRAILER_BYTES:]
+    assert trailer == DIGEST_TAG + hashlib.sha256(body).hexdigest().encode() + b"\n"
+    assert digest_problem(path) is None and check_checkpoint(path, fp, 0, 0) is None
+    assert torch.load(path, weights_only=True)["step"] == 2  # torch reads past the trailer
+    for at in (100, len(body) // 3, len(body) - 30):
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        path.write_bytes(bytes(bad))
+        assert check_checkpoint(path, fp, 0, 0).startswith("unreadable"), at
+    path.write_bytes(body)  # the digest cut off: format 3 must carry one
+    assert digest_problem(path) == "no digest"
+    assert check_checkpoint(path, fp, 0, 0).startswith("unreadable")
+    state = torch.load(io_bytes(body), weights_only=True)
+    state["format"] = 2  # an earlier run's file: no digest to check
+    torch.save(state, path)
+    assert check_checkpoint(path, fp, 0, 0) is None
+
+
+def io_bytes(data):
+    import io
+
+    return io.BytesIO(data)
+
+
 def test_resume_point_tells_another_config_from_damage(tmp_path):
     from mesh.runtime.checkpoint import resume_point
 
@@ -265,7 +333,7 @@ def test_a_save_writes_the_cells_own_tensors_and_a_list_of_versions(tmp_path):
     ], "the cell's own storage, not copies"
     path = save_cell(cell, cfg.state_fingerprint(), tmp_path)
     on_disk = torch.load(path, weights_only=True)
-    assert on_disk["format"] == FORMAT == 2 and len(cell.history) == 2  # P - j versions
+    assert on_disk["format"] == FORMAT == 3 and len(cell.history) == 2  # P - j versions
     assert on_disk["versions"].tolist() == list(cell.history)
     assert isinstance(on_disk["stashes"], list)
     assert all(torch.equal(a, b) for a, b in zip(on_disk["stashes"], cell.history.values()))
@@ -326,12 +394,16 @@ def test_format_1_checkpoints_still_resume_and_train_on_the_same(tmp_path, extra
 
 
 def _rewritten(path, tmp_path, change):
-    """A copy of the checkpoint at `path` with `change` applied to its content."""
+    """A copy of the checkpoint at `path` with `change` applied to its content, its digest
+    made anew (what a program that writes wrong values would leave)."""
+    from mesh.runtime.checkpoint import write_digested
+
     state = torch.load(path, weights_only=True)
     change(state)
     out = tmp_path / "changed" / path.name
     out.parent.mkdir(exist_ok=True)
-    torch.save(state, out)
+    with out.open("wb") as f:
+        write_digested(state, f)
     return out
 
 

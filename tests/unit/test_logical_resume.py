@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
-from mesh.runtime.checkpoint import checkpoint_path
+from mesh.runtime.checkpoint import checkpoint_path, write_digested
 
 pytestmark = pytest.mark.slow  # three small runs of the simulator and their checkpoints
 
@@ -126,7 +126,8 @@ def test_resume_refuses_a_damaged_simulator_state_in_one_line(tmp_path, text_fil
         path = checkpoint_path(run, j, i, 4)
         state = torch.load(path, weights_only=True)
         state["simulator"]["rounds"][0]["indices"] = torch.tensor([10**9])  # off the stage
-        torch.save(state, path)
+        with path.open("wb") as f:  # its digest made anew: bad values, not damaged bytes
+            write_digested(state, f)
     res = CliRunner().invoke(main, ["simulate", "--resume", str(run), "--steps", "6"])
     assert res.exit_code == 2 and "malformed round in flight" in res.output, res.output
     assert "Traceback" not in res.output

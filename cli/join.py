@@ -44,6 +44,7 @@ from mesh.runtime.registry import (
     Registry,
     RunRecord,
     free_cells,
+    pick_run,
     read_again,
 )
 
@@ -142,10 +143,28 @@ def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
 
 
 def read_run_record(registry: Registry, reads: int, run_key: str | None = None) -> RunRecord | None:
-    """The run's record, read again (a second apart) while the DHT answers empty, up to
-    `reads` times: one empty answer from a busy DHT would otherwise tell a joiner that there
-    is no run, or let a joiner with --config start a second one."""
+    """The run's record (Registry.run: with a key, only one sealed with it), read again (a
+    second apart) while the DHT answers empty, up to `reads` times: one empty answer from a
+    busy DHT would otherwise tell a joiner that there is no run, or let a joiner with --config
+    start a second one."""
     return read_again(lambda: registry.run(run_key), reads)
+
+
+def other_key_run(registry: Registry, run_key: str, starting: bool) -> None:
+    """A joiner with a key found no run sealed with it: if the run id's public record says
+    its run has another key, a joiner without --config is told the key does not match (exit
+    2); one with --config starts its run beside it (its records are apart, in its key's
+    space: a record an outsider stored first never stops an owner), and is told so."""
+    public = pick_run(registry.runs(), run_key)
+    if public is None or key_verdict(public, run_key) != "wrong":
+        return  # none, or unsigned (a peer without any key wrote it): not a run to mention
+    if not starting:
+        raise JoinError(KEY_PROBLEMS["wrong"])
+    click.echo(
+        f"note: this run id also names a run with another key; this run starts beside it "
+        f"(check {KEY_HINT} if you meant to join that one)",
+        err=True,
+    )
 
 
 def read_owners(
@@ -352,6 +371,8 @@ def run_join(
         # a joiner without --config can only follow a run: it waits longer for the record
         reads = RUN_READS if cfg_local is None else 2
         rec = read_run_record(Registry(scout, None, 1.0), reads, run_key)
+        if rec is None and run_key:  # nothing sealed with our key: is there a run of another?
+            other_key_run(Registry(scout, None, 1.0), run_key, cfg_local is not None)
         cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"transport.backend": "hivemind"})
         check_extras(cfg)  # before a claim: a missing package is one line here

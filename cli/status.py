@@ -1,10 +1,14 @@
 """`meshtrain status`: the grid as the DHT sees it, and whether this user can verify it.
 
 A claim counts only with a membership token made with the run key (mesh/runtime/registry.py).
-Without the key (or with another one) no claim can be verified: status then shows every well-formed
-claim marked unverified, never as a free cell (a cell is free only when nobody claims it), and
-says which key is missing. Sessions are named by their start time, not by the raw wall-clock-ms
-epoch the leaders write.
+A keyed run's claims live in its key's space (comms.p2p.auth.records_space): without the key (or
+with another one) status cannot read them, shows none and no free cell, and says which key is
+missing. Claims it can read but not verify (a run whose record is forged) are shown marked
+unverified, never as free cells (a cell is free only when nobody claims it). A read that gets
+no answer (or a reply trimmed by a flood, comms.p2p.bounds) fails the status: it is never taken
+for free cells. Records that do not unseal with the given key are counted by kind
+(`bad_signatures`: config, claim, session). Sessions are named by their start time, not by the
+raw wall-clock-ms epoch the leaders write.
 
 imports: cli.join, mesh (config, registry), comms.p2p.auth, stdlib.
 """
@@ -20,13 +24,10 @@ from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError
 from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (
-    CONFIG_KEY,
-    CONFIG_SLOT,
     CellRecord,
     Registry,
     RunRecord,
     free_cells,
-    parse_run,
     pick_run,
     running,
 )
@@ -67,12 +68,18 @@ def session_label(epoch_ms: int, now_s: float) -> str:
 
 
 def status_rows(
-    registry: Registry, cfg: Config | None, key: str = KEY_OK, now: float | None = None
+    registry: Registry | None, cfg: Config | None, key: str = KEY_OK, now: float | None = None
 ) -> dict[str, Any]:
     """The grid as the DHT sees it: one row per claimed cell, and the free cells (claimed by
-    nobody). With key != ok the registry has no Auth: every row is marked unverified."""
+    nobody). With key != ok the registry has no Auth: every row is marked unverified. No
+    registry: the claims cannot be read (a keyed run, without its key): no rows, no free cell."""
     now = time.time() if now is None else now
-    owned = registry.probe_owners() if cfg is None else registry.owners(range(cfg.grid.replicas))
+    if registry is None:
+        owned: dict[str, CellRecord] | None = {}
+    elif cfg is None:
+        owned = registry.probe_owners()
+    else:
+        owned = registry.owners(range(cfg.grid.replicas))
     if owned is None:
         raise JoinError("the DHT did not answer (the grid cannot be read); try again")
     verified = key == KEY_OK
@@ -99,8 +106,10 @@ def status_rows(
         P, m = cfg.grid.stages, cfg.grid.replicas
         grid = f"{P}x{m}"
         data = {"path": cfg.data.path, "digest": cfg.data.digest}
-        free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
+        if registry is not None:
+            free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
     pools = pool_rows(owned, P) if cfg is not None and cfg.pipeline.routing == "pools" else None
+    withdrawn = {} if registry is None else registry.withdrawn
     return {
         "pools": pools,
         "run_key": key,
@@ -110,10 +119,11 @@ def status_rows(
         "free": free,
         # free cells whose last owner withdrew its claim lately (a clean stop), by signer; a
         # free cell not here expired (its peer vanished) or was never held
-        "released": {c: sorted(registry.withdrawn[c]) for c in free if c in registry.withdrawn},
-        "rejected_claims": registry.rejected,
-        # records that did not unseal with the run's key, by kind (claim, session)
-        "bad_signatures": dict(registry.bad_signatures),
+        "released": {c: sorted(withdrawn[c]) for c in free if c in withdrawn},
+        "claims_readable": registry is not None,
+        "rejected_claims": 0 if registry is None else registry.rejected,
+        # records that did not unseal with the run's key, by kind (config, claim, session)
+        "bad_signatures": {} if registry is None else dict(registry.bad_signatures),
     }
 
 
@@ -154,13 +164,24 @@ def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def read_run(reader: Registry, run_key: str | None) -> RunRecord | None:
+    """The run's record as status sees it: with a key, the first sealed with it in the key's
+    space, else (for its key state) pick_run at the public `config`. With a key, every record
+    of either place that does not unseal with it is counted in reader.bad_signatures."""
+    public = reader.run_records("")
+    own = reader.sealed_runs(run_key) if run_key else []
+    if public is None or own is None:
+        raise JoinError("the DHT did not answer (the run's record cannot be read); try again")
+    if run_key:
+        reader.forged_runs(sum(not r.signed_by(run_key) for r in public))
+    return next(iter(own), None) or pick_run(public, run_key)
+
+
 def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
     """The run's record, the key's state and the grid, read through a DHT client."""
-    found = directory.dht_get(CONFIG_KEY, timeout_s=READ_TIMEOUT_S)
-    if found is None:
-        raise JoinError("the DHT did not answer (the run's record cannot be read); try again")
-    slots = [parse_run(v, k) for k, v in sorted(found.items()) if k.startswith(CONFIG_SLOT)]
-    rec = pick_run([r for r in slots if r is not None], run_key)
+    # a Registry's reads wait 2 x heartbeat_s
+    reader = Registry(directory, None, READ_TIMEOUT_S / 2, run_key=run_key)
+    rec = read_run(reader, run_key)
     cfg = None
     if rec is not None:
         try:
@@ -168,9 +189,15 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
         except ConfigError:  # a record this version cannot read: the claims still can be
             cfg = None
     key = key_state(rec, run_key)
-    auth = Auth.of(run_key, rec.fingerprint) if rec is not None and key == KEY_OK else None
-    # a Registry's reads wait 2 x heartbeat_s
-    rows = status_rows(Registry(directory, auth, READ_TIMEOUT_S / 2), cfg, key)
+    registry: Registry | None = reader  # claims in our key's space, unverified
+    if key == KEY_OK:
+        registry = Registry(directory, Auth.of(run_key, rec.fingerprint), READ_TIMEOUT_S / 2)
+    elif key in (KEY_MISSING, KEY_WRONG):  # a keyed run, not ours to read
+        registry = None
+    rows = status_rows(registry, cfg, key)
+    if registry is not reader:  # with the config records' count
+        for kind, n in reader.bad_signatures.items():
+            rows["bad_signatures"][kind] = rows["bad_signatures"].get(kind, 0) + n
     rows["run"] = None if rec is None else {"fingerprint": rec.fingerprint}
     if cfg is not None:
         rows["run"].update(heartbeat_s=cfg.elastic.heartbeat_s, steps=cfg.run.steps)
@@ -181,10 +208,11 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
 def key_error(key: str) -> str | None:
     """The line that explains a key state other than ok (None: nothing to explain)."""
     unverified = "claims cannot be verified: any above are marked unverified, not free"
+    unreadable = "its claims are readable only with its key (none shown, none taken as free)"
     if key == KEY_MISSING:
-        return f"this run has a run key and none was given ({KEY_HINT}): " + unverified
+        return f"this run has a run key and none was given ({KEY_HINT}): " + unreadable
     if key == KEY_WRONG:
-        return f"the run key does not match this run's ({KEY_HINT}): " + unverified
+        return f"the run key does not match this run's ({KEY_HINT}): " + unreadable
     if key == KEY_UNSIGNED:
         return "the run's config record is not signed by the run key (forged): " + unverified
     return None

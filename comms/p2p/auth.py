@@ -23,6 +23,12 @@ peer without the key cannot write a record the run reads, nor stretch an old one
 `key_check` (published in the config record) is bound to the fingerprint too, so it tells a
 joiner whether its key is the run's without revealing the key or the record secret.
 
+Where: a keyed run's records live under DHT keys named after the key (`records_space`: an HMAC
+of the run key, so only its holders can name them). A peer without the key cannot write where
+members read (no flood of junk subkeys, no plain value that blocks their stores, no config
+record stored first); members still read only what unseals. A copy of the config record also
+lives at the run id's public key, so a joiner without the key hears that the run needs one.
+
 imports: stdlib only.
 """
 
@@ -55,6 +61,14 @@ def signer_of(subkey: str, prefix: str) -> str | None:
     return rest if rest == "" or (rest.startswith("[owner:") and rest.endswith("]")) else None
 
 
+def records_space(key: bytes) -> str:
+    """The prefix of a run's record keys in the DHT: "" without a run key, else a name only
+    holders of the key can make ("k" + 16 hex of an HMAC of the key, and a dot)."""
+    if not key:
+        return ""
+    return "k" + hmac.new(key, b"meshtrain-records-space", hashlib.sha256).hexdigest()[:16] + "."
+
+
 @dataclass(frozen=True)
 class Auth:
     key: bytes  # the run key (b"" when the run has none)
@@ -63,6 +77,11 @@ class Auth:
     @classmethod
     def of(cls, run_key: str | None, context: str) -> Auth:
         return cls((run_key or "").encode(), context)
+
+    @property
+    def space(self) -> str:
+        """Where this run's records live (records_space)."""
+        return records_space(self.key)
 
     def token(self, peer_id: str, signer: str) -> str:
         msg = f"{self.context}|{peer_id}|{signer}".encode()

@@ -9,8 +9,12 @@ the newest one that proves membership, so an outsider cannot shadow a member's n
 `start_dht(..., p2pd_flags={...})` passes p2pd flags hivemind has no parameter for
 (comms/p2p/relay.py). `watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
 their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
+Every DHT process of ours bounds what junk can do (comms/p2p/bounds.py: what it stores, how
+big a reply grows), and run-record reads (`get_records`) tell "nobody answered" from "nothing
+there".
 
-imports: hivemind, comms.p2p.auth, comms.p2p.locks, comms.procs, stdlib (no torch, no mesh, no cli).
+imports: hivemind, comms.p2p (auth, bounds, locks), comms.procs, stdlib (no torch, no mesh, no
+cli).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +39,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms import procs
-from comms.p2p import locks
+from comms.p2p import bounds, locks
 from comms.p2p.auth import signer_of
+
+logger = logging.getLogger(__name__)
 
 # before any DHT process is forked: hivemind's process-shared locks stay stuck for ever when a
 # process holding one dies, and every later DHT process of ours would hang on them
@@ -131,6 +138,13 @@ class _RequestPipe:
         self._conn = conn
 
     def recv(self) -> Any:
+        # hivemind's loop watches this pipe with add_reader, which makes it non-blocking: a
+        # request larger than the pipe's buffer (64 KiB: a store of a big value) was then read
+        # in part, failed with EAGAIN, and every later request read from the middle of it
+        # (the DHT process answered nothing again). Blocking while one request is read: the
+        # loop said a request is there, and its rest follows.
+        fd = self._conn.fileno()
+        os.set_blocking(fd, True)
         try:
             return self._conn.recv()
         except (OSError, RuntimeError):
@@ -161,6 +175,7 @@ class PeerDHT(hivemind.DHT):
         # first ping fails with p2pd still running) can find what is ours and remove it
         P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
         _add_p2pd_flags(getattr(self, "p2pd_flags", {}))
+        bounds.bound_replies()  # no find reply of ours outgrows p2pd's limit (a flood)
         try:
             super().run()
             _stop_own_daemons()  # nothing left after a clean shutdown; a failed start's leftovers
@@ -341,7 +356,8 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
     the process-wide key)."""
-    kwargs.setdefault("record_validators", [RSASignatureValidator()])
+    validators = kwargs.get("record_validators", [RSASignatureValidator()])
+    kwargs["record_validators"] = [*validators, bounds.RecordBounds()]  # junk is not stored
     deadline = time.monotonic() + timeout_s
     delay = 0.5
     while True:
@@ -396,7 +412,11 @@ def store_record(
     """Store a plain value (dict/list/str/number, MSGPack) under key/subkey for ttl_s; None
     "deletes" it (a None that outlives the old value). False if the DHT did not take it."""
     exp = get_dht_time() + ttl_s
-    DHT_COUNTS.add(stores=1, store_bytes=msgpack_bytes(value) + len(key) + len(subkey))
+    size = msgpack_bytes(value)
+    if size > bounds.RECORD_MAX_BYTES - 1024:  # nodes would refuse it (with its signature)
+        logger.warning("not stored: a %d-byte record under %s is over the DHT's limit", size, key)
+        return False
+    DHT_COUNTS.add(stores=1, store_bytes=size + len(key) + len(subkey))
     fut = dht.store(key, value, exp, subkey=subkey, return_future=True)
     try:
         return bool(fut.result(timeout_s))
@@ -406,36 +426,33 @@ def store_record(
 
 def get_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, Any] | None:
     """Every live subkey -> value under key ({} when nothing is there); None when the DHT did
-    not answer within timeout_s (unknown is not empty: a slow DHT must not read as "every peer
-    left"). Values are other peers' data: callers type-check them."""
+    not answer within timeout_s, or could not tell (comms.p2p.bounds.read_records: no node
+    answered, or a reply was trimmed). Unknown is not empty: a slow or flooded DHT must not
+    read as "every peer left". Values are other peers' data: callers type-check them."""
     return get_many_records(dht, [key], timeout_s)[0]
 
 
 def get_many_records(
     dht: hivemind.DHT, keys: Sequence[str], timeout_s: float, withdrawn: bool = False
 ) -> list[dict[str, Any] | None]:
-    """get_records of several keys at once (the gets run in parallel, all within timeout_s).
+    """get_records of several keys at once (one read in the DHT process, within timeout_s).
     withdrawn: also the subkeys their writer withdrew (stored None, see store_record) and
     whose withdrawal has not expired yet, with the value None."""
-    futs = [dht.get(key, latest=True, return_future=True) for key in keys]
-    deadline = time.monotonic() + timeout_s
-    return [_records(fut, max(0.0, deadline - time.monotonic()), withdrawn) for fut in futs]
-
-
-def _records(fut: Any, timeout_s: float, withdrawn: bool = False) -> dict[str, Any] | None:
+    # not cancelled on a timeout: hivemind would log the late result's failure; it ends by
+    # itself within its RPC timeouts
+    fut = dht.run_coroutine(partial(bounds.read_records, list(keys)), return_future=True)
     try:
         found = fut.result(timeout_s)
-    except Exception:  # noqa: BLE001 - no answer
-        fut.cancel()
-        return None
-    if found is None or not isinstance(found.value, dict):
+    except Exception:  # noqa: BLE001 - no answer in time
+        return [None] * len(keys)
+    return [_records(f, withdrawn) for f in found]
+
+
+def _records(found: dict[str, Any] | None, withdrawn: bool) -> dict[str, Any] | None:
+    if found is None:
         DHT_COUNTS.add(gets=1)
-        return {}
-    records = {
-        str(k): v.value
-        for k, v in found.value.items()
-        if hasattr(v, "value") and (withdrawn or v.value is not None)
-    }
+        return None
+    records = {k: v for k, v in found.items() if withdrawn or v is not None}
     size = sum(len(k) + msgpack_bytes(v) for k, v in records.items())
     DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
     return records

@@ -26,6 +26,12 @@ run's Auth takes only records that unseal; the others are ignored and counted
 (`bad_signatures`, by record kind). A reader that does not know the run yet (join's first read,
 `status` without the key) checks the config record itself with `RunRecord.signed_by(run_key)`.
 
+Where: the keys above are under the run key's own prefix (comms.p2p.auth.records_space, e.g.
+`k1f2e....cells.r0`; none without a key), which nobody without the key can name: a keyless
+writer cannot flood a keyed run's claims, block their stores or squat its config record. A
+keyed run's config record is also stored at the public `config` (the same sealed value), where
+a joiner without the key, or with another one, learns that the run has a key.
+
 Pure functions on parsed records (owner, free cells, status rows) have direct unit tests.
 
 imports: stdlib, comms.p2p.auth, comms.transport and mesh.algo.topology (the records come
@@ -41,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from comms.p2p.auth import Auth, signer_of
+from comms.p2p.auth import Auth, records_space, signer_of
 from mesh.algo.topology import Cell
 
 if TYPE_CHECKING:  # the protocol only: `join` checks its arguments before torch is imported
@@ -261,14 +267,16 @@ def parse_run(value: object, subkey: str = CONFIG_SLOT) -> RunRecord | None:
 
 
 def pick_run(records: list[RunRecord], run_key: str | None) -> RunRecord | None:
-    """The record a peer with run_key follows among the writers' slots: one sealed with its
-    key; else a sealed one that claims a key, else any that claims one (so a peer without the
-    key hears that the run needs one, rather than following a keyless record a forger wrote
-    beside it); else any."""
+    """The record a peer with run_key takes among the writers' slots at the public `config`
+    (what its key_verdict is told from): one sealed with its key (a key is given); else a
+    sealed one that claims a key, so that a peer without the key hears that the run needs one
+    rather than following an empty-key record a forger wrote beside it; else one sealed with
+    the empty key (an open run), else any that claims a key; else any."""
     sealed = lambda r: isinstance((r.raw or {}).get("sig"), str)  # noqa: E731
     for ok in (
-        lambda r: r.signed_by(run_key),
+        lambda r: bool(run_key) and r.signed_by(run_key),
         lambda r: sealed(r) and r.claims_a_key,
+        lambda r: r.signed_by(None),
         lambda r: r.claims_a_key,
         lambda r: True,
     ):
@@ -281,10 +289,19 @@ def pick_run(records: list[RunRecord], run_key: str | None) -> RunRecord | None:
 class Registry:
     """Reads and writes the records above through a Directory. With an Auth, claims must carry
     its token for their PeerID (others are ignored and counted in `rejected`); without one
-    (`status` before it knows the run), every well-formed claim counts."""
+    (`status` before it knows the run), every well-formed claim counts. Records live in the
+    run key's space: the Auth's key, else run_key (a reader that has the key but not yet the
+    run's fingerprint)."""
 
-    def __init__(self, directory: Directory, auth: Auth | None, heartbeat_s: float) -> None:
+    def __init__(
+        self,
+        directory: Directory,
+        auth: Auth | None,
+        heartbeat_s: float,
+        run_key: str | None = None,
+    ) -> None:
         self.d, self.auth, self.heartbeat_s = directory, auth, heartbeat_s
+        self.space = auth.space if auth is not None else records_space((run_key or "").encode())
         self.rejected = 0  # claims ignored: malformed, unsealed or without a valid token
         self.bad_signatures: Counter[str] = Counter()  # record kind -> records that did not unseal
         self._leaders: dict[str, str] = {}  # leader cell -> signer of its last owner seen
@@ -316,8 +333,12 @@ class Registry:
         """The membership token for our claims (signed with our directory's owner marker)."""
         return None if self.auth is None else self.auth.token(peer, self.d.owner_marker)
 
-    def _get(self, key: str) -> dict[str, Any] | None:
-        return self.d.dht_get(key, timeout_s=max(2.0, 2 * self.heartbeat_s))
+    def _get(self, key: str, space: str | None = None) -> dict[str, Any] | None:
+        where = self.space if space is None else space
+        return self.d.dht_get(where + key, timeout_s=max(2.0, 2 * self.heartbeat_s))
+
+    def _put(self, key: str, subkey: str, value: Any, ttl_s: float, **kw: Any) -> bool:
+        return self.d.dht_store(self.space + key, subkey, value, ttl_s, **kw)
 
     def cells(self, replicas: Iterable[int]) -> list[CellRecord] | None:
         """Every valid live claim of those replicas' cells (read in parallel); None when the
@@ -325,7 +346,7 @@ class Registry:
         read would look free)."""
         replicas = list(replicas)
         found = self.d.dht_get_many(
-            [claims_key(i) for i in replicas],
+            [self.space + claims_key(i) for i in replicas],
             timeout_s=max(2.0, 2 * self.heartbeat_s),
             withdrawn=True,
         )
@@ -397,14 +418,14 @@ class Registry:
     def beat(self, rec: CellRecord) -> bool:
         ttl = self.heartbeat_s * HEARTBEAT_LIVES
         key, subkey = self._claims_key_of(rec.cell), self._subkey(rec.cell, rec.peer)
-        return self.d.dht_store(key, subkey, self._seal(key, subkey, cell_value(rec), ttl), ttl)
+        return self._put(key, subkey, self._seal(key, subkey, cell_value(rec), ttl), ttl)
 
     def release(self, cell: str, peer: str) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
         the terminal's process group; the claim then expires by itself). Whether it was."""
         ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
         key = self._claims_key_of(cell)
-        return self.d.dht_store(key, self._subkey(cell, peer), None, ttl, timeout_s=2.0)
+        return self._put(key, self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 
     def session(
         self, replica: int, leader_cell: str, owned: dict[str, CellRecord] | None = None
@@ -431,26 +452,58 @@ class Registry:
     def put_session(self, replica: int, s: SessionRecord) -> bool:
         key, subkey = f"session.r{replica}", f"leader{self.d.owner_marker}"
         value = self._seal(key, subkey, session_value(s), SESSION_TTL_S)
-        return self.d.dht_store(key, subkey, value, SESSION_TTL_S)
+        return self._put(key, subkey, value, SESSION_TTL_S)
 
-    def runs(self) -> list[RunRecord]:
-        """Every writer's copy of the run's record, as stored (seals not checked)."""
-        found = self._get(CONFIG_KEY) or {}
+    def run_records(self, space: str | None = None) -> list[RunRecord] | None:
+        """Every writer's copy of the run's record in `space` (default: this registry's; ""
+        the public `config`), as stored (seals not checked); None: the DHT did not answer."""
+        found = self._get(CONFIG_KEY, space)
+        if found is None:
+            return None
         recs = [parse_run(v, k) for k, v in sorted(found.items()) if k.startswith(CONFIG_SLOT)]
         return [r for r in recs if r is not None]
 
+    def runs(self) -> list[RunRecord]:
+        """The copies at the public `config` ([] when the DHT did not answer)."""
+        return self.run_records("") or []
+
+    def sealed_runs(self, run_key: str, space: str | None = None) -> list[RunRecord] | None:
+        """The copies in run_key's space (or `space`) sealed with run_key; the others there are
+        counted (bad_signatures["config"]) and ignored. None: the DHT did not answer."""
+        found = self.run_records(records_space(run_key.encode()) if space is None else space)
+        if found is None:
+            return None
+        good = [r for r in found if r.signed_by(run_key)]
+        self.forged_runs(len(found) - len(good))
+        return good
+
+    def forged_runs(self, n: int) -> None:
+        """Count n config records that did not unseal with the run key."""
+        if n:
+            self.bad_signatures["config"] += n
+
     def run(self, run_key: str | None = None) -> RunRecord | None:
-        """The run's record a peer with run_key follows (pick_run); its seal is checked by the
-        caller (RunRecord.signed_by), which says why a record is refused."""
-        return pick_run(self.runs(), run_key)
+        """The run's record a peer with run_key follows. With a key: one sealed with it, from
+        the key's own space (sealed_runs), so that no record a peer without the key wrote is
+        ever followed or refused (an owner starting its run cannot be squatted). Without one:
+        pick_run at the public `config`; the caller checks its seal (RunRecord.signed_by, then
+        cli.join.key_verdict says why it is refused)."""
+        if run_key:
+            return next(iter(self.sealed_runs(run_key) or []), None)
+        return pick_run(self.runs(), None)
 
     def put_run(self, rec: RunRecord) -> bool:
+        """Store our copy of the run's record in our slot: in the key's space, and (a keyed
+        run) at the public `config` too. Whether the first store was taken."""
         value = {"v": 1, "fingerprint": rec.fingerprint, "toml": rec.toml}
         if rec.data is not None:
             value["data"] = rec.data
         slot = f"{CONFIG_SLOT}{self.d.owner_marker}"
         sealed = self._seal(CONFIG_KEY, slot, {**value, "key_check": rec.key_check}, CONFIG_TTL_S)
-        return self.d.dht_store(CONFIG_KEY, slot, sealed, CONFIG_TTL_S)
+        taken = self._put(CONFIG_KEY, slot, sealed, CONFIG_TTL_S)
+        if self.space:  # the public copy: best effort, members never read it
+            self.d.dht_store(CONFIG_KEY, slot, sealed, CONFIG_TTL_S)
+        return taken
 
 
 def read_again(read: Callable[[], T | None], reads: int, pause_s: float = 1.0) -> T | None:

@@ -1,8 +1,8 @@
 """`join` and `status` say what is happening: real `meshtrain dht` + `meshtrain join` processes on
 127.0.0.1 forming a 2x1 grid of the tiny model.
 
-A lone join says whom its replica waits for; `status` without (or with another) run key shows
-the claims it cannot verify as unverified, not as free cells, and exits 2; a second join lets
+A lone join says whom its replica waits for; `status` without (or with another) run key says
+the run's claims are readable only with its key, shows no free cell, and exits 2; a second join lets
 the replica start; Ctrl-C saves and releases, and says so; the neighbour left behind says it
 waits, and for whom; joining again resumes from the checkpoint and says so. Failed joins leave
 no /tmp/hivemind-* files of their own behind.
@@ -84,17 +84,17 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
         waiting = "waiting for s1r0 (free) to start replica 0"
         _wait(lambda: first.count(waiting) >= 1, "the lone join to say whom it waits for")
 
-        # -- status without the key: the claim is shown, unverified and not free; exit 2
+        # -- status without the key: the claims live in the key's space, unread; none is free;
+        #    exit 2
         code, out = _run("status", *peers, "--json", key=None)
         assert code == 2, out
         rows = _json(out)
-        assert rows["run_key"] == "missing"
-        assert [(c["cell"], c["verified"]) for c in rows["cells"]] == [("s0r0", False)]
-        assert rows["free"] == ["s1r0"]
+        assert rows["run_key"] == "missing" and rows["grid"] == "2x1"
+        assert rows["cells"] == [] and rows["free"] == [] and not rows["claims_readable"]
         assert "none was given (--run-key or MESHTRAIN_RUN_KEY)" in out
         code, out = _run("status", *peers, key="another key")
         assert code == 2, out
-        assert "s0r0 (unverified)" in out and "run key does not match" in out
+        assert "run key does not match" in out and "readable only with its key" in out
 
         # -- a second join lets the replica start
         second = Join(tmp_path / "j1.log", *peers, "--out", str(out_b))

@@ -103,26 +103,34 @@ def test_key_states():
 
 
 @pytest.mark.parametrize(("given", "state"), [(None, "missing"), ("another", "wrong")])
-def test_status_without_the_key_shows_claims_unverified_not_free(given, state):
+def test_status_without_the_key_reads_no_claims_and_no_free_cell(given, state):
     d, _ = _run_with_a_claim("the key")
     rows = read_status(d, given)
-    assert rows["run_key"] == state
-    assert [(c["cell"], c["verified"], c["step"]) for c in rows["cells"]] == [("s0r0", False, 12)]
-    assert rows["free"] == ["s1r0"]
+    assert rows["run_key"] == state and rows["grid"] == "2x1"
+    # the claims live in the key's space: not readable, and never taken for free cells
+    assert rows["cells"] == [] and rows["free"] == [] and rows["claims_readable"] is False
+    assert "readable only with its key" in key_error(state)
+
+
+def test_status_of_an_open_run_without_a_key_reads_its_claims():
+    d, _ = _run_with_a_claim(None)
+    rows = read_status(d, None)
+    assert rows["run_key"] == "ok" and rows["free"] == ["s1r0"]
+    assert [(c["cell"], c["verified"], c["step"]) for c in rows["cells"]] == [("s0r0", True, 12)]
 
 
 def test_status_with_the_key_verifies_claims_and_ignores_forged_ones():
-    d, _ = _run_with_a_claim("the key")
+    d, cfg = _run_with_a_claim("the key")
     forger = Registry(d.joined("[owner:forger]"), Auth.of("guess", "x"), 60.0)
+    # an outsider that learned the DHT key the run's claims live under (a node on their path)
+    forger.space = Auth.of("the key", cfg.fingerprint()).space
     now = time.time()
     forger.beat(CellRecord("s1r0", "mallory", 5, now, 0, 0, 0.0, now, forger.token("mallory")))
     rows = read_status(d, "the key")
     assert rows["run_key"] == "ok"
     assert [(c["cell"], c["verified"]) for c in rows["cells"]] == [("s0r0", True)]
     assert rows["free"] == ["s1r0"] and rows["rejected_claims"] == 1
-    # without the key the forged claim cannot be told from a member's: shown, unverified
-    assert [c["cell"] for c in read_status(d, None)["cells"]] == ["s0r0", "s1r0"]
-    assert read_status(d, None)["free"] == []
+    assert rows["bad_signatures"] == {"claim": 1}
 
 
 def test_status_says_when_the_dht_does_not_answer():

@@ -58,7 +58,7 @@ def test_claims_without_the_run_token_are_ignored_and_counted():
     other.beat(rec("s1r0", "copycat", 0.4, auth=reg.token("good")))  # a token for another peer
     other.beat(rec("s1r1", "good", 0.3, auth=reg.token("good")))  # good's token, other signer
     misfiled = cell_value(rec("s1r1", "good", 0.2, auth=reg.token("good")))
-    d.data["cells.r1"]["s1r1/bad[owner:test]"] = misfiled  # a subkey naming another peer
+    d.data[reg.space + "cells.r1"]["s1r1/bad[owner:test]"] = misfiled  # names another peer
     good = rec("s0r0", "good", 1.0, auth=reg.token("good"), signer=signer)
     assert reg.owners([0, 1]) == {"s0r0": good}
     assert reg.rejected == 4

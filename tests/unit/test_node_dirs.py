@@ -84,3 +84,35 @@ def test_the_dashboard_shows_every_cell_of_the_node_directories(tmp_path, text_f
     cells = {c["cell"]: c for c in source()["cells"]}
     assert sorted(cells) == ["s0r0", "s0r1", "s1r0", "s1r1"]
     assert all(c["step"] == 3 for c in cells.values()), cells
+
+
+def test_a_cell_finds_its_intact_checkpoints_in_any_node_directory(tmp_path, text_file):
+    """What `train --resume n0 --resume n1` reads: each step from the first directory holding
+    it intact; a torn file or another run's is passed over."""
+    from mesh.runtime.checkpoint import checkpoint_path
+    from mesh.runtime.cluster_start import intact_steps
+
+    cfg, _, nodes = spread_run(tmp_path, text_file)
+    fp = cfg.state_fingerprint()
+    assert intact_steps(nodes, 1, 0, fp) == {3: checkpoint_path(nodes[1], 1, 0, 3)}
+    assert intact_steps(nodes[:1], 1, 0, fp) == {}  # stage 1 ran on node 1
+    torn = checkpoint_path(nodes[0], 1, 0, 3)
+    torn.parent.mkdir(parents=True)
+    torn.write_bytes(checkpoint_path(nodes[1], 1, 0, 3).read_bytes()[:1000])
+    assert intact_steps(nodes, 1, 0, fp) == {3: checkpoint_path(nodes[1], 1, 0, 3)}
+    assert intact_steps(nodes, 1, 0, "another run") == {}
+
+
+def test_train_resume_reads_the_runs_config_from_its_node_directories(tmp_path, text_file):
+    """`train --resume n0 --resume n1` keeps the run's config (its grid here, for the table)
+    and refuses what a resume refuses, before any launcher is needed."""
+    _, _, nodes = spread_run(tmp_path, text_file)
+    runner = CliRunner()
+    args = ["train", "--resume", str(nodes[1]), "--resume", str(nodes[0]), "--placement", "2"]
+    res = runner.invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "| 3    | 1    | s1r1 |" in res.output  # the run's 2x2 grid, not the default
+    res = runner.invoke(main, [*args, "--set", "model.d_model=32"])
+    assert res.exit_code == 2 and "model.d_model" in res.output, res.output
+    res = runner.invoke(main, ["train", "--resume", str(tmp_path)])
+    assert res.exit_code == 2 and "not a run directory" in res.output, res.output

@@ -10,7 +10,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
-from mesh.bench.report import format_table
+from mesh.report import format_table
 
 # tqdm's ETA from the first step or two is mostly start-up (imports, rendezvous, warm-up), and
 # a user reads "2:31:07" as a promise: show it only once a few steps have been timed

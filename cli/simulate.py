@@ -18,8 +18,8 @@ import click
 from cli.preflight import check_data, check_machine, check_resume
 from cli.report import progress_bar
 from mesh.algo.topology import cell_name
-from mesh.bench.report import format_table, plot_curves
 from mesh.config import Config, ConfigError, with_overrides
+from mesh.report import format_table, plot_curves
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.evaluate import ValTracker, read_val, tokens_at
 from mesh.runtime.launch import GridRun, StopRequest, run_grid

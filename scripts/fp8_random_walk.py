@@ -49,7 +49,7 @@ def main() -> None:
 
 
 def write(runs: list[dict], out: Path, steps: int) -> None:
-    from mesh.bench.report import format_table, plot_curves
+    from mesh.report import format_table, plot_curves
 
     out.mkdir(parents=True, exist_ok=True)
     tenth = steps // 10

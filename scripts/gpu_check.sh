@@ -146,7 +146,7 @@ CODEC_VALUES=$codec_values part codecs 25 "$res/codecs.md" python3 - "$device" "
 import json, os, sys
 from pathlib import Path
 from mesh.bench.comms import bench_codecs
-from mesh.bench.report import format_table
+from mesh.report import format_table
 device, n = sys.argv[1], int(os.environ["CODEC_VALUES"])
 rows = bench_codecs(quick=False, device=device, n=n)
 json.dump({"device": device, "values": n, "codecs": rows},

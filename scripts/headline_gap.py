@@ -35,9 +35,10 @@ ROWS = {
 
 def main() -> None:
     from mesh.bench.convergence import study_variants
-    from mesh.bench.report import fmt_gap, format_table, paired_gap
+    from mesh.bench.report import fmt_gap, paired_gap
     from mesh.bench.simruns import run_specs
     from mesh.config import load_config
+    from mesh.report import format_table
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=2)

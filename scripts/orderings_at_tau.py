@@ -21,10 +21,11 @@ METHODS = "AsyncMesh-fp8,AsyncSPARTA"  # the default --methods (AsyncMesh-fp8 is
 
 def main() -> None:
     from mesh.bench.convergence import cached_losses, study_variants
-    from mesh.bench.report import fmt_interval, format_table, paired_interval
+    from mesh.bench.report import fmt_interval, paired_interval
     from mesh.bench.simruns import run_specs
     from mesh.bench.tuning import load_tuned, tuning_seeds
     from mesh.config import load_config
+    from mesh.report import format_table
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tau", type=int, default=5)

@@ -116,7 +116,8 @@ def main() -> None:
 
 
 def _write_table(saved: dict[str, Any], path: Path, budget: int) -> None:
-    from mesh.bench.report import fmt_interval, format_table, paired_interval
+    from mesh.bench.report import fmt_interval, paired_interval
+    from mesh.report import format_table
 
     def by_seed(d: dict) -> dict[int, float]:
         return {int(k): v for k, v in d.items()}

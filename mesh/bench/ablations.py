@@ -25,10 +25,11 @@ from typing import Any
 
 from mesh.bench import simruns
 from mesh.bench.regime import data_reference, stamp
-from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench.report import fmt_gap, paired_gap
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, load_tuned, method_overrides
 from mesh.config import Config
+from mesh.report import format_table, plot_curves
 
 FULL = "full AsyncMesh"
 # the full method's lr sweep on the 8x2 grid: the 4x2 study's best (2e-3) and factors of 2

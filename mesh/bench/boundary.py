@@ -38,7 +38,7 @@ from typing import Any
 
 from mesh.bench.ablations import best_lr
 from mesh.bench.regime import data_reference, rule_fields, rule_line
-from mesh.bench.report import fmt_gap, format_table, paired_gap, pyplot
+from mesh.bench.report import fmt_gap, paired_gap
 from mesh.bench.simruns import Spec, read_runs, reuse, run_specs
 from mesh.config import Config
 from mesh.engine import measured
@@ -46,6 +46,7 @@ from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.engine.uplink import INT4_CODEC, arm_label
 from mesh.methods import METHODS
 from mesh.model.build import stage_param_counts
+from mesh.report import format_table, pyplot
 
 FP8_RATIOS = {"learned": (8, 16, 32), "subspace": (8, 16)}
 INT4_STUDY_RATIOS = (32, 64)

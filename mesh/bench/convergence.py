@@ -26,7 +26,6 @@ from typing import Any
 
 from mesh.bench.convergence_table import DP_METHODS, write_outputs
 from mesh.bench.regime import data_reference, stamp
-from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, read_runs, reuse, run_one, run_specs, worker_pool
 from mesh.bench.tuning import (
     DEFAULT_TUNED,
@@ -39,6 +38,7 @@ from mesh.bench.tuning import (
 )
 from mesh.config import Config, ConfigError
 from mesh.methods import NADAMW_LR
+from mesh.report import format_table
 
 # the headline claim's two arms: run first (a stopped study has its headline on every seed)
 HEADLINE = ("FullSync", "AsyncMesh-fp8")

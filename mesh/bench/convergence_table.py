@@ -11,17 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import (
-    PairedInterval,
-    fmt_gap,
-    fmt_interval,
-    format_table,
-    paired_gap,
-    paired_interval,
-    plot_curves,
-)
+from mesh.bench.report import PairedInterval, fmt_gap, fmt_interval, paired_gap, paired_interval
 from mesh.bench.tuning import DEFAULT_TUNED, _fmt
 from mesh.methods import METHODS
+from mesh.report import format_table, plot_curves
 
 DP_METHODS = list(METHODS)
 

@@ -23,10 +23,11 @@ from typing import Any
 
 from mesh.bench import simruns
 from mesh.bench.regime import data_reference, stamp
-from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench.report import fmt_gap, paired_gap
 from mesh.bench.simruns import Spec, run_specs
 from mesh.bench.tuning import DEFAULT_TUNED, known_runs, load_tuned, method_overrides
 from mesh.config import Config
+from mesh.report import format_table, plot_curves
 
 STUDIES = ("precision", "horizon", "scaling")
 CONVERGENCE = Path("results/convergence")

@@ -15,11 +15,12 @@ from typing import Any
 
 from mesh.bench.convergence import study_variants
 from mesh.bench.regime import data_reference, stamp
-from mesh.bench.report import fmt_gap, format_table, paired_gap
+from mesh.bench.report import fmt_gap, paired_gap
 from mesh.bench.simruns import run_specs
 from mesh.bench.tuning import known_runs
 from mesh.config import Config
 from mesh.engine import measured
+from mesh.report import format_table
 
 INTERVALS = (1, 4, 16)
 LABEL = "interval"

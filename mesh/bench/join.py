@@ -43,7 +43,7 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.bench.report import format_table
+from mesh.report import format_table
 
 MEASURES = {
     "join_to_training_s": ("join to training", "a join's start to its first update (3 per grid)"),

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.convergence import study_variants
-from mesh.bench.report import fmt_interval, format_table, paired_interval
+from mesh.bench.report import fmt_interval, paired_interval
 from mesh.bench.simruns import run_specs
 from mesh.bench.tuning import check_held_out, known_runs, tuning_seeds
 from mesh.config import Config
+from mesh.report import format_table
 
 ROTATED = {"optim.name": "rotated_adam"}
 FULLSYNC_LRS = (3e-3, 6e-3, 9e-3, 1.2e-2, 1.8e-2, 2.4e-2)

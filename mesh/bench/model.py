@@ -24,7 +24,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mesh.bench.report import format_table
 from mesh.config import Config, load_config
 from mesh.engine.cell import Cell
 from mesh.engine.plan import plan_cell
@@ -36,6 +35,7 @@ from mesh.model.build import (
     stage_layers,
     stage_module,
 )
+from mesh.report import format_table
 
 PRESETS = ("llama-20m", "llama-160m")  # the default; `--preset` names any of configs/models/
 # dense bf16 tensor-core peaks (FLOP/s) by device name fragment, from the vendors' sheets: MFU's

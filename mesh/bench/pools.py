@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo import routing
-from mesh.bench.report import format_table, pyplot
 from mesh.config import Config, load_config
+from mesh.report import format_table, pyplot
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import read_metrics
 from mesh.runtime.rows import parse_rows

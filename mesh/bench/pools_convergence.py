@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from mesh.bench.convergence import _dp_spec
 from mesh.bench.regime import data_reference
-from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, read_runs, run_one, spec_config, worker_pool
 from mesh.bench.tuning import load_tuned
 from mesh.config import Config
 from mesh.data.ngram import regime, to_bigram
+from mesh.report import format_table
 
 SEEDS = (10, 11, 12, 13)
 MICROBATCHES = 1600

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.regime import data_reference, stamp
-from mesh.bench.report import format_table
 from mesh.config import Config, with_overrides
 from mesh.engine.sim import GridSim
 from mesh.methods import apply_method
+from mesh.report import format_table
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import summarize_run
 

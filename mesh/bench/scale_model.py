@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import format_table
 from mesh.bench.stage_probe import (
     SHAPE,
     bench_config,
@@ -35,6 +34,7 @@ from mesh.bench.stage_probe import (
     reset_peak_rss,
     rss_bytes,
 )
+from mesh.report import format_table
 
 PRESETS = ("llama-160m", "llama-1b")
 ROUNDS = 5  # averaging rounds timed (the fastest is reported: the least disturbed)

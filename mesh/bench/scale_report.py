@@ -12,7 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import checks_table, format_table, pyplot
+from mesh.bench.report import checks_table
+from mesh.report import format_table, pyplot
 
 ALL_TRAINING_S = 180.0
 ROUNDS_COMPLETE = 0.95

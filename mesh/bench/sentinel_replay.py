@@ -136,7 +136,7 @@ def study(data: str, models: list[str]) -> dict[str, Any]:
 
 
 def table(rows: dict[str, Any]) -> str:
-    from mesh.bench.report import format_table
+    from mesh.report import format_table
 
     head = ["model / kind", "clean drops", *(f"{m} @{o}" for m in ATTACKS for o in ONSETS)]
     body = []

@@ -17,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.report import checks_table, format_table, pyplot
+from mesh.bench.report import checks_table
+from mesh.report import format_table, pyplot
 
 RSS_LIMIT_MB = 100.0
 FLAT_ABS, FLAT_FRAC = 4, 0.10

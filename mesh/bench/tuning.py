@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench import simruns
-from mesh.bench.report import format_table
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config, ConfigError
 from mesh.methods import METHODS
+from mesh.report import format_table
 
 # Where the studies read the tuned settings (written by --tune; committed with the results)
 TUNING_FILE = Path("results/convergence/tuning.json")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli.preflight import check_extras
-from mesh.bench import report
+from mesh import report
 from mesh.config import load_config
 from mesh.errors import EXTRAS, MissingExtra
 

@@ -164,6 +164,33 @@ def test_layers_point_one_way():
     assert not bad, "\n".join(bad)
 
 
+# The benchmarks and the tests' harness are no part of the product: only the bench command and
+# the benchmarks themselves import mesh.bench (a product command's tables and plots come from
+# mesh.report), and nothing of cli, mesh or comms imports a module of tests/.
+BENCH_COMMAND = "cli.bench"
+TEST_MODULES = {"tests"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
+
+
+def test_the_product_imports_no_benchmark_and_no_test_harness():
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        where = path.relative_to(ROOT)
+        if _room(module) != "mesh.bench" and module != BENCH_COMMAND:
+            for line, target in _imported(module, path):
+                if _room(target) == "mesh.bench":
+                    bad.append(f"{where}:{line} imports the benchmark {target}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] in TEST_MODULES:
+                    bad.append(f"{where}:{node.lineno} imports {name} (tests/)")
+    assert not bad, "\n".join(bad)
+
+
 def test_our_packages_are_the_ones_imported():
     for pkg in (cli, mesh, comms):
         assert Path(pkg.__file__).resolve().is_relative_to(ROOT), pkg.__file__

@@ -18,7 +18,8 @@ from mesh.bench.optimizers.analysis import (
     targets,
 )
 from mesh.bench.optimizers.protocol import TWO_BW_M, TWO_BW_OPTIMIZERS, TWO_BW_P
-from mesh.bench.report import fmt_gap, format_table, paired_gap, plot_curves
+from mesh.bench.report import fmt_gap, paired_gap
+from mesh.report import format_table, plot_curves
 
 
 def _fmt_s2t(rs: list[dict[str, Any]] | None) -> str:

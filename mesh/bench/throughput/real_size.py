@@ -285,7 +285,7 @@ def tp_late(window_dir: Path) -> float:
 def real_size_table(entry: dict[str, Any]) -> str:
     """The section of table.md (with each arm's loss cost as the boundary study measured it,
     where the entry has them: `with_loss_costs`)."""
-    from mesh.bench.report import format_table
+    from mesh.report import format_table
 
     costed = any("loss_cost" in r for r in entry["arms"])
     rows = [

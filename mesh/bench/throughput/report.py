@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mesh.bench.report import format_table
+from mesh.report import format_table
 
 
 def _line(e: dict[str, Any]) -> str:

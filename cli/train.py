@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,6 @@ STORE_LOST = (
     "ended): the cells train on over the links they have, but no node can rejoin this job; to "
     "go on after it ends, launch every node again (each cell continues from its checkpoints)"
 )
-HOLD_STORE_S = 60.0  # the longest rank 0 keeps serving the store for cells still finishing
-STORE_WATCH_S = 5.0  # how often a cell checks that the rendezvous store still answers
-RECHECK_S = 2.0  # and after a failed check, when it asks once more before it says it is gone
 SHARED_STORE_NOTE = (
     "note: torchrun shares its rendezvous store with the workers (torch's default); a node "
     "relaunched later cannot rejoin this job (torch's c10d rendezvous does not publish that "
@@ -105,10 +101,9 @@ def run_train(
     dirs: list[Path],
     host: str | None,
     verify_data: bool,
-    env: dict[str, str] | None = None,
 ) -> None:
     """Everything `train` does in this process; never returns (the cell's exit code)."""
-    place = place_from_env(os.environ if env is None else env)
+    place = place_from_env(os.environ)
     cfg = train_config(cfg, place)
     stage, replica = cell_of_rank(place.rank, cfg.grid.stages, cfg.grid.replicas,
                                   place.ranks_per_node)  # fmt: skip
@@ -134,12 +129,13 @@ def _run_cell_process(
     (as mesh.runtime.trainer.cell_process_main: daemon threads may sit in C++ waits)."""
     from comms.errors import PeerLost, PeerTimeout
     from mesh.runtime.cluster_start import ClusterStart
+    from mesh.runtime.cluster_store import hold_store, serve_store, watch_store
     from mesh.runtime.failure import LOST_NEIGHBOUR, reserve_failure_report, write_failure
     from mesh.runtime.stop import watch_parent
-    from mesh.runtime.trainer import run_cell
+    from mesh.runtime.trainer import grid_names, run_cell
 
     # served for the process's life (rank 0 without a launcher's store): every link meets there
-    store = _serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None
+    store = serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None
     options = {"rendezvous": f"tcp://{place.store_host}:{place.store_port}", "serve_store": False}
     search = [out, *[d for d in dirs if d.resolve() != out.resolve()]]
 
@@ -147,7 +143,9 @@ def _run_cell_process(
         return ClusterStart(cfg, worker, transport, event, search, str(out))
 
     ended = threading.Event()  # the cell is done: a store that goes now is no news
-    watch_store(place, cell_name(stage, replica), ended)
+    addr = f"{place.store_host}:{place.store_port}"
+    lost = STORE_LOST.format(cell=cell_name(stage, replica), addr=addr)
+    watch_store(place, cell_name(stage, replica), ended, lambda: click.echo(lost, err=True))
     code = 0
     reserve = reserve_failure_report(out, stage, replica)
     watch_parent()  # the launcher gone (SIGKILL): a clean stop, not an orphan that trains on
@@ -167,107 +165,11 @@ def _run_cell_process(
     line, trained = ending(out, stage, replica, code, cfg.run.steps)
     click.echo(line, err=True)
     if store is not None and trained:  # cells still finishing need it: until they close
-        hold_store(store, cfg, HOLD_STORE_S)
+        hold_store(store, grid_names(cfg)[0])
     sys.stdout.flush()
     sys.stderr.flush()
     del store  # served the links until here
     os._exit(code)
-
-
-def watch_store(
-    place: Place, cell: str, ended: threading.Event, every_s: float = STORE_WATCH_S
-) -> threading.Thread:
-    """Beat in the rendezvous store every every_s (mt/beat/CELL: rank 0's hold_store reads
-    it), and say once, in one line (STORE_LOST), when the store stopped answering, and again
-    RECHECK_S later, while the cell runs (a launcher stopping every worker takes rank 0's store
-    down a moment before it stops this one: not news). Nothing else changes: links that are up
-    stay up (comms/torchdist/pairs.py), so whole replicas train on; what is gone is the meeting
-    point a restarted cell needs."""
-    from datetime import timedelta
-
-    from comms.torchdist.gloo import store_client
-    from mesh.runtime.stop import STOP
-
-    def answers(store: Any) -> bool:
-        try:
-            store.add(beat_key(cell), 1)
-            return True
-        except Exception:  # noqa: BLE001 - the server is gone, whatever torch calls it
-            return False
-
-    def watch() -> None:
-        try:
-            store = store_client(place.store_host, place.store_port, timedelta(seconds=60))
-        except Exception:  # noqa: BLE001 - never there: the transport's start says why
-            return
-        while not ended.wait(every_s):
-            if answers(store):
-                continue
-            if ended.wait(RECHECK_S):  # once more, a moment later, on a fresh connection
-                return
-            try:
-                store = store_client(place.store_host, place.store_port,
-                                     timedelta(seconds=RECHECK_S))  # fmt: skip
-                if answers(store):
-                    continue
-            except Exception:  # noqa: BLE001 - nobody listens there any more
-                pass
-            if not (ended.is_set() or STOP.exiting):
-                addr = f"{place.store_host}:{place.store_port}"
-                click.echo(STORE_LOST.format(cell=cell, addr=addr), err=True)
-            return
-
-    thread = threading.Thread(target=watch, name="store-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def beat_key(cell: str) -> str:
-    return f"mt/beat/{cell}"
-
-
-def hold_store(store: Any, cfg: Config, timeout_s: float) -> None:
-    """Rank 0 trained to the end: keep serving the store while a cell still beats in it and
-    has not closed (said goodbye: comms/torchdist/pairs.py's mt/left/NAME at its newest
-    mt/inc/NAME), at most timeout_s, so that no cell still finishing loses it. A cell whose
-    beat stood still for three periods is dead: not waited for."""
-    from comms.torchdist.pairs import inc_key, left_key
-    from mesh.runtime.trainer import grid_names
-
-    names, _ = grid_names(cfg)
-    start = time.monotonic()
-    beats: dict[str, tuple[int, float]] = {}  # cell -> (its beat count, when it last moved)
-    while time.monotonic() - start < timeout_s:
-        now, waiting = time.monotonic(), []
-        try:
-            for n in names:
-                if store.add(left_key(n), 0) >= store.add(inc_key(n), 0):
-                    continue  # closed
-                count = store.add(beat_key(n), 0)
-                if beats.get(n, (None,))[0] != count:
-                    beats[n] = (count, now)
-                if now - beats[n][1] < 3 * STORE_WATCH_S:
-                    waiting.append(n)
-        except Exception:  # noqa: BLE001 - nothing more to wait for
-            return
-        if not waiting:
-            return
-        time.sleep(0.5)
-
-
-def _serve_store(place: Place, timeout_s: float) -> Any:
-    """The rendezvous store at MASTER_PORT, on every interface (as torchrun's own stores)."""
-    from datetime import timedelta
-
-    from comms.torchdist.gloo import store_server
-
-    try:
-        return store_server("0.0.0.0", place.store_port, timedelta(seconds=timeout_s))
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(
-            f"rank 0 cannot serve the rendezvous store on port {place.store_port} ({e}); set "
-            "MASTER_PORT to a free port"
-        ) from None
 
 
 def ending(out: Path, stage: int, replica: int, code: int, steps: int) -> tuple[str, bool]:

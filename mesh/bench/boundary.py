@@ -132,13 +132,25 @@ def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, .
     return specs
 
 
+# the order the arms run in on each seed: the reference, then the arms the frontier question
+# turns on (a study stopped part way has those first), the baselines last
+RUN_FIRST = ("full bf16", "learned 16x", "learned 32x int4", "learned 32x", "learned 64x int4",
+             "learned 8x", "subspace 16x", "subspace 8x")  # fmt: skip
+
+
 def build_specs(base: Config, stages: int, seeds: list[int], lrs: dict[str, float]) -> list[Spec]:
-    """Every arm of one P on every seed: FullSync at its lr, every async arm at the reference's."""
+    """Every arm of one P on every seed (seed by seed, RUN_FIRST's arms first): FullSync at its
+    lr, every async arm at the reference's."""
+    ordered = sorted(arms(base, stages), key=lambda a: _run_rank(a[0]))
     return [
         _spec(arm, ov, seed, lrs["FullSync" if arm == "FullSync" else REFERENCE])
         for seed in seeds
-        for arm, ov in arms(base, stages)
+        for arm, ov in ordered
     ]
+
+
+def _run_rank(arm: str) -> int:
+    return RUN_FIRST.index(arm) if arm in RUN_FIRST else len(RUN_FIRST)
 
 
 def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> list[dict[str, Any]]:

@@ -124,3 +124,11 @@ def test_a_run_of_some_depths_keeps_the_others_rows():
     assert sweep == [run("P8 full bf16 lr=0.002")] and runs == [run("P8 learned 16x")]
     assert study.held_depths(old, (4, 8, 16), 300) == ({}, [], [])
     assert study.held_depths({}, (4,), 300) == ({}, [], [])
+
+
+def test_the_arms_the_frontier_turns_on_run_first_on_each_seed(base):
+    specs = study.build_specs(base, 4, [0, 1], {"full bf16": 4e-3, "FullSync": 8e-3})
+    order = [s.method for s in specs if s.seed == 0]
+    assert order[:3] == ["P4 full bf16", "P4 learned 16x", "P4 learned 32x int4"]
+    assert sorted(order) == sorted(f"P4 {a}" for a, _ in study.arms(base, 4))
+    assert [s.seed for s in specs] == [0] * 10 + [1] * 10  # seed by seed

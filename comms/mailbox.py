@@ -45,6 +45,7 @@ class Mailbox:
     ) -> None:
         self.max_messages, self.max_bytes, self.ttl_s = max_messages, max_bytes, ttl_s
         self._on_drop = on_drop
+        self.puts = 0  # messages filed so far (wait_put)
         self._cond = threading.Condition()
         # sender -> tag -> deque of (arrival time, message, nbytes)
         self._boxes: dict[str, dict[str, deque[tuple[float, Message, int]]]] = defaultdict(dict)
@@ -160,8 +161,18 @@ class Mailbox:
             self._boxes[sender].setdefault(msg.name, deque()).append(
                 (time.monotonic(), msg, nbytes)
             )
+            self.puts += 1
             self._cond.notify_all()
         return True
+
+    def wait_put(self, seen: int, timeout_s: float) -> int:
+        """Wait until a message is filed after the `seen`-th (or timeout_s); returns how many
+        have been filed. A receiver that takes from several senders by prefix (a stage pool's
+        cell) sleeps here instead of polling."""
+        with self._cond:
+            if self.puts == seen:
+                self._cond.wait(timeout_s)
+            return self.puts
 
     def take(self, sender: str, tag: str, deadline: float) -> Message | None:
         """Oldest message from sender with tag; None if none arrived by `deadline` (monotonic).

@@ -60,6 +60,10 @@ class Averaging(Protocol):
 
     means: GroupMeans
 
+    def wait_arrival(self, seen: int, timeout_s: float) -> int:
+        """Block until a message is filed after the `seen`-th one, or timeout_s; returns the
+        count of messages filed so far (pass it back as `seen`)."""
+
     def start_mean(
         self,
         group: str,

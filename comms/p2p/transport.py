@@ -259,6 +259,10 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
         """See comms.transport.Transport.recv (comms.mailbox.Mailbox.receive)."""
         return self.mailbox.receive(frm, tag, expect, timeout_s)
 
+    def wait_arrival(self, seen: int, timeout_s: float) -> int:
+        """See comms.transport.Transport.wait_arrival."""
+        return self.mailbox.wait_put(seen, timeout_s)
+
     def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
         """See comms.transport.Transport.recv_prefix."""
         return self.mailbox.receive_prefix(frm, prefix, expect, timeout_s)

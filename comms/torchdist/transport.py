@@ -208,6 +208,10 @@ class TorchTransport(PairLinks, Averaging):
         self._link(frm)
         return self.mailbox.receive(frm, tag, expect, timeout_s)
 
+    def wait_arrival(self, seen: int, timeout_s: float) -> int:
+        """See comms.transport.Transport.wait_arrival."""
+        return self.mailbox.wait_put(seen, timeout_s)
+
     def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
         """See comms.transport.Transport.recv_prefix."""
         self._link(frm)

@@ -49,7 +49,7 @@ from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
 from mesh.runtime.stage import StageWorker
 
-IDLE_S = (0.0005, 0.008)  # the poll loop's sleep when nothing came: first, at most
+IDLE_S = 0.05  # the loop's longest sleep with nothing filed (timeouts and claims to look at)
 DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
 RATE_EMA = 0.2
 MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
@@ -76,6 +76,7 @@ class PoolWorker(StageWorker):
         self._members_at = -math.inf
         self.fins: set[str] = set()
         self.heard: dict[str, float] = {}  # upstream cell -> when its last activation came
+        self._turn = 0  # which upstream cell _take_work asks first
         self._started = time.monotonic()
         self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
@@ -112,22 +113,21 @@ class PoolWorker(StageWorker):
             self.run_seeded(on_step)
             self.finish()
             return self.stats
-        idle = IDLE_S[0]
+        seen = self.transport.wait_arrival(-1, 0.0)  # the count so far
         while True:
             t0 = time.perf_counter()
-            did = self._issue(on_step) if self.j == 0 else self._take_work(on_step)
-            did |= self._take_answers(on_step)
+            # backwards first (1F1B's order): each frees a slot here and upstream, then one
+            # new forward, so a cell never piles up forwards while gradients wait
+            did = self._take_answers(on_step)
+            did |= self._issue(on_step) if self.j == 0 else self._take_work(on_step)
             self._members()
             self._expire()
             if self._done():
                 break
-            if not did:
-                time.sleep(idle)
-                idle = min(idle * 2, IDLE_S[1])
+            if not did:  # asleep until a message is filed (or a timeout to look at)
+                seen = self.transport.wait_arrival(seen, IDLE_S)
                 if self.emu:
                     self.emu.waited(t0)
-            else:
-                idle = IDLE_S[0]
         for d in self.downs:
             self._control(d, "pool/f/0")
         self.finish()
@@ -187,14 +187,20 @@ class PoolWorker(StageWorker):
         return True
 
     def _take_work(self, on_step: object) -> bool:
-        """Stage j > 0: one activation (or FIN) from each upstream cell that has one waiting."""
+        """Stage j > 0: one activation, from the upstream cells in turn (each loop starts one
+        further on, so none is served first every time); FINs from all of them."""
         did = False
-        for up in self.ups:
+        n = len(self.ups)
+        self._turn = (self._turn + 1) % max(1, n)
+        for k in range(n):
+            up = self.ups[(self._turn + k) % n]
             msg = self._poll(up, "pool/a/", self._expect_act)
             if msg is not None:
-                did = True
                 self.heard[up] = time.monotonic()
                 self._on_activation(up, msg, on_step)
+                did = True
+                break
+        for up in self.ups:
             if up not in self.fins and self._poll(up, "pool/f/", self._expect_ctl) is not None:
                 self.fins.add(up)
                 did = True

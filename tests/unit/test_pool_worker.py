@@ -90,6 +90,12 @@ class HubTransport:
     def drop_tags(self, prefix: str) -> int:
         return 0
 
+    def wait_arrival(self, seen: int, timeout_s: float) -> int:
+        with self.hub.cond:
+            if len(self.hub.log) == seen:
+                self.hub.cond.wait(timeout_s)
+            return len(self.hub.log)
+
 
 def _grid(tmp_path, stages: int, replicas: int, steps: int, *extra: str):
     cfg = load_config(

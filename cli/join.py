@@ -29,6 +29,7 @@ from cli.reach import (
     public_relays,
     reach_verdict,
 )
+from mesh.algo import routing
 from mesh.algo.topology import cell_name
 from mesh.config import (
     LOCAL_PREFIXES,
@@ -272,6 +273,8 @@ def claim_cell(
     withdrawn and the next free cell is tried."""
     P, m = cfg.grid.stages, cfg.grid.replicas
     grid = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
+    if cfg.pipeline.routing == "pools" and stage is None:  # fill the thinnest stage first
+        grid = routing.thinnest_first(pool_capacity(registry, P, m), grid)
     order = [c for c in prefer if c in grid] + [c for c in grid if c not in prefer]
     tried: set[str] = set()
     while True:
@@ -291,6 +294,13 @@ def claim_cell(
         if all(_holds(registry, name, i, me) for _ in range(CLAIM_CONFIRM_READS)):
             return j, i, since
         registry.release(name, me)
+
+
+def pool_capacity(registry: Registry, stages: int, replicas: int) -> list[float]:
+    """Each stage's measured capacity from the live claims (a pooled cell's heartbeat `tps` is
+    what it could compute); all zeros when the DHT does not answer (then the first free cell)."""
+    owned = read_owners(registry, list(range(replicas)), CLAIM_READS) or {}
+    return routing.stage_capacity({c: rec.tps for c, rec in owned.items()}, stages)
 
 
 def _holds(registry: Registry, name: str, replica: int, me: str) -> bool:
@@ -321,8 +331,39 @@ def rejoin(lost: str) -> tuple[int, str]:
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[REJOINS_ENV] = str(done + 1)
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    os.execv(sys.executable, relaunch_argv())
     raise AssertionError("unreachable")  # execv does not return
+
+
+def relaunch_argv() -> list[str]:
+    """This command line as a new interpreter runs it (`python -m cli.main ARGS`): the same
+    whether it was started as `meshtrain`, `python -m cli.main` or forked from a fork server
+    (whose own command line sys.orig_argv would be)."""
+    return [sys.executable, "-m", "cli.main", *sys.argv[1:]]
+
+
+MOVE_ENV = "MESHTRAIN_MOVE_TO_STAGE"  # a rebalanced join's next stage (its --stage)
+
+
+def move_to(stage: int) -> None:
+    """Start this `join` over in `stage` (elastic.rebalance): the same command line, a fresh
+    process, whose claim takes a free cell of that stage and downloads its state."""
+    import os
+
+    click.echo(f"moving to stage {stage}, the thinnest: joining again there")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[MOVE_ENV] = str(stage)
+    os.execv(sys.executable, relaunch_argv())
+
+
+def moved_stage(stage: int | None) -> int | None:
+    """The stage a rebalancing move sent this process to (it overrides --stage: the move was
+    decided later than the command line), else --stage."""
+    import os
+
+    held = os.environ.pop(MOVE_ENV, None)
+    return stage if held is None else int(held)
 
 
 def default_out(run_id: str, j: int, i: int) -> Path:
@@ -389,6 +430,7 @@ def run_join(
             registry.put_run(RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data))
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
+        stage = moved_stage(stage)
         j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
         grid = [cell_name(s, r) for r in range(cfg.grid.replicas) for s in range(cfg.grid.stages)]
         relays = public_relays(scout, auth, grid) if client_mode else []
@@ -445,7 +487,7 @@ def _run_here(
     from mesh.data.ngram import beside_loss
     from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
     from mesh.runtime.metrics import RowTail, read_metrics
-    from mesh.runtime.session import CellLost
+    from mesh.runtime.session import CellLost, StageMove
     from mesh.runtime.trainer import run_cell
 
     done = threading.Event()
@@ -467,13 +509,15 @@ def _run_here(
 
     drawer = threading.Thread(target=draw, name="progress", daemon=True)
     drawer.start()
-    code, failure, lost = 0, "", ""
+    code, failure, lost, moved = 0, "", "", None
     try:
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (ConfigError, DataError, CheckpointError, DiskFull) as e:  # the message says the fix
         code, failure = 2, f"error: {e}"
+    except StageMove as e:  # elastic.rebalance: this peer goes where the pools are thinnest
+        moved = e.to_stage
     except CellLost as e:  # two joins took the cell at once: this one takes another
         lost = str(e)
     except CommsError as e:  # e.g. the replica never formed: the message says which cell
@@ -513,6 +557,8 @@ def _run_here(
             ]
         ],
     )
+    if moved is not None:
+        move_to(moved)
     if lost:
         code, failure = rejoin(lost)  # returns only when this peer rejoined too often
         click.echo(failure, err=True)

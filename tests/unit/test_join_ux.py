@@ -347,9 +347,35 @@ def test_a_join_that_lost_its_cell_starts_its_own_command_line_over(monkeypatch,
     monkeypatch.setattr(os, "execv", execv)
     with pytest.raises(SystemExit):
         join.rejoin("s1r0 is held by peer X")
-    assert calls == [(sys.executable, [sys.executable, *sys.orig_argv[1:]])]
+    # `python -m cli.main` and this process's arguments: what `meshtrain join ...` ran, also
+    # where it was forked from a fork server (whose own command line sys.orig_argv would be)
+    assert calls == [(sys.executable, [sys.executable, "-m", "cli.main", *sys.argv[1:]])]
     assert os.environ[join.REJOINS_ENV] == "2"
     assert f"s1r0 is held by peer X: {REJOIN_NOTE}" in capsys.readouterr().out
+
+
+def test_a_rebalanced_join_starts_over_in_the_thinnest_stage(monkeypatch, capsys):
+    """elastic.rebalance: the stage travels in the environment to the new process, where it
+    overrides --stage once (the move was decided after the command line was written)."""
+    import os
+    import sys
+
+    import cli.join as join
+
+    calls = []
+
+    def execv(path, argv):
+        calls.append((path, argv))
+        raise SystemExit(0)
+
+    monkeypatch.delenv(join.MOVE_ENV, raising=False)
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(SystemExit):
+        join.move_to(1)
+    assert calls == [(sys.executable, [sys.executable, "-m", "cli.main", *sys.argv[1:]])]
+    assert "moving to stage 1" in capsys.readouterr().out
+    assert join.moved_stage(0) == 1 and join.MOVE_ENV not in os.environ
+    assert join.moved_stage(0) == 0 and join.moved_stage(None) is None
 
 
 def test_join_and_status_check_their_arguments_before_importing_torch():

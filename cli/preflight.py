@@ -120,7 +120,7 @@ def resume_config(
     toml, ckpts = run_dir / "config.toml", run_dir / "checkpoints"
     if not toml.is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (no config.toml)")
-    if not any(ckpts.glob("*/step-*.pt")):
+    if not any(ckpts.glob("*/step-*.pt")) and not (run_dir / "metrics").is_dir():
         raise ConfigError(
             f"--resume {run_dir}: not a run directory (no checkpoints under {ckpts}); a run "
             "saves every checkpoint.every updates and on a clean stop"
@@ -156,17 +156,18 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 class Resume:
     step: int  # the oldest replica's step (where the progress bar and the rates start)
     notes: list[str]  # what the user should hear (damaged files passed over)
-    replica_steps: dict[int, int]  # where each replica resumes
+    replica_steps: dict[int, int | None]  # where each replica resumes (None: from the start)
 
 
 def check_resume(cfg: Config, run_dir: Path) -> Resume:
     """The step each replica resumes from: the newest one all its cells have intact (replicas
-    need not agree: each trains on from its own newest cut, none loses what it saved). Damaged
-    newer files are renamed *.pt.bad (kept for a post-mortem, out of every later resume's
-    way)."""
+    need not agree: each trains on from its own newest cut, none loses what it saved), or the
+    start for a replica with none (a run stopped, or out of disk space, before its cells all
+    saved one step). Damaged newer files are renamed *.pt.bad (kept for a post-mortem, out of
+    every later resume's way)."""
     from mesh.runtime.checkpoint import checkpoint_path, resume_point
 
-    fp, damaged, steps = cfg.state_fingerprint(), [], {}
+    fp, damaged, steps, notes = cfg.state_fingerprint(), [], {}, []
     for i in range(cfg.grid.replicas):
         point = resume_point(run_dir, [(j, i) for j in range(cfg.grid.stages)], fp)
         if point.foreign:
@@ -175,10 +176,9 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
                 f"({describe(point.foreign[0])}); resume with the config.toml the run wrote"
             )
         if point.step is None:
-            why = f": {'; '.join(map(describe, point.damaged[:3]))}" if point.damaged else ""
-            raise CheckpointError(
-                f"--resume {run_dir}: no step that every cell of replica {i} has an intact "
-                f"checkpoint of{why}"
+            notes.append(
+                f"replica {i} starts again from step 0: no step that every one of its cells "
+                "saved intact"
             )
         damaged += point.damaged
         steps[i] = point.step
@@ -186,19 +186,19 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
         path = checkpoint_path(run_dir, stage, replica, step)
         if path.exists():
             path.rename(path.with_name(path.name + ".bad"))
-    notes = []
     if damaged:
-        notes.append(
+        notes.insert(
+            0,
             "passed over damaged checkpoints (renamed *.pt.bad): "
-            + "; ".join(map(describe, damaged))
+            + "; ".join(map(describe, damaged)),
         )
-    if len(set(steps.values())) > 1:
+    if len({s or 0 for s in steps.values()}) > 1:
         notes.append(
             "resuming "
-            + ", ".join(f"replica {i} from step {s}" for i, s in steps.items())
+            + ", ".join(f"replica {i} from step {s or 0}" for i, s in steps.items())
             + " (the newest step all of each replica's cells saved)"
         )
-    return Resume(min(steps.values()), notes, steps)
+    return Resume(min(s or 0 for s in steps.values()), notes, steps)
 
 
 def describe(damage: tuple[int, int, int, str]) -> str:

@@ -71,36 +71,61 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.toml", cfg.to_toml())  # only now: every check passed
     val = ValTracker(cfg, out, corpus, start_step) if corpus is not None else None
-    if val is not None and not resume:
+    if val is not None and not (out / "val.jsonl").exists():  # a fresh run (or none got far)
         val.start()
     segment = metrics_offsets(out)  # a resume appends: its rates are of what it appends
     title = f"simulate {cfg.grid.stages}x{cfg.grid.replicas}"
     evaluating = val.background() if val is not None else contextlib.nullcontext()
     with progress_bar(cfg.run.steps, title, initial=start_step) as bar:
-        # validation runs beside the watch loop, never in it: the bar moves while it runs
-        with stop_signals() as stop, evaluating:
+        # validation runs beside the watch loop, never in it: the bar moves while it runs;
+        # Ctrl-C is a stop like SIGTERM (every cell saved; a second one stops at once)
+        with stop_signals(ctrl_c=True) as stop, evaluating:
             run = run_grid(
                 cfg, out, resume=resume, on_progress=bar.goto, on_notice=bar.note,
                 replica_steps=point.replica_steps if point is not None else None, stop=stop,
             )  # fmt: skip
         if run.ok:
             bar.goto(cfg.run.steps)
-    if run.stopped_by is not None:  # SIGTERM / SIGHUP: a clean stop, every cell saved
-        click.echo(f"stopped ({run.stopped_by}): every cell saved; continue with --resume {out}")
-        return
-    if not run.ok:
+    if not run.ok and not run.interrupted:
         _report_failure(run, out, created)
     if val is not None:
         val.poll(final=True)
     summary = summarize_run(cfg, out, run.wall_s, start_step, segment)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(cfg, out)
-    table = format_table(*summary_table(summary)) + "\n" + ROUNDS_NOTE.format(tau=cfg.dp.tau)
+    notes = [ROUNDS_NOTE.format(tau=cfg.dp.tau)]
+    if point is not None and len({s or 0 for s in point.replica_steps.values()}) > 1:
+        notes.append(resumed_apart_note(point.replica_steps))
+    table = "\n".join([format_table(*summary_table(summary)), *notes])
     (out / "table.md").write_text(table + "\n")
     click.echo(table)
     if run.restarts:
         click.echo(f"restarts ({len(run.restarts)}): " + "; ".join(run.restarts))
+    if run.interrupted:  # a stop (SIGTERM, SIGHUP, Ctrl-C): every cell saved
+        _say_stopped(run, out)
     click.echo(f"run directory: {out}")
+
+
+def _say_stopped(run: GridRun, out: Path) -> NoReturn:
+    """What a stopped run says under its summary: where each replica stopped (a stop on torch
+    runs a replica's cells to one step) and how to continue; exit 130 after Ctrl-C, else 0."""
+    if run.stop_steps:
+        where = ", ".join(f"replica {i} at step {s}" for i, s in run.stop_steps.items())
+        click.echo(f"each replica's cells finished their update and saved one step: {where}")
+    how = run.stopped_by or "interrupted"
+    click.echo(f"stopped ({how}): every cell saved; continue with --resume {out}")
+    sys.exit(130 if how in ("SIGINT", "interrupted") else 0)
+
+
+def resumed_apart_note(steps: dict[int, int | None]) -> str:
+    """The line under the table of a run whose replicas resumed from different steps."""
+    where = ", ".join(f"replica {i} from step {s or 0}" for i, s in steps.items())
+    return (
+        f"replicas resumed from different steps ({where}: each from the newest step all its "
+        "cells saved): the trailing replica's round clock jumps to the leader's round "
+        "(rounds_jumped) and the leader leaves launches out until they meet (rounds_skipped); "
+        "rounds around the jump fail or arrive late"
+    )
 
 
 @contextlib.contextmanager
@@ -139,7 +164,7 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     headers = [
         "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "val bits/byte",
         "data unigram/bigram", "loss/bigram", "pp B/replica/step",
-        "dp B/replica/step", "rounds started/applied/failed/in flight",
+        "dp B/replica/step", "rounds started/applied/failed/in flight", "rejects",
     ]  # fmt: skip
     r = summary["rounds"]
     in_flight = r["rounds_started"] - r["rounds_applied"] - r["rounds_failed"]
@@ -150,14 +175,24 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
         summary["tokens"],
         f"{summary['tokens_per_s']:,.0f}",
         _fmt_fraction(summary.get("fraction_of_ideal")),
-        f"{summary['val_loss']:.4f}",
+        f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "n/a",
         f"{summary['val_bpb']:.4f}" if summary.get("val_bpb") is not None else "n/a",
         *reference_cells(summary),
         f"{summary['bytes']['pp_per_replica_step']:,.0f}",
         f"{summary['bytes']['dp_per_replica_step']:,.0f}",
         rounds,
+        rejects_cell(summary),
     ]
     return headers, [[str(c) for c in row]]
+
+
+def rejects_cell(summary: dict) -> str:
+    """Messages refused, with the reasons: "83 (late 83)" (docs/faults-and-trust.md)."""
+    reasons = summary.get("rejects_by_reason") or {}
+    top = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"{summary.get('rejects', 0)}" + (
+        " (" + ", ".join(f"{k} {n}" for k, n in top) + ")" if top else ""
+    )
 
 
 def reference_cells(summary: dict) -> list[str]:
@@ -174,7 +209,8 @@ def reference_cells(summary: dict) -> list[str]:
 
 def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:
     """One line for the user (the report of a bug, its traceback, follows it); a directory this
-    command made and nothing was saved into is removed again."""
+    command made and nothing was saved into is removed again, except after a full disk: the
+    run resumes from its config once there is room, and the next line says how."""
     f = run.failure
     if run.interrupted or f is None:
         codes = {cell_name(j, i): c for (j, i), c in run.exit_codes.items() if c != 0}
@@ -189,11 +225,21 @@ def _report_failure(run: GridRun, out: Path, created: bool) -> NoReturn:
         if f.log is not None:  # the traceback of a bug
             click.echo(f.log.read_text().split("\n", 1)[-1].rstrip(), err=True)
         click.echo(f"error: cell {f.cell} failed: {f.message}", err=True)
-    if created and not any((out / "checkpoints").glob("*/step-*.pt")):
+    if f.exit_code == 2 and NO_SPACE in f.message:  # kept: it resumes once there is room
+        free = shutil.disk_usage(out).free / 2**20
+        click.echo(
+            f"the run directory is kept: free some space on the disk that holds {out} "
+            f"({free:,.1f} MiB free now), then continue with: meshtrain simulate --resume {out}",
+            err=True,
+        )
+    elif created and not any((out / "checkpoints").glob("*/step-*.pt")):
         shutil.rmtree(out, ignore_errors=True)
     elif f.log is not None:
         click.echo(f"(the cell's report: {f.log})", err=True)
     sys.exit(2 if f.exit_code == 2 else 1)
+
+
+NO_SPACE = "no space left on device"  # mesh.errors.disk_full's message
 
 
 def write_atomic(path: Path, text: str) -> None:

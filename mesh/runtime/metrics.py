@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mesh.algo.topology import cell_name
+from mesh.runtime.lives import ROUNDS, add_counts, cell_totals, split_lives, without_replayed
 from mesh.runtime.rows import append_row, parse_rows
 
 
@@ -17,18 +19,25 @@ def metrics_offsets(run_dir: Path) -> dict[str, int]:
 
 
 def read_metrics(
-    run_dir: Path, events: bool = False, since: dict[str, int] | None = None
+    run_dir: Path,
+    events: bool = False,
+    since: dict[str, int] | None = None,
+    replayed: bool = False,
 ) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every cell's metrics rows, keyed (stage, replica). A line a running cell is still
     writing (no closing brace yet) is skipped, so this is safe to call during a run. Event rows
     ({"event": "started" | "session_broken" | "state_loaded" | ..., "step"}) only with
-    events=True. A torn line (a crash or a full disk cut it) is skipped too."""
+    events=True. A torn line (a crash or a full disk cut it) is skipped too. The update rows of
+    steps a later life of the cell replayed (a restart or resume from an older checkpoint) are
+    left out, unless replayed=True (mesh/runtime/lives.py)."""
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
         stage, replica = (int(x) for x in path.stem.split("-"))
         with path.open("rb") as f:
             f.seek((since or {}).get(path.name, 0))
             parsed = parse_rows(f.read())
+        if not replayed:
+            parsed = without_replayed(parsed)
         rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
     return rows
 
@@ -57,51 +66,72 @@ def summarize_run(
     cfg: Any, out_dir: Path, wall_s: float, start_step: int = 0, since: dict[str, int] | None = None
 ) -> dict[str, Any]:
     """summary.json of a multi-process run, from the cells' metrics files and checkpoints.
-    A resumed run (from start_step; its rows after the file offsets `since`): rates and bytes
-    are of this segment, tokens and the loss of the whole run."""
+    A resumed run (from start_step; its rows after the file offsets `since`): rates are of this
+    segment; tokens and the loss of the whole run; bytes, rounds and rejects of every life of
+    every cell (mesh/runtime/lives.py: restarts and resumes included, a replayed step's bytes
+    counted each time they were sent), bytes per replica step over the updates all those lives
+    trained."""
 
     from mesh.data.corpus import bits_per_byte, load_corpus, ngram_ce
     from mesh.data.ngram import beside_loss
     from mesh.runtime.emulate import throughput
     from mesh.runtime.evaluate import common_steps, replica_loss, tokens_at, validation_batches
 
-    rows = read_metrics(out_dir, since=since)
+    segment = read_metrics(out_dir, events=True, since=since)
+    rows = {k: [r for r in v if "event" not in r] for k, v in segment.items()}
+    # rates: each cell's latest life (a restarted cell's clock starts again at 0)
+    current = {
+        k: [r for r in split_lives(v)[-1] if "event" not in r] for k, v in segment.items() if v
+    }
+    every = read_metrics(out_dir, events=True, replayed=True)  # every life of every cell
+    totals = {k: cell_totals(v) for k, v in every.items()}
     P, m = cfg.grid.stages, cfg.grid.replicas
     steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
     tokens = tokens_at(cfg, steps)  # one formula with the validation rows (mesh.runtime.evaluate)
     segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
-    # each cell's last update row of this segment (a replica resumed at its last step has none)
-    updates = {k: [r for r in v if not r.get("final")] for k, v in rows.items()}
-    last = {k: v[-1] for k, v in updates.items() if v}
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
+    at = [(common_steps(out_dir, cfg, i) or [None])[-1] for i in range(m)]
+    # a replica whose cells share no checkpoint (stopped before its first) has no loss to show
     losses = [
-        replica_loss(cfg, out_dir, i, common_steps(out_dir, cfg, i)[-1], batches) for i in range(m)
+        replica_loss(cfg, out_dir, i, at[i], batches) if at[i] is not None else None
+        for i in range(m)
     ]
-    rounds = {
-        k: sum(r.get(k, 0) for r in last.values())
-        for k in ("rounds_started", "rounds_applied", "rounds_partial", "rounds_failed")
-    }
+    val_loss = None if None in losses else sum(losses) / m
+    bpt = corpus.val_bytes_per_token
+    rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
+    sent: dict[str, int] = {}
+    rejects: dict[str, int] = {}
+    for t in totals.values():
+        add_counts(sent, t["bytes_sent"])
+        add_counts(rejects, t["rejects"])
+    updates = sum(t["steps"] for t in totals.values()) / P  # a replica's, over every life
+    per = max(updates, 1)
     # steady state (warm-up rows left out) against the ideal of the same run
     # (mesh/runtime/emulate.py)
-    tp = throughput(cfg, rows)
+    tp = throughput(cfg, current)
     return {
         "grid": f"{P}x{m}",
         "steps": steps,
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
         "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
-        "val_loss": sum(losses) / m,
-        "val_bpb": bits_per_byte(sum(losses) / m, corpus.val_bytes_per_token),
+        "updates_trained": updates,  # by all replicas, every life: replayed ones again
+        "tokens_trained": round(updates * tokens_at(cfg, 1) / m),
+        "val_loss": val_loss,
+        "val_bpb": None if val_loss is None else bits_per_byte(val_loss, bpt),
         "val_loss_replicas": losses,
         # the data's reference points beside the loss (mesh/data/ngram.py)
-        **beside_loss(sum(losses) / m, ngram_ce(corpus)),
-        "bytes": {  # from the cells' final rows when present (written after sends drained)
-            "pp_per_replica_step": tp.pp_bytes_per_replica_step,
-            "dp_per_replica_step": tp.dp_bytes_per_replica_step,
+        **beside_loss(val_loss, ngram_ce(corpus)),
+        "bytes": {  # each life's final row when present (written after its sends drained)
+            "pp_per_replica_step": (sent.get("activation", 0) + sent.get("gradient", 0)) / per,
+            "dp_per_replica_step": sent.get("average", 0) / per,
+            "sent": sent,
         },
         "rounds": rounds,
-        "rejects": sum(sum(r.get("rejects", {}).values()) for r in last.values()),
+        "rejects": sum(rejects.values()),
+        "rejects_by_reason": rejects,
+        "lives": {cell_name(*k): t["lives"] for k, t in sorted(totals.items())},
         "compute": cfg.emulation.compute,
         "steady_tokens_per_s": tp.tokens_per_s,
         "ideal_tokens_per_s": tp.ideal_tokens_per_s,

@@ -2,18 +2,28 @@
 release, exit 0), deferred inside a checkpoint write, and immediate while the transport starts
 (mesh/runtime/trainer.py run_cell installs the handler and opens the windows).
 
+A launcher's cells stop another way first: at one step. Each cell of a pipeline is a step or so
+ahead of or behind its neighbours at any moment, so cells that each saved where a signal found
+them share no step, and a resume would go back to their last common (periodic) checkpoint. The
+launcher instead names a step per replica in DIR/stop.json (mesh/runtime/grid_stop.py), every
+cell of the replica trains up to it and ends there as at the run's end (StopAt, StopAtStep),
+and a resume starts from it. A launcher's cells ignore the terminal's Ctrl-C (it reaches the
+whole process group): their launcher handles it (ctrl_c = False).
+
 imports: stdlib, comms.procs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from comms.procs import kill_descendants
@@ -30,8 +40,11 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.depth, self.pending, self.exiting = 0, False, False
+        self.ctrl_c = True  # SIGINT stops the cell too (False: a launcher's cell ignores it)
 
     def handler(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and not self.ctrl_c:
+            return
         if self.depth or self.exiting:
             self.pending = True
             return
@@ -58,7 +71,7 @@ class StopSignal:
         nothing claimed, nothing trained since the last save."""
         r, w = os.pipe()
         os.set_blocking(w, False)
-        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+        stops = {int(signal.SIGTERM)} | ({int(signal.SIGINT)} if self.ctrl_c else set())
         done = threading.Event()
 
         def watch() -> None:
@@ -83,6 +96,39 @@ class StopSignal:
 
 
 STOP = StopSignal()  # the process's one handler (run_cell installs it)
+
+STOP_FILE = "stop.json"  # in the run directory: {"replica_steps": {"0": 139, "1": 120}}
+
+
+def stop_file(out_dir: str | Path) -> Path:
+    return Path(out_dir) / STOP_FILE
+
+
+class StopAtStep(Exception):  # noqa: N818 - the end of a run, not an error
+    """This cell reached the step its launcher's stop names: it ends there as at the run's end
+    (its sends drained, its final row, its checkpoint)."""
+
+
+class StopAt:
+    """The step at which this cell stops, once its launcher wrote one (DIR/stop.json): `due`
+    is asked after every update (one stat of a missing file until then)."""
+
+    def __init__(self, out_dir: str | Path, replica: int) -> None:
+        self.path, self.replica = stop_file(out_dir), replica
+        self.step: int | None = None
+        self.read = False
+
+    def due(self, step: int) -> bool:
+        if not self.read and self.path.exists():  # written whole (a rename): read once
+            self.read = True
+            try:
+                self.step = int(
+                    json.loads(self.path.read_text())["replica_steps"][str(self.replica)]
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                self.step = None  # none for this replica: it trains on until stopped
+        return self.step is not None and step >= self.step
+
 
 PARENT_POLL_S = 1.0
 

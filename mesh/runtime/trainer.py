@@ -34,13 +34,7 @@ from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
 from mesh.runtime import memory
-from mesh.runtime.checkpoint import (
-    check_checkpoint,
-    checkpoint_path,
-    load_cell,
-    save_cell,
-    saved_steps,
-)
+from mesh.runtime.checkpoint import checkpoint_path, load_cell, newest_intact, save_cell
 from mesh.runtime.emulate import cell_shaping, resolve_window
 from mesh.runtime.failure import (
     LOST_NEIGHBOUR,
@@ -55,7 +49,7 @@ from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
 from mesh.runtime.stage import StageStats, StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
-from mesh.runtime.stop import STOP, watch_parent
+from mesh.runtime.stop import STOP, StopAt, StopAtStep, watch_parent
 
 
 def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
@@ -253,14 +247,7 @@ def run_cell(
     module = build_cell_stage(cfg, stage)
     cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank)))
     if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
-        fp = cfg.state_fingerprint()
-        intact = [
-            s
-            for s in saved_steps(out_dir, stage, replica)
-            if check_checkpoint(checkpoint_path(out_dir, stage, replica, s), fp, stage, replica)
-            is None
-        ]
-        resume_step = intact[-1] if intact else None
+        resume_step = newest_intact(out_dir, stage, replica, cfg.state_fingerprint())
     if resume_step is not None:
         path = checkpoint_path(out_dir, stage, replica, resume_step)
         load_cell(cell, cfg.state_fingerprint(), path)
@@ -314,6 +301,9 @@ def run_cell(
                 server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)
             last = [time.perf_counter()]
             trimmed = [time.perf_counter()]
+            # a launcher's stop names the step this fixed replica ends at (mesh/runtime/stop.py)
+            fixed = not coord.elastic and not isinstance(worker, PoolWorker)
+            stop_at = StopAt(out_dir, replica) if fixed else None
 
             def on_step(w: StageWorker) -> None:
                 every = cfg.checkpoint.every
@@ -339,6 +329,8 @@ def run_cell(
                         coord.beat.stats["relayed"] = True
                 with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
                     sink.write(row)
+                if stop_at is not None and stop_at.due(cell.step):
+                    raise StopAtStep(cell.step)
 
             def align() -> int:
                 if isinstance(coord, DhtCoordinator):
@@ -362,6 +354,8 @@ def run_cell(
                         if cfg.runtime.trim_every_s:
                             memory.trim()  # the old session's buffers and threads are gone
                         event("session_broken")
+            except StopAtStep:  # ends here as at the run's end (saved below)
+                pass
             except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
                 # has no other row that says what it refused)
                 sent, rejects = transport.stats.sent_by_kind(), dict(transport.stats.rejects)

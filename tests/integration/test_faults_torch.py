@@ -3,12 +3,16 @@ its own process, real cells, real signals. A slow replica with a short round dea
 averaging; a killed cell's replica is restarted while the other trains on, and the run
 finishes; past elastic.max_restarts the grid stops saved and `--resume` finishes it; SIGTERM
 to the launcher stops and saves every cell, exit 0, nothing left running, and the run resumes;
-a second launcher on a live directory is refused in one line."""
+a stop at a random step (SIGTERM or Ctrl-C) keeps every step any cell completed and `--resume`
+starts there; a damaged checkpoint is passed over and the resumed run's summary counts every
+life; a second launcher on a live directory is refused in one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +22,7 @@ import helpers
 import pytest
 
 from comms.procs import pid_alive
+from mesh.runtime.checkpoint import checkpoint_path, saved_steps
 from mesh.runtime.metrics import read_metrics
 from mesh.runtime.rows import parse_rows
 
@@ -270,3 +275,120 @@ def test_sigterm_to_the_launcher_stops_and_saves_and_a_second_launcher_is_refuse
     res = _run([*_cmd(out, end), "--resume", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     assert set(_final_steps(out).values()) == {end}
+
+
+def _resumed_at(out: Path, cell: str) -> int:
+    """The step the cell's latest life resumed from (its `resumed` event)."""
+    return [r for r in _rows(out, cell) if r.get("event") == "resumed"][-1]["step"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_a_stop_at_a_random_step_keeps_every_step_and_resume_starts_there(tmp_path, sig):
+    """SIGTERM or Ctrl-C to the launcher at a random step, far from a periodic checkpoint
+    (checkpoint.every = 50): each replica's cells finish their update and save one step, at or
+    past every step any of them had logged when the signal came (nothing completed is lost;
+    a resume used to fall back to the last periodic checkpoint, 16-37 updates back); the
+    table, summary.json and the resume line are printed (exit 0, 130 for Ctrl-C), and
+    `--resume` starts each cell from its replica's step."""
+    at = random.randint(8, 40)
+    print(f"stop once every cell is at step {at}")  # the seed of a failure, with -s
+    out = tmp_path / "run"
+    cells = ("0-0", "1-0", "0-1", "1-1")
+    proc = subprocess.Popen(_cmd(out, 4000, *_sets("checkpoint.every=50")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        helpers.wait_for(lambda: min(_step(out, c) for c in cells) >= at, RUN_S, f"step {at}")
+        seen = {c: _step(out, c) for c in cells}
+        proc.send_signal(sig)
+        stdout, err = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 0), err[-3000:]
+    name = signal.Signals(sig).name
+    assert f"stopped ({name}): every cell saved; continue with --resume {out}" in stdout
+    assert "| rejects" in stdout.splitlines()[0] and (out / "summary.json").is_file(), stdout
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert not [p for p in _pids(out) if pid_alive(p)]
+    line = re.search(r"saved one step: replica 0 at step (\d+), replica 1 at step (\d+)", stdout)
+    assert line, stdout
+    stop_at = {0: int(line[1]), 1: int(line[2])}
+    print(f"steps logged at the signal {seen}, saved at {stop_at}")
+    for cell in cells:
+        j, i = (int(x) for x in cell.split("-"))
+        assert saved_steps(out, j, i)[-1] == stop_at[i], (cell, saved_steps(out, j, i), stop_at)
+        assert stop_at[i] >= seen[cell], (cell, stop_at, seen)  # not one completed step lost
+    end = max(stop_at.values()) + 5
+    res = _run([*_cmd(out, end, *_sets("checkpoint.every=50")), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "passed over" not in res.stderr, res.stderr[-3000:]
+    for cell in cells:
+        assert _resumed_at(out, cell) == stop_at[int(cell[-1])], cell
+    assert set(_final_steps(out).values()) == {end}
+
+
+def _flip_middle(path: Path, n: int = 4096) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+    path.write_bytes(bytes(data))
+
+
+def _lives_raw(out: Path, cell: str) -> list[list[dict]]:
+    """The cell's rows (events too) cut at its `started` events, straight from the file."""
+    lives: list[list[dict]] = []
+    for r in _rows(out, cell):
+        if r.get("event") == "started":
+            lives.append([])
+        lives[-1].append(r)
+    return lives
+
+
+def test_a_damaged_checkpoint_is_passed_over_and_the_summary_counts_every_life(tmp_path):
+    """4 KB flipped in the middle of s1r0's newest checkpoint (12): `--resume` passes it over
+    like a torn one, named, and replica 0 resumes from the step before (8), replica 1 from 12,
+    said under the table. Its metrics files then hold steps 9-12 of replica 0 twice; read back,
+    each step is there once (the life the run went on from); summary.json's rounds, rejects
+    and bytes are the sums over every life of every cell, bytes per replica step over every
+    update those lives trained."""
+    out = tmp_path / "run"
+    every = _sets("checkpoint.every=4")
+    assert _run(_cmd(out, 12, *every)).returncode == 0
+    damaged = checkpoint_path(out, 1, 0, 12)
+    _flip_middle(damaged)
+    res = _run([*_cmd(out, 16, *every), "--resume", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "passed over damaged checkpoints (renamed *.pt.bad): s1r0 step 12: unreadable (its " \
+        "bytes do not match the digest saved with it" in res.stderr, res.stderr[-3000:]  # fmt: skip
+    assert damaged.with_name(damaged.name + ".bad").exists()
+    assert {c: _resumed_at(out, c) for c in ("0-0", "1-0", "0-1", "1-1")} == {
+        "0-0": 8, "1-0": 8, "0-1": 12, "1-1": 12,
+    }  # fmt: skip
+    assert "replicas resumed from different steps (replica 0 from step 8, replica 1 from " \
+        "step 12" in res.stdout, res.stdout  # fmt: skip
+    raw = [r["step"] for r in _rows(out, "1-0") if "event" not in r and not r.get("final")]
+    assert sorted(raw) == sorted([*range(1, 13), *range(9, 17)])  # 9-12 twice in the file
+    for cell, rows in read_metrics(out).items():
+        steps = [r["step"] for r in rows if not r.get("final")]
+        assert steps == list(range(1, 17)), (cell, steps)  # once each, in order
+    summary = json.loads((out / "summary.json").read_text())
+    want_rounds, sent, rejects, updates = {}, {}, 0, 0
+    for cell in ("0-0", "1-0", "0-1", "1-1"):
+        lives = _lives_raw(out, cell)
+        assert len(lives) == 2, cell
+        for life in lives:
+            ups = [r for r in life if "event" not in r and not r.get("final")]
+            final = [r for r in life if r.get("final")][-1]  # both lives ran to their end
+            updates += len(ups)
+            for k in ("rounds_started", "rounds_applied", "rounds_failed"):
+                want_rounds[k] = want_rounds.get(k, 0) + ups[-1][k]
+            for kind, n in final["bytes_sent"].items():
+                sent[kind] = sent.get(kind, 0) + n
+            rejects += sum(final["rejects"].values())
+    assert updates == 2 * (12 + 8) + 2 * (12 + 4)  # replica 0 trained 9-12 again
+    assert {k: summary["rounds"][k] for k in want_rounds} == want_rounds
+    assert summary["bytes"]["sent"] == sent and summary["rejects"] == rejects
+    pp = (sent["activation"] + sent["gradient"]) / (updates / 2)
+    assert summary["bytes"]["pp_per_replica_step"] == pytest.approx(pp)
+    assert summary["lives"] == dict.fromkeys(["s0r0", "s0r1", "s1r0", "s1r1"], 2)

@@ -1,0 +1,68 @@
+"""A launcher's stop runs each replica's cells to one step (mesh/runtime/grid_stop.py): every cell
+of a replica saves that step, nothing any cell had completed is lost, and a resume from it ends
+with the same weights as a run that never stopped."""
+
+from __future__ import annotations
+
+import helpers
+import pytest
+import torch
+
+from mesh.config import load_config
+from mesh.runtime.checkpoint import checkpoint_path, saved_steps
+from mesh.runtime.launch import StopRequest, run_grid
+from mesh.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.integration
+
+CELLS = [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_a_stop_saves_one_step_per_replica_and_the_resume_is_exact(text_file, tmp_path):
+    """2x2, no averaging (so nothing in flight is lost at the cut), weight prediction on, no
+    periodic checkpoint before the stop: SIGTERM (as the launcher's handler requests it) once
+    every cell is past step 6; each replica's cells end at one step, past every step any of
+    them had logged, and the resume from there ends where an uninterrupted run ends, bit for
+    bit."""
+    base = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "run.steps=40",
+        "dp.mode=none",
+        "checkpoint.every=1000",
+        "pipeline.weight_prediction=1",
+        "transport.recv_timeout_s=30",
+    ]
+    cfg = load_config([], base)
+    # the stopped run's cells wait 4x their compute (not part of the math): a tiny grid's 40
+    # steps must not end before the stop lands on a loaded box
+    slowed = ", ".join(f'"s{j}r{i}=5"' for j, i in CELLS)
+    slow_cfg = load_config([], [*base, f"emulation.slowdowns=[{slowed}]"])
+    stopped = tmp_path / "stopped"
+    stop, seen = StopRequest(), {}
+
+    def stop_past_step_6(step, loss):
+        if step >= 6 and stop.signal_name is None:
+            for (j, i), rows in read_metrics(stopped).items():
+                seen[(j, i)] = max((r["step"] for r in rows if not r.get("final")), default=0)
+            stop.request("SIGTERM")
+
+    first = run_grid(slow_cfg, stopped, on_progress=stop_past_step_6, stop=stop, timeout_s=240)
+    assert first.interrupted and first.stopped_by == "SIGTERM", first
+    assert set(first.exit_codes.values()) == {0}, first.exit_codes
+    at = first.stop_steps
+    assert at is not None and set(at) == {0, 1}, at
+    for j, i in CELLS:
+        assert saved_steps(stopped, j, i) == [at[i]], (j, i)  # the one stop-time save
+        assert at[i] >= seen[(j, i)], (at, seen)  # nothing it had completed is lost
+        assert at[i] < 40, "stopped before the run's end"
+    resumed = run_grid(cfg, stopped, resume=True, replica_steps=at, timeout_s=240)
+    assert resumed.ok, resumed.exit_codes
+    straight = tmp_path / "straight"
+    assert run_grid(cfg, straight, timeout_s=240).ok
+    for j, i in CELLS:
+        a = torch.load(checkpoint_path(stopped, j, i, 40), weights_only=True)["flat"]
+        b = torch.load(checkpoint_path(straight, j, i, 40), weights_only=True)["flat"]
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -27,8 +27,6 @@ from cli.plan import plan
 from cli.train import train
 from mesh.config import ConfigError
 
-BOOTSTRAP_START_S = 60.0  # `meshtrain dht`: p2pd's start retried with backoff this long
-
 
 @click.group()
 @click.version_option(package_name="meshtrain")
@@ -218,6 +216,7 @@ def dht(
     if identity:
         kwargs["identity_path"] = identity
     from cli.reach import p2pd_failure
+    from comms.build import BOOTSTRAP_START_S
     from comms.p2p import dialback
     from comms.p2p.dht import start_dht
 

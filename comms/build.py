@@ -65,7 +65,7 @@ def make_transport(
             **options,
         )
     if backend == "hivemind":
-        # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
+        # ---- hivemind branch ----
         p2p = _optional_module("comms.p2p.transport")
         return p2p.P2PTransport(
             me,
@@ -103,7 +103,7 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
             del store  # stops the server, frees the port
         return
     if backend == "hivemind":
-        # ---- hivemind branch (owned by the comms/p2p/transport.py engineer) ----
+        # ---- hivemind branch ----
         _optional_module("comms.p2p.transport")
         # The node runs in a spawned process of its own: hivemind forks its DHT process from
         # whoever starts it, and a fork of a process with threads (a test's in-process gloo
@@ -114,8 +114,10 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
         proc.start()
         theirs.close()
         try:
-            if not ours.poll(BOOTSTRAP_START_S):
-                raise TimeoutError(f"the bootstrap DHT node did not start in {BOOTSTRAP_START_S} s")
+            if not ours.poll(SPAWN_S + BOOTSTRAP_START_S):
+                raise TimeoutError(
+                    f"the bootstrap DHT node did not start in {SPAWN_S + BOOTSTRAP_START_S} s"
+                )
             yield {"initial_peers": ours.recv()}  # EOFError: it failed (its stderr says why)
         finally:
             with contextlib.suppress(OSError):
@@ -130,7 +132,8 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
-BOOTSTRAP_START_S = 180.0  # start_dht's own deadline (120 s) and a spawned interpreter's start
+BOOTSTRAP_START_S = 120.0  # a bootstrap DHT node's start, p2pd's retries with backoff included
+SPAWN_S = 60.0  # a spawned interpreter's start, before its bootstrap node starts
 
 
 def _bootstrap_node(host: str, conn: Any) -> None:
@@ -144,7 +147,7 @@ def _bootstrap_node(host: str, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    dht = start_dht([], 120.0, host_maddrs=[f"/ip4/{host}/tcp/0"])
+    dht = start_dht([], BOOTSTRAP_START_S, host_maddrs=[f"/ip4/{host}/tcp/0"])
     try:
         conn.send([str(a) for a in dht.get_visible_maddrs()])
         with contextlib.suppress(EOFError, OSError):

@@ -106,7 +106,7 @@ class PipelineConfig(_Section):
     window: Literal["none", "auto"] | list[int] = Field(
         "none",
         description="async only: extra warm-up forwards per stage so a latent link never starves "
-        "the pipeline (design 4); each adds one step of staleness (stage j's forward of "
+        "the pipeline; each adds one step of staleness (stage j's forward of "
         "microbatch b reads version b-(P-1-j)-window[j]). 'auto': sized at launch from the "
         "round trip (transport.link, stage times; schedule.inflight_window); 'none': 1F1B's P-1-j",
     )

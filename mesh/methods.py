@@ -1,4 +1,4 @@
-"""The baselines of design.md 1.3 as settings of one system: a method name -> config overrides."""
+"""The data-parallel baselines as settings of one system: a method name -> config overrides."""
 
 from __future__ import annotations
 

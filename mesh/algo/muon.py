@@ -1,7 +1,7 @@
 """Muon for one pipeline stage: which parameters are hidden matrices, Newton-Schulz, the update.
 
 Pure tensor math with no import of mesh.algo.optim (which registers the "muon" optimizer and pairs
-this rule with AdamW for everything else). Reference: algorithms.md 4.3 (KellerJordan/Muon).
+this rule with AdamW for everything else). The update is KellerJordan/Muon's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _NOT_HIDDEN = ("emb", "ln", "norm")
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     """True for 2-D weights inside transformer blocks (qkv, attn proj, mlp fc/proj): Muon's domain.
 
-    Embeddings, the head, norm gains, biases and scalars go to AdamW (algorithms.md 4.3).
+    Embeddings, the head, norm gains, biases and scalars go to AdamW.
     """
     if p.ndim != 2 or not name.endswith(".weight") or not _BLOCK.search(name):
         return False
@@ -36,7 +36,7 @@ def newton_schulz(
     coeffs: tuple[float, float, float] = NS_COEFFS,
     eps: float = 1e-7,
 ) -> torch.Tensor:
-    """Approximate U V^T of G = U S V^T by the quintic Newton-Schulz iteration (algorithms.md 4.3).
+    """Approximate U V^T of G = U S V^T by the quintic Newton-Schulz iteration.
 
     Runs in fp32 (bf16 matmuls are slow or missing on many CPU builds); returns G's dtype. The
     singular values of the result land in about (0.5, 1.5), not exactly 1, by design of the
@@ -60,7 +60,7 @@ def newton_schulz(
 
 
 class MuonRule:
-    """Muon on one hidden matrix, KJ form with decoupled weight decay (algorithms.md 4.3).
+    """Muon on one hidden matrix, KJ form with decoupled weight decay.
 
     B <- beta B + (1 - beta) G;  U <- (1 - beta) G + beta B (nesterov) else B;
     O <- NS(U) sqrt(max(1, rows / cols));  W <- W (1 - lr wd) - lr O.

@@ -1,9 +1,10 @@
 """Update rules of ONE pipeline stage: lr/lambda schedules, NAdamW / AdamW / Muon, error feedback.
 
-Each stage owns a StageOptimizer over its own parameters only (design.md 1.2). The math follows
-algorithms.md 2.2 (torch NAdam with the mu_t ramp), 2.3 (schedules, per-stage clip), 3.3 (lambda),
-4.2 (error feedback) and 4.3 (Muon, in mesh/algo/muon.py). State is a flat dict of tensors and
-numbers.
+Each stage owns a StageOptimizer over its own parameters only: no state, norm or step is shared
+across stages. The rules are torch's NAdam (decoupled weight decay, the mu_t momentum ramp) and
+AdamW written out, a warmup-then-cosine lr, a per-stage gradient clip, the EMA coefficient
+lambda of the averaging, error feedback on the inner update, and Muon (mesh/algo/muon.py).
+State is a flat dict of tensors and numbers.
 
 Extension point: OPTIMIZERS maps OptimSpec.name to a planner (param name, param, spec) -> rule.
 A new optimizer lives in its own module that calls register_optimizer; list that module in
@@ -28,7 +29,7 @@ from mesh.choices import OPTIMIZERS
 OptimName = Literal[OPTIMIZERS]
 State = dict[str, torch.Tensor | int | float]
 
-# beta1 when OptimSpec.beta1 is None (design.md 1.2); muon's value is for its AdamW part.
+# beta1 when OptimSpec.beta1 is None; muon's value is for its AdamW part.
 DEFAULT_BETA1: dict[str, float] = {"nadamw": 0.99, "adamw": 0.9, "muon": 0.9}
 
 
@@ -41,7 +42,7 @@ def lr_at(
     """Learning rate at 0-based `step`: linear warmup, then cosine to min_lr_ratio * base_lr.
 
     Warmup: base_lr * (step + 1) / warmup_steps for step < warmup_steps (base_lr / W at step 0,
-    base_lr at step W - 1). Then (algorithms.md 2.3)
+    base_lr at step W - 1). Then
     lr = min + (base - min) * 0.5 * (1 + cos(pi * (step - W) / (total_steps - W))), which is
     base_lr at step W and min at step >= total_steps.
     """
@@ -61,7 +62,7 @@ def lambda_at(
     final: float = 0.01,
     hold_steps: int = 1000,
 ) -> float:
-    """AsyncMesh EMA coefficient (algorithms.md 3.3): `initial` while step < hold_steps, then
+    """AsyncMesh EMA coefficient lambda: `initial` while step < hold_steps, then
     final + (initial - final) * 0.5 * (1 + cos(pi * (step - hold) / (total - hold))), clamped at
     `final` past total_steps. Constant `initial` if hold_steps >= total_steps."""
     if step < hold_steps or hold_steps >= total_steps:
@@ -86,7 +87,7 @@ def momentum_decay_for(horizon_steps: int) -> float:
 
 
 def nadam_mu(step: int, beta1: float, momentum_decay: float) -> float:
-    """NAdam momentum cache mu_t = beta1 (1 - 0.5 * 0.96^(t psi)), t 1-based (algorithms.md 2.2).
+    """NAdam momentum cache mu_t = beta1 (1 - 0.5 * 0.96^(t psi)), t 1-based (torch's NAdam).
 
     With beta1 0.99, psi 0.004: ~0.495 at t=1, 0.57 at 1k, 0.69 at 3k, -> 0.99. psi=0 gives beta1/2.
     """
@@ -160,7 +161,7 @@ class UpdateRule(Protocol):
 
 
 class AdamWRule:
-    """torch.optim.AdamW, single-tensor path, decoupled weight decay (algorithms.md 2.3)."""
+    """torch.optim.AdamW, single-tensor path, decoupled weight decay."""
 
     kind = "adamw"
     quantized: dict[str, bool] = {"m": True, "v": False}
@@ -196,7 +197,7 @@ class AdamWRule:
 
 
 class NAdamWRule(AdamWRule):
-    """torch.optim.NAdam(decoupled_weight_decay=True), single-tensor path (algorithms.md 2.2):
+    """torch.optim.NAdam(decoupled_weight_decay=True), single-tensor path:
 
     theta <- theta (1 - lr wd);  Pi_t = Pi_{t-1} mu_t;  denom = sqrt(v_t / (1 - b2^t)) + eps;
     theta <- theta - lr (1 - mu_t) / (1 - Pi_t) g / denom
@@ -333,7 +334,7 @@ class _Blockwise8bit:
 
 
 class StageOptimizer:
-    """One stage's optimizer over its own named parameters; see OptimSpec and algorithms.md."""
+    """One stage's optimizer over its own named parameters; see OptimSpec and the rules above."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> None:
         names = [n for n, _ in named_params]
@@ -379,7 +380,7 @@ class StageOptimizer:
     @torch.no_grad()
     def clip_grads(self) -> float:
         """Per-stage global L2 norm of the grads (as torch.nn.utils.clip_grad_norm_), scaled down
-        to spec.grad_clip when above it (algorithms.md 2.3). Returns the pre-clip norm."""
+        to spec.grad_clip when above it. Returns the pre-clip norm."""
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         if not grads:
             return 0.0
@@ -455,7 +456,7 @@ class StageOptimizer:
 
     @staticmethod
     def _error_feedback(p: torch.Tensor, x_before: torch.Tensor, st: State, step: int) -> None:
-        # algorithms.md 4.2: with u_t = x_t - (x_t after the inner step, weight decay included),
+        # error feedback: with u_t = x_t - (x_t after the inner step, weight decay included),
         # x_{t+1} = x_t - u_t - (u_t - u_{t-1}). u_prev := first u, so the first correction is 0.
         u_prev = st["u_prev"]
         assert isinstance(u_prev, torch.Tensor)

@@ -1,6 +1,6 @@
 """`rotated_adam`: Adam in an estimated Hessian eigenbasis (SOAP-like), with stage-aware rotation.
 
-Why (algorithms.md 2.5, seed 004, arXiv 2602.03515): a coordinate-wise adaptive optimizer fed
+Why (arXiv 2602.03515): a coordinate-wise adaptive optimizer fed
 stale gradients oscillates when the Hessian eigenbasis is not the coordinate basis, and that
 penalty grows with the delay, i.e. with pipeline depth. Rotating Adam's coordinates into an
 estimate of that eigenbasis (a Kronecker-factored one, as Shampoo/SOAP) keeps delayed updates

@@ -1,6 +1,6 @@
 """Which averaging round a cell launches: the round clock its stage's replicas share.
 
-Role: design 1.3 "rounds across replicas that run at different speeds". A round's subset is a
+Role: rounds across replicas that run at different speeds. A round's subset is a
 function of its index, so every replica of a stage must launch the same indices; a replica that
 numbered rounds by its own step would, once it trails by more than a round stays open
 (tau + dp.max_round_lag_steps), never meet its partner in a round again: each side's payload
@@ -66,7 +66,7 @@ def next_round(
     reached this cell (-1: none); in_flight: the indices of its rounds still open; parts: K of
     the partition selector (None for a selector without the guarantee). A jump that would put a
     coordinate in flight twice (the new index in the same part as an open round: K apart)
-    launches nothing this time instead: design 1.3's "no coordinate in flight twice".
+    launches nothing this time instead: no coordinate is ever in flight twice.
     final_index: the last index any replica launches (that of the run's last update): a cell
     whose clock ran ahead of its own count after a jump launches nothing past it near the end,
     since no partner ever will (each would be a round waited out alone).

@@ -4,8 +4,8 @@ Role: the one place that says what a stage worker (mesh/runtime/stage.py) execut
 version the one-process simulator (mesh/engine/sim.py) uses, so the two engines cannot disagree.
 `execute` runs the action lists of all stages against each other and derives the versions from
 them; the tests tie that to `version_for`. The timing formulas at the bottom are the predictions
-of the throughput benchmark. Sources: design.md 1.1 and 4, algorithms.md 1,
-bench-and-reliability.md 3.1-3.4.
+of the throughput benchmark: a flushed pipeline's bubble, an asynchronous one at its slowest
+stage, and the microbatches in flight a stage needs to cover its round trip.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def validate_schedule(schedule: str, num_stages: int, num_microbatches: int) -> 
         )
     if schedule == "2bw" and num_microbatches < num_stages:
         # Two weight versions suffice only if every microbatch's backward happens before the
-        # next-but-one update, i.e. the warm-up P-1-j fits in one batch: M >= P (design 1.1).
+        # next-but-one update, i.e. the warm-up P-1-j fits in one batch: M >= P.
         raise ValueError(
             f"pipeline.schedule = '2bw' needs pipeline.microbatches >= grid.stages "
             f"({num_stages}), got {num_microbatches}: set pipeline.microbatches = {num_stages} "
@@ -49,7 +49,8 @@ def _check_stage(stage: int, num_stages: int) -> None:
 
 
 def validate_window(schedule: str, num_stages: int, window: Sequence[int] | None) -> None:
-    """`window[j]`: extra warm-up forwards of stage j on top of the P-1-j of 1F1B (design 4).
+    """`window[j]`: extra warm-up forwards of stage j on top of the P-1-j of 1F1B (microbatches
+    in flight that cover a slow link's round trip).
 
     Only the async schedule takes one (2bw's two versions and the flushed schedules have no
     room for more in flight). The warm-ups P-1-j+window[j] must not increase with j, or stage
@@ -83,8 +84,9 @@ def _extra(window: Sequence[int] | None, stage: int) -> int:
 def stage_delay(
     schedule: str, stage: int, num_stages: int, window: Sequence[int] | None = None
 ) -> int:
-    """Gradient delay delta_j in optimizer steps of this stage (design 1.1 table); an
-    in-flight window adds its extra warm-up forwards (async only)."""
+    """Gradient delay delta_j in optimizer steps of this stage: 0 for gpipe and 1f1b (flushed),
+    1 for 2bw, P-1-j for async; an in-flight window adds its extra warm-up forwards (async
+    only)."""
     validate_schedule(schedule, num_stages, max(1, num_stages))
     _check_stage(stage, num_stages)
     validate_window(schedule, num_stages, window)
@@ -97,7 +99,8 @@ def stage_delay(
 def versions_kept(
     schedule: str, stage: int, num_stages: int, window: Sequence[int] | None = None
 ) -> int:
-    """Weight versions stage j holds at once, the live one included (design 1.1 table)."""
+    """Weight versions stage j holds at once, the live one included: its gradient delay + 1
+    (1 for gpipe and 1f1b)."""
     validate_schedule(schedule, num_stages, max(1, num_stages))
     _check_stage(stage, num_stages)
     if schedule == "async":
@@ -117,7 +120,7 @@ def version_for(
 ) -> int:
     """Weight version (updates already applied) used by the F and B of update `update`'s data.
 
-    algorithms.md 1.1: microbatch b at stage k uses w_k^(b - delta_k), clamped at 0 in the fill;
+    Microbatch b at stage k uses w_k^(b - delta_k), clamped at 0 in the fill;
     with an in-flight window delta_k grows by window[k].
     """
     delay = stage_delay(schedule, stage, num_stages, window)
@@ -194,7 +197,7 @@ def _actions(
     schedule: str, j: int, P: int, M: int, num_updates: int, window: Sequence[int] | None
 ) -> Iterator[Action]:
     mpu = microbatches_per_update(schedule, M)
-    # microbatches in flight below this stage (algorithms.md 1.1), plus the window's extra
+    # microbatches in flight below this stage, plus the window's extra
     warmup = P - 1 - j + _extra(window, j)
 
     def emit(is_forward: bool, b: int) -> Iterator[Action]:
@@ -246,7 +249,7 @@ def _read_version(schedule: str, live: int, update: int) -> int:
         # 2BW double buffer: the forwards of batch u read the buffer made by step u-2 (version
         # u-1), even where step u-1 has already made version u (short warm-up stages).
         return max(0, update - 1)
-    return live  # design 1.1: the forward uses the newest weights
+    return live  # the forward uses the newest weights
 
 
 def _fail(msg: str) -> None:
@@ -356,7 +359,7 @@ def simulate_versions(
     return trace.forward_version
 
 
-# ---- timing formulas (bench-and-reliability.md 3.1-3.4, design 4) ----
+# ---- timing formulas: what the throughput benchmark predicts ----
 
 
 def stage_time_s(compute_s: float, payload_bytes: int, bandwidth_bytes_s: float | None) -> float:
@@ -369,12 +372,12 @@ def stage_time_s(compute_s: float, payload_bytes: int, bandwidth_bytes_s: float 
 
 
 def ideal_tokens_per_s(tokens_per_microbatch: int, stage_times_s: list[list[float]]) -> float:
-    """Fixed pipelines: tokens * sum_r 1 / max_s t_{s,r} (bench 3.3); [replica][stage]."""
+    """Fixed pipelines: tokens * sum_r 1 / max_s t_{s,r}; [replica][stage]."""
     return tokens_per_microbatch * sum(1.0 / max(row) for row in stage_times_s)
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Idle fraction of a flushed pipeline with uniform stages: (P-1)/(M+P-1) (bench 3.1)."""
+    """Idle fraction of a flushed pipeline with uniform stages: (P-1)/(M+P-1)."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
@@ -393,7 +396,7 @@ def predicted_sync_step_s(
     extra server of service time `transfer_s` plus a pure delay `link_latency_s`:
       phase(t) = sum_j t_j + (P-1)(latency + transfer) + (M-1) max(max_j t_j, transfer)
       step = phase(t_f) + phase(t_b) + allreduce_s      (the all-reduce blocks after the flush)
-    Uniform stages, no link: (M+P-1)(t_f+t_b) (bench 3.1); heterogeneous: sum t + (M-1) t_max.
+    Uniform stages, no link: (M+P-1)(t_f+t_b); heterogeneous: sum t + (M-1) t_max.
     For a grid, take the max over replicas (they meet in the all-reduce).
     """
     P, M = num_stages, num_microbatches
@@ -414,7 +417,7 @@ def inflight_window(
     transfer_s: float = 0.0,
     period_s: float | None = None,
 ) -> int:
-    """Microbatches stage j must keep in flight so the round trip never starves it (design 4):
+    """Microbatches stage j must keep in flight so the round trip never starves it:
     max(P-j, ceil(rtt_j / period)), rtt_j = sum_{s>=j} t_s + 2 (P-1-j)(latency + transfer),
     period = max t unless given (a link-bound pipeline: max(max t, transfer))."""
     P = len(stage_times_s)
@@ -448,7 +451,7 @@ def predicted_async_tokens_per_s(
 ) -> float:
     """Steady-state tokens/s of the async grid ([replica][stage] per-microbatch stage times).
 
-    No flush, so each replica runs at 1 / its slowest stage (bench 3.1), unless a window of
+    No flush, so each replica runs at 1 / its slowest stage, unless a window of
     in_flight[j] microbatches cannot cover stage j's round trip (Little's law): rate_r =
     min(1 / max_j t, min_j in_flight[j] / rtt_j). in_flight=None means the runtime sizes the
     window from the measured round trip (`inflight_window`), so only the slowest stage binds.

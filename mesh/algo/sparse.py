@@ -1,9 +1,9 @@
 """Sparse data-parallel averaging, the pure parts: which indices, how an arrival is applied, bytes.
 
 Role: every replica of stage j calls `subset_indices` with the same (seed, stage, tensor, round)
-and gets the same index set, so only values cross the wire, never indices (design 1.3 step 1,
-algorithms.md 3.1). `apply_arrival` is the per-arrival drift correction of design 1.3 step 3
-(algorithms.md 3.3); the byte formulas are algorithms.md 7.5 and bench-and-reliability.md 3.2.
+and gets the same index set, so only values cross the wire, never indices. `apply_arrival` is
+the drift correction a round's mean gets when it lands (the updates made since its launch are
+kept); `dp_bytes_per_replica_step` is what the averaging puts on the wire.
 Tensors in, tensors out; the only state is the small cache of the old "permutation" index map.
 """
 
@@ -205,7 +205,8 @@ def subset_indices(
     partition: one permutation pi per (seed, stage, tensor) for the whole run, cut into K parts;
     round r takes part r % K, pi of the positions lo..hi-1 of that part. Every coordinate is
     averaged exactly once in any K consecutive rounds, always K rounds apart, so none is in
-    flight twice while tau <= K x dp.interval_steps (algorithms.md 3.3 overlap caveat). A
+    flight twice while tau <= K x dp.interval_steps (two rounds in flight on one coordinate
+    would each see the other's jump as drift). A
     permutation re-drawn every cycle would break that at the seams: a coordinate late in cycle
     c can come early in cycle c+1 while its first round is still in flight (about 2% of
     launches at p = 0.05, tau = 5), and its measured drift would then include that round's
@@ -359,7 +360,7 @@ def apply_arrival(
     """(new live values, new drift EMA values) on the subset S of an arrived round.
 
     live = w_i[S] now, snapshot = w_i[S] at launch, mean = the decoded all-replica mean of the
-    snapshots, drift_ema = d[S]. Design 1.3 step 3 / algorithms.md 3.3:
+    snapshots, drift_ema = d[S]:
       ema:     drift = live - snapshot; d = (1-lam) d + lam drift; live = mean + d
       delta:   live = mean + (live - snapshot), d unchanged   (= ema with lam = 1 for live)
       replace: live = mean, d unchanged                        (AsyncSPARTA, SPARTA)
@@ -409,7 +410,8 @@ def dp_bytes_per_replica_step(
     fraction: float = 1.0,
     interval_steps: int = 1,
 ) -> float:
-    """Averaging bytes one replica sends per step: 2(m-1)/m * p * N * b / H (algorithms 7.5).
+    """Averaging bytes one replica sends per step: 2(m-1)/m * p * N * b / H (a ring all-reduce
+    of fraction p of N values of b bytes among m replicas, every H steps).
 
     bytes_per_value includes codec overhead, e.g. fp8 with fp32 scales per 128: 1 + 4/128.
     Indices are never sent. 0 for m = 1.

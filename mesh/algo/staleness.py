@@ -2,7 +2,7 @@
 (`optim.delay_lr_share`) and weight prediction (`pipeline.weight_prediction`).
 
 In the asynchronous pipeline stage j's gradient is computed on weights delta_j updates old and
-lands on the newest ones (design 1.1). NAdamW's look-ahead absorbs part of that; at the short
+lands on the newest ones. NAdamW's look-ahead absorbs part of that; at the short
 horizons we study, the rest is the whole of AsyncMesh's gap to FullSync
 (results/convergence/decomposition.md). Weight prediction (PipeMare, arXiv 1910.05124; SpecTrain,
 arXiv 1809.02839) removes more of it: the version a forward reads (and its backward recomputes on,

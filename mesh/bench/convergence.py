@@ -5,7 +5,7 @@ study reports other seeds (EVAL_SEEDS, `--seeds`), refused where a seed is in bo
 figures are out of sample; gaps are paired by seed with a 95% t interval (convergence_table.py).
 
 Two studies share one run:
-- dp: the data-parallel baselines of design.md 1.3 on a 4x2 grid (async nadamw pipelines, except
+- dp: the data-parallel baselines (mesh/methods.py) on a 4x2 grid (async nadamw pipelines, except
   FullSync which is gpipe + blocking fp32 gradient all-reduce).
 - pp: the pipeline axis alone (1 replica): sync (gpipe, M = P) vs async at P = 4 and 8 with adamw
   and nadamw, delay-free references with one microbatch per update (the same number of updates

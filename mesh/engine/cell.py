@@ -244,8 +244,7 @@ class Cell:
 
         The subset is drawn over the stage's flat parameter vector (tensor index 0), so a round
         is one gather, one payload and one scatter. Every replica averages the dequantized
-        payloads of all replicas, its own included, so the mean is bit-identical everywhere
-        (design 1.3 step 3).
+        payloads of all replicas, its own included, so the mean is bit-identical everywhere.
         """
         dp = self.cfg.dp
         idx = sparse.subset_indices(

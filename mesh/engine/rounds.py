@@ -1,7 +1,7 @@
 """A cell's averaging rounds in flight and the order an update runs them: one book for both
 engines (the simulator, mesh/engine/sim.py, and the runtime, mesh/runtime/rounds.py).
 
-Design 1.3: after each optimizer update a cell first applies, in launch order, the rounds whose
+After each optimizer update a cell first applies, in launch order, the rounds whose
 delay tau has passed; then, every dp.interval_steps updates, it launches the next round; with
 tau = 0 (SPARTA, DPAvg: blocking) the round just launched is applied at once. A round is
 applied only after every round launched before it (the drift correction assumes launch order).

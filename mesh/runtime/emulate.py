@@ -1,8 +1,9 @@
-"""Emulated compute, link profiles and the throughput accounting of a run (design 4).
+"""Emulated compute, link profiles and the throughput accounting of a run.
 
 Role: what `emulation.compute = "emulated"`, `emulation.slowdowns`, `transport.link` and
 `pipeline.window = "auto"` mean in numbers, and how a run's metrics rows become tokens/s, the
-ideal and `fraction_of_ideal` (bench-and-reliability.md 3.3-3.4). Used by the stage worker
+ideal (each replica at its slowest stage's pace, a stage's time per microbatch the larger of
+its compute and its link time) and `fraction_of_ideal`. Used by the stage worker
 (`ComputeClock`), the trainer (the link profile), the launcher (the window), `summarize_run`
 and the throughput benchmark, so they all count the same way.
 
@@ -191,7 +192,7 @@ def compute_table(
 def stage_times(
     compute: list[list[float]], link_s: Mapping[tuple[int, int], float] | float
 ) -> list[list[float]]:
-    """[replica][stage] max(compute, link time per microbatch) (bench 3.3, design 4)."""
+    """[replica][stage] max(compute, link time per microbatch)."""
     out = []
     for i, row in enumerate(compute):
         out.append(
@@ -337,10 +338,10 @@ def throughput(
     """From the metrics rows of every cell (trainer.run_cell's per-update rows: time_s, step,
     bytes_sent, microbatches, busy_s, staleness_max, stash_bytes_peak, rss_peak_mb):
     the steady tokens/s, the ideal tokens per microbatch x sum_r 1 / max_s t_{s,r} with
-    t = max(compute, link) per microbatch, and their ratio (bench 3.3-3.4).
+    t = max(compute, link) per microbatch, and their ratio.
 
-    Compute: emulated (forward_ms + backward_ms) x slowdown exactly (bench 3.4.3); real: the
-    cell's busy thread CPU time per microbatch (3.4.2). Link: the larger of the activation and
+    Compute: emulated (forward_ms + backward_ms) x slowdown exactly; real: the
+    cell's busy thread CPU time per microbatch. Link: the larger of the activation and
     the gradient bytes the cell sent per microbatch over the link bandwidth; with
     transport.link_shared their sum (one uplink carries both; "all": the averaging bytes too).
     """

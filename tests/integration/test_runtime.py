@@ -45,7 +45,7 @@ def _final_flats(out: Path, cfg) -> dict:
     "extra",
     [
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25"],
-        # an in-flight window: stage 0 reads one version older (design 4), in both engines
+        # an in-flight window: stage 0 reads one version older, in both engines
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25", "pipeline.window=[1,0]"],
         # weight prediction: stage 0's versions extrapolated along its update velocity
         ["pipeline.schedule=async", "dp.tau=2", "dp.fraction=0.25", "pipeline.weight_prediction=1"],

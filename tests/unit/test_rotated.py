@@ -297,7 +297,7 @@ def test_non_hidden_params_use_adamw() -> None:
 
 
 def test_error_feedback_formula() -> None:
-    # algorithms.md 4.2: x_{t+1} = x_t - 2 u_t + u_{t-1}, u_t the inner rotated-Adam update at
+    # error feedback: x_{t+1} = x_t - 2 u_t + u_{t-1}, u_t the inner rotated-Adam update at
     # x_t (its moments and factors depend on the grads only); first correction zero.
     named = _params()
     opt = StageOptimizer(named, _spec(error_feedback=True))

@@ -177,7 +177,7 @@ def test_bubble_and_uniform_makespan() -> None:
         step = predicted_sync_step_s(P, M, [0.01] * P, [0.02] * P, 0.0)
         assert step == pytest.approx((M + P - 1) * 0.03)
         assert M * 0.03 / step == pytest.approx(1 - bubble_fraction(P, M))
-    # heterogeneous (bench 3.1): sum t + (M-1) t_max; P=4, M=8, slowdowns 1,1,2,1 -> 0.842
+    # heterogeneous: sum t + (M-1) t_max; P=4, M=8, slowdowns 1,1,2,1 -> 0.842
     step = predicted_sync_step_s(4, 8, [0.01, 0.01, 0.02, 0.01], [0.02, 0.02, 0.04, 0.02], 0.0)
     assert step == pytest.approx(0.15 + 7 * 0.06)
     assert 8 * 0.06 / step == pytest.approx(0.842, abs=0.001)
@@ -218,9 +218,9 @@ def test_stage_time_ideal_and_window() -> None:
     ],
 )
 def test_bench_table_a1_to_a4(P, bw_bits, shard_bytes, slow, frac_want, ratio_want) -> None:
-    # bench-and-reliability 4.2: t_f 10 ms, t_b 20 ms, M=4, m=2, 1024 tokens per microbatch,
-    # blocking fp32 ring all-reduce of one stage shard. The table's parentheses count neither
-    # link latency nor activation transfer, so neither do we here.
+    # the throughput benchmark's grids (mesh/bench/throughput): t_f 10 ms, t_b 20 ms, M=4, m=2,
+    # 1024 tokens per microbatch, blocking fp32 ring all-reduce of one stage shard. The expected
+    # values count neither link latency nor activation transfer, so neither do we here.
     M, tok = 4, 1024
     slows = [slow, [1] * P]
     allreduce = ring_allreduce_bytes(shard_bytes, 2) / (bw_bits / 8)

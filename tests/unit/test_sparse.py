@@ -94,7 +94,7 @@ def test_partition_covers_each_coordinate_once_per_cycle(
 def test_no_coordinate_is_in_flight_twice_while_tau_fits_a_cycle(
     fraction, interval, index_map
 ) -> None:
-    """Design 1.3: a round launched at step s lands at s + tau; with tau <= K x interval no
+    """A round launched at step s lands at s + tau; with tau <= K x interval no
     coordinate of it is launched again before it lands, across many cycles (the seams too)."""
     numel, k = 997, num_parts(fraction)
     launches: dict[int, list[int]] = {}  # coordinate -> launch steps
@@ -215,7 +215,7 @@ def test_ema_matches_hand_written_recurrence_over_arrivals() -> None:
         copies = [t.clone() for t in args]
         live, d = apply_arrival(*args, "ema", lam)
         assert all(torch.equal(a, c) for a, c in zip(args, copies))  # inputs untouched
-        drift = ref_live - snapshot  # design 1.3 step 3, written out
+        drift = ref_live - snapshot  # the drift correction, written out
         ref_d = (1 - lam) * ref_d + lam * drift
         ref_live = mean + ref_d
         assert torch.allclose(live, ref_live, atol=1e-12) and torch.allclose(d, ref_d, atol=1e-12)
@@ -225,7 +225,7 @@ def test_lambda_one_is_delta_and_replace_keeps_d() -> None:
     live, snap, mean, d = _vals(1), _vals(2), _vals(3), _vals(4)
     ema_live, ema_d = apply_arrival(live, snap, mean, d, "ema", 1.0)
     delta_live, delta_d = apply_arrival(live, snap, mean, d, "delta", 0.3)
-    assert torch.equal(ema_live, delta_live)  # bit for bit (algorithms.md 3.3)
+    assert torch.equal(ema_live, delta_live)  # bit for bit
     assert torch.equal(ema_d, live - snap) and torch.equal(delta_d, d)
     rep_live, rep_d = apply_arrival(live, snap, mean, d, "replace", 0.3)
     assert torch.equal(rep_live, mean) and torch.equal(rep_d, d)
@@ -250,11 +250,11 @@ def test_byte_formulas() -> None:
     n = 1_000_000
     fp8 = 1 + 4 / 128  # fp8 values plus one fp32 scale per 128-value block
     assert dp_bytes_per_replica_step(n, 2, fp8, 0.05) == pytest.approx(0.05 * n * (1 + 4 / 128))
-    assert dp_bytes_per_replica_step(n, 2, 4) == 4 * n  # fp32 full, m=2 (bench 3.2)
+    assert dp_bytes_per_replica_step(n, 2, 4) == 4 * n  # fp32 full, m=2
     assert dp_bytes_per_replica_step(n, 4, 4) == 6 * n  # m=4
     assert dp_bytes_per_replica_step(n, 1, 4, 0.05) == 0.0
     assert dp_bytes_per_replica_step(n, 2, 4, 0.05, 5) == pytest.approx(0.05 * 4 * n / 5)
-    assert dp_bytes_per_replica_step(236_928, 2, 4) == 947_712  # bench 3.5 measured counter
+    assert dp_bytes_per_replica_step(236_928, 2, 4) == 947_712  # a counter measured so
     assert ring_allreduce_bytes(1000, 2) == 1000 and ring_allreduce_bytes(1000, 5) == 1600
     with pytest.raises(ValueError, match="interval_steps"):
         dp_bytes_per_replica_step(n, 2, 4, 0.05, 0)

@@ -24,7 +24,7 @@ STUDY_DEFAULTS: list[str] = [
 # rotated_adam's lr from a small sweep (async, 400 updates, seed 0, final val loss): P = 1:
 # 1e-3 2.630, 2e-3 2.464, 4e-3 2.413, 6e-3 2.410 (adamw 2e-3: 2.593); P = 16: 2e-3 2.907,
 # 4e-3 2.838 (adamw 2e-3: 3.337). 4e-3 is best at both depths and inside the flat region. The
-# others are the project's settings (mesh.methods, design 1.2), not swept here.
+# others are the project's settings (mesh.methods), not swept here.
 ROTATED_LR = 4e-3
 
 

@@ -1,6 +1,6 @@
 """`meshtrain bench throughput`: grids A1-A4 with emulated compute, FullSync vs AsyncMesh.
 
-Protocol (bench-and-reliability.md 4.2, 4.4): byte-level GPT d=128, L=4, T=128, B=8, M=4;
+Protocol: byte-level GPT d=128, L=4, T=128, B=8, M=4;
 t_f = 10 ms and t_b = 20 ms per microbatch per stage x the cell's slowdown (emulated compute,
 mesh/runtime/emulate.py: no model math, real payloads through the real codecs and transport on
 shaped loopback links). For each grid, FullSync (gpipe + blocking fp32 gradient all-reduce) and

@@ -29,7 +29,7 @@ GRIDS = (
 )
 
 
-BENCH = {  # bench-and-reliability 4.1 / 4.2
+BENCH = {  # the model and timings of every grid (the module docstring of mesh.bench.throughput)
     "model.d_model": 128,
     "model.n_layers": 4,
     "model.n_heads": 4,

@@ -67,6 +67,7 @@ class Cell:
     step: int = 0  # optimizer updates applied to the live weights
     clipped: int = 0  # updates whose gradient norm was above optim.grad_clip (the clip rate)
     stalled: bool = False  # its last update had no gradient (skip_update)
+    progress: int | None = None  # stage pools: the schedules' clock (see schedule_step)
     # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
     distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
@@ -183,11 +184,18 @@ class Cell:
         return self.as_params(self.history[version])
 
     # ---- optimizer ------------------------------------------------------------------------
+    @property
+    def schedule_step(self) -> int:
+        """Where the lr and lambda schedules read this cell: its own update count, or (a stage
+        pool's cell, whose count depends on how much work was routed to it) the index of the
+        microbatch it is applying, which every cell of the grid passes at the same pace."""
+        return self.step if self.progress is None else self.progress
+
     def lr_scale(self) -> float:
-        o, horizon = self.cfg.optim, self.cfg.schedule_horizon
-        scale = lr_at(self.step, horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
+        o, horizon, at = self.cfg.optim, self.cfg.schedule_horizon, self.schedule_step
+        scale = lr_at(at, horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
         delay = self.optimizer.spec.delay
-        return scale * delay_lr_factor(delay, self.step, horizon, o.delay_lr_share)
+        return scale * delay_lr_factor(delay, at, horizon, o.delay_lr_share)
 
     def skip_update(self) -> None:
         """An update without a gradient (every microbatch of it was dropped on its way here):
@@ -318,7 +326,7 @@ class Cell:
         cell's update count now (steps) or the averages its coordinates have had (arrivals)."""
         dp = self.cfg.dp
         if dp.lambda_clock == "steps":
-            hold, now, total = dp.lambda_hold_steps, self.step, self.cfg.schedule_horizon
+            hold, now, total = dp.lambda_hold_steps, self.schedule_step, self.cfg.schedule_horizon
         else:
             hold = dp.lambda_hold_arrivals
             now = sparse.arrivals_before(round_index, dp.fraction, dp.selector)

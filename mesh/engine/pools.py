@@ -132,6 +132,7 @@ class PoolSim(GridSim):
         grads = list(torch.autograd.grad(loss, flat))
         pos = 0
         for c, stage in zip(cells, leaves, strict=True):
+            c.progress = u  # the schedules by the data's position, as the processes do
             c.apply_update(grads[pos : pos + len(stage)])
             pos += len(stage)
             c.push_version()

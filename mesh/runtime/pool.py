@@ -358,6 +358,7 @@ class PoolWorker(StageWorker):
         # a state download snapshots between updates, never inside one; a stop signal waits
         # until the update (optimizer, rounds, new version) is whole
         with self.lock, self.critical():
+            self.cell.progress = h.index  # the schedules by the data's position (Cell)
             if grads is None:
                 self.cell.step += 1  # emulated: no optimizer math, the weights stay
             else:

@@ -370,6 +370,53 @@ def bench_join(out: str, repeats: int) -> None:
     run_join_bench(Path(out), repeats=repeats)
 
 
+@bench.command("nat")
+@click.option("--out", type=click.Path(file_okay=False), default="results/nat", show_default=True)
+def bench_nat(out: str) -> None:
+    """Peers behind NAT in network namespaces (root and nftables): streams direct against
+    relayed, a relay's default limit, and a 2x2 grid whose replica 1 is relayed (about 5
+    minutes)."""
+    from comms.natns import unavailable
+
+    why = unavailable()
+    if why:
+        click.echo(f"error: bench nat needs network namespaces: {why}", err=True)
+        sys.exit(2)
+    from mesh.bench.nat import run_nat_bench
+
+    run_nat_bench(Path(out))
+    click.echo((Path(out) / "table.md").read_text(), nl=False)
+
+
+@bench.command("pools")
+@click.option("--out", type=click.Path(file_okay=False), default="results/pools", show_default=True)
+@click.option("--quick", is_flag=True, help="The gpu-mix scenario alone, 30 updates a stream.")
+@click.option("--steps", type=click.IntRange(min=10), default=None, help="Updates a stream.")
+@click.option(
+    "--convergence",
+    is_flag=True,
+    help="Instead: validation loss at equal tokens, pools against fixed, on the convergence "
+    "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
+)
+@click.option("--workers", type=int, default=2, help="Simulator runs in parallel (--convergence).")
+def bench_pools(out: str, quick: bool, steps: int | None, convergence: bool, workers: int) -> None:
+    """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
+    4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds."""
+    from mesh.bench.pools import run_study
+
+    if convergence:
+        from mesh.bench.pools_convergence import run_convergence
+
+        run_convergence(load_config([], []), Path(out), workers)
+        click.echo((Path(out) / "convergence.md").read_text(), nl=False)
+        return
+
+    summary = run_study(Path(out), quick=quick, steps=steps)
+    click.echo((Path(out) / "table.md").read_text(), nl=False)
+    if not all(t["met"] for t in summary["targets"].values()):
+        click.echo("some targets missed (see above)")
+
+
 @bench.command("soak")
 @click.option("--out", type=click.Path(file_okay=False), default="results/soak", show_default=True)
 @click.option(

@@ -27,6 +27,7 @@ from mesh.config import Config
 from mesh.data.corpus import ngram_ce
 from mesh.data.ngram import beside_loss
 from mesh.engine import sim_state
+from mesh.engine.pools import make_sim
 from mesh.engine.sim import GridSim
 from mesh.runtime.checkpoint import (
     CheckpointError,
@@ -50,7 +51,7 @@ def simulate_logical(
     """Run (or with resume, continue) the grid to cfg.run.steps; the summary table at the end.
     A stop requested (stop.request, from a signal handler) ends it after the current update,
     every cell saved (with --out)."""
-    sim = GridSim(cfg, corpus)
+    sim = make_sim(cfg, corpus)
     start = 0
     if resume:
         assert out is not None, "a resume continues in its run directory"

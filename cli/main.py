@@ -358,6 +358,11 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
         click.echo(f"data: {data_label(rows['data'])}")
         print_table(STATUS_HEADERS, status_table(rows))
         click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
+        for pool in rows.get("pools") or []:  # stage pools: each stage's cells and capacity
+            share = pool["cross_replica_share"]
+            cross = "" if share is None else f", {share:.0%} of its traffic to other replicas"
+            click.echo(f"stage {pool['stage']} pool: {pool['cells']} cells, capacity "
+                       f"{pool['capacity_tps']:,.0f} tokens/s{cross}")  # fmt: skip
     if problem:
         click.echo(f"error: {problem}", err=True)
     sys.stdout.flush()

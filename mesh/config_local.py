@@ -143,7 +143,7 @@ class EmulationConfig(_Section):
     )
     deaths: list[str] = Field(
         [],
-        description='the simulator (pools and fixed): cells dead for a span of updates, e.g. '
+        description="the simulator (pools and fixed): cells dead for a span of updates, e.g. "
         '["s2r1@100-300"] (dead from update 100, back at 300, its state then taken from a live '
         'peer of its stage; "s2r1@100": for good)',
     )

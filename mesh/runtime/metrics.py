@@ -75,7 +75,13 @@ def summarize_run(
     from mesh.data.corpus import bits_per_byte, load_corpus, ngram_ce
     from mesh.data.ngram import beside_loss
     from mesh.runtime.emulate import throughput
-    from mesh.runtime.evaluate import common_steps, replica_loss, tokens_at, validation_batches
+    from mesh.runtime.evaluate import (
+        common_steps,
+        latest_steps,
+        replica_loss,
+        tokens_at,
+        validation_batches,
+    )
 
     segment = read_metrics(out_dir, events=True, since=since)
     rows = {k: [r for r in v if "event" not in r] for k, v in segment.items()}
@@ -91,7 +97,11 @@ def summarize_run(
     segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
-    at = [(common_steps(out_dir, cfg, i) or [None])[-1] for i in range(m)]
+    pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
+    at = [
+        latest_steps(out_dir, cfg, i) if pools else (common_steps(out_dir, cfg, i) or [None])[-1]
+        for i in range(m)
+    ]
     # a replica whose cells share no checkpoint (stopped before its first) has no loss to show
     losses = [
         replica_loss(cfg, out_dir, i, at[i], batches) if at[i] is not None else None
@@ -99,6 +109,11 @@ def summarize_run(
     ]
     val_loss = None if None in losses else sum(losses) / m
     bpt = corpus.val_bytes_per_token
+    if pools:
+        streams = [v[-1]["step"] for k, v in rows.items() if v and k[0] == 0]
+        steps = min(streams, default=0)
+        tokens = sum(streams) * cfg.tokens_per_microbatch  # every microbatch a stream got back
+        segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
     rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
     sent: dict[str, int] = {}
     rejects: dict[str, int] = {}
@@ -117,7 +132,7 @@ def summarize_run(
         "wall_s": round(wall_s, 2),
         "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
         "updates_trained": updates,  # by all replicas, every life: replayed ones again
-        "tokens_trained": round(updates * tokens_at(cfg, 1) / m),
+        "tokens_trained": tokens if pools else round(updates * tokens_at(cfg, 1) / m),
         "val_loss": val_loss,
         "val_bpb": None if val_loss is None else bits_per_byte(val_loss, bpt),
         "val_loss_replicas": losses,
@@ -152,6 +167,9 @@ def beat_stats(row: dict[str, Any]) -> dict[str, Any]:
     }
     if row.get("loss") is not None:
         out["loss"] = float(row["loss"])
+    if "routed" in row:  # a pooled cell: how much of its traffic crossed to other replicas
+        out["routed"] = sum(int(n) for n in row["routed"].values())
+        out["cross"] = int(row.get("cross_replica", 0))
     return out
 
 

@@ -26,6 +26,7 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.p2p.auth import Auth
 from comms.p2p.relay import RelayLimits
 from comms.transport import DirectoryTransport, Transport
+from mesh.algo import routing
 from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError, config_from_dict
@@ -43,10 +44,10 @@ from mesh.runtime.failure import (
 )
 from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.pool import PoolStats, PoolWorker
-from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
+from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again, running
 from mesh.runtime.rounds import group_name
 from mesh.runtime.rows import append_row, cut_torn_tail
-from mesh.runtime.session import DhtCoordinator, SessionBroken, StaticCoordinator
+from mesh.runtime.session import DhtCoordinator, SessionBroken, StageMove, StaticCoordinator
 from mesh.runtime.stage import StageStats, StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP, StopAt, StopAtStep, watch_parent
@@ -56,8 +57,19 @@ def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
     """All peer names in rank order (replica-major) and the averaging groups (one per stage)."""
     P, m = cfg.grid.stages, cfg.grid.replicas
     names = [cell_name(j, i) for i in range(m) for j in range(P)]
-    groups = {group_name(j): [cell_name(j, i) for i in range(m)] for j in range(P)}
+    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: in no group
+    groups = {
+        group_name(j): [cell_name(j, i) for i in range(m) if cell_name(j, i) not in gone]
+        for j in range(P)
+    }
     return names, groups
+
+
+def absent_cells(cfg: Config) -> set[tuple[int, int]]:
+    """The cells emulation.deaths takes out from the start (mesh.algo.routing.absent)."""
+    g = cfg.grid
+    spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
+    return routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
 
 
 def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
@@ -71,7 +83,9 @@ def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
     else:
         nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < P]
     column = [cell_name(stage, i) for i in range(m) if i != replica]
-    return {"links": nbrs + column, "needed": nbrs}
+    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: no link to wait on
+    nbrs = [c for c in nbrs if c not in gone]
+    return {"links": nbrs + [c for c in column if c not in gone], "needed": nbrs}
 
 
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
@@ -159,6 +173,7 @@ def make_coordinator(
         run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data),
         since=since,
         step=cell.step,
+        watch=list(range(cfg.grid.replicas)) if cfg.pipeline.routing == "pools" else None,
     )
 
 
@@ -300,6 +315,12 @@ def run_cell(
                 column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
                 server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)
             last = [time.perf_counter()]
+            last_check = [time.perf_counter()]  # stage pools: the last rebalancing look
+            rebalance = (
+                routing.Rebalancer(cfg.elastic.rebalance_ratio, cfg.elastic.rebalance_after_s)
+                if pools and cfg.elastic.rebalance
+                else None
+            )
             trimmed = [time.perf_counter()]
             # a launcher's stop names the step this fixed replica ends at (mesh/runtime/stop.py)
             fixed = not coord.elastic and not isinstance(worker, PoolWorker)
@@ -320,6 +341,14 @@ def run_cell(
                     tps = tokens_per_update / dt if dt > 0 else 0.0
                     coord.beat.step = cell.step
                     coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
+                    if isinstance(w, PoolWorker):  # a pool's capacity: what it could compute
+                        coord.beat.tps = w.capacity_tps()
+                        if rebalance is not None and now - last_check[0] >= cfg.elastic.heartbeat_s:
+                            last_check[0] = now
+                            to = pool_move(coord, cfg, stage, replica, rebalance)
+                            if to is not None:
+                                event("moved", from_stage=stage, to_stage=to)
+                                raise StageMove(cell_name(stage, replica), to)
                 row = _row(w, transport, now - start)
                 if isinstance(coord, DhtCoordinator):
                     coord.beat.stats = beat_stats(row)
@@ -341,9 +370,12 @@ def run_cell(
                 return cell.step
 
             try:
-                if isinstance(worker, PoolWorker) and not coord.elastic:
-                    worker.run_pools(on_step)  # no sessions: the pools route around a loss
-                while not isinstance(worker, PoolWorker) or coord.elastic:
+                if isinstance(worker, PoolWorker):  # no sessions: the pools route around a loss
+                    if isinstance(coord, DhtCoordinator):
+                        align()  # a joiner (or a cell far behind) takes its stage's state first
+                        worker.live = pool_members(coord, cfg.elastic.heartbeat_s)
+                    worker.run_pools(on_step)
+                while not isinstance(worker, PoolWorker):
                     session = coord.next_session(align)
                     if session is None:
                         break
@@ -441,6 +473,40 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "rss_peak_mb": round(st.rss_peak_mb(), 1),
         **pool_row(st),
     }
+
+
+def pool_members(coord: DhtCoordinator, max_age_s: float) -> Callable[[], set[str] | None]:
+    """The cells with a live claim, as the heartbeat thread last read them (None: no read
+    yet, or the DHT did not answer: unknown, never "left")."""
+
+    def live() -> set[str] | None:
+        owned = coord.cached_owners(4 * max_age_s)
+        return None if owned is None else {c for c, rec in owned.items() if running(rec)}
+
+    return live
+
+
+def pool_move(
+    coord: DhtCoordinator, cfg: Config, stage: int, replica: int, watch: routing.Rebalancer
+) -> int | None:
+    """The stage this pooled cell should move to now (elastic.rebalance), or None: its stage
+    has held rebalance_ratio x the thinnest stage's capacity for rebalance_after_s, the move
+    raises the bottleneck, it is the stage's mover (routing.mover: all agree which) and the
+    thin stage has a free cell."""
+    owned = coord.cached_owners(4 * cfg.elastic.heartbeat_s)
+    if owned is None:
+        return None  # unknown: never a move on a read that failed
+    rates = {c: rec.tps for c, rec in owned.items() if running(rec)}
+    me = cell_name(stage, replica)
+    verdict = watch.check(
+        time.monotonic(), routing.stage_capacity(rates, cfg.grid.stages), stage, rates.get(me, 0.0)
+    )
+    if verdict is None:
+        return None
+    mine = {c: r for c, r in rates.items() if c.startswith(f"s{stage}r")}
+    to = verdict[1]
+    free = [i for i in range(cfg.grid.replicas) if cell_name(to, i) not in owned]
+    return to if routing.mover(mine) == me and free else None
 
 
 def pool_row(st: StageStats) -> dict[str, Any]:

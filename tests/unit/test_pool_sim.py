@@ -70,3 +70,18 @@ def test_fixed_wiring_stalls_a_replica_whose_cell_is_dead(text_file):
     assert sim.voided == 6 and sim.cross_replica == 0
     assert sim.cells[2][0].step == cfg.run.steps - 6  # replica 2 trained only once back
     assert sim.cells[0][0].step == cfg.run.steps
+
+
+def test_a_pooled_cells_schedules_follow_the_data_not_its_own_update_count(text_file):
+    """A slow cell takes fewer microbatches, so fewer updates, but its lr follows the position
+    of the microbatches it applies: at the end every cell of a stage is at the same point of
+    the cosine, whatever its share of the work."""
+    cfg = _cfg(text_file, "pipeline.routing='pools'", 'emulation.slowdowns=["s1r0=4.0"]')
+    sim = make_sim(cfg)
+    for _ in range(cfg.run.steps):
+        sim.step()
+    stage1 = [sim.cells[i][1] for i in range(3)]
+    assert len({c.step for c in stage1}) > 1  # different numbers of updates
+    last = [c for c in stage1 if c.progress == cfg.run.steps - 1]
+    assert len(last) >= 2 and len({c.lr_scale() for c in last}) == 1
+    assert sim.cells[0][0].schedule_step == cfg.run.steps - 1

@@ -235,6 +235,9 @@ class LoadBook:
     def queue(self, cell: str) -> int:
         return self.others.get(cell, 0) + self.mine.get(cell, 0)
 
-    def choose(self, cells: Sequence[str], u: float) -> str:
-        ws = weights([self.rate.get(c) for c in cells], [self.queue(c) for c in cells])
-        return cells[pick(ws, u)]
+    def choose(self, cells: Sequence[str], u: float, window: int | None = None) -> str:
+        """A cell drawn by rate / (queue + 1); with `window`, among the cells whose queue as
+        this sender knows it is below the window (a full cell would refuse), if any is."""
+        room = [c for c in cells if window is None or self.queue(c) < window] or list(cells)
+        ws = weights([self.rate.get(c) for c in room], [self.queue(c) for c in room])
+        return room[pick(ws, u)]

@@ -273,7 +273,7 @@ class PoolWorker(StageWorker):
         live = self._live_downs(exclude)
         if not live:
             return False
-        to = self.book.choose(live, self.rng.random())
+        to = self.book.choose(live, self.rng.random(), self.cfg.pipeline.pool_window)
         assert h.out is not None
         self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
         self.book.sent(to)

@@ -49,6 +49,18 @@ def test_the_load_book_sends_more_to_the_fast_and_idle_cell() -> None:
     assert book.queue("fast") == 6
 
 
+def test_a_cell_known_to_be_full_is_not_drawn_while_another_has_room() -> None:
+    book = routing.LoadBook()
+    book.report("a", 100.0, 3)  # fast, but holding 3 of others' already
+    book.sent("a")  # and one of ours: 4 = the window
+    rng = random.Random(3)
+    assert {book.choose(["a", "b"], rng.random(), window=4) for _ in range(100)} == {"b"}
+    for _ in range(4):
+        book.sent("b")
+    # both full as far as it knows: it draws among all (the refusal then says for sure)
+    assert {book.choose(["a", "b"], rng.random(), window=4) for _ in range(200)} == {"a", "b"}
+
+
 def test_a_full_cell_is_left_out_and_the_sender_picks_another() -> None:
     book = routing.LoadBook()
     live = ["s1r0", "s1r1", "s1r2"]

@@ -8,19 +8,24 @@ having heard nothing, returned what it returns for a key nobody holds. A reader 
 "no claims": every partner free, every session broken. Three defences, in every DHT process of
 ours (comms.p2p.dht.PeerDHT and start_dht install them):
 
-- `RecordBounds`, a record validator: a node stores no value over RECORD_MAX_BYTES (ours are
-  a few KB), no value without a subkey (ours all have one; a plain value with a far expiration
-  would block every subkey store under its key) and nothing that outlives RECORD_MAX_TTL_S.
-- `bound_replies`: a reply never outgrows p2pd's limit. A key whose subkeys exceed its share of
-  REPLY_BUDGET_BYTES is answered with its smallest subkeys and a TRIMMED marker subkey.
+- `bound_storage` (`storable`): a node stores no value over RECORD_MAX_BYTES (ours are a few
+  KB), no value without a subkey (ours all have one; a plain value with a far expiration would
+  block every subkey store under its key) and nothing that outlives RECORD_MAX_TTL_S, whether
+  another node asks it to or it is one of the nearest to a key it stores itself. Checked in
+  its storage, not in a record validator: hivemind also validates every record of a reply and
+  drops the whole key when one fails, so a node that stored junk (one not of ours, e.g. a
+  plain hivemind bootstrap) would make the key read as empty.
+- `bound_storage` (`trim`): a reply never outgrows p2pd's limit. A key whose subkeys exceed its
+  share of REPLY_BUDGET_BYTES is answered with its smallest subkeys and a TRIMMED marker.
 - `read_records`, the get every run-record read goes through (run in the DHT process): per
   key, the records, or None when nobody answered (every node asked failed, timed out or
   overflowed, and this node holds nothing), when a reply was trimmed, or when the key holds a
   plain value. Unknown is never "nobody": a caller keeps what it knew (mesh/runtime/session.py).
 
 Not defended: a node of an outsider's among the nearest to a key can answer what it likes for
-that key (hivemind's DHT has no proof that a reply is complete); readers merge every node's
-answer, so it can add junk (dropped by the records' seals) but not hide what others hold.
+that key (hivemind's DHT has no proof that a reply is complete). Readers merge every node's
+answer: it can add junk (the records' seals drop it) or make the key's reads unknown (a plain
+value masks its subkeys), not make records others hold read as gone.
 
 imports: hivemind, stdlib (no torch, no mesh, no cli).
 """
@@ -35,8 +40,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.p2p import P2PContext
 from hivemind.proto import dht_pb2
 from hivemind.utils.timed_storage import get_dht_time
@@ -48,17 +52,30 @@ TRIMMED = "~trimmed"  # the subkey that marks a trimmed reply (value: how many w
 TRIMMED_TTL_S = 5.0  # how long the marker stands in a reader's cache
 
 
-class RecordBounds(RecordValidatorBase):
-    """Refuses what no peer of ours writes: an oversized value, a value without a subkey, an
-    expiration past RECORD_MAX_TTL_S. Run on each record a node is asked to store and on each
-    record a reply brings (hivemind drops a reply's whole key if one of its records fails)."""
+def storable(value: bytes, expiration: float) -> bool:
+    """Whether a node of ours stores a subkey's value (see the module docstring)."""
+    return len(value) <= RECORD_MAX_BYTES and expiration <= get_dht_time() + RECORD_MAX_TTL_S
 
-    def validate(self, record: DHTRecord) -> bool:
-        return (
-            len(record.value) <= RECORD_MAX_BYTES
-            and record.subkey != DHTProtocol.IS_REGULAR_VALUE
-            and record.expiration_time <= get_dht_time() + RECORD_MAX_TTL_S
-        )
+
+_plain_store, _plain_store_subkey = DHTLocalStorage.store, DHTLocalStorage.store_subkey
+
+
+def _store(
+    self: DHTLocalStorage, key: DHTID, value: Any, expiration_time: float, subkey: Any = None
+) -> bool:
+    if subkey is not None:
+        return _store_subkey(self, key, subkey, value, expiration_time)
+    if not isinstance(value, DictionaryDHTValue):
+        return False  # a plain value (a whole dictionary is a read's result, cached)
+    return _plain_store(self, key, value, expiration_time)
+
+
+def _store_subkey(
+    self: DHTLocalStorage, key: DHTID, subkey: Any, value: bytes, expiration_time: float
+) -> bool:
+    if not storable(value, expiration_time):
+        return False
+    return _plain_store_subkey(self, key, subkey, value, expiration_time)
 
 
 def trim(dictionary: DictionaryDHTValue, budget: int) -> tuple[DictionaryDHTValue, int]:
@@ -79,7 +96,7 @@ def _bounded_result(result: Any, budget: int, serializer: Any) -> None:
     """Trim one key's result of a find reply in place to `budget` bytes, with the marker."""
     if result.type == dht_pb2.FOUND_DICTIONARY:
         kept, left_out = trim(serializer.loads(result.value), budget)
-    else:  # a plain value that big is no record of ours (RecordBounds refuses it)
+    else:  # a plain value: no record of ours (bound_storage refuses it)
         kept, left_out = DictionaryDHTValue(), 1
     kept.store(TRIMMED, serializer.dumps(left_out), get_dht_time() + TRIMMED_TTL_S)
     result.type, result.value = dht_pb2.FOUND_DICTIONARY, serializer.dumps(kept)
@@ -99,9 +116,10 @@ async def _rpc_find_bounded(
     return response
 
 
-def bound_replies() -> None:
-    """In a DHT process, before its node starts (the node registers its handler then): every
-    find reply it sends fits p2pd's message limit (see the module docstring)."""
+def bound_storage() -> None:
+    """In a DHT process, before its node starts (the node registers its handlers then): what
+    it stores and every find reply it sends are bounded (see the module docstring)."""
+    DHTLocalStorage.store, DHTLocalStorage.store_subkey = _store, _store_subkey
     DHTProtocol.rpc_find = _rpc_find_bounded
 
 

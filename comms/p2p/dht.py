@@ -175,7 +175,7 @@ class PeerDHT(hivemind.DHT):
         # first ping fails with p2pd still running) can find what is ours and remove it
         P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
         _add_p2pd_flags(getattr(self, "p2pd_flags", {}))
-        bounds.bound_replies()  # no find reply of ours outgrows p2pd's limit (a flood)
+        bounds.bound_storage()  # no junk stored, no reply over p2pd's limit (a flood)
         try:
             super().run()
             _stop_own_daemons()  # nothing left after a clean shutdown; a failed start's leftovers
@@ -356,8 +356,7 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
     the process-wide key)."""
-    validators = kwargs.get("record_validators", [RSASignatureValidator()])
-    kwargs["record_validators"] = [*validators, bounds.RecordBounds()]  # junk is not stored
+    kwargs.setdefault("record_validators", [RSASignatureValidator()])
     deadline = time.monotonic() + timeout_s
     delay = 0.5
     while True:

@@ -1,9 +1,11 @@
 """An outsider without the run key against a run's DHT records (issue 47), through real hivemind
 DHT nodes on 127.0.0.1: junk subkeys under a key members read, a config record stored before the
-owner's. What must hold: junk over the record limit is stored nowhere; junk within it makes a
-read unknown (None), never empty; a read nobody answers is unknown; and on a keyed grid of
+owner's. What must hold: junk over the record limit is stored by no node of ours; junk within
+it, more than a reply carries, makes a read unknown (None), never empty; a read nobody answers
+is unknown; junk a plain hivemind node stored hides no record; and on a keyed grid of
 `meshtrain join`s, the owner's `join --config` starts its run past a squatter's record, the
-flood costs each cell at most one session, and `status` lists every live cell as live."""
+flood costs each cell at most one session, and `status` lists every live cell as live (with
+the old read rules, it listed them free)."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HANG_S = 90
 BIG = 100_000  # the issue's junk: over RECORD_MAX_BYTES, refused by every node of ours
-MID = 30_000  # junk within the limit: stored, and enough of it overflows a reply
-MID_COUNT = REPLY_BUDGET_BYTES // MID + 30
+MID = 30_000  # junk within the limit: stored; this much of it (4.8 MB) would not fit a reply
+MID_COUNT = 160  # (p2pd's limit: 4 MiB a message; a reply of ours is trimmed to 2 MiB)
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -53,7 +55,7 @@ def flood(dht, key: str, count: int, size: int, ttl_s: float) -> int:
 
 
 def test_junk_is_refused_or_makes_reads_unknown_never_empty():
-    assert MID * MID_COUNT > REPLY_BUDGET_BYTES and BIG > RECORD_MAX_BYTES > MID
+    assert MID * MID_COUNT > 4 * 1024**2 > REPLY_BUDGET_BYTES and BIG > RECORD_MAX_BYTES > MID
     boot = start_dht([], 60, host_maddrs=LOOPBACK_MADDRS)
     peers = [str(m) for m in boot.get_visible_maddrs()]
     member = start_dht(peers, 60, host_maddrs=LOOPBACK_MADDRS)
@@ -82,6 +84,29 @@ def test_junk_is_refused_or_makes_reads_unknown_never_empty():
             dht.shutdown()
 
 
+def test_junk_a_plain_hivemind_node_stored_does_not_hide_a_members_record():
+    """A bootstrap that is any hivemind node (docs/wan.md) stores the junk ours refuse: its
+    replies carry it (under p2pd's limit), and a reader of ours still reads the member's
+    record beside it (hivemind drops a reply's whole key when one record fails a validator:
+    the bounds are not one)."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    boot = hivemind.DHT(start=True, host_maddrs=LOOPBACK_MADDRS,
+                        record_validators=[RSASignatureValidator()])  # fmt: skip
+    peers = [str(m) for m in boot.get_visible_maddrs()]
+    member = start_dht(peers, 60, host_maddrs=LOOPBACK_MADDRS, client_mode=True)
+    reader = start_dht(peers, 60, host_maddrs=LOOPBACK_MADDRS, client_mode=True)
+    try:
+        assert store_record(member, "run.cells.r0", "s0r0/me", {"v": 1}, 120, 20)
+        assert flood(member, "run.cells.r0", 30, BIG, 120) == 30  # all on the plain node
+        found = get_records(reader, "run.cells.r0", 20)
+        assert found is not None and found["s0r0/me"] == {"v": 1} and len(found) == 31
+    finally:
+        for dht in (reader, member, boot):
+            dht.shutdown()
+
+
 def _sessions_since(out, epoch_ms: int) -> int:
     """The sessions a cell started whose epoch (the leader's clock, ms) is epoch_ms or later."""
     return sum(1 for r in rows(out) if r.get("event") == "session" and r["epoch"] >= epoch_ms)
@@ -107,6 +132,7 @@ def _squat(outsider: DhtClient, cfg_path, space: str) -> None:
 
 
 def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
+    """A 2x1 grid of joins (the least that has a replica's session to break)."""
     cfg = tiny_grid_config(tmp_path, text_file, replicas=1, slowdown=4.0)
     space = Auth.of(KEY, "").space  # where the run's records live (the key's space)
     dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -130,9 +156,11 @@ def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
 
         # -- the owner starts its run past the squatter's records; a second peer joins it
         join("j0", "--config", str(cfg))
+        # its cell up and claiming (not only the join's placeholder claim, which a second
+        # join could outlive and take the cell over: a rejoin, slow on a loaded box)
         wait_for(
-            lambda: "joined run" in (tmp_path / "j0.log").read_text() or joins["j0"].poll(),
-            HANG_S, "the owner's claim",
+            lambda: "waiting for s1r0" in (tmp_path / "j0.log").read_text() or joins["j0"].poll(),
+            HANG_S, "the owner's cell",
         )  # fmt: skip
         assert joins["j0"].poll() is None, (tmp_path / "j0.log").read_text()
         join("j1")

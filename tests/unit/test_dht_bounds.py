@@ -2,9 +2,8 @@
 is trimmed, and how a read settles to records, "nothing there" or unknown (the real DHT under a
 flood: tests/integration/test_outsider_flood.py)."""
 
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.proto import dht_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
@@ -13,25 +12,24 @@ from comms.p2p.bounds import (
     RECORD_MAX_BYTES,
     RECORD_MAX_TTL_S,
     TRIMMED,
-    RecordBounds,
     _bounded_result,
+    _store,
+    _store_subkey,
     settle,
     trim,
 )
 
-SUBKEY = MSGPackSerializer.dumps("s0r0/peer")
-
-
-def _record(value: bytes, subkey: bytes = SUBKEY, ttl_s: float = 60.0) -> DHTRecord:
-    return DHTRecord(b"key", subkey, value, get_dht_time() + ttl_s)
-
 
 def test_a_node_stores_no_oversized_plain_or_long_lived_value():
-    bounds = RecordBounds()
-    assert bounds.validate(_record(b"x" * RECORD_MAX_BYTES))
-    assert not bounds.validate(_record(b"x" * (RECORD_MAX_BYTES + 1)))
-    assert not bounds.validate(_record(b"x", subkey=DHTProtocol.IS_REGULAR_VALUE))
-    assert not bounds.validate(_record(b"x", ttl_s=RECORD_MAX_TTL_S + 60))
+    storage, key, exp = DHTLocalStorage(), DHTID.generate(source="k"), get_dht_time() + 60
+    ok = b"x" * RECORD_MAX_BYTES
+    assert _store(storage, key, ok, exp, subkey="s0r0/a")
+    assert not _store(storage, key, ok + b"x", exp, subkey="s0r0/b")
+    assert not _store_subkey(storage, key, "s0r0/c", b"x", get_dht_time() + RECORD_MAX_TTL_S + 60)
+    assert not _store(storage, DHTID.generate(source="p"), b"x", exp)  # a plain value
+    assert [k for k, _ in storage.get(key).value.items()] == ["s0r0/a"]
+    # a whole dictionary (a read's result, in a node's cache) is stored as it is
+    assert _store(DHTLocalStorage(), key, _dictionary({"a": 10}), exp)
 
 
 def _found(entries: dict) -> ValueWithExpiration:

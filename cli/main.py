@@ -337,8 +337,8 @@ def join(
 @user_errors
 def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: str | None) -> None:
     """The grid as the DHT sees it: each cell's peer, step, tokens/s, last heartbeat and session;
-    free cells. Without the run key (or with another one) claims cannot be verified: they are
-    shown marked unverified, and status exits 2 after showing them."""
+    free cells. Without the run key (or with another one) a keyed run's claims cannot be read:
+    none is shown, no cell is called free, and status exits 2 saying which key is missing."""
     from cli.join import open_scout
     from cli.report import print_table
     from cli.status import STATUS_HEADERS, data_label, key_error, read_status, status_table

@@ -357,7 +357,10 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
         click.echo(f"run {run_id!r}: grid {grid}, run key {rows['run_key']}")
         click.echo(f"data: {data_label(rows['data'])}")
         print_table(STATUS_HEADERS, status_table(rows))
-        click.echo(f"free cells: {', '.join(rows['free']) or 'none'}")
+        free = ", ".join(rows["free"]) or "none"
+        if not rows.get("claims_readable", True):  # a keyed run's, without its key
+            free = "unknown (the claims are readable only with the run key)"
+        click.echo(f"free cells: {free}")
         for pool in rows.get("pools") or []:  # stage pools: each stage's cells and capacity
             share = pool["cross_replica_share"]
             cross = "" if share is None else f", {share:.0%} of its traffic to other replicas"

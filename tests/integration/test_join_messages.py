@@ -95,6 +95,7 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
         code, out = _run("status", *peers, key="another key")
         assert code == 2, out
         assert "run key does not match" in out and "readable only with its key" in out
+        assert "free cells: unknown" in out
 
         # -- a second join lets the replica start
         second = Join(tmp_path / "j1.log", *peers, "--out", str(out_b))

@@ -157,6 +157,8 @@ class Resume:
     step: int  # the oldest replica's step (where the progress bar and the rates start)
     notes: list[str]  # what the user should hear (damaged files passed over)
     replica_steps: dict[int, int | None]  # where each replica resumes (None: from the start)
+    # hivemind, pools: where each cell resumes (its own newest save; None: from the start)
+    cell_steps: dict[tuple[int, int], int | None] | None = None
 
 
 def check_resume(cfg: Config, run_dir: Path) -> Resume:
@@ -165,8 +167,10 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
     start for a replica with none (a run stopped, or out of disk space, before its cells all
     saved one step). Damaged newer files are renamed *.pt.bad (kept for a post-mortem, out of
     every later resume's way)."""
-    from mesh.runtime.checkpoint import checkpoint_path, resume_point
+    from mesh.runtime.checkpoint import resume_point
 
+    if cfg.transport.backend == "hivemind" or cfg.pipeline.routing == "pools":
+        return _resume_cells(cfg, run_dir)
     fp, damaged, steps, notes = cfg.state_fingerprint(), [], {}, []
     for i in range(cfg.grid.replicas):
         point = resume_point(run_dir, [(j, i) for j in range(cfg.grid.stages)], fp)
@@ -182,6 +186,53 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
             )
         damaged += point.damaged
         steps[i] = point.step
+    _set_aside(run_dir, damaged, notes)
+    if len({s or 0 for s in steps.values()}) > 1:
+        notes.append(
+            "resuming "
+            + ", ".join(f"replica {i} from step {s or 0}" for i, s in steps.items())
+            + " (the newest step all of each replica's cells saved)"
+        )
+    return Resume(min(s or 0 for s in steps.values()), notes, steps)
+
+
+def _resume_cells(cfg: Config, run_dir: Path) -> Resume:
+    """check_resume on hivemind or with stage pools: each cell from its own newest intact
+    checkpoint (a stop saves each where it finds it, a step or so apart along a pipeline; the
+    sessions take a replica's cells at different steps, as after a `join`; a pool's cells take
+    different numbers of updates)."""
+    from mesh.runtime.checkpoint import FOREIGN, check_checkpoint, checkpoint_path, saved_steps
+
+    fp, damaged, cells, notes = cfg.state_fingerprint(), [], {}, []
+    for i in range(cfg.grid.replicas):
+        for j in range(cfg.grid.stages):
+            cells[(j, i)] = None
+            for step in reversed(saved_steps(run_dir, j, i)):
+                why = check_checkpoint(checkpoint_path(run_dir, j, i, step), fp, j, i)
+                if why is None:
+                    cells[(j, i)] = step
+                    break
+                if why.startswith(FOREIGN):
+                    raise CheckpointError(
+                        f"--resume {run_dir}: checkpoints written by another config "
+                        f"({describe((j, i, step, why))}); resume with the config.toml the run "
+                        "wrote"
+                    )
+                damaged.append((j, i, step, why))
+    _set_aside(run_dir, damaged, notes)
+    fresh = [cell_name(*c) for c, s in cells.items() if s is None]
+    if fresh:
+        notes.append(f"{', '.join(fresh)} start again from step 0: no intact checkpoint")
+    replicas = {
+        i: min(s or 0 for (_, r), s in cells.items() if r == i) for i in range(cfg.grid.replicas)
+    }
+    return Resume(min(replicas.values()), notes, replicas, cells)
+
+
+def _set_aside(run_dir: Path, damaged: list, notes: list[str]) -> None:
+    """Rename the damaged files *.pt.bad (out of every later resume's way) and say so first."""
+    from mesh.runtime.checkpoint import checkpoint_path
+
     for stage, replica, step, _ in damaged:
         path = checkpoint_path(run_dir, stage, replica, step)
         if path.exists():
@@ -192,13 +243,6 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
             "passed over damaged checkpoints (renamed *.pt.bad): "
             + "; ".join(map(describe, damaged)),
         )
-    if len({s or 0 for s in steps.values()}) > 1:
-        notes.append(
-            "resuming "
-            + ", ".join(f"replica {i} from step {s or 0}" for i, s in steps.items())
-            + " (the newest step all of each replica's cells saved)"
-        )
-    return Resume(min(s or 0 for s in steps.values()), notes, steps)
 
 
 def describe(damage: tuple[int, int, int, str]) -> str:

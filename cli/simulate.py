@@ -83,6 +83,7 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
             run = run_grid(
                 cfg, out, resume=resume, on_progress=bar.goto, on_notice=bar.note,
                 replica_steps=point.replica_steps if point is not None else None, stop=stop,
+                cell_steps=point.cell_steps if point is not None else None,
             )  # fmt: skip
         if run.ok:
             bar.goto(cfg.run.steps)

@@ -185,14 +185,16 @@ def run_grid(
     grace_s: float = 5.0,
     resume_step: int | None = None,
     on_notice: Callable[[str], None] | None = None,
-    replica_steps: dict[int, int] | None = None,
+    replica_steps: dict[int, int | None] | None = None,
     stop: StopRequest | None = None,
+    cell_steps: dict[tuple[int, int], int | None] | None = None,
 ) -> GridRun:
     """Run every cell to cfg.run.steps; returns exit codes (None: killed by us).
 
-    resume: every cell restarts from `resume_step`, or from its replica's step in
-    `replica_steps`, or (both None) from the newest step that every cell has an intact
-    checkpoint of (mesh.runtime.checkpoint.resume_point). Checkpoints past a cell's start
+    resume: every cell restarts from `resume_step`, or from its own step in `cell_steps`, or
+    its replica's in `replica_steps` (None: from the start), or (all None) from the newest step
+    that every cell has an intact checkpoint of (mesh.runtime.checkpoint.resume_point).
+    Checkpoints past a cell's start
     are of a life the resume abandons, and go (drop_abandoned).
     A cell that fails on its own (it raised: exit code 1 or 2) stops the grid at once (every
     cell saves): GridRun.failure names it and says why. A cell that DIES (a signal: killed,
@@ -212,7 +214,7 @@ def run_grid(
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_file(out_dir).unlink(missing_ok=True)  # an earlier life's stop is not this one's
-    if resume and resume_step is None and replica_steps is None:
+    if resume and resume_step is None and replica_steps is None and cell_steps is None:
         point = resume_point(out_dir, grid_cells(cfg), cfg.state_fingerprint())
         if point.step is None:
             raise CheckpointError(f"{out_dir}: no step that every cell has a checkpoint of")
@@ -222,6 +224,8 @@ def run_grid(
     steps: dict[tuple[int, int], int | None] = dict.fromkeys(grid_cells(cfg), resume_step)
     if resume and replica_steps is not None:
         steps = {(j, i): replica_steps[i] for j, i in grid_cells(cfg)}
+    if resume and cell_steps is not None:
+        steps = {c: cell_steps.get(c) for c in grid_cells(cfg)}
     if resume:
         drop_abandoned(out_dir, steps)
     resume_step = min((s for s in steps.values() if s is not None), default=None)

@@ -98,14 +98,13 @@ def summarize_run(
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
     pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
-    at = [
-        latest_steps(out_dir, cfg, i) if pools else (common_steps(out_dir, cfg, i) or [None])[-1]
-        for i in range(m)
-    ]
-    # a replica whose cells share no checkpoint (stopped before its first) has no loss to show
+    # a replica where its cells' checkpoints meet; a pool's cells (different numbers of
+    # updates), or hivemind cells resumed a step apart, at each one's newest
+    at = [(common_steps(out_dir, cfg, i) or [None])[-1] if not pools else None for i in range(m)]
+    at = [a if a is not None else latest_steps(out_dir, cfg, i) for i, a in enumerate(at)]
+    # a replica none of whose cells saved (stopped before its first save) has no loss to show
     losses = [
-        replica_loss(cfg, out_dir, i, at[i], batches) if at[i] is not None else None
-        for i in range(m)
+        replica_loss(cfg, out_dir, i, at[i], batches) if _saved(at[i]) else None for i in range(m)
     ]
     val_loss = None if None in losses else sum(losses) / m
     bpt = corpus.val_bytes_per_token
@@ -155,6 +154,11 @@ def summarize_run(
         "staleness": tp.staleness,
         "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
     }
+
+
+def _saved(step: int | list[int | None]) -> bool:
+    """Whether a replica has weights to evaluate at `step` (each stage's, for a list)."""
+    return any(s is not None for s in (step if isinstance(step, list) else [step]))
 
 
 def beat_stats(row: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """A launcher's stop runs each replica's cells to one step (mesh/runtime/grid_stop.py): every cell
 of a replica saves that step, nothing any cell had completed is lost, and a resume from it ends
-with the same weights as a run that never stopped."""
+with the same weights as a run that never stopped. On hivemind each cell saves where the stop
+finds it and resumes from that save."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import helpers
 import pytest
 import torch
 
+from cli.preflight import check_resume
 from mesh.config import load_config
 from mesh.runtime.checkpoint import checkpoint_path, saved_steps
 from mesh.runtime.launch import StopRequest, run_grid
@@ -66,3 +68,49 @@ def test_a_stop_saves_one_step_per_replica_and_the_resume_is_exact(text_file, tm
         a = torch.load(checkpoint_path(stopped, j, i, 40), weights_only=True)["flat"]
         b = torch.load(checkpoint_path(straight, j, i, 40), weights_only=True)["flat"]
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_hivemind_grid_stopped_resumes_each_cell_from_its_own_save(text_file, tmp_path):
+    """hivemind (sessions take a replica's cells at different steps): a stop saves each cell
+    where it finds it, past every step it logged, with no periodic checkpoint to fall back
+    on; the resume starts each cell from its own save (a common step would be none, or an
+    older one) and the run finishes."""
+    base = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        "grid.stages=2",
+        "grid.replicas=2",
+        "transport.backend='hivemind'",
+        "elastic.max_lag_steps=1000",  # a replica behind the other downloads nothing here
+        "run.schedule_steps=400",  # the state's horizon, whatever run.steps the resume sets
+        "checkpoint.every=1000",
+        "transport.recv_timeout_s=30",
+    ]
+    cfg = load_config([], [*base, "run.steps=400"])
+    out = tmp_path / "run"
+    stop = StopRequest()
+
+    def stop_past_step_6(step, loss):
+        if step >= 6:
+            stop.request("SIGTERM")
+
+    first = run_grid(cfg, out, on_progress=stop_past_step_6, stop=stop, timeout_s=240)
+    assert first.interrupted and set(first.exit_codes.values()) == {0}, first
+    rows = read_metrics(out, events=True)
+    logged = {
+        c: max((r["step"] for r in v if "event" not in r), default=0) for c, v in rows.items()
+    }
+    point = check_resume(cfg, out)
+    assert point.cell_steps == {c: saved_steps(out, *c)[-1] for c in CELLS}, point
+    assert all(point.cell_steps[c] >= logged[c] for c in CELLS), (point.cell_steps, logged)
+    end = max(point.cell_steps.values()) + 10
+    longer = load_config([], [*base, f"run.steps={end}"])
+    resumed = run_grid(longer, out, resume=True, cell_steps=point.cell_steps, timeout_s=240)
+    assert resumed.ok, resumed.exit_codes
+    for c, v in read_metrics(out, events=True).items():
+        starts = [r["step"] for r in v if r.get("event") == "resumed"]
+        assert starts == [point.cell_steps[c]], (c, starts)
+        # a session counts its updates from its leader's (stage 0's) step: a cell that
+        # resumed a step ahead of its leader ends a step past the run's end
+        lead = point.cell_steps[(0, c[1])]
+        assert [r for r in v if r.get("final")][-1]["step"] == end + point.cell_steps[c] - lead

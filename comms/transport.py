@@ -60,10 +60,6 @@ class Averaging(Protocol):
 
     means: GroupMeans
 
-    def wait_arrival(self, seen: int, timeout_s: float) -> int:
-        """Block until a message is filed after the `seen`-th one, or timeout_s; returns the
-        count of messages filed so far (pass it back as `seen`)."""
-
     def start_mean(
         self,
         group: str,
@@ -105,6 +101,10 @@ class Transport(Averaging, Protocol):
     def recv(self, frm: str, tag: str, expect: Expect, timeout_s: float) -> Message:
         """The message from `frm` with `tag`, validated against `expect`; PeerTimeout after
         timeout_s. Messages that fail validation are counted in stats.rejects and dropped."""
+
+    def wait_arrival(self, seen: int, timeout_s: float) -> int:
+        """Block until a message is filed after the `seen`-th one, or timeout_s; returns the
+        count of messages filed so far (pass it back as `seen`)."""
 
     def recv_prefix(self, frm: str, prefix: str, expect: Expect, timeout_s: float) -> Message:
         """The oldest message from `frm` whose tag starts with `prefix`, validated against

@@ -486,6 +486,7 @@ def _run_here(
     from comms.errors import CommsError
     from mesh.data.ngram import beside_loss
     from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
+    from mesh.runtime.lives import cell_totals
     from mesh.runtime.metrics import RowTail, read_metrics
     from mesh.runtime.session import CellLost, StageMove
     from mesh.runtime.trainer import run_cell
@@ -536,6 +537,8 @@ def _run_here(
     rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     ref = _data_reference(cfg)
+    # rounds and rejects of every life of the cell in this directory (restarts included)
+    every = cell_totals(read_metrics(out, events=True, replayed=True).get((j, i), []))
     print_table(
         [
             "cell",
@@ -545,6 +548,7 @@ def _run_here(
             "loss/bigram",
             "rounds applied/failed",
             "rejects",
+            "lives",
         ],  # fmt: skip
         [
             [
@@ -552,8 +556,9 @@ def _run_here(
                 rows[-1]["step"] if rows else 0,
                 f"{losses[-1]:.4f}" if losses else "n/a",
                 *reference_cells(beside_loss(losses[-1] if losses else None, ref)),
-                f"{rows[-1]['rounds_applied']}/{rows[-1]['rounds_failed']}" if rows else "0/0",
-                json.dumps(rows[-1]["rejects"]) if rows else "{}",
+                f"{every['rounds_applied']}/{every['rounds_failed']}",
+                json.dumps(every["rejects"]),
+                every["lives"],
             ]
         ],
     )

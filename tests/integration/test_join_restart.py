@@ -1,6 +1,6 @@
 """A `join` peer stopped with Ctrl-C and started again (the same command) within its claim's
 lifetime: it saved every update it had made, takes its own cell back and resumes from its own
-save, not from a download; its replica trains on."""
+save, not from a download; its replica trains on; its summary counts both lives."""
 
 from __future__ import annotations
 
@@ -78,6 +78,9 @@ def test_a_join_stopped_with_ctrl_c_and_started_again_resumes_from_its_own_save(
         print(f"logged {logged}, saved {saved['step']}, resumed {resumed[0]['step']}, "
               f"claim lifetime {HEARTBEAT_LIVES} heartbeats")  # fmt: skip
         assert stop(procs["j1b"]) == 0 and stop(procs["j0"]) == 0
+        # its summary counts both lives of the cell in its directory
+        table = [ln for ln in (tmp_path / "j1b.log").read_text().splitlines() if "| s1r0" in ln]
+        assert table and table[-1].rstrip(" |").split("|")[-1].strip() == "2", table
     finally:
         for p in [*procs.values(), dht]:
             kill(p)

@@ -127,11 +127,14 @@ class GroupMeans:
             if self._closed:
                 self._deliver(r, MeanResult(MeanStatus.FAILED, None, (), "transport closed"))
                 return r
-            if round_id <= g.launched:  # its frames would read as late everywhere: a value,
-                # never a crash (a cell whose round clock went back: its state was replaced)
-                why = f"round {round_id} started after round {g.launched} of {group!r}"
-                self._deliver(r, MeanResult(MeanStatus.FAILED, None, (), why))
-                return r
+            if round_id <= g.launched or round_id in g.open:
+                if round_id in g.open:  # the same round twice: the second is refused, a value
+                    why = f"round {round_id} of {group!r} is open already"
+                    self._deliver(r, MeanResult(MeanStatus.FAILED, None, (), why))
+                    return r
+                # the cell's round clock went back (its state was replaced by an older one):
+                # its rounds start over from here, as the members' clocks will meet it again
+                g.launched = round_id - 1
             g.launched, g.members = round_id, members
             g.open[round_id] = r
             lost = self._take_early(g, r)

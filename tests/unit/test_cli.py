@@ -120,8 +120,8 @@ def test_progress_bar_draws_its_last_step_once():
     assert any("9/10" in line for line in lines) and "loss=2.000" in lines[-1]
 
 
-def test_summary_table_says_what_the_rounds_in_flight_are():
-    from cli.simulate import ROUNDS_NOTE, summary_table
+def test_summary_table_says_what_the_rounds_in_flight_are_and_what_was_refused():
+    from cli.simulate import ROUNDS_NOTE, resumed_apart_note, summary_table
 
     summary = {
         "grid": "4x2", "steps": 300, "tokens": 307200, "tokens_per_s": 481.0,
@@ -129,8 +129,14 @@ def test_summary_table_says_what_the_rounds_in_flight_are():
         "bytes": {"pp_per_replica_step": 393721, "dp_per_replica_step": 21124},
         "rounds": {"rounds_started": 2246, "rounds_applied": 2178, "rounds_partial": 3,
                    "rounds_failed": 48},
+        "rejects": 90, "rejects_by_reason": {"stale": 7, "late": 83},
     }  # fmt: skip
     headers, rows = summary_table(summary)
-    assert headers[-1] == "rounds started/applied/failed/in flight"
-    assert rows[0][-1] == "2246/2178/48/20"
+    assert headers[-2:] == ["rounds started/applied/failed/in flight", "rejects"]
+    assert rows[0][-2:] == ["2246/2178/48/20", "90 (late 83, stale 7)"]
     assert "in flight at the end" in ROUNDS_NOTE and "{tau}" in ROUNDS_NOTE
+    no_rejects = {**summary, "rejects": 0, "rejects_by_reason": {}, "val_loss": None}
+    row = summary_table(no_rejects)[1][0]
+    assert row[-1] == "0" and row[headers.index("val loss")] == "n/a"
+    note = resumed_apart_note({0: 102, 1: 121})
+    assert "replica 0 from step 102, replica 1 from step 121" in note and "rounds_jumped" in note

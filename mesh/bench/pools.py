@@ -198,6 +198,7 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
     }
     summary = {"steps": steps, "quick": quick, "scenarios": results, "targets": targets}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.partial.json").unlink(missing_ok=True)  # the whole run is in summary.json
     (out / "table.md").write_text(table(summary))
     plot(summary, out / "throughput.png")
     return summary

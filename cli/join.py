@@ -402,6 +402,7 @@ def run_join(
 ) -> None:
     from cli.preflight import check_data, check_extras
     from comms.p2p.auth import Auth
+    from comms.p2p.relay import RelayLimits
     from mesh.data.manifest import run_record_data
 
     maddr_kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or ["/ip4/0.0.0.0/tcp/0"]}
@@ -446,6 +447,10 @@ def run_join(
         "relays": relays,  # with the bootstrap nodes (P2PTransport)
         **maddr_kwargs,
     }
+    if not client_mode:  # it relays for peers behind NAT within these (comms/p2p/relay_service.py)
+        t = cfg.transport
+        mib = int(t.relay_data_limit_mib * 2**20)
+        options["relay_limits"] = RelayLimits(t.relay_time_limit_s, mib)
     if identity:
         options["identity_path"] = identity
     click.echo(f"joined run {run_id!r} as {cell_name(j, i)} (grid {cfg.grid.stages}x"

@@ -7,14 +7,16 @@ subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs
 peer can write a key: a name holds one record per process that published it, and readers take
 the newest one that proves membership, so an outsider cannot shadow a member's name).
 `start_dht(..., p2pd_flags={...})` passes p2pd flags hivemind has no parameter for
-(comms/p2p/relay.py). `watch_parent` makes forked helpers (the DHT process) stop their p2pd, remove
-their /tmp/hivemind-*.sock files and exit when the peer process dies, even by SIGKILL.
+(comms/p2p/relay.py); `relay_service=RelayLimits(...)` starts p2pd until its relay service is
+the one with those limits (comms/p2p/relay_service.py). `watch_parent` makes forked helpers
+(the DHT process) stop their p2pd, remove their /tmp/hivemind-*.sock files and exit when the
+peer process dies, even by SIGKILL.
 Every DHT process of ours bounds what junk can do (comms/p2p/bounds.py: what it stores, how
 big a reply grows), and run-record reads (`get_records`) tell "nobody answered" from "nothing
 there".
 
-imports: hivemind, comms.p2p (auth, bounds, locks), comms.procs, stdlib (no torch, no mesh, no
-cli).
+imports: hivemind, comms.p2p (auth, bounds, locks, relay_service), comms.procs, stdlib (no
+torch, no mesh, no cli).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from comms import procs
 from comms.p2p import bounds, locks
 from comms.p2p.auth import signer_of
+from comms.p2p.relay_service import check_relay_service
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +178,8 @@ class PeerDHT(hivemind.DHT):
         # first ping fails with p2pd still running) can find what is ours and remove it
         P2P._UNIX_SOCKET_PREFIX = f"/unix/tmp/hivemind-{os.getpid()}-"
         _add_p2pd_flags(getattr(self, "p2pd_flags", {}))
+        if getattr(self, "relay_service", None) is not None:  # comms/p2p/relay_service.py
+            check_relay_service(self.relay_service)
         bounds.bound_storage()  # no junk stored, no reply over p2pd's limit (a flood)
         try:
             super().run()
@@ -292,8 +297,9 @@ def _started(
     killed with its p2pd, and raises TimeoutError (start_dht retries it)."""
     ready_s = startup_s + READY_SLACK_S if ready_s is None else ready_s
     p2pd_flags = kwargs.pop("p2pd_flags", None) or {}
+    relay_service = kwargs.pop("relay_service", None)
     dht = PeerDHT(initial_peers or None, start=False, startup_timeout=startup_s, **kwargs)
-    dht.p2pd_flags = dict(p2pd_flags)
+    dht.p2pd_flags, dht.relay_service = dict(p2pd_flags), relay_service
     # The forked process must never collect garbage it inherited: a cycle that holds a C++
     # object of ours (a gloo group, a thread pool) runs its destructor there, on locks and
     # threads that only exist here, and aborts the process ("Fatal Python error: Aborted",

@@ -11,9 +11,10 @@ can dial is reached through a relay, and what it publishes so that others find t
 - It publishes `RELAY/p2p/RELAY_ID/p2p-circuit` for each of them beside its own addresses:
   libp2p itself announces circuit addresses only through relays with public IPs.
 - A peer that others can dial forces its reachability public, which starts p2pd's relay service
-  with its configured limits (`RelayLimits`: -relayTimeLimit, -relayDataLimit). Otherwise p2pd
-  relays with go-libp2p's defaults: a relayed connection is reset after 128 KiB each way or
-  2 minutes, whatever -relayDataLimit says (measured; docs/wan.md, "Peers behind NAT").
+  with its configured limits (`RelayLimits`: -relayTimeLimit, -relayDataLimit), and its p2pd
+  is started until that service is the one answering (comms/p2p/relay_service.py: p2pd also
+  runs go-libp2p's default one, which resets a relayed connection after 128 KiB each way or
+  2 minutes whatever -relayDataLimit says; docs/wan.md, "Peers behind NAT").
 - `wire_maddr` encodes a multiaddr as go-multiaddr reads it: hivemind's Python multiaddr writes
   a /p2p/ peer ID as a CIDv1, which p2pd refuses ("length greater than remaining number of
   bytes"), so a circuit address (which must name its relay) could not be dialed at all.
@@ -38,7 +39,8 @@ _P2P, _CIRCUIT = 0x01A5, 0x0122  # multiaddr protocol codes
 @dataclass(frozen=True)
 class RelayLimits:
     """What this peer's relay service lets one relayed connection carry before it resets it
-    (p2pd's -relayTimeLimit and -relayDataLimit, per direction); the two sides redial."""
+    (p2pd's -relayTimeLimit in whole seconds and -relayDataLimit, per direction); the two
+    sides redial."""
 
     time_s: float = 1800.0
     data_bytes: int = 4 << 30
@@ -168,7 +170,7 @@ def p2pd_options(
         if not static:  # p2pd's own discovery: slow (see the module docstring), but something
             return kwargs, {}
         return {**kwargs, "trusted_relays": static}, {"relayDiscovery": 0}
-    flags: dict[str, Any] = {}
-    if limits is not None:
-        flags = {"relayTimeLimit": f"{limits.time_s:g}s", "relayDataLimit": int(limits.data_bytes)}
-    return {"force_reachability": "public"}, flags
+    if limits is None:
+        return {"force_reachability": "public"}, {}
+    flags = {"relayTimeLimit": f"{int(limits.time_s)}s", "relayDataLimit": int(limits.data_bytes)}
+    return {"force_reachability": "public", "relay_service": limits}, flags

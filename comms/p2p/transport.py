@@ -57,13 +57,8 @@ from comms.p2p.dht import (
     start_dht,
 )
 from comms.p2p.names import NameMixin
-from comms.p2p.relay import (
-    RelayLimits,
-    circuit_maddrs,
-    p2pd_options,
-    relays_in_use,
-    via_relay,
-)
+from comms.p2p.relay import RelayLimits, circuit_maddrs, p2pd_options, via_relay
+from comms.p2p.relay_service import relay_report
 from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import Averaging, TransportStats
@@ -218,6 +213,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=f"p2p-{me}")
         self.client_mode = client_mode
         self.relays = list(dict.fromkeys([*initial_peers, *relays])) if client_mode else []
+        self._relay_limits: dict[str, list[int] | None] = {}  # see relay_report
         relay_kwargs, p2pd_flags = p2pd_options(client_mode, self.relays, relay_limits)
         # The DHT forks its process: start it before our loop thread exists.
         self.dht = start_dht(
@@ -288,9 +284,10 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             "mailbox_pending": self.mailbox.pending(),
             "dht": DHT_COUNTS.as_dict(),
         }
-        if self.client_mode and not self._closed:  # behind NAT: which relays carry us now
+        if self.client_mode and not self._closed:  # behind NAT: its relays, what they carry
             with contextlib.suppress(Exception):
-                out["relayed_via"] = self._run(relays_in_use(self._p2p), timeout_s)
+                report = relay_report(self._p2p, self.relays, self._relay_limits)
+                out.update(self._run(report, 2 * timeout_s))
         return out
 
     def close(self) -> None:

@@ -24,7 +24,6 @@ import torch
 from comms.build import make_transport
 from comms.errors import PeerLost, PeerTimeout
 from comms.p2p.auth import Auth
-from comms.p2p.relay import RelayLimits
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo import routing
 from mesh.algo.schedule import microbatches_per_update
@@ -90,14 +89,12 @@ def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
 
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
     """What the config asks of a cell's transport beyond names and links: on hivemind, the
-    membership token of (run key, config fingerprint), the DHT mode and what it relays."""
+    membership token of (run key, config fingerprint) and the DHT mode."""
     if cfg.transport.backend != "hivemind":
         return {}
-    t = cfg.transport
     return {
         "auth": Auth.of(run_key, cfg.fingerprint()),
-        "dht_client": t.dht_mode == "client",
-        "relay_limits": RelayLimits(t.relay_time_limit_s, int(t.relay_data_limit_mib * 2**20)),
+        "dht_client": cfg.transport.dht_mode == "client",
     }
 
 

@@ -31,6 +31,12 @@ def _sent(grid: NatGrid, cell: str, kind: str) -> int:
     return sent[-1].get(kind, 0) if sent else 0
 
 
+def _relay_limits(grid: NatGrid, cell: str) -> list:
+    """What each of the cell's relays answered to its reservation, by its last health row."""
+    last = [r["relay_limits"] for r in grid.health(cell) if r.get("relay_limits")]
+    return sorted(last[-1].values(), key=str) if last else []
+
+
 def _relays_in_use(grid: NatGrid, cell: str, since_s: float = 0.0) -> set[str]:
     return {
         relay
@@ -48,12 +54,16 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
     if why:
         pytest.skip(f"NAT namespaces unavailable: {why}")
     with nat_grid(tmp_path, text_file, RELAY_S, RELAY_MIB) as grid:
-        # the relays got the limits (forced public: p2pd's own relay service, not libp2p's
-        # default one, whose 128 KiB / 2 min ignore them): the bootstrap and both public cells
+        # the relays got the limits (forced public: p2pd's own relay service), and it is that
+        # one, not go-libp2p's default one (2 min, 128 KiB), that answers each home's
+        # reservation: the bootstrap and both public cells (comms/p2p/relay_service.py)
         limit = f"-relayDataLimit={int(RELAY_MIB * 2**20)}".encode()
         relays = procs.named_with(limit, "p2pd")
         assert len(relays) >= 3, relays
         assert set(relays) <= set(procs.named_with(b"-forceReachabilityPublic=1", "p2pd"))
+        want = [int(RELAY_S), int(RELAY_MIB * 2**20)]
+        for cell in ("s0r1", "s1r1"):
+            wait_for(lambda c=cell: _relay_limits(grid, c) == [want] * 3, WAIT_S, "answers")
 
         # replica 1 trains through relays: the homes' only TCP peers are on the public side
         for home in (HOME0, HOME1):

@@ -18,6 +18,7 @@ from comms.p2p.relay import (
     via_relay,
     wire_maddr,
 )
+from comms.p2p.relay_service import DEFAULT_LIMIT, limit_of, pb_fields
 
 RELAY_ID = "12D3KooWGvU6jmNszxoL2uydnoQLtUZcz7cQ2qzFdCrTJNtwvt5M"
 OTHER_ID = "12D3KooWLmVKHJP3ztkbN8zXcZfBDMfZ9Go9tJ2ZeFmGyZ3M6fr5"
@@ -73,10 +74,11 @@ def test_a_client_mode_peer_reserves_on_its_relays_at_once_and_others_relay_with
     assert flags == {"relayDiscovery": 0}  # static relays: no 3-minute wait for 4 candidates
     kwargs, flags = p2pd_options(True, [], None)
     assert "trusted_relays" not in kwargs and flags == {}
-    kwargs, flags = p2pd_options(False, relays, RelayLimits(2.5, 1 << 20))
-    # forced public: p2pd's relay service with these limits replaces go-libp2p's default one
-    assert kwargs == {"force_reachability": "public"}
-    assert flags == {"relayTimeLimit": "2.5s", "relayDataLimit": 1 << 20}
+    limits = RelayLimits(8.9, 1 << 20)
+    kwargs, flags = p2pd_options(False, relays, limits)
+    # forced public: p2pd's relay service with these limits, checked to be the one that serves
+    assert kwargs == {"force_reachability": "public", "relay_service": limits}
+    assert flags == {"relayTimeLimit": "8s", "relayDataLimit": 1 << 20}  # whole seconds
     assert p2pd_options(False, [], None) == ({"force_reachability": "public"}, {})
 
 
@@ -89,3 +91,61 @@ def test_the_dht_process_passes_extra_flags_to_every_p2pd_it_starts():
     finally:
         P2P._make_process_args = before
     assert P2P._make_process_args("p2pd", relay=True) == ["p2pd", "-relay=1"]
+
+
+def _answer(*fields: bytes) -> bytes:
+    return b"".join(fields)
+
+
+def test_a_relays_answer_to_a_reservation_says_which_relay_service_serves():
+    # HopMessage{type: STATUS, limit: {duration: 120, data: 131072}, status: OK}: go-libp2p's
+    limit = b"\x08\x78\x10\x80\x80\x08"
+    default = _answer(b"\x08\x02", b"\x22" + bytes([len(limit)]) + limit, b"\x28\x64")
+    assert limit_of(default) == DEFAULT_LIMIT == (120, 131072)
+    # with a reservation (field 3) before it and p2pd's configured limit: 8 s, 256 KiB
+    ours = b"\x08\x08\x10\x80\x80\x10"
+    rsvp = b"\x08\x96\x01\x12\x02ab"
+    answer = _answer(b"\x08\x02", b"\x1a" + bytes([len(rsvp)]) + rsvp,
+                     b"\x22" + bytes([len(ours)]) + ours, b"\x28\x64")  # fmt: skip
+    assert limit_of(answer) == (8, 262144)
+    refused = _answer(b"\x08\x02", b"\x28\xc8\x01")  # RESERVATION_REFUSED (200)
+    assert limit_of(refused) is None
+    with pytest.raises(ValueError):
+        pb_fields(b"\x22\x09\x08")  # a field longer than the message
+
+
+def test_the_first_p2pd_of_a_dht_process_is_started_until_its_relay_service_is_ours():
+    import asyncio
+
+    from comms.p2p import relay_service
+
+    answers = iter([DEFAULT_LIMIT, None, (8, 1 << 18)])
+    made: list[str] = []
+
+    class Daemon:
+        def __init__(self, name: str) -> None:
+            self.name, self.down = name, False
+            made.append(name)
+
+        async def shutdown(self) -> None:
+            self.down = True
+
+    async def create(**kwargs):
+        return Daemon("probe" if kwargs.get("no_listen") else f"p2pd{len(made)}")
+
+    async def own_limit(p2p, _create):
+        return next(answers)
+
+    before = P2P.__dict__["create"]
+    real_own_limit = relay_service.own_limit
+    try:
+        P2P.create = create
+        relay_service.own_limit = own_limit
+        relay_service.check_relay_service(RelayLimits(8, 1 << 18))
+        first = asyncio.run(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        later = asyncio.run(P2P.create(no_listen=True))  # a dial-back probe: not checked
+    finally:
+        P2P.create = before
+        relay_service.own_limit = real_own_limit
+    assert first.name == "p2pd2" and not first.down  # the third start answered with ours
+    assert made == ["p2pd0", "p2pd1", "p2pd2", "probe"] and later.name == "probe"

@@ -105,16 +105,17 @@ async def served_limit(p2p: Any, relay: Any, timeout_s: float = ASK_S) -> tuple[
         writer.close()
 
 
-async def own_limit(p2p: Any, create: Any) -> tuple[int, int] | None:
-    """What p2pd `p2p`'s relay service answers a throwaway probe p2pd (None: no answer)."""
-    probe = await create(no_listen=True, auto_nat=False, nat_port_map=False, use_relay=False,
-                         dht_mode="client", startup_timeout=15)  # fmt: skip
-    try:
-        own = [str(m).rsplit("/p2p/", 1)[0] for m in await p2p.get_visible_maddrs()]
-        await asyncio.wait_for(probe._client.connect(p2p.peer_id, dialable(own)), ASK_S)
-        return await served_limit(probe, p2p.peer_id)
-    finally:
-        await probe.shutdown()
+async def start_probe(create: Any) -> Any:
+    """A throwaway p2pd that only asks (no listening, no relay, a DHT client)."""
+    return await create(no_listen=True, auto_nat=False, nat_port_map=False, use_relay=False,
+                        dht_mode="client", startup_timeout=15)  # fmt: skip
+
+
+async def own_limit(p2p: Any, probe: Any) -> tuple[int, int] | None:
+    """What p2pd `p2p`'s relay service answers `probe` (start_probe; None: no answer)."""
+    own = [str(m).rsplit("/p2p/", 1)[0] for m in await p2p.get_visible_maddrs()]
+    await asyncio.wait_for(probe._client.connect(p2p.peer_id, dialable(own)), ASK_S)
+    return await served_limit(probe, p2p.peer_id)
 
 
 async def relay_report(
@@ -150,18 +151,33 @@ def check_relay_service(limits: RelayLimits, tries: int = TRIES) -> None:
         if not first[0]:
             return await create(*args, **kwargs)
         first[0] = False
-        for attempt in range(1, tries + 1):
-            p2p = await create(*args, **kwargs)
-            got = None
-            with contextlib.suppress(Exception):  # no answer counts as the wrong one
-                got = await own_limit(p2p, create)
-            if got == want:
-                return p2p
-            if attempt == tries:
-                logger.warning("relay service answers %s, not %s, after %d starts of p2pd: "
-                               "relayed connections get that limit", got, want, tries)  # fmt: skip
-                return p2p
-            await p2p.shutdown()
-        raise AssertionError("unreachable")
+        # the probe starts beside the first p2pd, and asks each p2pd started here
+        p2p, probe = await asyncio.gather(
+            create(*args, **kwargs), start_probe(create), return_exceptions=True
+        )
+        if isinstance(p2p, BaseException):
+            if not isinstance(probe, BaseException):
+                await probe.shutdown()
+            raise p2p
+        if isinstance(probe, BaseException):
+            logger.warning("relay service not checked: no probe p2pd (%s)", probe)
+            return p2p
+        try:
+            for attempt in range(1, tries + 1):
+                got = None
+                with contextlib.suppress(Exception):  # no answer counts as the wrong one
+                    got = await own_limit(p2p, probe)
+                if got == want:
+                    return p2p
+                if attempt == tries:
+                    logger.warning("relay service answers %s, not %s, after %d starts of "
+                                   "p2pd: relayed connections get that limit", got, want,
+                                   tries)  # fmt: skip
+                    return p2p
+                await p2p.shutdown()
+                p2p = await create(*args, **kwargs)
+            raise AssertionError("unreachable")
+        finally:
+            await probe.shutdown()
 
     P2P.create = create_checked

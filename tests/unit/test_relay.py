@@ -120,20 +120,23 @@ def test_the_first_p2pd_of_a_dht_process_is_started_until_its_relay_service_is_o
     from comms.p2p import relay_service
 
     answers = iter([DEFAULT_LIMIT, None, (8, 1 << 18)])
-    made: list[str] = []
+    made: list[Daemon] = []
+    asked: list[tuple[str, str]] = []
 
     class Daemon:
         def __init__(self, name: str) -> None:
             self.name, self.down = name, False
-            made.append(name)
+            made.append(self)
 
         async def shutdown(self) -> None:
             self.down = True
 
     async def create(**kwargs):
-        return Daemon("probe" if kwargs.get("no_listen") else f"p2pd{len(made)}")
+        probe = kwargs.get("no_listen")
+        return Daemon("probe" if probe else f"p2pd{sum(d.name != 'probe' for d in made)}")
 
-    async def own_limit(p2p, _create):
+    async def own_limit(p2p, probe):
+        asked.append((p2p.name, probe.name))
         return next(answers)
 
     before = P2P.__dict__["create"]
@@ -147,5 +150,13 @@ def test_the_first_p2pd_of_a_dht_process_is_started_until_its_relay_service_is_o
     finally:
         P2P.create = before
         relay_service.own_limit = real_own_limit
-    assert first.name == "p2pd2" and not first.down  # the third start answered with ours
-    assert made == ["p2pd0", "p2pd1", "p2pd2", "probe"] and later.name == "probe"
+    # one probe asked each start; the third answered with ours, the others were stopped
+    assert asked == [("p2pd0", "probe"), ("p2pd1", "probe"), ("p2pd2", "probe")]
+    assert [(d.name, d.down) for d in made] == [
+        ("p2pd0", True),
+        ("probe", True),
+        ("p2pd1", True),
+        ("p2pd2", False),
+        ("probe", False),
+    ]
+    assert first is made[3] and later is made[4]  # a later create (a dial-back's) as it was

@@ -33,6 +33,8 @@ GRID_MODULES = {  # eight-peer grids and cell kills: one at a time
     "test_faults_torch.py",
     "test_train_cluster.py",
     "test_gpu_check.py",
+    "test_pools.py",  # a pooled torch grid and a kill
+    "test_join_pools.py",  # pooled join grids, a kill and a move
 }
 
 

@@ -49,21 +49,28 @@ def role(pid: int, root: int) -> str:
 
 
 def hivemind_sockets(pids: list[int]) -> set[str]:
-    """The /tmp/hivemind-*.sock files these processes have bound or connected to."""
-    inodes = set()
+    """The /tmp/hivemind-*.sock files these processes have bound or connected to, in whatever
+    network namespace each runs (/proc/PID/net/unix: a process in a test's namespace binds its
+    sockets there, and /proc/net/unix would not list them)."""
+    inodes, tables = set(), {Path("/proc/net/unix")}
     for p in pids:
         try:
             for fd in Path(f"/proc/{p}/fd").iterdir():
                 link = os.readlink(fd)
                 if link.startswith("socket:["):
                     inodes.add(link[8:-1])
+            tables.add(Path(f"/proc/{p}/net/unix"))
         except OSError:
             continue
     found = set()
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
-            found.add(parts[7])
+    for table in tables:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:  # the process exited meanwhile
+            continue
+        for parts in map(str.split, lines):
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
+                found.add(parts[7])
     return found
 
 

@@ -160,3 +160,21 @@ def test_the_first_p2pd_of_a_dht_process_is_started_until_its_relay_service_is_o
         ("probe", False),
     ]
     assert first is made[3] and later is made[4]  # a later create (a dial-back's) as it was
+
+
+def test_relayed_cells_travel_in_heartbeats_to_status_and_the_dashboard():
+    from pathlib import Path
+
+    from cli.status import stats_json, status_table
+    from mesh.runtime import dashboard
+    from mesh.runtime.registry import parse_stats
+
+    assert parse_stats({"relayed": True}) == {"relayed": True}
+    assert parse_stats({"relayed": 1}) is None and parse_stats({"relayed": "yes"}) is None
+    cell = {"cell": "s1r1", "verified": True, "peer": "12D3KooWabcdefgh", "step": 3,
+            "tokens_per_s": 1.0, "heartbeat_age_s": 0.5, "session": 0,
+            **stats_json(parse_stats({"relayed": True}))}  # fmt: skip
+    assert cell["relayed"] is True and stats_json(None)["relayed"] is False
+    assert status_table({"cells": [cell]})[0][0] == "s1r1 (relayed)"
+    page = (Path(dashboard.__file__).parent / "page.html").read_text()
+    assert '(c.relayed ? " · relayed" : "")' in page  # the cell's card says it

@@ -31,6 +31,7 @@ import mmap
 import os
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ DIGEST_TAG = b"\nmeshtrain-checkpoint sha256 "
 DIGEST_HEX = 64
 TRAILER_BYTES = len(DIGEST_TAG) + DIGEST_HEX + 1  # and a newline
 READ_BLOCK = 8 << 20  # bytes hashed at once when a digest is checked
+PARALLEL_BYTES = 1 << 20  # a write this large is hashed beside its write (DigestWriter)
 
 
 def _hasher() -> Any:
@@ -96,14 +98,24 @@ def _hasher() -> Any:
 
 class DigestWriter:
     """A file's write() that hashes what it writes (torch.save hands it views of the tensors'
-    own memory: nothing is copied), then `trailer()`: the digest line that ends the file."""
+    own memory: nothing is copied), then `trailer()`: the digest line that ends the file. A
+    large write is hashed on `pool`'s thread while it is written (SHA-256 and a file write both
+    let go of the GIL on a large buffer: the hash costs no wall time where a core is free), and
+    done before write() returns: the buffer may be a temporary of torch's (a GPU tensor's host
+    copy), and the hash takes the writes in order."""
 
-    def __init__(self, f: Any) -> None:
-        self.f, self.hash = f, _hasher()
+    def __init__(self, f: Any, pool: ThreadPoolExecutor | None = None) -> None:
+        self.f, self.hash, self.pool = f, _hasher(), pool
 
     def write(self, data: Any) -> int:
-        self.hash.update(data)
-        return self.f.write(data)
+        if self.pool is None or memoryview(data).nbytes < PARALLEL_BYTES:
+            self.hash.update(data)
+            return self.f.write(data)
+        hashed = self.pool.submit(self.hash.update, data)
+        try:
+            return self.f.write(data)
+        finally:
+            hashed.result()
 
     def flush(self) -> None:
         self.f.flush()
@@ -114,15 +126,17 @@ class DigestWriter:
 
 def write_digested(obj: Any, f: Any) -> None:
     """torch.save(obj) into the open file f, then the line with the digest of what it wrote."""
-    out = DigestWriter(f)
-    torch.save(obj, out)
+    with ThreadPoolExecutor(1, thread_name_prefix="digest") as pool:
+        out = DigestWriter(f, pool)
+        torch.save(obj, out)
     f.write(out.trailer())
 
 
 def digest_problem(path: Path) -> str | None:
     """Why the file's bytes are not the ones its save wrote ("no digest": none trails it), or
-    None when they are. Reads the file once, a block at a time (no copy of it is held)."""
-    with open(path, "rb") as f:
+    None when they are. Reads the file once, a block at a time into two buffers (the next
+    block is read while this one is hashed; no copy of the file is held)."""
+    with open(path, "rb") as f, ThreadPoolExecutor(1, thread_name_prefix="digest") as pool:
         size = f.seek(0, os.SEEK_END)
         if size < TRAILER_BYTES:
             return "no digest"
@@ -131,15 +145,19 @@ def digest_problem(path: Path) -> str | None:
         if not tail.startswith(DIGEST_TAG) or not tail.endswith(b"\n"):
             return "no digest"
         want = tail[len(DIGEST_TAG) : -1]
-        h, block, left = _hasher(), bytearray(READ_BLOCK), size - TRAILER_BYTES
+        h, left = _hasher(), size - TRAILER_BYTES
+        views = [memoryview(bytearray(READ_BLOCK)), memoryview(bytearray(READ_BLOCK))]
         f.seek(0)
-        view = memoryview(block)
+        k, reading = 0, pool.submit(f.readinto, views[0][: min(READ_BLOCK, left)])
         while left > 0:
-            n = f.readinto(view[: min(READ_BLOCK, left)])
+            n = reading.result()
             if not n:
                 return "shorter than it was written"
-            h.update(view[:n])
             left -= n
+            if left > 0:
+                reading = pool.submit(f.readinto, views[1 - k][: min(READ_BLOCK, left)])
+            h.update(views[k][:n])
+            k = 1 - k
     return None if h.hexdigest().encode() == want else "digest mismatch"
 
 

@@ -155,3 +155,7 @@ class DirectoryTransport(Transport, Directory, Protocol):
     @property
     def peer_id(self) -> str:
         """This peer's address in the directory (a libp2p PeerID, base58)."""
+
+    @property
+    def relayed(self) -> bool:
+        """Whether others reach this peer through a relay (behind a NAT, client mode)."""

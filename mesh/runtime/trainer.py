@@ -351,7 +351,7 @@ def run_cell(
                     coord.beat.stats = beat_stats(row)
                     if row["flagged"]:  # sentinel.enabled's flagged neighbours
                         coord.beat.stats["flagged"] = row["flagged"]
-                    if getattr(transport, "relayed", False):  # behind NAT: status marks it
+                    if isinstance(transport, DirectoryTransport) and transport.relayed:  # NAT
                         coord.beat.stats["relayed"] = True
                 with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
                     sink.write(row)

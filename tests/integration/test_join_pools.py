@@ -22,6 +22,7 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
+from mesh.runtime.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -142,12 +143,19 @@ def test_rebalancing_moves_a_cell_to_the_thinnest_stage(text_file, tmp_path):
         wait_for(lambda: pools_now() == {0: 2, 1: 2}, 2 * HANG_S, "the pools at 2:2")
         moved_cell = [c for c in status(maddr)["cells"] if c["cell"].startswith("s1r")]
         assert len(moved_cell) == 2
-        at = {n: step(tmp_path / n) for n in joins}
+
+        def now_step(n: str) -> int:  # the mover's directory holds its old cell's rows too
+            cells = read_metrics(tmp_path / n)
+            mine = [v for (j, _), v in cells.items() if n not in movers or j == 1]
+            return max((r["step"] for v in mine for r in v if "step" in r), default=0)
+
+        at = {n: now_step(n) for n in joins}
         wait_for(
-            lambda: all(step(tmp_path / n) > at[n] + 5 for n in joins), 2 * HANG_S,
+            lambda: all(now_step(n) > at[n] + 5 for n in joins), 2 * HANG_S,
             "every cell training after the move",
         )  # fmt: skip
-        loaded = [r for r in rows(out) if r.get("event") == "state_loaded"]
+        new_cell = [v for (j, _), v in read_metrics(out, events=True).items() if j == 1]
+        loaded = [r for v in new_cell for r in v if r.get("event") == "state_loaded"]
         assert loaded, "the mover downloaded stage 1's state"
     finally:
         for p in joins.values():

@@ -243,9 +243,7 @@ def _fit_phrase(stages: list[int]) -> str:
     return f"stages {', '.join(str(j) for j in stages)} fit"
 
 
-def measured_costs(
-    cfg: Any, results: str | None
-) -> tuple[dict[str, float], dict[int, float], str]:
+def measured_costs(cfg: Any, results: str | None) -> tuple[dict[str, float], dict[int, float], str]:
     """The studies' loss gaps (shares) by boundary arm (the study's P nearest the run's stages)
     and by averaging interval, and one line saying which file they came from: the costs shipped
     with the package, or --results DIR's studies."""

@@ -158,7 +158,13 @@ def stamp(out: Path, study: str, entry: dict[str, Any] | None, **kw: Any) -> dic
     path.write_text(json.dumps(summary, indent=indent) + "\n")
     table = out / "table.md"
     if table.is_file():
-        lines = [ln for ln in table.read_text().splitlines() if not ln.startswith("Regime: ")]
+        lines = []
+        for ln in table.read_text().splitlines():  # an earlier stamp's line, with its blank
+            if ln.startswith("Regime: ") or (ln == "" and lines[-1:] == ["\0"]):
+                lines.append("\0")
+                continue
+            lines.append(ln)
+        lines = [ln for ln in lines if ln != "\0"]
         at = next((k for k, ln in enumerate(lines) if ln.startswith("|")), len(lines))
         lines[at:at] = [rule_line(fields), ""]
         text = "\n".join(lines) + "\n"

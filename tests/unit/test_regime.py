@@ -44,3 +44,12 @@ def test_every_study_names_its_reference():
     assert {"boundary", "convergence", "ablations", "horizon", "precision", "scaling",
             "optimizers"} <= set(REFERENCES)  # fmt: skip
     assert all(arm for arm, _ in REFERENCES.values())
+
+
+def test_a_stamp_at_the_top_of_a_table_stays_one_line(tmp_path):
+    _study(tmp_path, 2.0)
+    (tmp_path / "table.md").write_text("| a |\n|---|\n| 1 |\n")
+    stamp(tmp_path, "convergence", ENTRY)
+    once = (tmp_path / "table.md").read_text()
+    stamp(tmp_path, "convergence", ENTRY)
+    assert (tmp_path / "table.md").read_text() == once and once.startswith("Regime: ")

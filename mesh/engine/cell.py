@@ -9,7 +9,7 @@ engines compute the same numbers.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -166,6 +166,19 @@ class Cell:
         self.history[self.step] = self.flat if shared else self.version_weights(spare)
         while len(self.history) > keep:
             self.history.popitem(last=False)
+
+    def push_pinned_version(self, pinned: Collection[int], shared: bool = False) -> None:
+        """Stage pools' push_version: the versions in `pinned` (those the microbatches the
+        cell holds read) and the new live one are kept, whatever their age, and nothing else:
+        at most pipeline.pool_window + 1 (plan.stash_versions). A version let go gives its
+        buffer to the new one, as push_version's oldest does."""
+        keep = set(pinned) | {self.step}
+        spare = None
+        for v in [v for v in self.history if v not in keep]:
+            old = self.history.pop(v)
+            spare = spare if old is self.flat else old
+        if self.step not in self.history:
+            self.history[self.step] = self.flat if shared else self.version_weights(spare)
 
     def version_weights(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weights a new version holds: the live ones, or with pipeline.weight_prediction

@@ -97,6 +97,8 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
 def inflight_microbatches(cfg: Config, stage: int) -> int:
     """Microbatches whose input stage j holds between forward and backward at most."""
     p = cfg.pipeline
+    if p.routing == "pools":  # a pooled cell holds at most its window (mesh/runtime/pool.py)
+        return p.pool_window
     if p.schedule == "gpipe":
         return p.microbatches
     kept = versions_kept(p.schedule, stage, cfg.grid.stages, cfg.pipeline.extra_warmups())
@@ -105,13 +107,22 @@ def inflight_microbatches(cfg: Config, stage: int) -> int:
     return min(cfg.grid.stages - stage, p.microbatches)
 
 
+def stash_versions(cfg: Config, stage: int) -> int:
+    """Weight versions a cell holds: its schedule's, or a pooled cell's at most one per
+    microbatch it holds plus the live one (PoolWorker._push_version pins no more)."""
+    p = cfg.pipeline
+    if p.routing == "pools":
+        return p.pool_window + 1
+    return versions_kept(p.schedule, stage, cfg.grid.stages, p.extra_warmups())
+
+
 def plan_cell(cfg: Config, stage: int) -> CellPlan:
     m, P = cfg.model, cfg.grid.stages
     layers, first, last = stage_layers(m, P, stage)
     module = stage_module(m, layers, first, last, stage=stage, boundary=boundary_spec(cfg))
     n = sum(p.numel() for p in module.parameters())
     flat = 4 * n
-    versions = versions_kept(cfg.pipeline.schedule, stage, P, cfg.pipeline.extra_warmups())
+    versions = stash_versions(cfg, stage)
     opt, ef = optimizer_state_bytes(cfg, stage)
     B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
     inflight = inflight_microbatches(cfg, stage)

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from mesh.model.hf import hf_config, hf_name, meshtrain_name, model_config_from_
 from mesh.runtime.checkpoint import (
     MappedCheckpoint,
     checkpoint_path,
+    newest_intact,
     read_checkpoint,
     resume_point,
     saved_steps,
@@ -74,18 +76,24 @@ def run_config(run_dir: str | Path) -> Config:
     return load_config([toml])
 
 
+def export_step_checks(run_dir: str | Path, cfg: Config, replica: int) -> None:
+    """The replica exists and every one of its stages has a checkpoint (CheckpointError
+    naming the stage without one)."""
+    if not 0 <= replica < cfg.grid.replicas:
+        raise ConfigError(f"--replica {replica}: the run has replicas 0..{cfg.grid.replicas - 1}")
+    for j in range(cfg.grid.stages):
+        if not saved_steps(run_dir, j, replica):
+            raise CheckpointError(
+                f"{run_dir}: stage {j} of replica {replica} has no checkpoint (the run's "
+                f"checkpoints/{j}-{replica}/ is empty or missing); export needs every stage"
+            )
+
+
 def export_step(run_dir: str | Path, cfg: Config, replica: int) -> int:
     """The newest step every stage of `replica` has an intact checkpoint of, or CheckpointError
     naming the stage without one, or the steps when the stages share none."""
-    if not 0 <= replica < cfg.grid.replicas:
-        raise ConfigError(f"--replica {replica}: the run has replicas 0..{cfg.grid.replicas - 1}")
+    export_step_checks(run_dir, cfg, replica)
     cells = [(j, replica) for j in range(cfg.grid.stages)]
-    for j, i in cells:
-        if not saved_steps(run_dir, j, i):
-            raise CheckpointError(
-                f"{run_dir}: stage {j} of replica {i} has no checkpoint (the run's "
-                f"checkpoints/{j}-{i}/ is empty or missing); export needs every stage"
-            )
     point = resume_point(run_dir, cells, cfg.state_fingerprint())
     if point.step is None:
         held = "; ".join(f"stage {j}: steps {saved_steps(run_dir, j, i)}" for j, i in cells)
@@ -97,6 +105,24 @@ def export_step(run_dir: str | Path, cfg: Config, replica: int) -> int:
             "replica"
         )
     return point.step
+
+
+def export_steps(run_dir: str | Path, cfg: Config, replica: int) -> list[int]:
+    """Each stage's step the export reads: export_step's for every stage of a fixed grid; for
+    stage pools, whose cells take different numbers of updates (mesh/runtime/pool.py), each
+    stage's newest intact checkpoint of the replica's cell, as a pooled resume takes it."""
+    if cfg.pipeline.routing != "pools":
+        return [export_step(run_dir, cfg, replica)] * cfg.grid.stages
+    export_step_checks(run_dir, cfg, replica)
+    fp = cfg.state_fingerprint()
+    steps = [newest_intact(run_dir, j, replica, fp) for j in range(cfg.grid.stages)]
+    missing = [j for j, s in enumerate(steps) if s is None]
+    if missing:
+        raise CheckpointError(
+            f"{run_dir}: stage {missing[0]} of replica {replica} has no intact checkpoint; "
+            "export needs every stage"
+        )
+    return [s for s in steps if s is not None]
 
 
 def stage_weights(path: Path, shapes: dict[str, tuple[int, ...]]) -> MappedCheckpoint:
@@ -111,14 +137,22 @@ def stage_weights(path: Path, shapes: dict[str, tuple[int, ...]]) -> MappedCheck
     return mapped
 
 
+def per_stage(step: int | Sequence[int], stages: int) -> list[int]:
+    """One step for every stage (a fixed grid's), or each stage's own (stage pools)."""
+    steps = [step] * stages if isinstance(step, int) else list(step)
+    assert len(steps) == stages, (steps, stages)
+    return steps
+
+
 def run_weights(
-    run_dir: str | Path, cfg: Config, replica: int, step: int
+    run_dir: str | Path, cfg: Config, replica: int, step: int | Sequence[int]
 ) -> dict[str, torch.Tensor]:
-    """The whole model's weights (global names) at `step`, read stage by stage."""
+    """The whole model's weights (global names) at `step` (or each stage's), stage by stage."""
     out: dict[str, torch.Tensor] = {}
+    steps = per_stage(step, cfg.grid.stages)
     for j in range(cfg.grid.stages):
         shapes = stage_shapes(cfg.model, cfg.grid.stages, j)
-        mapped = stage_weights(checkpoint_path(run_dir, j, replica, step), shapes)
+        mapped = stage_weights(checkpoint_path(run_dir, j, replica, steps[j]), shapes)
         for name, t in named_chunks(mapped.state["flat"], shapes):
             out[name] = t.clone()
             mapped.release(t)
@@ -161,7 +195,12 @@ def shard_names(n_shards: int) -> list[str]:
 
 
 def write_weights(
-    run_dir: str | Path, cfg: Config, replica: int, step: int, out: Path, max_shard_bytes: int
+    run_dir: str | Path,
+    cfg: Config,
+    replica: int,
+    step: int | Sequence[int],
+    out: Path,
+    max_shard_bytes: int,
 ) -> int:
     """Write the weights of `step` into `out` as shard_plan cuts them, one stage's checkpoint
     mapped at a time: a shard is written as soon as its last tensor is mapped, and only the
@@ -170,7 +209,7 @@ def write_weights(
     from safetensors.torch import save_file
 
     P = cfg.grid.stages
-    paths = [checkpoint_path(run_dir, j, replica, step) for j in range(P)]
+    paths = [checkpoint_path(run_dir, j, replica, s) for j, s in enumerate(per_stage(step, P))]
     shapes = [stage_shapes(cfg.model, P, j) for j in range(P)]
     for path, stage in zip(paths, shapes, strict=True):  # all checked before a file is written
         stage_weights(path, stage)
@@ -232,10 +271,11 @@ def export_run(
             "LlamaForCausalLM, so it needs a llama run (--config configs/models/llama-20m.toml)"
         )
     check_boundary_exports(run_dir, cfg)
-    step = export_step(run_dir, cfg, replica)
+    steps = export_steps(run_dir, cfg, replica)
+    step = steps[0]  # a fixed grid's one step; stage pools: the stream's (stage 0's)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    params = write_weights(run_dir, cfg, replica, step, out, max_shard_bytes)
+    params = write_weights(run_dir, cfg, replica, steps, out, max_shard_bytes)
     tokenizer = load_tokenizer(cfg.data.path)
     config = hf_config(cfg.model, tokenizer.eot_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -244,6 +284,7 @@ def export_run(
     provenance = {
         "run_dir": str(Path(run_dir).resolve()),
         "step": step,
+        **({"stage_steps": steps} if len(set(steps)) > 1 else {}),
         "replica": replica,
         "fingerprint": cfg.fingerprint(),
         "config": cfg.to_toml(),
@@ -323,9 +364,10 @@ def load_for_sampling(source: str | Path, replica: int = 0) -> tuple[Config, nn.
     if (d / "config.toml").is_file():
         cfg = run_config(d)
         check_boundary_exports(d, cfg)
-        step = export_step(d, cfg, replica)
-        model = whole_model(cfg, run_weights(d, cfg, replica, step))
-        return cfg, model, load_tokenizer(cfg.data.path), f"step {step} of replica {replica}"
+        steps = export_steps(d, cfg, replica)
+        model = whole_model(cfg, run_weights(d, cfg, replica, steps))
+        at = f"step {steps[0]}" if len(set(steps)) == 1 else f"stage steps {steps}"
+        return cfg, model, load_tokenizer(cfg.data.path), f"{at} of replica {replica}"
     cfg, model = load_export(d)
     return cfg, model, export_tokenizer(d), "export"
 

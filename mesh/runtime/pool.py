@@ -389,18 +389,9 @@ class PoolWorker(StageWorker):
         return grads
 
     def _push_version(self) -> None:
-        """The new live version; stashes no held microbatch reads any more are let go (the
-        window bounds them: at most pool_window versions plus the live one)."""
-        cell = self.cell
-        pinned = {h.version for h in self.held.values()} | {cell.step}
-        spare = None
-        for v in [v for v in cell.history if v not in pinned]:
-            old = cell.history.pop(v)
-            spare = spare if old is cell.flat else old
-        if self.emu:
-            cell.history[cell.step] = cell.flat
-        else:
-            cell.history[cell.step] = cell.version_weights(spare)
+        """The new live version, keeping the versions the held microbatches read."""
+        pinned = {h.version for h in self.held.values()}
+        self.cell.push_pinned_version(pinned, shared=self.emu is not None)
 
     def _void(self, h: Held) -> None:
         """Give h up: no gradient from it here, nor upstream (a void marker goes back)."""

@@ -324,3 +324,41 @@ def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text
     assert res.exit_code == 0 and "ROMEO:" in res.output, res.output
     res = CliRunner().invoke(main, ["simulate", "--resume", str(run)])  # logical, from its files
     assert res.exit_code == 0 and "nothing to do: the run is at step 5" in res.output
+
+
+@pytest.mark.slow
+def test_a_pooled_run_exports_each_stages_newest_checkpoint(tmp_path, text_file):
+    """Stage pools: a replica's cells end at different steps (each took the microbatches
+    routed to it), so the export chains each stage's newest intact checkpoint, which the
+    real `transformers` loads with the logits of those cells composed."""
+    from transformers import AutoModelForCausalLM
+
+    from mesh.engine.pools import PoolSim
+
+    cfg = load_config(
+        [], [*TINY, *TINY_LLAMA, "grid.stages=2", "grid.replicas=2", "run.steps=6",
+             "pipeline.routing='pools'", 'emulation.slowdowns=["s1r0=4.0"]',
+             f"data.path='{text_file}'"],
+    )  # fmt: skip
+    sim = PoolSim(cfg)
+    for _ in range(cfg.run.steps):
+        sim.step()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    for row in sim.cells:
+        for cell in row:
+            save_cell(cell, cfg.state_fingerprint(), run)
+    chain = sim.cells[0]  # replica 0's cells: s0r0 and the slow s1r0
+    assert chain[0].step != chain[1].step  # no step the two share
+    res = _export(run, tmp_path / "hf")
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "hf" / "meshtrain.json").read_text())
+    assert meta["stage_steps"] == [c.step for c in chain]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = x
+        for cell in chain:
+            ours = cell.module(ours)
+        torch.testing.assert_close(model(x).logits, ours, atol=1e-4, rtol=0)

@@ -140,13 +140,6 @@ class PoolSim(GridSim):
         self.streamed += 1
         return loss.item()
 
-    def _act_bytes(self) -> int:
-        from comms import codecs
-
-        cfg = self.cfg
-        values = cfg.tokens_per_microbatch * cfg.boundary_width
-        return codecs.encoded_nbytes(values, cfg.pipeline.codec)
-
     def _average_live(self, dead: set[tuple[int, int]]) -> None:
         """This tick's round actions for each stage's live cells (a stage with one live cell
         launches nothing: alone is not a mean)."""
@@ -178,22 +171,6 @@ class PoolSim(GridSim):
         me.rounds.void()
         me.history.clear()
         me.history[me.step] = me.version_weights()
-
-    def run(self, on_step=None):  # type: ignore[no-untyped-def]
-        res = super().run(on_step)
-        res.tokens = self.tokens
-        steps = max(self.update, 1)
-        res.pp_bytes_per_replica_step = self.pp_bytes / self.m / steps
-        return res
-
-    def pool_summary(self) -> dict[str, float]:
-        """What routing did: microbatches streamed and voided, hops across replicas."""
-        hops = max(1, self.streamed * (self.P - 1))
-        return {
-            "streamed": self.streamed,
-            "voided": self.voided,
-            "cross_replica_share": self.cross_replica / hops,
-        }
 
 
 def _cloned(sd: dict) -> dict:  # type: ignore[type-arg]

@@ -163,10 +163,7 @@ class GridSim:
         grads = [torch.zeros_like(t) for t in flat]
         total, used = 0.0, 0
         reached = [0] * self.P  # per stage: microbatches whose gradient got there
-        # what one boundary carries each way: the residual stream or its coordinates
-        act_bytes = codecs.encoded_nbytes(
-            cfg.tokens_per_microbatch * cfg.boundary_width, cfg.pipeline.codec
-        )
+        act_bytes = self._act_bytes()
         for k in range(self.M):
             b = self.update * self.M + k
             x, y = train_batch(
@@ -208,6 +205,13 @@ class GridSim:
         if used < self.M:  # the loss over the microbatches that reached it (None: none did)
             return (total * self.M / used if used else None), out
         return total, out
+
+    def _act_bytes(self) -> int:
+        """What one boundary carries each way a microbatch: the residual stream or its
+        coordinates, in the pipeline codec."""
+        cfg = self.cfg
+        values = cfg.tokens_per_microbatch * cfg.boundary_width
+        return codecs.encoded_nbytes(values, cfg.pipeline.codec)
 
     def _allreduce_grads(self, grads: list[list[list[torch.Tensor]]]) -> None:
         """FullSync: blocking mean of every replica's (encoded) gradients, stage by stage."""

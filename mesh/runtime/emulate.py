@@ -3,7 +3,8 @@
 Role: what `emulation.compute = "emulated"`, `emulation.slowdowns`, `transport.link` and
 `pipeline.window = "auto"` mean in numbers, and how a run's metrics rows become tokens/s, the
 ideal (each replica at its slowest stage's pace, a stage's time per microbatch the larger of
-its compute and its link time) and `fraction_of_ideal`. Used by the stage worker
+its compute and its link time; with stage pools the slowest stage's summed speed) and
+`fraction_of_ideal`. Used by the stage worker
 (`ComputeClock`), the trainer (the link profile), the launcher (the window), `summarize_run`
 and the throughput benchmark, so they all count the same way.
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comms.throttle import PROFILES, LinkProfile
+from mesh.algo import routing
 from mesh.algo.schedule import extra_warmups, microbatches_per_update
 from mesh.algo.topology import cell_name
 from mesh.config import Config, parse_slowdowns, with_overrides
@@ -379,7 +381,11 @@ def throughput(
         compute = [[busy.get((j, i), 0.0) for j in range(P)] for i in range(m)]
     link_rows = [[link.get((j, i), 0.0) for j in range(P)] for i in range(m)]
     st = [[max(c, x) for c, x in zip(cr, lr)] for cr, lr in zip(compute, link_rows)]
-    ideal = tok * sum(1.0 / max(row) for row in st if max(row) > 0)
+    if cfg.pipeline.routing == "pools":  # a stage's cells share its work: its summed speed
+        speeds = [[1.0 / st[i][j] if st[i][j] > 0 else 0.0 for i in range(m)] for j in range(P)]
+        ideal = tok * routing.pool_bound(speeds)
+    else:
+        ideal = tok * sum(1.0 / max(row) for row in st if max(row) > 0)
     rate = 0.0
     for i in range(m):
         r = steps_rows.get((P - 1, i), [])

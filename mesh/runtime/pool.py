@@ -261,6 +261,13 @@ class PoolWorker(StageWorker):
         self._fwd_s = time.perf_counter() - t0
         self._route(h)
 
+    def _track_stash(self) -> None:
+        """The stash's peak: the weight versions kept and what the held microbatches hold
+        (the fixed worker's in_flight is empty here)."""
+        held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
+        held += sum(h.inputs.numel() * h.inputs.element_size() for h in self.held.values())
+        self.stats.stash_bytes_peak = max(self.stats.stash_bytes_peak, held)
+
     def _tokens_of(self, h: Held) -> torch.Tensor | None:
         return self._batch_of(h.stream, h.index)[0] if needs_tokens(self.cell.module) else None
 

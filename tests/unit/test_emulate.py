@@ -302,6 +302,22 @@ def test_fraction_of_ideal_from_rows() -> None:
     assert slow.fraction_of_ideal == pytest.approx(0.5)
 
 
+def test_a_pooled_grids_ideal_is_its_thinnest_stage() -> None:
+    """Stage pools: a stage's cells share its work, so the ideal is the slowest stage's summed
+    speed (routing.pool_bound), not each replica at its slowest cell."""
+    cfg = load_config(
+        [],
+        ["grid.stages=2", "grid.replicas=2", "model.n_layers=2", "emulation.compute='emulated'",
+         "emulation.slowdowns=['s1r0=2.0']", "model.seq_len=16", "pipeline.microbatch_size=2",
+         "pipeline.routing='pools'"],
+    )  # fmt: skip
+    tok, t = cfg.tokens_per_microbatch, 0.03  # a cell's forward + backward at speed 1
+    tp = throughput(cfg, _rows(cfg, {0: 0.045, 1: 0.045}, n=50, act=1000, avg=100))
+    # stage 0: 1/t + 1/t; stage 1: 1/(2t) + 1/t, the thinner: 1.5 / t microbatches a second
+    assert tp.ideal_tokens_per_s == pytest.approx(tok * 1.5 / t)
+    assert tp.fraction_of_ideal == pytest.approx((2 / 0.045) / (1.5 / t))
+
+
 def test_a_slow_link_sets_the_stage_time() -> None:
     cfg = load_config(
         [],

@@ -242,24 +242,25 @@ class PoolWorker(StageWorker):
             self._backward_held(h, None, on_step)
             return
         t0 = time.perf_counter()
+        h.out = self._activation(h)
+        self._fwd_s = time.perf_counter() - t0
+        self._route(h)
+
+    def _activation(self, h: Held) -> codecs.Encoded:
+        """h's forward on its stashed version, as it leaves for the next stage (encoded)."""
         if self.emu:
             deadline = self.emu.begin(self.t_f)
             enc = codecs.encode(self._fake_act, self.cfg.pipeline.codec)
             self.emu.finish(deadline)
             self.stats.busy_s += self.t_f
-        else:
-            t_cpu = time.thread_time()
-            with torch.no_grad():
-                tokens = self._tokens_of(h)
-                out = stage_forward(
-                    self.cell.module, self.cell.weights(h.version), h.inputs, self.precision, tokens
-                )
-            self._busy(t_cpu)
-            out = self.cell.outgoing(out, "activation", h.index)
-            enc = codecs.encode(out, self.cfg.pipeline.codec)
-        h.out = enc
-        self._fwd_s = time.perf_counter() - t0
-        self._route(h)
+            return enc
+        t_cpu = time.thread_time()
+        with torch.no_grad():
+            weights, tokens = self.cell.weights(h.version), self._tokens_of(h)
+            out = stage_forward(self.cell.module, weights, h.inputs, self.precision, tokens)
+        self._busy(t_cpu)
+        out = self.cell.outgoing(out, "activation", h.index)  # faults.pipeline_poison
+        return codecs.encode(out, self.cfg.pipeline.codec)
 
     def _track_stash(self) -> None:
         """The stash's peak: the weight versions kept and what the held microbatches hold
@@ -482,12 +483,7 @@ class PoolWorker(StageWorker):
         if down is None:
             self._backward_held(h, None, on_step)
             return
-        with torch.no_grad():
-            weights = self.cell.weights(h.version)
-            out = stage_forward(self.cell.module, weights, x, self.precision, self._tokens_of(h))
-        self._send(
-            down, f"pool/a/{s}/{b}", Kind.ACTIVATION, codecs.encode(out, self.cfg.pipeline.codec)
-        )
+        self._send(down, f"pool/a/{s}/{b}", Kind.ACTIVATION, self._activation(h))
         h.sent_to, self._fwd_s = down, 0.0
         msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
         self._backward_held(h, msg.tensor().to(self.device), on_step)

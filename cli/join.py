@@ -29,14 +29,19 @@ from cli.reach import (
     public_relays,
     reach_verdict,
 )
+from cli.rejoin import move_to, moved_stage, rejoin
+from cli.run_record import (
+    OPEN_RUN_WARNING,
+    JoinError,
+    config_of_record,
+    other_key_run,
+    read_run_record,
+)
 from mesh.algo import routing
 from mesh.algo.topology import cell_name
 from mesh.config import (
-    LOCAL_PREFIXES,
-    LOCAL_SECTIONS,
     Config,
     ConfigError,
-    load_config,
     with_overrides,
 )
 from mesh.runtime.registry import (
@@ -45,7 +50,6 @@ from mesh.runtime.registry import (
     Registry,
     RunRecord,
     free_cells,
-    pick_run,
     read_again,
 )
 
@@ -60,10 +64,6 @@ REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after t
 CLAIM_CONFIRM_READS = 2  # a claim must own its cell on this many reads, CLAIM_SETTLE_S apart
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
-
-
-class JoinError(ConfigError):
-    """A join that cannot go on (unreachable DHT, no run, mismatched run, full grid): exit 2."""
 
 
 def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
@@ -133,41 +133,6 @@ def check_reach(
     click.echo(f"reachability: {text}")
 
 
-def config_of(rec: RunRecord, sets: list[str] = ()) -> Config:
-    """The run's config from its DHT record (TOML), with --set overrides on top."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.toml"
-        path.write_text(rec.toml)
-        return load_config([path], list(sets))
-
-
-def read_run_record(registry: Registry, reads: int, run_key: str | None = None) -> RunRecord | None:
-    """The run's record (Registry.run: with a key, only one sealed with it), read again (a
-    second apart) while the DHT answers empty, up to `reads` times: one empty answer from a
-    busy DHT would otherwise tell a joiner that there is no run, or let a joiner with --config
-    start a second one."""
-    return read_again(lambda: registry.run(run_key), reads)
-
-
-def other_key_run(registry: Registry, run_key: str, starting: bool) -> None:
-    """A joiner with a key found no run sealed with it: if the run id's public record says
-    its run has another key, a joiner without --config is told the key does not match (exit
-    2); one with --config starts its run beside it (its records are apart, in its key's
-    space: a record an outsider stored first never stops an owner), and is told so."""
-    public = pick_run(registry.runs(), run_key)
-    if public is None or key_verdict(public, run_key) != "wrong":
-        return  # none, or unsigned (a peer without any key wrote it): not a run to mention
-    if not starting:
-        raise JoinError(KEY_PROBLEMS["wrong"])
-    click.echo(
-        f"note: this run id also names a run with another key; this run starts beside it "
-        f"(check {KEY_HINT} if you meant to join that one)",
-        err=True,
-    )
-
-
 def read_owners(
     registry: Registry, replicas: list[int], reads: int
 ) -> dict[str, CellRecord] | None:
@@ -176,88 +141,6 @@ def read_owners(
     scratch (its imports, its p2pd), which on a loaded DHT only adds to the load (bench
     scale)."""
     return read_again(lambda: registry.owners(replicas), reads)
-
-
-def run_config(
-    registry: Registry, local: Config | None, sets: list[str], run_key: str | None
-) -> Config:
-    """The run's config: the DHT's record, checked against a local --config if one is given.
-    With no run yet, the local config starts one."""
-    return config_of_record(registry.run(run_key), local, sets, run_key)
-
-
-KEY_HINT = "--run-key or MESHTRAIN_RUN_KEY"
-OPEN_RUN_WARNING = (
-    "warning: this run has no run key: anyone who reaches its DHT can join it, download its "
-    f"state and average into it (start a run with {KEY_HINT} to keep outsiders out)"
-)
-
-
-def key_verdict(rec: RunRecord, run_key: str | None) -> str:
-    """How the run's record stands with run_key: "ok" (sealed with it), "unsigned" (not sealed
-    with it, yet claiming it: written by a peer without the key), "missing" (the run has a key,
-    none was given) or "wrong" (another key). The seal (registry.RunRecord.signed_by) decides;
-    the published key check only tells the three failures apart."""
-    from comms.p2p.auth import Auth
-
-    if rec.signed_by(run_key):
-        return "ok"
-    sealed = isinstance((rec.raw or {}).get("sig"), str)
-    if not sealed or Auth.of(run_key, rec.fingerprint).key_check == rec.key_check:
-        return "unsigned"
-    return "wrong" if run_key else "missing"
-
-
-KEY_PROBLEMS = {
-    "unsigned": "the run's config record is not signed by the run key: refused (a peer without "
-    "the key wrote it); check that --initial-peers reach the run you mean",
-    "missing": f"this run needs a key ({KEY_HINT}): ask the run's owner for it",
-    "wrong": f"the run key does not match this run's ({KEY_HINT}): ask the run's owner for it",
-}
-
-
-def run_key_problem(rec: RunRecord, run_key: str | None) -> str | None:
-    """Why this peer cannot follow the run's record with run_key (None: it can)."""
-    return KEY_PROBLEMS.get(key_verdict(rec, run_key))
-
-
-def config_of_record(
-    rec: RunRecord | None, local: Config | None, sets: list[str], run_key: str | None
-) -> Config:
-    """run_config on a record already read (None: no run yet). A record not sealed with our
-    run key is refused first (run_key_problem). A local dataset that is not the run's is
-    refused naming what differs (the record carries the run's data identity)."""
-    from cli.preflight import check_data
-
-    if rec is None:
-        if local is None:
-            raise JoinError("no run found in the DHT: the first peer passes --config to start one")
-        return local
-    problem = run_key_problem(rec, run_key)
-    if problem is not None:
-        raise JoinError(problem)
-    try:
-        theirs = config_of(rec, sets)
-    except ConfigError as e:
-        raise JoinError(f"the run's config with your --set: {e}") from None
-    if theirs.fingerprint() != rec.fingerprint:
-        raise JoinError(
-            f"the run's config record does not match its fingerprint {rec.fingerprint}; "
-            "a --set of a training key changes it: set only keys of the local sections ("
-            f"{', '.join(LOCAL_SECTIONS)}) when joining"
-        )
-    if local is not None and local.fingerprint() != rec.fingerprint:
-        from cli.preflight import changed_keys
-
-        changed = [k for k in changed_keys(local, theirs) if not k.startswith(LOCAL_PREFIXES)]
-        if "data.digest" in changed:  # the data's own check says what differs
-            check_data(with_overrides(theirs, {"data.path": local.data.path}), run_data=rec.data)
-        raise JoinError(
-            f"config fingerprint {local.fingerprint()} differs from the run's {rec.fingerprint} "
-            f"({', '.join(changed) or 'settings'}): drop --config (the run's own config is "
-            "used) or use the run's exact settings"
-        )
-    return theirs
 
 
 def claim_cell(
@@ -310,60 +193,6 @@ def _holds(registry: Registry, name: str, replica: int, me: str) -> bool:
     time.sleep(CLAIM_SETTLE_S)
     winner = (read_owners(registry, [replica], CLAIM_READS) or {}).get(name)
     return winner is not None and winner.peer == me
-
-
-REJOINS_MAX = 5  # a join that lost its cell starts over this many times, then gives up
-REJOINS_ENV = "MESHTRAIN_REJOINS"
-
-
-def rejoin(lost: str) -> tuple[int, str]:
-    """Start this `join` over (the same command line, a fresh process: its cell's transport and
-    torch state are gone with it) to claim another free cell; after REJOINS_MAX starts, the
-    exit code and message instead."""
-    import os
-
-    done = int(os.environ.get(REJOINS_ENV, "0"))
-    if done >= REJOINS_MAX:
-        return 2, f"error: {lost}; lost a cell {done + 1} times: join again later"
-    from mesh.runtime.session import REJOIN_NOTE
-
-    click.echo(f"{lost}: {REJOIN_NOTE}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.environ[REJOINS_ENV] = str(done + 1)
-    os.execv(sys.executable, relaunch_argv())
-    raise AssertionError("unreachable")  # execv does not return
-
-
-def relaunch_argv() -> list[str]:
-    """This command line as a new interpreter runs it (`python -m cli.main ARGS`): the same
-    whether it was started as `meshtrain`, `python -m cli.main` or forked from a fork server
-    (whose own command line sys.orig_argv would be)."""
-    return [sys.executable, "-m", "cli.main", *sys.argv[1:]]
-
-
-MOVE_ENV = "MESHTRAIN_MOVE_TO_STAGE"  # a rebalanced join's next stage (its --stage)
-
-
-def move_to(stage: int) -> None:
-    """Start this `join` over in `stage` (elastic.rebalance): the same command line, a fresh
-    process, whose claim takes a free cell of that stage and downloads its state."""
-    import os
-
-    click.echo(f"moving to stage {stage}, the thinnest: joining again there")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.environ[MOVE_ENV] = str(stage)
-    os.execv(sys.executable, relaunch_argv())
-
-
-def moved_stage(stage: int | None) -> int | None:
-    """The stage a rebalancing move sent this process to (it overrides --stage: the move was
-    decided later than the command line), else --stage."""
-    import os
-
-    held = os.environ.pop(MOVE_ENV, None)
-    return stage if held is None else int(held)
 
 
 def default_out(run_id: str, j: int, i: int) -> Path:

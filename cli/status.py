@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from cli.join import KEY_HINT, JoinError, config_of, key_verdict
+from cli.run_record import KEY_HINT, JoinError, config_of, key_verdict
 from comms.p2p.auth import Auth
 from mesh.algo.topology import cell_name
 from mesh.config import Config, ConfigError

@@ -132,7 +132,8 @@ def _run_cell_process(
     from mesh.runtime.cluster_store import hold_store, serve_store, watch_store
     from mesh.runtime.failure import LOST_NEIGHBOUR, reserve_failure_report, write_failure
     from mesh.runtime.stop import watch_parent
-    from mesh.runtime.trainer import grid_names, run_cell
+    from mesh.runtime.trainer import run_cell
+    from mesh.runtime.wiring import grid_names
 
     # served for the process's life (rank 0 without a launcher's store): every link meets there
     store = serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None

@@ -21,122 +21,35 @@ from typing import Any
 
 import torch
 
-from comms.build import make_transport
 from comms.errors import PeerLost, PeerTimeout
 from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo import routing
 from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import cell_name
-from mesh.config import Config, ConfigError, config_from_dict
+from mesh.config import Config, config_from_dict
 from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
 from mesh.runtime import memory
 from mesh.runtime.checkpoint import checkpoint_path, load_cell, newest_intact, save_cell
-from mesh.runtime.emulate import cell_shaping, resolve_window
+from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import (
     LOST_NEIGHBOUR,
     reserve_failure_report,
     write_failure,
 )
 from mesh.runtime.metrics import MetricsSink, beat_stats
-from mesh.runtime.pool import PoolStats, PoolWorker
-from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again, running
-from mesh.runtime.rounds import group_name
+from mesh.runtime.pool import PoolWorker
+from mesh.runtime.pool_grid import pool_members, pool_move, pool_row
+from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StageMove, StaticCoordinator
-from mesh.runtime.stage import StageStats, StageWorker
+from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP, StopAt, StopAtStep, watch_parent
-
-
-def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
-    """All peer names in rank order (replica-major) and the averaging groups (one per stage)."""
-    P, m = cfg.grid.stages, cfg.grid.replicas
-    names = [cell_name(j, i) for i in range(m) for j in range(P)]
-    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: in no group
-    groups = {
-        group_name(j): [cell_name(j, i) for i in range(m) if cell_name(j, i) not in gone]
-        for j in range(P)
-    }
-    return names, groups
-
-
-def absent_cells(cfg: Config) -> set[tuple[int, int]]:
-    """The cells emulation.deaths takes out from the start (mesh.algo.routing.absent)."""
-    g = cfg.grid
-    spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    return routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
-
-
-def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
-    """The torch transport's links of a cell: its pipeline neighbours and its stage's column
-    (not every cell of the grid), of which the neighbours are needed at its start even when
-    they closed before (a replica started again starts all its cells at once), while a column
-    peer that is done is not waited for."""
-    P, m = cfg.grid.stages, cfg.grid.replicas
-    if cfg.pipeline.routing == "pools":  # every cell of the stages before and after
-        nbrs = [cell_name(j, i) for j in (stage - 1, stage + 1) if 0 <= j < P for i in range(m)]
-    else:
-        nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < P]
-    column = [cell_name(stage, i) for i in range(m) if i != replica]
-    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: no link to wait on
-    nbrs = [c for c in nbrs if c not in gone]
-    return {"links": nbrs + [c for c in column if c not in gone], "needed": nbrs}
-
-
-def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
-    """What the config asks of a cell's transport beyond names and links: on hivemind, the
-    membership token of (run key, config fingerprint) and the DHT mode."""
-    if cfg.transport.backend != "hivemind":
-        return {}
-    return {
-        "auth": Auth.of(run_key, cfg.fingerprint()),
-        "dht_client": cfg.transport.dht_mode == "client",
-    }
-
-
-def cell_transport(
-    cfg: Config,
-    stage: int,
-    replica: int,
-    options: dict[str, Any],
-    run_key: str | None = None,
-) -> Transport:
-    """This cell's transport: the grid's names and groups, the configured links shaped; on
-    hivemind, records carry the membership token of (run key, config fingerprint)."""
-    names, groups = grid_names(cfg)
-    extra = backend_options(cfg, run_key)
-    if cfg.transport.backend == "torch":
-        extra.update(cell_links(cfg, stage, replica))
-    return make_transport(
-        cfg.transport.backend,
-        cell_name(stage, replica),
-        names,
-        groups,
-        host=cfg.transport.host,
-        timeout_s=cfg.transport.start_timeout_s,
-        **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},
-    )
-
-
-def cell_device(
-    cfg: Config, stage: int, replica: int, local_rank: int | None = None
-) -> torch.device:
-    """runtime.device: "cpu"; "cuda": GPU (cell index mod the visible GPUs, so a simulated
-    grid spreads over them; a process a cluster launcher started: its LOCAL_RANK mod the
-    visible GPUs); "auto": cuda when this machine has one. Emulated compute: cpu."""
-    want = cfg.runtime.device
-    if cfg.emulation.compute == "emulated" or want == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        if want == "cuda":
-            raise ConfigError("runtime.device = cuda, but torch sees no GPU; use auto or cpu")
-        return torch.device("cpu")
-    place = replica * cfg.grid.stages + stage if local_rank is None else local_rank
-    return torch.device("cuda", place % torch.cuda.device_count())
+from mesh.runtime.wiring import cell_device, cell_transport
 
 
 def make_coordinator(
@@ -469,54 +382,6 @@ def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, 
         "stash_bytes_peak": st.stash_bytes_peak,
         "rss_peak_mb": round(st.rss_peak_mb(), 1),
         **pool_row(st),
-    }
-
-
-def pool_members(coord: DhtCoordinator, max_age_s: float) -> Callable[[], set[str] | None]:
-    """The cells with a live claim, as the heartbeat thread last read them (None: no read
-    yet, or the DHT did not answer: unknown, never "left")."""
-
-    def live() -> set[str] | None:
-        owned = coord.cached_owners(4 * max_age_s)
-        return None if owned is None else {c for c, rec in owned.items() if running(rec)}
-
-    return live
-
-
-def pool_move(
-    coord: DhtCoordinator, cfg: Config, stage: int, replica: int, watch: routing.Rebalancer
-) -> int | None:
-    """The stage this pooled cell should move to now (elastic.rebalance), or None: its stage
-    has held rebalance_ratio x the thinnest stage's capacity for rebalance_after_s, the move
-    raises the bottleneck, it is the stage's mover (routing.mover: all agree which) and the
-    thin stage has a free cell."""
-    owned = coord.cached_owners(4 * cfg.elastic.heartbeat_s)
-    if owned is None:
-        return None  # unknown: never a move on a read that failed
-    rates = {c: rec.tps for c, rec in owned.items() if running(rec)}
-    me = cell_name(stage, replica)
-    verdict = watch.check(
-        time.monotonic(), routing.stage_capacity(rates, cfg.grid.stages), stage, rates.get(me, 0.0)
-    )
-    if verdict is None:
-        return None
-    mine = {c: r for c, r in rates.items() if c.startswith(f"s{stage}r")}
-    to = verdict[1]
-    free = [i for i in range(cfg.grid.replicas) if cell_name(to, i) not in owned]
-    return to if routing.mover(mine) == me and free else None
-
-
-def pool_row(st: StageStats) -> dict[str, Any]:
-    """A pool cell's routing counters ({} on a fixed grid): where its microbatches went."""
-    if not isinstance(st, PoolStats):
-        return {}
-    return {
-        "routed": dict(st.routed),
-        "cross_replica": st.cross_replica,
-        "refused": st.refused,
-        "rerouted": st.rerouted,
-        "voided": st.voided,
-        "held_peak": st.held_peak,
     }
 
 

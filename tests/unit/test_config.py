@@ -270,7 +270,7 @@ def test_an_old_runtime_table_loads_into_the_new_sections_with_a_notice(tmp_path
 
 
 def test_the_dht_mode_reaches_a_hivemind_cells_transport():
-    from mesh.runtime.trainer import backend_options
+    from mesh.runtime.wiring import backend_options
 
     hive = ["transport.backend=hivemind"]
     assert backend_options(load_config([], hive), None)["dht_client"] is False

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from fakes import FakeDirectory
 from helpers import TINY
 
-from cli.join import run_config
 from cli.main import main
 from cli.preflight import check_data
+from cli.run_record import run_config
 from cli.status import data_label, read_status
 from comms.p2p.auth import Auth
 from mesh.bench.join_procs import generated_text

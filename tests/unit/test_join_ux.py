@@ -320,7 +320,7 @@ def test_a_claim_reads_a_silent_dht_again_before_it_gives_up(monkeypatch):
 def test_a_join_that_lost_its_cell_too_often_gives_up_with_a_message(monkeypatch):
     """A join whose cell another peer holds starts over by itself (os.execv of its own command
     line) to take another free cell; after REJOINS_MAX starts it exits 2 saying so."""
-    import cli.join as join
+    import cli.rejoin as join
 
     monkeypatch.setenv(join.REJOINS_ENV, str(join.REJOINS_MAX))
     code, text = join.rejoin("s1r0 is held by peer X (claimed at the same time, earlier)")
@@ -334,7 +334,7 @@ def test_a_join_that_lost_its_cell_starts_its_own_command_line_over(monkeypatch,
     import os
     import sys
 
-    import cli.join as join
+    import cli.rejoin as join
     from mesh.runtime.session import REJOIN_NOTE
 
     calls = []
@@ -360,7 +360,7 @@ def test_a_rebalanced_join_starts_over_in_the_thinnest_stage(monkeypatch, capsys
     import os
     import sys
 
-    import cli.join as join
+    import cli.rejoin as join
 
     calls = []
 

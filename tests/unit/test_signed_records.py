@@ -10,7 +10,7 @@ import time
 import pytest
 from fakes import FakeDirectory
 
-from cli.join import JoinError, config_of_record, key_verdict, other_key_run
+from cli.run_record import JoinError, config_of_record, key_verdict, other_key_run
 from cli.status import read_status, status_rows
 from comms.p2p.auth import CLOCK_SKEW_S, Auth
 from mesh.config import load_config

@@ -56,7 +56,7 @@ def _bench_cell(
     from mesh.engine.cell import Cell
     from mesh.model.build import build_stage
     from mesh.runtime.stage import StageWorker
-    from mesh.runtime.trainer import cell_transport
+    from mesh.runtime.wiring import cell_transport
 
     cfgs = [config_from_dict(tree) for _, tree, _, _ in plan]
     first = cfgs[0]

@@ -228,7 +228,7 @@ def test_the_digest_trails_the_file_and_covers_every_byte(tmp_path):
     line cut off is refused; a file of an earlier format (no digest) still resumes."""
     import hashlib
 
-    from mesh.runtime.checkpoint import DIGEST_TAG, TRAILER_BYTES, digest_problem
+    from mesh.runtime.checkpoint_digest import DIGEST_TAG, TRAILER_BYTES, digest_problem
 
     cfg, cell = _cell(0)
     fp = cfg.state_fingerprint()
@@ -259,7 +259,7 @@ def test_large_writes_are_hashed_beside_the_write_in_order():
     import hashlib
     import io
 
-    from mesh.runtime.checkpoint import DIGEST_TAG, PARALLEL_BYTES, write_digested
+    from mesh.runtime.checkpoint_digest import DIGEST_TAG, PARALLEL_BYTES, write_digested
 
     big = [torch.randn(PARALLEL_BYTES // 2 + k) for k in range(3)]  # 2 MB each, and headers
     out = io.BytesIO()

@@ -146,7 +146,7 @@ def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]
 
 
 def stats_json(stats: dict[str, Any] | None) -> dict[str, Any]:
-    """A heartbeat's counters (registry.parse_stats) as status --json shows them; a peer of an
+    """A heartbeat's counters (claim_stats.parse_stats) as status --json shows them; a peer of an
     older version sends none: null."""
     stats = stats or {}
     rounds = stats.get("rounds")

@@ -163,7 +163,7 @@ def _saved(step: int | list[int | None]) -> bool:
 
 def beat_stats(row: dict[str, Any]) -> dict[str, Any]:
     """What a heartbeat carries of a metrics row for `status --json` and the dashboard
-    (mesh.runtime.registry.parse_stats reads it back)."""
+    (mesh.runtime.claim_stats.parse_stats reads it back)."""
     out: dict[str, Any] = {
         "rounds": [int(row.get(f"rounds_{k}", 0)) for k in ("applied", "partial", "failed")],
         "rejects": sum(int(n) for n in (row.get("rejects") or {}).values()),

@@ -40,7 +40,6 @@ through a comms.transport.Directory: comms.p2p.transport.P2PTransport, comms.p2p
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from comms.p2p.auth import Auth, records_space, signer_of
 from mesh.algo.topology import Cell
+from mesh.runtime.claim_stats import is_number, parse_stats
 
 if TYPE_CHECKING:  # the protocol only: `join` checks its arguments before torch is imported
     from comms.transport import Directory
@@ -75,56 +75,6 @@ class CellRecord:
     stats: dict[str, Any] | None = None  # what a dashboard shows of it (parse_stats); optional
 
 
-STAT_KINDS_MAX = 8  # bytes sent by link kind: a few kinds (pp, dp, state), never a peer's essay
-
-
-def parse_stats(value: object) -> dict[str, Any] | None:
-    """A heartbeat's counters for dashboards ({loss, rounds: [applied, partial, failed],
-    rejects, bytes: {kind: n}}), each kept only when well-typed; None when none is."""
-    if not isinstance(value, dict):
-        return None
-    out: dict[str, Any] = {}
-    loss = value.get("loss")
-    if _num(loss) and math.isfinite(loss):
-        out["loss"] = float(loss)
-    rounds = value.get("rounds")
-    if isinstance(rounds, list) and len(rounds) == 3 and all(_count(x) for x in rounds):
-        out["rounds"] = [int(x) for x in rounds]
-    if _count(value.get("rejects")):
-        out["rejects"] = int(value["rejects"])
-    if _count(value.get("beat_errors")):  # heartbeats the DHT did not take (session.py)
-        out["beat_errors"] = int(value["beat_errors"])
-    if value.get("relayed") is True:  # others reach this cell through a relay (behind NAT)
-        out["relayed"] = True
-    # stage pools: microbatches this cell routed, and of those to another replica's cell
-    for key in ("routed", "cross"):
-        if _count(value.get(key)):
-            out[key] = int(value[key])
-    flagged = value.get("flagged")  # neighbours sentinel.enabled flagged (mesh/algo/sentinel.py)
-    if isinstance(flagged, list) and len(flagged) <= 2 and all(_cell_name(c) for c in flagged):
-        out["flagged"] = list(flagged)
-    sent = value.get("bytes")
-    if (
-        isinstance(sent, dict)
-        and len(sent) <= STAT_KINDS_MAX
-        and all(isinstance(k, str) and len(k) <= 32 and _count(n) for k, n in sent.items())
-    ):
-        out["bytes"] = {k: int(n) for k, n in sent.items()}
-    return out or None
-
-
-def _cell_name(v: object) -> bool:
-    return isinstance(v, str) and len(v) <= 16 and Cell.parse(v) is not None
-
-
-def _count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def parse_cell(value: object) -> CellRecord | None:
     """A claim/heartbeat record, or None when any field is missing or of the wrong type."""
     if not isinstance(value, dict) or value.get("v") != 1:
@@ -133,7 +83,7 @@ def parse_cell(value: object) -> CellRecord | None:
     if not isinstance(cell, str) or not isinstance(peer, str):
         return None
     nums = [value.get(k) for k in ("inc", "since", "epoch", "step", "tps", "t")]
-    if not all(_num(x) for x in nums):
+    if not all(is_number(x) for x in nums):
         return None
     auth = value.get("auth")
     inc, since, epoch, step, tps, t = nums

@@ -176,7 +176,7 @@ class Beat:
     step: int = 0
     tps: float = 0.0
     epoch: int = 0
-    stats: dict | None = None  # registry.parse_stats: loss, rounds, rejects, bytes
+    stats: dict | None = None  # claim_stats.parse_stats: loss, rounds, rejects, bytes
 
 
 class DhtCoordinator:

@@ -1,5 +1,5 @@
 """`meshtrain status`'s stage pools (cli/status.pool_rows) from claims, and a pooled cell's
-heartbeat counters (metrics.beat_stats -> registry.parse_stats)."""
+heartbeat counters (metrics.beat_stats -> claim_stats.parse_stats)."""
 
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ def public_relays(scout: Any, auth: Any, cells: list[str], timeout_s: float = 5.
     """For a peer behind NAT (join --client-mode): relays among the run's cells that others dial
     directly, from their name records (only records of run members, so an outsider cannot
     become our relay); at most comms.p2p.relay.MAX_RELAYS, the bootstrap nodes come first."""
-    from comms.p2p.dht import pick_record
+    from comms.p2p.peer_record import pick_record
     from comms.p2p.relay import relay_addrs
 
     def admits(rec: Any) -> bool:  # comms.p2p.auth.Auth's membership token

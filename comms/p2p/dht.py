@@ -1,7 +1,7 @@
 """The DHT side of P2PTransport: its DHT process, and peer names as DHT records.
 
 Role: `start_dht` starts a `PeerDHT` (one hivemind DHT process owning one p2pd) with retries;
-`PeerRecord` / `parse_record` / `pick_record` are the name records (`{run_id}.peer.{name}`,
+`comms/p2p/peer_record.py` parses the name records it stores (`{run_id}.peer.{name}`,
 subkey `<peer_id><owner marker>` (signed) -> {"v": 1, "peer_id": base58, "maddrs": [...],
 "t": publish time, "auth": token}, MSGPack-encoded by hivemind, type-checked here because any
 peer can write a key: a name holds one record per process that published it, and readers take
@@ -29,20 +29,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms import procs
 from comms.p2p import bounds, locks
-from comms.p2p.auth import signer_of
 from comms.p2p.relay_service import check_relay_service
 
 logger = logging.getLogger(__name__)
@@ -50,54 +48,6 @@ logger = logging.getLogger(__name__)
 # before any DHT process is forked: hivemind's process-shared locks stay stuck for ever when a
 # process holding one dies, and every later DHT process of ours would hang on them
 locks.install()
-
-
-@dataclass(frozen=True)
-class PeerRecord:
-    peer_id: PeerID
-    maddrs: tuple[str, ...]
-    auth: str | None = None  # comms.p2p.auth token (None in records of peers without one)
-    signer: str = ""  # owner marker of the subkey it was stored under
-    t: float = 0.0  # when the publishing process started (the newest one wins)
-
-
-def parse_record(value: object, subkey: str) -> PeerRecord | None:
-    """A DHT record written by a peer under subkey: type-check every field; None once the peer
-    left, or when the subkey is not `<its peer_id><owner marker>`."""
-    if not isinstance(value, dict) or value.get("v") != 1:
-        return None
-    pid, maddrs, t = value.get("peer_id"), value.get("maddrs"), value.get("t", 0.0)
-    if not isinstance(pid, str) or not isinstance(maddrs, list | tuple):
-        return None
-    if not all(isinstance(m, str) for m in maddrs) or not isinstance(t, int | float):
-        return None
-    signer = signer_of(subkey, pid)
-    if signer is None:
-        return None
-    auth = value.get("auth")
-    try:
-        peer_id = PeerID.from_base58(pid)
-    except Exception:  # noqa: BLE001 - malformed base58 from a peer
-        return None
-    return PeerRecord(peer_id, tuple(maddrs), auth if isinstance(auth, str) else None, signer, t)
-
-
-def parse_records(found: dict[str, object]) -> list[PeerRecord]:
-    """The well-formed records of a name (subkey -> value, as the DHT returned them)."""
-    return [r for k, v in found.items() if (r := parse_record(v, k)) is not None]
-
-
-def pick_record(
-    found: dict[str, object],
-    admits: Callable[[PeerRecord], bool],
-    avoid: PeerID | None = None,
-) -> PeerRecord | None:
-    """The record a name resolves to: the newest admitted one (`t` is its publisher's clock, so
-    a caller that could not reach it names it in `avoid` and gets the next admitted one, if
-    any); with none admitted, the newest well-formed one (whose use the caller refuses)."""
-    recs = parse_records(found)
-    recs.sort(key=lambda r: (admits(r), r.peer_id != avoid, r.t), reverse=True)
-    return recs[0] if recs else None
 
 
 def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:

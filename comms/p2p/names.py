@@ -27,7 +27,8 @@ from typing import Any
 from hivemind.p2p import PeerID
 
 from comms.errors import PeerLost
-from comms.p2p.dht import DHT_COUNTS, PeerRecord, msgpack_bytes, parse_records, pick_record
+from comms.p2p.dht import DHT_COUNTS, msgpack_bytes
+from comms.p2p.peer_record import PeerRecord, parse_records, pick_record
 from comms.p2p.relay import dialable
 
 RESOLVE_POLL_S = 0.2

@@ -48,7 +48,7 @@ from comms import wire
 from comms.errors import PeerLost
 from comms.group_means import GroupMeans
 from comms.mailbox import Mailbox
-from comms.p2p.dht import parse_records
+from comms.p2p.peer_record import parse_records
 from comms.transport import TransportStats
 from comms.wire import Expect, Message, Reject
 

@@ -49,7 +49,6 @@ from comms.p2p import dialback
 from comms.p2p.auth import Auth
 from comms.p2p.dht import (
     DHT_COUNTS,
-    PeerRecord,
     RunRecords,
     adopt_socket,
     kill_unstopped,
@@ -57,6 +56,7 @@ from comms.p2p.dht import (
     start_dht,
 )
 from comms.p2p.names import NameMixin
+from comms.p2p.peer_record import PeerRecord
 from comms.p2p.relay import RelayLimits, circuit_maddrs, p2pd_options, via_relay
 from comms.p2p.relay_service import relay_report
 from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin

@@ -3,7 +3,7 @@
 from hivemind.p2p import PeerID
 
 from comms.p2p.auth import Auth
-from comms.p2p.dht import pick_record
+from comms.p2p.peer_record import pick_record
 
 
 def test_token_binds_key_context_and_peer():

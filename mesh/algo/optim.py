@@ -1,10 +1,9 @@
 """Update rules of ONE pipeline stage: lr/lambda schedules, NAdamW / AdamW / Muon, error feedback.
 
-Each stage owns a StageOptimizer over its own parameters only: no state, norm or step is shared
-across stages. The rules are torch's NAdam (decoupled weight decay, the mu_t momentum ramp) and
-AdamW written out, a warmup-then-cosine lr, a per-stage gradient clip, the EMA coefficient
-lambda of the averaging, error feedback on the inner update, and Muon (mesh/algo/muon.py).
-State is a flat dict of tensors and numbers.
+Each stage owns a StageOptimizer over its own parameters only (no state, norm or step shared):
+torch's NAdam (decoupled weight decay, the mu_t ramp) and AdamW written out, a warmup-then-cosine
+lr, a per-stage clip, the averaging's EMA lambda, error feedback on the inner update, and Muon
+(mesh/algo/muon.py). State is a flat dict of tensors and numbers.
 
 Extension point: OPTIMIZERS maps OptimSpec.name to a planner (param name, param, spec) -> rule.
 A new optimizer lives in its own module that calls register_optimizer; list that module in

@@ -12,13 +12,14 @@ Both are proper distributions over the vocabulary, so an unseen pair or id costs
 
 Counts are taken over at most MAX_COUNT_TOKENS training tokens (the first ones; recorded), and
 the cross-entropy over at most MAX_EVAL_TOKENS validation tokens, so a large dataset costs a few
-seconds; pairs do not cross the arrays' ends (a shard's, a text's). Pure numpy.
+seconds; pairs do not cross the arrays' ends (a shard's, a text's). Counted CHUNK_TOKENS at a
+time, so memory stays bounded whatever the data's size. Pure numpy.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,41 +32,59 @@ SMOOTHING = (
 MAX_COUNT_TOKENS = 1 << 26
 MAX_EVAL_TOKENS = 1 << 24
 DENSE_PAIRS = 1 << 20  # V * V up to this: pair counts by bincount, else by sorting pair codes
+CHUNK_TOKENS = 1 << 22  # counted at a time: 32 MiB as int64
 
 
-def _take(parts: Sequence[np.ndarray], limit: int) -> list[np.ndarray]:
-    """The first `limit` tokens of the parts, as int64 arrays (pairs stay inside each)."""
-    out, left = [], limit
+def _windows(parts: Sequence[np.ndarray], limit: int) -> Iterator[tuple[np.ndarray, int]]:
+    """The first `limit` tokens of the parts, CHUNK_TOKENS at a time as int64 (memory stays
+    bounded whatever the data's size): (window, fresh). A window after a part's first starts
+    with the previous one's last token, so that the pair across the cut is counted once, and
+    `fresh` (0 or 1) is where the window's own tokens start."""
+    left = limit
     for p in parts:
+        n = min(len(p), left)
+        left -= n
+        for start in range(0, n, CHUNK_TOKENS):
+            lo = max(start - 1, 0)
+            yield np.asarray(p[lo : min(start + CHUNK_TOKENS, n)], dtype=np.int64), start - lo
         if left <= 0:
             break
-        out.append(np.asarray(p[:left], dtype=np.int64))
-        left -= len(out[-1])
-    return out
 
 
 class BigramCounts:
-    """Unigram and bigram counts of token arrays over a vocabulary of V ids."""
+    """Unigram and bigram counts of the first `limit` tokens of token arrays over a vocabulary
+    of V ids, counted a window at a time."""
 
-    def __init__(self, parts: Sequence[np.ndarray], vocab_size: int) -> None:
+    def __init__(
+        self, parts: Sequence[np.ndarray], vocab_size: int, limit: int = MAX_COUNT_TOKENS
+    ) -> None:
         v = self.vocab = int(vocab_size)
         self.unigram = np.zeros(v, dtype=np.int64)  # c(b)
         self.context = np.zeros(v, dtype=np.int64)  # c(a): pairs starting at a
-        codes = []
-        for p in parts:
-            self.unigram += np.bincount(p, minlength=v)
-            if len(p) > 1:
-                self.context += np.bincount(p[:-1], minlength=v)
-                codes.append(p[:-1] * v + p[1:])
-        self.tokens = int(self.unigram.sum())
-        pair_codes = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
-        if v * v <= DENSE_PAIRS:
-            dense = np.bincount(pair_codes, minlength=v * v)
+        dense = np.zeros(v * v, dtype=np.int64) if v * v <= DENSE_PAIRS else None
+        self.codes = np.zeros(0, dtype=np.int64)  # sorted pair codes a * V + b, and their counts
+        self.counts = np.zeros(0, dtype=np.int64)
+        for window, fresh in _windows(parts, limit):
+            self.unigram += np.bincount(window[fresh:], minlength=v)
+            if len(window) < 2:
+                continue
+            self.context += np.bincount(window[:-1], minlength=v)
+            pair_codes = window[:-1] * v + window[1:]
+            if dense is not None:
+                dense += np.bincount(pair_codes, minlength=v * v)
+            else:
+                self._merge(*np.unique(pair_codes, return_counts=True))
+        if dense is not None:
             self.codes = np.flatnonzero(dense)
             self.counts = dense[self.codes]
-        else:
-            self.codes, self.counts = np.unique(pair_codes, return_counts=True)
+        self.tokens = int(self.unigram.sum())
         self.followers = np.bincount(self.codes // v, minlength=v)  # n(a)
+
+    def _merge(self, codes: np.ndarray, counts: np.ndarray) -> None:
+        both, at = np.unique(np.concatenate([self.codes, codes]), return_inverse=True)
+        merged = np.zeros(len(both), dtype=np.int64)
+        np.add.at(merged, at, np.concatenate([self.counts, counts]))
+        self.codes, self.counts = both, merged
 
     def unigram_prob(self, b: np.ndarray) -> np.ndarray:
         return (self.unigram[b] + 1.0) / (self.tokens + self.vocab)
@@ -87,18 +106,23 @@ class BigramCounts:
         return np.where(seen, kept + backoff * uni, uni)
 
 
-def cross_entropy(counts: BigramCounts, parts: Sequence[np.ndarray]) -> tuple[float, float, int]:
-    """(unigram, bigram) cross-entropy in nats per token over the parts, and the tokens
-    predicted: the unigram predicts every token, the bigram every token after a part's first
-    (its first token is predicted by the unigram, so both average over the same tokens)."""
+def cross_entropy(
+    counts: BigramCounts, parts: Sequence[np.ndarray], limit: int = MAX_EVAL_TOKENS
+) -> tuple[float, float, int]:
+    """(unigram, bigram) cross-entropy in nats per token over the first `limit` tokens of the
+    parts, and the tokens predicted: the unigram predicts every token, the bigram every token
+    after a part's first (its first token is predicted by the unigram, so both average over the
+    same tokens)."""
     uni_sum, bi_sum, n = 0.0, 0.0, 0
-    for p in parts:
-        if not len(p):
+    for window, fresh in _windows(parts, limit):
+        if len(window) <= fresh:
             continue
-        uni = -np.log(counts.unigram_prob(p))
+        uni = -np.log(counts.unigram_prob(window[fresh:]))
         uni_sum += float(uni.sum())
-        bi_sum += float(uni[0]) + float(-np.log(counts.bigram_prob(p[:-1], p[1:])).sum())
-        n += len(p)
+        if fresh == 0:  # a part's first token: no context
+            bi_sum += float(uni[0])
+        bi_sum += float(-np.log(counts.bigram_prob(window[:-1], window[1:])).sum())
+        n += len(window) - fresh
     if n == 0:
         return math.nan, math.nan, 0
     return uni_sum / n, bi_sum / n, n
@@ -112,8 +136,8 @@ def ngram_reference(
 ) -> dict[str, Any]:
     """The validation split's unigram and bigram cross-entropy with counts from `train`: in
     nats per token and in bits per byte of text (what the manifest and the reports carry)."""
-    counts = BigramCounts(_take(train, MAX_COUNT_TOKENS), vocab_size)
-    uni, bi, n = cross_entropy(counts, _take(val, MAX_EVAL_TOKENS))
+    counts = BigramCounts(train, vocab_size, MAX_COUNT_TOKENS)
+    uni, bi, n = cross_entropy(counts, val)
     as_bpb = lambda nats: nats / (math.log(2) * val_bytes_per_token)  # noqa: E731
     return {
         "smoothing": SMOOTHING,

@@ -66,6 +66,23 @@ def test_the_sorted_counts_of_a_large_vocabulary_are_the_dense_ones(monkeypatch)
     assert ngram_reference([train[:1000], train[1000:]], [val], 40, 1.0) == dense
 
 
+@pytest.mark.parametrize("dense_pairs", [ngram.DENSE_PAIRS, 0])
+def test_counting_a_window_at_a_time_gives_the_whole_arrays_numbers(monkeypatch, dense_pairs):
+    """Memory stays bounded (a 200 MB dataset's prepare, tests/integration/test_data_scale.py)
+    because the counts and the cross-entropy go CHUNK_TOKENS at a time; the pairs across each
+    cut are counted once, and a part's first token still has no context."""
+    rng = np.random.default_rng(1)
+    train, val = rng.integers(0, 40, 3000), rng.integers(0, 40, 500)
+    parts, val_parts = [train[:1001], train[1001:], train[:1]], [val[:250], val[250:]]
+    monkeypatch.setattr(ngram, "DENSE_PAIRS", dense_pairs)
+    whole = ngram_reference(parts, val_parts, 40, 1.0)
+    monkeypatch.setattr(ngram, "CHUNK_TOKENS", 7)
+    assert ngram_reference(parts, val_parts, 40, 1.0) == whole
+    counts = BigramCounts(parts, 40)
+    assert counts.tokens == 3001 and int(counts.counts.sum()) == 3001 - 3  # 3 parts, 3 firsts
+    assert BigramCounts(parts, 40, limit=1500).tokens == 1500
+
+
 def test_the_rule_and_the_fields_beside_a_loss():
     entry = ngram_reference([TRAIN], [VAL], 3, 1.0)
     bigram = entry["bigram"]["nats_per_token"]

@@ -5,8 +5,12 @@ stage's pool."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ from mesh.bench.join_procs import (
     kill,
     meshtrain,
     rows,
+    start_dht,
     status,
     step,
     stop,
@@ -29,8 +34,39 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HANG_S = 90
 
 
-def _stream_step(out) -> int:
-    return step(out)
+@dataclass
+class PooledJoins:
+    """A bootstrap node of a pooled tiny grid and its joins (`join(name, *args)`; the first
+    brings `config`)."""
+
+    tmp: Path
+    config: Path
+    maddr: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def join(self, name: str, *extra: str) -> None:
+        log = (self.tmp / f"{name}.log").open("w")
+        self.procs[name] = meshtrain(
+            "join", "--initial-peers", self.maddr, *LOOPBACK, "--out", str(self.tmp / name),
+            *extra, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        if name == "j0":  # the run's record is in the DHT before the others ask for it
+            wait_for(lambda: "joined run" in (self.tmp / "j0.log").read_text(), 60, "a claim")
+
+
+@contextlib.contextmanager
+def pooled_joins(tmp: Path, text_file: Path, replicas: int, local: str) -> Iterator[PooledJoins]:
+    """A 2 x `replicas` pooled grid's bootstrap node; every process stopped at the end."""
+    cfg = tiny_grid_config(tmp, text_file, replicas=replicas, slowdown=4.0, local=local)
+    cfg.write_text(cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"'))
+    dht, maddr = start_dht()
+    grid = PooledJoins(tmp, cfg, maddr)
+    try:
+        yield grid
+    finally:
+        for p in grid.procs.values():
+            stop(p)
+        stop(dht)
 
 
 @pytest.mark.timeout(600)  # a hang guard: four joins and a kill on a loaded box
@@ -39,24 +75,9 @@ def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
     without --stage fill the stages evenly (thinnest first); s1 cells carry both streams;
     SIGKILL of one stage-1 cell: within seconds both streams train on through the other one
     (its replica never waits for a replacement), and `status` shows the pools."""
-    cfg = tiny_grid_config(tmp_path, text_file, slowdown=4.0, local="elastic.pool_timeout_s = 4")
-    text = cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"')
-    cfg.write_text(text)
-    dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    joins: dict[str, subprocess.Popen] = {}
-    try:
-        maddr = dht.stdout.readline().strip()
-        peers = ["--initial-peers", maddr]
-
-        def join(name: str, *extra: str) -> None:
-            log = (tmp_path / f"{name}.log").open("w")
-            joins[name] = meshtrain(
-                "join", *peers, *LOOPBACK, "--out", str(tmp_path / name), *extra,
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-        join("j0", "--config", str(cfg))
-        wait_for(lambda: "joined run" in (tmp_path / "j0.log").read_text(), 60, "the first claim")
+    with pooled_joins(tmp_path, text_file, 2, "elastic.pool_timeout_s = 4") as grid:
+        maddr, joins, join = grid.maddr, grid.procs, grid.join
+        join("j0", "--config", str(grid.config))
         for name in ("j1", "j2", "j3"):
             join(name)
             wait_for(lambda n=name: cell_of(tmp_path / n) is not None, HANG_S, f"{name}'s cell")
@@ -92,10 +113,6 @@ def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
             events = [r.get("event") for r in rows(outs[n])]
             assert "session_broken" not in events, (n, events)
         assert took_s < HANG_S
-    finally:
-        for p in joins.values():
-            stop(p)
-        stop(dht)
 
 
 @pytest.mark.timeout(600)  # a hang guard: four joins, a move and a state download
@@ -103,27 +120,10 @@ def test_rebalancing_moves_a_cell_to_the_thinnest_stage(text_file, tmp_path):
     """2 stages x 3 replicas, elastic.rebalance on: three joins hold stage 0 and one stage 1
     (3:1 capacity). The stage-0 cell of the highest replica moves (an event, and `join` says
     so), downloads stage 1's state as a joiner does, and the grid trains on 2:2."""
-    cfg = tiny_grid_config(
-        tmp_path, text_file, replicas=3, slowdown=4.0,
-        local="elastic.pool_timeout_s = 4\nelastic.rebalance = true\n"
-              "elastic.rebalance_after_s = 3",
-    )  # fmt: skip
-    cfg.write_text(cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"'))
-    dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    joins: dict[str, subprocess.Popen] = {}
-    try:
-        maddr = dht.stdout.readline().strip()
-        peers = ["--initial-peers", maddr]
-
-        def join(name: str, *extra: str) -> None:
-            log = (tmp_path / f"{name}.log").open("w")
-            joins[name] = meshtrain(
-                "join", *peers, *LOOPBACK, "--out", str(tmp_path / name), *extra,
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-
-        join("j0", "--config", str(cfg), "--stage", "0")
-        wait_for(lambda: "joined run" in (tmp_path / "j0.log").read_text(), 60, "the first claim")
+    local = "elastic.pool_timeout_s = 4\nelastic.rebalance = true\nelastic.rebalance_after_s = 3"
+    with pooled_joins(tmp_path, text_file, 3, local) as grid:
+        maddr, joins, join = grid.maddr, grid.procs, grid.join
+        join("j0", "--config", str(grid.config), "--stage", "0")
         for name, stage in (("j1", "0"), ("j2", "0"), ("j3", "1")):
             join(name, "--stage", stage)
         logs = {n: tmp_path / f"{n}.log" for n in joins}
@@ -157,7 +157,3 @@ def test_rebalancing_moves_a_cell_to_the_thinnest_stage(text_file, tmp_path):
         new_cell = [v for (j, _), v in read_metrics(out, events=True).items() if j == 1]
         loaded = [r for v in new_cell for r in v if r.get("event") == "state_loaded"]
         assert loaded, "the mover downloaded stage 1's state"
-    finally:
-        for p in joins.values():
-            stop(p)
-        stop(dht)

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from comms import codecs, wire
+from comms.means import FrameId
 from mesh.algo import sparse
 from mesh.config import load_config
 from mesh.methods import apply_method
 from mesh.model.build import build_stage
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import summarize_run
+from mesh.runtime.rounds import group_name
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +81,8 @@ def test_emulated_grid_summary_has_fraction_of_ideal_and_exact_bytes(text_file, 
         n = sum(p.numel() for p in build_stage(cfg.model, 2, j, cfg.run.seed).parameters())
         for r in range(steps):
             k = len(sparse.subset_indices(cfg.run.seed, j, 0, r, n, 0.05, cfg.dp.selector))
-            dp += 8 + _frame(f"stage{j}#{r}", wire.Kind.AVERAGE, (k,), "fp8_e4m3")
+            name = FrameId(group_name(j), r, 0).name  # both slots' names are as long
+            dp += 8 + _frame(name, wire.Kind.AVERAGE, (k,), "fp8_e4m3")
     assert summary["bytes"]["dp_per_replica_step"] == pytest.approx(dp / steps, abs=0)
 
 

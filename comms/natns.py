@@ -9,8 +9,8 @@
     home k  10.79.(k+1).2/24, default route through router k
 
 Addresses exist only inside these namespaces (the public namespace has no route to any home's
-LAN, a router none to another home's). Namespaces are named "mt<pid>n<role>", so `_sweep_stale`
-deletes those of a process that died before its cleanup ran. Needs root, iproute2 and nftables
+LAN, a router none to another home's). Namespaces are named "mt<pid>n<role>", so
+`netns.sweep_stale` deletes those of a process that died before its cleanup ran. Needs root, iproute2 and nftables
 (Debian's `nftables` package); `unavailable()` says why not, so callers skip cleanly.
 
 imports: stdlib and comms.netns (used by tests/throttled/test_join_nat_netns.py).
@@ -25,7 +25,6 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from comms import netns
 
@@ -78,7 +77,7 @@ def nat_homes(n: int) -> Iterator[NatHomes]:
     """A public namespace and n homes behind their own NAT routers (see the module docstring)."""
     if not 1 <= n <= 8:
         raise ValueError(f"1..8 homes, got {n}")
-    _sweep_stale()
+    netns.sweep_stale(_NAME)
     tag = f"mt{os.getpid()}n"
     topo = NatHomes(
         public=f"{tag}pub",
@@ -124,12 +123,3 @@ def nat_homes(n: int) -> Iterator[NatHomes]:
         # deleting a namespace deletes the veth ends inside it, and with them their peers
         for ns in [*topo.homes, *topo.routers, topo.public]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _sweep_stale() -> None:
-    """Delete namespaces this helper made in a process that died before its cleanup ran."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        m = _NAME.match(line.split(" ")[0])
-        if m and not Path(f"/proc/{m.group(1)}").exists():
-            subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)

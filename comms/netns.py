@@ -74,7 +74,7 @@ def _run(*argv: str) -> None:
 @contextlib.contextmanager
 def netns_pair(rate_mbit: float | None = None, burst_kb: int = 32) -> Iterator[NetnsPair]:
     """Namespaces a, b joined by veth; tbf at rate_mbit on a's egress (None: unshaped)."""
-    _sweep_stale()
+    sweep_stale()
     global _COUNT
     _COUNT += 1
     tag = f"mt{os.getpid()}x{_COUNT % 1000}"
@@ -98,11 +98,12 @@ def netns_pair(rate_mbit: float | None = None, burst_kb: int = 32) -> Iterator[N
         subprocess.run(["ip", "link", "del", pair.veth_a], capture_output=True)  # if never moved
 
 
-def _sweep_stale() -> None:
-    """Delete namespaces this helper made in a process that died before its cleanup ran."""
+def sweep_stale(name: re.Pattern[str] = _NAME) -> None:
+    """Delete namespaces that a helper of ours (whose names `name` matches, its first group the
+    maker's pid) made in a process that died before its cleanup ran."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for line in out.splitlines():
-        m = _NAME.match(line.split(" ")[0])
+        m = name.match(line.split(" ")[0])
         if m and not Path(f"/proc/{m.group(1)}").exists():
             subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)
 

@@ -10,8 +10,9 @@
 
 Addresses exist only inside these namespaces (the public namespace has no route to any home's
 LAN, a router none to another home's). Namespaces are named "mt<pid>n<role>", so
-`netns.sweep_stale` deletes those of a process that died before its cleanup ran. Needs root, iproute2 and nftables
-(Debian's `nftables` package); `unavailable()` says why not, so callers skip cleanly.
+`netns.sweep_stale` deletes those of a process that died before its cleanup ran. Needs root,
+iproute2 and nftables (Debian's `nftables` package); `unavailable()` says why not, so callers
+skip cleanly.
 
 imports: stdlib and comms.netns (used by tests/throttled/test_join_nat_netns.py).
 """

@@ -38,7 +38,7 @@ from cli.run_record import (
     read_run_record,
 )
 from mesh.algo import routing
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import (
     Config,
     ConfigError,
@@ -262,7 +262,7 @@ def run_join(
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
         stage = moved_stage(stage)
         j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
-        grid = [cell_name(s, r) for r in range(cfg.grid.replicas) for s in range(cfg.grid.stages)]
+        grid = Grid(cfg.grid.stages, cfg.grid.replicas).names()
         relays = public_relays(scout, auth, grid) if client_mode else []
     finally:
         scout.close()

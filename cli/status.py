@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from cli.run_record import KEY_HINT, JoinError, config_of, key_verdict
 from comms.p2p.auth import Auth
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, stage_of
 from mesh.config import Config, ConfigError
 from mesh.runtime.dashboard.rundir import tokens_per_step
 from mesh.runtime.registry import (
@@ -107,7 +107,7 @@ def status_rows(
         grid = f"{P}x{m}"
         data = {"path": cfg.data.path, "digest": cfg.data.digest}
         if registry is not None:
-            free = free_cells([cell_name(j, i) for i in range(m) for j in range(P)], owned)
+            free = free_cells(Grid(P, m).names(), owned)
     pools = pool_rows(owned, P) if cfg is not None and cfg.pipeline.routing == "pools" else None
     withdrawn = {} if registry is None else registry.withdrawn
     return {
@@ -133,7 +133,7 @@ def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]
     its cells sent on that went to another replica's cell."""
     out = []
     for j in range(stages):
-        recs = [r for c, r in owned.items() if running(r) and c.startswith(f"s{j}r")]
+        recs = [r for c, r in owned.items() if running(r) and stage_of(c) == j]
         routed = sum((r.stats or {}).get("routed", 0) for r in recs)
         cross = sum((r.stats or {}).get("cross", 0) for r in recs)
         out.append({

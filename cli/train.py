@@ -22,7 +22,7 @@ from typing import Any
 import click
 
 from cli.options import config_options, grid_overrides, user_errors
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.runtime.cluster import (
     Place,
@@ -133,7 +133,6 @@ def _run_cell_process(
     from mesh.runtime.failure import LOST_NEIGHBOUR, reserve_failure_report, write_failure
     from mesh.runtime.stop import watch_parent
     from mesh.runtime.trainer import run_cell
-    from mesh.runtime.wiring import grid_names
 
     # served for the process's life (rank 0 without a launcher's store): every link meets there
     store = serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None
@@ -166,7 +165,7 @@ def _run_cell_process(
     line, trained = ending(out, stage, replica, code, cfg.run.steps)
     click.echo(line, err=True)
     if store is not None and trained:  # cells still finishing need it: until they close
-        hold_store(store, grid_names(cfg)[0])
+        hold_store(store, Grid(cfg.grid.stages, cfg.grid.replicas).names())
     sys.stdout.flush()
     sys.stderr.flush()
     del store  # served the links until here

@@ -81,7 +81,7 @@ def parse_cell_factors(
     """Per-cell factors ["sJrI=FACTOR", ...] of config `key` -> {(stage, replica): factor};
     ValueError naming the key and the entry when a cell is not in the grid, repeated, or a
     factor is not finite (not > 0 with `positive`)."""
-    from mesh.algo.topology import Cell as Place
+    from mesh.algo.topology import Place
 
     out: dict[tuple[int, int], float] = {}
     for item in items:

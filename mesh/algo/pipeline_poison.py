@@ -27,7 +27,7 @@ def parse_pipeline_poison(
 ) -> dict[tuple[int, int], PipelinePoison]:
     """["sJrI=MODE[@STEP]", ...] with MODE scale:F | flip | random -> {(stage, replica): ...};
     ValueError naming the key, the entry and the form when an entry is malformed."""
-    from mesh.algo.topology import Cell as Place
+    from mesh.algo.topology import Place
 
     form = "expected 'sJrI=MODE[@STEP]' with MODE scale:F, flip or random, e.g. 's0r1=scale:100'"
     out: dict[tuple[int, int], PipelinePoison] = {}

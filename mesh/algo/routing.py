@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mesh.algo.topology import Cell
+from mesh.algo import topology
 
 PRIOR_RATE = 1.0  # a cell nobody has measured yet: as fast as the measured ones' mean
 
@@ -107,7 +107,7 @@ def stage_capacity(rates: Mapping[str, float], stages: int) -> list[float]:
     prior = sum(known) / len(known) if known else PRIOR_RATE
     out = [0.0] * stages
     for name, rate in rates.items():
-        cell = Cell.parse(name)
+        cell = topology.Place.parse(name)
         if cell is not None and cell.stage < stages:
             out[cell.stage] += rate if rate > 0 else prior
     return out
@@ -161,7 +161,7 @@ def mover(stage_cells: Mapping[str, float]) -> str | None:
     stage has fewer than two (it never empties itself)."""
     if len(stage_cells) < 2:
         return None
-    named = [(Cell.parse(n), n) for n in stage_cells]
+    named = [(topology.Place.parse(n), n) for n in stage_cells]
     return max((c.replica, n) for c, n in named if c is not None)[1]
 
 

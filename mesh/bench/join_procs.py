@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from comms.procs import process_tree
+from mesh.algo.topology import Grid
 from mesh.bench.procstat import hivemind_sockets
 from mesh.runtime.metrics import read_metrics
 
@@ -70,7 +71,7 @@ def tiny_grid_config(
     `dp`: TOML lines for its [dp] table; `slowdown`: every cell's emulation.slowdowns factor
     (a cell then waits (slowdown - 1) x the CPU time of each forward and backward; its
     messages and bookkeeping are not slowed)."""
-    cells = [f'"s{j}r{i}={slowdown}"' for i in range(replicas) for j in range(stages)]
+    cells = [f'"{name}={slowdown}"' for name in Grid(stages, replicas).names()]
     if slowdown != 1.0:
         local = f"emulation.slowdowns = [{', '.join(cells)}]\n{local}"
     path = directory / "run.toml"

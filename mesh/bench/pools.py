@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo import routing
+from mesh.algo.topology import cell_name
 from mesh.config import Config, load_config
 from mesh.report import format_table, pyplot
 from mesh.runtime.launch import run_grid
@@ -64,8 +65,8 @@ def arm_config(
 ) -> Config:
     P, m = len(speeds), len(speeds[0])
     cells = [(j, i, speeds[j][i]) for j in range(P) for i in range(m)]
-    slow = [f'"s{j}r{i}={1 / s:g}"' for j, i, s in cells if 0 < s < 1]
-    dead = [f'"s{j}r{i}@0"' for j, i, s in cells if s == 0]
+    slow = [f'"{cell_name(j, i)}={1 / s:g}"' for j, i, s in cells if 0 < s < 1]
+    dead = [f'"{cell_name(j, i)}@0"' for j, i, s in cells if s == 0]
     sets = [
         f"grid.stages={P}",
         f"grid.replicas={m}",

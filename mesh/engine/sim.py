@@ -253,10 +253,10 @@ class GridSim:
         if mean is not None and dp.noise_codec != "none":
             seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
             mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
-        names = [f"r{c.replica}" for c in column]  # a pool's live cells: not every replica
+        names = [cell_name(j, c.replica) for c in column]  # a pool's live cells: not every replica
         for c, rnd in zip(column, rounds, strict=True):
             if mean is None:  # each replica screens against its own payload
-                rnd.mean, rejected = c.combine_round(names, decoded, f"r{c.replica}")
+                rnd.mean, rejected = c.combine_round(names, decoded, cell_name(j, c.replica))
                 self.rejects["outlier"] += len(rejected)
             else:
                 rnd.mean = mean

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mesh.algo.topology import Cell
+from mesh.algo.topology import Place
 
 STAT_KINDS_MAX = 8  # bytes sent by link kind: a few kinds (pp, dp, state), never a peer's essay
 
@@ -48,7 +48,7 @@ def parse_stats(value: object) -> dict[str, Any] | None:
 
 
 def is_cell_name(v: object) -> bool:
-    return isinstance(v, str) and len(v) <= 16 and Cell.parse(v) is not None
+    return isinstance(v, str) and len(v) <= 16 and Place.parse(v) is not None
 
 
 def is_count(v: object) -> bool:

@@ -42,7 +42,7 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.transport import Transport
 from comms.wire import Expect, Kind
 from mesh.algo.schedule import microbatches_per_update
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config
 from mesh.runtime.checkpoint import check_checkpoint, checkpoint_path, load_cell, saved_steps
 from mesh.runtime.session import Session
@@ -94,10 +94,10 @@ class ClusterStart:
         self.cfg, self.worker, self.t, self.event = cfg, worker, transport, event
         self.cell = worker.cell
         self.dirs = list(dirs)
-        j, i, P, m = self.cell.stage, self.cell.replica, cfg.grid.stages, cfg.grid.replicas
+        j, i, P = self.cell.stage, self.cell.replica, cfg.grid.stages
         self.prev = cell_name(j - 1, i) if j > 0 else None
         self.next = cell_name(j + 1, i) if j < P - 1 else None
-        self.column = [cell_name(j, r) for r in range(m) if r != i]
+        self.column = Grid(P, cfg.grid.replicas).column(j, without=i)
         self.mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # a neighbour that loads, waits for its column and downloads before it answers
         self.chain_wait_s = cfg.transport.start_timeout_s + cfg.elastic.rejoin_timeout_s

@@ -34,7 +34,7 @@ from typing import Any
 from comms.throttle import PROFILES, LinkProfile
 from mesh.algo import routing
 from mesh.algo.schedule import extra_warmups, microbatches_per_update
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, parse_slowdowns, with_overrides
 
 # ---- emulated compute -----------------------------------------------------------------------
@@ -136,7 +136,7 @@ def cell_shaping(cfg: Config, stage: int, replica: int) -> LinkProfile | dict[st
     uplink = dataclasses.replace(p, uplink=me)
     return {
         name: uplink if shared == "all" or name in pipeline else p
-        for name in (cell_name(j, i) for i in range(m) for j in range(P))
+        for name in Grid(P, m).names()
         if name != me
     }
 

@@ -94,7 +94,7 @@ class LocalGrid:
         p = self._ctx.Process(
             target=launched_cell,
             args=(target, self.tree, j, i, str(self.out_dir), self.options, resume_step),
-            name=f"cell-s{j}r{i}",
+            name=f"cell-{cell_name(j, i)}",
         )
         with _sigterm_ignored():
             p.start()

@@ -41,7 +41,7 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
 from mesh.algo import routing, sentinel
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
@@ -62,10 +62,8 @@ class PoolWorker(StageWorker):
         super().__init__(cfg, cell, transport, corpus)
         self.stats = PoolStats()
         self.window = None  # pools read the newest weights: no schedule window
-        ups = [cell_name(self.j - 1, r) for r in range(self.m)] if self.j > 0 else []
-        downs = [cell_name(self.j + 1, r) for r in range(self.m)] if self.next else []
-        self.ups = [c for c in ups if c not in self.absent]
-        self.downs = [c for c in downs if c not in self.absent]
+        self.ups = self.grid.column(self.j - 1) if self.j > 0 else []
+        self.downs = self.grid.column(self.j + 1) if self.next else []
         self.held: dict[tuple[int, int], Held] = {}
         self.book = routing.LoadBook()
         self.down_until: dict[str, float] = {}  # cells found cut off, not routed to till then
@@ -456,7 +454,8 @@ class PoolWorker(StageWorker):
         """Take this cell's microbatches one at a time in (index, stream) order, each along its
         seeded path: forward, wait for its gradient, backward, step. Deterministic, so the
         simulator reproduces it (mesh/engine/pools.py); a lost cell is a PeerTimeout here."""
-        pools = [[cell_name(j, r) for r in range(self.m)] for j in range(self.P)]
+        everyone = Grid(self.P, self.m)  # the seeded paths are drawn over every cell
+        pools = [everyone.column(j) for j in range(self.P)]
         me, seed = self.cell_name, self.cfg.run.seed
         wait = self.cfg.elastic.pool_timeout_s
         done = self.cell.step  # a resumed cell took this many of its microbatches already

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mesh.algo import routing
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import cell_name, stage_of
 from mesh.config import Config
 from mesh.runtime.pool_wire import PoolStats
 from mesh.runtime.registry import running
@@ -45,7 +45,7 @@ def pool_move(
     )
     if verdict is None:
         return None
-    mine = {c: r for c, r in rates.items() if c.startswith(f"s{stage}r")}
+    mine = {c: r for c, r in rates.items() if stage_of(c) == stage}
     to = verdict[1]
     free = [i for i in range(cfg.grid.replicas) if cell_name(to, i) not in owned]
     return to if routing.mover(mine) == me and free else None

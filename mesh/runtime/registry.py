@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from comms.p2p.auth import Auth, records_space, signer_of
-from mesh.algo.topology import Cell
+from mesh.algo.topology import Place
 from mesh.runtime.claim_stats import is_number, parse_stats
 
 if TYPE_CHECKING:  # the protocol only: `join` checks its arguments before torch is imported
@@ -112,7 +112,7 @@ NO_CONFIG_REPLICAS = 64  # replicas a reader without the run's config probes at 
 
 def replica_of(cell: str) -> int | None:
     """The replica of a cell name "s<stage>r<replica>" (None: not a cell name)."""
-    found = Cell.parse(cell)
+    found = Place.parse(cell)
     return None if found is None else found.replica
 
 

@@ -21,13 +21,10 @@ from typing import Any
 from comms.means import alone
 from comms.transport import MeanStatus
 from mesh.algo import round_clock, sparse
+from mesh.algo.topology import group_name
 from mesh.engine.rounds import Action, Round, after_update, round_index
 
 PACE_N = 32  # launch opportunities a pace is measured over
-
-
-def group_name(stage: int) -> str:
-    return f"stage{stage}"
 
 
 def skipped_rounds(old_step: int, new_step: int, interval_steps: int) -> range:

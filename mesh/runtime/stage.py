@@ -40,15 +40,14 @@ from comms import codecs
 from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanStatus, Transport
 from comms.wire import Expect, Kind
-from mesh.algo import routing
 from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import cell_name, group_name
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
-from mesh.runtime.rounds import Rounds, group_name
+from mesh.runtime.rounds import Rounds
 from mesh.runtime.session import (
     CHECK_EVERY_S,
     Coordinator,
@@ -56,6 +55,7 @@ from mesh.runtime.session import (
     SessionBroken,
     StaticCoordinator,
 )
+from mesh.runtime.wiring import grid_of
 
 
 @dataclass
@@ -117,13 +117,10 @@ class StageWorker(Rounds):
             self._fake_grad = torch.randn(B, T, w, generator=gen) * 1e-3
         self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
         self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
-        g = cfg.grid  # cells emulation.deaths takes out from the start average with nobody
-        gone = routing.absent(
-            routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas),
-            g.stages, g.replicas, cfg.pipeline.routing,
-        )  # fmt: skip
-        self.column = [cell_name(self.j, r) for r in range(self.m) if (self.j, r) not in gone]
-        self.absent = {cell_name(j, i) for j, i in gone}
+        # cells emulation.deaths takes out from the start average with nobody
+        self.grid = grid_of(cfg)
+        self.column = self.grid.column(self.j)
+        self.absent = {cell_name(j, i) for j, i in self.grid.absent}
         self.in_flight: dict[int, _InFlight] = {}
         self.grads = [torch.zeros_like(p) for p in cell.params]
         # no gradient of this update yet: the next backward's own tensors become the sum (no

@@ -26,7 +26,7 @@ from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo import routing
 from mesh.algo.schedule import microbatches_per_update
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, config_from_dict
 from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
@@ -74,7 +74,7 @@ def make_coordinator(
         registry,
         cell=cell_name(cell.stage, cell.replica),
         peer=peer,
-        replica_cells=[cell_name(j, cell.replica) for j in range(cfg.grid.stages)],
+        replica_cells=Grid(cfg.grid.stages, cfg.grid.replicas).path(cell.replica),
         leader=cell.stage == 0,
         replica=cell.replica,
         steps=cfg.run.steps,
@@ -110,7 +110,7 @@ def catch_up(
     owned = read_again(lambda: coord.reg.owners(others), CATCH_UP_READS) if others else {}
     if owned is None:
         return None  # the DHT did not answer: train on, catch up at the next session
-    column = [cell_name(cell.stage, r) for r in others]
+    column = Grid(cfg.grid.stages, cfg.grid.replicas).column(cell.stage, without=cell.replica)
     live = sorted((owned[c] for c in column if c in owned), key=lambda r: -r.step)
     ahead = [r for r in live if r.step - cell.step > cfg.elastic.max_lag_steps]
     if not ahead:
@@ -222,7 +222,7 @@ def run_cell(
             if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
                 coord = coordinator(cfg, worker, transport, event)
             if coord.elastic:
-                column = [cell_name(stage, r) for r in range(cfg.grid.replicas) if r != replica]
+                column = Grid(cfg.grid.stages, cfg.grid.replicas).column(stage, without=replica)
                 server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)
             last = [time.perf_counter()]
             last_check = [time.perf_counter()]  # stage pools: the last rebalancing look

@@ -12,29 +12,19 @@ from comms.build import make_transport
 from comms.p2p.auth import Auth
 from comms.transport import Transport
 from mesh.algo import routing
-from mesh.algo.topology import cell_name
+from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, ConfigError
 from mesh.runtime.emulate import cell_shaping
-from mesh.runtime.rounds import group_name
 
 
-def grid_names(cfg: Config) -> tuple[list[str], dict[str, list[str]]]:
-    """All peer names in rank order (replica-major) and the averaging groups (one per stage)."""
-    P, m = cfg.grid.stages, cfg.grid.replicas
-    names = [cell_name(j, i) for i in range(m) for j in range(P)]
-    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: in no group
-    groups = {
-        group_name(j): [cell_name(j, i) for i in range(m) if cell_name(j, i) not in gone]
-        for j in range(P)
-    }
-    return names, groups
-
-
-def absent_cells(cfg: Config) -> set[tuple[int, int]]:
-    """The cells emulation.deaths takes out from the start (mesh.algo.routing.absent)."""
+def grid_of(cfg: Config) -> Grid:
+    """The run's grid, without the cells emulation.deaths takes out from the start
+    (mesh.algo.routing.absent): they never start, so they are in no group and no link waits on
+    them."""
     g = cfg.grid
     spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    return routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
+    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
+    return Grid(g.stages, g.replicas, frozenset(gone))
 
 
 def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
@@ -42,15 +32,9 @@ def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
     (not every cell of the grid), of which the neighbours are needed at its start even when
     they closed before (a replica started again starts all its cells at once), while a column
     peer that is done is not waited for."""
-    P, m = cfg.grid.stages, cfg.grid.replicas
-    if cfg.pipeline.routing == "pools":  # every cell of the stages before and after
-        nbrs = [cell_name(j, i) for j in (stage - 1, stage + 1) if 0 <= j < P for i in range(m)]
-    else:
-        nbrs = [cell_name(j, replica) for j in (stage - 1, stage + 1) if 0 <= j < P]
-    column = [cell_name(stage, i) for i in range(m) if i != replica]
-    gone = {cell_name(j, i) for j, i in absent_cells(cfg)}  # never started: no link to wait on
-    nbrs = [c for c in nbrs if c not in gone]
-    return {"links": nbrs + [c for c in column if c not in gone], "needed": nbrs}
+    grid = grid_of(cfg)
+    nbrs = grid.neighbours(stage, replica, cfg.pipeline.routing == "pools")
+    return {"links": nbrs + grid.column(stage, without=replica), "needed": nbrs}
 
 
 def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
@@ -73,15 +57,15 @@ def cell_transport(
 ) -> Transport:
     """This cell's transport: the grid's names and groups, the configured links shaped; on
     hivemind, records carry the membership token of (run key, config fingerprint)."""
-    names, groups = grid_names(cfg)
+    grid = grid_of(cfg)
     extra = backend_options(cfg, run_key)
     if cfg.transport.backend == "torch":
         extra.update(cell_links(cfg, stage, replica))
     return make_transport(
         cfg.transport.backend,
         cell_name(stage, replica),
-        names,
-        groups,
+        grid.names(),
+        grid.groups(),
         host=cfg.transport.host,
         timeout_s=cfg.transport.start_timeout_s,
         **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},

@@ -12,12 +12,12 @@ import torch
 from comms import codecs, wire
 from comms.means import FrameId
 from mesh.algo import sparse
+from mesh.algo.topology import group_name
 from mesh.config import load_config
 from mesh.methods import apply_method
 from mesh.model.build import build_stage
 from mesh.runtime.launch import run_grid
 from mesh.runtime.metrics import summarize_run
-from mesh.runtime.rounds import group_name
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from comms.transport import MeanResult, MeanStatus, TransportStats
+from mesh.algo.topology import group_name
 from mesh.config import load_config
 from mesh.engine.cell import Cell
 from mesh.engine.rounds import Action, RoundBook, after_update, round_index
 from mesh.model.build import build_stage
-from mesh.runtime.rounds import Rounds, group_name
+from mesh.runtime.rounds import Rounds
 from mesh.runtime.stage import StageStats
 
 A, LAUNCH = Action.APPLY, Action.LAUNCH

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mesh.algo.topology import cell_name
 from mesh.bench.model import stage_flops_per_token
 from mesh.bench.throughput.protocol import BENCH, SKIP_FRAC
 from mesh.config import Config, load_config, with_overrides
@@ -100,8 +101,12 @@ def real_size_config(base: Config) -> tuple[Config, list[float]]:
     real = load_config([REAL_MODEL], ["grid.stages=4", "grid.replicas=2"])
     compute = stage_compute_s(real)
     mid = compute[1]
-    slow = [f"s{j}r{i}={c / mid:.4f}" for j, c in enumerate(compute) if abs(c / mid - 1) > 1e-3
-            for i in range(real.grid.replicas)]  # fmt: skip
+    slow = [
+        f"{cell_name(j, i)}={c / mid:.4f}"
+        for j, c in enumerate(compute)
+        if abs(c / mid - 1) > 1e-3
+        for i in range(real.grid.replicas)
+    ]
     keep = {k: v for k, v in BENCH.items() if not k.startswith("model.")}
     cfg = with_overrides(
         base,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo.schedule import microbatches_per_update
+from mesh.algo.topology import cell_name
 from mesh.bench.throughput.analysis import (
     _method_summary,
     c_label,
@@ -151,7 +152,7 @@ def _run_windows(
                     p = ctx.Process(
                         target=_bench_cell,
                         args=(trees, j, i, str(out), options, barrier, barrier_timeout_s),
-                        name=f"bench-s{j}r{i}",
+                        name=f"bench-{cell_name(j, i)}",
                     )
                     p.start()
                     procs.append(p)

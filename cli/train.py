@@ -12,6 +12,7 @@ the launcher starts the grid again; 1 for a bug, its traceback in DIR/logs/sJrI.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -127,12 +128,9 @@ def _run_cell_process(
 ) -> None:
     """The cell, in this process; one line on how it ended, then exit at once with its code
     (as mesh.runtime.trainer.cell_process_main: daemon threads may sit in C++ waits)."""
-    from comms.errors import PeerLost, PeerTimeout
     from mesh.runtime.cluster_start import ClusterStart
     from mesh.runtime.cluster_store import hold_store, serve_store, watch_store
-    from mesh.runtime.failure import LOST_NEIGHBOUR, reserve_failure_report, write_failure
-    from mesh.runtime.stop import watch_parent
-    from mesh.runtime.trainer import run_cell
+    from mesh.runtime.trainer import cell_life, run_cell
 
     # served for the process's life (rank 0 without a launcher's store): every link meets there
     store = serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None
@@ -146,22 +144,11 @@ def _run_cell_process(
     addr = f"{place.store_host}:{place.store_port}"
     lost = STORE_LOST.format(cell=cell_name(stage, replica), addr=addr)
     watch_store(place, cell_name(stage, replica), ended, lambda: click.echo(lost, err=True))
-    code = 0
-    reserve = reserve_failure_report(out, stage, replica)
-    watch_parent()  # the launcher gone (SIGKILL): a clean stop, not an orphan that trains on
-    try:
-        run_cell(cfg.model_dump(mode="json"), stage, replica, str(out), options,
-                 local_rank=place.local_rank, coordinator=coordinator)  # fmt: skip
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
-    except (PeerLost, PeerTimeout) as e:  # a neighbour died or froze: the launcher's restart
-        write_failure(out, stage, replica, e, reserve)
-        code = LOST_NEIGHBOUR
-    except BaseException as e:  # noqa: BLE001 - reported, then the exit code says it failed
-        code = write_failure(out, stage, replica, e, reserve)
+    tree = cfg.model_dump(mode="json")
+    run = functools.partial(run_cell, tree, stage, replica, str(out), options,
+                            local_rank=place.local_rank, coordinator=coordinator)  # fmt: skip
+    code = cell_life(out, stage, replica, run)
     ended.set()
-    if reserve is not None:
-        reserve.unlink(missing_ok=True)
     line, trained = ending(out, stage, replica, code, cfg.run.steps)
     click.echo(line, err=True)
     if store is not None and trained:  # cells still finishing need it: until they close

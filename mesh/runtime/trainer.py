@@ -9,6 +9,7 @@ talking to the workers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -391,27 +392,17 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def cell_process_main(
-    cfg_tree: dict[str, Any],
-    stage: int,
-    replica: int,
-    out_dir: str,
-    transport_options: dict[str, Any],
-    resume_step: int | None = None,
-) -> None:
-    """run_cell as a process's whole life: exit at once when it returns (0) or raises (2 for
-    a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed pipeline cannot
-    go on without it; the launcher restarts its replica), 1 for anything else; the reason in
-    DIR/logs/sJrI.err, not on the terminal,
-    where eight cells would print eight tracebacks), skipping interpreter finalization. Its
-    files are closed and fsynced by then; what is left are daemon threads (rounds past their
-    deadline, libp2p readers) that must not be torn down under a C++ thread at exit
-    ("terminate called without an active exception")."""
+def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], None]) -> int:
+    """Run a cell (`run`) as its process's life and return the process's exit code: 0 when it
+    returns, 2 for a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed
+    pipeline cannot go on without it; the launcher restarts its replica), 1 for anything else,
+    the reason in DIR/logs/sJrI.err, not on the terminal, where eight cells would print eight
+    tracebacks. The launcher gone (SIGKILL) is a clean stop, not an orphan that trains on."""
     code = 0
     reserve = reserve_failure_report(out_dir, stage, replica)
-    watch_parent()  # the launcher gone (SIGKILL): a clean stop, not an orphan that trains on
+    watch_parent()
     try:
-        run_cell(cfg_tree, stage, replica, out_dir, transport_options, resume_step)
+        run()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (PeerLost, PeerTimeout) as e:  # a neighbour died or froze: the launcher's fault
@@ -421,6 +412,25 @@ def cell_process_main(
         code = write_failure(out_dir, stage, replica, e, reserve)
     if reserve is not None:
         reserve.unlink(missing_ok=True)  # renamed to the report, or not needed
+    return code
+
+
+def cell_process_main(
+    cfg_tree: dict[str, Any],
+    stage: int,
+    replica: int,
+    out_dir: str,
+    transport_options: dict[str, Any],
+    resume_step: int | None = None,
+) -> None:
+    """run_cell as a process's whole life (cell_life), then exit at once with its code,
+    skipping interpreter finalization. Its files are closed and fsynced by then; what is left
+    are daemon threads (rounds past their deadline, libp2p readers) that must not be torn down
+    under a C++ thread at exit ("terminate called without an active exception")."""
+    run = functools.partial(
+        run_cell, cfg_tree, stage, replica, out_dir, transport_options, resume_step
+    )
+    code = cell_life(out_dir, stage, replica, run)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -18,10 +18,12 @@ from cli.export import export
 from cli.generate import generate
 from cli.options import (
     config_options,
-    grid_overrides,
+    grid_run_options,
     resolve_config,
     run_options,
+    shorthand_overrides,
     user_errors,
+    with_method,
 )
 from cli.plan import plan
 from cli.train import train
@@ -67,16 +69,7 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
 
 @main.command()
 @config_options
-@click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / replicas.")
-@click.option("--steps", type=int, default=None, help="Shorthand for run.steps.")
-@click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync.")
-@click.option(
-    "--init-from",
-    type=click.Path(file_okay=False, exists=True),
-    default=None,
-    help="Start from a Hugging Face LlamaForCausalLM directory's weights (shorthand for "
-    "model.init_from; its config.json gives the model keys).",
-)
+@grid_run_options
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Run directory.")
 @click.option(
     "--backend",
@@ -108,9 +101,7 @@ def simulate(
     verify_data: bool,
 ) -> None:
     """Train a whole grid on this machine, every cell its own process, and print a summary."""
-    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])
-    if init_from:
-        extra.append(f"model.init_from={json.dumps(str(Path(init_from).resolve()))}")
+    extra = shorthand_overrides(grid, steps, init_from)
     if resume:
         if method:
             raise ConfigError("--resume keeps the run's method (its config.toml); drop --method")
@@ -130,13 +121,7 @@ def simulate(
         # a logical run's checkpoints hold the simulator's state: it continues on that backend
         backend = "logical" if is_logical_run(Path(resume)) else None
     backend = backend or cfg.transport.backend
-    # heavy imports after the config is known to be valid: a typo answers at once
-    from mesh.methods import METHODS, apply_method
-
-    if method:
-        if method not in METHODS:
-            raise ConfigError(f"--method {method}: unknown; choose one of {', '.join(METHODS)}")
-        cfg = apply_method(cfg, method)
+    cfg = with_method(cfg, method)
     if backend != "logical":
         from cli.simulate import simulate_processes
 

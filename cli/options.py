@@ -8,8 +8,10 @@ imports: click, mesh.config, mesh.errors (light: no torch, no hivemind).
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -73,6 +75,42 @@ def grid_overrides(grid: str | None) -> list[str]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise ConfigError(f"--grid {grid}: expected STAGESxREPLICAS, e.g. --grid 4x2")
     return [f"grid.stages={parts[0]}", f"grid.replicas={parts[1]}"]
+
+
+def grid_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A grid's shorthands (simulate, train): --grid, --steps, --method and --init-from; they
+    become config keys through shorthand_overrides and with_method."""
+    options = [
+        click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / "
+                     "replicas."),
+        click.option("--steps", type=int, default=None, help="Shorthand for run.steps."),
+        click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync."),
+        click.option("--init-from", type=click.Path(file_okay=False, exists=True), default=None,
+                     help="Start from a Hugging Face LlamaForCausalLM directory's weights "
+                     "(shorthand for model.init_from; its config.json gives the model keys)."),
+    ]  # fmt: skip
+    for option in reversed(options):  # listed in --help's order
+        fn = option(fn)
+    return fn
+
+
+def shorthand_overrides(grid: str | None, steps: int | None, init_from: str | None) -> list[str]:
+    """--grid, --steps and --init-from as the config keys they stand for."""
+    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])
+    if init_from:
+        extra.append(f"model.init_from={json.dumps(str(Path(init_from).resolve()))}")
+    return extra
+
+
+def with_method(cfg: Config, method: str | None) -> Config:
+    """The config with --method's baseline applied (a name it does not know: a user error)."""
+    if not method:
+        return cfg
+    from mesh.methods import METHODS, apply_method  # after the config is known to be valid
+
+    if method not in METHODS:
+        raise ConfigError(f"--method {method}: unknown; choose one of {', '.join(METHODS)}")
+    return apply_method(cfg, method)
 
 
 KEY_HELP = (

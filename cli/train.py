@@ -13,7 +13,6 @@ the launcher starts the grid again; 1 for a bug, its traceback in DIR/logs/sJrI.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import threading
@@ -22,7 +21,13 @@ from typing import Any
 
 import click
 
-from cli.options import config_options, grid_overrides, user_errors
+from cli.options import (
+    config_options,
+    grid_run_options,
+    shorthand_overrides,
+    user_errors,
+    with_method,
+)
 from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, ConfigError, load_config, with_overrides
 from mesh.runtime.cluster import (
@@ -198,15 +203,7 @@ def print_placement(cfg: Config, ranks_per_node: int) -> None:
 
 @click.command()
 @config_options
-@click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / replicas.")
-@click.option("--steps", type=int, default=None, help="Shorthand for run.steps.")
-@click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync.")
-@click.option(
-    "--init-from",
-    type=click.Path(file_okay=False, exists=True),
-    default=None,
-    help="Start from a Hugging Face LlamaForCausalLM directory's weights (model.init_from).",
-)
+@grid_run_options
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
@@ -261,9 +258,7 @@ def train(
     cuda:LOCAL_RANK when there is a GPU, its links meet at the launcher's rendezvous store. It
     continues from the newest checkpoint its replica shares, and downloads its stage's state
     from the most advanced live peer when more than elastic.max_lag_steps behind."""
-    extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])
-    if init_from:
-        extra.append(f"model.init_from={json.dumps(str(Path(init_from).resolve()))}")
+    extra = shorthand_overrides(grid, steps, init_from)
     dirs = [Path(d) for d in resume]
     if dirs:
         if method:
@@ -276,12 +271,7 @@ def train(
         _, cfg = resume_config(first, list(config_files), [*overrides, *extra])
     else:
         cfg = load_config(list(config_files), [*overrides, *extra])
-    if method:
-        from mesh.methods import METHODS, apply_method
-
-        if method not in METHODS:
-            raise ConfigError(f"--method {method}: unknown; choose one of {', '.join(METHODS)}")
-        cfg = apply_method(cfg, method)
+    cfg = with_method(cfg, method)
     if placement is not None:
         print_placement(cfg, placement)
         return

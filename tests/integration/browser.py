@@ -80,8 +80,10 @@ class Page(HTMLParser):
         self.loss_key = ""
         self.legend: list[str] = []  # replicas, in the legend's order
         self.byte_kinds: list[str] = []
+        self.pools: dict[str, str] = {}  # stage -> its pool cell's text
         self.polled = False
         self._in_key = False
+        self._pool: str | None = None
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -95,15 +97,19 @@ class Page(HTMLParser):
         if tag == "rect" and a.get("data-kind"):
             self.byte_kinds.append(a["data-kind"] or "")
         self._in_key = a.get("id") == "loss-key"
+        self._pool = a.get("data-pool")
         if tag == "body" and a.get("data-polled"):
             self.polled = True
 
     def handle_data(self, data: str) -> None:
         if self._in_key:
             self.loss_key += data
+        if self._pool is not None:
+            self.pools[self._pool] = self.pools.get(self._pool, "") + data
 
     def handle_endtag(self, tag: str) -> None:
         self._in_key = False
+        self._pool = None
 
 
 def look(url: str) -> Page:

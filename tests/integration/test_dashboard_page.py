@@ -1,7 +1,7 @@
 """The dashboard page in a real browser, on a run directory written here as a run writes it (no
 grid to start): the loss chart's key names dots only when there are validation points (a DHT
 run has none), its legend names each replica drawn, a cleanly stopped cell is drawn free, and
-the bytes bars keep a stopped cell's totals."""
+the bytes bars keep a stopped cell's totals; a stage-pools run's page has each stage's pool."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ import threading
 
 import browser
 import pytest
+from fakes import FakeDirectory
 
+from cli.status import status_rows
 from mesh.config import load_config
+from mesh.runtime.dashboard.live import LiveView
 from mesh.runtime.dashboard.rundir import RunDirView
 from mesh.runtime.dashboard.server import make_server
+from mesh.runtime.registry import CellRecord, Registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -72,3 +76,32 @@ def test_page_key_legend_free_cell_and_bytes(served):
     page = browser.look(url)
     assert page.loss_key == "lines: training, dots: validation"
     assert page.loss_points == 8 and page.legend == ["0", "1"]
+
+
+def test_a_pooled_runs_page_shows_each_stages_pool(tmp_path):
+    """A stage-pools run read from the DHT (status rows from claims, as `dashboard
+    --initial-peers` polls them): the grid gets a pool row, each stage's running cells, their
+    summed capacity and the share of what they routed that went to another replica's cell."""
+    browser.chromium()
+    reg = Registry(FakeDirectory(), None, 1.0)
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=2", "pipeline.routing='pools'"])
+    tps = {"s0r0": 300.0, "s0r1": 100.0, "s1r0": 250.0, "s1r1": 250.0}
+    routed = {"s0r0": {"routed": 30, "cross": 9}, "s0r1": {"routed": 10, "cross": 3}}
+    for cell, rate in tps.items():
+        record = CellRecord(cell, f"Qm{cell}", 1, 1.0, 0, 5, rate, 100.0, None,
+                            stats=routed.get(cell))  # fmt: skip
+        reg.beat(record)
+    view = LiveView()
+    server = make_server(lambda: view.json(status_rows(reg, cfg, now=100.2), 100.2),
+                         "127.0.0.1", 0)  # fmt: skip
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page = browser.look(f"http://127.0.0.1:{server.server_address[1]}/")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert page.polled and set(page.cells) == set(tps), page.cells
+    assert page.pools == {
+        "0": "2 cells · 400 tok/s · 30% to other replicas",  # (9 + 3) / (30 + 10)
+        "1": "2 cells · 500 tok/s",  # the last stage routes nothing on
+    }, page.pools

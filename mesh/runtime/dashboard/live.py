@@ -11,13 +11,14 @@ of the claim this dashboard saw): its cell is free, as `meshtrain status` says.
 Bytes sent per link kind sum every peer this dashboard saw, the ones that left included (with
 the totals they last reported), so the totals never go down when a peer leaves.
 
-imports: stdlib, this package's state and rundir (thin).
+imports: stdlib, mesh.algo.topology, this package's state and rundir (thin).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mesh.algo.topology import Place
 from mesh.runtime.dashboard.rundir import SentTotals, thin
 from mesh.runtime.dashboard.state import DEAD, Seen, StepClock, cell_state
 
@@ -50,9 +51,10 @@ class LiveView:
             if c.get("since"):
                 self.start = min(self.start or c["since"], c["since"])
             self.sent.see((c["cell"], c["peer"]), c.get("bytes_sent") or {})
-            stage, _, replica = c["cell"][1:].partition("r")
-            if P is not None and int(stage) == P - 1 and c.get("loss") is not None:
-                self.losses.setdefault(replica, {})[c["step"]] = c["loss"]
+            place = Place.parse(c["cell"])
+            last_stage = place is not None and P is not None and place.stage == P - 1
+            if last_stage and c.get("loss") is not None:
+                self.losses.setdefault(str(place.replica), {})[c["step"]] = c["loss"]
         free = []
         released = rows.get("released") or {}
         for name in rows["free"]:

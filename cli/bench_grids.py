@@ -60,10 +60,19 @@ def bench_nat(out: str) -> None:
     "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
 )
 @click.option("--workers", type=int, default=2, help="Simulator runs in parallel (--convergence).")
-def bench_pools(out: str, quick: bool, steps: int | None, convergence: bool, workers: int) -> None:
+@click.option(
+    "--report-only",
+    is_flag=True,
+    help="Run nothing: write the table and plot again from --out's summary.json, the capacity "
+    "bounds recomputed.",
+)
+def bench_pools(
+    out: str, quick: bool, steps: int | None, convergence: bool, workers: int, report_only: bool
+) -> None:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
-    4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds."""
-    from mesh.bench.pools import run_study
+    4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
+    (fixed, pools, pools whose cells rebalance)."""
+    from mesh.bench import pools
 
     if convergence:
         from mesh.bench.pools_convergence import run_convergence
@@ -72,7 +81,10 @@ def bench_pools(out: str, quick: bool, steps: int | None, convergence: bool, wor
         click.echo((Path(out) / "convergence.md").read_text(), nl=False)
         return
 
-    summary = run_study(Path(out), quick=quick, steps=steps)
+    if report_only:
+        summary = pools.report_only(Path(out))
+    else:
+        summary = pools.run_study(Path(out), quick=quick, steps=steps)
     click.echo((Path(out) / "table.md").read_text(), nl=False)
     if not all(t["met"] for t in summary["targets"].values()):
         click.echo("some targets missed (see above)")

@@ -165,6 +165,34 @@ def mover(stage_cells: Mapping[str, float]) -> str | None:
     return max((c.replica, n) for c, n in named if c is not None)[1]
 
 
+def rebalanced(speeds: Sequence[Sequence[float]], ratio: float) -> list[list[float]]:
+    """speeds[stage][replica] (0: a free cell) after rebalancing comes to rest: while a stage
+    holds at least `ratio` x the thinnest stage's capacity, its mover (the highest replica,
+    `mover`) takes the thinnest stage's first free cell, its speed with it, where the Rebalancer's
+    no-swap rule allows; a thin stage without a free cell takes nobody. The capacity model of a
+    grid whose cells rebalance (what `pool_bound` of the result says they could carry)."""
+    out = [list(stage) for stage in speeds]
+    for _ in range(sum(len(stage) for stage in out)):  # each move fills a free cell
+        capacity = [sum(stage) for stage in out]
+        thin = min(range(len(out)), key=lambda j: (capacity[j], j))
+        free = [i for i, v in enumerate(out[thin]) if v == 0]
+        high = [j for j in range(len(out)) if j != thin and capacity[j] >= ratio * capacity[thin]]
+        moves = []
+        for j in sorted(high, key=lambda j: (-capacity[j], j)):
+            name = mover({topology.cell_name(j, i): v for i, v in enumerate(out[j]) if v > 0})
+            place = None if name is None else topology.Place.parse(name)
+            if place is None:
+                continue
+            rate = out[j][place.replica]
+            if capacity[j] - rate >= capacity[thin] + rate:  # the no-swap rule
+                moves.append((j, place.replica, rate))
+        if not free or not moves:
+            break
+        j, i, rate = moves[0]
+        out[j][i], out[thin][free[0]] = 0.0, rate
+    return out
+
+
 _DEATH = re.compile(r"s(\d{1,4})r(\d{1,4})@(\d{1,9})(?:-(\d{1,9}))?")
 
 

@@ -142,31 +142,38 @@ def _churn(out: Path, every_s: float, stop: threading.Event) -> None:
 
 
 def bounds(cfg: Config, speeds: list[list[float]]) -> dict[str, float]:
-    """The capacity model's tokens/s for these speeds: fixed wiring and pools."""
+    """The capacity model's tokens/s for these speeds: fixed wiring, pools, and pools whose
+    cells rebalance (elastic.rebalance: a cell of a stage with rebalance_ratio x the thinnest
+    stage's capacity moves into a free cell of that stage, routing.rebalanced)."""
     per_mb_s = (cfg.emulation.forward_ms + cfg.emulation.backward_ms) / 1000
     scale = cfg.tokens_per_microbatch / per_mb_s
+    moved = routing.rebalanced(speeds, cfg.elastic.rebalance_ratio)
     return {
         "fixed_bound_tps": round(routing.fixed_bound(speeds) * scale, 1),
         "pool_bound_tps": round(routing.pool_bound(speeds) * scale, 1),
+        "rebalanced_bound_tps": round(routing.pool_bound(moved) * scale, 1),
+        "rebalancing_moves": sum(a != b for s, t in zip(speeds, moved) for a, b in zip(s, t)) // 2,
     }
 
 
 SCENARIOS = {"gpu-mix": (4, 8), "dead-10": (4, 8), "churn": (4, 4)}
 
 
+BASE = [
+    "model.n_layers=4",
+    "model.d_model=64",
+    "model.seq_len=64",
+    "pipeline.microbatch_size=8",
+    # stretched so 32 processes on 2 cores are not host-bound (time dilation)
+    "emulation.forward_ms=150",
+    "emulation.backward_ms=300",
+    "transport.recv_timeout_s=120",
+    "transport.round_timeout_s=30",
+]
+
+
 def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    base = [
-        "model.n_layers=4",
-        "model.d_model=64",
-        "model.seq_len=64",
-        "pipeline.microbatch_size=8",
-        # stretched so 32 processes on 2 cores are not host-bound (time dilation)
-        "emulation.forward_ms=150",
-        "emulation.backward_ms=300",
-        "transport.recv_timeout_s=120",
-        "transport.round_timeout_s=30",
-    ]
     steps = steps or (30 if quick else 80)
     scenarios = {"gpu-mix": SCENARIOS["gpu-mix"]} if quick else SCENARIOS
     results: dict[str, Any] = {}
@@ -175,7 +182,7 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             speeds = scenario_speeds(name, P, m)
             row: dict[str, Any] = {"grid": f"{P}x{m}", "speeds": speeds}
             for arm in ("fixed", "pools"):  # side by side, one after the other
-                cfg = arm_config(name, arm, speeds, steps, base)
+                cfg = arm_config(name, arm, speeds, steps, BASE)
                 churn = 20.0 if name == "churn" else None
                 row[arm] = measure(cfg, Path(tmp) / f"{name}-{arm}", churn)
             row.update(bounds(cfg, speeds))
@@ -184,6 +191,22 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             row["pools_of_bound"] = round(pools / row["pool_bound_tps"], 3)
             results[name] = row
             (out / "summary.partial.json").write_text(json.dumps(results, indent=2))
+    return write_report(out, {"steps": steps, "quick": quick, "scenarios": results})
+
+
+def report_only(out: Path) -> dict[str, Any]:
+    """The outputs again from out/summary.json's measurements, the capacity model's bounds
+    recomputed (for the same speeds and settings): no grid runs."""
+    old = json.loads((out / "summary.json").read_text())
+    for name, row in old["scenarios"].items():
+        row.update(bounds(arm_config(name, "pools", row["speeds"], old["steps"], BASE),
+                          row["speeds"]))  # fmt: skip
+    return write_report(out, {k: old[k] for k in ("steps", "quick", "scenarios")})
+
+
+def write_report(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The targets' verdicts; summary.json, table.md and the plot."""
+    results = summary["scenarios"]
     mix = results["gpu-mix"]
     targets = {
         "pools_vs_fixed_gpu_mix": {
@@ -197,7 +220,7 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             "met": all(r["pools_of_bound"] >= TARGET_OF_BOUND for r in results.values()),
         },
     }
-    summary = {"steps": steps, "quick": quick, "scenarios": results, "targets": targets}
+    summary = {**summary, "targets": targets}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.partial.json").unlink(missing_ok=True)  # the whole run is in summary.json
     (out / "table.md").write_text(table(summary))
@@ -207,7 +230,8 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
 
 def table(summary: dict[str, Any]) -> str:
     head = ["scenario", "grid", "fixed tok/s", "pools tok/s", "pools/fixed", "fixed bound",
-            "pool bound", "pools of bound", "staleness fixed/pools", "voided (pools)"]  # fmt: skip
+            "pool bound", "pools of bound", "rebalanced bound (moves)", "staleness fixed/pools",
+            "voided (pools)"]  # fmt: skip
     rows = []
     for name, r in summary["scenarios"].items():
         f, p = r["fixed"], r["pools"]
@@ -215,7 +239,8 @@ def table(summary: dict[str, Any]) -> str:
             name, r["grid"], f"{f['tokens_per_s']:,.0f}", f"{p['tokens_per_s']:,.0f}",
             f"{r['pools_vs_fixed']:.2f}x" if r["pools_vs_fixed"] else "-",
             f"{r['fixed_bound_tps']:,.0f}", f"{r['pool_bound_tps']:,.0f}",
-            f"{r['pools_of_bound']:.2f}", f"{f['staleness_mean']} / {p['staleness_mean']}",
+            f"{r['pools_of_bound']:.2f}", _rebalanced(r),
+            f"{f['staleness_mean']} / {p['staleness_mean']}",
             str(p["voided"]),
         ])  # fmt: skip
     lines = [format_table(head, rows), ""]
@@ -223,6 +248,12 @@ def table(summary: dict[str, Any]) -> str:
         verdict = "met" if t["met"] else "MISSED"
         lines.append(f"- {key}: {t['measured']} against {t['target']}: {verdict}")
     return "\n".join(lines) + "\n"
+
+
+def _rebalanced(row: dict[str, Any]) -> str:
+    if "rebalanced_bound_tps" not in row:  # a summary written before the column
+        return "-"
+    return f"{row['rebalanced_bound_tps']:,.0f} ({row['rebalancing_moves']})"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

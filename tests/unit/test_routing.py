@@ -140,3 +140,21 @@ def test_pool_tags_are_parsed_and_bounded() -> None:
     assert parse_tag("pool/f/0") == ("f", 0, 0, 0, 0.0)
     for bad in ("pool/a/x/1", "pool/z/1/1", "pool/a/1/1/", "pool/a/1234567/1", "mean/a/1/1"):
         assert parse_tag(bad) is None
+
+
+def test_rebalanced_speeds_fill_a_thin_stages_free_cells_without_swapping_the_bottleneck():
+    # stage 1 has a free cell (0) and half stage 0's capacity: stage 0's highest replica moves
+    speeds = [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0]]
+    moved = routing.rebalanced(speeds, 2.0)
+    assert moved == [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+    assert routing.pool_bound(moved) == 3.0 > routing.pool_bound(speeds)
+    # a move that would only swap the bottleneck does not happen (4 - 2 < 2 + 2)
+    assert routing.rebalanced([[2.0, 2.0], [2.0, 0.0]], 2.0) == [[2.0, 2.0], [2.0, 0.0]]
+    # a thin stage with no free cell takes nobody: every cell of a full grid stays
+    full = [[0.25, 0.25, 0.5, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    assert routing.rebalanced(full, 2.0) == full
+    # below the ratio nothing moves
+    assert routing.rebalanced([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], 2.0) == [
+        [1.0] * 3,
+        [1.0, 1.0, 0.0],
+    ]

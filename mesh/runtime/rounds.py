@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from comms.means import alone
-from comms.transport import MeanStatus
+from comms.transport import MeanResult, MeanStatus
 from mesh.algo import round_clock, sparse
 from mesh.algo.topology import group_name
 from mesh.engine.rounds import Action, Round, after_update, round_index
+
+if TYPE_CHECKING:  # the host's types (StageWorker's module imports this one)
+    import torch
+
+    from comms.transport import Transport
+    from mesh.config import Config
+    from mesh.engine.cell import Cell
+    from mesh.runtime.emulate import ComputeClock
+    from mesh.runtime.stage import StageStats
 
 PACE_N = 32  # launch opportunities a pace is measured over
 
@@ -36,16 +45,16 @@ def skipped_rounds(old_step: int, new_step: int, interval_steps: int) -> range:
 
 
 class Rounds:
-    cfg: Any
-    cell: Any
-    transport: Any
-    stats: Any
-    emu: Any
+    cfg: Config
+    cell: Cell
+    transport: Transport
+    stats: StageStats
+    emu: ComputeClock | None
     m: int
     j: int
     column: list[str]
     cell_name: str
-    device: Any
+    device: torch.device
 
     def init_rounds(self) -> None:
         self.last_round: int | None = None  # the round id launched last (round_clock.py)
@@ -171,7 +180,7 @@ class Rounds:
             else:
                 self._apply_due_rounds()
 
-    def _finish_round(self, rnd: Round, res: Any) -> None:
+    def _finish_round(self, rnd: Round, res: MeanResult) -> None:
         usable = res.mean is not None and self.cell_name in res.contributors
         if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.cell_name):
             self.stats.rounds_failed += 1

@@ -66,8 +66,22 @@ def bench_nat(out: str) -> None:
     help="Run nothing: write the table and plot again from --out's summary.json, the capacity "
     "bounds recomputed.",
 )
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A config key on top of the study's settings, in both arms (repeatable), e.g. --set "
+    "pipeline.pool_window=8 --out results/pools-window8.",
+)
 def bench_pools(
-    out: str, quick: bool, steps: int | None, convergence: bool, workers: int, report_only: bool
+    out: str,
+    quick: bool,
+    steps: int | None,
+    convergence: bool,
+    workers: int,
+    report_only: bool,
+    overrides: tuple[str, ...],
 ) -> None:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
     4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
@@ -84,7 +98,7 @@ def bench_pools(
     if report_only:
         summary = pools.report_only(Path(out))
     else:
-        summary = pools.run_study(Path(out), quick=quick, steps=steps)
+        summary = pools.run_study(Path(out), quick=quick, steps=steps, overrides=overrides)
     click.echo((Path(out) / "table.md").read_text(), nl=False)
     if not all(t["met"] for t in summary["targets"].values()):
         click.echo("some targets missed (see above)")

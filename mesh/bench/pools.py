@@ -172,8 +172,13 @@ BASE = [
 ]
 
 
-def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[str, Any]:
+def run_study(
+    out: Path, quick: bool = False, steps: int | None = None, overrides: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Every scenario's two arms, one after the other; `overrides` (config keys) on top of the
+    study's settings in both arms."""
     out.mkdir(parents=True, exist_ok=True)
+    base = [*BASE, *overrides]
     steps = steps or (30 if quick else 80)
     scenarios = {"gpu-mix": SCENARIOS["gpu-mix"]} if quick else SCENARIOS
     results: dict[str, Any] = {}
@@ -182,7 +187,7 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             speeds = scenario_speeds(name, P, m)
             row: dict[str, Any] = {"grid": f"{P}x{m}", "speeds": speeds}
             for arm in ("fixed", "pools"):  # side by side, one after the other
-                cfg = arm_config(name, arm, speeds, steps, BASE)
+                cfg = arm_config(name, arm, speeds, steps, base)
                 churn = 20.0 if name == "churn" else None
                 row[arm] = measure(cfg, Path(tmp) / f"{name}-{arm}", churn)
             row.update(bounds(cfg, speeds))
@@ -191,17 +196,20 @@ def run_study(out: Path, quick: bool = False, steps: int | None = None) -> dict[
             row["pools_of_bound"] = round(pools / row["pool_bound_tps"], 3)
             results[name] = row
             (out / "summary.partial.json").write_text(json.dumps(results, indent=2))
-    return write_report(out, {"steps": steps, "quick": quick, "scenarios": results})
+    summary = {"steps": steps, "quick": quick, "overrides": list(overrides), "scenarios": results}
+    return write_report(out, summary)
 
 
 def report_only(out: Path) -> dict[str, Any]:
     """The outputs again from out/summary.json's measurements, the capacity model's bounds
     recomputed (for the same speeds and settings): no grid runs."""
     old = json.loads((out / "summary.json").read_text())
+    base = [*BASE, *old.get("overrides", [])]
     for name, row in old["scenarios"].items():
-        row.update(bounds(arm_config(name, "pools", row["speeds"], old["steps"], BASE),
-                          row["speeds"]))  # fmt: skip
-    return write_report(out, {k: old[k] for k in ("steps", "quick", "scenarios")})
+        cfg = arm_config(name, "pools", row["speeds"], old["steps"], base)
+        row.update(bounds(cfg, row["speeds"]))
+    kept = ("steps", "quick", "overrides", "scenarios")
+    return write_report(out, {k: old[k] for k in kept if k in old})
 
 
 def write_report(out: Path, summary: dict[str, Any]) -> dict[str, Any]:

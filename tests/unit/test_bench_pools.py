@@ -1,0 +1,50 @@
+"""`meshtrain bench pools`' report without its grids: the scenarios' speeds, the capacity
+model's bounds (fixed, pools, pools that rebalance), the targets' verdicts and the outputs that
+--report-only writes again from a summary.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mesh.bench import pools
+
+
+def _arm(tps: float) -> dict:
+    return {"ok": True, "wall_s": 60.0, "tokens_per_s": tps, "staleness_mean": 1.2, "voided": 0,
+            "lives": 8}  # fmt: skip
+
+
+def test_scenarios_are_seeded_and_the_dead_spare_the_streams():
+    assert pools.scenario_speeds("gpu-mix", 4, 8) == pools.scenario_speeds("gpu-mix", 4, 8)
+    assert {v for stage in pools.scenario_speeds("gpu-mix", 4, 8) for v in stage} <= set(
+        pools.SPEEDS
+    )
+    dead = pools.scenario_speeds("dead-10", 4, 8)
+    assert [stage.count(0.0) for stage in dead] == [0, 1, 1, 1]  # 10% of 32, none in stage 0
+
+
+def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
+    speeds = {name: pools.scenario_speeds(name, *pools.SCENARIOS[name]) for name in pools.SCENARIOS}
+    cfg = pools.arm_config("gpu-mix", "pools", speeds["gpu-mix"], 60, pools.BASE)
+    scale = cfg.tokens_per_microbatch / 0.45  # forward 150 ms + backward 300 ms at speed 1
+    scenarios = {}
+    for name, (P, m) in pools.SCENARIOS.items():
+        bound = min(sum(stage) for stage in speeds[name]) * scale
+        scenarios[name] = {
+            "grid": f"{P}x{m}", "speeds": speeds[name], "fixed": _arm(0.6 * bound),
+            "pools": _arm(0.9 * bound), "pools_vs_fixed": 1.5, "pools_of_bound": 0.9,
+        }  # fmt: skip
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"steps": 60, "quick": False, "scenarios": scenarios})
+    )
+    summary = pools.report_only(tmp_path)
+    mix = summary["scenarios"]["gpu-mix"]
+    assert mix["pool_bound_tps"] == pytest.approx(3.25 * scale, rel=1e-3)
+    # every cell taken: a rebalancing grid has no move to make, its bound is the pools' own
+    assert mix["rebalancing_moves"] == 0 and mix["rebalanced_bound_tps"] == mix["pool_bound_tps"]
+    assert all(t["met"] for t in summary["targets"].values()), summary["targets"]
+    table = (tmp_path / "table.md").read_text()
+    assert "rebalanced bound (moves)" in table and "MISSED" not in table
+    assert json.loads((tmp_path / "summary.json").read_text())["targets"] == summary["targets"]

@@ -12,8 +12,8 @@ from mesh.bench import pools
 
 
 def _arm(tps: float) -> dict:
-    return {"ok": True, "wall_s": 60.0, "tokens_per_s": tps, "staleness_mean": 1.2, "voided": 0,
-            "lives": 8}  # fmt: skip
+    return {"ok": True, "wall_s": 60.0, "tokens_per_s": tps, "tokens_per_s_to_the_end": 1000.0,
+            "staleness_mean": 1.2, "voided": 0, "lives": 8}  # fmt: skip
 
 
 def test_scenarios_are_seeded_and_the_dead_spare_the_streams():
@@ -47,4 +47,5 @@ def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
     assert all(t["met"] for t in summary["targets"].values()), summary["targets"]
     table = (tmp_path / "table.md").read_text()
     assert "rebalanced bound (moves)" in table and "MISSED" not in table
+    assert "| 1,000 / 1,000 " in table  # the whole run's rates beside the steady window's
     assert json.loads((tmp_path / "summary.json").read_text())["targets"] == summary["targets"]

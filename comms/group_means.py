@@ -286,6 +286,9 @@ class GroupMeans:
         except (WireError, CodecError) as e:
             r.gone[me] = f"own payload: {e}"
             return b""
+        if mine.abstain:  # our weights are stale: we take the others' mean
+            r.abstained.add(me)
+            return frame
         own = wire.unpack(memoryview(frame), r.expect(me))
         if isinstance(own, Reject):  # unchecked (Contribution.encoded): still sent, and refused
             r.gone[me] = f"own payload rejected: {own.reason}"
@@ -324,6 +327,9 @@ class GroupMeans:
         return lost
 
     def _take(self, r: MeanRound, member: str, msg: Message) -> None:
+        if msg.encoded.numel == 0 and wire.expect_reject(msg, r.abstention(member)) is None:
+            r.abstained.add(member)  # it sits the mean out
+            return
         bad = wire.expect_reject(msg, r.expect(member))
         if bad is not None:
             self._reject(bad.reason)
@@ -404,7 +410,9 @@ class GroupMeans:
             result = MeanResult(MeanStatus.FAILED, None, (), "transport closed")
         else:
             try:
-                result = verdict(r.members, self.link.me, r.got, r.gone, taken, r.mine.shape)
+                result = verdict(
+                    r.members, self.link.me, r.got, r.gone, taken, r.mine.shape, r.abstained
+                )
             except Exception as e:  # noqa: BLE001 - a round's fault is a value, never a crash
                 result = MeanResult(MeanStatus.FAILED, None, (), f"{type(e).__name__}: {e}")
         self._deliver(r, result)

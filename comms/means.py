@@ -9,8 +9,13 @@ frame to every other member. The result is the mean of every contributor's DEQUA
 its own read back from its own frame, summed in member order (`mean_in_member_order`): with
 every member in time it is bit-identical on every member and equal to a one-process reference.
 
-Verdict (`verdict`): OK with every payload; PARTIAL over named contributors; FAILED without our
-own payload, or when no other member took part, since one member alone is no mean (`alone`). A
+Abstention. A member whose weights are stale (a cell whose last update had no gradient) sits the
+mean out: its frame is the round's name over an empty payload, and it takes the others' mean.
+An abstainer is neither a contributor nor missing.
+
+Verdict (`verdict`): OK with every payload but abstentions; PARTIAL over named contributors;
+FAILED without our own payload (unless we abstained), with no contributor, or when no other
+member took part, since one member alone is no mean (`alone`). A
 member took part when it took our frame, where the link acknowledges frames (hivemind: a member
 frozen through a round finds the others' frames waiting when it resumes, after they ended the
 round without it, so theirs arriving proves nothing), and otherwise when its frame reached us,
@@ -24,7 +29,7 @@ imports: torch, comms only.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -57,6 +62,7 @@ class MeanResult:
     # the contributors' dequantized payloads (flat, in contributor order): what a caller that
     # combines them another way (a robust mean, a deviation bound) starts from
     parts: tuple[torch.Tensor, ...] = ()
+    abstained: tuple[str, ...] = ()  # members that sat the mean out (stale weights)
 
 
 def mean_in_member_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -117,25 +123,34 @@ def verdict(
     gone: Mapping[str, str],
     taken: bool | None,
     shape: tuple[int, ...],
+    abstained: Collection[str] = (),
 ) -> MeanResult:
     """A round's outcome from the payloads it has (`got`, flat), why the others are missing
-    (`gone`) and whether another member took our frame (`taken`; None: the link cannot tell).
-    See the module docstring."""
-    if me not in got:
+    (`gone`), who sat it out (`abstained`) and whether another member took our frame (`taken`;
+    None: the link cannot tell). See the module docstring."""
+    if me not in got and me not in abstained:
         return MeanResult(MeanStatus.FAILED, None, (), gone.get(me, "own payload missing"))
-    missing = [f"{m}: {gone.get(m, 'not here by the deadline')}" for m in members if m not in got]
+    out = tuple(m for m in members if m in abstained)
+    missing = [
+        f"{m}: {gone.get(m, 'not here by the deadline')}"
+        for m in members
+        if m not in got and m not in abstained
+    ]
     if taken is False:
         why = "; ".join(["no other member took our payload", *missing])
         return MeanResult(MeanStatus.FAILED, None, (), why)
     who = tuple(m for m in members if m in got)
+    if not who:  # every member that answered sat the mean out
+        return MeanResult(MeanStatus.FAILED, None, (), "no contributor", abstained=out)
     refused = any(why.startswith(REFUSED) for m, why in gone.items() if m != me)
     if missing and taken is None and alone(who, me) and not refused:
         return MeanResult(MeanStatus.FAILED, None, (), "no other member's payload in time")
     parts = tuple(got[m] for m in who)
     mean = mean_in_member_order(parts).reshape(shape)
     if not missing:
-        return MeanResult(MeanStatus.OK, mean, who, parts=parts)
-    return MeanResult(MeanStatus.PARTIAL, mean, who, "missing " + "; ".join(missing), parts)
+        return MeanResult(MeanStatus.OK, mean, who, parts=parts, abstained=out)
+    why = "missing " + "; ".join(missing)
+    return MeanResult(MeanStatus.PARTIAL, mean, who, why, parts, out)
 
 
 @dataclass(frozen=True)
@@ -148,14 +163,17 @@ class Contribution:
     shape: tuple[int, ...]  # of the mean handed back
     enc: Encoded | None
     why: str = ""  # why enc is None
+    abstain: bool = False  # enc is the empty payload of a member that sits the mean out
 
     @classmethod
-    def of(cls, values: torch.Tensor, codec: str) -> Contribution:
-        """`values` encoded now (a snapshot: the caller keeps training on them)."""
+    def of(cls, values: torch.Tensor, codec: str, abstain: bool = False) -> Contribution:
+        """`values` encoded now (a snapshot: the caller keeps training on them); abstain: an
+        empty payload of their codec instead (the member takes the others' mean)."""
         flat = values.detach().reshape(-1)
         shape = tuple(values.shape)
         try:
-            return cls(flat.numel(), codec, shape, codecs.encode(flat, codec))
+            enc = codecs.encode(flat[:0] if abstain else flat, codec)
+            return cls(flat.numel(), codec, shape, enc, abstain=abstain)
         except CodecError as e:  # e.g. own values not finite: the others go on without ours
             return cls(flat.numel(), codec, shape, None, f"own payload: {e}")
 
@@ -165,11 +183,10 @@ class Contribution:
         return cls(enc.numel, enc.codec, (enc.numel,), enc)
 
     def body_bytes(self) -> int:
-        return (
-            self.enc.nbytes
-            if self.enc is not None
-            else codecs.encoded_nbytes(self.numel, self.codec)
-        )
+        """A member's payload's bytes in this round (ours, or its size when we have none)."""
+        if self.enc is not None and not self.abstain:
+            return self.enc.nbytes
+        return codecs.encoded_nbytes(self.numel, self.codec)
 
 
 class Sent(Protocol):
@@ -217,6 +234,7 @@ class MeanRound:
         self.mine = Contribution(0, "fp32", (0,), None, "not started")
         self.got: dict[str, torch.Tensor] = {}  # member -> its dequantized flat payload
         self.gone: dict[str, str] = {}  # member -> why it will not contribute
+        self.abstained: set[str] = set()  # members that sat the mean out
         self.sends: dict[str, Sent] = {}  # our frame to each other member
         self.cut_asked = False
         self._wake = wake
@@ -251,8 +269,12 @@ class MeanRound:
             mine.body_bytes(),
         )
 
+    def abstention(self, member: str) -> Expect:
+        """What a member's frame is when it sits the mean out: the round's name, no payload."""
+        return Expect(self.frame(member).name, Kind.AVERAGE, (0,), frozenset({self.mine.codec}), 0)
+
     def gathered(self) -> bool:
-        return all(m in self.got or m in self.gone for m in self.members)
+        return all(m in self.got or m in self.gone or m in self.abstained for m in self.members)
 
     def sent(self) -> bool:
         return all(s.done() for s in self.sends.values())

@@ -68,12 +68,15 @@ class Averaging(Protocol):
         values: torch.Tensor,
         codec: str,
         timeout_s: float,
+        abstain: bool = False,
     ) -> MeanHandle:
         """Start the mean of a flat float32 payload over `members` (self included) without
         blocking. Every member must call it with the same group, members and round_id. The
         result is the mean of all contributors' DEQUANTIZED payloads, own included, summed in
-        member order, so it is bit-identical on every member."""
-        return self.means.start(group, members, round_id, Contribution.of(values, codec), timeout_s)
+        member order, so it is bit-identical on every member. abstain: this member's weights
+        are stale; it sends no payload and takes the others' mean (comms/means.py)."""
+        mine = Contribution.of(values, codec, abstain)
+        return self.means.start(group, members, round_id, mine, timeout_s)
 
     def newest_round(self, group: str, members: Sequence[str]) -> int:
         """The highest round id of `group` that another of `members` launched and whose

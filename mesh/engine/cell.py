@@ -112,7 +112,9 @@ class Cell:
             self.cfg.faults.pipeline_poison, g.stages, g.replicas
         )
         self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
-        mpu = microbatches_per_update(self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches)
+        mpu = self.mpu = microbatches_per_update(
+            self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches
+        )
         warmup = sentinel.warmup_messages(guard.warmup, self.cfg.optim.warmup_steps, mpu)
         # an emulated attack starts once its receivers know the sender (twice their warm-up)
         self.poison_start = 0
@@ -217,6 +219,15 @@ class Cell:
         self.step += 1
         self.stalled = True
 
+    def sits_out(self) -> bool:
+        """Whether this cell sits its next round out (abstains, comms/means.py): its last update
+        had no gradient (its replica's microbatches were all dropped on the way: a poisoned
+        pipeline), so its weights are stale and would drag the column back; it takes the
+        others' mean. Only for the plain mean: a screened round (dp.aggregate, dp.outlier_k)
+        measures the others against this cell's own payload."""
+        dp = self.cfg.dp
+        return self.stalled and dp.aggregate == "mean" and dp.outlier_k == 0
+
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""
         if getattr(self.module, "boundary", None) is not None:  # Stiefel: along the manifold
@@ -239,7 +250,9 @@ class Cell:
         """What this cell sends across a pipeline boundary for x (an activation or the gradient
         of its input): x itself, or with faults.pipeline_poison the emulated attack's tensor."""
         hostile = self.pipeline_poison
-        if hostile is None or self.step < self.poison_start:
+        # from the microbatches of update poison_start on: by the data's position, not this
+        # cell's step, which an asynchronous schedule's in-flight microbatches run ahead of
+        if hostile is None or microbatch < self.poison_start * self.mpu:
             return x
         which = int(kind == "gradient")
         seed = sparse.stable_seed(self.cfg.run.seed, self.stage, self.replica, which, microbatch)

@@ -244,22 +244,24 @@ class GridSim:
         index = round_index(self.update, dp.interval_steps)
         rounds, decoded = zip(*(c.open_round(index) for c in column), strict=True)
         screened = dp.aggregate != "mean" or dp.outlier_k > 0
-        # a cell that had no gradient for its last update (its replica's microbatches were all
-        # dropped on the way: a poisoned pipeline) sits the round out, as a dead cell does on
-        # hivemind (a partial round), and takes the others' mean: its stale weights would drag
-        # the column back
-        live = [p for c, p in zip(column, decoded, strict=True) if not c.stalled] or decoded
-        mean = None if screened else mean_in_member_order(live)
+        # a cell whose weights are stale (Cell.sits_out: its last update had no gradient) sits
+        # the round out and takes the others' mean, as on the processes (comms/means.py)
+        contributors = [k for k, c in enumerate(column) if not c.sits_out()]
+        mean = None
+        if not screened and contributors:
+            mean = mean_in_member_order([decoded[k] for k in contributors])
         if mean is not None and dp.noise_codec != "none":
             seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
             mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
         names = [cell_name(j, c.replica) for c in column]  # a pool's live cells: not every replica
-        for c, rnd in zip(column, rounds, strict=True):
-            if mean is None:  # each replica screens against its own payload
+        for k, (c, rnd) in enumerate(zip(column, rounds, strict=True)):
+            if screened:  # each replica screens against its own payload
                 rnd.mean, rejected = c.combine_round(names, decoded, cell_name(j, c.replica))
                 self.rejects["outlier"] += len(rejected)
-            else:
+            elif any(x != k for x in contributors):
                 rnd.mean = mean
+            else:  # no other member's payload: alone is no mean, the round fails here
+                continue
             c.rounds.launch(rnd, None)
             self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)
 

@@ -14,7 +14,7 @@ from mesh.config import Config
 from mesh.runtime.pool_wire import PoolStats
 from mesh.runtime.registry import running
 from mesh.runtime.session import DhtCoordinator
-from mesh.runtime.stage import StageStats
+from mesh.runtime.stage_stats import StageStats
 
 
 def pool_members(coord: DhtCoordinator, max_age_s: float) -> Callable[[], set[str] | None]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comms import codecs
-from mesh.runtime.stage import StageStats
+from mesh.runtime.stage_stats import StageStats
 
 _TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the host's types (StageWorker's module imports this one)
     from mesh.config import Config
     from mesh.engine.cell import Cell
     from mesh.runtime.emulate import ComputeClock
-    from mesh.runtime.stage import StageStats
+    from mesh.runtime.stage_stats import StageStats
 
 PACE_N = 32  # launch opportunities a pace is measured over
 
@@ -145,6 +145,7 @@ class Rounds:
             rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
             self.cfg.dp.codec,
             self.cfg.transport.round_timeout_s,
+            abstain=self.cell.sits_out(),
         )
         self.cell.rounds.launch(rnd, handle)
         self.stats.rounds_started += 1
@@ -181,7 +182,8 @@ class Rounds:
                 self._apply_due_rounds()
 
     def _finish_round(self, rnd: Round, res: MeanResult) -> None:
-        usable = res.mean is not None and self.cell_name in res.contributors
+        took_part = self.cell_name in res.contributors or self.cell_name in res.abstained
+        usable = res.mean is not None and took_part
         if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.cell_name):
             self.stats.rounds_failed += 1
             return

@@ -272,6 +272,27 @@ def group_mean(t, peer, numel: int = 10_000, codec_list=MEAN_CODECS) -> dict:
     return out
 
 
+def abstained_mean(t, peer, numel: int = 10_000, codec: str = "fp8_e4m3") -> dict:
+    """Three members, the first of which sits the mean out (stale weights: its frame is the
+    round's name over an empty payload): every member's result is the others' mean, at once."""
+    members = sorted(peer.groups["g"])
+    vals = {m: tensor(77 + k, (numel,)) for k, m in enumerate(members)}
+    t0 = time.monotonic()
+    abstain = peer.name == members[0]
+    res = t.start_mean("g", members, 0, vals[peer.name], codec, peer.timeout_s, abstain=abstain)
+    res = res.result(peer.timeout_s + 2)
+    ref = reference_mean([codecs.roundtrip(vals[m], codec) for m in members[1:]])
+    return {
+        "status": res.status.value,
+        "reason": res.reason,
+        "contributors": list(res.contributors),
+        "abstained": list(res.abstained),
+        "equal_ref": res.mean is not None and bool(torch.equal(res.mean, ref)),
+        "round_s": time.monotonic() - t0,
+        "rejects": dict(t.stats.rejects),
+    }
+
+
 def link_end(t, other: str, wait_s: float) -> str:
     """How a receive from `other` of a message it never sends ends: "lost" (its link is
     known gone), "timeout" (the deadline passed) or "no" (something arrived)."""

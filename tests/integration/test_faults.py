@@ -246,7 +246,7 @@ def nan_averaging_peer(*args, **kwargs) -> None:
     from comms.p2p.transport import P2PTransport
     from mesh.runtime.trainer import cell_process_main
 
-    def poisoned(self, group, members, round_id, values, codec, timeout_s):
+    def poisoned(self, group, members, round_id, values, codec, timeout_s, abstain=False):
         n = values.numel()
         enc = Encoded("fp32", (n,), torch.full((n,), float("nan")), None)
         return self.means.start(group, members, round_id, Contribution.encoded(enc), timeout_s)

@@ -68,6 +68,17 @@ def _final_flats(out: Path, cfg) -> dict:
             "pipeline.anchor_rank=4",
             "transport.backend=hivemind",
         ],  # fmt: skip
+        # a poisoned pipeline: s1r1 drops s0r1's activations from update 4 on, so replica 1's
+        # cells have no gradient (stale weights): they sit their rounds out and take replica
+        # 0's payload, which has no other member's to average with (Cell.sits_out)
+        [
+            "pipeline.schedule=async",
+            "dp.tau=2",
+            "dp.fraction=0.25",
+            "run.steps=10",
+            "faults.pipeline_poison=['s0r1=scale:100@4']",
+            "sentinel.warmup=2",
+        ],  # fmt: skip
     ],
     ids=[
         "asyncmesh-fp8",
@@ -77,6 +88,7 @@ def _final_flats(out: Path, cfg) -> dict:
         "boundary-learned",
         "boundary-subspace",
         "boundary-learned-hivemind",
+        "stalled-replica",
     ],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):

@@ -38,6 +38,18 @@ def test_pingpong_every_codec_and_exact_bytes(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_member_that_sits_out_takes_the_others_mean(backend: str) -> None:
+    """An abstention over real links: no payload, no reject, and nobody waits for the deadline
+    (the round ends when every member's frame, payload or abstention, is in)."""
+    names = ["a", "b", "c"]
+    res = run_peers(backend, names, {"g": names}, "abstained_mean", TIMEOUT_S)
+    for name, r in res.items():
+        assert r["status"] == "ok" and r["equal_ref"], (name, r)
+        assert r["contributors"] == ["b", "c"] and r["abstained"] == ["a"], (name, r)
+        assert r["rejects"] == {} and r["round_s"] < TIMEOUT_S, (name, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_group_means_of_2_and_4_members(backend: str) -> None:
     names = ["s0r0", "s0r1", "s1r0", "s1r1"]
     groups = {"all": names, "s0": ["s0r0", "s0r1"], "s1": ["s1r0", "s1r1"]}

@@ -100,9 +100,11 @@ class Net:
                 sent.finish(kept if self.acks else None)
         self.queue = keep
 
-    def start(self, name, round_id, values, codec="fp32", timeout_s=ROUND_S, group="g"):
+    def start(
+        self, name, round_id, values, codec="fp32", timeout_s=ROUND_S, group="g", abstain=False
+    ):
         members = list(self.links)
-        mine = Contribution.of(values, codec)
+        mine = Contribution.of(values, codec, abstain)
         return self.means[name].start(group, members, round_id, mine, timeout_s)
 
     def close(self) -> None:
@@ -151,6 +153,21 @@ def test_verdict_every_outcome():
     assert res.status is PARTIAL and res.contributors == ("a",) and "not_finite" in res.reason
     res = verdict(members, "a", {"a": a}, {}, True, (1, 2))
     assert res.status is PARTIAL and res.mean.shape == (1, 2)
+
+
+def test_verdict_with_a_member_that_sat_out():
+    """An abstainer (stale weights) is no contributor and not missing: the round is OK over the
+    others everywhere, the abstainer's own included; with no contributor it is FAILED."""
+    b, c = torch.zeros(2), torch.full((2,), 4.0)
+    members = ["a", "b", "c"]
+    for me in members:
+        res = verdict(members, me, {"b": b, "c": c}, {}, True, (2,), abstained={"a"})
+        assert res.status is OK and res.contributors == ("b", "c") and res.abstained == ("a",)
+        assert torch.equal(res.mean, mean_in_member_order([b, c]))
+    res = verdict(members, "a", {"b": b}, {"c": "lost: reset"}, True, (2,), abstained={"a"})
+    assert res.status is PARTIAL and res.contributors == ("b",) and "c: lost" in res.reason
+    res = verdict(members, "a", {}, {}, True, (2,), abstained={"a", "b", "c"})
+    assert res.status is FAILED and res.reason == "no contributor"
 
 
 def test_alone():
@@ -374,3 +391,29 @@ def test_one_member_is_its_own_mean(nets):
     x = vals(0)
     res = net.start("a", 0, x, "bf16").result(WAIT_S)
     assert res.status is OK and torch.equal(res.mean, codecs.roundtrip(x, "bf16"))
+
+
+@pytest.mark.parametrize("acks", [True, False])
+def test_a_member_with_stale_weights_sits_the_mean_out_and_takes_the_others(nets, acks):
+    """a abstains (its frame: the round's name over an empty payload): every member, a
+    included, ends at once (no deadline) with the mean of b and c, bit-identical, and counts
+    it ok; a's abstention costs the others a frame header, not its payload's bytes."""
+    net = nets(["a", "b", "c"], acks=acks)
+    x = {n: vals(k) for k, n in enumerate(net.links)}
+    handles = {n: net.start(n, 0, x[n], "fp8_e4m3", abstain=n == "a") for n in net.links}
+    sizes = {frm: len(frame) for frm, _, frame, _ in net.queue}
+    assert sizes["a"] < 128 < sizes["b"]
+    net.deliver()
+    ref = mean_in_member_order([codecs.roundtrip(x[n], "fp8_e4m3") for n in ("b", "c")])
+    for n, h in handles.items():
+        res = h.result(WAIT_S)
+        assert res.status is OK and res.contributors == ("b", "c"), (n, res.reason)
+        assert res.abstained == ("a",) and torch.equal(res.mean, ref), n
+        assert dict(net.links[n].stats.rounds) == {"ok": 1}
+    # an abstention that came early waits for its round like any frame
+    hb = net.start("b", 1, vals(5), abstain=True)
+    net.deliver("a")
+    ha, hc = net.start("a", 1, vals(6)), net.start("c", 1, vals(7))
+    net.deliver()
+    assert hb.result(WAIT_S).contributors == ("a", "c") == ha.result(WAIT_S).contributors
+    assert hc.result(WAIT_S).abstained == ("b",)

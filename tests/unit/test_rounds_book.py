@@ -19,7 +19,7 @@ from mesh.engine.cell import Cell
 from mesh.engine.rounds import Action, RoundBook, after_update, round_index
 from mesh.model.build import build_stage
 from mesh.runtime.rounds import Rounds
-from mesh.runtime.stage import StageStats
+from mesh.runtime.stage_stats import StageStats
 
 A, LAUNCH = Action.APPLY, Action.LAUNCH
 
@@ -76,7 +76,7 @@ class Transport:
         self.voided: list[range] = []
         self.newest = -1
 
-    def start_mean(self, group, members, round_id, values, codec, timeout_s):
+    def start_mean(self, group, members, round_id, values, codec, timeout_s, abstain=False):
         assert group == group_name(0) and round_id not in self.handles
         self.handles[round_id] = Handle(self.cuttable)
         return self.handles[round_id]

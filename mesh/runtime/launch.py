@@ -319,7 +319,12 @@ def _watch(
             if dead:
                 cell, code = dead[0]
                 what = f"cell {cell_name(*cell)} died ({_death(code)})"
-                if len(restarts) >= cfg.elastic.max_restarts and cfg.pipeline.routing == "pools":
+                pooled = cfg.pipeline.routing == "pools"
+                if pooled and run_over_around(cell, grid.exit_codes(), grid.left):
+                    grid.left.add(cell)  # started again, it would wait for links to nobody
+                    notice(f"{what} after every other cell finished; not started again")
+                    continue
+                if len(restarts) >= cfg.elastic.max_restarts and pooled:
                     grid.left.add(cell)  # a pool trains on without it
                     notice(f"{what}; past elastic.max_restarts = {cfg.elastic.max_restarts} it "
                            "stays out, the pools training on without it")  # fmt: skip
@@ -361,6 +366,21 @@ def _watch(
         grid.stop(grace_s)  # what is still running (after a one-step stop: nothing)
         stop_file(grid.out_dir).unlink(missing_ok=True)
     return out
+
+
+def run_over_around(
+    cell: tuple[int, int],
+    exit_codes: dict[tuple[int, int], int | None],
+    left: set[tuple[int, int]],
+) -> bool:
+    """Whether a pooled grid's run is over around a dead cell: no other cell is running and one
+    at least finished (exit 0). Started again, the cell would have nobody to open its links with,
+    and would time out and die again for as long as the launcher restarts it. (Cells that died
+    with it are over too: they are not running; a grid whose every cell died at once, none having
+    finished, is started again.)"""
+    others = {c: code for c, code in exit_codes.items() if c != cell and c not in left}
+    running = any(code is None for code in others.values())
+    return not running and any(code == 0 for code in others.values())
 
 
 def restart_replica(cfg: Config, grid: LocalGrid, replica: int, grace_s: float) -> int | None:

@@ -74,6 +74,12 @@ def bench_nat(out: str) -> None:
     help="A config key on top of the study's settings, in both arms (repeatable), e.g. --set "
     "pipeline.pool_window=8 --out results/pools-window8.",
 )
+@click.option(
+    "--only",
+    multiple=True,
+    type=click.Choice(["gpu-mix", "dead-10", "churn"]),
+    help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
+)
 def bench_pools(
     out: str,
     quick: bool,
@@ -82,6 +88,7 @@ def bench_pools(
     workers: int,
     report_only: bool,
     overrides: tuple[str, ...],
+    only: tuple[str, ...],
 ) -> None:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
     4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
@@ -98,7 +105,10 @@ def bench_pools(
     if report_only:
         summary = pools.report_only(Path(out))
     else:
-        summary = pools.run_study(Path(out), quick=quick, steps=steps, overrides=overrides)
+        try:
+            summary = pools.run_study(Path(out), quick, steps, overrides, only)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     click.echo((Path(out) / "table.md").read_text(), nl=False)
     if not all(t["met"] for t in summary["targets"].values()):
         click.echo("some targets missed (see above)")

@@ -190,15 +190,23 @@ BASE = [
 
 
 def run_study(
-    out: Path, quick: bool = False, steps: int | None = None, overrides: tuple[str, ...] = ()
+    out: Path,
+    quick: bool = False,
+    steps: int | None = None,
+    overrides: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Every scenario's two arms, one after the other; `overrides` (config keys) on top of the
-    study's settings in both arms."""
+    study's settings in both arms. `only`: these scenarios, the others kept from out's
+    summary.json (run with the same steps and overrides)."""
     out.mkdir(parents=True, exist_ok=True)
     base = [*BASE, *overrides]
     steps = steps or (30 if quick else 80)
     scenarios = {"gpu-mix": SCENARIOS["gpu-mix"]} if quick else SCENARIOS
     results: dict[str, Any] = {}
+    if only:
+        results = _kept(out, steps, overrides)
+        scenarios = {name: SCENARIOS[name] for name in only}
     with tempfile.TemporaryDirectory(prefix="bench-pools-") as tmp:
         for name, (P, m) in scenarios.items():
             speeds = scenario_speeds(name, P, m)
@@ -213,8 +221,21 @@ def run_study(
             row["pools_of_bound"] = round(pools / row["pool_bound_tps"], 3)
             results[name] = row
             (out / "summary.partial.json").write_text(json.dumps(results, indent=2))
+    results = {name: results[name] for name in SCENARIOS if name in results}  # the table's order
     summary = {"steps": steps, "quick": quick, "overrides": list(overrides), "scenarios": results}
     return write_report(out, summary)
+
+
+def _kept(out: Path, steps: int, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """The scenarios of out's summary.json, if it was run with these steps and overrides."""
+    path = out / "summary.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if old.get("steps") != steps or old.get("overrides", []) != list(overrides):
+        raise ValueError(
+            f"{path}: run with steps {old.get('steps')} and overrides {old.get('overrides', [])}, "
+            f"not {steps} and {list(overrides)}: --only adds to a study of the same settings"
+        )
+    return old["scenarios"]
 
 
 def report_only(out: Path) -> dict[str, Any]:

@@ -49,3 +49,14 @@ def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
     assert "rebalanced bound (moves)" in table and "MISSED" not in table
     assert "| 1,000 / 1,000 " in table  # the whole run's rates beside the steady window's
     assert json.loads((tmp_path / "summary.json").read_text())["targets"] == summary["targets"]
+
+
+def test_only_adds_to_a_study_of_the_same_settings(tmp_path):
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"steps": 60, "quick": False, "overrides": [], "scenarios": {"churn": {}}})
+    )
+    assert pools._kept(tmp_path, 60, ()) == {"churn": {}}
+    with pytest.raises(ValueError, match="same settings"):
+        pools._kept(tmp_path, 80, ())
+    with pytest.raises(ValueError, match="same settings"):
+        pools._kept(tmp_path, 60, ("pipeline.pool_window=8",))

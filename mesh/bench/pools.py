@@ -8,8 +8,9 @@ stretched so the 2-core host is not the bottleneck), per scenario:
   (fixed wiring loses their replicas; pools lose their capacity);
 - churn: 4x4, a random live cell SIGKILLed every `churn_every_s` and started again from its
   checkpoint by the launcher (a fresh peer in its place).
-Arms: fixed and pools. Each arm: tokens/s over the steady window (the streams' microbatches
-from a quarter of them on, while every stream is live; to the run's end beside it), the bounds
+Arms: fixed and pools. Each arm: tokens/s over the steady window (the streams' progress,
+sampled on the bench's clock so that a restart's replayed steps count once, from a quarter of it
+on, while every stream is live; to the run's end beside it), the bounds
 of the capacity model for the same speeds (mesh/algo/routing: fixed_bound, pool_bound;
 microbatches a second: speed / (forward + backward) per cell), the fraction of the pool bound
 reached, the staleness (mean updates between a microbatch's read version and its update), and
@@ -91,6 +92,9 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
     if churn_every_s:
         killer = threading.Thread(target=_churn, args=(out, churn_every_s, stop), daemon=True)
         killer.start()
+    samples: list[tuple[float, dict[str, int]]] = []
+    sampler = threading.Thread(target=_sample, args=(out, samples, stop), daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     try:
         ok = run_grid(cfg, out, timeout_s=RUN_TIMEOUT_S).ok
@@ -98,20 +102,10 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
         ok = False
     wall = time.perf_counter() - t0
     stop.set()
+    sampler.join()
+    samples.append((time.perf_counter(), _stream_steps(out)))
+    all_live, to_the_end = steady_rates(samples, cfg.tokens_per_microbatch)
     rows = read_metrics(out)
-    streams = [
-        [r["time_s"] for r in v if "time_s" in r and not r.get("final")]
-        for (j, _), v in rows.items()
-        if j == 0
-    ]
-    streams = [ts for ts in streams if ts]
-    times = sorted(t for ts in streams for t in ts)
-    start = times[int(STEADY_FROM * len(times))] if times else 0.0
-    # while every stream is live: a stream whose stage-0 cell is 4x slower issues the same
-    # microbatches over 4x the time, so after the first stream's end fewer streams feed the grid
-    # (the run's tail, not what the grid carries); the whole run's rate beside it
-    all_live = min(ts[-1] for ts in streams) if streams else 0.0
-    end = times[-1] if times else 0.0
     stale_n = stale_sum = voided = 0
     for v in rows.values():
         final = [r for r in v if r.get("final")]
@@ -123,8 +117,8 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
     return {
         "ok": ok,
         "wall_s": round(wall, 1),
-        "tokens_per_s": _rate(times, start, all_live, cfg.tokens_per_microbatch),
-        "tokens_per_s_to_the_end": _rate(times, start, end, cfg.tokens_per_microbatch),
+        "tokens_per_s": all_live,
+        "tokens_per_s_to_the_end": to_the_end,
         "staleness_mean": round(stale_sum / stale_n, 3) if stale_n else None,
         "voided": voided,
         "lives": sum(
@@ -134,12 +128,58 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
     }
 
 
-def _rate(times: list[float], start: float, end: float, tokens_per_microbatch: int) -> float:
-    """Tokens a second of the stream microbatches done in (start, end]."""
-    if end <= start:
-        return 0.0
-    done = sum(1 for t in times if start < t <= end)
-    return round(done * tokens_per_microbatch / (end - start), 1)
+SAMPLE_S = 0.5  # how often the bench reads the streams' progress
+
+
+def _stream_steps(out: Path) -> dict[str, int]:
+    """Each stream's (stage-0 cell's) newest step in its metrics file, over all its lives."""
+    steps = {}
+    for path in (out / "metrics").glob("0-*.jsonl"):
+        rows = parse_rows(path.read_bytes())
+        done = [r["step"] for r in rows if "loss" in r and isinstance(r.get("step"), int)]
+        if done:
+            steps[path.stem] = max(done)
+    return steps
+
+
+def _sample(out: Path, samples: list[tuple[float, dict[str, int]]], stop: threading.Event) -> None:
+    """The streams' progress on the bench's own clock (a cell's rows carry its life's clock, so a
+    restarted cell's rows cannot be laid beside the others')."""
+    while not stop.wait(SAMPLE_S):
+        if (out / "metrics").is_dir():
+            samples.append((time.perf_counter(), _stream_steps(out)))
+
+
+def steady_rates(
+    samples: list[tuple[float, dict[str, int]]], tokens_per_microbatch: int
+) -> tuple[float, float]:
+    """(tokens/s while every stream is live, tokens/s to the end) from samples of each stream's
+    newest step: progress is each stream's best step so far (a restart's replayed steps add
+    nothing), from the sample where it reached a quarter of its final sum (the warm-up left out)
+    to the first sample where one stream had done all it did (a stream behind a 4x slower
+    stage-0 cell issues the same microbatches over 4x the time: after the first stream's end,
+    fewer streams feed the grid), or to the end."""
+    best: dict[str, int] = {}
+    timeline: list[tuple[float, int, dict[str, int]]] = []
+    for t, steps in samples:
+        for name, step in steps.items():
+            best[name] = max(best.get(name, 0), step)
+        timeline.append((t, sum(best.values()), dict(best)))
+    if not timeline or not best:
+        return 0.0, 0.0
+    final = timeline[-1][1]
+    first = next(k for k, (_, total, _) in enumerate(timeline) if total >= STEADY_FROM * final)
+    ended = next(
+        (k for k, (_, _, b) in enumerate(timeline) if any(b.get(n) == best[n] for n in best)),
+        len(timeline) - 1,
+    )
+    done = next(k for k, (_, total, _) in enumerate(timeline) if total >= final)
+
+    def rate(a: int, b: int) -> float:
+        (ta, pa, _), (tb, pb, _) = timeline[a], timeline[b]
+        return round((pb - pa) * tokens_per_microbatch / (tb - ta), 1) if tb > ta else 0.0
+
+    return rate(first, max(first, ended)), rate(first, done)
 
 
 def _churn(out: Path, every_s: float, stop: threading.Event) -> None:

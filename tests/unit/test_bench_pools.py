@@ -60,3 +60,20 @@ def test_only_adds_to_a_study_of_the_same_settings(tmp_path):
         pools._kept(tmp_path, 80, ())
     with pytest.raises(ValueError, match="same settings"):
         pools._kept(tmp_path, 60, ("pipeline.pool_window=8",))
+
+
+def test_steady_rates_while_every_stream_is_live_and_to_the_end():
+    """Stream a does 10 steps a second for 10 s; stream b 2.5 a second for 40 s. The steady
+    window starts at a quarter of the 200 steps (t = 4: 40 + 10) and, while both are live, ends
+    at t = 10 (a done: 100 + 25); to the end, at t = 40. A restart's replayed steps (b falling
+    back to 20 at t = 12) add nothing until they pass its best."""
+    samples = []
+    for t in range(41):
+        b = 25 * t // 10
+        if t == 12:
+            b = 20  # a restarted life replays from its checkpoint
+        samples.append((float(t), {"a": min(10 * t, 100), "b": b}))
+    live, to_end = pools.steady_rates(samples, 1)
+    assert live == pytest.approx((125 - 50) / 6, abs=0.05)  # rounded to 0.1
+    assert to_end == pytest.approx((200 - 50) / 36, abs=0.05)
+    assert pools.steady_rates([], 1) == (0.0, 0.0)

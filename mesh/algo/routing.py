@@ -122,14 +122,23 @@ def thinnest_first(capacity: Sequence[float], cells: Sequence[Place]) -> list[Pl
     return sorted(cells, key=lambda c: (capacity[c[0]], c[0], c[1]))
 
 
+def move_pays(kept: float, floor: float, rate: float, ratio: float) -> bool:
+    """Whether moving a cell of `rate` from a stage of capacity `kept + rate` to the thinnest
+    stage (capacity `floor`) is worth it: the two stages' smaller capacity rises (`kept` above
+    `floor`), and afterwards neither holds `ratio` x the other, so the move is never undone by
+    one back (two stages do not trade a cell back and forth). A 3:1 stage pair of equal cells
+    becomes 2:2 however the measured rates jitter about equal; a 2:1 pair stays."""
+    after = (kept, floor + rate)
+    return kept > floor and max(after) < ratio * min(after)
+
+
 @dataclass
 class Rebalancer:
     """SWARM's rebalancing as a watch over the stages' capacities: `check(now, capacity,
     my_stage, my_rate)` returns (from, to) when the asking cell's stage has held at least
     `ratio` x the capacity of the thinnest stage for `after_s` without a break, and moving the
-    cell (its rate from there to there) raises the grid's bottleneck without swapping it: what
-    its stage keeps is at least what the thin stage then has (so two stages never trade one
-    cell back and forth). A move resets the watch (the pools change under it)."""
+    cell (its rate from there to there) pays (`move_pays`). A move resets the watch (the pools
+    change under it)."""
 
     ratio: float
     after_s: float
@@ -149,8 +158,8 @@ class Rebalancer:
         since = self.above_since.get(my_stage)
         if since is None or now - since < self.after_s:
             return None
-        if capacity[my_stage] - my_rate < floor + my_rate:
-            return None  # the move would only swap the bottleneck (or nearly: rates are noisy)
+        if not move_pays(capacity[my_stage] - my_rate, floor, my_rate, self.ratio):
+            return None
         self.above_since.clear()
         return my_stage, thin
 
@@ -168,8 +177,8 @@ def mover(stage_cells: Mapping[str, float]) -> str | None:
 def rebalanced(speeds: Sequence[Sequence[float]], ratio: float) -> list[list[float]]:
     """speeds[stage][replica] (0: a free cell) after rebalancing comes to rest: while a stage
     holds at least `ratio` x the thinnest stage's capacity, its mover (the highest replica,
-    `mover`) takes the thinnest stage's first free cell, its speed with it, where the Rebalancer's
-    no-swap rule allows; a thin stage without a free cell takes nobody. The capacity model of a
+    `mover`) takes the thinnest stage's first free cell, its speed with it, where the move pays
+    (`move_pays`); a thin stage without a free cell takes nobody. The capacity model of a
     grid whose cells rebalance (what `pool_bound` of the result says they could carry)."""
     out = [list(stage) for stage in speeds]
     for _ in range(sum(len(stage) for stage in out)):  # each move fills a free cell
@@ -184,7 +193,7 @@ def rebalanced(speeds: Sequence[Sequence[float]], ratio: float) -> list[list[flo
             if place is None:
                 continue
             rate = out[j][place.replica]
-            if capacity[j] - rate >= capacity[thin] + rate:  # the no-swap rule
+            if move_pays(capacity[j] - rate, capacity[thin], rate, ratio):
                 moves.append((j, place.replica, rate))
         if not free or not moves:
             break

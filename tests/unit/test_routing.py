@@ -99,14 +99,23 @@ def test_rebalancing_moves_a_cell_only_after_the_stage_held_twice_the_capacity_f
     watch = routing.Rebalancer(ratio=2.0, after_s=10.0)
     watch.check(0.0, caps, my_stage=0)
     watch.check(5.0, [1.5, 1.0, 2.0], my_stage=0)
-    assert watch.check(12.0, caps, my_stage=0) is None
-    assert watch.check(22.0, caps, my_stage=0) == (0, 1)
+    assert watch.check(12.0, caps, my_stage=0, my_rate=1.0) is None
+    assert watch.check(22.0, caps, my_stage=0, my_rate=1.0) == (0, 1)
 
 
 def test_a_move_that_would_only_swap_the_bottleneck_is_not_made() -> None:
     watch = routing.Rebalancer(ratio=2.0, after_s=0.0)
     assert watch.check(0.0, [2.0, 1.0], my_stage=0, my_rate=1.0) is None  # 1:2 after: no gain
     assert watch.check(1.0, [3.0, 1.0], my_stage=0, my_rate=1.0) == (0, 1)  # 2:2 after
+
+
+def test_a_move_pays_when_the_bottleneck_rises_and_no_move_back_would() -> None:
+    # 3:1 of about equal cells: 2:2 after, whichever way the measured rates jitter
+    assert routing.move_pays(2.0, 1.3, 1.0, 2.0) and routing.move_pays(2.0, 0.9, 1.1, 2.0)
+    assert not routing.move_pays(1.0, 1.0, 1.0, 2.0)  # 2:1 -> 1:2: only swapped
+    # a fast cell that would make the thin stage the fat one (1.5 : 5.5): it would move back
+    assert not routing.move_pays(1.5, 1.0, 4.5, 2.0)
+    assert not routing.move_pays(4.0, 1.0, 0.0, 2.0)  # an unmeasured cell (rate 0) adds nothing
 
 
 def test_the_mover_is_the_highest_replica_and_a_lone_cell_stays() -> None:
@@ -148,7 +157,7 @@ def test_rebalanced_speeds_fill_a_thin_stages_free_cells_without_swapping_the_bo
     moved = routing.rebalanced(speeds, 2.0)
     assert moved == [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
     assert routing.pool_bound(moved) == 3.0 > routing.pool_bound(speeds)
-    # a move that would only swap the bottleneck does not happen (4 - 2 < 2 + 2)
+    # a move that would only swap the bottleneck does not happen (4:2 would be 2:4)
     assert routing.rebalanced([[2.0, 2.0], [2.0, 0.0]], 2.0) == [[2.0, 2.0], [2.0, 0.0]]
     # a thin stage with no free cell takes nobody: every cell of a full grid stays
     full = [[0.25, 0.25, 0.5, 1.0], [1.0, 1.0, 1.0, 1.0]]

@@ -132,3 +132,12 @@ def test_the_arms_the_frontier_turns_on_run_first_on_each_seed(base):
     assert order[:3] == ["P4 full bf16", "P4 learned 16x", "P4 learned 32x int4"]
     assert sorted(order) == sorted(f"P4 {a}" for a, _ in study.arms(base, 4))
     assert [s.seed for s in specs] == [0] * 10 + [1] * 10  # seed by seed
+
+
+def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
+    at4, at8 = study.lr_grid(4), study.lr_grid(8)
+    assert at4 == study.LR_GRID  # P = 4's finished sweep keeps its runs
+    for arm, lrs in at8.items():
+        assert list(lrs) == sorted(lrs) and set(study.LR_GRID[arm]) < set(lrs)
+        assert min(lrs) == min(study.LR_GRID[arm]) / 2
+    assert study.lr_grid(8, quick=True) == study.QUICK_LRS

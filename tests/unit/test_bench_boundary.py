@@ -139,5 +139,5 @@ def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
     assert at4 == study.LR_GRID  # P = 4's finished sweep keeps its runs
     for arm, lrs in at8.items():
         assert list(lrs) == sorted(lrs) and set(study.LR_GRID[arm]) < set(lrs)
-        assert min(lrs) == min(study.LR_GRID[arm]) / 2
+        assert min(lrs) <= min(study.LR_GRID[arm]) / 2
     assert study.lr_grid(8, quick=True) == study.QUICK_LRS

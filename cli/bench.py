@@ -229,7 +229,8 @@ def bench_boundary(
     method at 8-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
     (a d 64 or d 192 Llama on the Shakespeare bytes, 1.6M tokens a run, unless --config/--set
     say otherwise)."""
-    from mesh.bench.boundary import STUDY_DEFAULTS, WIDTHS, run_boundary, table
+    from mesh.bench.boundary import STUDY_DEFAULTS, WIDTHS, run_boundary
+    from mesh.bench.boundary_report import table
 
     chosen = parse_seeds(seeds)
     # the study's model unless a config file names one (--set overrides either)
@@ -249,9 +250,15 @@ def bench_boundary(
     # the default study at full budget is what `plan --uplink-mbit` ships with
     publish = not quick and out == "results/boundary" and not config_files and not overrides
     summary = run_boundary(
-        base, Path(out), quick, workers, chosen, tuple(stages) if stages else None, report_only,
+        base,
+        Path(out),
+        quick,
+        workers,
+        chosen,
+        tuple(stages) if stages else None,
+        report_only,
         publish,
-    )  # fmt: skip
+    )
     click.echo(table(summary))
 
 

@@ -80,6 +80,11 @@ def bench_nat(out: str) -> None:
     type=click.Choice(["gpu-mix", "dead-10", "churn"]),
     help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
 )
+@click.option(
+    "--keep-runs",
+    is_flag=True,
+    help="Keep each arm's run directory (its cells' metrics rows) under OUT/runs/.",
+)
 def bench_pools(
     out: str,
     quick: bool,
@@ -89,6 +94,7 @@ def bench_pools(
     report_only: bool,
     overrides: tuple[str, ...],
     only: tuple[str, ...],
+    keep_runs: bool,
 ) -> None:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
     4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
@@ -106,7 +112,7 @@ def bench_pools(
         summary = pools.report_only(Path(out))
     else:
         try:
-            summary = pools.run_study(Path(out), quick, steps, overrides, only)
+            summary = pools.run_study(Path(out), quick, steps, overrides, only, keep_runs)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
     click.echo((Path(out) / "table.md").read_text(), nl=False)

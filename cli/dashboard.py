@@ -27,8 +27,9 @@ def dht_source(initial_peers: list[str], run_id: str, run_key: str | None) -> tu
     from cli.status import KEY_OK, key_error, read_status
     from mesh.runtime.dashboard.live import LiveView
 
-    scout = open_scout(initial_peers, run_id, client_mode=True,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    scout = open_scout(
+        initial_peers, run_id, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
     view = LiveView()
 
     def source() -> dict[str, Any]:

@@ -102,17 +102,22 @@ def open_scout(initial_peers: list[str], run_id: str, **kwargs: Any) -> Any:
 
 
 def check_reach(
-    scout: Any, initial_peers: list[str], announce_maddrs: list[str], client_mode: bool,
+    scout: Any,
+    initial_peers: list[str],
+    announce_maddrs: list[str],
+    client_mode: bool,
     skip: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Before a claim: can the other peers dial this one? A peer of the run (the bootstrap
     first) dials the scout back at its announced addresses (comms/p2p/dialback.py); the scout
     listens where the cell will (--host-maddrs; with /tcp/0 on another port, which tells the
     same for a machine that is not behind NAT). Unreachable: JoinError with the fix, no claim.
     A client-mode peer is reached through a relay instead: not checked."""
     if client_mode:
-        click.echo("reachability: not checked (--client-mode: other peers reach this one "
-                   "through a relay, which a reachable peer of the run provides)")  # fmt: skip
+        click.echo(
+            "reachability: not checked (--client-mode: other peers reach this one "
+            "through a relay, which a reachable peer of the run provides)"
+        )
         return
     if skip:
         click.echo("reachability: not checked (--skip-reach-check)")
@@ -282,8 +287,10 @@ def run_join(
         options["relay_limits"] = RelayLimits(t.relay_time_limit_s, mib)
     if identity:
         options["identity_path"] = identity
-    click.echo(f"joined run {run_id!r} as {cell_name(j, i)} (grid {cfg.grid.stages}x"
-               f"{cfg.grid.replicas}); metrics and checkpoints in {out}")  # fmt: skip
+    click.echo(
+        f"joined run {run_id!r} as {cell_name(j, i)} (grid {cfg.grid.stages}x"
+        f"{cfg.grid.replicas}); metrics and checkpoints in {out}"
+    )
     # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
     # appears; the scout's claim (this process's DHT node is gone) expires by itself
     _run_here(cfg, j, i, out, options, run_key, since - 1e-3)
@@ -303,9 +310,14 @@ def _data_reference(cfg: Config) -> dict[str, Any] | None:
 
 
 def _run_here(
-    cfg: Config, j: int, i: int, out: Path, options: dict[str, Any], run_key: str | None,
+    cfg: Config,
+    j: int,
+    i: int,
+    out: Path,
+    options: dict[str, Any],
+    run_key: str | None,
     since: float,
-) -> None:  # fmt: skip
+) -> None:
     """Run the cell in this process (no second interpreter to start: the replica resumes
     sooner), a progress bar drawn from its metrics by a thread, with a line above it for each
     thing the cell does (cli/events.py); then the summary, and exit: 0 after the run's end or a
@@ -383,7 +395,7 @@ def _run_here(
             "rounds applied/failed",
             "rejects",
             "lives",
-        ],  # fmt: skip
+        ],
         [
             [
                 cell_name(j, i),

@@ -97,8 +97,18 @@ def simulate_logical(
         if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint
             save_grid(sim, cfg, out)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    headers = ["grid", "steps", "tokens", "val loss", "val bits/byte", "data unigram/bigram",
-               "loss/bigram", "pp B/replica/step", "dp B/replica/step", "wall s"]  # fmt: skip
+    headers = [
+        "grid",
+        "steps",
+        "tokens",
+        "val loss",
+        "val bits/byte",
+        "data unigram/bigram",
+        "loss/bigram",
+        "pp B/replica/step",
+        "dp B/replica/step",
+        "wall s",
+    ]
     print_table(
         headers,
         [

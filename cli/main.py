@@ -328,8 +328,9 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
     from cli.report import print_table
     from cli.status import STATUS_HEADERS, data_label, key_error, read_status, status_table
 
-    scout = open_scout(list(initial_peers), run_id, client_mode=True,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+    scout = open_scout(
+        list(initial_peers), run_id, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
     try:
         rows = read_status(scout, run_key)
     finally:
@@ -349,8 +350,10 @@ def status(initial_peers: tuple[str, ...], as_json: bool, run_id: str, run_key: 
         for pool in rows.get("pools") or []:  # stage pools: each stage's cells and capacity
             share = pool["cross_replica_share"]
             cross = "" if share is None else f", {share:.0%} of its traffic to other replicas"
-            click.echo(f"stage {pool['stage']} pool: {pool['cells']} cells, capacity "
-                       f"{pool['capacity_tps']:,.0f} tokens/s{cross}")  # fmt: skip
+            click.echo(
+                f"stage {pool['stage']} pool: {pool['cells']} cells, capacity "
+                f"{pool['capacity_tps']:,.0f} tokens/s{cross}"
+            )
     if problem:
         click.echo(f"error: {problem}", err=True)
     sys.stdout.flush()

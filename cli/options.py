@@ -81,14 +81,19 @@ def grid_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A grid's shorthands (simulate, train): --grid, --steps, --method and --init-from; they
     become config keys through shorthand_overrides and with_method."""
     options = [
-        click.option("--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / "
-                     "replicas."),
+        click.option(
+            "--grid", default=None, metavar="PxM", help="Shorthand for grid.stages / replicas."
+        ),
         click.option("--steps", type=int, default=None, help="Shorthand for run.steps."),
         click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync."),
-        click.option("--init-from", type=click.Path(file_okay=False, exists=True), default=None,
-                     help="Start from a Hugging Face LlamaForCausalLM directory's weights "
-                     "(shorthand for model.init_from; its config.json gives the model keys)."),
-    ]  # fmt: skip
+        click.option(
+            "--init-from",
+            type=click.Path(file_okay=False, exists=True),
+            default=None,
+            help="Start from a Hugging Face LlamaForCausalLM directory's weights "
+            "(shorthand for model.init_from; its config.json gives the model keys).",
+        ),
+    ]
     for option in reversed(options):  # listed in --help's order
         fn = option(fn)
     return fn

@@ -93,11 +93,21 @@ def plan(
             pp, dp = link_mbps(c, cfg, tokens_per_s)
             fits = c.total_bytes <= memory
             rows.append({**c.as_dict(), "fits": fits, "pp_up_mbps": pp, "dp_up_mbps": dp})
-        click.echo(json.dumps({"tokens_per_s": tokens_per_s,
-                               "precision": cfg.runtime.precision, "masters": "fp32",
-                               "memory_bytes": memory, "memory_source": source,
-                               "stages_that_fit": stages_that_fit(cells, memory),
-                               "take_stage": take, "cells": rows}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "tokens_per_s": tokens_per_s,
+                    "precision": cfg.runtime.precision,
+                    "masters": "fp32",
+                    "memory_bytes": memory,
+                    "memory_source": source,
+                    "stages_that_fit": stages_that_fit(cells, memory),
+                    "take_stage": take,
+                    "cells": rows,
+                },
+                indent=2,
+            )
+        )
         return
     m, g = cfg.model, cfg.grid
     click.echo(
@@ -107,21 +117,47 @@ def plan(
         f"{cfg.runtime.precision} compute, optimizer {cfg.optim.name}"
         + (" (8-bit states)" if cfg.optim.state_8bit else "")
     )
-    headers = ["stage", "layers", "params", "weights GB", "stash GB (versions)", "grads GB",
-               "optimizer GB", "drift+EF GB", "averaging GB", "in flight GB (mb)",
-               "mailboxes GB", "activations GB", "total GB", f"fits {_gb_short(memory)} GB",
-               f"pp up Mbit/s ({cfg.pipeline.codec})",
-               f"dp up Mbit/s ({cfg.dp.codec})"]  # fmt: skip
+    headers = [
+        "stage",
+        "layers",
+        "params",
+        "weights GB",
+        "stash GB (versions)",
+        "grads GB",
+        "optimizer GB",
+        "drift+EF GB",
+        "averaging GB",
+        "in flight GB (mb)",
+        "mailboxes GB",
+        "activations GB",
+        "total GB",
+        f"fits {_gb_short(memory)} GB",
+        f"pp up Mbit/s ({cfg.pipeline.codec})",
+        f"dp up Mbit/s ({cfg.dp.codec})",
+    ]
     rows = []
     for c in cells:
         pp, dp = link_mbps(c, cfg, tokens_per_s)
-        rows.append([c.stage, c.layers, f"{c.params:,}", _gb(c.weights_bytes),
-                     f"{_gb(c.stash_bytes)} ({c.versions})", _gb(c.grad_bytes),
-                     _gb(c.optimizer_bytes), _gb(c.drift_bytes + c.error_feedback_bytes),
-                     _gb(c.averaging_bytes), f"{_gb(c.inflight_bytes)} ({c.inflight})",
-                     _gb(c.transport_bytes), _gb(c.activation_bytes), _gb(c.total_bytes),
-                     "yes" if c.total_bytes <= memory else "no",
-                     f"{pp:,.0f}", f"{dp:,.0f}"])  # fmt: skip
+        rows.append(
+            [
+                c.stage,
+                c.layers,
+                f"{c.params:,}",
+                _gb(c.weights_bytes),
+                f"{_gb(c.stash_bytes)} ({c.versions})",
+                _gb(c.grad_bytes),
+                _gb(c.optimizer_bytes),
+                _gb(c.drift_bytes + c.error_feedback_bytes),
+                _gb(c.averaging_bytes),
+                f"{_gb(c.inflight_bytes)} ({c.inflight})",
+                _gb(c.transport_bytes),
+                _gb(c.activation_bytes),
+                _gb(c.total_bytes),
+                "yes" if c.total_bytes <= memory else "no",
+                f"{pp:,.0f}",
+                f"{dp:,.0f}",
+            ]
+        )
     print_table(headers, rows)
     click.echo("")
     on_host = memory_gb is None and not gpus
@@ -130,9 +166,11 @@ def plan(
     click.echo(f"\nuplink per cell at {tokens_per_s:,.0f} tokens/s by codec (Mbit/s):")
     print_table(
         ["codec", "pipeline (busiest cell)", "averaging (largest stage)"],
-        [[codec, "-" if pp is None else f"{pp:,.0f}", "-" if dp is None else f"{dp:,.0f}"]
-         for codec, pp, dp in uplink_by_codec(cfg, tokens_per_s)],
-    )  # fmt: skip
+        [
+            [codec, "-" if pp is None else f"{pp:,.0f}", "-" if dp is None else f"{dp:,.0f}"]
+            for codec, pp, dp in uplink_by_codec(cfg, tokens_per_s)
+        ],
+    )
 
 
 def local_gpus() -> list[tuple[str, int]]:
@@ -335,19 +373,39 @@ def _uplink(
     shown = up.per_option(cands, uplink)
     tie = None if best is None else tie_note(best, cands, uplink)
     if as_json:
-        rows = [{"boundary": s.option.label, "rank": s.option.rank, "codec": s.option.codec,
-                 "compression": s.option.compression, "interval_steps": s.interval_steps,
-                 "needs_mbps": list(s.needs_mbps), "fits": s.busiest_mbps <= uplink,
-                 "cost": s.cost} for s in shown]  # fmt: skip
+        rows = [
+            {
+                "boundary": s.option.label,
+                "rank": s.option.rank,
+                "codec": s.option.codec,
+                "compression": s.option.compression,
+                "interval_steps": s.interval_steps,
+                "needs_mbps": list(s.needs_mbps),
+                "fits": s.busiest_mbps <= uplink,
+                "cost": s.cost,
+            }
+            for s in shown
+        ]
         chosen = (
             None
             if best is None
             else {**best.option.overrides(), "dp.interval_steps": best.interval_steps}
         )
         mem = None if memory is None else {k: v for k, v in memory.items() if k != "lines"}
-        click.echo(json.dumps({"uplink_mbit": uplink, "tokens_per_s": tokens_per_s,
-                               "measured_costs": source, "options": rows, "chosen": chosen,
-                               "tie": tie, "memory": mem}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "uplink_mbit": uplink,
+                    "tokens_per_s": tokens_per_s,
+                    "measured_costs": source,
+                    "options": rows,
+                    "chosen": chosen,
+                    "tie": tie,
+                    "memory": mem,
+                },
+                indent=2,
+            )
+        )
     else:
         for line in (memory or {}).get("lines", []):
             click.echo(line)
@@ -359,14 +417,29 @@ def _uplink(
             f"uplink {uplink:g} Mbit/s a cell at {tokens_per_s:,.0f} tokens/s a replica "
             f"({P} stages x {cfg.grid.replicas} replicas; pipeline + averaging, Mbit/s):"
         )
-        headers = ["pipeline boundary", "width", "vs bf16", "dp.interval_steps",
-                   *[f"stage {j}" for j in range(P)], "fits", "measured loss cost"]  # fmt: skip
+        headers = [
+            "pipeline boundary",
+            "width",
+            "vs bf16",
+            "dp.interval_steps",
+            *[f"stage {j}" for j in range(P)],
+            "fits",
+            "measured loss cost",
+        ]
         rows = []
         for s in shown:
             mark = " <- chosen" if best is not None and s.option == best.option else ""
-            rows.append([s.option.label + mark, s.option.rank, f"{s.option.compression:.1f}x",
-                         s.interval_steps, *[f"{n:,.1f}" for n in s.needs_mbps],
-                         "yes" if s.busiest_mbps <= uplink else "no", _pct(s.cost)])  # fmt: skip
+            rows.append(
+                [
+                    s.option.label + mark,
+                    s.option.rank,
+                    f"{s.option.compression:.1f}x",
+                    s.interval_steps,
+                    *[f"{n:,.1f}" for n in s.needs_mbps],
+                    "yes" if s.busiest_mbps <= uplink else "no",
+                    _pct(s.cost),
+                ]
+            )
         print_table(headers, rows)
     if best is None:
         lean = up.leanest(cands)

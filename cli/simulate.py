@@ -81,10 +81,15 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
         # Ctrl-C is a stop like SIGTERM (every cell saved; a second one stops at once)
         with stop_signals(ctrl_c=True) as stop, evaluating:
             run = run_grid(
-                cfg, out, resume=resume, on_progress=bar.goto, on_notice=bar.note,
-                replica_steps=point.replica_steps if point is not None else None, stop=stop,
+                cfg,
+                out,
+                resume=resume,
+                on_progress=bar.goto,
+                on_notice=bar.note,
+                replica_steps=point.replica_steps if point is not None else None,
+                stop=stop,
                 cell_steps=point.cell_steps if point is not None else None,
-            )  # fmt: skip
+            )
         if run.ok:
             bar.goto(cfg.run.steps)
     if not run.ok and not run.interrupted:
@@ -163,10 +168,20 @@ ROUNDS_NOTE = (
 
 def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     headers = [
-        "grid", "steps", "tokens", "tokens/s", "of ideal", "val loss", "val bits/byte",
-        "data unigram/bigram", "loss/bigram", "pp B/replica/step",
-        "dp B/replica/step", "rounds started/applied/failed/in flight", "rejects",
-    ]  # fmt: skip
+        "grid",
+        "steps",
+        "tokens",
+        "tokens/s",
+        "of ideal",
+        "val loss",
+        "val bits/byte",
+        "data unigram/bigram",
+        "loss/bigram",
+        "pp B/replica/step",
+        "dp B/replica/step",
+        "rounds started/applied/failed/in flight",
+        "rejects",
+    ]
     r = summary["rounds"]
     in_flight = r["rounds_started"] - r["rounds_applied"] - r["rounds_failed"]
     rounds = f"{r['rounds_started']}/{r['rounds_applied']}/{r['rounds_failed']}/{in_flight}"
@@ -266,8 +281,9 @@ def plot_run(cfg: Config, out: Path) -> None:
     title = (
         f"{cfg.grid.stages}x{cfg.grid.replicas} {cfg.pipeline.schedule}, {cfg.transport.backend}"
     )
-    plot_curves(curves, out / "loss.png", "tokens (all replicas)", "loss (nats/token)", title,
-                styles=styles)  # fmt: skip
+    plot_curves(
+        curves, out / "loss.png", "tokens (all replicas)", "loss (nats/token)", title, styles=styles
+    )
 
 
 def _fmt_fraction(x: float | None) -> str:

@@ -136,12 +136,14 @@ def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]
         recs = [r for c, r in owned.items() if running(r) and stage_of(c) == j]
         routed = sum((r.stats or {}).get("routed", 0) for r in recs)
         cross = sum((r.stats or {}).get("cross", 0) for r in recs)
-        out.append({
-            "stage": j,
-            "cells": len(recs),
-            "capacity_tps": round(sum(r.tps for r in recs), 1),
-            "cross_replica_share": round(cross / routed, 3) if routed else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "stage": j,
+                "cells": len(recs),
+                "capacity_tps": round(sum(r.tps for r in recs), 1),
+                "cross_replica_share": round(cross / routed, 3) if routed else None,
+            }
+        )
     return out
 
 

@@ -111,8 +111,9 @@ def run_train(
     """Everything `train` does in this process; never returns (the cell's exit code)."""
     place = place_from_env(os.environ)
     cfg = train_config(cfg, place)
-    stage, replica = cell_of_rank(place.rank, cfg.grid.stages, cfg.grid.replicas,
-                                  place.ranks_per_node)  # fmt: skip
+    stage, replica = cell_of_rank(
+        place.rank, cfg.grid.stages, cfg.grid.replicas, place.ranks_per_node
+    )
     cfg = with_overrides(cfg, {"transport.host": node_address(place, host)})
     from cli.preflight import check_data, check_machine
 
@@ -150,8 +151,16 @@ def _run_cell_process(
     lost = STORE_LOST.format(cell=cell_name(stage, replica), addr=addr)
     watch_store(place, cell_name(stage, replica), ended, lambda: click.echo(lost, err=True))
     tree = cfg.model_dump(mode="json")
-    run = functools.partial(run_cell, tree, stage, replica, str(out), options,
-                            local_rank=place.local_rank, coordinator=coordinator)  # fmt: skip
+    run = functools.partial(
+        run_cell,
+        tree,
+        stage,
+        replica,
+        str(out),
+        options,
+        local_rank=place.local_rank,
+        coordinator=coordinator,
+    )
     code = cell_life(out, stage, replica, run)
     ended.set()
     line, trained = ending(out, stage, replica, code, cfg.run.steps)
@@ -179,8 +188,10 @@ def ending(out: Path, stage: int, replica: int, code: int, steps: int) -> tuple[
     if code == 0 and any(r.get("final") for r in last):
         return f"cell {name}: trained to step {step} of {steps} ({out})", True
     if code == 0:
-        return (f"cell {name}: stopped at step {step}, checkpoint saved in {out}; the same "
-                "command continues it"), False  # fmt: skip
+        return (
+            f"cell {name}: stopped at step {step}, checkpoint saved in {out}; the same "
+            "command continues it"
+        ), False
     report = failure_path(out, stage, replica)
     why = report.read_text().splitlines()[0] if report.is_file() else f"exit {code}"
     if code == 2:
@@ -195,8 +206,10 @@ def print_placement(cfg: Config, ranks_per_node: int) -> None:
     if ranks_per_node < 1:
         raise ConfigError(f"--placement {ranks_per_node}: give the processes per node (>= 1)")
     world = cfg.grid.stages * cfg.grid.replicas
-    print_table(["rank", "node", "cell"], placement_table(cfg.grid.stages, cfg.grid.replicas,
-                                                          ranks_per_node))  # fmt: skip
+    print_table(
+        ["rank", "node", "cell"],
+        placement_table(cfg.grid.stages, cfg.grid.replicas, ranks_per_node),
+    )
     if world % ranks_per_node:
         click.echo(f"({world} ranks do not fill nodes of {ranks_per_node}: replica-major)")
 

@@ -315,8 +315,11 @@ def _int4_encode(
     nf = n // bs
     rotated = flat.clone() if nf * bs < n else flat.new_empty(n)
     if nf:
-        torch.mm(flat[: nf * bs].view(nf, bs), _hadamard(bs, flat.device),
-                 out=rotated[: nf * bs].view(nf, bs))  # fmt: skip
+        torch.mm(
+            flat[: nf * bs].view(nf, bs),
+            _hadamard(bs, flat.device),
+            out=rotated[: nf * bs].view(nf, bs),
+        )
     scales = _block_absmax(rotated, bs) / _INT4_QMAX
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: no 0/0
     _per_block(torch.div, rotated, scales, bs, rotated)

@@ -269,8 +269,9 @@ class GroupMeans:
                 me = self.link.me
                 raise ValueError(f"{me!r} is not in a group {group!r} (closed: {self._closed})")
             if members != g.members:
-                raise ValueError(f"group {group!r} members are {list(g.members or ())}, got "
-                                 f"{list(members)}")  # fmt: skip
+                raise ValueError(
+                    f"group {group!r} members are {list(g.members or ())}, got {list(members)}"
+                )
         elif g is None:
             g = self._groups[group] = _Group(members)
         return g

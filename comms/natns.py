@@ -114,9 +114,12 @@ def nat_homes(n: int) -> Iterator[NatHomes]:
             run("ip", "-n", home, "route", "add", "default", "via", f"10.79.{k + 1}.1")
             run(*topo.cmd(rt, "sysctl", "-qw", "net.ipv4.ip_forward=1"))
             nft = subprocess.run(
-                topo.cmd(rt, "nft", "-f", "-"), input=_nat_rules(wan), capture_output=True,
-                text=True, timeout=10,
-            )  # fmt: skip
+                topo.cmd(rt, "nft", "-f", "-"),
+                input=_nat_rules(wan),
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if nft.returncode != 0:
                 raise RuntimeError(f"nft in {rt}: {nft.stderr.strip()}")
         yield topo

@@ -130,8 +130,22 @@ def drop_new_connections(pair: NetnsPair) -> None:
     # TCP (protocol 6) with SYN set and ACK clear (flags byte at 20 + 13 behind an optionless
     # IPv4 header): a new connection's first packet
     syn = ["match", "ip", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12", "at", "33"]
-    _run(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", *syn,
-         "flowid", "1:20")  # fmt: skip
+    _run(
+        *tc,
+        "filter",
+        "add",
+        *dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        *syn,
+        "flowid",
+        "1:20",
+    )
 
 
 def measure_mbps(pair: NetnsPair, nbytes: int, app_mbps: float | None = None) -> float:

@@ -363,8 +363,13 @@ def _unpack(buf: object, expect: Expect, check_finite: bool) -> Message | Reject
     if isinstance(h, Reject):
         return h
     kind, codec, block_size, step, name, shape = (
-        h.kind, h.codec, h.block_size, h.step, h.name, h.shape
-    )  # fmt: skip
+        h.kind,
+        h.codec,
+        h.block_size,
+        h.step,
+        h.name,
+        h.shape,
+    )
     data_len, scales_len, crc, body_at = h.data_len, h.scales_len, h.crc, h.body_at
     end = body_at + data_len + scales_len
     if size < end:

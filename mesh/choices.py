@@ -13,7 +13,7 @@ ARCHS = ("gpt", "llama")  # mesh/model/build.py FAMILIES
 SCHEDULES = ("gpipe", "1f1b", "async", "2bw")  # mesh/algo/schedule.py
 BOUNDARIES = ("full", "subspace", "learned")  # mesh/algo/boundary.py
 ROUTINGS = ("fixed", "pools")  # mesh/algo/routing.py
-POOL_CHOICES = ("load", "seeded")  # mesh/algo/routing.py
+POOL_CHOICES = ("load", "delay", "seeded")  # mesh/algo/routing.py
 OPTIMIZERS = ("nadamw", "adamw", "muon", "rotated_adam")  # mesh/algo/optim.py
 DP_MODES = ("none", "grad_allreduce", "param_avg")
 CORRECTIONS = ("ema", "delta", "replace")  # mesh/algo/sparse.py
@@ -49,3 +49,6 @@ __all__ = [
     "SCHEDULES",
     "SELECTORS",
 ]
+
+# pipeline.pool_stream_window = "auto" keeps at most this many times pool_window in flight
+STREAM_WINDOW_CAP = 4

@@ -155,12 +155,23 @@ class PipelineConfig(_Section):
         description="pools: microbatches a cell holds at most (each with its stashed weight "
         "version); a full cell refuses new work and the sender picks another",
     )
+    pool_stream_window: Annotated[int, Field(ge=1)] | Literal["window", "auto"] = Field(
+        "auto",
+        description="pools: microbatches a stream (a stage-0 cell) keeps in flight: auto = "
+        "enough to cover the time its microbatches spend downstream, from "
+        "its measured round trip and compute (Little's law), between pool_window and "
+        f"{choices.STREAM_WINDOW_CAP}x it; window = pool_window; or a number (>= 1). More in "
+        "flight keeps a fast stream's device busy and adds staleness",
+    )
     pool_choice: Literal[choices.POOL_CHOICES] = Field(
-        "load",
-        description="pools: load = a next cell drawn with probability ~ its measured rate / "
-        "(its queue + 1) (SWARM); seeded = drawn uniformly from the pool by a pure function of "
-        "(seed, stream, microbatch, stage), and each cell takes its microbatches one at a "
-        "time in (microbatch, stream) order: reproduces the simulator exactly",
+        "delay",
+        description="pools: delay = two next cells drawn with probability ~ its measured rate "
+        "/ (its queue + 1), of which the one that would finish the microbatch first, "
+        "(queue + 1) / rate (the power of two choices: a slow cell's queue stays short); "
+        "load = one cell so drawn (SWARM's stochastic wiring); seeded = drawn uniformly from "
+        "the pool by a pure function of (seed, stream, microbatch, stage), and each cell "
+        "takes its microbatches one at a time in (microbatch, stream) order: reproduces the "
+        "simulator exactly",
     )
 
     def extra_warmups(self) -> list[int] | None:
@@ -348,6 +359,7 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
         "routing",
         "pool_window",
         "pool_choice",
+        "pool_stream_window",
     ),
     "optim": ("delay_lr_share",),
     "dp": (

@@ -31,8 +31,14 @@ def run_arm(args: tuple[str, int]) -> dict:
 
     name, steps = args
     with tempfile.TemporaryDirectory() as tmp:
-        toml = tiny_grid_config(Path(tmp), None, steps=steps, d_model=SOAK_D_MODEL,
-                                seq_len=SOAK_SEQ_LEN, schedule_steps=steps)  # fmt: skip
+        toml = tiny_grid_config(
+            Path(tmp),
+            None,
+            steps=steps,
+            d_model=SOAK_D_MODEL,
+            seq_len=SOAK_SEQ_LEN,
+            schedule_steps=steps,
+        )
         cfg = load_config([str(toml)], ["transport.backend=torch", *ARMS[name]])
         r = GridSim(cfg).run()
     return {"arm": name, "val_loss": r.val_loss, "curve": r.curve, "train": r.train_curve}
@@ -74,8 +80,13 @@ def write(runs: list[dict], out: Path, steps: int) -> None:
     ]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     curves = {r["arm"]: [(c["step"], c["val_loss"]) for c in r["curve"]] for r in runs}
-    plot_curves(curves, out / "loss.png", "update", "validation loss (nats/byte)",
-                "fp8 rounding random-walks into the weights; feedback removes it")  # fmt: skip
+    plot_curves(
+        curves,
+        out / "loss.png",
+        "update",
+        "validation loss (nats/byte)",
+        "fp8 rounding random-walks into the weights; feedback removes it",
+    )
 
 
 if __name__ == "__main__":

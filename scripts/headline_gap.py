@@ -48,8 +48,9 @@ def main() -> None:
     rows = [(row, "AsyncMesh-fp8", change) for row, change in ROWS.items() if change is not None]
     study, specs, budget = study_variants(out, "decomposition", rows)
     seeds = study["seeds"]["dp"]
-    runs = run_specs(load_config([]), specs, budget, Path("runs/decomposition"), a.workers,
-                     "decomposition")  # fmt: skip
+    runs = run_specs(
+        load_config([]), specs, budget, Path("runs/decomposition"), a.workers, "decomposition"
+    )
     loss: dict[str, dict[int, float]] = {}
     for r in study["runs"]:
         if r["study"] == "dp" and r["method"] in ("FullSync", "AsyncMesh-fp8"):

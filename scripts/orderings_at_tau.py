@@ -41,8 +41,14 @@ def main() -> None:
     study, specs, budget = study_variants(out, "orderings", variants, chosen)
     seeds = sorted({s.seed for s in specs})
     tuned, _ = load_tuned(out / "tuning.json")
-    runs = run_specs(load_config([]), specs, budget, Path(f"runs/orderings_tau{a.tau}"),
-                     a.workers, f"tau {a.tau}")  # fmt: skip
+    runs = run_specs(
+        load_config([]),
+        specs,
+        budget,
+        Path(f"runs/orderings_tau{a.tau}"),
+        a.workers,
+        f"tau {a.tau}",
+    )
     loss: dict[str, dict[int, float]] = {}
     for r in runs:
         loss.setdefault(r["method"], {})[r["seed"]] = r["val_loss"]
@@ -51,8 +57,14 @@ def main() -> None:
     for method in methods:
         vals = loss[method]
         mean = sum(vals.values()) / len(vals)
-        rows.append([method, f"{mean:.4f}", fmt_interval(paired_interval(vals, fs)),
-                     fmt_interval(paired_interval(vals, loss["AsyncMesh-fp8"]))])  # fmt: skip
+        rows.append(
+            [
+                method,
+                f"{mean:.4f}",
+                fmt_interval(paired_interval(vals, fs)),
+                fmt_interval(paired_interval(vals, loss["AsyncMesh-fp8"])),
+            ]
+        )
     lines = [
         f"# The orderings at tau = {a.tau}",
         "",
@@ -70,7 +82,7 @@ def main() -> None:
                 "gap to AsyncMesh-fp8 (paired)",
             ],
             rows,
-        ),  # fmt: skip
+        ),
         "",
     ]
     (out / f"orderings_tau{a.tau}.md").write_text("\n".join(lines))

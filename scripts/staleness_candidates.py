@@ -96,8 +96,9 @@ def main() -> None:
         picked = [(BASELINE, "AsyncMesh-fp8", {})]
         picked += [(n, "AsyncMesh-fp8", CANDIDATES[n]) for n in chosen]
         _, specs, budget = study_variants(out, "candidates", picked, seeds)
-        evaluated = _losses(run_specs(base, specs, budget, Path("runs/candidates"), a.workers,
-                                      "evaluation", known))  # fmt: skip
+        evaluated = _losses(
+            run_specs(base, specs, budget, Path("runs/candidates"), a.workers, "evaluation", known)
+        )
     fs = cached_losses(base, out, "FullSync", seeds)  # where the study has it
     for name, change in CANDIDATES.items():
         entry = saved["candidates"].setdefault(name, {})
@@ -126,8 +127,16 @@ def _write_table(saved: dict[str, Any], path: Path, budget: int) -> None:
     ref_e = by_seed(saved["baseline"].get("evaluation", {}))
     fs = by_seed(saved.get("fullsync", {}).get("evaluation", {}))
     own_gap = paired_interval(ref_e, fs, relative=True) if ref_e else None
-    rows = [[BASELINE, "-", " / ".join(f"{v:.4f}" for _, v in sorted(ref_t.items())), "", "",
-             fmt_interval(own_gap, pct=True) if own_gap else ""]]  # fmt: skip
+    rows = [
+        [
+            BASELINE,
+            "-",
+            " / ".join(f"{v:.4f}" for _, v in sorted(ref_t.items())),
+            "",
+            "",
+            fmt_interval(own_gap, pct=True) if own_gap else "",
+        ]
+    ]
     ranked = sorted(
         saved["candidates"].items(),
         key=lambda kv: (
@@ -140,14 +149,16 @@ def _write_table(saved: dict[str, Any], path: Path, budget: int) -> None:
         if not t:
             rows.append([name, change, "not run", "", "", ""])
             continue
-        rows.append([
-            name,
-            change,
-            " / ".join(f"{v:.4f}" for _, v in sorted(t.items())),
-            fmt_interval(paired_interval(t, ref_t)),
-            fmt_interval(paired_interval(e, ref_e)) if e else "not evaluated",
-            fmt_interval(paired_interval(e, fs, relative=True), pct=True) if e and fs else "",
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                change,
+                " / ".join(f"{v:.4f}" for _, v in sorted(t.items())),
+                fmt_interval(paired_interval(t, ref_t)),
+                fmt_interval(paired_interval(e, ref_e)) if e else "not evaluated",
+                fmt_interval(paired_interval(e, fs, relative=True), pct=True) if e and fs else "",
+            ]
+        )
     seeds = sorted(ref_e) or "-"
     lines = [
         "# Candidates against the asynchronous pipeline's staleness (AsyncMesh-fp8, P = 4)",
@@ -169,7 +180,7 @@ def _write_table(saved: dict[str, Any], path: Path, budget: int) -> None:
                 "gap to FullSync, evaluation seeds",
             ],
             rows,
-        ),  # fmt: skip
+        ),
         "",
     ]
     path.write_text("\n".join(lines))

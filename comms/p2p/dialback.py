@@ -222,5 +222,11 @@ def checked_answer(answer: object) -> dict[str, Any] | None:
     ):
         return None
     refused = answer.get("refused") is True
-    return {"ok": ok, "via": via, "why": why[:300], "observed": obs, "skipped": skipped[:16],
-            "refused": refused}  # fmt: skip
+    return {
+        "ok": ok,
+        "via": via,
+        "why": why[:300],
+        "observed": obs,
+        "skipped": skipped[:16],
+        "refused": refused,
+    }

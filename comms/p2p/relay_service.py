@@ -107,8 +107,14 @@ async def served_limit(p2p: Any, relay: Any, timeout_s: float = ASK_S) -> tuple[
 
 async def start_probe(create: Any) -> Any:
     """A throwaway p2pd that only asks (no listening, no relay, a DHT client)."""
-    return await create(no_listen=True, auto_nat=False, nat_port_map=False, use_relay=False,
-                        dht_mode="client", startup_timeout=15)  # fmt: skip
+    return await create(
+        no_listen=True,
+        auto_nat=False,
+        nat_port_map=False,
+        use_relay=False,
+        dht_mode="client",
+        startup_timeout=15,
+    )
 
 
 async def own_limit(p2p: Any, probe: Any) -> tuple[int, int] | None:
@@ -170,9 +176,13 @@ def check_relay_service(limits: RelayLimits, tries: int = TRIES) -> None:
                 if got == want:
                     return p2p
                 if attempt == tries:
-                    logger.warning("relay service answers %s, not %s, after %d starts of "
-                                   "p2pd: relayed connections get that limit", got, want,
-                                   tries)  # fmt: skip
+                    logger.warning(
+                        "relay service answers %s, not %s, after %d starts of "
+                        "p2pd: relayed connections get that limit",
+                        got,
+                        want,
+                        tries,
+                    )
                     return p2p
                 await p2p.shutdown()
                 p2p = await create(*args, **kwargs)

@@ -18,6 +18,7 @@ of a stage that has held `ratio` x the thinnest stage's capacity for `after_s` m
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,15 +33,28 @@ def weights(rates: Sequence[float | None], queues: Sequence[int]) -> list[float]
     the mean of the measured ones, so a newcomer gets its share from the start."""
     if len(rates) != len(queues):
         raise ValueError(f"{len(rates)} rates for {len(queues)} queues")
-    known = [r for r in rates if r is not None and r > 0]
-    prior = sum(known) / len(known) if known else PRIOR_RATE
     out = []
-    for rate, queue in zip(rates, queues, strict=True):
+    for r, queue in zip(resolved_rates(rates), queues, strict=True):
         if queue < 0:
             raise ValueError(f"queue {queue} < 0")
-        r = rate if rate is not None and rate > 0 else prior
         out.append(r / (queue + 1))
     return out
+
+
+def resolved_rates(rates: Sequence[float | None]) -> list[float]:
+    """The rates weights() uses: an unmeasured one (None or <= 0) is the measured ones' mean."""
+    known = [r for r in rates if r is not None and r > 0]
+    prior = sum(known) / len(known) if known else PRIOR_RATE
+    return [r if r is not None and r > 0 else prior for r in rates]
+
+
+def pick_by_delay(rates: Sequence[float | None], queues: Sequence[int], u: float, v: float) -> int:
+    """Two candidates drawn by weights (u, then v), of which the one that would finish the new
+    microbatch first: the smaller (queue + 1) / rate, the first drawn on a tie (the power of
+    two choices: it keeps a slow cell's queue short where a draw alone sends it its share)."""
+    a, b = pick(weights(rates, queues), u), pick(weights(rates, queues), v)
+    rs = resolved_rates(rates)
+    return a if (queues[a] + 1) / rs[a] <= (queues[b] + 1) / rs[b] else b
 
 
 def pick(ws: Sequence[float], u: float) -> int:
@@ -60,6 +74,16 @@ def pick(ws: Sequence[float], u: float) -> int:
         if w > 0 and target < acc:
             return k
     return last  # rounding at the top end
+
+
+def stream_window(round_trip_s: float | None, own_s: float | None, floor: int, cap: int) -> int:
+    """The microbatches a stream (a stage-0 cell of a pool) keeps in flight so that its own
+    device never waits (Little's law): each microbatch is out downstream for round_trip_s and
+    takes own_s of this cell's compute, so ceil(round_trip_s / own_s) + 1 cover the wait,
+    within [floor, cap]. floor until both are measured."""
+    if not round_trip_s or not own_s:
+        return floor
+    return max(floor, min(cap, math.ceil(round_trip_s / own_s) + 1))
 
 
 def unit(*key: int | str) -> float:
@@ -272,9 +296,14 @@ class LoadBook:
     def queue(self, cell: str) -> int:
         return self.others.get(cell, 0) + self.mine.get(cell, 0)
 
-    def choose(self, cells: Sequence[str], u: float, window: int | None = None) -> str:
-        """A cell drawn by rate / (queue + 1); with `window`, among the cells whose queue as
-        this sender knows it is below the window (a full cell would refuse), if any is."""
+    def choose(
+        self, cells: Sequence[str], u: float, window: int | None = None, v: float | None = None
+    ) -> str:
+        """A cell drawn by rate / (queue + 1); with v, the sooner done of two so drawn
+        (pick_by_delay); with `window`, among the cells whose queue as this sender knows it is
+        below the window (a full cell would refuse), if any is."""
         room = [c for c in cells if window is None or self.queue(c) < window] or list(cells)
-        ws = weights([self.rate.get(c) for c in room], [self.queue(c) for c in room])
-        return room[pick(ws, u)]
+        rates, queues = [self.rate.get(c) for c in room], [self.queue(c) for c in room]
+        if v is not None:
+            return room[pick_by_delay(rates, queues, u, v)]
+        return room[pick(weights(rates, queues), u)]

@@ -26,13 +26,24 @@ from mesh.algo.sentinel import (
 def sentinel_state(sentinel: Sentinel) -> list[dict[str, object]]:
     """Every stream's statistics, sorted by (sender, kind)."""
     return [
-        {"sender": sender, "kind": kind, "seen": s.seen, "accepted": s.accepted,
-         "dropped": s.dropped, "flagged": s.flagged, "since": s.since, "mean": dict(s.mean),
-         "slope": dict(s.slope), "learned": dict(s.learned), "streak": dict(s.streak),
-         "deviations": {k: list(d) for k, d in s.deviations.items()},
-         "recent": list(s.recent), "table": _table_state(s.table)}
+        {
+            "sender": sender,
+            "kind": kind,
+            "seen": s.seen,
+            "accepted": s.accepted,
+            "dropped": s.dropped,
+            "flagged": s.flagged,
+            "since": s.since,
+            "mean": dict(s.mean),
+            "slope": dict(s.slope),
+            "learned": dict(s.learned),
+            "streak": dict(s.streak),
+            "deviations": {k: list(d) for k, d in s.deviations.items()},
+            "recent": list(s.recent),
+            "table": _table_state(s.table),
+        }
         for (sender, kind), s in sorted(sentinel.streams.items())
-    ]  # fmt: skip
+    ]
 
 
 def load_sentinel_state(sentinel: Sentinel, state: object) -> None:
@@ -105,9 +116,16 @@ def _stats_of(entry: object) -> SenderStats | None:
         return None
     seen, accepted, dropped, since = counts
     return SenderStats(
-        seen=seen, accepted=accepted, dropped=dropped, flagged=entry["flagged"],
-        mean=dict(entry["mean"]), slope=dict(entry["slope"]), learned=dict(entry["learned"]),
+        seen=seen,
+        accepted=accepted,
+        dropped=dropped,
+        flagged=entry["flagged"],
+        mean=dict(entry["mean"]),
+        slope=dict(entry["slope"]),
+        learned=dict(entry["learned"]),
         streak=dict(entry.get("streak", {})),
         deviations={k: deque(v, maxlen=SCALE_WINDOW) for k, v in devs.items()},
-        table=table, recent=deque(recent), since=since,
-    )  # fmt: skip
+        table=table,
+        recent=deque(recent),
+        since=since,
+    )

@@ -178,8 +178,10 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 "" if row == FULL else fmt_gap(gap),
             ]
         )
-    verdicts = [[name, "n/a" if ok is None else ("holds" if ok else "DOES NOT HOLD")]
-                for name, ok in orderings(summary["runs"])]  # fmt: skip
+    verdicts = [
+        [name, "n/a" if ok is None else ("holds" if ok else "DOES NOT HOLD")]
+        for name, ok in orderings(summary["runs"])
+    ]
     lines = [
         "# The paper's ablations at our scale",
         "",
@@ -209,6 +211,9 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 for k in range(n)
             ]
     plot_curves(
-        curves, out / "loss.png", "tokens (all replicas)", "validation loss (nats/byte)",
+        curves,
+        out / "loss.png",
+        "tokens (all replicas)",
+        "validation loss (nats/byte)",
         "Ablations of AsyncMesh, 8x2 grid",
-    )  # fmt: skip
+    )

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.ablations import best_lr
-from mesh.bench.regime import data_reference, rule_fields, rule_line
-from mesh.bench.report import fmt_gap, paired_gap
+from mesh.bench.boundary_report import MAPL_BAND, PUBLISHED, REFERENCE, write_outputs
+from mesh.bench.regime import data_reference, rule_fields
+from mesh.bench.report import paired_gap
 from mesh.bench.simruns import Spec, read_runs, reuse, run_specs
 from mesh.config import Config
 from mesh.engine import measured
@@ -46,7 +47,6 @@ from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.engine.uplink import INT4_CODEC, arm_label
 from mesh.methods import METHODS
 from mesh.model.build import stage_param_counts
-from mesh.report import format_table, pyplot
 
 FP8_RATIOS = {"learned": (8, 16, 32), "subspace": (8, 16)}
 INT4_STUDY_RATIOS = (32, 64)
@@ -63,14 +63,21 @@ LR_GRID_EXTRA = {8: {"full bf16": (1e-3, 2e-3), "FullSync": (4e-3,)}}
 QUICK_LRS = {"full bf16": (4e-3,), "FullSync": (8e-3,)}
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
-REFERENCE = "full bf16"
 # the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)
 WIDTHS = {
-    64: ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.intermediate_size=172"],
-    192: ["model.d_model=192", "model.n_heads=6", "model.n_kv_heads=2",
-          "model.intermediate_size=512"],
-}  # fmt: skip
+    64: [
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.intermediate_size=172",
+    ],
+    192: [
+        "model.d_model=192",
+        "model.n_heads=6",
+        "model.n_kv_heads=2",
+        "model.intermediate_size=512",
+    ],
+}
 # the study's model, unless the command line says otherwise
 STUDY_DEFAULTS = [
     "model.arch=llama",
@@ -82,16 +89,6 @@ STUDY_DEFAULTS = [
     *WIDTHS[64],
 ]
 ANCHOR_RANK = 16
-# published points, drawn at the bytes per token they would mean for our boundary (bf16 / ratio)
-PUBLISHED = [
-    ("SSN (claimed)", 100, 0.0),  # arXiv 2506.01260: up to 100x, "no convergence degradation"
-    ("SSN (MAPL, token-matched)", 100, 0.14),  # arXiv 2606.05484: up to ~14% worse
-    ("MAPL", 4, 0.01),  # 4-16x at ~1% loss, 150M-1B LLaMA
-    ("MAPL", 16, 0.01),
-]
-# MAPL's equal-token results (its workshop version), drawn as a band: (ratio, low %, high %)
-# of loss cost, 4-8x within about 2% and 16x at about 3%
-MAPL_BAND = [(4, 0.0, 2.0), (8, 0.0, 2.0), (16, 1.0, 3.0)]
 
 
 def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
@@ -105,15 +102,22 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     out = [
         (REFERENCE, {**async_, "pipeline.codec": "bf16"}),
         ("full fp8", {**async_, "pipeline.codec": "fp8_e4m3"}),
-        ("FullSync", {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4,
-                      "pipeline.codec": "bf16"}),
-    ]  # fmt: skip
+        (
+            "FullSync",
+            {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4, "pipeline.codec": "bf16"},
+        ),
+    ]
     compressed = [(m, ratio, "fp8_e4m3") for m, ratios in FP8_RATIOS.items() for ratio in ratios]
     compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_STUDY_RATIOS]
     for method, ratio, codec in compressed:
         rank = rank_for_compression(tokens, d, ratio, codec)
-        ov = {**async_, "pipeline.codec": codec, "pipeline.boundary": method,
-              "pipeline.boundary_rank": rank, "pipeline.anchor_rank": ANCHOR_RANK}  # fmt: skip
+        ov = {
+            **async_,
+            "pipeline.codec": codec,
+            "pipeline.boundary": method,
+            "pipeline.boundary_rank": rank,
+            "pipeline.anchor_rank": ANCHOR_RANK,
+        }
         out.append((arm_label(method, ratio, codec), ov))
     return out
 
@@ -139,15 +143,30 @@ def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, .
         if arm in lrs:
             for lr in lrs[arm]:
                 s = _spec(arm, ov, seed, lr)
-                specs.append(Spec(s.study, f"{s.method} lr={lr:g}", seed, s.microbatches_per_update,
-                                  s.overrides))  # fmt: skip
+                specs.append(
+                    Spec(
+                        s.study,
+                        f"{s.method} lr={lr:g}",
+                        seed,
+                        s.microbatches_per_update,
+                        s.overrides,
+                    )
+                )
     return specs
 
 
 # the order the arms run in on each seed: the reference, then the arms the frontier question
 # turns on (a study stopped part way has those first), the baselines last
-RUN_FIRST = ("full bf16", "learned 16x", "learned 32x int4", "learned 32x", "learned 64x int4",
-             "learned 8x", "subspace 16x", "subspace 8x")  # fmt: skip
+RUN_FIRST = (
+    "full bf16",
+    "learned 16x",
+    "learned 32x int4",
+    "learned 32x",
+    "learned 64x int4",
+    "learned 8x",
+    "subspace 16x",
+    "subspace 8x",
+)
 
 
 def build_specs(base: Config, stages: int, seeds: list[int], lrs: dict[str, float]) -> list[Spec]:
@@ -185,18 +204,26 @@ def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> lis
         rel = {s: v / ref[s] for s, v in losses.items() if s in ref}
         gap = paired_gap(rel, dict.fromkeys(rel, 1.0))
         bpb = [r["val_bpb"] for r in got.values() if r.get("val_bpb") is not None]
-        rows.append({
-            "arm": arm, "method": method, "P": stages, "rank": rank, "codec": codec,
-            "schedule": "gpipe" if arm == "FullSync" else "async",
-            "compression": round(full_bf16 / nbytes, 3),
-            "bytes_per_token": round(nbytes / tokens, 4),
-            "val_loss": _mean(list(losses.values())),
-            "val_bpb": _mean(bpb),
-            "loss_gap": None if gap is None else round(gap[0], 5),
-            "loss_gap_se": None if gap is None or not math.isfinite(gap[1]) else round(gap[1], 5),
-            "seeds": sorted(got),
-            "diverged": sum(bool(r.get("diverged")) for r in got.values()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "arm": arm,
+                "method": method,
+                "P": stages,
+                "rank": rank,
+                "codec": codec,
+                "schedule": "gpipe" if arm == "FullSync" else "async",
+                "compression": round(full_bf16 / nbytes, 3),
+                "bytes_per_token": round(nbytes / tokens, 4),
+                "val_loss": _mean(list(losses.values())),
+                "val_bpb": _mean(bpb),
+                "loss_gap": None if gap is None else round(gap[0], 5),
+                "loss_gap_se": None
+                if gap is None or not math.isfinite(gap[1])
+                else round(gap[1], 5),
+                "seeds": sorted(got),
+                "diverged": sum(bool(r.get("diverged")) for r in got.values()),
+            }
+        )
     return rows
 
 
@@ -243,8 +270,11 @@ def held_depths(
     lrs = {int(p): v for p, v in old.get("lrs", {}).items() if int(p) not in stages}
 
     def kept(key: str) -> list[dict[str, Any]]:
-        return [r for r in old.get(key, [])
-                if _depth(r) in lrs and r.get("microbatches") == microbatches]  # fmt: skip
+        return [
+            r
+            for r in old.get(key, [])
+            if _depth(r) in lrs and r.get("microbatches") == microbatches
+        ]
 
     runs = kept("runs")
     lrs = {p: v for p, v in lrs.items() if p in {_depth(r) for r in runs}}
@@ -275,10 +305,19 @@ def run_boundary(
     tuned: dict[int, dict[str, float]] = {}
     sweeps, runs = [], []
     for p in stages:
-        sweep = run(base, lr_specs(base, p, TUNE_SEED, lr_grid(p, quick)), budget, out, workers,
-                    f"boundary P={p}: lr", known)  # fmt: skip
-        got = {arm: [r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")]
-               for arm in (REFERENCE, "FullSync")}  # fmt: skip
+        sweep = run(
+            base,
+            lr_specs(base, p, TUNE_SEED, lr_grid(p, quick)),
+            budget,
+            out,
+            workers,
+            f"boundary P={p}: lr",
+            known,
+        )
+        got = {
+            arm: [r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")]
+            for arm in (REFERENCE, "FullSync")
+        }
         if all(got.values()):
             tuned[p] = {arm: best_lr(rs) for arm, rs in got.items()}
         sweeps += sweep
@@ -291,8 +330,10 @@ def run_boundary(
     rows = [row for p in stages for row in summarize_rows(base, runs, p)]
     best = frontier(rows)
     summary = {
-        "model": {k: getattr(base.model, k) for k in ("arch", "d_model", "n_layers", "vocab_size",
-                                                      "seq_len")},
+        "model": {
+            k: getattr(base.model, k)
+            for k in ("arch", "d_model", "n_layers", "vocab_size", "seq_len")
+        },
         "params": sum(stage_param_counts(base.model, 1)),
         "data": base.data.path or "Shakespeare bytes (the default corpus)",
         "microbatch_tokens": base.tokens_per_microbatch,
@@ -300,22 +341,25 @@ def run_boundary(
         "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
         "seeds": seeds,
         "tune_seed": TUNE_SEED,
-        "lr_grid": {str(p): {arm: list(v) for arm, v in lr_grid(p, quick).items()}
-                    for p in stages},
+        "lr_grid": {str(p): {arm: list(v) for arm, v in lr_grid(p, quick).items()} for p in stages},
         "lrs": {str(p): v for p, v in tuned.items()},
         "anchor_rank": ANCHOR_RANK,
         "quick": quick,
         "complete": all(r["seeds"] == sorted(seeds) for r in rows) and bool(rows),
         "rows": rows,
-        "best_within_1pct": {str(p): r and {k: r[k] for k in ("arm", "compression", "loss_gap")}
-                             for p, r in ((p, best.get(p)) for p in stages)},
-        "published": [{"name": n, "compression": c, "reported_loss_cost": g}
-                      for n, c, g in PUBLISHED],
-        "mapl_equal_token_band": [{"compression": c, "loss_cost_pct": [lo, hi]}
-                                  for c, lo, hi in MAPL_BAND],
+        "best_within_1pct": {
+            str(p): r and {k: r[k] for k in ("arm", "compression", "loss_gap")}
+            for p, r in ((p, best.get(p)) for p in stages)
+        },
+        "published": [
+            {"name": n, "compression": c, "reported_loss_cost": g} for n, c, g in PUBLISHED
+        ],
+        "mapl_equal_token_band": [
+            {"compression": c, "loss_cost_pct": [lo, hi]} for c, lo, hi in MAPL_BAND
+        ],
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s_of_runs": round(sum(r["wall_s"] for r in [*sweeps, *runs]), 1),
-    }  # fmt: skip
+    }
     summary.update(rule_fields("boundary", summary, data_reference(base)))
     summary.update(lr_sweep=sweeps, runs=runs)
     write_outputs(summary, out)
@@ -339,125 +383,3 @@ def _cached(
     nothing: the specs without a finished run are left out."""
     found = reuse([*known, *read_runs(out / "runs.partial.jsonl")], specs, base, budget)
     return sorted((r for r in found if r is not None), key=lambda r: (r["method"], r["seed"]))
-
-
-def table(summary: dict[str, Any]) -> str:
-    rows = []
-    for r in summary["rows"]:
-        gap = None if r["loss_gap"] is None else (r["loss_gap"], r["loss_gap_se"] or math.nan)
-        na = "not run" if not r["seeds"] else "n/a"
-        rows.append([
-            r["P"], r["arm"], r["rank"], r["codec"], f"{r['compression']:.1f}x",
-            f"{r['bytes_per_token']:.2f}",
-            na if r["val_loss"] is None else f"{r['val_loss']:.4f}",
-            na if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
-            na if gap is None else fmt_gap((100 * gap[0], 100 * gap[1])) + " %",
-            len(r["seeds"]),
-        ])  # fmt: skip
-    headers = ["P", "arm", "width", "codec", "vs bf16", "B/token/boundary", "val loss",
-               "val bits/byte", "gap vs full bf16 async", "seeds"]  # fmt: skip
-    m = summary["model"]
-    params = f"{summary['params'] / 1e6:.2f}M parameters, " if summary.get("params") else ""
-    lines = [
-        f"# Stage boundaries: loss against bytes at equal tokens ({summary['tokens_per_run']:,} "
-        f"tokens a run)",
-        "",
-        f"{m['arch']} d {m['d_model']} x {m['n_layers']} layers ({params}vocab {m['vocab_size']}, "
-        f"seq {m['seq_len']}), {summary['tokens_per_run']:,} tokens a run, on {summary['data']}; "
-        f"grid P x 1; seeds {summary['seeds']} (lrs tuned on seed {summary['tune_seed']}: "
-        f"{summary['lrs']}); learned anchors of rank {summary['anchor_rank']}. Gap: mean over "
-        "seeds of loss / reference loss - 1, +- its standard error.",
-        "",
-        rule_line(summary),
-        "",
-    ]
-    if summary.get("complete") is False:
-        lines += [
-            "**Part of the study**: the rows marked 'not run', or with fewer seeds than "
-            "the study's, are still to run (the study resumes where it stopped).",
-            "",
-        ]
-    lines += [
-        format_table(headers, rows),
-        "",
-    ]
-    for p, r in summary["best_within_1pct"].items():
-        lines.append(
-            f"- P = {p}: " + ("no compressed arm within 1%" if r is None else
-                              f"most compressed within 1%: {r['arm']} ({r['compression']:.1f}x, "
-                              f"{100 * r['loss_gap']:+.2f}%)")
-        )  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def write_outputs(summary: dict[str, Any], out: Path) -> None:
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "table.md").write_text(table(summary))
-    plot(summary, out / "tradeoff.png")
-
-
-def plot(summary: dict[str, Any], path: Path) -> None:
-    """Loss gap (%) against bytes per token per boundary, one line per method and P; the
-    published points at the bytes their ratio means here."""
-    plt = pyplot()
-    if plt is None:
-        return
-
-    rows = summary["rows"]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    full_bf16 = next((r["bytes_per_token"] for r in rows if r["arm"] == REFERENCE), None)
-    markers = {4: "o", 8: "s", 2: "^"}
-    lines = {("learned", "fp8_e4m3"): "-", ("subspace", "fp8_e4m3"): "--",
-             ("learned", INT4_CODEC): "-."}  # fmt: skip
-    for p in sorted({r["P"] for r in rows}):
-        for (method, codec), ls in lines.items():
-            pts = sorted(
-                (r["bytes_per_token"], 100 * r["loss_gap"])
-                for r in rows
-                if r["P"] == p and r["method"] == method and r["codec"] == codec
-                and r["loss_gap"] is not None
-            )  # fmt: skip
-            if pts:
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    marker=markers.get(p, "o"),
-                    ls=ls,
-                    label=f"{method} {codec.split('_')[0]}, P={p}",
-                )
-        for r in rows:
-            if r["P"] == p and r["arm"] in ("full fp8", "FullSync") and r["loss_gap"] is not None:
-                ax.scatter([r["bytes_per_token"]], [100 * r["loss_gap"]], marker="x",
-                           label=f"{r['arm']}, P={p}")  # fmt: skip
-    if full_bf16:
-        band = summary.get("mapl_equal_token_band") or [
-            {"compression": c, "loss_cost_pct": [lo, hi]} for c, lo, hi in MAPL_BAND
-        ]
-        xs = [full_bf16 / b["compression"] for b in band]
-        ax.fill_between(xs, [b["loss_cost_pct"][0] for b in band],
-                        [b["loss_cost_pct"][1] for b in band], color="grey", alpha=0.2,
-                        label="MAPL, equal tokens (4-8x within ~2%, 16x ~3%)")  # fmt: skip
-        for name, ratio, gap in PUBLISHED:
-            ax.scatter([full_bf16 / ratio], [100 * gap], marker="*", s=90, color="grey")
-            ax.annotate(name, (full_bf16 / ratio, 100 * gap), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")  # fmt: skip
-    ax.axhline(1.0, color="red", lw=0.8, ls=":", label="1% gap")
-    ax.axhline(0.0, color="black", lw=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per token per boundary, each way (full bf16 = reference)")
-    ax.set_ylabel("validation loss gap vs full bf16 async (%)")
-    m, ratio = summary["model"], summary.get("reference_to_bigram_ratio")
-    where = "" if ratio is None else f", reference at {ratio:.2f} x bigram CE"
-    ax.set_title(
-        f"Stage boundaries at equal tokens: {m['arch']} d {m['d_model']}, "
-        f"{summary['tokens_per_run'] / 1e6:.2f}M tokens a run{where}",
-        fontsize=10,
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)

@@ -370,18 +370,33 @@ def to_markdown(s: dict) -> str:
     load = f"{s['load_avg_start']:.1f} at the start, {s['load_avg_end']:.1f} at the end"
     out += [f"{s['cpus']} CPUs; load average {load} (other work skews the times).", ""]
     out += ["## Codecs (block 128)", ""]
-    out += table(s["codecs"], ["name", "bytes_per_value", "rel_err_median", "rel_err_max",
-                               "encode_mb_s", "decode_mb_s"])  # fmt: skip
+    out += table(
+        s["codecs"],
+        ["name", "bytes_per_value", "rel_err_median", "rel_err_max", "encode_mb_s", "decode_mb_s"],
+    )
     out += ["## Transports (loopback, 2 processes, fp32 tensors; MB = 1e6 B)", ""]
-    out += table(s["transports"], ["backend", "payload_bytes", "mb_s", "p50_ms", "p99_ms",
-                                   "gloo_raw_mb_s"])  # fmt: skip
+    out += table(
+        s["transports"], ["backend", "payload_bytes", "mb_s", "p50_ms", "p99_ms", "gloo_raw_mb_s"]
+    )
     out += [f"## Background mean ({REPLICAS} replicas, 5% of a 10M-parameter stage)", ""]
-    out += table(s["averaging"], ["backend", "replicas", "payload_values", "codec", "round_ms",
-                                  "round_ms_max", "statuses"])  # fmt: skip
+    out += table(
+        s["averaging"],
+        ["backend", "replicas", "payload_values", "codec", "round_ms", "round_ms_max", "statuses"],
+    )
     out += ["## Link shaping (in-app; kernel tbf cross-check as root)", ""]
-    out += table(s["shaping"], ["profile", "target_mbps", "measured_mbps", "target_latency_ms",
-                                "measured_latency_ms", "kernel_mbps", "app_tcp_mbps",
-                                "kernel_check"])  # fmt: skip
+    out += table(
+        s["shaping"],
+        [
+            "profile",
+            "target_mbps",
+            "measured_mbps",
+            "target_latency_ms",
+            "measured_latency_ms",
+            "kernel_mbps",
+            "app_tcp_mbps",
+            "kernel_check",
+        ],
+    )
     return "\n".join(out)
 
 

@@ -315,15 +315,25 @@ def _headline_by_seed(dp: dict[str, dict[int, float]]) -> list[str]:
     if not seeds:
         return []
     rows = [
-        [str(s), f"{fs[s]:.4f}", f"{am8[s]:.4f}", f"{am8[s] - fs[s]:+.4f}",
-         f"{100 * (am8[s] / fs[s] - 1):+.2f}%"]
+        [
+            str(s),
+            f"{fs[s]:.4f}",
+            f"{am8[s]:.4f}",
+            f"{am8[s] - fs[s]:+.4f}",
+            f"{100 * (am8[s] / fs[s] - 1):+.2f}%",
+        ]
         for s in seeds
-    ]  # fmt: skip
+    ]
     nats, pct = paired_interval(am8, fs), paired_interval(am8, fs, relative=True)
     rows.append(
-        ["mean", f"{_mean(fs):.4f}", f"{_mean(am8):.4f}", fmt_interval(nats),
-         fmt_interval(pct, pct=True)]
-    )  # fmt: skip
+        [
+            "mean",
+            f"{_mean(fs):.4f}",
+            f"{_mean(am8):.4f}",
+            fmt_interval(nats),
+            fmt_interval(pct, pct=True),
+        ]
+    )
     return [
         "## The headline seed by seed",
         "",
@@ -370,8 +380,10 @@ def _like_for_like(out: Path, seeds: set[int]) -> list[str]:
     path = out / "like_for_like.json"
     saved = json.loads(path.read_text()) if path.is_file() else {"evaluation": {}}
     if saved.get("withdrawn"):
-        return [f"- like for like ([like_for_like.md](like_for_like.md)): withdrawn, "
-                f"{saved['withdrawn']}"]  # fmt: skip
+        return [
+            f"- like for like ([like_for_like.md](like_for_like.md)): withdrawn, "
+            f"{saved['withdrawn']}"
+        ]
     ev = {k: {int(s): v for s, v in d.items()} for k, d in saved["evaluation"].items()}
     fs = ev.get("FullSync rotated_adam", {})
     gap = paired_interval(ev.get("AsyncMesh-fp8 rotated_adam", {}), fs, relative=True)

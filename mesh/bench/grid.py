@@ -54,9 +54,18 @@ class LocalGrid:
         """Start `meshtrain join` as peer `name` (run dir tmp/name, log tmp/name.log)."""
         log = (self.tmp / f"{name}.log").open("w")
         self.started[name] = time.monotonic()
-        p = meshtrain("join", "--initial-peers", self.maddr, *LOOPBACK,
-                      "--out", str(self.out(name)), *extra,
-                      stdout=log, stderr=subprocess.STDOUT, env_extra=LIGHT_ENV)  # fmt: skip
+        p = meshtrain(
+            "join",
+            "--initial-peers",
+            self.maddr,
+            *LOOPBACK,
+            "--out",
+            str(self.out(name)),
+            *extra,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env_extra=LIGHT_ENV,
+        )
         log.close()  # the child holds its own copy
         self.joins[name] = p
         return p
@@ -82,8 +91,9 @@ class LocalGrid:
     def wait_joined(self, name: str, timeout_s: float) -> None:
         def joined() -> bool:
             if self.joins[name].poll() is not None:
-                raise RuntimeError(f"{name} exited {self.joins[name].returncode}: "
-                                   f"{self.log(name)[-1500:]}")  # fmt: skip
+                raise RuntimeError(
+                    f"{name} exited {self.joins[name].returncode}: {self.log(name)[-1500:]}"
+                )
             return "joined run" in self.log(name)
 
         wait_for(joined, timeout_s, f"{name} to join", 0.2)

@@ -43,14 +43,18 @@ def summarize(runs: list[dict[str, Any]], intervals: tuple[int, ...]) -> list[di
         gap = paired_gap(rel, dict.fromkeys(rel, 1.0))
         losses = [r["val_loss"] for r in got.values()]
         dp = [r["dp_bytes_per_replica_step"] for r in got.values()]
-        rows.append({
-            "interval_steps": h,
-            "dp_bytes_per_replica_step": _mean(dp),
-            "val_loss": _mean(losses),
-            "loss_gap": None if gap is None else round(gap[0], 5),
-            "loss_gap_se": None if gap is None or not math.isfinite(gap[1]) else round(gap[1], 5),
-            "seeds": sorted(got),
-        })  # fmt: skip
+        rows.append(
+            {
+                "interval_steps": h,
+                "dp_bytes_per_replica_step": _mean(dp),
+                "val_loss": _mean(losses),
+                "loss_gap": None if gap is None else round(gap[0], 5),
+                "loss_gap_se": None
+                if gap is None or not math.isfinite(gap[1])
+                else round(gap[1], 5),
+                "seeds": sorted(got),
+            }
+        )
     return rows
 
 
@@ -93,14 +97,17 @@ def run_interval(base: Config, study_dir: Path, workers: int, quick: bool = Fals
 
 def table(summary: dict[str, Any]) -> str:
     rows = [
-        [r["interval_steps"],
-         "n/a" if (b := r["dp_bytes_per_replica_step"]) is None else f"{b:,.0f}",
-         "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
-         "n/a" if r["loss_gap"] is None
-         else fmt_gap((100 * r["loss_gap"], 100 * (r["loss_gap_se"] or math.nan))) + " %",
-         len(r["seeds"])]
+        [
+            r["interval_steps"],
+            "n/a" if (b := r["dp_bytes_per_replica_step"]) is None else f"{b:,.0f}",
+            "n/a" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+            "n/a"
+            if r["loss_gap"] is None
+            else fmt_gap((100 * r["loss_gap"], 100 * (r["loss_gap_se"] or math.nan))) + " %",
+            len(r["seeds"]),
+        ]
         for r in summary["rows"]
-    ]  # fmt: skip
+    ]
     head = (
         f"# Averaging interval: a round every H updates ({summary['method']}, "
         f"{summary['grid']}, {summary['microbatches_per_replica']} microbatches a replica, "

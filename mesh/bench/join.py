@@ -94,9 +94,17 @@ def one_grid(tmp: Path) -> dict[str, Any]:
     def join(name: str, *extra: str) -> None:
         log = (tmp / f"{name}.log").open("w")
         started[name] = time.monotonic()
-        joins[name] = meshtrain("join", "--initial-peers", maddr, *LOOPBACK,
-                                "--out", str(tmp / name), *extra,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        joins[name] = meshtrain(
+            "join",
+            "--initial-peers",
+            maddr,
+            *LOOPBACK,
+            "--out",
+            str(tmp / name),
+            *extra,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     try:
         join("j0", "--config", str(cfg))
@@ -122,8 +130,9 @@ def one_grid(tmp: Path) -> dict[str, Any]:
         stop(dht)
         at_stop = step(tmp / survivor)
         wait_for(lambda: step(tmp / survivor) >= at_stop + 10, WAIT_S, "training on", POLL_S)
-        code, out, took = run_meshtrain("join", "--initial-peers", maddr, *LOOPBACK,
-                                        timeout_s=WAIT_S)  # fmt: skip
+        code, out, took = run_meshtrain(
+            "join", "--initial-peers", maddr, *LOOPBACK, timeout_s=WAIT_S
+        )
         if code != 2 or "DHT" not in out:
             raise RuntimeError(f"a join naming a dead bootstrap exited {code}: {out[-2000:]}")
         result["dead_bootstrap_to_error_s"] = round(took, 2)
@@ -205,8 +214,9 @@ def to_markdown(summary: dict[str, Any]) -> str:
     rows = []
     for name, (label, what) in MEASURES.items():
         s = summary["stats"][name]
-        rows.append([label, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}", s["n"],
-                     what])  # fmt: skip
+        rows.append(
+            [label, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}", s["n"], what]
+        )
     table = format_table(["measure", "median s", "min s", "max s", "n", "from - to"], rows)
     m = summary["machine"]
     return (

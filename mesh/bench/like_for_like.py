@@ -49,8 +49,10 @@ LABEL = "like_for_like"
 
 def _score(runs: list[dict[str, Any]]) -> float:
     vals = [r.get("val_loss") for r in runs]
-    if not vals or any(v is None or not math.isfinite(v) or r.get("diverged")
-                       for v, r in zip(vals, runs, strict=True)):  # fmt: skip
+    if not vals or any(
+        v is None or not math.isfinite(v) or r.get("diverged")
+        for v, r in zip(vals, runs, strict=True)
+    ):
         return math.inf
     return statistics.mean(vals)
 
@@ -62,13 +64,17 @@ def best_of(runs: list[dict[str, Any]], names: list[str]) -> str:
 
 
 def fullsync_variants() -> list[tuple[str, str, dict[str, Any]]]:
-    return [(f"FullSync rotated_adam lr {lr:g}", "FullSync", {**ROTATED, "optim.lr": lr})
-            for lr in FULLSYNC_LRS]  # fmt: skip
+    return [
+        (f"FullSync rotated_adam lr {lr:g}", "FullSync", {**ROTATED, "optim.lr": lr})
+        for lr in FULLSYNC_LRS
+    ]
 
 
 def async_lr_variants() -> list[tuple[str, str, dict[str, Any]]]:
-    return [(f"AsyncMesh-fp8 rotated_adam lr {lr:g}", "AsyncMesh-fp8", {**ROTATED, "optim.lr": lr})
-            for lr in ASYNC_LRS]  # fmt: skip
+    return [
+        (f"AsyncMesh-fp8 rotated_adam lr {lr:g}", "AsyncMesh-fp8", {**ROTATED, "optim.lr": lr})
+        for lr in ASYNC_LRS
+    ]
 
 
 def async_stage2_variants(lr_change: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -109,12 +115,16 @@ def run_like_for_like(base: Config, study_dir: Path, workers: int) -> dict[str, 
     async_all = async_lr_variants() + async_stage2_variants(lr_change)
     best_async = best_of(lr1 + st2, [n for n, _, _ in async_all])
     best_fs = best_of(fs, [n for n, _, _ in fullsync_variants()])
-    chosen = {"FullSync": _change(fullsync_variants(), best_fs),
-              "AsyncMesh-fp8": _change(async_all, best_async)}  # fmt: skip
+    chosen = {
+        "FullSync": _change(fullsync_variants(), best_fs),
+        "AsyncMesh-fp8": _change(async_all, best_async),
+    }
     mb = base.pipeline.microbatch_size
-    final = [("FullSync rotated_adam", "FullSync", chosen["FullSync"]),
-             ("AsyncMesh-fp8 rotated_adam", "AsyncMesh-fp8", chosen["AsyncMesh-fp8"]),
-             batch_variant(chosen["AsyncMesh-fp8"], mb)]  # fmt: skip
+    final = [
+        ("FullSync rotated_adam", "FullSync", chosen["FullSync"]),
+        ("AsyncMesh-fp8 rotated_adam", "AsyncMesh-fp8", chosen["AsyncMesh-fp8"]),
+        batch_variant(chosen["AsyncMesh-fp8"], mb),
+    ]
     ev = run(final, evaluation, "like for like: evaluation")
     summary = {
         "tuning_seeds": tune_on,
@@ -129,7 +139,7 @@ def run_like_for_like(base: Config, study_dir: Path, workers: int) -> dict[str, 
         "evaluation": {
             name: {r["seed"]: r["val_loss"] for r in ev if r["method"] == name}
             for name, _, _ in final
-        },  # fmt: skip
+        },
         "runs": ev,
     }
     write_outputs(summary, study_dir)
@@ -164,24 +174,26 @@ def table(summary: dict[str, Any]) -> str:
     for r in summary["tuning_runs"]:
         by_name.setdefault(r["method"], []).append(r["val_loss"])
     tuned = [[n, " / ".join(f"{v:.4f}" for v in vs)] for n, vs in by_name.items()]
-    return "\n".join([
-        "# The headline like for like: both arms with rotated_adam, equal tuning budgets",
-        "",
-        f"The convergence study's 4x2 grid, {summary['microbatches_per_replica']} microbatches "
-        f"per replica. Each arm tuned with {summary['tune_runs_per_seed']} settings on each "
-        f"tuning seed {summary['tuning_seeds']} (FullSync: its lr; AsyncMesh-fp8: its lr, then "
-        f"its tau and clip at the best lr); the best of each on the evaluation seeds "
-        f"{summary['evaluation_seeds']}; gaps paired by seed, mean +- SE [95% t interval], to "
-        f"FullSync with rotated_adam. The microbatch x{BATCH_FACTOR} row is the async arm at "
-        "FullSync's batch and update count (what is left of its gap is the staleness's).",
-        "",
-        format_table(["run", "val loss (mean)", "gap, nats", "gap, %"], rows),
-        "",
-        "Tuning (final loss per tuning seed):",
-        "",
-        format_table(["setting", "val loss per tuning seed"], tuned),
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# The headline like for like: both arms with rotated_adam, equal tuning budgets",
+            "",
+            f"The convergence study's 4x2 grid, {summary['microbatches_per_replica']} microbatches "
+            f"per replica. Each arm tuned with {summary['tune_runs_per_seed']} settings on each "
+            f"tuning seed {summary['tuning_seeds']} (FullSync: its lr; AsyncMesh-fp8: its lr, then "
+            f"its tau and clip at the best lr); the best of each on the evaluation seeds "
+            f"{summary['evaluation_seeds']}; gaps paired by seed, mean +- SE [95% t interval], to "
+            f"FullSync with rotated_adam. The microbatch x{BATCH_FACTOR} row is the async arm at "
+            "FullSync's batch and update count (what is left of its gap is the staleness's).",
+            "",
+            format_table(["run", "val loss (mean)", "gap, nats", "gap, %"], rows),
+            "",
+            "Tuning (final loss per tuning seed):",
+            "",
+            format_table(["setting", "val loss per tuning seed"], tuned),
+            "",
+        ]
+    )
 
 
 def write_outputs(summary: dict[str, Any], study_dir: Path) -> None:

@@ -207,9 +207,11 @@ def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dic
     flops = stage_flops_per_token(cfg, stage) * tokens
     planned = plan_cell(cfg, stage)
     predicted = (
-        planned.total_bytes - planned.averaging_bytes - planned.inflight_bytes
+        planned.total_bytes
+        - planned.averaging_bytes
+        - planned.inflight_bytes
         - planned.transport_bytes
-    )  # fmt: skip
+    )
     peak = peak_memory_bytes(cfg, stage, device)
     row: dict[str, Any] = {
         "stage": stage,

@@ -99,14 +99,25 @@ def race_round(d: Path, starts: int = RACE_STARTS) -> dict[str, Any]:
     go-libp2p's default relay service is the one answering (comms/p2p/relay_service.py)."""
     d.mkdir(parents=True, exist_ok=True)
     with nat_homes(1) as topo:
-        cmd = topo.cmd(topo.public, sys.executable, "-m", "mesh.bench.nat_probe", "race", str(d),
-                       PUBLIC_ADDR, str(starts))  # fmt: skip
+        cmd = topo.cmd(
+            topo.public,
+            sys.executable,
+            "-m",
+            "mesh.bench.nat_probe",
+            "race",
+            str(d),
+            PUBLIC_ADDR,
+            str(starts),
+        )
         subprocess.run(cmd, check=True, timeout=PROBE_WAIT_S, capture_output=True)
     answers = [tuple(a) if a else None for a in json.loads((d / "race.json").read_text())]
-    return {"starts": starts, "asked": list(nat_probe.RACE_LIMITS),
-            "default_answered": sum(a == DEFAULT_LIMIT for a in answers),
-            "ours_answered": sum(a == nat_probe.RACE_LIMITS for a in answers),
-            "answers": answers}  # fmt: skip
+    return {
+        "starts": starts,
+        "asked": list(nat_probe.RACE_LIMITS),
+        "default_answered": sum(a == DEFAULT_LIMIT for a in answers),
+        "ours_answered": sum(a == nat_probe.RACE_LIMITS for a in answers),
+        "answers": answers,
+    }
 
 
 def _cell_rates(out: Path, t0: float, t1: float) -> dict[str, float]:
@@ -115,14 +126,19 @@ def _cell_rates(out: Path, t0: float, t1: float) -> dict[str, float]:
     a = min((r for r in steps if r["time_s"] >= t0), key=lambda r: r["time_s"])
     b = max((r for r in steps if r["time_s"] <= t1), key=lambda r: r["time_s"])
     dt = max(1e-9, b["time_s"] - a["time_s"])
-    pipe = sum(b["bytes_sent"].get(k, 0) - a["bytes_sent"].get(k, 0)
-               for k in ("activation", "gradient"))  # fmt: skip
-    return {"updates_per_s": round((b["step"] - a["step"]) / dt, 1),
-            "pipeline_kb_per_s": round(pipe / dt / 1e3, 1), "window_s": round(dt, 1)}  # fmt: skip
+    pipe = sum(
+        b["bytes_sent"].get(k, 0) - a["bytes_sent"].get(k, 0) for k in ("activation", "gradient")
+    )
+    return {
+        "updates_per_s": round((b["step"] - a["step"]) / dt, 1),
+        "pipeline_kb_per_s": round(pipe / dt / 1e3, 1),
+        "window_s": round(dt, 1),
+    }
 
 
-def grid_round(text: Path, burners: int, relay_mib: float = 4096.0, relay_s: float = 1800.0
-               ) -> dict[str, Any]:  # fmt: skip
+def grid_round(
+    text: Path, burners: int, relay_mib: float = 4096.0, relay_s: float = 1800.0
+) -> dict[str, Any]:
     """The NAT grid trained WINDOW_S (after SETTLE_S), with `burners` busy processes beside,
     every relay resetting a relayed connection after relay_mib each way or relay_s."""
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
@@ -142,9 +158,13 @@ def grid_round(text: Path, burners: int, relay_mib: float = 4096.0, relay_s: flo
                     cells[cell] = _cell_rates(grid.out(cell), ends[cell], ends[cell] + WINDOW_S)
                     cells[cell]["path"] = "relayed" if cell.endswith("r1") else "direct"
                 via = [r.get("relayed_via") for r in grid.health("s0r1")][-1:]
-        return {"burners": burners, "relay_limit": [relay_s, relay_mib],
-                "load_avg_1min": [round(load0, 1), round(load1, 1)],
-                "cells": cells, "s0r1_relayed_via": via[0] if via else None}  # fmt: skip
+        return {
+            "burners": burners,
+            "relay_limit": [relay_s, relay_mib],
+            "load_avg_1min": [round(load0, 1), round(load1, 1)],
+            "cells": cells,
+            "s0r1_relayed_via": via[0] if via else None,
+        }
     finally:
         for p in spin:
             p.send_signal(signal.SIGKILL)
@@ -185,29 +205,50 @@ def table(summary: dict[str, Any]) -> str:
     lines = ["Streams from a home behind NAT (4 KiB message + 1-byte ack; one stream):", ""]
     lines += format_table(
         ["path", "RTT p50 ms", "RTT p90 ms", f"{BULK_MIB} MiB, Mbit/s"],
-        [["direct (to a public peer)", s["public"]["rtt_ms_p50"], s["public"]["rtt_ms_p90"],
-          s["public"].get("bulk_mbit_s", s["public"].get("bulk_error"))],
-         ["relayed (to another home)", s["home0"]["rtt_ms_p50"], s["home0"]["rtt_ms_p90"],
-          s["home0"].get("bulk_mbit_s", s["home0"].get("bulk_error"))]],
-    ).splitlines()  # fmt: skip
+        [
+            [
+                "direct (to a public peer)",
+                s["public"]["rtt_ms_p50"],
+                s["public"]["rtt_ms_p90"],
+                s["public"].get("bulk_mbit_s", s["public"].get("bulk_error")),
+            ],
+            [
+                "relayed (to another home)",
+                s["home0"]["rtt_ms_p50"],
+                s["home0"]["rtt_ms_p90"],
+                s["home0"].get("bulk_mbit_s", s["home0"].get("bulk_error")),
+            ],
+        ],
+    ).splitlines()
     race = summary["relay_race"]
-    lines += ["", f"Through a relay not forced public (go-libp2p's default relay): "
-              f"{dflt['relayed_bytes_arrived']} of {RESET_PROBE_MIB << 20} bytes arrived "
-              f"({dflt.get('bulk_error', 'no reset')}).",
-              f"A forced-public p2pd started {race['starts']} times without the check: the "
-              f"default relay service answered {race['default_answered']} times, "
-              f"p2pd's configured one {race['ours_answered']}.", "",
-              f"The grid (2x2 tiny model, replica 1 in two homes), updates/s over "
-              f"{WINDOW_S:.0f} s:", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Through a relay not forced public (go-libp2p's default relay): "
+        f"{dflt['relayed_bytes_arrived']} of {RESET_PROBE_MIB << 20} bytes arrived "
+        f"({dflt.get('bulk_error', 'no reset')}).",
+        f"A forced-public p2pd started {race['starts']} times without the check: the "
+        f"default relay service answered {race['default_answered']} times, "
+        f"p2pd's configured one {race['ours_answered']}.",
+        "",
+        f"The grid (2x2 tiny model, replica 1 in two homes), updates/s over {WINDOW_S:.0f} s:",
+        "",
+    ]
     body = []
     for g in summary["grid"]:
         c = g["cells"]
         direct = (c["s0r0"]["updates_per_s"] + c["s1r0"]["updates_per_s"]) / 2
         relayed = (c["s0r1"]["updates_per_s"] + c["s1r1"]["updates_per_s"]) / 2
         limit = "30 min, 4 GiB" if g["relay_limit"][1] >= 4096 else "2 min, 128 KiB"
-        body.append([f"{g['burners']} busy processes beside", limit, f"{g['load_avg_1min'][1]}",
-                     f"{direct:.1f}", f"{relayed:.1f}",
-                     f"{direct / relayed:.1f}" if relayed else "inf"])  # fmt: skip
+        body.append(
+            [
+                f"{g['burners']} busy processes beside",
+                limit,
+                f"{g['load_avg_1min'][1]}",
+                f"{direct:.1f}",
+                f"{relayed:.1f}",
+                f"{direct / relayed:.1f}" if relayed else "inf",
+            ]
+        )
     lines += format_table(
         ["box", "relay limit", "load avg", "replica 0 (direct)", "replica 1 (relayed)", "ratio"],
         body,

@@ -63,8 +63,15 @@ class NatGrid:
         cmd = self.topo.cmd(self.ns(where), sys.executable, "-m", "cli.main", *args, *maddr)
         out: Any = subprocess.PIPE if name == "dht" else self.log(name).open("w")
         err = subprocess.DEVNULL if name == "dht" else subprocess.STDOUT
-        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True,
-                             start_new_session=True, cwd=self.directory)  # fmt: skip
+        p = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            cwd=self.directory,
+        )
         self.procs[name] = p
         return p
 
@@ -117,10 +124,18 @@ def nat_grid(
     """The grid of the module docstring, training (every cell has updated) when it is yielded;
     every process stopped (SIGTERM, then SIGKILL) and the namespaces deleted on exit."""
     cfg = tiny_grid_config(directory, text_file, local=local)
-    limits = ["--relay-time-limit-s", f"{relay_time_s:g}", "--relay-data-limit-mib",
-              f"{relay_data_mib:g}"]  # fmt: skip
-    relay_sets = ["--set", f"transport.relay_time_limit_s={relay_time_s:g}",
-                  "--set", f"transport.relay_data_limit_mib={relay_data_mib:g}"]  # fmt: skip
+    limits = [
+        "--relay-time-limit-s",
+        f"{relay_time_s:g}",
+        "--relay-data-limit-mib",
+        f"{relay_data_mib:g}",
+    ]
+    relay_sets = [
+        "--set",
+        f"transport.relay_time_limit_s={relay_time_s:g}",
+        "--set",
+        f"transport.relay_data_limit_mib={relay_data_mib:g}",
+    ]
     with nat_homes(2) as topo:
         grid = NatGrid(topo, directory)
         try:

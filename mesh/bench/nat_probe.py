@@ -47,8 +47,9 @@ def _start(
         kwargs.pop("force_reachability", None)
         kwargs.pop("relay_service", None)
     boot = [] if not relays else list(relays)
-    return start_dht(boot, 60, host_maddrs=[f"/ip4/{addr}/tcp/0"], client_mode=nat,
-                     p2pd_flags=flags, **kwargs)  # fmt: skip
+    return start_dht(
+        boot, 60, host_maddrs=[f"/ip4/{addr}/tcp/0"], client_mode=nat, p2pd_flags=flags, **kwargs
+    )
 
 
 def _write(directory: Path, name: str, peer_id: str, maddrs: list[str]) -> None:

@@ -23,9 +23,11 @@ Writes summary.json, table.md and throughput.png under --out (results/pools).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -35,6 +37,7 @@ from typing import Any
 
 from mesh.algo import routing
 from mesh.algo.topology import cell_name
+from mesh.bench.pools_cells import bottleneck, stage_shares
 from mesh.config import Config, load_config
 from mesh.report import format_table, pyplot
 from mesh.runtime.launch import run_grid
@@ -85,8 +88,11 @@ def arm_config(
     return load_config([], sets)
 
 
-def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[str, Any]:
-    """Run one arm's grid; its steady tokens/s, staleness and voided microbatches."""
+def measure(
+    cfg: Config, out: Path, speeds: list[list[float]], churn_every_s: float | None = None
+) -> dict[str, Any]:
+    """Run one arm's grid; its steady tokens/s, staleness and voided microbatches, and where
+    each stage's time went (not under churn: a restarted cell's clock starts again)."""
     killer = None
     stop = threading.Event()
     if churn_every_s:
@@ -106,7 +112,7 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
     samples.append((time.perf_counter(), _stream_steps(out)))
     all_live, to_the_end = steady_rates(samples, cfg.tokens_per_microbatch)
     rows = read_metrics(out)
-    stale_n = stale_sum = voided = 0
+    stale_n = stale_sum = voided = refused = rerouted = 0
     for v in rows.values():
         final = [r for r in v if r.get("final")]
         if not final:
@@ -114,6 +120,8 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
         for k, n in final[-1].get("staleness_hist", {}).items():
             stale_n, stale_sum = stale_n + n, stale_sum + int(k) * n
         voided += final[-1].get("voided", 0)
+        refused += final[-1].get("refused", 0)
+        rerouted += final[-1].get("rerouted", 0)
     return {
         "ok": ok,
         "wall_s": round(wall, 1),
@@ -121,6 +129,9 @@ def measure(cfg: Config, out: Path, churn_every_s: float | None = None) -> dict[
         "tokens_per_s_to_the_end": to_the_end,
         "staleness_mean": round(stale_sum / stale_n, 3) if stale_n else None,
         "voided": voided,
+        "refused": refused,  # pools: microbatches a full cell turned away (each sent again)
+        "rerouted": rerouted,
+        "stages": None if churn_every_s else stage_shares(rows, speeds),
         "lives": sum(
             sum(1 for r in read_metrics(out, events=True).get(k, []) if r.get("event") == "started")
             for k in rows
@@ -235,6 +246,7 @@ def run_study(
     steps: int | None = None,
     overrides: tuple[str, ...] = (),
     only: tuple[str, ...] = (),
+    keep_runs: bool = False,
 ) -> dict[str, Any]:
     """Every scenario's two arms, one after the other; `overrides` (config keys) on top of the
     study's settings in both arms. `only`: these scenarios, the others kept from out's
@@ -247,14 +259,23 @@ def run_study(
     if only:
         results = _kept(out, steps, overrides)
         scenarios = {name: SCENARIOS[name] for name in only}
-    with tempfile.TemporaryDirectory(prefix="bench-pools-") as tmp:
+    # keep_runs: each arm's run directory (metrics, checkpoints) stays in out/runs/, fresh
+    if keep_runs:
+        shutil.rmtree(out / "runs", ignore_errors=True)
+        (out / "runs").mkdir()
+    holder: contextlib.AbstractContextManager[str] = (
+        contextlib.nullcontext(str(out / "runs"))
+        if keep_runs
+        else tempfile.TemporaryDirectory(prefix="bench-pools-")
+    )
+    with holder as tmp:
         for name, (P, m) in scenarios.items():
             speeds = scenario_speeds(name, P, m)
             row: dict[str, Any] = {"grid": f"{P}x{m}", "speeds": speeds}
             for arm in ("fixed", "pools"):  # side by side, one after the other
                 cfg = arm_config(name, arm, speeds, steps, base)
                 churn = 20.0 if name == "churn" else None
-                row[arm] = measure(cfg, Path(tmp) / f"{name}-{arm}", churn)
+                row[arm] = measure(cfg, Path(tmp) / f"{name}-{arm}", speeds, churn)
             row.update(bounds(cfg, speeds))
             pools, fixed = row["pools"]["tokens_per_s"], row["fixed"]["tokens_per_s"]
             row["pools_vs_fixed"] = round(pools / fixed, 3) if fixed else None
@@ -315,25 +336,93 @@ def write_report(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    head = ["scenario", "grid", "fixed tok/s", "pools tok/s", "pools/fixed", "fixed bound",
-            "pool bound", "pools of bound", "rebalanced bound (moves)",
-            "to the end: fixed/pools tok/s", "staleness fixed/pools", "voided (pools)"]  # fmt: skip
+    head = [
+        "scenario",
+        "grid",
+        "fixed tok/s",
+        "pools tok/s",
+        "pools/fixed",
+        "fixed bound",
+        "pool bound",
+        "pools of bound",
+        "rebalanced bound (moves)",
+        "to the end: fixed/pools tok/s",
+        "staleness fixed/pools",
+        "voided (pools)",
+        "refused (pools)",
+    ]
     rows = []
     for name, r in summary["scenarios"].items():
         f, p = r["fixed"], r["pools"]
-        rows.append([
-            name, r["grid"], f"{f['tokens_per_s']:,.0f}", f"{p['tokens_per_s']:,.0f}",
-            f"{r['pools_vs_fixed']:.2f}x" if r["pools_vs_fixed"] else "-",
-            f"{r['fixed_bound_tps']:,.0f}", f"{r['pool_bound_tps']:,.0f}",
-            f"{r['pools_of_bound']:.2f}", _rebalanced(r), _to_the_end(f, p),
-            f"{f['staleness_mean']} / {p['staleness_mean']}",
-            str(p["voided"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                r["grid"],
+                f"{f['tokens_per_s']:,.0f}",
+                f"{p['tokens_per_s']:,.0f}",
+                f"{r['pools_vs_fixed']:.2f}x" if r["pools_vs_fixed"] else "-",
+                f"{r['fixed_bound_tps']:,.0f}",
+                f"{r['pool_bound_tps']:,.0f}",
+                f"{r['pools_of_bound']:.2f}",
+                _rebalanced(r),
+                _to_the_end(f, p),
+                f"{f['staleness_mean']} / {p['staleness_mean']}",
+                str(p["voided"]),
+                str(p.get("refused", "-")),
+            ]
+        )
     lines = [format_table(head, rows), ""]
     for key, t in summary["targets"].items():
         verdict = "met" if t["met"] else "MISSED"
         lines.append(f"- {key}: {t['measured']} against {t['target']}: {verdict}")
+    breakdown = time_table(summary)
+    if breakdown:
+        lines += ["", breakdown]
     return "\n".join(lines) + "\n"
+
+
+def time_table(summary: dict[str, Any]) -> str:
+    """Where each stage's time went over the steady window (mesh/bench/pools_cells.py): busy
+    (fixed, pools), and the pools cells' idle, starved or blocked; '' before the columns."""
+    head = [
+        "scenario",
+        "stage",
+        "capacity",
+        "busy: fixed / pools",
+        "pools starved",
+        "pools blocked",
+        "",
+    ]
+    rows = []
+    for name, r in summary["scenarios"].items():
+        fixed, pools = r["fixed"].get("stages"), r["pools"].get("stages")
+        if not pools:
+            continue
+        low = bottleneck(pools)["stage"]
+        for f, p in zip(fixed or [{}] * len(pools), pools):
+            rows.append(
+                [
+                    name,
+                    str(p["stage"]),
+                    f"{p['capacity']:g}",
+                    f"{_share(f.get('busy'))} / {_share(p['busy'])}",
+                    _share(p["starved"]),
+                    _share(p["blocked"]),
+                    "the pool bound's stage" if p["stage"] == low else "",
+                ]
+            )
+    if not rows:
+        return ""
+    note = (
+        "Shares of the steady window, weighted by the cells' speeds (a stage's busy share is "
+        "its throughput over its capacity); starved: asleep holding nothing, blocked: asleep "
+        "holding only microbatches out downstream (at stage 0: the stream window full)."
+    )
+    return format_table(head, rows) + "\n\n" + note
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _to_the_end(fixed: dict[str, Any], pools: dict[str, Any]) -> str:

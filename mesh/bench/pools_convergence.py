@@ -2,9 +2,11 @@
 arm (AsyncMesh-fp8 with its tuned settings, 4x2, 1,600 microbatches a replica) on the simulator
 with one cell twice as slow (s1r0), fixed wiring against pools (each microbatch's next cell drawn
 by speed / (queue + 1), so s1r0 takes a third of stage 1's work), on the evaluation seeds 10-13:
-validation loss at equal tokens, the paired gap with its 95% interval. The fixed arm's numbers
-are the convergence study's own runs where their config fingerprint is the same (the simulator's
-fixed grid has no clock: a slow cell changes nothing there); the pools arm runs here, resumably.
+validation loss at equal tokens, the paired gap with its 95% interval; and pools with no slow
+cell, the control that tells the slow cell's share of a gap from the routing's. The fixed arm's
+numbers are the convergence study's own runs where their config fingerprint is the same (the
+simulator's fixed grid has no clock: a slow cell changes nothing there); the pools arms run here,
+resumably.
 """
 
 from __future__ import annotations
@@ -29,46 +31,56 @@ SLOW = ["s1r0=2.0"]
 TARGET_GAP = 0.01  # pools within 1% of fixed
 
 
+# arm -> (routing, slowdowns, label): "even" is pools with no slow cell, the control that
+# separates what the slow cell's fewer updates cost from what routing across replicas does
+ARMS = {
+    "fixed": ("fixed", SLOW, "AsyncMesh-fp8 fixed"),
+    "pools": ("pools", SLOW, "AsyncMesh-fp8 pools (delay)"),
+    "even": ("pools", [], "AsyncMesh-fp8 pools (delay), no slow cell"),
+}
+CHOICE = "delay"  # pipeline.pool_choice of the pools arms (runs of another choice: other labels)
+
+
 def specs(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[Spec]]:
     tuned, _ = load_tuned()
     out: dict[str, list[Spec]] = {}
-    for arm in ("fixed", "pools"):
+    for arm, (routing, slow, label) in ARMS.items():
         out[arm] = []
         for seed in seeds:
             s = _dp_spec("AsyncMesh-fp8", seed, tuned=tuned)
-            ov = {**dict(s.overrides), "pipeline.routing": arm, "emulation.slowdowns": SLOW}
-            out[arm].append(Spec("pools", f"AsyncMesh-fp8 {arm}", seed, 1, tuple(ov.items())))
+            ov = {**dict(s.overrides), "pipeline.routing": routing, "emulation.slowdowns": slow}
+            if routing == "pools":
+                ov["pipeline.pool_choice"] = CHOICE
+            out[arm].append(Spec("pools", label, seed, 1, tuple(ov.items())))
     return out
 
 
 def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "convergence.partial.jsonl"
-    done = {r["config_fingerprint"]: r for r in read_runs(partial)}
+    # a run by its arm and config: emulated speeds are a local setting, out of the fingerprint
+    done = {_key(r["method"], r["config_fingerprint"]): r for r in read_runs(partial)}
     study = Path("results/convergence/summary.json")
     if study.is_file():  # the convergence study's fixed-wiring runs: the same configs
         for r in json.loads(study.read_text()).get("runs", []):
             if r.get("microbatches") == MICROBATCHES:
-                done.setdefault(r["config_fingerprint"], r)
+                done.setdefault(_key(ARMS["fixed"][2], r["config_fingerprint"]), r)
     arms = specs()
-    todo = [
-        s
-        for arm in arms.values()
-        for s in arm
-        if spec_config(base, s, MICROBATCHES).fingerprint() not in done
-    ]
+
+    def key(s: Spec) -> str:
+        return _key(s.method, spec_config(base, s, MICROBATCHES).fingerprint())
+
+    todo = [s for arm in arms.values() for s in arm if key(s) not in done]
     if todo:
         with worker_pool(workers) as pool:
             args = [(base.model_dump(mode="json"), s, MICROBATCHES) for s in todo]
             for r in tqdm(pool.imap(run_one, args), total=len(args), desc="pools convergence"):
                 with partial.open("a") as f:
                     f.write(json.dumps({k: v for k, v in r.items() if k != "curve"}) + "\n")
-                done[r["config_fingerprint"]] = r
-    loss = {
-        arm: [done[spec_config(base, s, MICROBATCHES).fingerprint()]["val_loss"] for s in ss]
-        for arm, ss in arms.items()
-    }
+                done[_key(r["method"], r["config_fingerprint"])] = r
+    loss = {arm: [done[key(s)]["val_loss"] for s in ss] for arm, ss in arms.items()}
     gap = relative_gap(loss["pools"], loss["fixed"])
+    even = relative_gap(loss["even"], loss["fixed"])
     ref = data_reference(base)
     ratio = to_bigram(sum(loss["fixed"]) / len(loss["fixed"]), ref)
     summary = {
@@ -78,6 +90,7 @@ def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]
         "slowdowns": SLOW,
         "val_loss": loss,
         "pools_vs_fixed": gap,
+        "pools_no_slow_cell_vs_fixed": even,
         "target": {"within": TARGET_GAP, "met": bool(gap["high"] <= TARGET_GAP)},
         "reference_arm": "AsyncMesh-fp8 fixed",
         "reference_to_bigram_ratio": ratio,
@@ -85,17 +98,25 @@ def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]
     }
     (out / "convergence.json").write_text(json.dumps(summary, indent=2))
     rows = [
-        [str(seed), f"{f:.4f}", f"{p:.4f}"]
-        for seed, f, p in zip(SEEDS, loss["fixed"], loss["pools"], strict=True)
+        [str(seed), *(f"{v:.4f}" for v in vs)]
+        for seed, *vs in zip(SEEDS, loss["fixed"], loss["pools"], loss["even"], strict=True)
     ]
     verdict = "met" if summary["target"]["met"] else "MISSED"
     (out / "convergence.md").write_text(
-        format_table(["seed", "fixed", "pools"], rows)
-        + f"\n\npools against fixed: {gap['mean']:+.2%} [95%: {gap['low']:+.2%}, "
-        f"{gap['high']:+.2%}] (target: within {TARGET_GAP:.0%}: {verdict}). Regime: the "
+        format_table(["seed", "fixed", "pools", "pools, no slow cell"], rows)
+        + f"\n\npools against fixed: {_gap(gap)} (target: within {TARGET_GAP:.0%}: {verdict}). "
+        f"Pools with no slow cell against fixed (the control): {_gap(even)}. Regime: the "
         f"fixed arm ends at {ratio} of the data's bigram cross-entropy ({regime(ratio)}).\n"
     )
     return summary
+
+
+def _key(label: str, fingerprint: str) -> str:
+    return f"{label} | {fingerprint}"
+
+
+def _gap(g: dict[str, float]) -> str:
+    return f"{g['mean']:+.2%} [95%: {g['low']:+.2%}, {g['high']:+.2%}]"
 
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}

@@ -76,9 +76,12 @@ def _text_stream(fd: int, write_through: bool) -> io.TextIOWrapper:
     """sys.stdout/err on fd, as an interpreter started on it would have them."""
     raw = open(fd, "wb", buffering=0, closefd=False)  # noqa: SIM115
     return io.TextIOWrapper(
-        raw, encoding="utf-8", errors="backslashreplace", line_buffering=True,
+        raw,
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
         write_through=write_through,
-    )  # fmt: skip
+    )
 
 
 def _fd_of(target: Any, default: int) -> tuple[int, IO[str] | None, bool]:

@@ -71,8 +71,14 @@ def _convergence(s: dict[str, Any]) -> dict[str, float]:
 
 
 def _optimizers(s: dict[str, Any]) -> dict[str, float]:
-    runs = [r for r in s.get("runs", []) if r.get("study") == "async" and r.get("stages") == 1
-            and r.get("label") == "adamw" and not r.get("diverged")]  # fmt: skip
+    runs = [
+        r
+        for r in s.get("runs", [])
+        if r.get("study") == "async"
+        and r.get("stages") == 1
+        and r.get("label") == "adamw"
+        and not r.get("diverged")
+    ]
     loss = _mean([r["val_loss"] for r in runs])
     return {} if loss is None else {"P1 adamw": loss}
 
@@ -109,7 +115,7 @@ REFERENCES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]] 
     "interval": ("AsyncMesh-fp8 at H = 1", _interval),
     "data": ("each tokenizer's run", _data),
     "demo": ("the run", lambda s: {} if s.get("val_loss") is None else {"run": s["val_loss"]}),
-}  # fmt: skip
+}
 
 
 def rule_fields(
@@ -129,7 +135,9 @@ def rule_fields(
     known = [r for r in ratios.values() if r is not None]
     worst = max(known) if known else None
     return {
-        "data_ngram_ce": None if entry is None else {
+        "data_ngram_ce": None
+        if entry is None
+        else {
             "unigram_nats_per_token": entry["unigram"]["nats_per_token"],
             "bigram_nats_per_token": entry["bigram"]["nats_per_token"],
             "unigram_bits_per_byte": entry["unigram"]["bits_per_byte"],
@@ -141,7 +149,7 @@ def rule_fields(
         "reference_to_bigram_by_setting": ratios,
         "reference_to_bigram_ratio": worst,
         "regime": regime(worst),
-    }  # fmt: skip
+    }
 
 
 def stamp(out: Path, study: str, entry: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:

@@ -62,11 +62,16 @@ def run_equivalence(base: Config, out: Path, quick: bool = False) -> dict[str, A
     table = format_table(
         ["engine", "seed", "val loss", "gap vs logical", "wall s"],
         [
-            [r["engine"], r["seed"], f"{r['val_loss']:.4f}", f"{r['gap_vs_logical']:+.4f}",
-             f"{r['wall_s']:.0f}"]
+            [
+                r["engine"],
+                r["seed"],
+                f"{r['val_loss']:.4f}",
+                f"{r['gap_vs_logical']:+.4f}",
+                f"{r['wall_s']:.0f}",
+            ]
             for r in runs
         ],
-    )  # fmt: skip
+    )
     verdict = "within" if summary["within_noise"] else "NOT within"
     note = (
         f"\nnoise (seed spread of the simulator, at least 1%): {noise:.4f}; processes {verdict}\n"

@@ -144,8 +144,7 @@ def form(grid: LocalGrid, cfg: Path, n: int, note: Any) -> dict[str, Any]:
     first: dict[str, float] = {}
     cells: dict[str, str] = {}
     deadline = t0 + TRAIN_WAIT_S
-    with tqdm(total=n, desc="bench scale: cells training", unit="cell",
-              dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(total=n, desc="bench scale: cells training", unit="cell", dynamic_ncols=True) as bar:
         while len(first) < n and time.monotonic() < deadline:
             for name in names:
                 if name in first:
@@ -164,8 +163,12 @@ def form(grid: LocalGrid, cfg: Path, n: int, note: Any) -> dict[str, Any]:
                 cell, step = _progress(grid.out(name))
                 if step >= 1:
                     first[name], cells[name] = time.monotonic(), cell
-                    note(event="training", peer=name, cell=cell,
-                         join_to_training_s=round(first[name] - began[name], 2))  # fmt: skip
+                    note(
+                        event="training",
+                        peer=name,
+                        cell=cell,
+                        join_to_training_s=round(first[name] - began[name], 2),
+                    )
                     bar.update(1)
             time.sleep(1.0)
     missing = sorted(set(names) - set(first))
@@ -219,8 +222,9 @@ def status_latency(maddr: str, note: Any, runs: int = 3) -> dict[str, Any]:
     """`meshtrain status --json`, `runs` times: seconds each, and the cells it listed."""
     took, listed, failed = [], [], []
     for _ in range(runs):
-        code, text, s = run_meshtrain("status", "--initial-peers", maddr, "--json", key=KEY,
-                                      timeout_s=120)  # fmt: skip
+        code, text, s = run_meshtrain(
+            "status", "--initial-peers", maddr, "--json", key=KEY, timeout_s=120
+        )
         if code != 0:  # an answer too (p2pd not up in time on a loaded box): said, not fatal
             failed.append(f"exit {code} after {s:.1f} s: {text.strip().splitlines()[-1][:200]}")
             note(event="status_failed", s=round(s, 2), why=failed[-1])

@@ -120,9 +120,11 @@ def measure_cell(preset: str, stage: int, run_dir: str) -> dict[str, Any]:
     # averaging round at a time where a running cell keeps tau / H + 1
     rounds = dp.tau // dp.interval_steps + 1
     cell_plan = (
-        plan.total_bytes - plan.transport_bytes - plan.inflight_bytes
+        plan.total_bytes
+        - plan.transport_bytes
+        - plan.inflight_bytes
         - plan.averaging_bytes * (rounds - 1) // rounds
-    )  # fmt: skip
+    )
     reset_peak_rss()
     before = rss_bytes()
     t0 = time.perf_counter()

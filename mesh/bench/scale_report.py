@@ -23,8 +23,11 @@ DHT_KEYS = ("stores", "store_bytes", "gets", "get_records", "get_bytes")
 def _stats(values: list[float]) -> dict[str, Any]:
     if not values:
         return {"n": 0, "median": None, "max": None}
-    return {"n": len(values), "median": round(statistics.median(values), 1),
-            "max": round(max(values), 1)}  # fmt: skip
+    return {
+        "n": len(values),
+        "median": round(statistics.median(values), 1),
+        "max": round(max(values), 1),
+    }
 
 
 def share(rounds: dict[str, int] | None) -> float | None:
@@ -82,29 +85,59 @@ def to_markdown(s: dict[str, Any]) -> str:
     st = s.get("status") or {}
     rows = [
         ["peers", s["peers"], f"grid {s['grid']}, emulated compute, one bootstrap"],
-        ["time to all training", v(s.get("time_to_all_training_s"), " s"),
-         f"target <= {ALL_TRAINING_S:.0f} s; not training: {len(s.get('not_training') or [])}"],
-        ["join to training", f"median {v(j['median'], ' s')}, max {v(j['max'], ' s')}",
-         "each join's (first) start to its first update"],
-        ["joins started again", sum(map(len, (s.get("join_retries") or {}).values())),
-         f"gave up on start-up: {s.get('join_retries') or 'none'}"],
-        ["joins that started over", sum((s.get("join_self_restarts") or {}).values()),
-         f"lost their cell, joined again by themselves: {s.get('join_self_restarts') or 'none'}"],
-        ["status latency", v(s.get("status_latency_s"), " s"),
-         f"`meshtrain status --json`, runs {st.get('runs_s')}, cells {st.get('cells_listed')}, "
-         f"failed {len(st.get('failed') or [])}"],
-        ["DHT records / peer / min", f"median {v(r['median'])}, max {v(r['max'])}",
-         "stores + records returned by gets"],
-        ["DHT bytes / peer / min", f"median {v(b['median'])}, max {v(b['max'])}",
-         "stored + returned value bytes"],
-        ["rounds complete", v(s.get("rounds_complete_share")),
-         f"steady window of {s['window_s']:.0f} s {s.get('rounds_window')}; target >= "
-         f"{ROUNDS_COMPLETE}; whole run {v(s.get('rounds_complete_share_whole_run'))}"],
-        ["threads per cell", f"median {v(s['cell_threads_stats']['median'])}",
-         f"torch threads {s.get('torch_threads')}"],
-        ["memory", f"{v((s.get('resources') or {}).get('pss_mb_per_peer_median'), ' MB')} PSS/peer",
-         f"all peers {v((s.get('resources') or {}).get('pss_mb_all_peers'), ' MB')}"],
-    ]  # fmt: skip
+        [
+            "time to all training",
+            v(s.get("time_to_all_training_s"), " s"),
+            f"target <= {ALL_TRAINING_S:.0f} s; not training: {len(s.get('not_training') or [])}",
+        ],
+        [
+            "join to training",
+            f"median {v(j['median'], ' s')}, max {v(j['max'], ' s')}",
+            "each join's (first) start to its first update",
+        ],
+        [
+            "joins started again",
+            sum(map(len, (s.get("join_retries") or {}).values())),
+            f"gave up on start-up: {s.get('join_retries') or 'none'}",
+        ],
+        [
+            "joins that started over",
+            sum((s.get("join_self_restarts") or {}).values()),
+            f"lost their cell, joined again by themselves: {s.get('join_self_restarts') or 'none'}",
+        ],
+        [
+            "status latency",
+            v(s.get("status_latency_s"), " s"),
+            f"`meshtrain status --json`, runs {st.get('runs_s')}, cells {st.get('cells_listed')}, "
+            f"failed {len(st.get('failed') or [])}",
+        ],
+        [
+            "DHT records / peer / min",
+            f"median {v(r['median'])}, max {v(r['max'])}",
+            "stores + records returned by gets",
+        ],
+        [
+            "DHT bytes / peer / min",
+            f"median {v(b['median'])}, max {v(b['max'])}",
+            "stored + returned value bytes",
+        ],
+        [
+            "rounds complete",
+            v(s.get("rounds_complete_share")),
+            f"steady window of {s['window_s']:.0f} s {s.get('rounds_window')}; target >= "
+            f"{ROUNDS_COMPLETE}; whole run {v(s.get('rounds_complete_share_whole_run'))}",
+        ],
+        [
+            "threads per cell",
+            f"median {v(s['cell_threads_stats']['median'])}",
+            f"torch threads {s.get('torch_threads')}",
+        ],
+        [
+            "memory",
+            f"{v((s.get('resources') or {}).get('pss_mb_per_peer_median'), ' MB')} PSS/peer",
+            f"all peers {v((s.get('resources') or {}).get('pss_mb_all_peers'), ' MB')}",
+        ],
+    ]
     checks = checks_table(s["checks"])
     left = s.get("leftovers") or {}
     return (

@@ -144,9 +144,17 @@ class Sampler(threading.Thread):
                 continue
             flat = {f"{k}_{r}": v for r, st in tree["roles"].items() for k, v in st.items()}
             age = time.monotonic() - self.grid.started[name]
-            self.write({"kind": "sample", "peer": name, "age_s": round(age, 1),
-                        **tree["total"], **flat, "sockets": len(tree["sockets"]),
-                        **tail.read()})  # fmt: skip
+            self.write(
+                {
+                    "kind": "sample",
+                    "peer": name,
+                    "age_s": round(age, 1),
+                    **tree["total"],
+                    **flat,
+                    "sockets": len(tree["sockets"]),
+                    **tail.read(),
+                }
+            )
 
 
 def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
@@ -165,9 +173,15 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
             horizon = max(100, round(minutes * SOAK_UPDATES_PER_MIN))
             # Shakespeare, not the tests' random words: their entropy floor is reached within
             # minutes, and the soak's loss must be able to fall for the whole hour
-            cfg = tiny_grid_config(Path(tmp), None, local=SOAK_LOCAL, steps=SOAK_STEPS,
-                                   d_model=SOAK_D_MODEL, seq_len=SOAK_SEQ_LEN,
-                                   schedule_steps=horizon)  # fmt: skip
+            cfg = tiny_grid_config(
+                Path(tmp),
+                None,
+                local=SOAK_LOCAL,
+                steps=SOAK_STEPS,
+                d_model=SOAK_D_MODEL,
+                seq_len=SOAK_SEQ_LEN,
+                schedule_steps=horizon,
+            )
             meta["schedule_steps"] = horizon
             with grid:
                 t0 = time.monotonic()
@@ -197,8 +211,12 @@ def form(grid: LocalGrid, cfg: Path) -> None:
     grid.wait_joined("p0", FORM_S)
     for name in ("p1", "p2", "p3"):
         grid.join(name)
-    wait_for(lambda: all(_trains(grid, n) for n in ("p0", "p1", "p2", "p3")), FORM_S,
-             "all four peers to train", 0.5)  # fmt: skip
+    wait_for(
+        lambda: all(_trains(grid, n) for n in ("p0", "p1", "p2", "p3")),
+        FORM_S,
+        "all four peers to train",
+        0.5,
+    )
 
 
 def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float) -> None:
@@ -206,9 +224,13 @@ def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float)
     start a fresh join in its place; a progress bar over the minutes."""
     end = t0 + p["duration_s"]
     kills, n_peers = 0, 4
-    with tqdm(total=round(p["duration_s"] / 60, 1), desc="bench soak", unit="min",
-              dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.1f}/{total} min [{elapsed}]"
-              ) as bar:  # fmt: skip
+    with tqdm(
+        total=round(p["duration_s"] / 60, 1),
+        desc="bench soak",
+        unit="min",
+        dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n:.1f}/{total} min [{elapsed}]",
+    ) as bar:
         while time.monotonic() < end:
             bar.n = round((time.monotonic() - t0) / 60, 1)
             bar.refresh()
@@ -219,14 +241,21 @@ def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float)
                     raise RuntimeError(f"no live peer holds {cell} at the kill")
                 crash = grid.crash(victim)
                 sampler.write({"kind": "kill", "peer": victim, "cell": cell, **crash})
-                bar.write(f"killed {victim} ({cell}); its helpers exited in "
-                          f"{crash['helpers_exit_s']} s")  # fmt: skip
+                bar.write(
+                    f"killed {victim} ({cell}); its helpers exited in {crash['helpers_exit_s']} s"
+                )
                 name = f"p{n_peers}"
                 n_peers += 1
                 took = replace(grid, name)
-                sampler.write({"kind": "replaced", "peer": name, "killed": victim,
-                               "cell": Tail(grid.out(name)).read().get("cell"),
-                               "join_to_training_s": took})  # fmt: skip
+                sampler.write(
+                    {
+                        "kind": "replaced",
+                        "peer": name,
+                        "killed": victim,
+                        "cell": Tail(grid.out(name)).read().get("cell"),
+                        "join_to_training_s": took,
+                    }
+                )
                 bar.write(f"{name} took {cell}'s place: training {took} s after its join")
                 kills += 1
             time.sleep(0.5)

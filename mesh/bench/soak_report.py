@@ -144,13 +144,13 @@ def summarize(samples: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
         "rss_growth_under_100mb": bool(rss) and max(rss.values()) < RSS_LIMIT_MB,
         "threads_flat": all(
             flat(thr[n], v["threads"]["first"] or 0) is not False for n, v in peers.items()
-        ),  # fmt: skip
+        ),
         "fds_flat": all(
             flat(fds[n], v["fds"]["first"] or 0) is not False for n, v in peers.items()
-        ),  # fmt: skip
+        ),
         "no_orphan_after_kills": all(
             not k["helpers_outlived"] and not k["sockets_left"] for k in kills
-        ),  # fmt: skip
+        ),
         "no_orphan_after_run": bool(left)
         and not left.get("orphan_processes")
         and not left.get("socket_files_left"),
@@ -178,28 +178,56 @@ def summarize(samples: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
 def to_markdown(summary: dict[str, Any]) -> str:
     rows = []
     for name, v in summary["peers"].items():
-        rows.append([
-            name, v["cell"], f"{v['first_s'] / 60:.1f}-{v['last_s'] / 60:.1f}",
-            _g(v["rss_mb"]), _g(v["rss_mb_p2pd"]), _g(v["threads"]), _g(v["fds"]),
-            _g(v["asyncio_tasks"]), v["mailbox_pending"]["max"], v["sockets"]["max"],
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                v["cell"],
+                f"{v['first_s'] / 60:.1f}-{v['last_s'] / 60:.1f}",
+                _g(v["rss_mb"]),
+                _g(v["rss_mb_p2pd"]),
+                _g(v["threads"]),
+                _g(v["fds"]),
+                _g(v["asyncio_tasks"]),
+                v["mailbox_pending"]["max"],
+                v["sockets"]["max"],
+            ]
+        )
     peers = format_table(
-        ["peer", "cell", "alive min", "RSS MB", "p2pd RSS MB", "threads", "fds", "asyncio tasks",
-         "mailbox max", "sockets max"],
+        [
+            "peer",
+            "cell",
+            "alive min",
+            "RSS MB",
+            "p2pd RSS MB",
+            "threads",
+            "fds",
+            "asyncio tasks",
+            "mailbox max",
+            "sockets max",
+        ],
         rows,
-    )  # fmt: skip
+    )
     loss = format_table(
         ["minutes", "train loss (last stage)", "updates"],
-        [[f"{w['from_min']}-{w['to_min']}", w["train_loss"], w["updates"]]
-         for w in summary["loss_by_window"]],
-    )  # fmt: skip
+        [
+            [f"{w['from_min']}-{w['to_min']}", w["train_loss"], w["updates"]]
+            for w in summary["loss_by_window"]
+        ],
+    )
     kills = format_table(
         ["killed", "cell", "at min", "helpers gone s", "left behind", "replacement trains s"],
-        [[k["peer"], k["cell"], f"{k['t_s'] / 60:.1f}", k["helpers_exit_s"],
-          len(k["helpers_outlived"]) + len(k["sockets_left"]),
-          r.get("join_to_training_s", "n/a")]
-         for k, r in zip(summary["kills"], summary["replacements"] + [{}] * 9)],
-    )  # fmt: skip
+        [
+            [
+                k["peer"],
+                k["cell"],
+                f"{k['t_s'] / 60:.1f}",
+                k["helpers_exit_s"],
+                len(k["helpers_outlived"]) + len(k["sockets_left"]),
+                r.get("join_to_training_s", "n/a"),
+            ]
+            for k, r in zip(summary["kills"], summary["replacements"] + [{}] * 9)
+        ],
+    )
     checks = checks_table(summary["checks"])
     left = summary.get("leftovers") or {}
     return (
@@ -248,8 +276,11 @@ def plot(samples: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
     axes.flat[0].legend(fontsize=6)
     ax = axes.flat[len(METRICS)]
     wins = [w for w in summary["loss_by_window"] if w["train_loss"] is not None]
-    ax.plot([(w["from_min"] + w["to_min"]) / 2 for w in wins], [w["train_loss"] for w in wins],
-            marker="o")  # fmt: skip
+    ax.plot(
+        [(w["from_min"] + w["to_min"]) / 2 for w in wins],
+        [w["train_loss"] for w in wins],
+        marker="o",
+    )
     ax.set_title("train loss by window (last stage)", fontsize=9)
     ax.set_xlabel("minutes")
     ax.grid(alpha=0.3)

@@ -143,8 +143,14 @@ def best_settings(
     return group[0]["settings"], mean_loss(group)
 
 
-def _run(base: Config, specs: list[tuple[Spec, dict[str, Any]]], out: Path, workers: int,
-         budget: int, known: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+def _run(
+    base: Config,
+    specs: list[tuple[Spec, dict[str, Any]]],
+    out: Path,
+    workers: int,
+    budget: int,
+    known: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
     runs = run_specs(base, [s for s, _ in specs], {"tune": budget}, out, workers, "tuning", known)
     settings = {s.method: st for s, st in specs}
     for r in runs:
@@ -247,8 +253,11 @@ def run_tuning(
     # the last stage: the top settings of each arm on the confirmation seeds too
     settings = {s.method: st for s, st in specs}
     top = [name for arm in ARMS for name in ranked(runs, arm, seeds)[:CONFIRM_TOP]]
-    specs += [(_spec(name.split(" | ")[0], settings[name], seed), settings[name])
-              for name in top for seed in confirm_seeds]  # fmt: skip
+    specs += [
+        (_spec(name.split(" | ")[0], settings[name], seed), settings[name])
+        for name in top
+        for seed in confirm_seeds
+    ]
     runs = _run(base, specs, work, workers, budget, known)
     best = {arm: best_settings(runs, arm, seeds + confirm_seeds) for arm in ARMS}
     summary = {

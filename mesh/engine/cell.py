@@ -172,7 +172,7 @@ class Cell:
     def push_pinned_version(self, pinned: Collection[int], shared: bool = False) -> None:
         """Stage pools' push_version: the versions in `pinned` (those the microbatches the
         cell holds read) and the new live one are kept, whatever their age, and nothing else:
-        at most pipeline.pool_window + 1 (plan.stash_versions). A version let go gives its
+        at most what it holds + 1 (plan.stash_versions). A version let go gives its
         buffer to the new one, as push_version's oldest does."""
         keep = set(pinned) | {self.step}
         spare = None

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from comms import codecs
+from mesh import choices
 from mesh.algo import boundary as bmath
 from mesh.algo import sparse
 from mesh.algo.optim import _Blockwise8bit, get_planner
@@ -53,10 +54,17 @@ class CellPlan:
     @property
     def total_bytes(self) -> int:
         return (
-            self.weights_bytes + self.stash_bytes + self.grad_bytes + self.optimizer_bytes
-            + self.drift_bytes + self.error_feedback_bytes + self.averaging_bytes
-            + self.inflight_bytes + self.transport_bytes + self.activation_bytes
-        )  # fmt: skip
+            self.weights_bytes
+            + self.stash_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.drift_bytes
+            + self.error_feedback_bytes
+            + self.averaging_bytes
+            + self.inflight_bytes
+            + self.transport_bytes
+            + self.activation_bytes
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -94,11 +102,22 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
     return total, 4 * params if cfg.optim.error_feedback else 0
 
 
+def pool_held(cfg: Config, stage: int) -> int:
+    """The most microbatches a pooled cell holds (mesh/runtime/pool.py): a stream (stage 0) its
+    stream window at its largest, any other cell pool_window."""
+    p = cfg.pipeline
+    if stage > 0 or p.pool_stream_window == "window":
+        return p.pool_window
+    if p.pool_stream_window == "auto":
+        return choices.STREAM_WINDOW_CAP * p.pool_window
+    return p.pool_stream_window
+
+
 def inflight_microbatches(cfg: Config, stage: int) -> int:
     """Microbatches whose input stage j holds between forward and backward at most."""
     p = cfg.pipeline
-    if p.routing == "pools":  # a pooled cell holds at most its window (mesh/runtime/pool.py)
-        return p.pool_window
+    if p.routing == "pools":
+        return pool_held(cfg, stage)
     if p.schedule == "gpipe":
         return p.microbatches
     kept = versions_kept(p.schedule, stage, cfg.grid.stages, cfg.pipeline.extra_warmups())
@@ -112,7 +131,7 @@ def stash_versions(cfg: Config, stage: int) -> int:
     microbatch it holds plus the live one (PoolWorker._push_version pins no more)."""
     p = cfg.pipeline
     if p.routing == "pools":
-        return p.pool_window + 1
+        return pool_held(cfg, stage) + 1
     return versions_kept(p.schedule, stage, cfg.grid.stages, p.extra_warmups())
 
 

@@ -96,8 +96,13 @@ class PoolSim(GridSim):
             live = [i for i in range(self.m) if (j, i) not in dead]
             if not live:
                 return None
-            ws = routing.weights([self.speed[j][i] for i in live], [queue[(j, i)] for i in live])
-            path.append(live[routing.pick(ws, routing.unit(seed, u, s, j))])
+            rates, queues = [self.speed[j][i] for i in live], [queue[(j, i)] for i in live]
+            first = routing.unit(seed, u, s, j)
+            if pipe.pool_choice == "delay":
+                second = routing.unit(seed, u, s, j, "second")
+                path.append(live[routing.pick_by_delay(rates, queues, first, second)])
+            else:
+                path.append(live[routing.pick(routing.weights(rates, queues), first)])
         for j, i in enumerate(path):
             queue[(j, i)] += 1
         return path

@@ -40,11 +40,18 @@ KEY = "simulator"  # the checkpoint's key of this state
 def cell_extras(sim: GridSim, cell: Cell) -> dict[str, Any]:
     """The simulator's state of `cell` (its own tensors, not copies: saved at once)."""
     rounds = [
-        {"index": r.index, "launch_step": r.launch_step, "indices": r.indices,
-         "snapshot": r.snapshot, "payload_bytes": r.payload_bytes, "mean": r.mean,
-         "sent": r.sent, "own": r.own}
+        {
+            "index": r.index,
+            "launch_step": r.launch_step,
+            "indices": r.indices,
+            "snapshot": r.snapshot,
+            "payload_bytes": r.payload_bytes,
+            "mean": r.mean,
+            "sent": r.sent,
+            "own": r.own,
+        }
         for r, _ in cell.rounds.entries
-    ]  # fmt: skip
+    ]
     return {
         "version": VERSION,
         "rounds": rounds,
@@ -129,9 +136,15 @@ def _round(cell: Cell, e: Any, name: str) -> Round:
     ):
         raise bad
     return Round(
-        e["index"], e["launch_step"], idx, e["snapshot"], e["payload_bytes"],
-        mean=e["mean"], sent=e.get("sent"), own=e.get("own"),
-    )  # fmt: skip
+        e["index"],
+        e["launch_step"],
+        idx,
+        e["snapshot"],
+        e["payload_bytes"],
+        mean=e["mean"],
+        sent=e.get("sent"),
+        own=e.get("own"),
+    )
 
 
 def _checked_grid(grid: Any, step: int) -> dict[str, Any]:

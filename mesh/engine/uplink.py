@@ -71,10 +71,11 @@ def boundary_options(cfg: Config) -> list[BoundaryOption]:
     learned boundaries at 16-128x in 4 bits."""
     tokens, d = cfg.tokens_per_microbatch, cfg.model.d_model
     out = [
-        BoundaryOption(f"full {c.split('_')[0]}", "full", d, c,
-                       compression_vs_bf16(tokens, d, "full", d, c))
+        BoundaryOption(
+            f"full {c.split('_')[0]}", "full", d, c, compression_vs_bf16(tokens, d, "full", d, c)
+        )
         for c in ("bf16", COMPRESSED_CODEC)
-    ]  # fmt: skip
+    ]
     if cfg.model.arch != "llama" or cfg.grid.stages < 2:
         return out
     arms = [(m, ratio, COMPRESSED_CODEC) for m in ("learned", "subspace") for ratio in RATIOS]

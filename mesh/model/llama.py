@@ -146,8 +146,9 @@ class StageModule(nn.Module):
         start = cache.pos if cache is not None else 0
         # computed per call, not a buffer: a stage built on the meta device has no buffers to
         # fill, and this is (T, head_dim), small beside any block
-        rope = rotary(torch.arange(start, start + x.shape[1], device=x.device), self.head_dim,
-                      self.theta)  # fmt: skip
+        rope = rotary(
+            torch.arange(start, start + x.shape[1], device=x.device), self.head_dim, self.theta
+        )
         for i in self.layers:
             x = self.blocks[str(i)](x, rope, cache)
         if self.last:

@@ -229,8 +229,9 @@ def malformed(state: dict[str, Any]) -> str | None:
         return "parameter count does not match: flat is not a vector of weights"
     if not isinstance(drift, torch.Tensor) or drift.shape != flat.shape:
         return "parameter count does not match: drift is missing or of another size"
-    if stashes is None or not all(isinstance(t, torch.Tensor) and t.shape == flat.shape
-                                  for t in stashes):  # fmt: skip
+    if stashes is None or not all(
+        isinstance(t, torch.Tensor) and t.shape == flat.shape for t in stashes
+    ):
         return "parameter count does not match: the stashed versions are not vectors of weights"
     versions = state.get("versions")
     if (

@@ -90,8 +90,7 @@ def _torchrun_place(env: Mapping[str, str]) -> Place:
         nodes = world // local_size if local_size else 1
     host = env.get("MASTER_ADDR") or "127.0.0.1"
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return Place("torchrun", rank, world, local_rank, local_size, nodes, host,
-                 _port(env), agent)  # fmt: skip
+    return Place("torchrun", rank, world, local_rank, local_size, nodes, host, _port(env), agent)
 
 
 def _slurm_place(env: Mapping[str, str]) -> Place:
@@ -115,12 +114,19 @@ def _slurm_place(env: Mapping[str, str]) -> Place:
                 "srun inside an allocation, or set MASTER_ADDR to the first node"
             )
         host = first_node(nodelist)
-    return Place("slurm", rank, world, local_rank, per_node, nodes, host,
-                 _port(env, DEFAULT_PORT), False)  # fmt: skip
+    return Place(
+        "slurm", rank, world, local_rank, per_node, nodes, host, _port(env, DEFAULT_PORT), False
+    )
 
 
-def _int(env: Mapping[str, str], key: str, default: int | None = None, *, minimum: int = 0,
-         below: int | None = None) -> int:  # fmt: skip
+def _int(
+    env: Mapping[str, str],
+    key: str,
+    default: int | None = None,
+    *,
+    minimum: int = 0,
+    below: int | None = None,
+) -> int:
     raw = env.get(key)
     if raw is None or raw == "":
         if default is None:

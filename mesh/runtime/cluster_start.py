@@ -102,8 +102,9 @@ class ClusterStart:
         # a neighbour that loads, waits for its column and downloads before it answers
         self.chain_wait_s = cfg.transport.start_timeout_s + cfg.elastic.rejoin_timeout_s
         self._given = False
-        self.server = StateServer(transport, self.cell, worker.lock, self.column,
-                                  spool_dir=spool_dir)  # fmt: skip
+        self.server = StateServer(
+            transport, self.cell, worker.lock, self.column, spool_dir=spool_dir
+        )
 
     # ---- Coordinator -------------------------------------------------------------------------
     def next_session(self, align: Callable[[], int]) -> Session | None:
@@ -142,12 +143,17 @@ class ClusterStart:
     def _download(self, donors: list[str]) -> None:
         old = self.cell.step
         with self.worker.lock:
-            got = download_state(self.t, self.cell, donors, self.cfg.elastic.state_timeout_s,
-                                 staging_dir=self.server.spool_dir)  # fmt: skip
+            got = download_state(
+                self.t,
+                self.cell,
+                donors,
+                self.cfg.elastic.state_timeout_s,
+                staging_dir=self.server.spool_dir,
+            )
         if not got:
             self.event("state_download_failed", reason=got.reason)
             return
-        self.worker.drop_rounds(old)
+        self.worker.rounds.drop(old)
         self.event("state_loaded", from_cell=got.donor, from_peer=got.donor, from_step=old)
 
     # ---- messages ----------------------------------------------------------------------------

@@ -239,8 +239,10 @@ def write_weights(
     if len(plan) > 1:
         total = sum(t.nbytes for s in plan for t in s)
         weight_map = {hf_name(t.name): files[k] for k, s in enumerate(plan) for t in s}
-        index = {"metadata": {"total_parameters": params, "total_size": total},
-                 "weight_map": weight_map}  # fmt: skip
+        index = {
+            "metadata": {"total_parameters": params, "total_size": total},
+            "weight_map": weight_map,
+        }
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return params
 

@@ -41,8 +41,9 @@ def stop_steps(
 ) -> dict[int, int]:
     """Each replica's stop step from its cells' steps (cell (stage, replica) -> newest step):
     its newest + STOP_MARGIN, one for all replicas when `together`, never past the run's end."""
-    newest = {i: max((s for (_, r), s in current.items() if r == i), default=0)
-              for i in range(replicas)}  # fmt: skip
+    newest = {
+        i: max((s for (_, r), s in current.items() if r == i), default=0) for i in range(replicas)
+    }
     if together:
         newest = dict.fromkeys(newest, max(newest.values(), default=0))
     return {i: min(last_step, s + STOP_MARGIN) for i, s in newest.items()}
@@ -154,8 +155,10 @@ def stop_grid_at_one_step(
         grid.out_dir, grid.running_lives(), cfg.grid.replicas, cfg.run.steps, together
     )
     where = ", ".join(f"replica {i} at step {s}" for i, s in steps.items())
-    notice(f"stopping: each cell finishes its update and stops ({where}); Ctrl-C again to "
-           "stop at once (each cell saves where it is)")  # fmt: skip
+    notice(
+        f"stopping: each cell finishes its update and stops ({where}); Ctrl-C again to "
+        "stop at once (each cell saves where it is)"
+    )
     t = cfg.transport
     done = wait_for_cells(
         grid.running,

@@ -131,9 +131,10 @@ class LocalGrid:
         out = [
             (c, p.exitcode)
             for c, p in self.procs.items()
-            if p.exitcode is not None and (p.exitcode < 0 or p.exitcode == LOST_NEIGHBOUR)
+            if p.exitcode is not None
+            and (p.exitcode < 0 or p.exitcode == LOST_NEIGHBOUR)
             and c not in self.left
-        ]  # fmt: skip
+        ]
         return sorted(out, key=lambda x: x[1] >= 0)
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -235,8 +236,19 @@ def run_grid(
     try:
         with local_rendezvous(cfg.transport.backend, cfg.transport.host) as options:
             grid = LocalGrid(cfg, out_dir, options)
-            outcome = _watch(cfg, grid, steps, tail, on_progress, start, timeout_s, grace_s,
-                             restarts, notice, stop)  # fmt: skip
+            outcome = _watch(
+                cfg,
+                grid,
+                steps,
+                tail,
+                on_progress,
+                start,
+                timeout_s,
+                grace_s,
+                restarts,
+                notice,
+                stop,
+            )
     except KeyboardInterrupt:  # outside the watch (no cell running): a stop all the same
         outcome = _Outcome(interrupted=True)
     except Stopped as e:
@@ -326,23 +338,29 @@ def _watch(
                     continue
                 if len(restarts) >= cfg.elastic.max_restarts and pooled:
                     grid.left.add(cell)  # a pool trains on without it
-                    notice(f"{what}; past elastic.max_restarts = {cfg.elastic.max_restarts} it "
-                           "stays out, the pools training on without it")  # fmt: skip
+                    notice(
+                        f"{what}; past elastic.max_restarts = {cfg.elastic.max_restarts} it "
+                        "stays out, the pools training on without it"
+                    )
                     continue
                 if len(restarts) >= cfg.elastic.max_restarts:
                     out.failure = CellFailure(
-                        cell_name(*cell), LOST_NEIGHBOUR,
+                        cell_name(*cell),
+                        LOST_NEIGHBOUR,
                         f"died ({_death(code)}) after {len(restarts)} restarts "
                         f"(elastic.max_restarts = {cfg.elastic.max_restarts}); every cell saved: "
-                        "resume the run to go on", None,
-                    )  # fmt: skip
+                        "resume the run to go on",
+                        None,
+                    )
                     break
                 restarts.append(what)
                 n = f"restart {len(restarts)} of {cfg.elastic.max_restarts}"
                 if cfg.pipeline.routing == "pools":  # its stage's pool routes around it meanwhile
                     grid.start(cell, -1)  # from its own newest checkpoint
-                    notice(f"{what}; it starts again from its own checkpoint, the pools "
-                           f"training on, {n}")  # fmt: skip
+                    notice(
+                        f"{what}; it starts again from its own checkpoint, the pools "
+                        f"training on, {n}"
+                    )
                     continue
                 at = restart_replica(cfg, grid, cell[1], grace_s)
                 notice(f"{what}; replica {cell[1]} starts again from step {at or 0}, {n}")

@@ -40,6 +40,7 @@ from comms import codecs
 from comms.errors import PeerLost, PeerTimeout
 from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
+from mesh import choices
 from mesh.algo import routing, sentinel
 from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config
@@ -56,11 +57,12 @@ MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
 
 
 class PoolWorker(StageWorker):
+    stats: PoolStats
+
     def __init__(
         self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
         super().__init__(cfg, cell, transport, corpus)
-        self.stats = PoolStats()
         self.window = None  # pools read the newest weights: no schedule window
         self.ups = self.grid.column(self.j - 1) if self.j > 0 else []
         self.downs = self.grid.column(self.j + 1) if self.next else []
@@ -79,9 +81,13 @@ class PoolWorker(StageWorker):
         self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
         self.sec_per_mb: float | None = None  # EMA of this cell's compute per microbatch
+        self.round_trip_s: float | None = None  # EMA of its microbatches' time downstream
         self._fwd_s = 0.0  # the last forward's time (its backward adds it to the measure)
         self._expect_ctl = Expect(kind=Kind.CONTROL, shape=(1,))
         self._ctl = codecs.encode(torch.zeros(1), "fp32")
+
+    def _new_stats(self) -> PoolStats:
+        return PoolStats()
 
     # ---- names and data -----------------------------------------------------------------
     def _batch_of(self, stream: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +105,17 @@ class PoolWorker(StageWorker):
         return f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}"
 
     def _measured(self, seconds: float) -> None:
-        prev = self.sec_per_mb
-        self.sec_per_mb = seconds if prev is None else (1 - RATE_EMA) * prev + RATE_EMA * seconds
+        self.sec_per_mb = _ema(self.sec_per_mb, seconds)
+
+    def stream_window(self) -> int:
+        """Stage 0: the microbatches its stream keeps in flight (pipeline.pool_stream_window)."""
+        want, floor = self.cfg.pipeline.pool_stream_window, self.cfg.pipeline.pool_window
+        if want == "window":
+            return floor
+        if want == "auto":
+            cap = choices.STREAM_WINDOW_CAP * floor
+            return routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
+        return want
 
     # ---- the loop (load-based routing) ------------------------------------------------------
     def run_pools(self, on_step: object = None) -> PoolStats:
@@ -123,7 +138,13 @@ class PoolWorker(StageWorker):
             if self._done():
                 break
             if not did:  # asleep until a message is filed (or a timeout to look at)
+                holding, t_wait = bool(self.held), time.perf_counter()
                 seen = self.transport.wait_arrival(seen, IDLE_S)
+                waited = time.perf_counter() - t_wait
+                if holding:
+                    self.stats.blocked_s += waited
+                else:
+                    self.stats.starved_s += waited
                 if self.emu:
                     self.emu.waited(t0)
         for d in self.downs:
@@ -175,7 +196,7 @@ class PoolWorker(StageWorker):
 
     def _issue(self, on_step: object) -> bool:
         """Stage 0: start the stream's next microbatch while the window has room."""
-        if self.next_index >= self.cfg.run.steps or len(self.held) >= self.cfg.pipeline.pool_window:
+        if self.next_index >= self.cfg.run.steps or len(self.held) >= self.stream_window():
             return False
         b = self.next_index
         self.next_index += 1
@@ -279,7 +300,8 @@ class PoolWorker(StageWorker):
         live = self._live_downs(exclude)
         if not live:
             return False
-        to = self.book.choose(live, self.rng.random(), self.cfg.pipeline.pool_window)
+        second = self.rng.random() if self.cfg.pipeline.pool_choice == "delay" else None
+        to = self.book.choose(live, self.rng.random(), self.cfg.pipeline.pool_window, second)
         assert h.out is not None
         self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
         self.book.sent(to)
@@ -330,6 +352,7 @@ class PoolWorker(StageWorker):
         h = self._answer_for(d, msg, "g")
         if h is None:
             return
+        self.round_trip_s = _ema(self.round_trip_s, time.monotonic() - h.sent_at)
         g = msg.tensor().to(self.device)
         if not self.emu and sentinel.is_void(g):
             self._void(h)
@@ -370,7 +393,7 @@ class PoolWorker(StageWorker):
             else:
                 self.stats.grad_norm = self.cell.apply_update(list(grads))
             if self.cfg.dp.mode == "param_avg" and self.m > 1:
-                self.after_update()
+                self.rounds.after_update()
             self._push_version()
         if callable(on_step):
             on_step(self)
@@ -486,3 +509,7 @@ class PoolWorker(StageWorker):
         h.sent_to, self._fwd_s = down, 0.0
         msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
         self._backward_held(h, msg.tensor().to(self.device), on_step)
+
+
+def _ema(prev: float | None, x: float) -> float:
+    return x if prev is None else (1 - RATE_EMA) * prev + RATE_EMA * x

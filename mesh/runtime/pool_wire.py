@@ -23,6 +23,10 @@ class PoolStats(StageStats):
     rerouted: int = 0  # microbatches sent again elsewhere (refused, or their cell lost)
     voided: int = 0  # microbatches given up (no live cell took them, or void markers)
     held_peak: int = 0
+    # the loop asleep: holding nothing (no work came: starved), or holding only microbatches
+    # out downstream (waiting on answers; at stage 0 the stream window full: blocked)
+    starved_s: float = 0.0
+    blocked_s: float = 0.0
 
 
 @dataclass

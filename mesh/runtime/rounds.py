@@ -8,27 +8,26 @@ dp.max_round_lag_steps updates after it was due is cut and applied over what it 
 round is counted and dropped. With dp.strict_tau a due round is waited for, as the simulator
 assumes, so a run reproduces its numbers.
 
-A mixin: StageWorker (mesh/runtime/stage.py) provides cfg, cell, transport, stats, emu, m, j,
-column, cell_name and device.
+A cell's worker (mesh/runtime/stage.py) holds one Rounds, built from the averaging's slice of
+the config (RoundSettings) and the cell, transport, counters and column it works on.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from comms.means import alone
 from comms.transport import MeanResult, MeanStatus
 from mesh.algo import round_clock, sparse
-from mesh.algo.topology import group_name
+from mesh.algo.topology import cell_name, group_name
 from mesh.engine.rounds import Action, Round, after_update, round_index
 
-if TYPE_CHECKING:  # the host's types (StageWorker's module imports this one)
-    import torch
-
+if TYPE_CHECKING:
     from comms.transport import Transport
-    from mesh.config import Config
+    from mesh.config import Config, DPConfig
     from mesh.engine.cell import Cell
     from mesh.runtime.emulate import ComputeClock
     from mesh.runtime.stage_stats import StageStats
@@ -44,21 +43,42 @@ def skipped_rounds(old_step: int, new_step: int, interval_steps: int) -> range:
     return range(-(-old_step // interval_steps), -(-new_step // interval_steps))
 
 
-class Rounds:
-    cfg: Config
-    cell: Cell
-    transport: Transport
-    stats: StageStats
-    emu: ComputeClock | None
-    m: int
-    j: int
-    column: list[str]
-    cell_name: str
-    device: torch.device
+@dataclass(frozen=True)
+class RoundSettings:
+    """The averaging's slice of the config: all a cell's rounds read."""
 
-    def init_rounds(self) -> None:
+    dp: DPConfig
+    round_timeout_s: float  # transport.round_timeout_s: a round's deadline
+    last_update: int  # run.steps - 1: the rounds end with the run's last update
+
+    @classmethod
+    def of(cls, cfg: Config) -> RoundSettings:
+        return cls(cfg.dp, cfg.transport.round_timeout_s, cfg.run.steps - 1)
+
+
+class Rounds:
+    """One cell's averaging rounds over its stage's column (itself included)."""
+
+    def __init__(
+        self,
+        settings: RoundSettings,
+        cell: Cell,
+        transport: Transport,
+        stats: StageStats,
+        column: list[str],
+        emu: ComputeClock | None = None,
+    ) -> None:
+        self.settings, self.dp = settings, settings.dp
+        self.cell, self.transport, self.stats, self.column, self.emu = (
+            cell,
+            transport,
+            stats,
+            column,
+            emu,
+        )
+        self.j, self.me = cell.stage, cell_name(cell.stage, cell.replica)
         self.last_round: int | None = None  # the round id launched last (round_clock.py)
-        dp = self.cfg.dp
+        dp = self.dp
         self._jump_after = (
             round_clock.NEVER  # strict: rounds at the cell's own steps, as in the simulator
             if dp.strict_tau
@@ -74,19 +94,19 @@ class Rounds:
         # would keep jumping (a 3x slower replica met a third of its rounds so, 1 run in 3)
         self._seen_newest, self._seen_launches = -1, 0
 
-    def drop_rounds(self, old_step: int) -> None:
+    def drop(self, old_step: int) -> None:
         """After the cell's state was replaced (it was at old_step): rounds launched on the old
         state are void, and the other replicas' payloads for the rounds the jump skipped will
         never be taken: they go now, not when the mailbox's ttl runs out (the soak saw ~160 of
         them held for 10 minutes by every cell whose replica had re-formed)."""
         self.stats.rounds_failed += self.cell.rounds.void()
-        if self.cfg.dp.mode == "param_avg" and self.m > 1:
-            skipped = skipped_rounds(old_step, self.cell.step, self.cfg.dp.interval_steps)
+        if self.dp.mode == "param_avg" and len(self.column) > 1:
+            skipped = skipped_rounds(old_step, self.cell.step, self.dp.interval_steps)
             if self.last_round is not None:  # the round clock may have run ahead of old_step
                 skipped = range(max(skipped.start, self.last_round + 1), skipped.stop)
             self.transport.void_rounds(group_name(self.j), self.column, skipped)
 
-    def _next_round(self, own_round_id: int) -> None:
+    def next_round(self, own_round_id: int) -> None:
         """Launch the round the shared clock says (mesh/algo/round_clock.py): this cell's own
         count while it keeps up with its column, the newest round a peer launched once it
         trails it by jump_after rounds. The rounds jumped over will never be run here: the
@@ -101,7 +121,7 @@ class Rounds:
             self._jump_after,
             self.cell.rounds.indices(),
             self._parts,
-            round_index(self.cfg.run.steps - 1, self.cfg.dp.interval_steps),
+            round_index(self.settings.last_update, self.dp.interval_steps),
             lead,
         )
         if round_id is None:
@@ -127,9 +147,9 @@ class Rounds:
         own = round_clock.pace(list(self._own_pace))
         if own is None or own <= 0:
             return None
-        dp = self.cfg.dp
+        dp = self.dp
         open_s = min(
-            self.cfg.transport.round_timeout_s,
+            self.settings.round_timeout_s,
             (dp.tau + dp.max_round_lag_steps) / (own * dp.interval_steps),
         )
         return round_clock.lead_limit(
@@ -143,69 +163,69 @@ class Rounds:
             self.column,
             round_id,
             rnd.payload.cpu(),  # the snapshot (an emulated hostile cell's: scaled)
-            self.cfg.dp.codec,
-            self.cfg.transport.round_timeout_s,
+            self.dp.codec,
+            self.settings.round_timeout_s,
             abstain=self.cell.sits_out(),
         )
         self.cell.rounds.launch(rnd, handle)
         self.stats.rounds_started += 1
 
-    def _apply_due_rounds(self) -> None:
+    def apply_due(self) -> None:
         """Apply, in launch order, every round whose tau has passed and that has completed.
 
         strict: a due round is waited for (deadline round_timeout_s), as the simulator assumes.
         """
-        strict = self.cfg.dp.strict_tau
+        strict = self.dp.strict_tau
         while (due := self.cell.rounds.due(self.cell.step)) is not None:
             rnd, handle = due
             if not handle.done() and not strict:
-                late = self.cell.step - rnd.launch_step - self.cfg.dp.tau
+                late = self.cell.step - rnd.launch_step - self.dp.tau
                 # members whose payload is this many updates late are dropped from the round:
                 # it ends now over the contributions it has (counted partial); a round that
                 # cannot be cut (a collective) is waited for up to its deadline
-                if late < self.cfg.dp.max_round_lag_steps or not handle.cut():
+                if late < self.dp.max_round_lag_steps or not handle.cut():
                     return
             self.cell.rounds.pop()
             t0 = time.perf_counter()
-            res = handle.result(self.cfg.transport.round_timeout_s)
+            res = handle.result(self.settings.round_timeout_s)
             if self.emu:
                 self.emu.waited(t0)  # strict: the next op cannot start before the round landed
             self._finish_round(rnd, res)
 
     def after_update(self) -> None:
         """This update's round actions (mesh/engine/rounds.py), as the simulator runs them."""
-        update, dp = self.cell.step - 1, self.cfg.dp
+        update, dp = self.cell.step - 1, self.dp
         for action in after_update(update, dp.interval_steps, dp.tau):
             if action is Action.LAUNCH:
-                self._next_round(round_index(update, dp.interval_steps))
+                self.next_round(round_index(update, dp.interval_steps))
             else:
-                self._apply_due_rounds()
+                self.apply_due()
 
     def _finish_round(self, rnd: Round, res: MeanResult) -> None:
-        took_part = self.cell_name in res.contributors or self.cell_name in res.abstained
+        took_part = self.me in res.contributors or self.me in res.abstained
         usable = res.mean is not None and took_part
-        if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.cell_name):
+        if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.me):
             self.stats.rounds_failed += 1
             return
-        mean, dp = res.mean, self.cfg.dp
+        mean, dp = res.mean, self.dp
         if dp.aggregate != "mean" or dp.outlier_k > 0:  # robust combination (mesh/algo/robust.py)
-            parts = [p.to(self.device) for p in res.parts]
-            mean, rejected = self.cell.combine_round(res.contributors, parts, self.cell_name)
+            parts = [p.to(self.cell.flat.device) for p in res.parts]
+            mean, rejected = self.cell.combine_round(res.contributors, parts, self.me)
             for _ in rejected:
                 self.transport.stats.add_reject("outlier")
             kept = [c for c in res.contributors if c not in rejected]
-            if alone(kept, self.cell_name):  # only our own payload is left
+            if alone(kept, self.me):  # only our own payload is left
                 self.stats.rounds_failed += 1
                 return
         if res.status is MeanStatus.PARTIAL:
             self.stats.rounds_partial += 1
-        rnd.mean = mean.to(self.device)
+        rnd.mean = mean.to(self.cell.flat.device)
         self.cell.apply_round(rnd)
         self.stats.rounds_applied += 1
 
-    def _drain_rounds(self) -> None:
+    def drain(self) -> None:
         """At the end, wait briefly for rounds in flight so peers are not left hanging."""
-        deadline = time.monotonic() + self.cfg.transport.round_timeout_s
+        deadline = time.monotonic() + self.settings.round_timeout_s
         for handle in self.cell.rounds.handles():
             handle.result(max(0.0, deadline - time.monotonic()))
         self.cell.rounds.void()

@@ -374,8 +374,9 @@ class DhtCoordinator:
                 if not self.leader:
                     align()
                 self._reported, self._missing = {}, {}
-                self._emit("session", replica=self.replica, epoch=rec.epoch,
-                           members=sorted(rec.members))  # fmt: skip
+                self._emit(
+                    "session", replica=self.replica, epoch=rec.epoch, members=sorted(rec.members)
+                )
                 self._active = rec
                 return Session(rec.epoch, rec.base_mb, rec.updates)
             if time.monotonic() >= report_at:

@@ -45,7 +45,7 @@ from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
-from mesh.runtime.rounds import Rounds
+from mesh.runtime.rounds import Rounds, RoundSettings
 from mesh.runtime.session import (
     CHECK_EVERY_S,
     Coordinator,
@@ -67,7 +67,7 @@ class _InFlight:
     void: bool = False
 
 
-class StageWorker(Rounds):
+class StageWorker:
     def __init__(
         self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
@@ -98,8 +98,10 @@ class StageWorker(Rounds):
         # add into zeros, no clone and zeroing per step; bench model measures the cost)
         self._grads_empty = True
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
-        self.stats = StageStats()
-        self.init_rounds()
+        self.stats = self._new_stats()
+        self.rounds = Rounds(
+            RoundSettings.of(cfg), cell, transport, self.stats, self.column, self.emu
+        )
         self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
         self.precision = self.cfg.runtime.precision  # autocast of forward and backward
         self.lock = threading.Lock()  # held while an update changes the cell's state
@@ -114,6 +116,11 @@ class StageWorker(Rounds):
         self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
 
     # ---- the loop ---------------------------------------------------------------------------
+
+    def _new_stats(self) -> StageStats:
+        """The counters this worker keeps (a pool cell's add its routing's)."""
+        return StageStats()
+
     def run(self, num_updates: int, on_step: Any = None) -> StageStats:
         """Execute the schedule for `num_updates` updates from the cell's current step, as one
         session of a fixed grid (every cell at the same step); then drain."""
@@ -171,7 +178,7 @@ class StageWorker(Rounds):
 
     def finish(self) -> None:
         """At the end: wait briefly for rounds and sends in flight (final byte counters)."""
-        self._drain_rounds()
+        self.rounds.drain()
         self._drain_sends()
 
     def _recv(self, frm: str, tag: str, expect: Expect) -> Any:
@@ -379,7 +386,7 @@ class StageWorker(Rounds):
             )
         self._update_loss, self._update_used = 0.0, 0
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
-            self.after_update()
+            self.rounds.after_update()
         self.cell.push_version(shared=self.emu is not None)
 
     def _screened(self, sender: str, kind: str, x: torch.Tensor, b: int) -> str:

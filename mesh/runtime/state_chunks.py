@@ -325,8 +325,10 @@ def _entry(e: object) -> Entry:
         raise StateFormatError(f"entry {name}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise StateFormatError(f"entry {name}: shape is a list of <= {MAX_NDIM} dims")
-    if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_TOTAL_VALUES
-           for d in shape):  # fmt: skip
+    if any(
+        isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_TOTAL_VALUES
+        for d in shape
+    ):
         raise StateFormatError(f"entry {name}: bad dims {shape}")
     if dtype in ("int", "float") and shape:
         raise StateFormatError(f"entry {name}: a number has shape []")

@@ -152,8 +152,9 @@ def adopt_staged(cell: Cell, fd: int, manifest: Manifest, buffer: torch.Tensor) 
     piece, and put the cell at the manifest's step; the stashed versions restart from the
     adopted weights."""
     slots = live_state(cell)
-    for slot, entry, at in zip(slots, manifest.entries, entry_offsets(manifest.entries),
-                               strict=True):  # fmt: skip
+    for slot, entry, at in zip(
+        slots, manifest.entries, entry_offsets(manifest.entries), strict=True
+    ):
         target = slot.value
         if not isinstance(target, torch.Tensor):
             part = read_at(fd, buffer[: entry.values], at * VALUE_BYTES)

@@ -436,8 +436,9 @@ def download_state(
     failures: list[str] = []
     try:
         with tempfile.TemporaryFile(dir=staging_dir) as staging:
-            job = _Joiner(transport, cell, staging.fileno(), chunk_bytes, timeout_s, window,
-                          progress)  # fmt: skip
+            job = _Joiner(
+                transport, cell, staging.fileno(), chunk_bytes, timeout_s, window, progress
+            )
             for donor in donors:
                 try:
                     manifest = job.fetch(donor)

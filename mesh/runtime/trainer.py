@@ -129,7 +129,7 @@ def catch_up(
         if event is not None:
             event("state_download_failed", reason=got.reason)
         return None
-    worker.drop_rounds(old_step)
+    worker.rounds.drop(old_step)
     return next(r for r in ahead if r.cell == got.donor)
 
 
@@ -351,8 +351,13 @@ def _health_rows(event: Any, transport: Transport) -> Any:
         if now - last[0] < HEALTH_EVERY_S:
             return
         last[0] = now
-        event("health", threads=threading.active_count(), torch_threads=torch.get_num_threads(),
-              unix_s=round(time.time(), 3), **transport.health())  # fmt: skip
+        event(
+            "health",
+            threads=threading.active_count(),
+            torch_threads=torch.get_num_threads(),
+            unix_s=round(time.time(), 3),
+            **transport.health(),
+        )
 
     return beat
 

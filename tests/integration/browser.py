@@ -40,10 +40,16 @@ def _run(*args: str) -> str:
     # a profile of its own each time: no state (or lock) shared with another run or user
     with tempfile.TemporaryDirectory(prefix="meshtrain-chromium-") as profile:
         cmd = [
-            chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-            "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-            f"--virtual-time-budget={BUDGET_MS}", *args,
-        ]  # fmt: skip
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={BUDGET_MS}",
+            *args,
+        ]
         p = subprocess.run(
             cmd, capture_output=True, text=True, timeout=HANG_S, start_new_session=True
         )

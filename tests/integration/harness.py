@@ -119,8 +119,9 @@ def run_peers(
         try:
             # a hang guard, not a stopwatch: start-up of 4 peers alone can take half a minute
             # on a loaded 2-core box
-            results = _drive(procs, events, go, faults, time.monotonic() + HANG_S + 4 * timeout_s,
-                             spawn)  # fmt: skip
+            results = _drive(
+                procs, events, go, faults, time.monotonic() + HANG_S + 4 * timeout_s, spawn
+            )
         finally:
             _reap(procs)
         errs = {n: (Path(tmp) / f"{n}.err").read_text(errors="replace") for n in names}

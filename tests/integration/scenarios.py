@@ -563,12 +563,14 @@ def stage_round(t, peer, numel: int, fraction: float = 0.05, rounds: int = 2) ->
         parts = [codecs.roundtrip(stage_of(k)[idx], "fp8_e4m3") for k in range(len(members))]
         ref = reference_mean(parts)
         ok = res.mean is not None
-        out["rounds"].append({
-            "status": res.status.value,
-            "values": idx.numel(),
-            "round_s": round_s,
-            "equal_ref": ok and bool(torch.equal(res.mean, ref)),
-        })  # fmt: skip
+        out["rounds"].append(
+            {
+                "status": res.status.value,
+                "values": idx.numel(),
+                "round_s": round_s,
+                "equal_ref": ok and bool(torch.equal(res.mean, ref)),
+            }
+        )
         del parts, ref
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["rejects"] = dict(t.stats.rejects)

@@ -32,12 +32,21 @@ def test_scale_model_bench_measures_every_path_of_a_stage(tmp_path):
 
 def test_targets_are_judged_on_the_llama_1b_row_and_shown_missed():
     row = {
-        "preset": "llama-1b", "stage": 3, "params": 329e6, "state_bytes": 5.3e9,
-        "averaging_ms": 900.0, "averaging_ms_per_update": 900.0, "averaging_k": 16.4e6,
-        "select_ms": 100.0, "gather_k_ms": 30.0, "peak_vs_plan": 0.05,
-        "peak_rss_bytes": 8e9, "plan_bytes": 7.6e9, "joiner_vs_state": 1.25,
+        "preset": "llama-1b",
+        "stage": 3,
+        "params": 329e6,
+        "state_bytes": 5.3e9,
+        "averaging_ms": 900.0,
+        "averaging_ms_per_update": 900.0,
+        "averaging_k": 16.4e6,
+        "select_ms": 100.0,
+        "gather_k_ms": 30.0,
+        "peak_vs_plan": 0.05,
+        "peak_rss_bytes": 8e9,
+        "plan_bytes": 7.6e9,
+        "joiner_vs_state": 1.25,
         "download_ok": True,
-    }  # fmt: skip
+    }
     got = targets([row])
     assert got == {
         "averaging_ms_per_update_le_50": False,

@@ -57,21 +57,43 @@ def grid(tmp_path_factory, text_file):
     d = tmp_path_factory.mktemp("live")
     run_dir, base = d / "run", free_port_block(P * M)
     sets = [
-        *helpers.TINY, f"data.path='{text_file}'", "metrics.tensorboard=true",
-        f"metrics.prometheus_port={base}", f"elastic.heartbeat_s={HEARTBEAT_S}",
-        "transport.recv_timeout_s=300", "checkpoint.every=0",
-    ]  # fmt: skip
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        "metrics.tensorboard=true",
+        f"metrics.prometheus_port={base}",
+        f"elastic.heartbeat_s={HEARTBEAT_S}",
+        "transport.recv_timeout_s=300",
+        "checkpoint.every=0",
+    ]
     log = (d / "simulate.log").open("w")
     sim = meshtrain(
-        "simulate", "--grid", f"{P}x{M}", "--steps", "1000000", "--backend", "hivemind",
-        "--out", str(run_dir), *(a for s in sets for a in ("--set", s)),
-        key=None, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        "simulate",
+        "--grid",
+        f"{P}x{M}",
+        "--steps",
+        "1000000",
+        "--backend",
+        "hivemind",
+        "--out",
+        str(run_dir),
+        *(a for s in sets for a in ("--set", s)),
+        key=None,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     procs = [sim]
     try:
         wait_for(lambda: (run_dir / "config.toml").is_file(), HANG_S, "simulate to start")
-        dash = meshtrain("dashboard", "--run", str(run_dir), "--port", "0", key=None,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        dash = meshtrain(
+            "dashboard",
+            "--run",
+            str(run_dir),
+            "--port",
+            "0",
+            key=None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         procs.append(dash)
         line = dash.stdout.readline()
         assert line.startswith("dashboard: http://127.0.0.1:"), line

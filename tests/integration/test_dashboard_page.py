@@ -24,8 +24,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _row(stage, replica, step, loss=None):
-    return {"stage": stage, "replica": replica, "step": step, "time_s": 0.1 * step,
-            "loss": loss, "bytes_sent": {"activation": 100 * step}}  # fmt: skip
+    return {
+        "stage": stage,
+        "replica": replica,
+        "step": step,
+        "time_s": 0.1 * step,
+        "loss": loss,
+        "bytes_sent": {"activation": 100 * step},
+    }
 
 
 def _write(run, rows_by_cell):
@@ -43,12 +49,15 @@ def served(tmp_path):
     run.mkdir()
     started = {"event": "started", "step": 0, "pid": 1, "host": "elsewhere"}
     saved = {"event": "saved", "checkpoint": "x", "released": True}
-    _write(run, {
-        (0, 0): [started, *[_row(0, 0, s) for s in range(1, 4)]],
-        (1, 0): [started, *[_row(1, 0, s, 5.0 - s / 10) for s in range(1, 4)]],
-        (0, 1): [started, *[_row(0, 1, s) for s in range(1, 3)], saved],  # a clean stop
-        (1, 1): [started, *[_row(1, 1, s, 5.1 - s / 10) for s in range(1, 4)]],
-    })  # fmt: skip
+    _write(
+        run,
+        {
+            (0, 0): [started, *[_row(0, 0, s) for s in range(1, 4)]],
+            (1, 0): [started, *[_row(1, 0, s, 5.0 - s / 10) for s in range(1, 4)]],
+            (0, 1): [started, *[_row(0, 1, s) for s in range(1, 3)], saved],  # a clean stop
+            (1, 1): [started, *[_row(1, 1, s, 5.1 - s / 10) for s in range(1, 4)]],
+        },
+    )
     view = RunDirView(run)
     view.host = socket.gethostname()
     server = make_server(view.json, "127.0.0.1", 0)
@@ -88,12 +97,12 @@ def test_a_pooled_runs_page_shows_each_stages_pool(tmp_path):
     tps = {"s0r0": 300.0, "s0r1": 100.0, "s1r0": 250.0, "s1r1": 250.0}
     routed = {"s0r0": {"routed": 30, "cross": 9}, "s0r1": {"routed": 10, "cross": 3}}
     for cell, rate in tps.items():
-        record = CellRecord(cell, f"Qm{cell}", 1, 1.0, 0, 5, rate, 100.0, None,
-                            stats=routed.get(cell))  # fmt: skip
+        record = CellRecord(
+            cell, f"Qm{cell}", 1, 1.0, 0, 5, rate, 100.0, None, stats=routed.get(cell)
+        )
         reg.beat(record)
     view = LiveView()
-    server = make_server(lambda: view.json(status_rows(reg, cfg, now=100.2), 100.2),
-                         "127.0.0.1", 0)  # fmt: skip
+    server = make_server(lambda: view.json(status_rows(reg, cfg, now=100.2), 100.2), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         page = browser.look(f"http://127.0.0.1:{server.server_address[1]}/")

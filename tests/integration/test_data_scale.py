@@ -86,18 +86,23 @@ def test_prepare_and_training_memory_do_not_follow_the_data_size(tmp_path, recor
     big = _run(PREPARE, str(tmp_path / "big"), str(tmp_path / "in"))
     mb_per_s = size / 1e6 / big["wall_s"]
     record_property("prepare_mb_per_s", round(mb_per_s, 1))
-    print(f"prepare: {size / 1e6:.0f} MB in {big['wall_s']:.1f} s ({mb_per_s:.1f} MB/s), "
-          f"peak RSS {big['rss_mb']:.0f} MB")  # fmt: skip
+    print(
+        f"prepare: {size / 1e6:.0f} MB in {big['wall_s']:.1f} s ({mb_per_s:.1f} MB/s), "
+        f"peak RSS {big['rss_mb']:.0f} MB"
+    )
     assert big["rss_mb"] < PREPARE_RSS_LIMIT_MB
     small_in = tmp_path / "small.jsonl"
-    small_in.write_text("".join(json.dumps({"text": generated_text(4000, i)}) + "\n"
-                                for i in range(400)))  # fmt: skip
+    small_in.write_text(
+        "".join(json.dumps({"text": generated_text(4000, i)}) + "\n" for i in range(400))
+    )
     _run(PREPARE, str(tmp_path / "small"), str(small_in))
     on_small = _run(TRAIN, str(tmp_path / "small"))
     on_big = _run(TRAIN, str(tmp_path / "big"))
-    print(f"training: anonymous memory {on_small['anon_mb']:.0f} MB on {on_small['tokens']:,} "
-          f"tokens, {on_big['anon_mb']:.0f} MB on {on_big['tokens']:,} (mapped shard pages "
-          f"touched: {on_small['file_mb']:.0f} / {on_big['file_mb']:.0f} MB)")  # fmt: skip
+    print(
+        f"training: anonymous memory {on_small['anon_mb']:.0f} MB on {on_small['tokens']:,} "
+        f"tokens, {on_big['anon_mb']:.0f} MB on {on_big['tokens']:,} (mapped shard pages "
+        f"touched: {on_small['file_mb']:.0f} / {on_big['file_mb']:.0f} MB)"
+    )
     assert on_big["tokens"] > 100 * on_small["tokens"]
     shard_mb = 2 * on_big["tokens"] / 1e6  # uint16
     assert on_big["anon_mb"] - on_small["anon_mb"] < 0.05 * shard_mb, (on_small, on_big)
@@ -110,6 +115,8 @@ def test_a_bpe_prepare_stays_bounded_too(tmp_path, record_property):
     run = _run(PREPARE, str(tmp_path / "ds"), str(tmp_path / "in"), "--tokenizer", "bpe:4096")
     mb_per_s = size / 1e6 / run["wall_s"]
     record_property("bpe_prepare_mb_per_s", round(mb_per_s, 1))
-    print(f"prepare bpe:4096: {size / 1e6:.0f} MB in {run['wall_s']:.1f} s ({mb_per_s:.1f} MB/s), "
-          f"peak RSS {run['rss_mb']:.0f} MB")  # fmt: skip
+    print(
+        f"prepare bpe:4096: {size / 1e6:.0f} MB in {run['wall_s']:.1f} s ({mb_per_s:.1f} MB/s), "
+        f"peak RSS {run['rss_mb']:.0f} MB"
+    )
     assert run["rss_mb"] < PREPARE_RSS_LIMIT_MB

@@ -30,8 +30,9 @@ def small_disk(tmp_path):
     mnt.mkdir()
     res = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mnt)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
     try:
@@ -96,7 +97,7 @@ def test_a_full_disk_before_the_first_checkpoint_keeps_the_run_and_resumes(
     told = [ln for ln in full.stderr.splitlines() if "the run directory is kept" in ln]
     assert len(told) == 1 and told[0].endswith(
         f"then continue with: meshtrain simulate --resume {run_dir}"
-    ), full.stderr  # fmt: skip
+    ), full.stderr
 
     ballast.unlink()
     resumed = _meshtrain("simulate", "--resume", str(run_dir), cwd=tmp_path)

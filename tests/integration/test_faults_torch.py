@@ -38,8 +38,19 @@ def _sets(*items: str) -> list[str]:
 
 
 def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "simulate", *GRID, "--steps", str(steps),
-            "--out", str(out), *_sets(*TINY), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "simulate",
+        *GRID,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        *_sets(*TINY),
+        *extra,
+    ]
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -106,10 +117,17 @@ def test_a_slow_replica_with_a_short_round_deadline_keeps_averaging(tmp_path):
     the fast replica averages at the column's pace, failed rounds stay under 10% of started
     (a late round used to turn averaging off for the rest of the run)."""
     out = tmp_path / "run"
-    res = _run(_cmd(out, 120, *_sets(
-        "emulation.compute='emulated'", 'emulation.slowdowns=["s1r1=3.0"]',
-        "transport.round_timeout_s=1",
-    )))  # fmt: skip
+    res = _run(
+        _cmd(
+            out,
+            120,
+            *_sets(
+                "emulation.compute='emulated'",
+                'emulation.slowdowns=["s1r1=3.0"]',
+                "transport.round_timeout_s=1",
+            ),
+        )
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rounds = json.loads((out / "summary.json").read_text())["rounds"]
     started, failed = rounds["rounds_started"], rounds["rounds_failed"]
@@ -140,14 +158,21 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
     out = tmp_path / "run"
     steps = 200
     pace = ("emulation.compute='emulated'", "emulation.forward_ms=80", "emulation.backward_ms=160")
-    proc = subprocess.Popen(_cmd(out, steps, *_sets(*pace)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _cmd(out, steps, *_sets(*pace)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        helpers.wait_for(lambda: _step(out, "1-1") >= 6 and _step(out, "0-1") >= 6, RUN_S,
-                         "replica 1 past a checkpoint")  # fmt: skip
+        helpers.wait_for(
+            lambda: _step(out, "1-1") >= 6 and _step(out, "0-1") >= 6,
+            RUN_S,
+            "replica 1 past a checkpoint",
+        )
         os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
-        helpers.wait_for(lambda: len(_lives(out, "1-1")) == 2 and _lives(out, "1-1")[1], RUN_S,
-                         "replica 1's second life training")  # fmt: skip
+        helpers.wait_for(
+            lambda: len(_lives(out, "1-1")) == 2 and _lives(out, "1-1")[1],
+            RUN_S,
+            "replica 1's second life training",
+        )
         # rounds replica 0 applied so far: any later one has a payload of replica 1's new life
         # (a round needs another member's payload; those launched before the kill are long
         # applied or failed: the restart takes seconds, a round lands tau = 5 updates late)
@@ -159,9 +184,11 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     notes = [ln for ln in err.replace("\r", "\n").splitlines() if "died" in ln]
-    assert len(notes) == 1 and notes[0].startswith(
-        "cell s1r1 died (SIGKILL); replica 1 starts again from step "
-    ) and notes[0].endswith(", restart 1 of 3"), notes  # fmt: skip
+    assert (
+        len(notes) == 1
+        and notes[0].startswith("cell s1r1 died (SIGKILL); replica 1 starts again from step ")
+        and notes[0].endswith(", restart 1 of 3")
+    ), notes
     resumed_at = int(notes[0].split("from step ")[1].split(",")[0])
     assert resumed_at >= 5, notes  # from its checkpoint, not from the start
     for cell in ("0-0", "1-0"):  # one process, steps 1..300 in order, rounds applied again
@@ -184,13 +211,13 @@ def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
     from its own cut)."""
     out, log = tmp_path / "run", tmp_path / "err.txt"
     with log.open("w") as err_file:
-        proc = subprocess.Popen(_cmd(out, 400), stdout=subprocess.PIPE, stderr=err_file,
-                                text=True)  # fmt: skip
+        proc = subprocess.Popen(_cmd(out, 400), stdout=subprocess.PIPE, stderr=err_file, text=True)
     try:
         helpers.wait_for(lambda: _step(out, "1-1") >= 6, RUN_S, "s1r1 past a checkpoint")
         os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
-        helpers.wait_for(lambda: "replica 1 starts again" in log.read_text(), RUN_S,
-                         "the restart's notice")  # fmt: skip
+        helpers.wait_for(
+            lambda: "replica 1 starts again" in log.read_text(), RUN_S, "the restart's notice"
+        )
         proc.send_signal(signal.SIGTERM)
         stdout, _ = proc.communicate(timeout=RUN_S)
     finally:
@@ -216,12 +243,17 @@ def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(
     steps = 400
     proc = subprocess.Popen(
         _cmd(out, steps, *_sets("elastic.max_restarts=1", 'emulation.slowdowns=["s1r1=2.0"]')),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for life in (1, 2):  # each life: the victim trains past a checkpoint of its own
-            helpers.wait_for(lambda n=life: _trained(out, "1-1", n) >= 6, RUN_S,
-                             f"life {life} of s1r1 past a checkpoint")  # fmt: skip
+            helpers.wait_for(
+                lambda n=life: _trained(out, "1-1", n) >= 6,
+                RUN_S,
+                f"life {life} of s1r1 past a checkpoint",
+            )
             os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=RUN_S)
     finally:
@@ -249,8 +281,9 @@ def test_sigterm_to_the_launcher_stops_and_saves_and_a_second_launcher_is_refuse
     reaped; `--resume` finishes the run."""
     out = tmp_path / "run"
     steps = 400
-    proc = subprocess.Popen(_cmd(out, steps), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _cmd(out, steps), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         helpers.wait_for(lambda: _step(out, "1-0") >= 8, RUN_S, "the grid training")
         second = _run([*_cmd(out, steps), "--resume", str(out)])
@@ -294,8 +327,12 @@ def test_a_stop_at_a_random_step_keeps_every_step_and_resume_starts_there(tmp_pa
     print(f"stop once every cell is at step {at}")  # the seed of a failure, with -s
     out = tmp_path / "run"
     cells = ("0-0", "1-0", "0-1", "1-1")
-    proc = subprocess.Popen(_cmd(out, 4000, *_sets("checkpoint.every=50")),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _cmd(out, 4000, *_sets("checkpoint.every=50")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         helpers.wait_for(lambda: min(_step(out, c) for c in cells) >= at, RUN_S, f"step {at}")
         seen = {c: _step(out, c) for c in cells}
@@ -359,14 +396,21 @@ def test_a_damaged_checkpoint_is_passed_over_and_the_summary_counts_every_life(t
     _flip_middle(damaged)
     res = _run([*_cmd(out, 16, *every), "--resume", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "passed over damaged checkpoints (renamed *.pt.bad): s1r0 step 12: unreadable (its " \
-        "bytes do not match the digest saved with it" in res.stderr, res.stderr[-3000:]  # fmt: skip
+    assert (
+        "passed over damaged checkpoints (renamed *.pt.bad): s1r0 step 12: unreadable (its "
+        "bytes do not match the digest saved with it" in res.stderr
+    ), res.stderr[-3000:]
     assert damaged.with_name(damaged.name + ".bad").exists()
     assert {c: _resumed_at(out, c) for c in ("0-0", "1-0", "0-1", "1-1")} == {
-        "0-0": 8, "1-0": 8, "0-1": 12, "1-1": 12,
-    }  # fmt: skip
-    assert "replicas resumed from different steps (replica 0 from step 8, replica 1 from " \
-        "step 12" in res.stdout, res.stdout  # fmt: skip
+        "0-0": 8,
+        "1-0": 8,
+        "0-1": 12,
+        "1-1": 12,
+    }
+    assert (
+        "replicas resumed from different steps (replica 0 from step 8, replica 1 from "
+        "step 12" in res.stdout
+    ), res.stdout
     raw = [r["step"] for r in _rows(out, "1-0") if "event" not in r and not r.get("final")]
     assert sorted(raw) == sorted([*range(1, 13), *range(9, 17)])  # 9-12 twice in the file
     for cell, rows in read_metrics(out).items():

@@ -63,9 +63,15 @@ def test_grid_formed_by_joins(text_file, tmp_path):
         def join(name: str, *extra: str) -> None:
             logs[name] = (tmp_path / f"{name}.log").open("w")
             joins[name] = meshtrain(
-                "join", *peers, *LOOPBACK, "--out", str(tmp_path / name), *extra,
-                stdout=logs[name], stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                "join",
+                *peers,
+                *LOOPBACK,
+                "--out",
+                str(tmp_path / name),
+                *extra,
+                stdout=logs[name],
+                stderr=subprocess.STDOUT,
+            )
 
         # -- formation: the first join brings the config, the others read it from the DHT (it
         #    put the run's record before it claimed its cell and said so)
@@ -184,9 +190,17 @@ def test_grid_formed_by_joins(text_file, tmp_path):
             for p in (outs[back] / "checkpoints" / "1-1").glob("step-*.pt")
         )
         again = meshtrain(
-            "join", "--initial-peers", maddr2, *LOOPBACK, "--config", str(cfg),
-            "--out", str(outs[back]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            "join",
+            "--initial-peers",
+            maddr2,
+            *LOOPBACK,
+            "--config",
+            str(cfg),
+            "--out",
+            str(outs[back]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         extra.append(again)
         joined = next(line for line in again.stdout if "joined run" in line)
         assert " as s1r1 " in joined, joined  # not s0r0, the first free cell in grid order
@@ -273,8 +287,11 @@ def test_a_signed_claim_cannot_be_overwritten_by_another_peer():
 
     from comms.p2p.dht import DhtClient
 
-    boot = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                        record_validators=[RSASignatureValidator()])  # fmt: skip
+    boot = hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=[RSASignatureValidator()],
+    )
     maddr = str(boot.get_visible_maddrs()[0])
     mine = DhtClient([maddr], "forge", 15, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     ctx = mp.get_context("spawn")

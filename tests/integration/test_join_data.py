@@ -44,13 +44,31 @@ def test_a_join_with_other_data_is_refused_naming_the_difference(tmp_path):
     dht, maddr = start_dht()
     peers = ["--initial-peers", maddr, *LOOPBACK]
     log = (tmp_path / "first.log").open("w")
-    first = meshtrain("join", *peers, "--config", str(cfg), "--out", str(tmp_path / "a"),
-                      stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    first = meshtrain(
+        "join",
+        *peers,
+        "--config",
+        str(cfg),
+        "--out",
+        str(tmp_path / "a"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        wait_for(lambda: "joined run" in (tmp_path / "first.log").read_text(), HANG_S,
-                 "the first join to start the run")  # fmt: skip
-        code, out, _ = run_meshtrain("join", *peers, "--set", f"data.path='{theirs}'",
-                                     "--out", str(tmp_path / "b"), timeout_s=HANG_S)  # fmt: skip
+        wait_for(
+            lambda: "joined run" in (tmp_path / "first.log").read_text(),
+            HANG_S,
+            "the first join to start the run",
+        )
+        code, out, _ = run_meshtrain(
+            "join",
+            *peers,
+            "--set",
+            f"data.path='{theirs}'",
+            "--out",
+            str(tmp_path / "b"),
+            timeout_s=HANG_S,
+        )
         assert code == 2, out
         assert "is not the run's dataset" in out and "tokens here" in out, out
         assert "Traceback" not in out and not (tmp_path / "b").exists()

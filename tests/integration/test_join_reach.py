@@ -42,10 +42,18 @@ def test_unreachable_join_claims_nothing_and_a_reachable_one_does(text_file, tmp
     joined = None
     try:
         code, out, _ = run_meshtrain(
-            "join", "--initial-peers", maddr, *LOOPBACK, "--config", str(cfg),
-            "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--out", str(tmp_path / "j0"),
+            "join",
+            "--initial-peers",
+            maddr,
+            *LOOPBACK,
+            "--config",
+            str(cfg),
+            "--announce-maddrs",
+            f"/ip4/127.0.0.1/tcp/{port}",
+            "--out",
+            str(tmp_path / "j0"),
             timeout_s=HANG_S,
-        )  # fmt: skip
+        )
         assert code == 2, out
         assert "could not dial this one" in out and "connection refused" in out, out
         assert f"--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/{port}" in out, out
@@ -58,21 +66,41 @@ def test_unreachable_join_claims_nothing_and_a_reachable_one_does(text_file, tmp
         # the overrides get past the check (then stop at a --stage the run does not have)
         for flag in ("--skip-reach-check", "--client-mode"):
             code, out, _ = run_meshtrain(
-                "join", "--initial-peers", maddr, *LOOPBACK, "--config", str(cfg), flag,
-                "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--stage", "9",
+                "join",
+                "--initial-peers",
+                maddr,
+                *LOOPBACK,
+                "--config",
+                str(cfg),
+                flag,
+                "--announce-maddrs",
+                f"/ip4/127.0.0.1/tcp/{port}",
+                "--stage",
+                "9",
                 timeout_s=HANG_S,
-            )  # fmt: skip
+            )
             assert code == 2 and f"reachability: not checked ({flag}" in out, out
             assert "--stage 9: the run has stages 0..1" in out, out
 
         log = tmp_path / "j1.log"
         with log.open("w") as f:
             joined = meshtrain(
-                "join", "--initial-peers", maddr, *LOOPBACK, "--config", str(cfg),
-                "--out", str(tmp_path / "j1"), stdout=f, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        wait_for(lambda: "joined run" in log.read_text() or joined.poll() is not None, HANG_S,
-                 "the reachable join's claim")  # fmt: skip
+                "join",
+                "--initial-peers",
+                maddr,
+                *LOOPBACK,
+                "--config",
+                str(cfg),
+                "--out",
+                str(tmp_path / "j1"),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(
+            lambda: "joined run" in log.read_text() or joined.poll() is not None,
+            HANG_S,
+            "the reachable join's claim",
+        )
         text = log.read_text()
         assert "reachability: reachable: a peer of the run dialed this one back at " in text
         assert "/ip4/127.0.0.1/tcp/" in text and "joined run" in text, text
@@ -99,13 +127,23 @@ def test_p2pd_start_failures_are_one_line_with_the_fix(tmp_path):
             "who holds it)"
         )
         code, out, _ = run_meshtrain(
-            "join", "--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{ID}",
-            "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--out", str(tmp_path / "j"),
-        )  # fmt: skip
+            "join",
+            "--initial-peers",
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/{ID}",
+            "--host-maddrs",
+            f"/ip4/127.0.0.1/tcp/{port}",
+            "--out",
+            str(tmp_path / "j"),
+        )
         assert code == 2 and "Traceback" not in out, out
         assert f"could not start: port {port} on 127.0.0.1 is taken" in out, out
-        code, out, _ = run_meshtrain("dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                     "--announce-maddrs", "/ip4/127.0.0.1/tcp/0")  # fmt: skip
+        code, out, _ = run_meshtrain(
+            "dht",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--announce-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+        )
         assert code == 2 and "--announce-maddrs needs the port others dial" in out, out
     finally:
         taken.close()
@@ -158,8 +196,11 @@ def test_a_killed_bootstrap_node_leaves_no_daemon_or_socket_behind():
     # and p2pd still stop and remove their socket files (a plain hivemind.DHT's ran on)
     dht = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert "/ip4/127.0.0.1/tcp/" in dht.stdout.readline()  # it is up
         helpers = process_tree(dht.pid)[1:]

@@ -45,9 +45,16 @@ def test_a_join_stopped_with_ctrl_c_and_started_again_resumes_from_its_own_save(
 
         def join(name: str, out: str, *extra: str) -> subprocess.Popen:
             procs[name] = meshtrain(
-                "join", "--initial-peers", maddr, *LOOPBACK, "--out", str(tmp_path / out),
-                *extra, stdout=logs[name], stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                "join",
+                "--initial-peers",
+                maddr,
+                *LOOPBACK,
+                "--out",
+                str(tmp_path / out),
+                *extra,
+                stdout=logs[name],
+                stderr=subprocess.STDOUT,
+            )
             return procs[name]
 
         join("j0", "j0", "--config", str(cfg))
@@ -75,8 +82,10 @@ def test_a_join_stopped_with_ctrl_c_and_started_again_resumes_from_its_own_save(
         assert resumed[0]["checkpoint"].endswith(f"step-{saved['step']:08d}.pt")
         assert not [r for r in life if r.get("event") == "state_loaded"], "no download"
         assert step(tmp_path / "j0") > partner  # its replica trains on with it
-        print(f"logged {logged}, saved {saved['step']}, resumed {resumed[0]['step']}, "
-              f"claim lifetime {HEARTBEAT_LIVES} heartbeats")  # fmt: skip
+        print(
+            f"logged {logged}, saved {saved['step']}, resumed {resumed[0]['step']}, "
+            f"claim lifetime {HEARTBEAT_LIVES} heartbeats"
+        )
         assert stop(procs["j1b"]) == 0 and stop(procs["j0"]) == 0
         # its summary counts both lives of the cell in its directory
         table = [ln for ln in (tmp_path / "j1b.log").read_text().splitlines() if "| s1r0" in ln]

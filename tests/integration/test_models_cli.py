@@ -8,10 +8,16 @@ from cli.main import main
 from mesh.runtime.evaluate import read_val
 
 TINY_LLAMA = [
-    "model.arch=llama", "model.n_layers=2", "model.d_model=16", "model.n_heads=2",
-    "model.n_kv_heads=1", "model.seq_len=16", "data.val_batches=2", "runtime.precision=bf16",
+    "model.arch=llama",
+    "model.n_layers=2",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.seq_len=16",
+    "data.val_batches=2",
+    "runtime.precision=bf16",
     "optim.warmup_steps=2",
-]  # fmt: skip
+]
 
 
 def test_train_export_generate_a_llama_with_cell_processes(text_file, tmp_path):

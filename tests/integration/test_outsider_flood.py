@@ -92,8 +92,9 @@ def test_junk_a_plain_hivemind_node_stored_does_not_hide_a_members_record():
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
-    boot = hivemind.DHT(start=True, host_maddrs=LOOPBACK_MADDRS,
-                        record_validators=[RSASignatureValidator()])  # fmt: skip
+    boot = hivemind.DHT(
+        start=True, host_maddrs=LOOPBACK_MADDRS, record_validators=[RSASignatureValidator()]
+    )
     peers = [str(m) for m in boot.get_visible_maddrs()]
     member = start_dht(peers, 60, host_maddrs=LOOPBACK_MADDRS, client_mode=True)
     reader = start_dht(peers, 60, host_maddrs=LOOPBACK_MADDRS, client_mode=True)
@@ -150,9 +151,15 @@ def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
         def join(name: str, *extra: str) -> None:
             log = (tmp_path / f"{name}.log").open("w")
             joins[name] = meshtrain(
-                "join", *peers, *LOOPBACK, "--out", str(outs[name]), *extra,
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                "join",
+                *peers,
+                *LOOPBACK,
+                "--out",
+                str(outs[name]),
+                *extra,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
         # -- the owner starts its run past the squatter's records; a second peer joins it
         join("j0", "--config", str(cfg))
@@ -160,8 +167,9 @@ def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
         # join could outlive and take the cell over: a rejoin, slow on a loaded box)
         wait_for(
             lambda: "waiting for s1r0" in (tmp_path / "j0.log").read_text() or joins["j0"].poll(),
-            HANG_S, "the owner's cell",
-        )  # fmt: skip
+            HANG_S,
+            "the owner's cell",
+        )
         assert joins["j0"].poll() is None, (tmp_path / "j0.log").read_text()
         join("j1")
         wait_for(lambda: all(step(o) >= 10 for o in outs.values()), HANG_S, "both cells training")
@@ -188,11 +196,13 @@ def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
 
         # -- junk within the record limit, more than a reply carries: the claims' reads are
         #    unknown while it lives, never "free"; the replica's session stands
-        ttl_s = 40.0
+        # (a read takes a few seconds to start: reads begun 8 s before the junk expires meet it)
+        ttl_s = 26.0
         flood_ends = time.monotonic() + ttl_s
         assert flood(outsider.dht, f"meshtrain.{space}{claims_key(0)}", MID_COUNT, MID, ttl_s)
-        unknown = 0
-        while time.monotonic() < flood_ends - 10:
+        unknown = reads = 0
+        while time.monotonic() < flood_ends - 8 or not reads:
+            reads += 1
             code, out, _ = run_meshtrain("status", *peers, "--json")
             if code == 0:  # a read that answered: every live cell live
                 assert json.loads(out[out.index("{") :])["free"] == [], out

@@ -181,8 +181,9 @@ class Cluster:
 
     def mean(self, members, round_id, payloads, codec, timeout_s=20.0, group="g"):
         for m in members:
-            self[m].conn.send(("mean_start", (round_id, group, members, round_id, payloads[m],
-                                              codec, timeout_s)))  # fmt: skip
+            self[m].conn.send(
+                ("mean_start", (round_id, group, members, round_id, payloads[m], codec, timeout_s))
+            )
         for m in members:
             assert self[m].conn.recv()[0] == "ok"
         return {m: self[m].call("mean_result", round_id, timeout_s + 10) for m in members}
@@ -284,10 +285,16 @@ def test_bad_input_is_rejected_counted_and_harmless(four, tmp_path):
     struct.pack_into("<Q", huge, tail, 1 << 40)
     pickle_body = blob + b"\0" * (-len(blob) % 4)
     pickle_frame = wire.pack(
-        "pk", Kind.ACTIVATION,
-        Encoded("fp32", (len(pickle_body) // 4,), torch.frombuffer(bytearray(pickle_body),
-                                                                   dtype=torch.float32), None), 1,
-    )  # fmt: skip
+        "pk",
+        Kind.ACTIVATION,
+        Encoded(
+            "fp32",
+            (len(pickle_body) // 4,),
+            torch.frombuffer(bytearray(pickle_body), dtype=torch.float32),
+            None,
+        ),
+        1,
+    )
     assert a.call("raw", "r1", os.urandom(100)) == Ack.REJECTED
     assert a.call("raw", "r1", wire.pack("nan", Kind.ACTIVATION, nan, 1)) == Ack.REJECTED
     assert a.call("raw", "r1", bytes(huge)) == Ack.REJECTED
@@ -322,8 +329,9 @@ def _pair_roundtrip(initial_peers: list[str], run_id: str) -> None:
     try:
         x = torch.randn(1000)
         a.send("b", "hi", Kind.CONTROL, codecs.encode(x, "bf16"), 0).wait(20.0)
-        assert torch.equal(b.recv("a", "hi", Expect(kind=Kind.CONTROL), 20.0).tensor(),
-                           codecs.roundtrip(x, "bf16"))  # fmt: skip
+        assert torch.equal(
+            b.recv("a", "hi", Expect(kind=Kind.CONTROL), 20.0).tensor(), codecs.roundtrip(x, "bf16")
+        )
         # the group mean resolves its members through the bootstrap DHT too
         ha = a.start_mean("g", ["a", "b"], 1, torch.ones(100), "fp32", 20.0)
         hb = b.start_mean("g", ["a", "b"], 1, torch.zeros(100), "fp32", 20.0)
@@ -338,8 +346,11 @@ def _pair_roundtrip(initial_peers: list[str], run_id: str) -> None:
 def test_bootstrap_from_hivemind_dht_cli():
     proc = subprocess.Popen(
         ["hivemind-dht", "--host_maddrs", LOOPBACK],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         maddrs, deadline = [], time.monotonic() + 60
         while not maddrs and time.monotonic() < deadline:
@@ -373,8 +384,9 @@ def test_shaped_link_and_stable_identity(tmp_path):
     boot = [str(m) for m in dht.get_visible_maddrs()]
     key, profile = str(tmp_path / "a.key"), LinkProfile(bandwidth_mbps=40.0, latency_ms=30.0)
     try:
-        a = P2PTransport("a", run_id="shape", initial_peers=boot, identity_path=key,
-                         shaping={"b": profile})  # fmt: skip
+        a = P2PTransport(
+            "a", run_id="shape", initial_peers=boot, identity_path=key, shaping={"b": profile}
+        )
         b = P2PTransport("b", run_id="shape", initial_peers=boot)
         try:
             enc = codecs.encode(torch.randn(250_000), "fp32")  # 1 MB: 0.2 s at 40 Mbit/s
@@ -472,8 +484,12 @@ def test_rounds_in_flight_share_one_thread_and_match_the_reference():
     a = P2PTransport("a", initial_peers=peers, peers=["b"])
     b = P2PTransport("b", initial_peers=peers, peers=["a"])
     n = 24
-    xs = {m: [torch.randn(500, generator=torch.Generator().manual_seed(i + 100 * k))
-              for i in range(n)] for k, m in enumerate("ab")}  # fmt: skip
+    xs = {
+        m: [
+            torch.randn(500, generator=torch.Generator().manual_seed(i + 100 * k)) for i in range(n)
+        ]
+        for k, m in enumerate("ab")
+    }
     try:
         a.wait_for_peers(["b"], 30)
         on_a = [a.start_mean("g", ["a", "b"], i, xs["a"][i], "fp32", 60.0) for i in range(n)]

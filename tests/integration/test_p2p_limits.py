@@ -46,8 +46,14 @@ def test_half_open_streams_are_dropped_and_the_excess_refused(boot):
     streams to a member and sends nothing, or a header and no name: the first
     max_unproven_streams are held until stream_idle_s, the rest are closed at once; all are
     counted, their fds come back, and a member's message still goes through after."""
-    victim = P2PTransport("s0r0", run_id="lim", initial_peers=boot, peers=["s1r0"],
-                          stream_idle_s=1.0, max_unproven_streams=8)  # fmt: skip
+    victim = P2PTransport(
+        "s0r0",
+        run_id="lim",
+        initial_peers=boot,
+        peers=["s1r0"],
+        stream_idle_s=1.0,
+        max_unproven_streams=8,
+    )
     member = P2PTransport("s1r0", run_id="lim", initial_peers=boot, peers=["s0r0"])
     try:
         target = victim.dht.peer_id
@@ -163,8 +169,9 @@ def test_a_forged_config_record_is_refused_by_a_joiners_reader(boot):
 
             wait_for(
                 lambda f=seen: any(f(r) for r in Registry(reader, None, 1.0).runs()),
-                30, "the forged record in the DHT",
-            )  # fmt: skip
+                30,
+                "the forged record in the DHT",
+            )
             runs = Registry(reader, None, 1.0).runs()
             assert [r.subkey for r in runs if r.signed_by("the key")] == [owners_slot]
             assert read_run_record(Registry(reader, None, 1.0), 5, "the key").subkey == owners_slot

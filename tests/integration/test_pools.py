@@ -38,9 +38,17 @@ def test_seeded_pools_processes_compute_the_simulators_numbers(text_file, tmp_pa
     run on each cell's own steps, the simulator's on its ticks)."""
     cfg = load_config(
         [],
-        [*TINY, f"data.path='{text_file}'", "grid.stages=3", "grid.replicas=2", "run.steps=8",
-         "dp.mode=none", "pipeline.pool_choice='seeded'", "model.n_layers=3"],
-    )  # fmt: skip
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            "grid.stages=3",
+            "grid.replicas=2",
+            "run.steps=8",
+            "dp.mode=none",
+            "pipeline.pool_choice='seeded'",
+            "model.n_layers=3",
+        ],
+    )
     run = run_grid(cfg, tmp_path, timeout_s=240)
     assert run.ok, run.exit_codes
     sim = PoolSim(cfg)
@@ -62,8 +70,21 @@ def test_seeded_pools_processes_compute_the_simulators_numbers(text_file, tmp_pa
 def _cmd(out: Path, steps: int, *sets: str) -> list[str]:
     sets = (*TINY, "model.n_layers=3", "checkpoint.every=5", *sets)
     args = [arg for item in sets for arg in ("--set", item)]
-    return [sys.executable, "-m", "cli.main", "simulate", "--backend", "torch", "--grid", "3x2",
-            "--steps", str(steps), "--out", str(out), *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "simulate",
+        "--backend",
+        "torch",
+        "--grid",
+        "3x2",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        *args,
+    ]
 
 
 def _rows(out: Path, cell: str) -> list[dict]:
@@ -83,13 +104,22 @@ def test_a_killed_cell_does_not_stop_its_replica(tmp_path):
     restart, no stall); what s1r1 held is routed again or voided, and counted; exit 0."""
     out = tmp_path / "run"
     steps = 80
-    pace = ("emulation.compute='emulated'", "emulation.forward_ms=40", "emulation.backward_ms=80",
-            "elastic.pool_timeout_s=5", "elastic.max_restarts=0")  # fmt: skip
-    proc = subprocess.Popen(_cmd(out, steps, *pace), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pace = (
+        "emulation.compute='emulated'",
+        "emulation.forward_ms=40",
+        "emulation.backward_ms=80",
+        "elastic.pool_timeout_s=5",
+        "elastic.max_restarts=0",
+    )
+    proc = subprocess.Popen(
+        _cmd(out, steps, *pace), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        helpers.wait_for(lambda: proc.poll() is not None or _step(out, "1-1") >= 8, RUN_S,
-                         "s1r1 past a checkpoint")  # fmt: skip
+        helpers.wait_for(
+            lambda: proc.poll() is not None or _step(out, "1-1") >= 8,
+            RUN_S,
+            "s1r1 past a checkpoint",
+        )
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         victim = [r for r in _rows(out, "1-1") if r.get("event") == "started"][-1]["pid"]
         os.kill(victim, signal.SIGKILL)

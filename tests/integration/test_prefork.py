@@ -47,9 +47,13 @@ def test_the_callers_environment_and_directory_and_its_own_session(tmp_path):
     assert max(map(len, narrow[1].splitlines())) <= 50 < max(map(len, wide[1].splitlines()))
     (tmp_path / "mine.toml").write_text("[dp]\ntau = 9\n")
     p = meshtrain(
-        "show-config", "--config", "mine.toml", cwd=str(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        "show-config",
+        "--config",
+        "mine.toml",
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     text, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and "tau = 9" in text, text
     dht, _ = start_dht()

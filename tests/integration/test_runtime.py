@@ -67,7 +67,7 @@ def _final_flats(out: Path, cfg) -> dict:
             "pipeline.boundary_rank=4",
             "pipeline.anchor_rank=4",
             "transport.backend=hivemind",
-        ],  # fmt: skip
+        ],
         # a poisoned pipeline: s1r1 drops s0r1's activations from update 4 on, so replica 1's
         # cells have no gradient (stale weights): they sit their rounds out and take replica
         # 0's payload, which has no other member's to average with (Cell.sits_out)
@@ -78,7 +78,7 @@ def _final_flats(out: Path, cfg) -> dict:
             "run.steps=10",
             "faults.pipeline_poison=['s0r1=scale:100@4']",
             "sentinel.warmup=2",
-        ],  # fmt: skip
+        ],
     ],
     ids=[
         "asyncmesh-fp8",

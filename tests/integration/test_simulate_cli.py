@@ -52,9 +52,13 @@ def test_a_failing_cell_stops_the_grid_and_says_why(tmp_path):
 def test_resume_falls_back_extends_and_refuses_without_damage(text_file, tmp_path):
     run_dir = tmp_path / "run"
     base = [
-        "simulate", "--grid", "2x2", "--out", str(run_dir),
+        "simulate",
+        "--grid",
+        "2x2",
+        "--out",
+        str(run_dir),
         *_sets(*TINY, f"data.path='{text_file}'", "run.steps=8"),
-    ]  # fmt: skip
+    ]
     first = _meshtrain(*base, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert (run_dir / "table.md").read_text().startswith("| grid")

@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.mark.timeout(900)
 def test_soak_quick_kills_and_replaces_a_peer_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "soak"
-    res = CliRunner().invoke(main, ["bench", "soak", "--quick", "--minutes", "1.0",
-                                    "--out", str(out)])  # fmt: skip
+    res = CliRunner().invoke(
+        main, ["bench", "soak", "--quick", "--minutes", "1.0", "--out", str(out)]
+    )
     assert res.exit_code == 0, res.output + (out / "error.txt").read_text(errors="replace")[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["completed"] and s["error"] is None and not s["sampler_errors"]

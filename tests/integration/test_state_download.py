@@ -239,9 +239,13 @@ def test_a_donor_closed_mid_transfer_is_replaced_by_the_next(backend):
                     ts["s1r0"].close()
 
             got = download_state(
-                ts["s1r1"], joiner, ["s1r0", "s1r2"], 4.0, chunk_bytes=SMALL_CHUNKS,
+                ts["s1r1"],
+                joiner,
+                ["s1r0", "s1r2"],
+                4.0,
+                chunk_bytes=SMALL_CHUNKS,
                 progress=progress,
-            )  # fmt: skip
+            )
     assert got and got.donor == "s1r2", got.reason
     assert seen[:3] == [("s1r0", 1), ("s1r0", 2), ("s1r0", 3)]
     assert ("s1r2", 1) in seen, "the new donor's manifest starts over"
@@ -268,9 +272,13 @@ def test_chunks_of_the_same_snapshot_from_two_donors_are_combined():
                     ts["s1r0"].close()
 
             got = download_state(
-                ts["s1r1"], joiner, ["s1r0", "s1r2"], 4.0, chunk_bytes=SMALL_CHUNKS,
+                ts["s1r1"],
+                joiner,
+                ["s1r0", "s1r2"],
+                4.0,
+                chunk_bytes=SMALL_CHUNKS,
                 progress=progress,
-            )  # fmt: skip
+            )
             served = other.chunks_served
     assert got and got.donor == "s1r2", got.reason
     assert 0 < served <= total - 5, "the chunks staged from the first donor were kept"

@@ -22,17 +22,29 @@ from mesh.runtime.metrics import summarize_run
 pytestmark = pytest.mark.integration
 
 SMALL = [
-    "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
-    "pipeline.microbatch_size=4", "data.val_batches=1", "grid.stages=2", "grid.replicas=2",
-    "emulation.compute='emulated'", "emulation.forward_ms=5", "emulation.backward_ms=10",
-    "transport.link='wan100'", "transport.link_latency_ms=5", "checkpoint.every=0",
-    "transport.recv_timeout_s=60", "transport.round_timeout_s=30", "pipeline.window='auto'",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "pipeline.microbatch_size=4",
+    "data.val_batches=1",
+    "grid.stages=2",
+    "grid.replicas=2",
+    "emulation.compute='emulated'",
+    "emulation.forward_ms=5",
+    "emulation.backward_ms=10",
+    "transport.link='wan100'",
+    "transport.link_latency_ms=5",
+    "checkpoint.every=0",
+    "transport.recv_timeout_s=60",
+    "transport.round_timeout_s=30",
+    "pipeline.window='auto'",
     # rounds at each cell's own updates, each waited for (up to 30 s: past the cells' start-up
     # skew), so every cell launches every round index and each meets its partner: the byte
     # counts below are exact. Without it the replica that started first sees its first rounds
     # cut alone, and the round clock moves the indices: as it should, but not countable here.
     "dp.strict_tau=true",
-]  # fmt: skip
+]
 
 
 def _frame(name: str, kind: wire.Kind, shape: tuple[int, ...], codec: str) -> int:
@@ -92,10 +104,18 @@ def test_bench_harness_writes_summary_and_table(tmp_path):
 
     base = load_config(
         [],
-        [*BENCH_SETS, "grid.stages=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
-         "model.seq_len=32", "emulation.forward_ms=5", "emulation.backward_ms=10",
-             "dp.max_round_lag_steps=2000"],  # every round launched and met (see SMALL)
-    )  # fmt: skip
+        [
+            *BENCH_SETS,
+            "grid.stages=2",
+            "model.d_model=32",
+            "model.n_layers=2",
+            "model.n_heads=2",
+            "model.seq_len=32",
+            "emulation.forward_ms=5",
+            "emulation.backward_ms=10",
+            "dp.max_round_lag_steps=2000",
+        ],  # every round launched and met (see SMALL)
+    )
     grid = Grid("T1", 2, 2, "wan100", ("s1r0=2.0",))
     summary = run_throughput(base, tmp_path, quick=True, grids=(grid,), window_s=1.0)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -124,10 +144,18 @@ def test_real_compute_with_a_window_keeps_its_stashes(text_file, tmp_path):
     its backward (the worker widens the cell's stash), and the staleness is P-1-j + window[j]."""
     cfg = load_config(
         [],
-        [*SMALL, f"data.path='{text_file}'", "run.steps=12", "emulation.compute='real'",
-         "transport.link='none'", "transport.link_latency_ms=0", "pipeline.window=[2, 0]",
-         "dp.tau=2", "dp.fraction=0.25"],
-    )  # fmt: skip
+        [
+            *SMALL,
+            f"data.path='{text_file}'",
+            "run.steps=12",
+            "emulation.compute='real'",
+            "transport.link='none'",
+            "transport.link_latency_ms=0",
+            "pipeline.window=[2, 0]",
+            "dp.tau=2",
+            "dp.fraction=0.25",
+        ],
+    )
     run = run_grid(cfg, tmp_path, timeout_s=240)
     assert run.ok, run.exit_codes
     summary = summarize_run(cfg, tmp_path, run.wall_s)

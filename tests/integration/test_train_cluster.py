@@ -30,13 +30,18 @@ pytestmark = pytest.mark.integration
 RUN_S = 300  # a hang guard for one grid, far above the ~30 s one takes on a loaded 2-core box
 TIMEOUTS = ["transport.recv_timeout_s=60", "transport.round_timeout_s=60"]
 TINY_LLAMA = [
-    *helpers.TINY, "model.arch='llama'", "model.n_kv_heads=1", "model.intermediate_size=24",
-]  # fmt: skip
+    *helpers.TINY,
+    "model.arch='llama'",
+    "model.n_kv_heads=1",
+    "model.intermediate_size=24",
+]
 
 
 def _nodes(tmp_path) -> tuple[Node, Node]:
-    return (Node(0, "127.0.0.1", tmp_path / "n0", tmp_path / "n0.log"),
-            Node(1, "127.0.0.2", tmp_path / "n1", tmp_path / "n1.log"))  # fmt: skip
+    return (
+        Node(0, "127.0.0.1", tmp_path / "n0", tmp_path / "n0.log"),
+        Node(1, "127.0.0.2", tmp_path / "n1", tmp_path / "n1.log"),
+    )
 
 
 @pytest.mark.timeout(2 * RUN_S)
@@ -44,8 +49,15 @@ def test_two_torchrun_nodes_train_a_2x2_grid_as_the_simulator_does(tmp_path, tex
     """Each node runs one replica (ranks 0-1: s0r0 s1r0; 2-3: s0r1 s1r1) and writes only its
     cells; the replicas average across the nodes; with dp.strict_tau every cell ends with the
     weights the one-process simulator computes; the two node directories export as one."""
-    keys = [*TINY_LLAMA, f"data.path='{text_file}'", "run.steps=6", "dp.strict_tau=true",
-            "dp.tau=2", "dp.fraction=0.25", *TIMEOUTS]  # fmt: skip
+    keys = [
+        *TINY_LLAMA,
+        f"data.path='{text_file}'",
+        "run.steps=6",
+        "dp.strict_tau=true",
+        "dp.tau=2",
+        "dp.fraction=0.25",
+        *TIMEOUTS,
+    ]
     n0, n1 = _nodes(tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -73,8 +85,9 @@ def test_two_torchrun_nodes_train_a_2x2_grid_as_the_simulator_does(tmp_path, tex
             state = torch.load(checkpoint_path(node.out, j, i, 6), weights_only=True)
             torch.testing.assert_close(state["flat"], sim.cells[i][j].flat, rtol=1e-5, atol=1e-6)
     hf = tmp_path / "hf"
-    res = CliRunner().invoke(main, ["export", str(n0.out), str(n1.out), "--out", str(hf),
-                                    "--replica", "1"])  # fmt: skip
+    res = CliRunner().invoke(
+        main, ["export", str(n0.out), str(n1.out), "--out", str(hf), "--replica", "1"]
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((hf / "meshtrain.json").read_text())["step"] == 6
 
@@ -92,9 +105,17 @@ def test_a_dead_cell_and_a_lost_node_rejoin_from_state_their_stage_peers_send(tm
     Emulated compute (real payloads, sleeps for the math) keeps the replicas training through
     the restarts on a loaded 2-core box."""
     steps = 200
-    keys = [*helpers.TINY, f"data.path='{text_file}'", f"run.steps={steps}",
-            "checkpoint.every=5", "elastic.max_lag_steps=0", "emulation.compute='emulated'",
-            "emulation.forward_ms=80", "emulation.backward_ms=160", *TIMEOUTS]  # fmt: skip
+    keys = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        f"run.steps={steps}",
+        "checkpoint.every=5",
+        "elastic.max_lag_steps=0",
+        "emulation.compute='emulated'",
+        "emulation.forward_ms=80",
+        "emulation.backward_ms=160",
+        *TIMEOUTS,
+    ]
     args, restarts = ["--grid", "2x2", *sets(*keys)], ["--max-restarts", "1"]
     n0, n1 = _nodes(tmp_path)
     cells = [(n0, 0, 0), (n0, 1, 0), (n1, 0, 1), (n1, 1, 1)]
@@ -111,15 +132,18 @@ def test_a_dead_cell_and_a_lost_node_rejoin_from_state_their_stage_peers_send(tm
             node.start(endpoint, args, env, launcher=restarts)
         helpers.wait_for(lambda: step(n1.rows(1, 1)) >= 8, RUN_S, "replica 1 past a checkpoint")
         os.kill(events(n1.rows(1, 1), "started")[-1]["pid"], signal.SIGKILL)
-        helpers.wait_for(lambda: all(updates(life(*c, 1)) for c in cells), RUN_S,
-                         "every cell training again")  # fmt: skip
+        helpers.wait_for(
+            lambda: all(updates(life(*c, 1)) for c in cells), RUN_S, "every cell training again"
+        )
         again = updates(life(n1, 1, 1, 1))[0]
-        helpers.wait_for(lambda: step(life(n1, 1, 1, 1)) >= again + 8, RUN_S,
-                         "replica 1 past a checkpoint again")  # fmt: skip
+        helpers.wait_for(
+            lambda: step(life(n1, 1, 1, 1)) >= again + 8, RUN_S, "replica 1 past a checkpoint again"
+        )
         n1.kill()
         killed_at = step(n0.rows(1, 0))
-        helpers.wait_for(lambda: step(n0.rows(1, 0)) >= killed_at + 10, RUN_S,
-                         "replica 0 training on alone")  # fmt: skip
+        helpers.wait_for(
+            lambda: step(n0.rows(1, 0)) >= killed_at + 10, RUN_S, "replica 0 training on alone"
+        )
         n1.start(endpoint, args, env, launcher=restarts)
         codes = [n0.wait(2 * RUN_S), n1.wait(2 * RUN_S)]
     finally:
@@ -157,8 +181,13 @@ def test_a_dead_cell_and_a_lost_node_rejoin_from_state_their_stage_peers_send(tm
 def _srun_env(tasks: int = 4) -> dict[str, str]:
     """What srun -N 2 -n 4 gives every task, with a node list whose first node is this
     machine; the port of the store rank 0 serves is free here."""
-    return {"SLURM_NTASKS": str(tasks), "SLURM_NNODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-            "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port())}  # fmt: skip
+    return {
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "localhost",
+        "MASTER_PORT": str(free_port()),
+    }
 
 
 def _srun_tasks(out, keys: list[str]) -> list:
@@ -166,12 +195,29 @@ def _srun_tasks(out, keys: list[str]) -> list:
     starts them: task k is told only its SLURM_PROCID, SLURM_LOCALID and SLURM_NODEID."""
     base, procs = _srun_env(), []
     for rank in range(4):
-        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2),
-               "SLURM_NODEID": str(rank // 2)}  # fmt: skip
+        env = {
+            **base,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % 2),
+            "SLURM_NODEID": str(rank // 2),
+        }
         host = f"127.0.0.{1 + rank // 2}"
-        procs.append(meshtrain("train", "--grid", "2x2", "--out", str(out), "--host", host,
-                               *sets(*keys), key=None, env_extra=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            meshtrain(
+                "train",
+                "--grid",
+                "2x2",
+                "--out",
+                str(out),
+                "--host",
+                host,
+                *sets(*keys),
+                key=None,
+                env_extra=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return procs
 
 
@@ -190,9 +236,18 @@ def test_srun_environment_runs_the_grid_with_rank_0_serving_the_store(tmp_path, 
         assert f"rank {rank} of 4 (slurm, local rank {rank % 2}): cell {cell}" in text, text
         assert f"cell {cell}: trained to step 10 of 10" in text, text
     bad = {**_srun_env(tasks=3), "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    p = meshtrain("train", "--grid", "2x2", "--out", str(tmp_path / "bad"), *sets(*keys),
-                  key=None, env_extra=bad, stdout=subprocess.PIPE,
-                  stderr=subprocess.STDOUT)  # fmt: skip
+    p = meshtrain(
+        "train",
+        "--grid",
+        "2x2",
+        "--out",
+        str(tmp_path / "bad"),
+        *sets(*keys),
+        key=None,
+        env_extra=bad,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     text = finish(p, RUN_S)[0]
     assert p.returncode == 2 and text.strip().count("\n") == 0, text
     assert "4 cells but WORLD_SIZE is 3" in text
@@ -204,9 +259,15 @@ def test_losing_the_store_host_leaves_the_other_replica_training_and_says_so(tmp
     node 1's replica trains to its last step over the links it has, and each of its cells says
     once, in one line, that the store is gone and that no node can rejoin."""
     steps = 80
-    keys = [*helpers.TINY, f"data.path='{text_file}'", f"run.steps={steps}",
-            "emulation.compute='emulated'", "emulation.forward_ms=80",
-            "emulation.backward_ms=160", *TIMEOUTS]  # fmt: skip
+    keys = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        f"run.steps={steps}",
+        "emulation.compute='emulated'",
+        "emulation.forward_ms=80",
+        "emulation.backward_ms=160",
+        *TIMEOUTS,
+    ]
     out = tmp_path / "shared"
     procs = _srun_tasks(out, keys)
     try:

@@ -151,8 +151,17 @@ def test_shaped_links_follow_the_model(backend: str) -> None:
     lat, mbps, nbytes = 100.0, 8.0, 100_000  # 100 KB takes 0.1 s at 8 Mbit/s
     profile = LinkProfile(bandwidth_mbps=mbps, latency_ms=lat)
     build = {"shaping": profile}
-    res = run_peers(backend, ["a", "b"], {"g": ["a", "b"]}, "shaped", TIMEOUT_S, build=build,
-                    latency_ms=lat, mbps=mbps, nbytes=nbytes)  # fmt: skip
+    res = run_peers(
+        backend,
+        ["a", "b"],
+        {"g": ["a", "b"]},
+        "shaped",
+        TIMEOUT_S,
+        build=build,
+        latency_ms=lat,
+        mbps=mbps,
+        nbytes=nbytes,
+    )
     a, b = res["a"], res["b"]
     # never faster than the model (how close to it links get is a number of `meshtrain bench
     # comms`, results/comms/table.md; a hang is caught by the recvs' TIMEOUT_S deadlines)
@@ -170,8 +179,9 @@ def test_links_on_one_uplink_share_its_bandwidth(backend: str) -> None:
     mbps, nbytes, lat = 8.0, 100_000, 20.0
     up = LinkProfile(bandwidth_mbps=mbps, latency_ms=lat, uplink="a")
     build = {"shaping": {"b": up, "c": up}}
-    res = run_peers(backend, ["a", "b", "c"], {}, "shared_uplink", TIMEOUT_S, build=build,
-                    nbytes=nbytes)  # fmt: skip
+    res = run_peers(
+        backend, ["a", "b", "c"], {}, "shared_uplink", TIMEOUT_S, build=build, nbytes=nbytes
+    )
     last = max(res["b"]["arrivals"] + res["c"]["arrivals"])
     # never faster than the model (release times are lower bounds; a hang is caught by the
     # receives' deadlines)
@@ -188,8 +198,15 @@ def test_torch_peer_restarted_forms_its_links_again_and_the_others_never_break()
     back messages go both ways and a round of all three equals the reference again."""
     peers = ["r0", "r1", "r2"]
     victim, survivors = peers[-1], peers[:-1]
-    res = run_peers("torch", peers, {"g": peers}, "scenarios_restart:rejoin", TIMEOUT_S,
-                    faults={victim: ("restart", "before_kill")}, victim=victim)  # fmt: skip
+    res = run_peers(
+        "torch",
+        peers,
+        {"g": peers},
+        "scenarios_restart:rejoin",
+        TIMEOUT_S,
+        faults={victim: ("restart", "before_kill")},
+        victim=victim,
+    )
     digests = set()
     for name in survivors:
         r = res[name]
@@ -292,8 +309,9 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
     with local_rendezvous("torch") as rz:
 
         def start(me: str, links: list[str], **kw) -> object:
-            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, links=links,
-                                  **rz, **kw)  # fmt: skip
+            return make_transport(
+                "torch", me, names, {}, timeout_s=TIMEOUT_S, links=links, **rz, **kw
+            )
 
         got: dict[str, object] = {}
         first = threading.Thread(target=lambda: got.update({"a": start("a", ["b"])}))

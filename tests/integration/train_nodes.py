@@ -32,28 +32,60 @@ class Node:
     proc: subprocess.Popen | None = None
     lives: list[subprocess.Popen] = field(default_factory=list)
 
-    def start(self, endpoint: str, args: list[str], env: dict[str, str], host: bool = True,
-              prefix: list[str] = (), launcher: list[str] = ()) -> None:  # fmt: skip
+    def start(
+        self,
+        endpoint: str,
+        args: list[str],
+        env: dict[str, str],
+        host: bool = True,
+        prefix: list[str] = (),
+        launcher: list[str] = (),
+    ) -> None:
         """torchrun on this node (again: a relaunch, appending to its log); prefix: before the
         interpreter (ip netns exec NS), launcher: more torchrun options."""
         cmd = [
-            *prefix, sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "2", "--nproc-per-node", "2", *launcher,
-            "--node-rank", str(self.index),  # c10d ignores it: nodes are sorted by address
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", f"test{endpoint.rsplit(':', 1)[1]}", "--local-addr", self.addr,
+            *prefix,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            *launcher,
+            "--node-rank",
+            str(self.index),  # c10d ignores it: nodes are sorted by address
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            f"test{endpoint.rsplit(':', 1)[1]}",
+            "--local-addr",
+            self.addr,
             # node 0 serves the rendezvous: torchrun would tell by the hostname, which names
             # both nodes here (and no address of a network namespace)
-            "--rdzv-conf", f"is_host={str(self.index == 0).lower()}",
-            "--monitor-interval", "0.5",
-            "-m", "cli.main", "train", "--out", str(self.out), *args,
+            "--rdzv-conf",
+            f"is_host={str(self.index == 0).lower()}",
+            "--monitor-interval",
+            "0.5",
+            "-m",
+            "cli.main",
+            "train",
+            "--out",
+            str(self.out),
+            *args,
             *(["--host", self.addr] if host else []),
-        ]  # fmt: skip
+        ]
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self.lives.append(self.proc)
 
     def kill(self) -> None:
@@ -70,8 +102,10 @@ class Node:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"node {self.index} did not finish in {timeout_s} s:\n"
-                                 + self.log.read_text()[-3000:]) from None  # fmt: skip
+            raise AssertionError(
+                f"node {self.index} did not finish in {timeout_s} s:\n"
+                + self.log.read_text()[-3000:]
+            ) from None
 
     def rows(self, stage: int, replica: int) -> list[dict]:
         path = self.out / "metrics" / f"{stage}-{replica}.jsonl"

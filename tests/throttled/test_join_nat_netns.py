@@ -67,8 +67,12 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
 
         # replica 1 trains through relays: the homes' only TCP peers are on the public side
         for home in (HOME0, HOME1):
-            conns = subprocess.run(grid.topo.cmd(grid.ns(home), "ss", "-tnH"), text=True,
-                                   capture_output=True, check=True).stdout.split("\n")  # fmt: skip
+            conns = subprocess.run(
+                grid.topo.cmd(grid.ns(home), "ss", "-tnH"),
+                text=True,
+                capture_output=True,
+                check=True,
+            ).stdout.split("\n")
             remote = {c.split()[-1].rsplit(":", 1)[0] for c in conns if c.strip()}
             assert remote == {PUBLIC_ADDR}, (home, conns)
         # each relayed connection carries at most RELAY_MIB each way: this many bytes from s0r1

@@ -54,8 +54,17 @@ def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):
             logs = [(tmp_path / f"j{k}.log").open("w") for k in range(1, 5)]
             for k in range(1, 5):
                 extra = ["--config", str(cfg)] if k == 1 else []
-                start(k, "join", "--initial-peers", bootstrap, "--out", str(outs[k - 1]), *extra,
-                      stdout=logs[k - 1], stderr=subprocess.STDOUT)  # fmt: skip
+                start(
+                    k,
+                    "join",
+                    "--initial-peers",
+                    bootstrap,
+                    "--out",
+                    str(outs[k - 1]),
+                    *extra,
+                    stdout=logs[k - 1],
+                    stderr=subprocess.STDOUT,
+                )
                 if k == 1:  # the run's config record first: it is stored before the claim
                     first_log = tmp_path / "j1.log"
                     wait_for(lambda p=first_log: "joined run" in p.read_text(), 60, "1st claim")

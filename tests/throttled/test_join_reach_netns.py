@@ -36,14 +36,28 @@ def test_join_with_no_route_back_is_refused_with_the_fix(text_file, tmp_path):
 
         def join(*args: str) -> tuple[int, str]:
             return meshtrain(
-                pair.b, "join", "--initial-peers", bootstrap, "--config", str(cfg),
-                "--host-maddrs", f"/ip4/{ADDR_B}/tcp/0", *args,
-            )  # fmt: skip
+                pair.b,
+                "join",
+                "--initial-peers",
+                bootstrap,
+                "--config",
+                str(cfg),
+                "--host-maddrs",
+                f"/ip4/{ADDR_B}/tcp/0",
+                *args,
+            )
 
-        cmd = pair.cmd(pair.a, sys.executable, "-m", "cli.main", "dht",
-                       "--host-maddrs", f"/ip4/{ADDR_A}/tcp/0")  # fmt: skip
-        dht = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, start_new_session=True)  # fmt: skip
+        cmd = pair.cmd(
+            pair.a, sys.executable, "-m", "cli.main", "dht", "--host-maddrs", f"/ip4/{ADDR_A}/tcp/0"
+        )
+        dht = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         try:
             bootstrap = dht.stdout.readline().strip()
             assert bootstrap.startswith(f"/ip4/{ADDR_A}/"), bootstrap

@@ -27,16 +27,28 @@ def test_two_nodes_in_network_namespaces_train_a_grid(tmp_path, text_file):
     why = unavailable()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
-    keys = [*helpers.TINY, f"data.path='{text_file}'", "run.steps=20",
-            "transport.recv_timeout_s=60", "transport.round_timeout_s=60"]  # fmt: skip
-    nodes = (Node(0, ADDR_A, tmp_path / "n0", tmp_path / "n0.log"),
-             Node(1, ADDR_B, tmp_path / "n1", tmp_path / "n1.log"))  # fmt: skip
+    keys = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        "run.steps=20",
+        "transport.recv_timeout_s=60",
+        "transport.round_timeout_s=60",
+    ]
+    nodes = (
+        Node(0, ADDR_A, tmp_path / "n0", tmp_path / "n0.log"),
+        Node(1, ADDR_B, tmp_path / "n1", tmp_path / "n1.log"),
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with netns_pair() as pair:
         try:
             for node, ns in zip(nodes, (pair.a, pair.b)):
-                node.start(f"{ADDR_A}:29400", ["--grid", "2x2", *sets(*keys)], env, host=False,
-                           prefix=pair.cmd(ns))  # fmt: skip
+                node.start(
+                    f"{ADDR_A}:29400",
+                    ["--grid", "2x2", *sets(*keys)],
+                    env,
+                    host=False,
+                    prefix=pair.cmd(ns),
+                )
             codes = [node.wait(RUN_S) for node in nodes]
         finally:
             for node in nodes:

@@ -38,9 +38,12 @@ def _one_line_error(res) -> str:
 
 @pytest.mark.parametrize(
     ("toml", "key"),
-    [("[dp]\ntau = true\n", "dp.tau"), ("[optim]\nlr = false\n", "optim.lr"),
-     ("[grid]\nstages = true\n", "grid.stages")],
-)  # fmt: skip
+    [
+        ("[dp]\ntau = true\n", "dp.tau"),
+        ("[optim]\nlr = false\n", "optim.lr"),
+        ("[grid]\nstages = true\n", "grid.stages"),
+    ],
+)
 def test_a_bool_where_a_number_goes_is_refused(tmp_path, toml, key):
     bad = tmp_path / "bad.toml"
     bad.write_text(toml)

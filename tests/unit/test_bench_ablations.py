@@ -20,9 +20,12 @@ def test_rows_change_one_setting_of_asyncmesh_fp8():
     for row, change, _ in ablations.ROWS[1:]:
         dumped, ref = cfgs[row].model_dump(), full.model_dump()
         differ = {
-            f"{sec}.{k}" for sec in ref if isinstance(ref[sec], dict)
-            for k in ref[sec] if ref[sec][k] != dumped[sec][k]
-        }  # fmt: skip
+            f"{sec}.{k}"
+            for sec in ref
+            if isinstance(ref[sec], dict)
+            for k in ref[sec]
+            if ref[sec][k] != dumped[sec][k]
+        }
         assert differ == set(change), row
 
 
@@ -49,9 +52,18 @@ def test_best_lr_is_the_lowest_loss_and_never_a_diverged_run():
 @pytest.mark.slow
 def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path, monkeypatch):
     monkeypatch.setattr(simruns, "QUICK_MICROBATCHES", 64)  # the table's shape, not its numbers
-    base = load_config([], [f"data.path='{text_file}'", "model.n_layers=8", "model.d_model=16",
-                            "model.n_heads=2", "model.seq_len=16", "pipeline.microbatch_size=2",
-                            "data.val_batches=1"])  # fmt: skip
+    base = load_config(
+        [],
+        [
+            f"data.path='{text_file}'",
+            "model.n_layers=8",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.seq_len=16",
+            "pipeline.microbatch_size=2",
+            "data.val_batches=1",
+        ],
+    )
     summary = ablations.run_ablations(base, tmp_path, quick=True, workers=2)
     assert len(summary["runs"]) == len(ablations.ROWS)
     sweep = summary["lr_sweep"]
@@ -59,9 +71,14 @@ def test_study_writes_the_table_beside_the_papers_numbers(text_file, tmp_path, m
     assert summary["settings"]["optim.lr"] == sweep["best"]
     assert all(not r["diverged"] and math.isfinite(r["val_loss"]) for r in summary["runs"])
     table = (tmp_path / "table.md").read_text()
-    cells = {c[0]: c for c in (
-        [x.strip() for x in line.strip("|").split("|")] for line in table.splitlines()
-        if line.count("|") > 6)}  # fmt: skip
+    cells = {
+        c[0]: c
+        for c in (
+            [x.strip() for x in line.strip("|").split("|")]
+            for line in table.splitlines()
+            if line.count("|") > 6
+        )
+    }
     for row, _, ppl in ablations.ROWS:
         # each row carries the paper's number beside the mean of this study's runs of it
         ours = statistics.mean(r["val_loss"] for r in summary["runs"] if r["method"] == row)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from mesh.bench import boundary as study
+from mesh.bench import boundary_report as report
 from mesh.bench.regime import rule_fields
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
@@ -45,8 +46,15 @@ def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_withi
     for seed, ref in ((0, 6.0), (1, 5.0)):
         for arm, _ in study.arms(base, 4):
             gap = {"learned 16x": 0.005, "learned 32x": 0.02}.get(arm, 0.0)
-            runs.append({"method": f"P4 {arm}", "seed": seed, "val_loss": ref * (1 + gap),
-                         "val_bpb": 2.0, "diverged": False})  # fmt: skip
+            runs.append(
+                {
+                    "method": f"P4 {arm}",
+                    "seed": seed,
+                    "val_loss": ref * (1 + gap),
+                    "val_bpb": 2.0,
+                    "diverged": False,
+                }
+            )
     rows = {r["arm"]: r for r in study.summarize_rows(base, runs, 4)}
     assert rows[study.REFERENCE]["loss_gap"] == 0 and rows[study.REFERENCE]["compression"] == 1
     assert rows["learned 16x"]["loss_gap"] == pytest.approx(0.005)
@@ -69,24 +77,36 @@ def test_a_rerun_reuses_the_runs_its_summary_holds(base, tmp_path):
 
 
 def _summary(base, ref_loss: float) -> dict:
-    runs = [{"method": f"P4 {a}", "seed": 0, "val_loss": ref_loss, "val_bpb": 2.0,
-             "diverged": False} for a, _ in study.arms(base, 4)]  # fmt: skip
+    runs = [
+        {"method": f"P4 {a}", "seed": 0, "val_loss": ref_loss, "val_bpb": 2.0, "diverged": False}
+        for a, _ in study.arms(base, 4)
+    ]
     rows = study.summarize_rows(base, runs, 4)
-    return {"model": {"arch": "llama", "d_model": 64, "n_layers": 8, "vocab_size": 256,
-                      "seq_len": 128}, "params": 420_000, "data": "x", "tokens_per_run": 1,
-            "seeds": [0], "tune_seed": 100, "lrs": {}, "anchor_rank": 16, "rows": rows,
-            "best_within_1pct": {"4": None}}  # fmt: skip
+    return {
+        "model": {"arch": "llama", "d_model": 64, "n_layers": 8, "vocab_size": 256, "seq_len": 128},
+        "params": 420_000,
+        "data": "x",
+        "tokens_per_run": 1,
+        "seeds": [0],
+        "tune_seed": 100,
+        "lrs": {},
+        "anchor_rank": 16,
+        "rows": rows,
+        "best_within_1pct": {"4": None},
+    }
 
 
 # the data's reference points (as a manifest carries them): bigram 2.5 nats/token
-ENTRY = {"unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
-         "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6}}  # fmt: skip
+ENTRY = {
+    "unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
+    "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6},
+}
 
 
 def test_outputs_are_written(base, tmp_path):
     summary = _summary(base, 2.0)
     summary.update(rule_fields("boundary", summary, ENTRY))
-    study.write_outputs(summary, tmp_path)
+    report.write_outputs(summary, tmp_path)
     text = (tmp_path / "table.md").read_text()
     assert "learned 16x" in text and "0.42M parameters" in text
     assert (tmp_path / "tradeoff.png").stat().st_size > 10_000
@@ -100,7 +120,7 @@ def test_a_study_whose_reference_has_not_learned_says_so_in_its_report(
     summary.update(rule_fields("boundary", summary, ENTRY))
     assert summary["reference_to_bigram_ratio"] == pytest.approx(ref_loss / 2.5)
     assert summary["regime"] == ("early-training regime" if early else "passes the rule")
-    study.write_outputs(summary, tmp_path)
+    report.write_outputs(summary, tmp_path)
     text = (tmp_path / "table.md").read_text()
     assert ("early-training regime" in text) is early
     assert "bigram 2.500 nats/token" in text
@@ -115,9 +135,13 @@ def test_a_run_of_some_depths_keeps_the_others_rows():
     old = {
         "lrs": {"4": {"full bf16": 4e-3}, "8": {"full bf16": 2e-3}, "16": {"full bf16": 1e-3}},
         "lr_sweep": [run("P4 full bf16 lr=0.004"), run("P8 full bf16 lr=0.002")],
-        "runs": [run("P4 learned 16x"), run("P8 learned 16x"), run("P8 full bf16", mbs=24),
-                 run("P16 full bf16", mbs=24)],
-    }  # fmt: skip
+        "runs": [
+            run("P4 learned 16x"),
+            run("P8 learned 16x"),
+            run("P8 full bf16", mbs=24),
+            run("P16 full bf16", mbs=24),
+        ],
+    }
     lrs, sweep, runs = study.held_depths(old, (4,), 300)
     # P = 8 is kept whole; P = 16 holds no run at this budget (a --quick one), so it goes
     assert lrs == {8: {"full bf16": 2e-3}}

@@ -90,13 +90,28 @@ def test_a_stopped_study_keeps_only_runs_of_the_same_config_and_budget(tmp_path)
     fp_fs, fp_am = want[("dp", "FullSync", 0)], want[("dp", "AsyncMesh", 0)]
     assert fp_fs != fp_am
     rows = [
-        {"study": "dp", "method": "FullSync", "seed": 0, "microbatches": 64,
-         "config_fingerprint": fp_am},  # another config's run under FullSync's name
-        {"study": "dp", "method": "AsyncMesh", "seed": 0, "microbatches": 32,
-         "config_fingerprint": fp_am},  # another budget
-        {"study": "dp", "method": "AsyncMesh", "seed": 0, "microbatches": 64,
-         "config_fingerprint": fp_am},
-    ]  # fmt: skip
+        {
+            "study": "dp",
+            "method": "FullSync",
+            "seed": 0,
+            "microbatches": 64,
+            "config_fingerprint": fp_am,
+        },  # another config's run under FullSync's name
+        {
+            "study": "dp",
+            "method": "AsyncMesh",
+            "seed": 0,
+            "microbatches": 32,
+            "config_fingerprint": fp_am,
+        },  # another budget
+        {
+            "study": "dp",
+            "method": "AsyncMesh",
+            "seed": 0,
+            "microbatches": 64,
+            "config_fingerprint": fp_am,
+        },
+    ]
     partial = tmp_path / "runs.partial.jsonl"
     partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
     found = reuse(read_runs(partial), specs, base, {"dp": 64, "pp": 64})
@@ -109,9 +124,19 @@ def test_a_second_study_stage_keeps_the_first_stages_runs_for_a_resume(text_file
     second call's rewrite of runs.partial.jsonl keeps the first call's runs."""
     from mesh.bench.simruns import Spec, run_specs
 
-    base = load_config([], [f"data.path='{text_file}'", "model.n_layers=2", "grid.stages=2",
-                            "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
-                            "pipeline.microbatch_size=2", "data.val_batches=1"])  # fmt: skip
+    base = load_config(
+        [],
+        [
+            f"data.path='{text_file}'",
+            "model.n_layers=2",
+            "grid.stages=2",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.seq_len=16",
+            "pipeline.microbatch_size=2",
+            "data.val_batches=1",
+        ],
+    )
     a = Spec("dp", "a", 0, 1, (("grid.stages", 2), ("optim.lr", 1e-3)))
     b = Spec("dp", "b", 0, 1, (("grid.stages", 2), ("optim.lr", 2e-3)))
     run_specs(base, [a], {"dp": 16}, tmp_path, 1, "first")
@@ -191,9 +216,16 @@ def test_evaluation_seeds_that_tuned_are_refused(tmp_path):
     check_held_out([10, 11], [0, 1])  # disjoint: fine
     with pytest.raises(ConfigError, match=r"seeds 0,1 also tuned"):
         check_held_out([0, 1, 10], [0, 1])
-    tuning = {"seeds": [0], "confirm_seeds": [1], "quick": False, "runs": [],
-              "best": {"FullSync": {"settings": {"optim.lr": 9e-3}},
-                       "AsyncMesh-fp8": {"settings": {"optim.lr": 3e-3}}}}  # fmt: skip
+    tuning = {
+        "seeds": [0],
+        "confirm_seeds": [1],
+        "quick": False,
+        "runs": [],
+        "best": {
+            "FullSync": {"settings": {"optim.lr": 9e-3}},
+            "AsyncMesh-fp8": {"settings": {"optim.lr": 3e-3}},
+        },
+    }
     (tmp_path / "tuning.json").write_text(json.dumps(tuning))
     assert tuning_seeds(tmp_path / "tuning.json") == [0, 1]
     # refused before any run starts (no runs.partial.jsonl is written)
@@ -221,9 +253,16 @@ def test_bench_convergence_refuses_overlapping_seeds_in_one_line(tmp_path, args,
 
     from cli.main import main
 
-    tuning = {"seeds": [0], "confirm_seeds": [1], "quick": False, "runs": [],
-              "best": {"FullSync": {"settings": {"optim.lr": 9e-3}},
-                       "AsyncMesh-fp8": {"settings": {"optim.lr": 3e-3}}}}  # fmt: skip
+    tuning = {
+        "seeds": [0],
+        "confirm_seeds": [1],
+        "quick": False,
+        "runs": [],
+        "best": {
+            "FullSync": {"settings": {"optim.lr": 9e-3}},
+            "AsyncMesh-fp8": {"settings": {"optim.lr": 3e-3}},
+        },
+    }
     (tmp_path / "tuning.json").write_text(json.dumps(tuning))
     res = CliRunner().invoke(main, ["bench", "convergence", "--out", str(tmp_path), *args])
     assert res.exit_code == 2, res.output
@@ -266,18 +305,40 @@ def test_the_table_gives_the_headline_out_of_sample_first(tmp_path):
         for s in build_specs([seed]):
             loss = {"FullSync": 2.0, "AsyncMesh-fp8": 2.0 * (1 + 0.01 * (seed - 9))}.get(s.method)
             dpb = 1000.0 if s.method == "FullSync" else 10.0
-            runs.append({"study": s.study, "method": s.method, "seed": seed,
-                         "val_loss": 2.1 if loss is None else loss, "tokens": 100,
-                         "dp_bytes_per_replica_step": dpb, "curve": []})  # fmt: skip
+            runs.append(
+                {
+                    "study": s.study,
+                    "method": s.method,
+                    "seed": seed,
+                    "val_loss": 2.1 if loss is None else loss,
+                    "tokens": 100,
+                    "dp_bytes_per_replica_step": dpb,
+                    "curve": [],
+                }
+            )
     tuned = {"FullSync": {"optim.lr": 9e-3}, "AsyncMesh-fp8": {"optim.lr": 3e-3}}
-    tuning = {"seeds": [0], "confirm_seeds": [1], "quick": False,
-              "best": {arm: {"settings": st} for arm, st in tuned.items()},
-              "runs": [{"method": f"{arm} | lr", "seed": seed, "settings": tuned[arm],
-                        "val_loss": 2.0 if arm == "FullSync" else 2.002}
-                       for arm in tuned for seed in (0, 1)]}  # fmt: skip
+    tuning = {
+        "seeds": [0],
+        "confirm_seeds": [1],
+        "quick": False,
+        "best": {arm: {"settings": st} for arm, st in tuned.items()},
+        "runs": [
+            {
+                "method": f"{arm} | lr",
+                "seed": seed,
+                "settings": tuned[arm],
+                "val_loss": 2.0 if arm == "FullSync" else 2.002,
+            }
+            for arm in tuned
+            for seed in (0, 1)
+        ],
+    }
     (tmp_path / "tuning.json").write_text(json.dumps(tuning))
-    summary = _summary(runs) | {"seeds": {"dp": [10, 11, 12], "pp": [0, 1]}, "tuned": tuned,
-                                "tuning_seeds": [0, 1]}  # fmt: skip
+    summary = _summary(runs) | {
+        "seeds": {"dp": [10, 11, 12], "pp": [0, 1]},
+        "tuned": tuned,
+        "tuning_seeds": [0, 1],
+    }
     write_outputs(summary, tmp_path)
     table = (tmp_path / "table.md").read_text()
     first = table.split("\n\n")[1]
@@ -328,14 +389,24 @@ def test_a_study_of_some_methods_keeps_the_others_runs_on_their_seeds_and_says_s
     from mesh.bench.convergence import kept_runs
 
     def run(method, seed, loss):
-        return {"study": "dp", "method": method, "seed": seed, "val_loss": loss, "tokens": 100,
-                "dp_bytes_per_replica_step": 1000.0 if method == "FullSync" else 10.0,
-                "curve": []}  # fmt: skip
+        return {
+            "study": "dp",
+            "method": method,
+            "seed": seed,
+            "val_loss": loss,
+            "tokens": 100,
+            "dp_bytes_per_replica_step": 1000.0 if method == "FullSync" else 10.0,
+            "curve": [],
+        }
 
     # the previous study: every method on seeds 0-3 (0 and 1 tuned), before the seeds were split
-    previous = {"tuned": {"FullSync": {}}, "runs": [
-        run(m, seed, 2.0 + 0.01 * k) for k, m in enumerate(DP_METHODS) for seed in range(4)
-    ] + [{"study": "pp", "method": "P4 async adamw", "seed": 0, "val_loss": 2.5}]}  # fmt: skip
+    previous = {
+        "tuned": {"FullSync": {}},
+        "runs": [
+            run(m, seed, 2.0 + 0.01 * k) for k, m in enumerate(DP_METHODS) for seed in range(4)
+        ]
+        + [{"study": "pp", "method": "P4 async adamw", "seed": 0, "val_loss": 2.5}],
+    }
     run_now = ["FullSync", "AsyncMesh-fp8", "AsyncMesh"]
     kept = kept_runs(previous, [10, 11], run_now, [0, 1])
     assert kept["seeds"] == [0, 1, 2, 3] and kept["tuning_seeds"] == [0, 1]
@@ -349,8 +420,11 @@ def test_a_study_of_some_methods_keeps_the_others_runs_on_their_seeds_and_says_s
     assert kept_runs(None, [10], run_now, [0])["runs"] == []
 
     # the table: the study's rows on its seeds, the kept ones on theirs, marked in sample
-    runs = [run(m, seed, 2.0 + 0.02 * (m != "FullSync") + 0.001 * seed)
-            for m in run_now for seed in (10, 11)]  # fmt: skip
+    runs = [
+        run(m, seed, 2.0 + 0.02 * (m != "FullSync") + 0.001 * seed)
+        for m in run_now
+        for seed in (10, 11)
+    ]
     summary = _summary(runs) | {"seeds": {"dp": [10, 11], "pp": [0, 1]}, "kept": kept}
     write_outputs(summary, tmp_path)
     table = (tmp_path / "table.md").read_text()
@@ -405,8 +479,10 @@ def test_an_optimizer_candidate_is_also_judged_like_for_like(tmp_path):
     assert "both arms with rotated_adam" not in (tmp_path / "table.md").read_text()
     fs_rotated = {s: v * 1.02 for s, v in better.items()}  # the candidate 1/1.02 - 1 from it
     chosen = {"FullSync": {"optim.lr": 0.006}, "AsyncMesh-fp8": {"optim.lr": 0.003}}
-    saved = {"chosen": chosen, "evaluation": {"FullSync rotated_adam": fs_rotated,
-                                              "AsyncMesh-fp8 rotated_adam": better}}  # fmt: skip
+    saved = {
+        "chosen": chosen,
+        "evaluation": {"FullSync rotated_adam": fs_rotated, "AsyncMesh-fp8 rotated_adam": better},
+    }
     (tmp_path / "like_for_like.json").write_text(json.dumps(saved))
     write_outputs(summary, tmp_path)
     table = (tmp_path / "table.md").read_text()

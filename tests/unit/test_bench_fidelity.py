@@ -10,8 +10,14 @@ from mesh.bench import fidelity, simruns, tuning
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
 
-SMALL = ["model.n_layers=4", "model.d_model=16", "model.n_heads=2", "model.seq_len=16",
-         "pipeline.microbatch_size=2", "data.val_batches=1"]  # fmt: skip
+SMALL = [
+    "model.n_layers=4",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.seq_len=16",
+    "pipeline.microbatch_size=2",
+    "data.val_batches=1",
+]
 
 
 def test_study_runs_use_the_papers_settings_as_shares_of_the_run():
@@ -33,14 +39,22 @@ def test_async_methods_share_the_tuned_setting_but_keep_what_they_pin():
 
 def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
     def run(name, seed, loss, settings):
-        return {"method": name, "seed": seed, "val_loss": loss, "settings": settings,
-                "diverged": loss is None}  # fmt: skip
+        return {
+            "method": name,
+            "seed": seed,
+            "val_loss": loss,
+            "settings": settings,
+            "diverged": loss is None,
+        }
 
     runs = [
-        run("A | lr=1", 0, 2.0, {"optim.lr": 1}), run("A | lr=1", 1, 2.2, {"optim.lr": 1}),
-        run("A | lr=2", 0, 1.0, {"optim.lr": 2}), run("A | lr=2", 1, None, {"optim.lr": 2}),
-        run("A | lr=3", 0, 2.1, {"optim.lr": 3}), run("A | lr=3", 1, 2.0, {"optim.lr": 3}),
-    ]  # fmt: skip
+        run("A | lr=1", 0, 2.0, {"optim.lr": 1}),
+        run("A | lr=1", 1, 2.2, {"optim.lr": 1}),
+        run("A | lr=2", 0, 1.0, {"optim.lr": 2}),
+        run("A | lr=2", 1, None, {"optim.lr": 2}),
+        run("A | lr=3", 0, 2.1, {"optim.lr": 3}),
+        run("A | lr=3", 1, 2.0, {"optim.lr": 3}),
+    ]
     settings, loss = tuning.best_settings(runs, "A")
     assert settings == {"optim.lr": 3} and loss == pytest.approx(2.05)
     # on one seed alone, lr=2 wins; a setting not run on every seed asked for is not ranked
@@ -53,8 +67,13 @@ def test_the_rule_picks_the_lowest_mean_and_a_divergence_loses():
 def test_an_lr_at_the_edge_of_those_tried_steps_on_and_an_inner_one_does_not():
     def run(lr, loss, **other):
         st = {"optim.lr": lr, **other}
-        return {"method": f"A | {st}", "seed": 0, "val_loss": loss, "settings": st,
-                "diverged": False}  # fmt: skip
+        return {
+            "method": f"A | {st}",
+            "seed": 0,
+            "val_loss": loss,
+            "settings": st,
+            "diverged": False,
+        }
 
     runs = [run(1e-3, 2.3), run(2e-3, 2.2, b=1), run(3e-3, 2.1, b=1), run(9e-3, 2.5)]
     # the best (3e-3 at b=1) is the largest lr tried at b=1 (9e-3 was at other settings)
@@ -90,8 +109,13 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     # the staleness stage: the lr correction at x1.5 the lr of the async arm's best before it
     corrected = [r for r in summary["runs"] if "optim.delay_lr_share" in r["settings"]]
     assert corrected and all(r["settings"]["optim.delay_lr_share"] == 0.5 for r in corrected)
-    before = [r for r in summary["runs"] if r["method"].startswith("AsyncMesh-fp8 |")
-              and r not in corrected and r["seed"] in tuning.TUNE_SEEDS]  # fmt: skip
+    before = [
+        r
+        for r in summary["runs"]
+        if r["method"].startswith("AsyncMesh-fp8 |")
+        and r not in corrected
+        and r["seed"] in tuning.TUNE_SEEDS
+    ]
     so_far = min(before, key=lambda r: r["val_loss"])["settings"]
     expected = {
         **so_far,
@@ -108,8 +132,10 @@ def test_tuning_runs_both_stages_and_the_study_reads_its_choice(text_file, tmp_p
     for arm in tuning.ARMS:
         assert sum(g.startswith(arm + " |") for g in confirmed) == 2
         best = summary["best"][arm]
-        pick = min((g for g in confirmed if g.startswith(arm + " |")),
-                   key=lambda g: tuning.mean_loss(runs_of[g]))  # fmt: skip
+        pick = min(
+            (g for g in confirmed if g.startswith(arm + " |")),
+            key=lambda g: tuning.mean_loss(runs_of[g]),
+        )
         assert best["settings"] == runs_of[pick][0]["settings"]
         assert best["val_loss"] == pytest.approx(tuning.mean_loss(runs_of[pick]))
     best_lr = summary["best"]["AsyncMesh-fp8"]["settings"]["optim.lr"]

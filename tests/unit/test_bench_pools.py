@@ -12,8 +12,15 @@ from mesh.bench import pools
 
 
 def _arm(tps: float) -> dict:
-    return {"ok": True, "wall_s": 60.0, "tokens_per_s": tps, "tokens_per_s_to_the_end": 1000.0,
-            "staleness_mean": 1.2, "voided": 0, "lives": 8}  # fmt: skip
+    return {
+        "ok": True,
+        "wall_s": 60.0,
+        "tokens_per_s": tps,
+        "tokens_per_s_to_the_end": 1000.0,
+        "staleness_mean": 1.2,
+        "voided": 0,
+        "lives": 8,
+    }
 
 
 def test_scenarios_are_seeded_and_the_dead_spare_the_streams():
@@ -33,9 +40,13 @@ def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
     for name, (P, m) in pools.SCENARIOS.items():
         bound = min(sum(stage) for stage in speeds[name]) * scale
         scenarios[name] = {
-            "grid": f"{P}x{m}", "speeds": speeds[name], "fixed": _arm(0.6 * bound),
-            "pools": _arm(0.9 * bound), "pools_vs_fixed": 1.5, "pools_of_bound": 0.9,
-        }  # fmt: skip
+            "grid": f"{P}x{m}",
+            "speeds": speeds[name],
+            "fixed": _arm(0.6 * bound),
+            "pools": _arm(0.9 * bound),
+            "pools_vs_fixed": 1.5,
+            "pools_of_bound": 0.9,
+        }
     (tmp_path / "summary.json").write_text(
         json.dumps({"steps": 60, "quick": False, "scenarios": scenarios})
     )
@@ -77,3 +88,18 @@ def test_steady_rates_while_every_stream_is_live_and_to_the_end():
     assert live == pytest.approx((125 - 50) / 6, abs=0.05)  # rounded to 0.1
     assert to_end == pytest.approx((200 - 50) / 36, abs=0.05)
     assert pools.steady_rates([], 1) == (0.0, 0.0)
+
+
+def test_the_convergence_control_is_pools_without_the_slow_cell_and_kept_apart():
+    from mesh.bench import pools_convergence as pc
+
+    arms = pc.specs((10,))
+    ov = {arm: dict(s[0].overrides) for arm, s in arms.items()}
+    assert ov["pools"]["emulation.slowdowns"] == pc.SLOW and ov["even"]["emulation.slowdowns"] == []
+    assert ov["pools"]["pipeline.routing"] == ov["even"]["pipeline.routing"] == "pools"
+    assert {k: v for k, v in ov["pools"].items() if k != "emulation.slowdowns"} == {
+        k: v for k, v in ov["even"].items() if k != "emulation.slowdowns"
+    }
+    # speeds are a local setting, out of the config's fingerprint: runs are told apart by arm
+    assert arms["pools"][0].method != arms["even"][0].method
+    assert pc._key(arms["pools"][0].method, "fp") != pc._key(arms["even"][0].method, "fp")

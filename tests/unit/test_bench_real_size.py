@@ -45,8 +45,13 @@ def test_arms_carry_the_real_payloads(grid):
         sizes[label] = activation_frame_bytes(c)
         shares[label] = max(compute) / rs.predicted_period_s(c, compute)
         assert c.pipeline.codec == codec and isinstance(c.pipeline.window, list)
-    assert list(sizes) == ["full fp8", "learned 16x", "learned 32x int4", "learned 64x",
-                           "learned 128x int4"]  # fmt: skip
+    assert list(sizes) == [
+        "full fp8",
+        "learned 16x",
+        "learned 32x int4",
+        "learned 64x",
+        "learned 128x int4",
+    ]
     assert sizes["full fp8"] > 8 * 1024 * 2304  # one byte a value plus scales and header
     assert sizes["full fp8"] / sizes["learned 16x"] > 16 / 2.1  # fp8 is ~2x of bf16 already
     assert sizes["full fp8"] / sizes["learned 64x"] > 64 / 2.1
@@ -106,14 +111,27 @@ def test_the_entry_merges_into_the_throughput_summary(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"configs": [{"id": "A1"}]}))
     (tmp_path / "table.md").write_text("grids A1-A4\n")
     entry = {
-        "grid": "4x2", "shapes": {"d_model": 2304, "seq_len": 1024, "microbatch_size": 8},
-        "link": {"bandwidth_mbps": 100.0, "latency_ms": 50.0}, "compute_formula": "f",
-        "stage_compute_ms": [34.0, 43.2], "compute_bound_tokens_per_s": 1.0,
-        "arms": [{"arm": "full fp8", "rank": 2304, "compression": 1.9, "frame_bytes": 1,
-                  "link_s_per_message": 1.5, "tokens_per_s": 10.0,
-                  "fraction_of_compute_ideal": 0.03, "predicted_link_model_share": 0.03,
-                  "fraction_of_ideal": 0.9, "staleness": [1, 0]}],
-    }  # fmt: skip
+        "grid": "4x2",
+        "shapes": {"d_model": 2304, "seq_len": 1024, "microbatch_size": 8},
+        "link": {"bandwidth_mbps": 100.0, "latency_ms": 50.0},
+        "compute_formula": "f",
+        "stage_compute_ms": [34.0, 43.2],
+        "compute_bound_tokens_per_s": 1.0,
+        "arms": [
+            {
+                "arm": "full fp8",
+                "rank": 2304,
+                "compression": 1.9,
+                "frame_bytes": 1,
+                "link_s_per_message": 1.5,
+                "tokens_per_s": 10.0,
+                "fraction_of_compute_ideal": 0.03,
+                "predicted_link_model_share": 0.03,
+                "fraction_of_ideal": 0.9,
+                "staleness": [1, 0],
+            }
+        ],
+    }
     for _ in range(2):  # a second run replaces the first's section
         rs.merge_into(tmp_path, entry)
     summary = json.loads((tmp_path / "summary.json").read_text())

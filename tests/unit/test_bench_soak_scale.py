@@ -25,19 +25,44 @@ def test_slope_per_hour_of_a_line_and_of_a_flat_series():
 
 
 def _sample(t, peer, cell, rss, threads=20, fds=90, loss=None, n=0, age=None):
-    return {"kind": "sample", "t_s": t, "peer": peer, "cell": cell, "age_s": t if age is None
-            else age, "rss_mb": rss, "pss_mb": rss / 2, "rss_mb_p2pd": 80, "fds": fds,
-            "threads": threads, "asyncio_tasks": 10, "mailbox_pending": 0, "sockets": 2,
-            "loss_mean": loss, "loss_n": n, "rounds_applied": 9, "rounds_partial": 0,
-            "rounds_failed": 1}  # fmt: skip
+    return {
+        "kind": "sample",
+        "t_s": t,
+        "peer": peer,
+        "cell": cell,
+        "age_s": t if age is None else age,
+        "rss_mb": rss,
+        "pss_mb": rss / 2,
+        "rss_mb_p2pd": 80,
+        "fds": fds,
+        "threads": threads,
+        "asyncio_tasks": 10,
+        "mailbox_pending": 0,
+        "sockets": 2,
+        "loss_mean": loss,
+        "loss_n": n,
+        "rounds_applied": 9,
+        "rounds_partial": 0,
+        "rounds_failed": 1,
+    }
 
 
 def _meta(duration_s=600.0):
-    plan_ = {"duration_s": duration_s, "kills": 1, "kill_every_s": 300, "sample_s": 30,
-             "warmup_s": 50}  # fmt: skip
+    plan_ = {
+        "duration_s": duration_s,
+        "kills": 1,
+        "kill_every_s": 300,
+        "sample_s": 30,
+        "warmup_s": 50,
+    }
     left = {"orphan_processes": [], "orphan_p2pd": 0, "socket_files_left": []}
-    return {"command": "meshtrain bench soak --minutes 10", "plan": plan_, "completed": True,
-            "error": None, "leftovers": left}  # fmt: skip
+    return {
+        "command": "meshtrain bench soak --minutes 10",
+        "plan": plan_,
+        "completed": True,
+        "error": None,
+        "leftovers": left,
+    }
 
 
 def test_summary_measures_growth_after_warmup_and_judges_the_targets():
@@ -47,8 +72,17 @@ def test_summary_measures_growth_after_warmup_and_judges_the_targets():
         # p0 leaks 10 MB a sample (but its first, pre-warm-up samples are much lower)
         samples.append(_sample(t, "p0", "s0r0", (100 if t < 50 else 500) + 10 * k))
         samples.append(_sample(t, "p1", "s1r0", 400, loss=5 - k * 0.2, n=10))
-    samples.append({"kind": "kill", "t_s": 300, "peer": "p2", "cell": "s0r1",
-                    "helpers_exit_s": 2.0, "helpers_outlived": [], "sockets_left": []})  # fmt: skip
+    samples.append(
+        {
+            "kind": "kill",
+            "t_s": 300,
+            "peer": "p2",
+            "cell": "s0r1",
+            "helpers_exit_s": 2.0,
+            "helpers_outlived": [],
+            "sockets_left": [],
+        }
+    )
     s = soak_report.summarize(samples, _meta())
     # p0: from its first samples at >= 50 s (k = 2, 3, 4) to its last three (k = 17, 18, 19)
     assert s["rss_growth_mb"]["p0"] == (500 + 180) - (500 + 30)
@@ -65,9 +99,12 @@ def test_summary_measures_growth_after_warmup_and_judges_the_targets():
 
 
 def test_loss_windows_weight_by_updates_and_take_only_the_last_stage():
-    samples = [_sample(10, "p1", "s1r0", 1, loss=4.0, n=1), _sample(20, "p1", "s1r0", 1,
-               loss=2.0, n=3), _sample(20, "p0", "s0r0", 1, loss=9.0, n=5),
-               _sample(590, "p1", "s1r0", 1, loss=1.0, n=2)]  # fmt: skip
+    samples = [
+        _sample(10, "p1", "s1r0", 1, loss=4.0, n=1),
+        _sample(20, "p1", "s1r0", 1, loss=2.0, n=3),
+        _sample(20, "p0", "s0r0", 1, loss=9.0, n=5),
+        _sample(590, "p1", "s1r0", 1, loss=1.0, n=2),
+    ]
     w = soak_report.loss_windows(samples, 600.0)
     assert len(w) == soak_report.WINDOWS
     assert w[0]["train_loss"] == (4.0 + 3 * 2.0) / 4 and w[0]["updates"] == 4
@@ -77,26 +114,50 @@ def test_loss_windows_weight_by_updates_and_take_only_the_last_stage():
 def test_leftovers_and_a_thread_pileup_fail_their_targets():
     samples = [_sample(30.0 * k, "p0", "s0r0", 400, threads=20 + 3 * k) for k in range(10)]
     meta = _meta()
-    meta["leftovers"] = {"orphan_processes": ["123 (p2pd)"], "orphan_p2pd": 1,
-                         "socket_files_left": []}  # fmt: skip
+    meta["leftovers"] = {
+        "orphan_processes": ["123 (p2pd)"],
+        "orphan_p2pd": 1,
+        "socket_files_left": [],
+    }
     s = soak_report.summarize(samples, meta)
     assert not s["checks"]["threads_flat"] and not s["checks"]["no_orphan_after_run"]
 
 
 def _scale_meta(t_all=120.0, window=None):
-    return {"command": "meshtrain bench scale", "grid": "8x4", "peers": 32, "window_s": 120.0,
-            "completed": True, "error": None, "time_to_all_training_s": t_all,
-            "not_training": [], "join_to_training_s": {"p00": 10.0, "p01": 30.0},
-            "status": {"runs_s": [5.0, 6.0, 7.0], "median_s": 6.0, "cells_listed": [32] * 3},
-            "dht_per_peer_per_min": {
-                "p00": {"stores": 60, "store_bytes": 6000, "gets": 60, "get_records": 600,
-                        "get_bytes": 60000},
-                "p01": {"stores": 62, "store_bytes": 6200, "gets": 58, "get_records": 580,
-                        "get_bytes": 58000}},
-            "rounds_window": window or {"applied": 96, "partial": 3, "failed": 1},
-            "rounds_whole_run": {"applied": 100, "partial": 5, "failed": 5},
-            "cell_threads": [14, 16], "torch_threads": [1], "resources": {},
-            "leftovers": {"orphan_processes": [], "socket_files_left": []}}  # fmt: skip
+    return {
+        "command": "meshtrain bench scale",
+        "grid": "8x4",
+        "peers": 32,
+        "window_s": 120.0,
+        "completed": True,
+        "error": None,
+        "time_to_all_training_s": t_all,
+        "not_training": [],
+        "join_to_training_s": {"p00": 10.0, "p01": 30.0},
+        "status": {"runs_s": [5.0, 6.0, 7.0], "median_s": 6.0, "cells_listed": [32] * 3},
+        "dht_per_peer_per_min": {
+            "p00": {
+                "stores": 60,
+                "store_bytes": 6000,
+                "gets": 60,
+                "get_records": 600,
+                "get_bytes": 60000,
+            },
+            "p01": {
+                "stores": 62,
+                "store_bytes": 6200,
+                "gets": 58,
+                "get_records": 580,
+                "get_bytes": 58000,
+            },
+        },
+        "rounds_window": window or {"applied": 96, "partial": 3, "failed": 1},
+        "rounds_whole_run": {"applied": 100, "partial": 5, "failed": 5},
+        "cell_threads": [14, 16],
+        "torch_threads": [1],
+        "resources": {},
+        "leftovers": {"orphan_processes": [], "socket_files_left": []},
+    }
 
 
 def test_scale_summary_counts_dht_per_peer_and_judges_the_targets():
@@ -105,8 +166,9 @@ def test_scale_summary_counts_dht_per_peer_and_judges_the_targets():
     assert s["dht_bytes_per_peer_per_min"]["max"] == 66000
     assert s["rounds_complete_share"] == 0.96 and s["status_latency_s"] == 6.0
     assert s["all_targets_met"] is True
-    slow = scale_report.summarize(_scale_meta(t_all=None, window={"applied": 9, "partial": 1,
-                                                                 "failed": 0}))  # fmt: skip
+    slow = scale_report.summarize(
+        _scale_meta(t_all=None, window={"applied": 9, "partial": 1, "failed": 0})
+    )
     assert not slow["checks"]["all_training_within_180_s"]
     assert not slow["checks"]["rounds_complete_95pct"] and slow["all_targets_met"] is False
     table = scale_report.to_markdown(slow)
@@ -121,6 +183,9 @@ def test_rounds_share_with_no_round_is_unknown_not_complete():
 
 def test_scale_table_counts_joins_that_started_over_by_themselves():
     s = scale_report.summarize({**_scale_meta(), "join_self_restarts": {"p06": 2, "p09": 1}})
-    row = next(ln for ln in scale_report.to_markdown(s).splitlines()
-               if ln.startswith("| joins that started over"))  # fmt: skip
+    row = next(
+        ln
+        for ln in scale_report.to_markdown(s).splitlines()
+        if ln.startswith("| joins that started over")
+    )
     assert row.split("|")[2].strip() == "3" and "p06" in row

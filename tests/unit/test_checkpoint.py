@@ -432,8 +432,9 @@ def test_a_refused_checkpoint_changes_nothing_in_the_cell(tmp_path):
     path = save_cell(a, fp, tmp_path)
     _, b = _cell()
     _train(b, 1)
-    before = {k: v.clone() if isinstance(v, torch.Tensor) else v
-              for k, v in _state_tensors(b).items()}  # fmt: skip
+    before = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in _state_tensors(b).items()
+    }
 
     def nan_in_stash(s):
         s["stashes"][-1][5] = float("nan")

@@ -20,9 +20,15 @@ import torch
 # 2 llama blocks of width 2560 with a 16384-wide MLP: 305M parameters, 1.2 GB a copy; with the
 # drift, the two Adam moments and the one stashed version of a one-stage grid, 6.1 GB of state
 WIDE_LLAMA = [
-    "model.arch='llama'", "model.n_layers=2", "model.d_model=2560", "model.n_heads=20",
-    "model.intermediate_size=16384", "model.seq_len=16", "grid.stages=1", "grid.replicas=1",
-]  # fmt: skip
+    "model.arch='llama'",
+    "model.n_layers=2",
+    "model.d_model=2560",
+    "model.n_heads=20",
+    "model.intermediate_size=16384",
+    "model.seq_len=16",
+    "grid.stages=1",
+    "grid.replicas=1",
+]
 MARGIN = 0.15  # what an operation may add, as a share of the cell's state (a copy adds 100%)
 EXPORT_SHARD_BYTES = 400_000_000  # a third of the stage: the export holds about one shard
 

@@ -40,8 +40,19 @@ def test_unknown_key_and_bad_grid_exit_2():
 
 
 def test_the_simulators_noise_instrument_is_refused_by_the_processes(text_file, tmp_path):
-    args = ["simulate", "--backend", "torch", "--steps", "1", "--out", str(tmp_path / "r"),
-            "--set", f"data.path='{text_file}'", "--set", "dp.noise_codec=fp8_e4m3"]  # fmt: skip
+    args = [
+        "simulate",
+        "--backend",
+        "torch",
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.path='{text_file}'",
+        "--set",
+        "dp.noise_codec=fp8_e4m3",
+    ]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2 and "dp.noise_codec" in res.output and "logical" in res.output
     assert not (tmp_path / "r" / "config.toml").exists()
@@ -124,13 +135,23 @@ def test_summary_table_says_what_the_rounds_in_flight_are_and_what_was_refused()
     from cli.simulate import ROUNDS_NOTE, resumed_apart_note, summary_table
 
     summary = {
-        "grid": "4x2", "steps": 300, "tokens": 307200, "tokens_per_s": 481.0,
-        "fraction_of_ideal": 0.03, "val_loss": 2.7123, "val_bpb": 3.9131,
+        "grid": "4x2",
+        "steps": 300,
+        "tokens": 307200,
+        "tokens_per_s": 481.0,
+        "fraction_of_ideal": 0.03,
+        "val_loss": 2.7123,
+        "val_bpb": 3.9131,
         "bytes": {"pp_per_replica_step": 393721, "dp_per_replica_step": 21124},
-        "rounds": {"rounds_started": 2246, "rounds_applied": 2178, "rounds_partial": 3,
-                   "rounds_failed": 48},
-        "rejects": 90, "rejects_by_reason": {"stale": 7, "late": 83},
-    }  # fmt: skip
+        "rounds": {
+            "rounds_started": 2246,
+            "rounds_applied": 2178,
+            "rounds_partial": 3,
+            "rounds_failed": 48,
+        },
+        "rejects": 90,
+        "rejects_by_reason": {"stale": 7, "late": 83},
+    }
     headers, rows = summary_table(summary)
     assert headers[-2:] == ["rounds started/applied/failed/in flight", "rejects"]
     assert rows[0][-2:] == ["2246/2178/48/20", "90 (late 83, stale 7)"]

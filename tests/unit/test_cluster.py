@@ -147,10 +147,19 @@ def test_replicas_fill_whole_nodes_first_when_the_stages_do_not_divide_them():
     # replicas, one on each node, and the fourth over the spare slot of every node
     rows = placement_table(3, 4, 4)
     assert [r[2] for r in rows] == [
-        "s0r0", "s1r0", "s2r0", "s0r3",
-        "s0r1", "s1r1", "s2r1", "s1r3",
-        "s0r2", "s1r2", "s2r2", "s2r3",
-    ]  # fmt: skip
+        "s0r0",
+        "s1r0",
+        "s2r0",
+        "s0r3",
+        "s0r1",
+        "s1r1",
+        "s2r1",
+        "s1r3",
+        "s0r2",
+        "s1r2",
+        "s2r2",
+        "s2r3",
+    ]
     assert [r[1] for r in rows] == [str(n) for n in range(3) for _ in range(4)]
     # replica-major would split three replicas; this splits one
     by_node = {}
@@ -175,8 +184,9 @@ def test_slurm_ranks_map_to_cells_as_documented():
         assert place.local_rank == procid % 4
     assert cells == {k: (k % 4, k // 4) for k in range(8)}
     # 2 stages x 3 replicas on 2 nodes of 3 tasks: one whole replica per node, the third split
-    odd = {p: cell_of_rank(p, 2, 3, place_from_env(slurm_env(p, 6)).ranks_per_node)
-           for p in range(6)}  # fmt: skip
+    odd = {
+        p: cell_of_rank(p, 2, 3, place_from_env(slurm_env(p, 6)).ranks_per_node) for p in range(6)
+    }
     assert odd == {0: (0, 0), 1: (1, 0), 2: (0, 2), 3: (0, 1), 4: (1, 1), 5: (1, 2)}
 
 
@@ -196,8 +206,11 @@ def test_train_refuses_a_mismatched_grid_with_exit_2_and_one_line():
 
 
 def test_train_without_a_launcher_says_so_and_the_placement_table_needs_none():
-    res = CliRunner().invoke(main, ["train", "--grid", "2x2", "--out", "x"], env={"RANK": None,
-                             "WORLD_SIZE": None, "SLURM_PROCID": None})  # fmt: skip
+    res = CliRunner().invoke(
+        main,
+        ["train", "--grid", "2x2", "--out", "x"],
+        env={"RANK": None, "WORLD_SIZE": None, "SLURM_PROCID": None},
+    )
     assert res.exit_code == 2 and "torchrun or srun" in res.output
     res = CliRunner().invoke(main, ["train", "--grid", "3x4", "--placement", "4"])
     assert res.exit_code == 0, res.output

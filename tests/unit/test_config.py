@@ -225,18 +225,39 @@ tensorboard = true
 prometheus_port = 9100
 """
 NEW_SECTIONS = [
-    "transport.backend='hivemind'", "transport.recv_timeout_s=45", "transport.start_timeout_s=45",
-    "elastic.state_timeout_s=45", "transport.round_timeout_s=12", "transport.host='127.0.0.2'",
-    "transport.dht_mode='client'", "runtime.device='cpu'", "elastic.rejoin_timeout_s=90",
-    "elastic.max_restarts=2", "elastic.heartbeat_s=0.5", "elastic.max_lag_steps=7",
-    "faults.poison=['s0r1=-1000']", "faults.pipeline_poison=['s1r0=flip@3']",
-    "sentinel.enabled=false", "sentinel.warmup=16", "sentinel.z=6.0", "sentinel.flag_drops=4",
-    "checkpoint.every=9", "emulation.compute='emulated'", "emulation.forward_ms=3.0",
-    "emulation.backward_ms=6.0", "emulation.slowdowns=['s1r1=2.0']", "transport.link='wan100'",
-    "transport.link_bandwidth_mbps=50.0", "transport.link_latency_ms=30.0",
-    "transport.link_shared='pipeline'", "runtime.precision='bf16'", "runtime.malloc_arenas=1",
-    "runtime.trim_every_s=30.0", "metrics.tensorboard=true", "metrics.prometheus_port=9100",
-]  # fmt: skip
+    "transport.backend='hivemind'",
+    "transport.recv_timeout_s=45",
+    "transport.start_timeout_s=45",
+    "elastic.state_timeout_s=45",
+    "transport.round_timeout_s=12",
+    "transport.host='127.0.0.2'",
+    "transport.dht_mode='client'",
+    "runtime.device='cpu'",
+    "elastic.rejoin_timeout_s=90",
+    "elastic.max_restarts=2",
+    "elastic.heartbeat_s=0.5",
+    "elastic.max_lag_steps=7",
+    "faults.poison=['s0r1=-1000']",
+    "faults.pipeline_poison=['s1r0=flip@3']",
+    "sentinel.enabled=false",
+    "sentinel.warmup=16",
+    "sentinel.z=6.0",
+    "sentinel.flag_drops=4",
+    "checkpoint.every=9",
+    "emulation.compute='emulated'",
+    "emulation.forward_ms=3.0",
+    "emulation.backward_ms=6.0",
+    "emulation.slowdowns=['s1r1=2.0']",
+    "transport.link='wan100'",
+    "transport.link_bandwidth_mbps=50.0",
+    "transport.link_latency_ms=30.0",
+    "transport.link_shared='pipeline'",
+    "runtime.precision='bf16'",
+    "runtime.malloc_arenas=1",
+    "runtime.trim_every_s=30.0",
+    "metrics.tensorboard=true",
+    "metrics.prometheus_port=9100",
+]
 
 
 def test_an_old_runtime_table_loads_into_the_new_sections_with_a_notice(tmp_path, capfd):
@@ -336,9 +357,16 @@ def test_a_resume_may_change_every_local_section_and_no_training_key(tmp_path):
     (run / "checkpoints" / "0-0" / "step-00000004.pt").write_bytes(b"")
     # as `simulate` writes it: the schedules' horizon resolved
     (run / "config.toml").write_text(load_config([], ["run.schedule_steps=300"]).to_toml())
-    local = ["transport.recv_timeout_s=5", "sentinel.z=3", "checkpoint.every=2",
-             "elastic.max_restarts=0", "emulation.slowdowns=['s1r0=2']", "metrics.tensorboard=true",
-             "faults.poison=['s0r0=-1']", "runtime.precision='bf16'"]  # fmt: skip
+    local = [
+        "transport.recv_timeout_s=5",
+        "sentinel.z=3",
+        "checkpoint.every=2",
+        "elastic.max_restarts=0",
+        "emulation.slowdowns=['s1r0=2']",
+        "metrics.tensorboard=true",
+        "faults.poison=['s0r0=-1']",
+        "runtime.precision='bf16'",
+    ]
     stored, new = resume_config(run, [], local)
     assert (new.sentinel.z, new.checkpoint.every) == (3, 2)
     assert new.state_fingerprint() == stored.state_fingerprint()

@@ -69,10 +69,19 @@ def test_thin_keeps_the_ends_and_at_most_n():
 
 def _row(stage, replica, step, t, loss=None, **kw):
     return {
-        "stage": stage, "replica": replica, "step": step, "time_s": t, "loss": loss,
-        "bytes_sent": {"activation": 100 * step}, "rounds_started": step, "rounds_applied": step,
-        "rounds_partial": 1, "rounds_failed": 0, "rejects": {"late": 2}, **kw,
-    }  # fmt: skip
+        "stage": stage,
+        "replica": replica,
+        "step": step,
+        "time_s": t,
+        "loss": loss,
+        "bytes_sent": {"activation": 100 * step},
+        "rounds_started": step,
+        "rounds_applied": step,
+        "rounds_partial": 1,
+        "rounds_failed": 0,
+        "rejects": {"late": 2},
+        **kw,
+    }
 
 
 def _write_run(tmp_path, cells):
@@ -151,8 +160,11 @@ def test_heartbeat_stats_round_trip_and_type_checks():
     row = _row(1, 0, 3, 0.3, loss=4.0)
     stats = beat_stats(row)
     assert stats == {
-        "rounds": [3, 1, 0], "rejects": 2, "bytes": {"activation": 300}, "loss": 4.0,
-    }  # fmt: skip
+        "rounds": [3, 1, 0],
+        "rejects": 2,
+        "bytes": {"activation": 300},
+        "loss": 4.0,
+    }
     rec = _claim("s1r0", "QmA", 3, 10.0, stats)
     assert parse_cell(cell_value(rec)) == rec
     assert parse_cell(cell_value(replace(rec, stats=None))).stats is None
@@ -296,8 +308,9 @@ def test_server_serves_the_page_and_the_json_on_loopback():
         page = urllib.request.urlopen(base + "/", timeout=10).read().decode()
         assert 'id="loss-chart"' in page and "/api/status" in page
         assert json.loads(urllib.request.urlopen(base + "/api/status", timeout=10).read()) == {
-            "cells": [], "grid": "1x1",
-        }  # fmt: skip
+            "cells": [],
+            "grid": "1x1",
+        }
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(base + "/api/status", timeout=10)
         assert e.value.code == 503 and "did not answer" in json.loads(e.value.read())["error"]

@@ -188,8 +188,9 @@ def test_describe_difference_names_shards_and_counts(dataset):
 
 
 def test_a_grid_trains_on_a_bpe_dataset_and_reports_bits_per_byte(bpe_dataset):
-    cfg = load_config([], [*TINY, "grid.stages=2", "grid.replicas=2", "run.steps=3",
-                           f"data.path='{bpe_dataset}'"])  # fmt: skip
+    cfg = load_config(
+        [], [*TINY, "grid.stages=2", "grid.replicas=2", "run.steps=3", f"data.path='{bpe_dataset}'"]
+    )
     corpus = check_data(cfg)
     result = GridSim(cfg, corpus).run()
     assert result.val_loss is not None and math.isfinite(result.val_loss)

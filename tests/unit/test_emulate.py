@@ -240,10 +240,15 @@ def test_resolve_window_from_the_link() -> None:
     assert sync.pipeline.window == "none"
     # real compute: the stage times are measured (thread CPU time of forward + backward)
     real = [
-        "grid.stages=2", "model.n_layers=2", "model.d_model=16", "model.n_heads=2",
-        "model.seq_len=16", "pipeline.microbatch_size=2", "pipeline.window='auto'",
+        "grid.stages=2",
+        "model.n_layers=2",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.seq_len=16",
+        "pipeline.microbatch_size=2",
+        "pipeline.window='auto'",
         "transport.link_latency_ms=1000",
-    ]  # fmt: skip
+    ]
     w = resolve_window(load_config([], real)).pipeline.window
     assert isinstance(w, list) and w[0] > 0 and w[1] == 0
 
@@ -272,10 +277,17 @@ def _rows(cfg, period: dict[int, float], n: int, act: int, avg: int) -> dict:
                 if j > 0:
                     sent["gradient"] = act * s
                 out.append(
-                    {"step": s, "time_s": s * period[i], "bytes_sent": sent, "microbatches": s,
-                     "busy_s": 0.0, "staleness_max": P - 1 - j, "stash_bytes_peak": 1000 * j,
-                     "rss_peak_mb": 300.0}
-                )  # fmt: skip
+                    {
+                        "step": s,
+                        "time_s": s * period[i],
+                        "bytes_sent": sent,
+                        "microbatches": s,
+                        "busy_s": 0.0,
+                        "staleness_max": P - 1 - j,
+                        "stash_bytes_peak": 1000 * j,
+                        "rss_peak_mb": 300.0,
+                    }
+                )
             out.append({"final": True, "bytes_sent": out[-1]["bytes_sent"]})
             rows[(j, i)] = out
     return rows
@@ -284,9 +296,16 @@ def _rows(cfg, period: dict[int, float], n: int, act: int, avg: int) -> dict:
 def test_fraction_of_ideal_from_rows() -> None:
     cfg = load_config(
         [],
-        ["grid.stages=2", "grid.replicas=2", "model.n_layers=2", "emulation.compute='emulated'",
-         "emulation.slowdowns=['s1r0=2.0']", "model.seq_len=16", "pipeline.microbatch_size=2"],
-    )  # fmt: skip
+        [
+            "grid.stages=2",
+            "grid.replicas=2",
+            "model.n_layers=2",
+            "emulation.compute='emulated'",
+            "emulation.slowdowns=['s1r0=2.0']",
+            "model.seq_len=16",
+            "pipeline.microbatch_size=2",
+        ],
+    )
     tok = cfg.tokens_per_microbatch
     # replica 0 is 2x slower at stage 1: ideal = tok (1/0.06 + 1/0.03)
     rows = _rows(cfg, {0: 0.06, 1: 0.03}, n=50, act=1000, avg=100)
@@ -307,10 +326,17 @@ def test_a_pooled_grids_ideal_is_its_thinnest_stage() -> None:
     speed (routing.pool_bound), not each replica at its slowest cell."""
     cfg = load_config(
         [],
-        ["grid.stages=2", "grid.replicas=2", "model.n_layers=2", "emulation.compute='emulated'",
-         "emulation.slowdowns=['s1r0=2.0']", "model.seq_len=16", "pipeline.microbatch_size=2",
-         "pipeline.routing='pools'"],
-    )  # fmt: skip
+        [
+            "grid.stages=2",
+            "grid.replicas=2",
+            "model.n_layers=2",
+            "emulation.compute='emulated'",
+            "emulation.slowdowns=['s1r0=2.0']",
+            "model.seq_len=16",
+            "pipeline.microbatch_size=2",
+            "pipeline.routing='pools'",
+        ],
+    )
     tok, t = cfg.tokens_per_microbatch, 0.03  # a cell's forward + backward at speed 1
     tp = throughput(cfg, _rows(cfg, {0: 0.045, 1: 0.045}, n=50, act=1000, avg=100))
     # stage 0: 1/t + 1/t; stage 1: 1/(2t) + 1/t, the thinner: 1.5 / t microbatches a second
@@ -321,9 +347,14 @@ def test_a_pooled_grids_ideal_is_its_thinnest_stage() -> None:
 def test_a_slow_link_sets_the_stage_time() -> None:
     cfg = load_config(
         [],
-        ["grid.stages=2", "grid.replicas=1", "model.n_layers=2", "emulation.compute='emulated'",
-         "transport.link_bandwidth_mbps=8"],
-    )  # fmt: skip
+        [
+            "grid.stages=2",
+            "grid.replicas=1",
+            "model.n_layers=2",
+            "emulation.compute='emulated'",
+            "transport.link_bandwidth_mbps=8",
+        ],
+    )
     # 100 kB per microbatch at 1 MB/s = 0.1 s > 0.03 s compute
     tp = throughput(cfg, _rows(cfg, {0: 0.1}, n=20, act=100_000, avg=0))
     assert tp.link_s[0] == pytest.approx([0.1, 0.1])
@@ -371,8 +402,14 @@ def test_link_config_files_spell_out_their_profiles() -> None:
 
 
 def test_a_shared_uplink_carries_a_cells_pipeline_frames_together() -> None:
-    base = ["grid.stages=3", "grid.replicas=2", "model.n_layers=3", "emulation.compute='emulated'",
-            "transport.link_bandwidth_mbps=8", "transport.link_latency_ms=10"]  # fmt: skip
+    base = [
+        "grid.stages=3",
+        "grid.replicas=2",
+        "model.n_layers=3",
+        "emulation.compute='emulated'",
+        "transport.link_bandwidth_mbps=8",
+        "transport.link_latency_ms=10",
+    ]
     plain = load_config([], base)
     assert cell_shaping(plain, 1, 0) == link_profile(plain)  # every link its own bandwidth
     pipe = load_config([], [*base, "transport.link_shared='pipeline'"])

@@ -13,9 +13,15 @@ from mesh.runtime.evaluate import ValTracker, read_val, replica_loss, validation
 
 def _saved_run(tmp_path, text_file, every: int):
     cfg = load_config(
-        [], [*helpers.TINY, "grid.stages=2", "grid.replicas=1", f"run.eval_every={every}",
-             f"data.path='{text_file}'"],
-    )  # fmt: skip
+        [],
+        [
+            *helpers.TINY,
+            "grid.stages=2",
+            "grid.replicas=1",
+            f"run.eval_every={every}",
+            f"data.path='{text_file}'",
+        ],
+    )
     cells = [Cell(cfg, j, 0, build_stage(cfg.model, 2, j, cfg.run.seed)) for j in range(2)]
     torch.manual_seed(0)
     for _ in range(3):  # saves at steps 2, 4 and 6

@@ -15,17 +15,30 @@ from mesh.runtime.checkpoint import cell_dir, checkpoint_path, save_cell
 from mesh.runtime.export import load_export
 
 TINY_LLAMA = [
-    "model.arch='llama'", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.intermediate_size=48", "model.seq_len=16",
-]  # fmt: skip
+    "model.arch='llama'",
+    "model.n_layers=4",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=48",
+    "model.seq_len=16",
+]
 
 
 def llama_run(tmp_path, text_file, model=TINY_LLAMA, extra=()):
     """A 2x1 llama grid trained 3 updates in the simulator, its cells saved as a run would."""
     cfg = load_config(
-        [], [*TINY, *model, "grid.stages=2", "grid.replicas=1", "run.steps=3",
-             f"data.path='{text_file}'", *extra],
-    )  # fmt: skip
+        [],
+        [
+            *TINY,
+            *model,
+            "grid.stages=2",
+            "grid.replicas=1",
+            "run.steps=3",
+            f"data.path='{text_file}'",
+            *extra,
+        ],
+    )
     sim = GridSim(cfg)
     for _ in range(3):
         sim.step()
@@ -64,8 +77,14 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, text_file):
 
 
 def test_hf_names_round_trip():
-    for name in ["tok_emb.weight", "blocks.11.attn.k_proj.weight", "blocks.0.mlp_norm.weight",
-                 "blocks.3.mlp.gate_proj.weight", "norm.weight", "head.weight"]:  # fmt: skip
+    for name in [
+        "tok_emb.weight",
+        "blocks.11.attn.k_proj.weight",
+        "blocks.0.mlp_norm.weight",
+        "blocks.3.mlp.gate_proj.weight",
+        "norm.weight",
+        "head.weight",
+    ]:
         assert meshtrain_name(hf_name(name)) == name
     assert hf_name("blocks.2.attn_norm.weight") == "model.layers.2.input_layernorm.weight"
     with pytest.raises(KeyError):
@@ -264,8 +283,12 @@ def test_max_shard_size_is_spelled_as_transformers_spells_it(tmp_path, text_file
     from mesh.runtime.export import MAX_SHARD_BYTES, parse_size
 
     assert [parse_size(s) for s in ["5GB", "200MB", "1.5gb", "20KB", "123"]] == [
-        5 * 10**9, 200 * 10**6, 1_500_000_000, 20_000, 123,
-    ]  # fmt: skip
+        5 * 10**9,
+        200 * 10**6,
+        1_500_000_000,
+        20_000,
+        123,
+    ]
     assert MAX_SHARD_BYTES == 2 * 10**9
     for bad in ["5XB", "0", "-1GB", "GB", "inf"]:
         with pytest.raises(ConfigError):
@@ -302,8 +325,9 @@ def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    sets = [f"--set={s}" for s in [*TINY, *TINY_LLAMA, f"data.path='{text_file}'",
-                                   "checkpoint.every=2"]]  # fmt: skip
+    sets = [
+        f"--set={s}" for s in [*TINY, *TINY_LLAMA, f"data.path='{text_file}'", "checkpoint.every=2"]
+    ]
     args = ["simulate", "--backend", "logical", "--grid", "2x2", "--steps", "5", *sets]
     res = CliRunner().invoke(main, [*args, "--out", str(run)])
     assert res.exit_code == 0, res.output
@@ -319,8 +343,9 @@ def test_a_logical_simulate_run_is_a_run_export_and_generate_read(tmp_path, text
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, whole(x), atol=1e-4, rtol=0)
-    res = CliRunner().invoke(main, ["generate", str(run), "--prompt", "ROMEO:",
-                                    "--max-new-tokens", "8"])  # fmt: skip
+    res = CliRunner().invoke(
+        main, ["generate", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "8"]
+    )
     assert res.exit_code == 0 and "ROMEO:" in res.output, res.output
     res = CliRunner().invoke(main, ["simulate", "--resume", str(run)])  # logical, from its files
     assert res.exit_code == 0 and "nothing to do: the run is at step 5" in res.output
@@ -336,10 +361,18 @@ def test_a_pooled_run_exports_each_stages_newest_checkpoint(tmp_path, text_file)
     from mesh.engine.pools import PoolSim
 
     cfg = load_config(
-        [], [*TINY, *TINY_LLAMA, "grid.stages=2", "grid.replicas=2", "run.steps=6",
-             "pipeline.routing='pools'", 'emulation.slowdowns=["s1r0=4.0"]',
-             f"data.path='{text_file}'"],
-    )  # fmt: skip
+        [],
+        [
+            *TINY,
+            *TINY_LLAMA,
+            "grid.stages=2",
+            "grid.replicas=2",
+            "run.steps=6",
+            "pipeline.routing='pools'",
+            'emulation.slowdowns=["s1r0=4.0"]',
+            f"data.path='{text_file}'",
+        ],
+    )
     sim = PoolSim(cfg)
     for _ in range(cfg.run.steps):
         sim.step()

@@ -11,9 +11,14 @@ from mesh.model.kv import KVCache
 
 GPT = ModelConfig(n_layers=3, d_model=32, n_heads=4, seq_len=32)
 LLAMA = ModelConfig(
-    arch="llama", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=48,
+    arch="llama",
+    n_layers=3,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    intermediate_size=48,
     seq_len=32,
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])

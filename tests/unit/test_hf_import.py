@@ -22,9 +22,17 @@ from mesh.model.hf_import import load_stage
 pytestmark = pytest.mark.slow  # imports transformers (seconds)
 
 RUN = [s for s in TINY if s not in TINY_MODEL]  # the model keys come from config.json
-HF = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-      "rms_norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+HF = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
 
 
 def hf_model(path, tie: bool = False, shard: str | None = None):
@@ -38,8 +46,14 @@ def hf_model(path, tie: bool = False, shard: str | None = None):
 
 
 def _cfg(path, *extra: str):
-    sets = [*RUN, "grid.stages=2", "grid.replicas=1", "model.seq_len=16",
-            f"model.init_from='{path}'", *extra]  # fmt: skip
+    sets = [
+        *RUN,
+        "grid.stages=2",
+        "grid.replicas=1",
+        "model.seq_len=16",
+        f"model.init_from='{path}'",
+        *extra,
+    ]
     return load_config([], sets)
 
 
@@ -51,7 +65,13 @@ def test_an_hf_llama_starts_the_model_with_transformers_logits(tmp_path, tie, sh
     cfg = _cfg(tmp_path / "hf")
     m = cfg.model
     assert (m.arch, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.mlp_width) == (
-        "llama", 32, 4, 4, 2, 48)  # fmt: skip
+        "llama",
+        32,
+        4,
+        4,
+        2,
+        48,
+    )
     assert m.init_digest and len(m.init_digest) == 16
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -99,10 +119,24 @@ def test_simulate_init_from_trains_from_the_models_weights(tmp_path, text_file):
     theirs = hf_model(tmp_path / "hf")
     sets = [f"--set={s}" for s in [*RUN, "model.seq_len=16", f"data.path='{text_file}'"]]
     run = tmp_path / "run"
-    res = CliRunner().invoke(main, ["simulate", "--backend", "logical", "--grid", "2x1",
-                                    "--steps", "6", "--init-from", str(tmp_path / "hf"),
-                                    "--set=checkpoint.every=0", *sets,
-                                    "--out", str(run)])  # fmt: skip
+    res = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--backend",
+            "logical",
+            "--grid",
+            "2x1",
+            "--steps",
+            "6",
+            "--init-from",
+            str(tmp_path / "hf"),
+            "--set=checkpoint.every=0",
+            *sets,
+            "--out",
+            str(run),
+        ],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val_loss"] is not None and summary["steps"] == 6
@@ -142,8 +176,11 @@ def _load_llama_1b_stage0(path: str) -> dict:
     m = load_config(["configs/models/llama-1b.toml"], []).model
     shapes = [stage_shapes(m, 4, j) for j in range(4)]
     (d / "config.json").write_text(json.dumps(hf_config(m)))
-    weight_map = {hf_name(n): f"model-{j + 1:05d}-of-00004.safetensors"
-                  for j, s in enumerate(shapes) for n in s}  # fmt: skip
+    weight_map = {
+        hf_name(n): f"model-{j + 1:05d}-of-00004.safetensors"
+        for j, s in enumerate(shapes)
+        for n in s
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     own = {hf_name(n): torch.full(s, 1e-3 * (k + 1)) for k, (n, s) in enumerate(shapes[0].items())}
     save_file(own, d / "model-00001-of-00004.safetensors")
@@ -158,8 +195,10 @@ def _load_llama_1b_stage0(path: str) -> dict:
     before = status("VmRSS")
     read = load_stage(stage, d)
     extra = status("VmHWM") - before
-    ok = all(float(p.view(-1)[-1]) == pytest.approx(1e-3 * (k + 1))
-             for k, (_, p) in enumerate(stage.named_parameters()))  # fmt: skip
+    ok = all(
+        float(p.view(-1)[-1]) == pytest.approx(1e-3 * (k + 1))
+        for k, (_, p) in enumerate(stage.named_parameters())
+    )
     return {"params": params, "read": read, "extra": extra, "largest": largest, "ok": ok}
 
 

@@ -151,9 +151,16 @@ def test_sessions_are_named_by_their_start():
 def _coordinator(d, cell, leader, events, wait_s=60.0):
     reg = Registry(d.joined(f"[owner:{cell}-{len(d.data)}]"), None, 60.0)  # no background beats
     c = DhtCoordinator(
-        reg, cell=cell, peer=f"peer-{cell}", replica_cells=["s0r0", "s1r0"], leader=leader,
-        replica=0, steps=100, mpu=1, wait_s=wait_s,
-    )  # fmt: skip
+        reg,
+        cell=cell,
+        peer=f"peer-{cell}",
+        replica_cells=["s0r0", "s1r0"],
+        leader=leader,
+        replica=0,
+        steps=100,
+        mpu=1,
+        wait_s=wait_s,
+    )
     c.on_event = lambda name, **fields: events.append((name, fields))
     return c
 

@@ -19,17 +19,21 @@ def test_both_arms_get_the_same_tuning_budget():
     assert max(c["optim.lr"] for _, _, c in fs) > 9e-3  # past the earlier range's edge
     stage2 = lfl.async_stage2_variants({**lfl.ROTATED, "optim.lr": 3e-3})
     assert {tuple(sorted(set(c) - {"optim.lr", "optim.name"})) for _, _, c in stage2} == {
-        ("dp.tau",), ("optim.grad_clip",)}  # fmt: skip
+        ("dp.tau",),
+        ("optim.grad_clip",),
+    }
     assert all(c["optim.lr"] == 3e-3 for _, _, c in stage2)
 
 
 def test_the_pick_is_the_lowest_mean_and_a_diverged_run_never_wins():
     runs = [
-        {"method": "a", "seed": 0, "val_loss": 1.0}, {"method": "a", "seed": 1, "val_loss": 1.2},
-        {"method": "b", "seed": 0, "val_loss": 0.9}, {"method": "b", "seed": 1, "val_loss": 1.2},
+        {"method": "a", "seed": 0, "val_loss": 1.0},
+        {"method": "a", "seed": 1, "val_loss": 1.2},
+        {"method": "b", "seed": 0, "val_loss": 0.9},
+        {"method": "b", "seed": 1, "val_loss": 1.2},
         {"method": "c", "seed": 0, "val_loss": 0.1, "diverged": True},
         {"method": "c", "seed": 1, "val_loss": 0.1},
-    ]  # fmt: skip
+    ]
     assert lfl.best_of(runs, ["a", "b", "c"]) == "b"
     assert lfl.best_of(runs, ["a", "d"]) == "a"  # a setting without runs never wins
     assert lfl._score([]) == math.inf
@@ -49,13 +53,17 @@ def test_the_decomposition_arm_reads_fullsyncs_batch_at_equal_tokens():
 
 def test_the_report_marks_arms_not_run_yet():
     summary = {
-        "tuning_seeds": [0, 1], "evaluation_seeds": [10, 11], "microbatches_per_replica": 1600,
+        "tuning_seeds": [0, 1],
+        "evaluation_seeds": [10, 11],
+        "microbatches_per_replica": 1600,
         "tune_runs_per_seed": lfl.TUNE_RUNS,
         "tuning_runs": [{"method": "FullSync rotated_adam lr 0.009", "seed": 0, "val_loss": 1.5}],
-        "evaluation": {"FullSync rotated_adam": {"10": 1.5, "11": 1.4},
-                       "AsyncMesh-fp8 rotated_adam": {"10": 1.65, "11": 1.54},
-                       "AsyncMesh-fp8 rotated_adam, microbatch x4": {}},
-    }  # fmt: skip
+        "evaluation": {
+            "FullSync rotated_adam": {"10": 1.5, "11": 1.4},
+            "AsyncMesh-fp8 rotated_adam": {"10": 1.65, "11": 1.54},
+            "AsyncMesh-fp8 rotated_adam, microbatch x4": {},
+        },
+    }
     text = lfl.table(summary)
     assert "not run" in text and "+10.0" in text
     with pytest.raises(StopIteration):
@@ -68,8 +76,9 @@ def test_a_fullsync_variant_reads_the_studys_tokens_not_four_times_them():
     from mesh.bench.convergence import _dp_spec, study_variants
 
     base = load_config([], [])
-    _, specs, budget = study_variants(Path("results/convergence"), lfl.LABEL,
-                                      lfl.fullsync_variants()[:1], [0])  # fmt: skip
+    _, specs, budget = study_variants(
+        Path("results/convergence"), lfl.LABEL, lfl.fullsync_variants()[:1], [0]
+    )
     variant = spec_config(base, specs[0], budget[lfl.LABEL])
     study = spec_config(base, _dp_spec("FullSync", 0), budget[lfl.LABEL])
     # FullSync takes 4 microbatches an update: as many updates as the study's own FullSync

@@ -15,9 +15,16 @@ def _life(start, end, sent_per_step=10, rounds_per_step=1, final=False, stopped=
     (counters from the process's start), then its final row or its `stopped` event."""
     rows = [{"event": "started", "step": start, "pid": 100 + start}]
     for k, step in enumerate(range(start + 1, end + 1), 1):
-        rows.append(_update(step, bytes_sent={"activation": k * sent_per_step},
-                            rounds_applied=k * rounds_per_step, rounds_started=k * rounds_per_step,
-                            rejects={"late": k}, microbatches=4 * k))  # fmt: skip
+        rows.append(
+            _update(
+                step,
+                bytes_sent={"activation": k * sent_per_step},
+                rounds_applied=k * rounds_per_step,
+                rounds_started=k * rounds_per_step,
+                rejects={"late": k},
+                microbatches=4 * k,
+            )
+        )
     n = end - start
     if final:
         sent = {"activation": n * sent_per_step + 3}  # sends drained after the last row

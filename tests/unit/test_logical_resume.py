@@ -20,12 +20,18 @@ pytestmark = pytest.mark.slow  # three small runs of the simulator and their che
 
 GRID, STEPS = (2, 2), 10
 SETS = [
-    *helpers.TINY, "grid.stages=2", "grid.replicas=2", f"run.schedule_steps={STEPS}",
-    "checkpoint.every=4", "dp.tau=2", "run.eval_every=5",
+    *helpers.TINY,
+    "grid.stages=2",
+    "grid.replicas=2",
+    f"run.schedule_steps={STEPS}",
+    "checkpoint.every=4",
+    "dp.tau=2",
+    "run.eval_every=5",
     # a sentinel that learns fast and drops often: its verdicts after the resume depend on
     # what it learned before (not so often that every cell sits its rounds out: Cell.sits_out)
-    "sentinel.warmup=2", "sentinel.z=0.8",
-]  # fmt: skip
+    "sentinel.warmup=2",
+    "sentinel.z=0.8",
+]
 
 
 def _simulate(*args, text_file):
@@ -60,8 +66,9 @@ def _assert_same_state(a, b):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, text_file):
     run = tmp_path_factory.mktemp("whole") / "run"
-    res = _simulate("--backend", "logical", "--steps", str(STEPS), "--out", str(run),
-                    text_file=text_file)  # fmt: skip
+    res = _simulate(
+        "--backend", "logical", "--steps", str(STEPS), "--out", str(run), text_file=text_file
+    )
     assert res.exit_code == 0, res.output
     return run
 
@@ -90,7 +97,7 @@ def test_a_shorter_run_resumed_to_the_end_equals_the_uninterrupted_run(
         "dp_bytes_per_replica_step",
         "rejects",
     ):
-        assert resumed[key] == whole[key], key  # fmt: skip
+        assert resumed[key] == whole[key], key
     assert resumed["curve"] == [c for c in whole["curve"] if c["step"] > 6]
     assert whole["rejects"]["poison"] > 0  # the sentinel did drop tensors
 
@@ -152,8 +159,18 @@ def test_ctrl_c_stops_a_logical_run_saved_and_resume_finishes_it(tmp_path, text_
     # (1 run in 5), so it never reaches the checkpoint this test waits for
     sets = [s for s in SETS if not s.startswith("sentinel.z=")]
     sets = [f"--set={s}" for s in [*sets, f"data.path='{text_file}'"]]
-    proc = meshtrain("simulate", "--backend", "logical", "--steps", "100000", "--out", str(run),
-                     *sets, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = meshtrain(
+        "simulate",
+        "--backend",
+        "logical",
+        "--steps",
+        "100000",
+        "--out",
+        str(run),
+        *sets,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # training is under way: a cell has saved (the oldest saves rotate out within a second,
         # so the wait is for any, not for step 4's)

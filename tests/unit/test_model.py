@@ -23,9 +23,14 @@ from mesh.model.build import (
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16)
 LLAMA = ModelConfig(
-    arch="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=48,
+    arch="llama",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    intermediate_size=48,
     seq_len=16,
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(("n_layers", "n_stages"), [(8, 1), (8, 3), (8, 8), (5, 2), (7, 4)])
@@ -163,9 +168,12 @@ def test_llama_1b_stage_1_of_4_is_built_alone():
     below 1.5 x its own fp32 parameter bytes + 500 MB (the whole model would be 4.7 GB)."""
     proc = subprocess.run(
         [sys.executable, "-c", _PEAK_RSS],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     numel, peak_bytes = map(int, proc.stdout.split())
     assert numel == 254_822_400  # 4 of 16 blocks of d 2304

@@ -18,16 +18,30 @@ from mesh.runtime.node_dirs import merge_into, one_run_dir
 from mesh.runtime.rows import append_row
 
 LLAMA = [
-    "model.arch='llama'", "model.n_layers=2", "model.d_model=16", "model.n_heads=2",
-    "model.n_kv_heads=1", "model.intermediate_size=24", "model.seq_len=16",
-]  # fmt: skip
+    "model.arch='llama'",
+    "model.n_layers=2",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.intermediate_size=24",
+    "model.seq_len=16",
+]
 
 
 def spread_run(tmp_path, text_file):
     """A 2x2 llama grid trained 3 updates in the simulator, saved twice: all cells in one
     directory, and stage j's cells under node directory n<j> (a replica over two nodes)."""
-    cfg = load_config([], [*TINY, *LLAMA, "grid.stages=2", "grid.replicas=2", "run.steps=3",
-                           f"data.path='{text_file}'"])  # fmt: skip
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            *LLAMA,
+            "grid.stages=2",
+            "grid.replicas=2",
+            "run.steps=3",
+            f"data.path='{text_file}'",
+        ],
+    )
     sim = GridSim(cfg)
     for _ in range(3):
         sim.step()
@@ -43,8 +57,16 @@ def spread_run(tmp_path, text_file):
                 metrics = d / "metrics" / f"{cell.stage}-{cell.replica}.jsonl"
                 metrics.parent.mkdir(exist_ok=True)
                 append_row(metrics, {"event": "started", "step": 0, "pid": 1, "host": "other"})
-                append_row(metrics, {"stage": cell.stage, "replica": cell.replica, "step": 3,
-                                     "time_s": 1.0, "loss": 5.0})  # fmt: skip
+                append_row(
+                    metrics,
+                    {
+                        "stage": cell.stage,
+                        "replica": cell.replica,
+                        "step": 3,
+                        "time_s": 1.0,
+                        "loss": 5.0,
+                    },
+                )
     return cfg, whole, nodes
 
 

@@ -159,9 +159,13 @@ def test_nadamw_large_psi_equals_torch() -> None:
 
     def ref(ps):
         return torch.optim.NAdam(
-            ps, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01, momentum_decay=50.0,
+            ps,
+            lr=1e-2,
+            betas=(0.9, 0.999),
+            weight_decay=0.01,
+            momentum_decay=50.0,
             decoupled_weight_decay=True,
-        )  # fmt: skip
+        )
 
     _run_vs_torch(spec, ref)
 

@@ -12,9 +12,14 @@ from mesh.engine.sim import GridSim
 from mesh.model.build import build_stage, lm_loss, stage_forward, stage_layers
 
 TINY_LLAMA = [
-    "model.arch='llama'", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.intermediate_size=48", "model.seq_len=32",
-]  # fmt: skip
+    "model.arch='llama'",
+    "model.n_layers=4",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.intermediate_size=48",
+    "model.seq_len=32",
+]
 PRESETS = {
     "tiny": (["configs/models/tiny.toml"], []),
     "tiny-llama": ([], TINY_LLAMA),
@@ -64,11 +69,18 @@ def test_activation_figures_match_what_autograd_keeps(preset, precision):
 def test_state_figures_match_a_trained_cell(preset, text_file):
     files, sets = PRESETS[preset]
     cfg = load_config(
-        files, [*sets, "optim.error_feedback=true", "run.steps=8", f"data.path='{text_file}'",
-                "pipeline.microbatch_size=2", "data.val_batches=1",
-                # the velocity of every delayed stage counts with the optimizer's state
-                "pipeline.weight_prediction=1"],
-    )  # fmt: skip
+        files,
+        [
+            *sets,
+            "optim.error_feedback=true",
+            "run.steps=8",
+            f"data.path='{text_file}'",
+            "pipeline.microbatch_size=2",
+            "data.val_batches=1",
+            # the velocity of every delayed stage counts with the optimizer's state
+            "pipeline.weight_prediction=1",
+        ],
+    )
     sim = GridSim(cfg)
     for _ in range(8):  # past every stage's stash depth and tau
         sim.step()
@@ -212,3 +224,19 @@ def test_stage_to_take_is_the_largest_that_fits():
     assert stage_to_take(cells, extra + 8) == 2
     assert stage_to_take(cells, extra + 9) == 1  # a tie: the lower stage
     assert stage_to_take(cells, extra + 4) is None
+
+
+def test_a_pooled_streams_stash_is_planned_at_its_largest_window():
+    from mesh import choices
+    from mesh.engine.plan import inflight_microbatches, stash_versions
+
+    def cfg(stream_window: str):
+        pools = ["pipeline.routing='pools'", "pipeline.pool_window=3", "grid.stages=2"]
+        return load_config([], [*pools, f"pipeline.pool_stream_window={stream_window}"])
+
+    auto, window, fixed = cfg("'auto'"), cfg("'window'"), cfg("5")
+    assert inflight_microbatches(auto, 0) == choices.STREAM_WINDOW_CAP * 3
+    assert stash_versions(auto, 0) == choices.STREAM_WINDOW_CAP * 3 + 1
+    assert inflight_microbatches(window, 0) == 3 and inflight_microbatches(fixed, 0) == 5
+    # a cell after the streams holds at most pool_window whatever the streams do
+    assert {inflight_microbatches(c, 1) for c in (auto, window, fixed)} == {3}

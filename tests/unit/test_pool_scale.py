@@ -28,7 +28,12 @@ def measure() -> dict[str, object]:
     from mesh.model.build import stage_layers, stage_module
 
     torch.set_num_threads(2)
-    pools = ["pipeline.routing='pools'", f"pipeline.pool_window={WINDOW}"]
+    # (the cell is a stream's: its window is pool_window's, not sized from its round trip)
+    pools = [
+        "pipeline.routing='pools'",
+        f"pipeline.pool_window={WINDOW}",
+        "pipeline.pool_stream_window='window'",
+    ]
     cfg = load_config([], [*WIDE_LLAMA, *pools])
     module = stage_module(cfg.model, *stage_layers(cfg.model, 1, 0))
     module.to_empty(device="cpu")

@@ -14,9 +14,17 @@ from mesh.engine.sim import GridSim
 def _cfg(text_file, *extra: str):
     return load_config(
         [],
-        [*helpers.TINY, f"data.path='{text_file}'", "grid.stages=2", "grid.replicas=3",
-         "model.n_layers=2", "run.steps=12", "run.eval_every=100", *extra],
-    )  # fmt: skip
+        [
+            *helpers.TINY,
+            f"data.path='{text_file}'",
+            "grid.stages=2",
+            "grid.replicas=3",
+            "model.n_layers=2",
+            "run.steps=12",
+            "run.eval_every=100",
+            *extra,
+        ],
+    )
 
 
 def _flats(sim: PoolSim) -> list[torch.Tensor]:
@@ -43,6 +51,20 @@ def test_a_slow_cell_takes_less_of_its_stage(text_file):
     slow, fast = sim.routed[(1, 0)], min(sim.routed[(1, 1)], sim.routed[(1, 2)])
     assert slow < fast, sim.routed
     assert sum(sim.routed[(1, i)] for i in range(3)) == 3 * cfg.run.steps  # nothing lost
+
+
+def test_the_delay_choice_sends_a_slow_cell_less_than_one_draw_does(text_file):
+    routed = {}
+    for choice in ("load", "delay"):
+        slow = 'emulation.slowdowns=["s1r0=4.0"]'
+        cfg = _cfg(text_file, "pipeline.routing='pools'", slow, f"pipeline.pool_choice='{choice}'")
+        sim = make_sim(cfg)
+        for _ in range(cfg.run.steps):
+            sim.step()
+        assert sum(sim.routed[(1, i)] for i in range(3)) == 3 * cfg.run.steps  # nothing lost
+        routed[choice] = sim.routed[(1, 0)]
+    # a fast cell with two queued is done sooner (3 of its units) than the idle slow one (4)
+    assert routed["delay"] < routed["load"], routed
 
 
 def test_deaths_route_around_and_a_revived_cell_takes_its_stages_state(text_file):

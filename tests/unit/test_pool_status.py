@@ -28,8 +28,15 @@ def test_each_stage_pool_counts_its_running_cells_and_sums_their_capacity():
 
 
 def test_a_pooled_cells_heartbeat_carries_what_it_routed_across_replicas():
-    row = {"rounds_applied": 1, "rounds_partial": 0, "rounds_failed": 0, "rejects": {},
-           "bytes_sent": {}, "routed": {"s1r0": 3, "s1r1": 5}, "cross_replica": 5}  # fmt: skip
+    row = {
+        "rounds_applied": 1,
+        "rounds_partial": 0,
+        "rounds_failed": 0,
+        "rejects": {},
+        "bytes_sent": {},
+        "routed": {"s1r0": 3, "s1r1": 5},
+        "cross_replica": 5,
+    }
     stats = parse_stats(beat_stats(row))
     assert stats is not None and stats["routed"] == 8 and stats["cross"] == 5
     assert "routed" not in (parse_stats({"routed": -1, "cross": "x"}) or {})

@@ -100,11 +100,21 @@ class HubTransport:
 def _grid(tmp_path, stages: int, replicas: int, steps: int, *extra: str):
     cfg = load_config(
         [],
-        [*helpers.TINY, f"grid.stages={stages}", f"grid.replicas={replicas}",
-         f"run.steps={steps}", "pipeline.routing='pools'", "dp.mode='none'",
-         "emulation.compute='emulated'", "emulation.forward_ms=1", "emulation.backward_ms=2",
-         "elastic.pool_timeout_s=2", f"model.n_layers={stages}", *extra],
-    )  # fmt: skip
+        [
+            *helpers.TINY,
+            f"grid.stages={stages}",
+            f"grid.replicas={replicas}",
+            f"run.steps={steps}",
+            "pipeline.routing='pools'",
+            "dp.mode='none'",
+            "emulation.compute='emulated'",
+            "emulation.forward_ms=1",
+            "emulation.backward_ms=2",
+            "elastic.pool_timeout_s=2",
+            f"model.n_layers={stages}",
+            *extra,
+        ],
+    )
     hub = Hub()
     workers = {}
     for i in range(replicas):
@@ -143,10 +153,11 @@ def _run(workers: dict[str, PoolWorker], hub: Hub, kill: str | None = None) -> d
 
 
 def test_a_full_cell_refuses_and_the_sender_picks_another(tmp_path):
-    """pool_window = 1 with two streams into two middle cells: a cell holding one microbatch
-    (waiting for its gradient) refuses the other stream's, which goes to the other cell; every
-    microbatch completes."""
-    cfg, hub, workers = _grid(tmp_path, 3, 2, 40, "pipeline.pool_window=1")
+    """pool_window = 1 (the streams' too) with two streams into two middle cells: a cell
+    holding one microbatch (waiting for its gradient) refuses the other stream's, which goes
+    to the other cell; every microbatch completes."""
+    one = ("pipeline.pool_window=1", "pipeline.pool_stream_window='window'")
+    cfg, hub, workers = _grid(tmp_path, 3, 2, 40, *one)
     _run(workers, hub)
     refused = sum(workers[c].stats.refused for c in ("s1r0", "s1r1"))
     rerouted = sum(workers[c].stats.rerouted for c in ("s0r0", "s0r1"))
@@ -155,6 +166,11 @@ def test_a_full_cell_refuses_and_the_sender_picks_another(tmp_path):
     assert workers["s1r0"].cell.step + workers["s1r1"].cell.step == 80
     assert workers["s2r0"].cell.step + workers["s2r1"].cell.step == 80
     assert all(w.stats.held_peak <= 1 for w in workers.values())
+    # idle time by cause: a stream with its one microbatch out downstream is blocked, never
+    # starved (it can always issue); the last stage waits for its first activation: starved
+    for c in ("s0r0", "s0r1"):
+        assert workers[c].stats.starved_s == 0 and workers[c].stats.blocked_s > 0, c
+    assert all(workers[c].stats.starved_s > 0 for c in ("s2r0", "s2r1"))
 
 
 def test_each_gradient_returns_along_the_path_its_activation_took(tmp_path):
@@ -186,3 +202,17 @@ def test_a_dead_cells_microbatches_are_routed_again_or_voided_never_awaited(tmp_
     done = sum(w.cell.step for w in streams) + sum(w.stats.voided for w in streams)
     assert done == 80  # every microbatch either completed or was counted as voided
     assert time.monotonic() - t0 < 45, "a dead cell's work was awaited"
+
+
+def test_an_auto_stream_window_covers_a_slow_downstream(tmp_path):
+    """pool_stream_window = auto: a stream whose microbatches spend 8x its own compute
+    downstream keeps more than pool_window in flight (at most 4x it); every microbatch
+    completes and no downstream cell holds more than pool_window."""
+    slow = '["s1r0=8", "s1r1=8"]'
+    auto = ("pipeline.pool_window=2", "pipeline.pool_stream_window='auto'")
+    _, hub, workers = _grid(tmp_path, 2, 2, 30, *auto, f"emulation.slowdowns={slow}")
+    _run(workers, hub)
+    streams = [workers[c] for c in ("s0r0", "s0r1")]
+    assert [w.cell.step for w in streams] == [30, 30]
+    assert all(2 < w.stats.held_peak <= 8 for w in streams), [w.stats.held_peak for w in streams]
+    assert all(workers[c].stats.held_peak <= 2 for c in ("s1r0", "s1r1"))

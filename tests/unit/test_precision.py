@@ -9,9 +9,13 @@ from mesh.engine.sim import GridSim
 from mesh.model.build import build_model, stage_forward
 
 TINY_LLAMA = [
-    "model.arch='llama'", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.seq_len=32",
-]  # fmt: skip
+    "model.arch='llama'",
+    "model.n_layers=4",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.seq_len=32",
+]
 
 
 @pytest.mark.slow
@@ -19,18 +23,30 @@ def test_bf16_run_of_the_tiny_llama_ends_within_3_percent_of_fp32(text_file):
     losses, sims = {}, {}
     for precision in ("fp32", "bf16"):
         cfg = load_config(
-            [], [*TINY, *TINY_LLAMA, "grid.stages=2", "grid.replicas=2", "run.steps=60",
-                 "run.eval_every=1000", "pipeline.microbatch_size=4", f"data.path='{text_file}'",
-                 f"runtime.precision='{precision}'"],
-        )  # fmt: skip
+            [],
+            [
+                *TINY,
+                *TINY_LLAMA,
+                "grid.stages=2",
+                "grid.replicas=2",
+                "run.steps=60",
+                "run.eval_every=1000",
+                "pipeline.microbatch_size=4",
+                f"data.path='{text_file}'",
+                f"runtime.precision='{precision}'",
+            ],
+        )
         sims[precision] = GridSim(cfg)
         losses[precision] = sims[precision].run().val_loss
     assert losses["fp32"] < 0.85 * torch.log(torch.tensor(256.0)).item()  # it learned
     assert abs(losses["bf16"] - losses["fp32"]) <= 0.03 * losses["fp32"], losses
     cell = sims["bf16"].cells[0][0]  # masters, optimizer state and drift stay fp32
     assert cell.flat.dtype == cell.drift.dtype == torch.float32
-    assert all(t.dtype == torch.float32 for t in cell.optimizer.state_dict().values()
-               if isinstance(t, torch.Tensor))  # fmt: skip
+    assert all(
+        t.dtype == torch.float32
+        for t in cell.optimizer.state_dict().values()
+        if isinstance(t, torch.Tensor)
+    )
     assert not torch.equal(sims["bf16"].cells[0][0].flat, sims["fp32"].cells[0][0].flat)
 
 

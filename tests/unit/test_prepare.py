@@ -181,8 +181,12 @@ def test_an_interrupted_prepare_leaves_no_manifest(tmp_path):
         prepare([str(tmp_path / "a.jsonl")], tmp_path / "ds", "bytes", on_bytes=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
     # a killed prepare's staging directory (its process gone) is cleared by the next one
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (tmp_path / f".ds.partial-{dead}").mkdir()
     prepare([str(tmp_path / "a.jsonl")], tmp_path / "ds", "bytes")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "ds"]
@@ -259,8 +263,9 @@ def test_the_command_shows_rejects_and_a_summary_and_exits_2_on_a_mistake(tmp_pa
     assert f"{src}:{len(DOCS) + 1}: malformed JSON" in res.output
     assert "| val " in res.output and "MB/s" in res.output
     assert f"--set data.path={out}" in res.output
-    res = CliRunner().invoke(main, ["data", "prepare", str(src), "--out", str(tmp_path / "x"),
-                                    "--tokenizer", "bpe"])  # fmt: skip
+    res = CliRunner().invoke(
+        main, ["data", "prepare", str(src), "--out", str(tmp_path / "x"), "--tokenizer", "bpe"]
+    )
     assert res.exit_code == 2 and "error: --tokenizer bpe: no such file" in res.output
 
 

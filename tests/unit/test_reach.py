@@ -78,14 +78,23 @@ def test_peer_id_and_short_reason():
 
 
 def _answer(**kw):
-    base = {"helper": HELPER, "ok": False, "via": None, "why": "", "observed": "81.2.69.142",
-            "skipped": [], "refused": False}  # fmt: skip
+    base = {
+        "helper": HELPER,
+        "ok": False,
+        "via": None,
+        "why": "",
+        "observed": "81.2.69.142",
+        "skipped": [],
+        "refused": False,
+    }
     return {**base, **kw}
 
 
 def test_verdict_reachable_says_where():
-    result = {"maddrs": ["/ip4/81.2.69.142/tcp/31337"],
-              "answers": [_answer(ok=True, via="/ip4/81.2.69.142/tcp/31337")]}  # fmt: skip
+    result = {
+        "maddrs": ["/ip4/81.2.69.142/tcp/31337"],
+        "answers": [_answer(ok=True, via="/ip4/81.2.69.142/tcp/31337")],
+    }
     verdict, text = reach_verdict(result, [])
     assert verdict == "reachable" and "/ip4/81.2.69.142/tcp/31337" in text
     assert "private" not in text
@@ -94,8 +103,10 @@ def test_verdict_reachable_says_where():
 
 
 def test_verdict_unreachable_gives_both_fixes_with_the_observed_address():
-    result = {"maddrs": ["/ip4/81.2.69.142/tcp/31337"],
-              "answers": [_answer(why="no answer within 6 s")]}  # fmt: skip
+    result = {
+        "maddrs": ["/ip4/81.2.69.142/tcp/31337"],
+        "answers": [_answer(why="no answer within 6 s")],
+    }
     verdict, text = reach_verdict(result, ["/ip4/81.2.69.142/tcp/31337"])
     assert verdict == "unreachable"
     assert "could not dial this one: no answer within 6 s" in text
@@ -127,28 +138,47 @@ def test_verdict_unknown_when_nobody_could_check():
     "error, says",
     [
         # hivemind's texts, as reproduced on this machine
-        ("Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
-         "[listen tcp4 127.0.0.1:33757: bind: address already in use]",
-         "port 33757 on 127.0.0.1 is taken"),
-        ("Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
-         "[listen tcp4 10.99.99.99:0: bind: cannot assign requested address]",
-         "10.99.99.99 in --host-maddrs is not an address of this machine"),
-        ("Daemon failed to start: 2026/12/01 04:19:36 failed to parse multiaddr \"garbage\": "
-         "must begin with /", "a multiaddr in --host-maddrs is malformed (\"garbage\""),
-        ("Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
-         "[no transport for protocol]", "a transport p2pd cannot listen on"),
-        ("Please specify an explicit port in announce_maddrs: port 0 is not supported",
-         "--announce-maddrs needs the port others dial"),
-        ("Daemon failed to start: 2026/12/01 04:19:47 listen unix /tmp/hivemind-p2pd-A.sock: "
-         "bind: permission denied", "make /tmp writable"),
-        ("The directory `/nonexistent/dir` for saving the identity does not exist",
-         "--identity: the directory /nonexistent/dir does not exist"),
-        ("p2pd binary not found at /x/p2pd. This may indicate a failed installation.",
-         "reinstall hivemind"),
+        (
+            "Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
+            "[listen tcp4 127.0.0.1:33757: bind: address already in use]",
+            "port 33757 on 127.0.0.1 is taken",
+        ),
+        (
+            "Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
+            "[listen tcp4 10.99.99.99:0: bind: cannot assign requested address]",
+            "10.99.99.99 in --host-maddrs is not an address of this machine",
+        ),
+        (
+            'Daemon failed to start: 2026/12/01 04:19:36 failed to parse multiaddr "garbage": '
+            "must begin with /",
+            'a multiaddr in --host-maddrs is malformed ("garbage"',
+        ),
+        (
+            "Daemon failed to start: 2026/12/01 04:19:26 failed to listen on any addresses: "
+            "[no transport for protocol]",
+            "a transport p2pd cannot listen on",
+        ),
+        (
+            "Please specify an explicit port in announce_maddrs: port 0 is not supported",
+            "--announce-maddrs needs the port others dial",
+        ),
+        (
+            "Daemon failed to start: 2026/12/01 04:19:47 listen unix /tmp/hivemind-p2pd-A.sock: "
+            "bind: permission denied",
+            "make /tmp writable",
+        ),
+        (
+            "The directory `/nonexistent/dir` for saving the identity does not exist",
+            "--identity: the directory /nonexistent/dir does not exist",
+        ),
+        (
+            "p2pd binary not found at /x/p2pd. This may indicate a failed installation.",
+            "reinstall hivemind",
+        ),
         ("Daemon failed to start in 15.0 seconds", "did not start within 15.0 s"),
         ("Daemon failed to start: 2026/12/01 04:19:47 something new", "start: something new"),
     ],
-)  # fmt: skip
+)
 def test_p2pd_failures_have_cause_and_fix(error, says):
     text = p2pd_failure(RuntimeError(error))
     assert text is not None and text.startswith("the libp2p daemon (p2pd) could not start: ")
@@ -170,8 +200,15 @@ def test_permanent_start_failures_are_not_retried():
 def test_a_helpers_answer_is_checked_before_use():
     good = {"v": 1, "ok": True, "via": "/ip4/1.2.3.4/tcp/5", "why": "", "observed": "1.2.3.4"}
     assert checked_answer(good)["ok"] is True
-    for bad in (None, [], {**good, "v": 2}, {**good, "ok": "yes"}, {**good, "via": 5},
-                {**good, "skipped": [["a"]]}, {**good, "why": None}):  # fmt: skip
+    for bad in (
+        None,
+        [],
+        {**good, "v": 2},
+        {**good, "ok": "yes"},
+        {**good, "via": 5},
+        {**good, "skipped": [["a"]]},
+        {**good, "why": None},
+    ):
         assert checked_answer(bad) is None
     long = checked_answer({**good, "why": "x" * 10_000})
     assert len(long["why"]) == 300

@@ -7,13 +7,17 @@ import json
 
 from mesh.bench.regime import REFERENCES, stamp
 
-ENTRY = {"unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
-         "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6}}  # fmt: skip
+ENTRY = {
+    "unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
+    "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6},
+}
 
 
 def _study(tmp_path, fullsync: float):
-    runs = [{"study": "dp", "method": "FullSync", "seed": s, "val_loss": fullsync + d}
-            for s, d in ((10, -0.1), (11, 0.1))]  # fmt: skip
+    runs = [
+        {"study": "dp", "method": "FullSync", "seed": s, "val_loss": fullsync + d}
+        for s, d in ((10, -0.1), (11, 0.1))
+    ]
     runs.append({"study": "dp", "method": "AsyncMesh-fp8", "seed": 10, "val_loss": 9.0})
     (tmp_path / "summary.json").write_text(json.dumps({"runs": runs}, indent=2))
     (tmp_path / "table.md").write_text("# Convergence\n\nwhat it is.\n\n| a |\n|---|\n| 1 |\n")
@@ -41,8 +45,15 @@ def test_a_study_is_stamped_from_its_recorded_reference(tmp_path):
 
 
 def test_every_study_names_its_reference():
-    assert {"boundary", "convergence", "ablations", "horizon", "precision", "scaling",
-            "optimizers"} <= set(REFERENCES)  # fmt: skip
+    assert {
+        "boundary",
+        "convergence",
+        "ablations",
+        "horizon",
+        "precision",
+        "scaling",
+        "optimizers",
+    } <= set(REFERENCES)
     assert all(arm for arm, _ in REFERENCES.values())
 
 

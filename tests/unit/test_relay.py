@@ -69,8 +69,11 @@ def test_relays_are_peers_dialed_directly_at_their_most_public_address():
 def test_a_client_mode_peer_reserves_on_its_relays_at_once_and_others_relay_within_limits():
     relays = [f"/ip4/10.0.0.1/tcp/1/p2p/{RELAY_ID}", f"/ip4/10.0.0.2/tcp/2/p2p/{OTHER_ID}"]
     kwargs, flags = p2pd_options(True, relays, RelayLimits(5, 1000))
-    assert kwargs == {"use_auto_relay": True, "force_reachability": "private",
-                      "trusted_relays": relays}  # fmt: skip
+    assert kwargs == {
+        "use_auto_relay": True,
+        "force_reachability": "private",
+        "trusted_relays": relays,
+    }
     assert flags == {"relayDiscovery": 0}  # static relays: no 3-minute wait for 4 candidates
     kwargs, flags = p2pd_options(True, [], None)
     assert "trusted_relays" not in kwargs and flags == {}
@@ -105,8 +108,12 @@ def test_a_relays_answer_to_a_reservation_says_which_relay_service_serves():
     # with a reservation (field 3) before it and p2pd's configured limit: 8 s, 256 KiB
     ours = b"\x08\x08\x10\x80\x80\x10"
     rsvp = b"\x08\x96\x01\x12\x02ab"
-    answer = _answer(b"\x08\x02", b"\x1a" + bytes([len(rsvp)]) + rsvp,
-                     b"\x22" + bytes([len(ours)]) + ours, b"\x28\x64")  # fmt: skip
+    answer = _answer(
+        b"\x08\x02",
+        b"\x1a" + bytes([len(rsvp)]) + rsvp,
+        b"\x22" + bytes([len(ours)]) + ours,
+        b"\x28\x64",
+    )
     assert limit_of(answer) == (8, 262144)
     refused = _answer(b"\x08\x02", b"\x28\xc8\x01")  # RESERVATION_REFUSED (200)
     assert limit_of(refused) is None
@@ -171,9 +178,16 @@ def test_relayed_cells_travel_in_heartbeats_to_status_and_the_dashboard():
 
     assert parse_stats({"relayed": True}) == {"relayed": True}
     assert parse_stats({"relayed": 1}) is None and parse_stats({"relayed": "yes"}) is None
-    cell = {"cell": "s1r1", "verified": True, "peer": "12D3KooWabcdefgh", "step": 3,
-            "tokens_per_s": 1.0, "heartbeat_age_s": 0.5, "session": 0,
-            **stats_json(parse_stats({"relayed": True}))}  # fmt: skip
+    cell = {
+        "cell": "s1r1",
+        "verified": True,
+        "peer": "12D3KooWabcdefgh",
+        "step": 3,
+        "tokens_per_s": 1.0,
+        "heartbeat_age_s": 0.5,
+        "session": 0,
+        **stats_json(parse_stats({"relayed": True})),
+    }
     assert cell["relayed"] is True and stats_json(None)["relayed"] is False
     assert status_table({"cells": [cell]})[0][0] == "s1r1 (relayed)"
     page = (Path(dashboard.__file__).parent / "page.html").read_text()

@@ -1,7 +1,7 @@
-"""A cell's round book and the runtime's Rounds mixin (mesh/engine/rounds.py,
+"""A cell's round book and the runtime's Rounds (mesh/engine/rounds.py,
 mesh/runtime/rounds.py): launch order, tau, cutting a late round, failures, voiding, the clock.
 
-The mixin runs on a real Cell of the tiny model; its transport is a scripted stand-in whose
+Rounds run on a real Cell of the tiny model; its transport is a scripted stand-in whose
 rounds complete when the test says (the real transports' rounds run in
 tests/integration/test_transport_suite.py).
 """
@@ -18,7 +18,7 @@ from mesh.config import load_config
 from mesh.engine.cell import Cell
 from mesh.engine.rounds import Action, RoundBook, after_update, round_index
 from mesh.model.build import build_stage
-from mesh.runtime.rounds import Rounds
+from mesh.runtime.rounds import Rounds, RoundSettings
 from mesh.runtime.stage_stats import StageStats
 
 A, LAUNCH = Action.APPLY, Action.LAUNCH
@@ -90,17 +90,13 @@ class Transport:
 
 
 class Worker(Rounds):
-    """The attributes a StageWorker gives the mixin, around a real tiny Cell."""
+    """A cell's Rounds around a real tiny Cell, with update() as a StageWorker steps."""
 
     def __init__(self, *overrides: str, cuttable: bool = True) -> None:
-        self.cfg = load_config(
-            [], [*helpers.TINY_MODEL, "grid.stages=1", "grid.replicas=2", *overrides]
-        )
-        self.cell = Cell(self.cfg, 0, 0, build_stage(self.cfg.model, 1, 0, self.cfg.run.seed))
-        self.transport = Transport(cuttable)
-        self.stats, self.emu, self.m, self.j = StageStats(), None, 2, 0
-        self.column, self.cell_name, self.device = ["s0r0", "s0r1"], "s0r0", torch.device("cpu")
-        self.init_rounds()
+        cfg = load_config([], [*helpers.TINY_MODEL, "grid.stages=1", "grid.replicas=2", *overrides])
+        cell = Cell(cfg, 0, 0, build_stage(cfg.model, 1, 0, cfg.run.seed))
+        column = ["s0r0", "s0r1"]
+        super().__init__(RoundSettings.of(cfg), cell, Transport(cuttable), StageStats(), column)
 
     def update(self) -> None:
         """One optimizer update (a small step) and its round actions, as StageWorker._step."""
@@ -158,10 +154,10 @@ def test_a_failed_or_lonely_round_counts_failed_and_changes_nothing():
     w = Worker("dp.tau=0", "dp.interval_steps=1", "dp.strict_tau=true")
     w.cell.apply_update([torch.zeros_like(p) for p in w.cell.params])
     before = w.cell.flat.clone()
-    w._next_round(0)
+    w.next_round(0)
     rnd, handle = next(iter(w.cell.rounds.entries))
     handle.finish(MeanResult(MeanStatus.OK, rnd.payload.clone(), ("s0r0",)))  # alone: no mean
-    w._apply_due_rounds()
+    w.apply_due()
     assert w.stats.rounds_failed == 1 and w.stats.rounds_applied == 0 and not w.cell.rounds
     assert torch.equal(before, w.cell.flat)
 
@@ -173,7 +169,7 @@ def test_drop_rounds_voids_what_a_download_skipped():
     assert len(w.cell.rounds) == 2
     old = w.cell.step
     w.cell.step = 10  # a download moved the state to step 10
-    w.drop_rounds(old)
+    w.drop(old)
     assert not w.cell.rounds and w.stats.rounds_failed == 2
     assert w.transport.voided == [range(2, 5)]  # rounds of updates 4, 6, 8 will never run here
 

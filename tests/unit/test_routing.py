@@ -167,3 +167,37 @@ def test_rebalanced_speeds_fill_a_thin_stages_free_cells_without_swapping_the_bo
         [1.0] * 3,
         [1.0, 1.0, 0.0],
     ]
+
+
+def test_a_streams_window_covers_its_round_trip_within_its_bounds():
+    # unmeasured: the floor
+    assert routing.stream_window(None, 0.5, 4, 16) == 4
+    assert routing.stream_window(2.0, None, 4, 16) == 4
+    # 2.7 s downstream at 0.45 s of own compute a microbatch: 6 cover the wait, plus this one
+    assert routing.stream_window(2.7, 0.45, 4, 16) == 7
+    # a slow stream's own compute covers the wait: the floor
+    assert routing.stream_window(2.7, 1.8, 4, 16) == 4
+    # a very fast stream is capped
+    assert routing.stream_window(30.0, 0.1, 4, 16) == 16
+
+
+def test_the_delay_choice_takes_the_sooner_done_of_two_draws():
+    rates, queues = [1.0, 0.25], [2, 0]  # a fast cell with 2 queued, a slow idle one
+    ws = routing.weights(rates, queues)  # 1/3 against 1/4: the draw alone sends the slow 3/7
+    u_fast, u_slow = 0.1, 0.9
+    assert routing.pick(ws, u_fast) == 0 and routing.pick(ws, u_slow) == 1
+    # the fast cell is done with a new one after 3 of its units (3 / 1), the slow after 4
+    assert routing.pick_by_delay(rates, queues, u_slow, u_fast) == 0
+    assert routing.pick_by_delay(rates, queues, u_fast, u_slow) == 0
+    # both draws the slow cell: it is the one (a draw, not a global minimum)
+    assert routing.pick_by_delay(rates, queues, u_slow, 0.95) == 1
+    # a tie goes to the first drawn
+    assert routing.pick_by_delay([1.0, 0.5], [1, 0], 0.9, 0.1) == 1
+    # the book: its own outstanding count makes a cell look slower
+    book = routing.LoadBook()
+    book.report("a", 1.0, 2)
+    book.report("b", 0.25, 0)
+    assert book.choose(["a", "b"], u_slow, 4, u_fast) == "a"
+    for _ in range(2):
+        book.sent("a")  # a now has 4 queued: (4 + 1) / 1 against (0 + 1) / 0.25
+    assert book.choose(["a", "b"], u_slow, 8, u_fast) == "b"

@@ -71,15 +71,47 @@ def test_worked_example_algorithms_1_1() -> None:
 
 def test_small_action_lists_exactly() -> None:
     a = [(x.op, x.microbatch) for x in actions("gpipe", 0, 2, 2, 1)]
-    assert a == [(F, 0), (Op.SEND_ACT, 0), (F, 1), (Op.SEND_ACT, 1), (Op.RECV_GRAD, 0),
-                 (B, 0), (Op.RECV_GRAD, 1), (B, 1), (Op.FLUSH, 0), (S, 0)]  # fmt: skip
+    assert a == [
+        (F, 0),
+        (Op.SEND_ACT, 0),
+        (F, 1),
+        (Op.SEND_ACT, 1),
+        (Op.RECV_GRAD, 0),
+        (B, 0),
+        (Op.RECV_GRAD, 1),
+        (B, 1),
+        (Op.FLUSH, 0),
+        (S, 0),
+    ]
     a = [(x.op, x.microbatch) for x in actions("1f1b", 1, 2, 2, 1)]
-    assert a == [(Op.RECV_ACT, 0), (F, 0), (B, 0), (Op.SEND_GRAD, 0), (Op.RECV_ACT, 1), (F, 1),
-                 (B, 1), (Op.SEND_GRAD, 1), (Op.FLUSH, 0), (S, 0)]  # fmt: skip
+    assert a == [
+        (Op.RECV_ACT, 0),
+        (F, 0),
+        (B, 0),
+        (Op.SEND_GRAD, 0),
+        (Op.RECV_ACT, 1),
+        (F, 1),
+        (B, 1),
+        (Op.SEND_GRAD, 1),
+        (Op.FLUSH, 0),
+        (S, 0),
+    ]
     # async stage 0 of 3: two warm-up forwards, then F/B+STEP, no FLUSH, drain at the end.
     core = [(x.op, x.microbatch) for x in actions("async", 0, 3, 7, 4) if x.op in (F, B, S)]
-    assert core == [(F, 0), (F, 1), (F, 2), (B, 0), (S, 0), (F, 3), (B, 1), (S, 1),
-                    (B, 2), (S, 2), (B, 3), (S, 3)]  # fmt: skip
+    assert core == [
+        (F, 0),
+        (F, 1),
+        (F, 2),
+        (B, 0),
+        (S, 0),
+        (F, 3),
+        (B, 1),
+        (S, 1),
+        (B, 2),
+        (S, 2),
+        (B, 3),
+        (S, 3),
+    ]
     # 2bw: STEP after every M-th backward, never a FLUSH.
     a = actions("2bw", 1, 3, 3, 2)
     assert Op.FLUSH not in {x.op for x in a}
@@ -127,10 +159,16 @@ def test_action_lists_execute_and_agree_with_version_for(sched: str, P: int, M: 
         prog = actions(sched, j, P, M, U)
         assert sum(x.op is S for x in prog) == U
     # Every SEND has exactly one RECV on the neighbour; F before B per stage.
-    sends = {(j + (1 if x.op is Op.SEND_ACT else -1), x.op, x.microbatch)
-             for j, x in trace.order if x.op in (Op.SEND_ACT, Op.SEND_GRAD)}  # fmt: skip
-    recvs = {(j, Op.SEND_ACT if x.op is Op.RECV_ACT else Op.SEND_GRAD, x.microbatch)
-             for j, x in trace.order if x.op in (Op.RECV_ACT, Op.RECV_GRAD)}  # fmt: skip
+    sends = {
+        (j + (1 if x.op is Op.SEND_ACT else -1), x.op, x.microbatch)
+        for j, x in trace.order
+        if x.op in (Op.SEND_ACT, Op.SEND_GRAD)
+    }
+    recvs = {
+        (j, Op.SEND_ACT if x.op is Op.RECV_ACT else Op.SEND_GRAD, x.microbatch)
+        for j, x in trace.order
+        if x.op in (Op.RECV_ACT, Op.RECV_GRAD)
+    }
     assert sends == recvs and len(sends) == sum(
         x.op.name.startswith("SEND") for _, x in trace.order
     )

@@ -384,9 +384,16 @@ def test_flagged_senders_travel_in_heartbeats_and_show_in_status():
     assert parse_stats({"flagged": ["s0r1"]}) == {"flagged": ["s0r1"]}
     assert parse_stats({"flagged": ["<script>"]}) is None  # only cell names are kept
     assert parse_stats({"flagged": "s0r1"}) is None
-    cell = {"cell": "s1r1", "verified": True, "peer": "12D3KooWabcdefgh", "step": 3,
-            "tokens_per_s": 1.0, "heartbeat_age_s": 0.5, "session": 0,
-            **stats_json({"flagged": ["s0r1"]})}  # fmt: skip
+    cell = {
+        "cell": "s1r1",
+        "verified": True,
+        "peer": "12D3KooWabcdefgh",
+        "step": 3,
+        "tokens_per_s": 1.0,
+        "heartbeat_age_s": 0.5,
+        "session": 0,
+        **stats_json({"flagged": ["s0r1"]}),
+    }
     assert status_table({"cells": [cell]})[0][0] == "s1r1 (flagged s0r1)"
 
 

@@ -107,8 +107,17 @@ def test_a_waiting_cell_reads_the_claims_about_once_a_second_not_once_a_poll():
     # claims for session.REUSE_MAX_S and backs its session polls off to one per heartbeat
     d = FakeDirectory()
     reg = Registry(d.joined("[owner:f]"), None, 1.0)  # heartbeat 1 s (the background beats)
-    follow = DhtCoordinator(reg, cell="s1r0", peer="p", replica_cells=["s0r0", "s1r0"],
-                            leader=False, replica=0, steps=10, mpu=1, wait_s=4.0)  # fmt: skip
+    follow = DhtCoordinator(
+        reg,
+        cell="s1r0",
+        peer="p",
+        replica_cells=["s0r0", "s1r0"],
+        leader=False,
+        replica=0,
+        steps=10,
+        mpu=1,
+        wait_s=4.0,
+    )
     with pytest.raises(PeerTimeout):
         follow.next_session(lambda: 0)
     follow.close()
@@ -138,10 +147,17 @@ def test_a_cell_claimed_twice_stops_on_the_peer_that_claimed_later():
     lead = coordinator(d, "s0r0", True)
     first = coordinator(d, "s1r0", False, since=1.0)
     late = DhtCoordinator(
-        Registry(d.joined("[owner:late]"), None, 60.0), cell="s1r0", peer="peer-late",
-        replica_cells=["s0r0", "s1r0"], leader=False, replica=0, steps=100, mpu=1, wait_s=2.0,
+        Registry(d.joined("[owner:late]"), None, 60.0),
+        cell="s1r0",
+        peer="peer-late",
+        replica_cells=["s0r0", "s1r0"],
+        leader=False,
+        replica=0,
+        steps=100,
+        mpu=1,
+        wait_s=2.0,
         since=2.0,
-    )  # fmt: skip
+    )
     first.heartbeat()  # the owner beats after the late claim: alive
     s = lead.next_session(lambda: 0)
     assert first.next_session(lambda: 0) == s

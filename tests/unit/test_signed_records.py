@@ -83,8 +83,9 @@ def _forged_run(cfg, key_check, sealed_with=None):
     sealed with a key of its own (or not at all)."""
     d = FakeDirectory()
     rec = RunRecord(cfg.fingerprint(), cfg.to_toml(), key_check)
-    Registry(d, None if sealed_with is None else Auth.of(sealed_with, cfg.fingerprint()),
-             60.0).put_run(rec)  # fmt: skip
+    Registry(
+        d, None if sealed_with is None else Auth.of(sealed_with, cfg.fingerprint()), 60.0
+    ).put_run(rec)
     return Registry(d, None, 60.0).run()
 
 
@@ -131,8 +132,17 @@ def test_heartbeat_failures_are_counted_logged_once_and_shown_in_status(caplog):
     d, cfg = SilentDirectory("[owner:c]"), _cfg()
     auth = Auth.of("k", cfg.fingerprint())
     reg = Registry(d, auth, 60.0)  # a long period: no background beat during the test
-    coord = DhtCoordinator(reg, cell="s0r0", peer="P", replica_cells=["s0r0", "s1r0"],
-                           leader=True, replica=0, steps=10, mpu=1, wait_s=1.0)  # fmt: skip
+    coord = DhtCoordinator(
+        reg,
+        cell="s0r0",
+        peer="P",
+        replica_cells=["s0r0", "s1r0"],
+        leader=True,
+        replica=0,
+        steps=10,
+        mpu=1,
+        wait_s=1.0,
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="mesh.runtime.session"):
             for mode in ("refuse", "raise", "refuse"):

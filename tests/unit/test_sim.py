@@ -331,9 +331,15 @@ def test_payload_error_feedback_changes_no_number_with_fp32_payloads(text_file):
     runs = {}
     for feedback in ("false", "true"):
         cfg = tiny(
-            text_file, "run.steps=8", "grid.stages=2", "grid.replicas=2", "dp.tau=2",
-            "dp.fraction=0.25", "dp.codec=fp32", f"dp.payload_error_feedback={feedback}",
-        )  # fmt: skip
+            text_file,
+            "run.steps=8",
+            "grid.stages=2",
+            "grid.replicas=2",
+            "dp.tau=2",
+            "dp.fraction=0.25",
+            "dp.codec=fp32",
+            f"dp.payload_error_feedback={feedback}",
+        )
         sim = GridSim(cfg)
         for _ in range(8):
             sim.step()

@@ -369,9 +369,10 @@ def test_runs_at_a_real_stage_size_land_where_value_by_value_would() -> None:
     round holding the short run is scattered and gathered back whole, and nothing else moves."""
     numel, block = REAL_NUMEL + 37, 64
     r = next(  # the round that holds the tensor's short last run
-        r for r in range(num_parts(0.05))
+        r
+        for r in range(num_parts(0.05))
         if int(subset_indices(9, 2, 0, r, numel, 0.05, block=block)[-1]) == numel - 1
-    )  # fmt: skip
+    )
     idx = subset_indices(9, 2, 0, r, numel, 0.05, block=block)
     x = torch.zeros(numel)
     values = torch.rand(idx.numel()) + 1.0  # none zero
@@ -453,9 +454,13 @@ def test_a_cell_round_in_runs_is_the_round_taken_value_by_value(monkeypatch) -> 
     idx = rnd.indices
     mean = sparse.relative_mean(rnd.mean, rnd.snapshot, rnd.own)
     live, d = sparse.apply_arrival(
-        live0.index_select(0, idx), rnd.snapshot, mean, drift0.index_select(0, idx),
-        cfg.dp.correction, cell.lambda_for(3),
-    )  # fmt: skip
+        live0.index_select(0, idx),
+        rnd.snapshot,
+        mean,
+        drift0.index_select(0, idx),
+        cfg.dp.correction,
+        cell.lambda_for(3),
+    )
     assert torch.equal(cell.flat, live0.index_copy_(0, idx, live))
     assert torch.equal(cell.drift, drift0.index_copy_(0, idx, d))
 

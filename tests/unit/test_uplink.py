@@ -55,18 +55,30 @@ def test_a_gap_below_zero_counts_as_none():
 def test_plan_picks_a_setting_that_fits_and_says_how_to_set_it(tmp_path):
     res = CliRunner().invoke(
         main,
-        ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "20", "--tokens-per-s", "20000",
-         "--results", str(tmp_path), "--json"],
-    )  # fmt: skip
+        [
+            "plan",
+            "--config",
+            *LLAMA_20M,
+            "--uplink-mbit",
+            "20",
+            "--tokens-per-s",
+            "20000",
+            "--results",
+            str(tmp_path),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     chosen = out["chosen"]
     assert chosen["pipeline.boundary"] != "full"  # full boundaries need more than 20 Mbit/s
     row = next(
-        r for r in out["options"]
+        r
+        for r in out["options"]
         if r["interval_steps"] == chosen["dp.interval_steps"]
-        and r["rank"] == chosen.get("pipeline.boundary_rank") and r["fits"]
-    )  # fmt: skip
+        and r["rank"] == chosen.get("pipeline.boundary_rank")
+        and r["fits"]
+    )
     assert max(row["needs_mbps"]) <= 20
 
 
@@ -104,9 +116,12 @@ def test_4bit_boundaries_are_options_with_their_measured_cost():
         o = opts[f"learned {ratio}x int4"]
         assert o.codec == "int4_hadamard" and o.compression >= ratio
         # the largest rank at that ratio: one more coordinate would not make it
-        assert up.rank_for_compression(
-            c.tokens_per_microbatch, c.model.d_model, ratio, "int4_hadamard"
-        ) == o.rank  # fmt: skip
+        assert (
+            up.rank_for_compression(
+                c.tokens_per_microbatch, c.model.d_model, ratio, "int4_hadamard"
+            )
+            == o.rank
+        )
     # 4 bits carry about twice the coordinates of fp8 in the same bytes
     assert opts["learned 32x int4"].rank >= 1.9 * opts["learned 32x"].rank
     # measured cheaper than fp8 at a similar ratio and fitting where fp8's 16x does not:

@@ -59,10 +59,18 @@ from mesh.runtime.metrics import read_metrics
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, the vendor's sheet
 MFU = 0.40
 REAL_MODEL = "configs/models/llama-1b.toml"
-LINK = {"transport.link": "none", "transport.link_bandwidth_mbps": 100.0,
-        "transport.link_latency_ms": 50.0, "transport.link_shared": "pipeline"}  # fmt: skip
-STAND_IN = {"model.n_layers": 4, "model.n_kv_heads": 1, "model.intermediate_size": 64,
-            "model.vocab_size": 256}  # fmt: skip
+LINK = {
+    "transport.link": "none",
+    "transport.link_bandwidth_mbps": 100.0,
+    "transport.link_latency_ms": 50.0,
+    "transport.link_shared": "pipeline",
+}
+STAND_IN = {
+    "model.n_layers": 4,
+    "model.n_kv_heads": 1,
+    "model.intermediate_size": 64,
+    "model.vocab_size": 256,
+}
 FP8 = "fp8_e4m3"
 # (method, ratio over bf16 or None for full, codec): full fp8, the study's best fp8 setting,
 # its 4-bit twin at twice the ratio, and 4-bit ratios up to what the link model needs for 0.8
@@ -110,14 +118,23 @@ def real_size_config(base: Config) -> tuple[Config, list[float]]:
     keep = {k: v for k, v in BENCH.items() if not k.startswith("model.")}
     cfg = with_overrides(
         base,
-        {**{f"model.{k}": v for k, v in real.model.model_dump().items()}, **STAND_IN, **keep,
-         **LINK, "grid.stages": 4, "grid.replicas": 2, "pipeline.microbatch_size": 8,
-         "emulation.forward_ms": 1e3 * mid / 3, "emulation.backward_ms": 2e3 * mid / 3,
-         "emulation.slowdowns": slow, "transport.recv_timeout_s": TIMEOUT_S,
-         "transport.round_timeout_s": ROUND_TIMEOUT_S,
-         # the preset's averaging layout (runs of 64 values a round), as a real run has it
-         "dp.subset_block": real.dp.subset_block},
-    )  # fmt: skip
+        {
+            **{f"model.{k}": v for k, v in real.model.model_dump().items()},
+            **STAND_IN,
+            **keep,
+            **LINK,
+            "grid.stages": 4,
+            "grid.replicas": 2,
+            "pipeline.microbatch_size": 8,
+            "emulation.forward_ms": 1e3 * mid / 3,
+            "emulation.backward_ms": 2e3 * mid / 3,
+            "emulation.slowdowns": slow,
+            "transport.recv_timeout_s": TIMEOUT_S,
+            "transport.round_timeout_s": ROUND_TIMEOUT_S,
+            # the preset's averaging layout (runs of 64 values a round), as a real run has it
+            "dp.subset_block": real.dp.subset_block,
+        },
+    )
     return apply_method(cfg, "AsyncMesh-fp8"), compute
 
 
@@ -144,23 +161,33 @@ def predicted_period_s(cfg: Config, compute: list[float]) -> float:
 
 def unconstrained(cfg: Config) -> Config:
     """The arm with no compute sleeps (1 us an op) and no shaping: the host's own pace."""
-    return with_overrides(cfg, {
-        "emulation.forward_ms": 1e-3, "emulation.backward_ms": 1e-3, "emulation.slowdowns": [],
-        "transport.link_bandwidth_mbps": None, "transport.link_latency_ms": None,
-    })  # fmt: skip
+    return with_overrides(
+        cfg,
+        {
+            "emulation.forward_ms": 1e-3,
+            "emulation.backward_ms": 1e-3,
+            "emulation.slowdowns": [],
+            "transport.link_bandwidth_mbps": None,
+            "transport.link_latency_ms": None,
+        },
+    )
 
 
 def dilated(cfg: Config, k: float) -> Config:
     """Every duration of the emulation x k: compute, latency and timeouts longer, bandwidth
     lower; the window (in microbatches) and every fraction stay as they are."""
     emu, link = cfg.emulation, cfg.transport
-    return with_overrides(cfg, {
-        "emulation.forward_ms": emu.forward_ms * k, "emulation.backward_ms": emu.backward_ms * k,
-        "transport.link_bandwidth_mbps": link.link_bandwidth_mbps / k,
-        "transport.link_latency_ms": link.link_latency_ms * k,
-        "transport.recv_timeout_s": link.recv_timeout_s * k,
-        "transport.round_timeout_s": link.round_timeout_s * k,
-    })  # fmt: skip
+    return with_overrides(
+        cfg,
+        {
+            "emulation.forward_ms": emu.forward_ms * k,
+            "emulation.backward_ms": emu.backward_ms * k,
+            "transport.link_bandwidth_mbps": link.link_bandwidth_mbps / k,
+            "transport.link_latency_ms": link.link_latency_ms * k,
+            "transport.recv_timeout_s": link.recv_timeout_s * k,
+            "transport.round_timeout_s": link.round_timeout_s * k,
+        },
+    )
 
 
 def host_pace(rows: dict[tuple[int, int], list[dict[str, Any]]]) -> tuple[float, float]:
@@ -204,12 +231,21 @@ def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
     bw = cfg.transport.link_bandwidth_mbps * 1e6 / 8
     slowest = max(compute)
     t0 = time.perf_counter()
-    cal = [(f"calibrate-{label.replace(' ', '-')}", unconstrained(c), CALIBRATION_STEPS,
-            i * (CALIBRATION_STEPS + 64)) for i, (label, c, _) in enumerate(arms)]  # fmt: skip
+    cal = [
+        (
+            f"calibrate-{label.replace(' ', '-')}",
+            unconstrained(c),
+            CALIBRATION_STEPS,
+            i * (CALIBRATION_STEPS + 64),
+        )
+        for i, (label, c, _) in enumerate(arms)
+    ]
     print(f"real size: calibrating the host's pace ({len(cal)} arms) ...", flush=True)
     _run_windows(cal[0][1], cal, out, timeout_s=1800)
-    paces = {label: host_pace(read_metrics(out / name))
-             for (label, _, _), (name, *_rest) in zip(arms, cal, strict=True)}  # fmt: skip
+    paces = {
+        label: host_pace(read_metrics(out / name))
+        for (label, _, _), (name, *_rest) in zip(arms, cal, strict=True)
+    }
     compute_ideal = cfg.tokens_per_microbatch * cfg.grid.replicas / slowest
     rows = []
     for label, c, method in arms:
@@ -219,49 +255,69 @@ def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
         d = dilated(c, k)
         name = label.replace(" ", "-")
         n = arm_steps(steps, period * k)
-        print(f"real size: {label}: host {1e3 * host_s:.0f} ms an update (busiest cell "
-              f"{1e3 * cpu_s:.0f} ms CPU), period {1e3 * period:.1f} ms -> k = {k:.2f}, "
-              f"{n} updates", flush=True)  # fmt: skip
+        print(
+            f"real size: {label}: host {1e3 * host_s:.0f} ms an update (busiest cell "
+            f"{1e3 * cpu_s:.0f} ms CPU), period {1e3 * period:.1f} ms -> k = {k:.2f}, "
+            f"{n} updates",
+            flush=True,
+        )
         expected = n * period * k
-        _run_windows(d, [(name, d, n, 0)], out, timeout_s=600 + 4 * expected,
-                     barrier_timeout_s=TIMEOUT_S * k)  # fmt: skip
+        _run_windows(
+            d, [(name, d, n, 0)], out, timeout_s=600 + 4 * expected, barrier_timeout_s=TIMEOUT_S * k
+        )
         tp = throughput(d, read_metrics(out / name), SKIP_FRAC)
         frame = activation_frame_bytes(c)
         tokens_per_s = None if tp.tokens_per_s is None else tp.tokens_per_s * k
-        rows.append({
-            "arm": label, "boundary": method, "codec": c.pipeline.codec,
-            "rank": c.boundary_width,
-            "compression": round(compression_vs_bf16(c.tokens_per_microbatch, c.model.d_model,
-                                                     method, c.boundary_width,
-                                                     c.pipeline.codec), 2),
-            "frame_bytes": frame, "link_s_per_message": frame / bw, "steps": n,
-            "dilation": round(k, 3), "host_s_per_update": round(host_s, 4),
-            "host_cpu_s_per_update_busiest_cell": round(cpu_s, 4),
-            "wall_s_per_update": None if tokens_per_s is None
-            else c.tokens_per_microbatch * c.grid.replicas / tokens_per_s,
-            "tokens_per_s": tokens_per_s,
-            "fraction_of_ideal": tp.fraction_of_ideal,  # link-inclusive, as the grids A1-A4
-            "fraction_of_compute_ideal": None if tokens_per_s is None
-            else tokens_per_s / compute_ideal,
-            "predicted_link_model_share": slowest / period,
-            "host_late_s": tp_late(out / name),
-            "staleness": tp.staleness,
-            "peak_rss_mb": max(tp.peak_rss_mb.values(), default=None),
-            "peak_rss_mb_all_cells": round(sum(tp.peak_rss_mb.values()), 1),
-        })  # fmt: skip
+        rows.append(
+            {
+                "arm": label,
+                "boundary": method,
+                "codec": c.pipeline.codec,
+                "rank": c.boundary_width,
+                "compression": round(
+                    compression_vs_bf16(
+                        c.tokens_per_microbatch,
+                        c.model.d_model,
+                        method,
+                        c.boundary_width,
+                        c.pipeline.codec,
+                    ),
+                    2,
+                ),
+                "frame_bytes": frame,
+                "link_s_per_message": frame / bw,
+                "steps": n,
+                "dilation": round(k, 3),
+                "host_s_per_update": round(host_s, 4),
+                "host_cpu_s_per_update_busiest_cell": round(cpu_s, 4),
+                "wall_s_per_update": None
+                if tokens_per_s is None
+                else c.tokens_per_microbatch * c.grid.replicas / tokens_per_s,
+                "tokens_per_s": tokens_per_s,
+                "fraction_of_ideal": tp.fraction_of_ideal,  # link-inclusive, as the grids A1-A4
+                "fraction_of_compute_ideal": None
+                if tokens_per_s is None
+                else tokens_per_s / compute_ideal,
+                "predicted_link_model_share": slowest / period,
+                "host_late_s": tp_late(out / name),
+                "staleness": tp.staleness,
+                "peak_rss_mb": max(tp.peak_rss_mb.values(), default=None),
+                "peak_rss_mb_all_cells": round(sum(tp.peak_rss_mb.values()), 1),
+            }
+        )
     return {
         "grid": "4x2",
         "shapes": {
             "d_model": cfg.model.d_model,
             "seq_len": cfg.model.seq_len,
             "microbatch_size": cfg.pipeline.microbatch_size,
-        },  # fmt: skip
+        },
         "model": "llama-1b boundary shapes; compute from llama-1b's stages",
         "link": {
             "bandwidth_mbps": cfg.transport.link_bandwidth_mbps,
             "latency_ms": cfg.transport.link_latency_ms,
             "shared": cfg.transport.link_shared,
-        },  # fmt: skip
+        },
         "compute_formula": "t_stage = (6 x matmul params + 12 x layers x T x d) x B x T / "
         f"({MFU} x {H100_BF16_PEAK:.3g}); forward 1/3, backward 2/3",
         "stage_compute_ms": [round(1e3 * c, 3) for c in compute],
@@ -294,22 +350,44 @@ def real_size_table(entry: dict[str, Any]) -> str:
 
     costed = any("loss_cost" in r for r in entry["arms"])
     rows = [
-        [r["arm"], r["rank"], f"{r['compression']:.1f}x", f"{r['frame_bytes']:,}",
-         f"{1e3 * r['link_s_per_message']:.1f}",
-         "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-         _f(r["fraction_of_compute_ideal"]), f"{r['predicted_link_model_share']:.2f}",
-         _f(r["fraction_of_ideal"]), r["staleness"], f"{r.get('dilation', 1.0):.1f}",
-         f"{1e3 * r.get('host_s_per_update', math.nan):.0f}",
-         *([_cost(r.get("loss_cost"))] if costed else [])]
+        [
+            r["arm"],
+            r["rank"],
+            f"{r['compression']:.1f}x",
+            f"{r['frame_bytes']:,}",
+            f"{1e3 * r['link_s_per_message']:.1f}",
+            "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
+            _f(r["fraction_of_compute_ideal"]),
+            f"{r['predicted_link_model_share']:.2f}",
+            _f(r["fraction_of_ideal"]),
+            r["staleness"],
+            f"{r.get('dilation', 1.0):.1f}",
+            f"{1e3 * r.get('host_s_per_update', math.nan):.0f}",
+            *([_cost(r.get("loss_cost"))] if costed else []),
+        ]
         for r in entry["arms"]
-    ]  # fmt: skip
+    ]
     ms = ", ".join(f"{m:.1f}" for m in entry["stage_compute_ms"])
     link = entry["link"]
-    shared = " (one uplink a cell: a middle stage's two frames share it)" if link.get(
-        "shared", "none") != "none" else ""  # fmt: skip
-    headers = ["boundary", "width", "vs bf16", "frame B", "link ms/message", "tokens/s",
-               "of compute-ideal", "predicted", "of ideal (link-incl.)", "staleness",
-               "dilation k", "host ms/update"]  # fmt: skip
+    shared = (
+        " (one uplink a cell: a middle stage's two frames share it)"
+        if link.get("shared", "none") != "none"
+        else ""
+    )
+    headers = [
+        "boundary",
+        "width",
+        "vs bf16",
+        "frame B",
+        "link ms/message",
+        "tokens/s",
+        "of compute-ideal",
+        "predicted",
+        "of ideal (link-incl.)",
+        "staleness",
+        "dilation k",
+        "host ms/update",
+    ]
     if costed:
         headers.append(f"loss cost (results/boundary, P = {entry.get('loss_cost_P', '?')})")
     return (

@@ -191,8 +191,7 @@ class RunDirView:
 
     def json(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
-        return build_json(self.cfg, self.dir, self.fingerprint, self.poll(), now,
-                          self.host)  # fmt: skip
+        return build_json(self.cfg, self.dir, self.fingerprint, self.poll(), now, self.host)
 
     def poll(self) -> dict[tuple[int, int], CellTail]:
         for path in (self.dir / "metrics").glob("*.jsonl"):

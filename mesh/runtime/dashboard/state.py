@@ -14,8 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRAINING, WAITING, DOWNLOADING, FREE, DEAD, FINISHED = (
-    "training", "waiting", "downloading", "free", "dead", "finished",
-)  # fmt: skip
+    "training",
+    "waiting",
+    "downloading",
+    "free",
+    "dead",
+    "finished",
+)
 STATES = (TRAINING, WAITING, DOWNLOADING, FREE, DEAD, FINISHED)
 
 # a heartbeat this many periods old means the peer stopped (a claim lives 4 periods in the DHT:

@@ -156,12 +156,13 @@ class PipelineConfig(_Section):
         "version); a full cell refuses new work and the sender picks another",
     )
     pool_stream_window: Annotated[int, Field(ge=1)] | Literal["window", "auto"] = Field(
-        "auto",
-        description="pools: microbatches a stream (a stage-0 cell) keeps in flight: auto = "
-        "enough to cover the time its microbatches spend downstream, from "
+        "window",
+        description="pools: microbatches a stream (a stage-0 cell) keeps in flight: window = "
+        "pool_window; auto = enough to cover the time its microbatches spend downstream, from "
         "its measured round trip and compute (Little's law), between pool_window and "
-        f"{choices.STREAM_WINDOW_CAP}x it; window = pool_window; or a number (>= 1). More in "
-        "flight keeps a fast stream's device busy and adds staleness",
+        f"{choices.STREAM_WINDOW_CAP}x it (a stashed weight version each: `plan` shows the "
+        "memory); or a number (>= 1). More in flight keeps a fast stream's device busy and "
+        "adds staleness",
     )
     pool_choice: Literal[choices.POOL_CHOICES] = Field(
         "delay",

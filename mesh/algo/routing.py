@@ -52,7 +52,8 @@ def pick_by_delay(rates: Sequence[float | None], queues: Sequence[int], u: float
     """Two candidates drawn by weights (u, then v), of which the one that would finish the new
     microbatch first: the smaller (queue + 1) / rate, the first drawn on a tie (the power of
     two choices: it keeps a slow cell's queue short where a draw alone sends it its share)."""
-    a, b = pick(weights(rates, queues), u), pick(weights(rates, queues), v)
+    ws = weights(rates, queues)
+    a, b = pick(ws, u), pick(ws, v)
     rs = resolved_rates(rates)
     return a if (queues[a] + 1) / rs[a] <= (queues[b] + 1) / rs[b] else b
 

@@ -237,6 +237,9 @@ BASE = [
     "emulation.backward_ms=300",
     "transport.recv_timeout_s=120",
     "transport.round_timeout_s=30",
+    # streams sized by their round trip: the study's setting (the default, window, keeps a
+    # real-size stage 0's stash small; docs/pools.md)
+    "pipeline.pool_stream_window='auto'",
 ]
 
 

@@ -24,7 +24,8 @@ and every upstream cell sent FIN.
 
 With `pipeline.pool_choice = "seeded"` every path is a pure function of the name
 (mesh/algo/routing.seeded_path) and each cell takes its microbatches one at a time in
-(index, stream) order (`run_seeded`): the one-process simulator computes the same numbers.
+(index, stream) order (mesh/runtime/pool_seeded.py): the one-process simulator computes the
+same numbers.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
 from mesh import choices
 from mesh.algo import routing, sentinel
-from mesh.algo.topology import Grid, cell_name
+from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
@@ -122,10 +123,6 @@ class PoolWorker(StageWorker):
         """Train until this cell's work is done: stage 0 until its stream issued run.steps
         microbatches and got them back (or gave them up), a later stage until every upstream
         cell said FIN and it holds nothing. Then FIN downstream and drain."""
-        if self.cfg.pipeline.pool_choice == "seeded":
-            self.run_seeded(on_step)
-            self.finish()
-            return self.stats
         seen = self.transport.wait_arrival(-1, 0.0)  # the count so far
         while True:
             t0 = time.perf_counter()
@@ -471,44 +468,6 @@ class PoolWorker(StageWorker):
 
     def _control(self, to: str, tag: str) -> None:
         self._send(to, tag, Kind.CONTROL, self._ctl)
-
-    # ---- seeded: every path a pure function of the name, one microbatch at a time -----------
-    def run_seeded(self, on_step: object = None) -> None:
-        """Take this cell's microbatches one at a time in (index, stream) order, each along its
-        seeded path: forward, wait for its gradient, backward, step. Deterministic, so the
-        simulator reproduces it (mesh/engine/pools.py); a lost cell is a PeerTimeout here."""
-        everyone = Grid(self.P, self.m)  # the seeded paths are drawn over every cell
-        pools = [everyone.column(j) for j in range(self.P)]
-        me, seed = self.cell_name, self.cfg.run.seed
-        wait = self.cfg.elastic.pool_timeout_s
-        done = self.cell.step  # a resumed cell took this many of its microbatches already
-        for b in range(self.cfg.run.steps):
-            for s in range(self.m):
-                path = routing.seeded_path(seed, s, b, pools)
-                if path[self.j] != me:
-                    continue
-                if done > 0:
-                    done -= 1
-                    continue
-                self._seeded_one(s, b, path, wait, on_step)
-
-    def _seeded_one(self, s: int, b: int, path: list[str], wait: float, on_step: object) -> None:
-        up = path[self.j - 1] if self.j > 0 else None
-        down = path[self.j + 1] if self.j + 1 < self.P else None
-        if up is None:
-            x = self._batch_of(s, b)[0]
-        else:
-            x = self.transport.recv(up, f"pool/a/{s}/{b}", self._expect_act, wait).tensor()
-            x = x.to(self.device)
-        h = Held(s, b, x, self.cell.step, up)
-        self.held[(s, b)] = h
-        if down is None:
-            self._backward_held(h, None, on_step)
-            return
-        self._send(down, f"pool/a/{s}/{b}", Kind.ACTIVATION, self._activation(h))
-        h.sent_to, self._fwd_s = down, 0.0
-        msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
-        self._backward_held(h, msg.tensor().to(self.device), on_step)
 
 
 def _ema(prev: float | None, x: float) -> float:

@@ -44,6 +44,7 @@ from mesh.runtime.failure import (
 from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.pool import PoolWorker
 from mesh.runtime.pool_grid import pool_members, pool_move, pool_row
+from mesh.runtime.pool_seeded import SeededPoolWorker
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StageMove, StaticCoordinator
@@ -218,7 +219,10 @@ def run_cell(
                 coord.on_event = event  # waiting for whom, sessions
                 coord.on_beat = _health_rows(event, transport)
             pools = cfg.pipeline.routing == "pools"
-            worker = (PoolWorker if pools else StageWorker)(cfg, cell, transport, corpus)
+            kind = StageWorker
+            if pools:  # the seeded mode serializes each cell, so the simulator can follow it
+                kind = SeededPoolWorker if cfg.pipeline.pool_choice == "seeded" else PoolWorker
+            worker = kind(cfg, cell, transport, corpus)
             worker.critical = STOP.deferred
             if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
                 coord = coordinator(cfg, worker, transport, event)

@@ -61,6 +61,9 @@ LR_GRID = {"full bf16": (4e-3, 8e-3), "FullSync": (8e-3, 1.6e-2)}
 # reference down to a quarter (2e-3 gave 1.97, still the edge), FullSync to half
 LR_GRID_EXTRA = {8: {"full bf16": (1e-3, 2e-3), "FullSync": (4e-3,)}}
 QUICK_LRS = {"full bf16": (4e-3,), "FullSync": (8e-3,)}
+# a wider model wants a smaller step (Adam's update is per element, a d 192 matrix sums 3x the
+# terms): d 192 tries half of d 64's grid and d 64's low edge
+LR_GRID_WIDTH = {192: {"full bf16": (2e-3, 4e-3), "FullSync": (4e-3, 8e-3)}}
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 # the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)
@@ -122,12 +125,13 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def lr_grid(stages: int, quick: bool = False) -> dict[str, tuple[float, ...]]:
-    """Each baseline's lrs to try at depth `stages`, smallest first."""
+def lr_grid(stages: int, quick: bool = False, width: int = 64) -> dict[str, tuple[float, ...]]:
+    """Each baseline's lrs to try at depth `stages` and d_model `width`, smallest first."""
     if quick:
         return QUICK_LRS
-    extra = LR_GRID_EXTRA.get(stages, {})
-    return {arm: tuple(sorted({*lrs, *extra.get(arm, ())})) for arm, lrs in LR_GRID.items()}
+    grid = LR_GRID_WIDTH.get(width, LR_GRID)
+    extra = LR_GRID_EXTRA.get(stages, {}) if width == 64 else {}
+    return {arm: tuple(sorted({*lrs, *extra.get(arm, ())})) for arm, lrs in grid.items()}
 
 
 def _spec(arm: str, ov: dict[str, Any], seed: int, lr: float) -> Spec:
@@ -169,14 +173,18 @@ RUN_FIRST = (
 )
 
 
-def build_specs(base: Config, stages: int, seeds: list[int], lrs: dict[str, float]) -> list[Spec]:
-    """Every arm of one P on every seed (seed by seed, RUN_FIRST's arms first): FullSync at its
-    lr, every async arm at the reference's."""
+def build_specs(
+    base: Config, stages: int, seeds: list[int], lrs: dict[str, float], part: str = "all"
+) -> list[Spec]:
+    """The arms of one P on every seed, arm by arm in RUN_FIRST's order, each on all seeds (a
+    study stopped part way has whole rows, paired by seed): FullSync at its lr, every async arm
+    at the reference's. part: "all", "async" (all but FullSync) or "FullSync"."""
     ordered = sorted(arms(base, stages), key=lambda a: _run_rank(a[0]))
     return [
         _spec(arm, ov, seed, lrs["FullSync" if arm == "FullSync" else REFERENCE])
-        for seed in seeds
         for arm, ov in ordered
+        if part == "all" or (arm == "FullSync") == (part == "FullSync")
+        for seed in seeds
     ]
 
 
@@ -302,27 +310,37 @@ def run_boundary(
     stages = stages or ((2,) if quick else STAGES)
     start = time.perf_counter()
     run = _cached if report_only else run_specs
-    tuned: dict[int, dict[str, float]] = {}
-    sweeps, runs = [], []
-    for p in stages:
-        sweep = run(
-            base,
-            lr_specs(base, p, TUNE_SEED, lr_grid(p, quick)),
-            budget,
-            out,
-            workers,
-            f"boundary P={p}: lr",
-            known,
-        )
-        got = {
-            arm: [r for r in sweep if r["method"].startswith(f"P{p} {arm} lr=")]
-            for arm in (REFERENCE, "FullSync")
+    width = base.model.d_model
+    grids = {p: lr_grid(p, quick, width) for p in stages}
+
+    def sweep_of(arm: str) -> dict[int, list[dict[str, Any]]]:
+        return {
+            p: run(
+                base,
+                lr_specs(base, p, TUNE_SEED, {arm: grids[p][arm]}),
+                budget,
+                out,
+                workers,
+                f"boundary P={p}: {arm} lr",
+                known,
+            )
+            for p in stages
         }
-        if all(got.values()):
-            tuned[p] = {arm: best_lr(rs) for arm, rs in got.items()}
-        sweeps += sweep
-    specs = [s for p in stages if p in tuned for s in build_specs(base, p, seeds, tuned[p])]
-    runs = run(base, specs, budget, out, workers, "boundary", known)
+
+    def arms_of(part: str, lrs: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+        specs = [s for p in stages if p in lrs for s in build_specs(base, p, seeds, lrs[p], part)]
+        return run(base, specs, budget, out, workers, f"boundary: {part} arms", known)
+
+    # the reference's sweep and the async arms first, FullSync's sweep and runs last: at d 192
+    # a run takes 20 minutes, and the frontier is read against the reference
+    ref_sweep = sweep_of(REFERENCE)
+    ref_lr = {p: {REFERENCE: best_lr(rs)} for p, rs in ref_sweep.items() if rs}
+    runs = arms_of("async", ref_lr)
+    fs_sweep = sweep_of("FullSync")
+    tuned = {p: {**ref_lr[p], "FullSync": best_lr(fs_sweep[p])} for p in ref_lr if fs_sweep[p]}
+    runs += arms_of("FullSync", tuned)
+    sweeps = [r for p in stages for r in [*ref_sweep[p], *fs_sweep[p]]]
+    tuned = {**ref_lr, **tuned}
     held_lrs, held_sweep, held_runs = held_depths(old, stages, budget["boundary"])
     tuned.update(held_lrs)
     sweeps, runs = sweeps + held_sweep, runs + held_runs
@@ -341,7 +359,7 @@ def run_boundary(
         "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
         "seeds": seeds,
         "tune_seed": TUNE_SEED,
-        "lr_grid": {str(p): {arm: list(v) for arm, v in lr_grid(p, quick).items()} for p in stages},
+        "lr_grid": {str(p): {arm: list(v) for arm, v in grids[p].items()} for p in stages},
         "lrs": {str(p): v for p, v in tuned.items()},
         "anchor_rank": ANCHOR_RANK,
         "quick": quick,

@@ -150,12 +150,19 @@ def test_a_run_of_some_depths_keeps_the_others_rows():
     assert study.held_depths({}, (4,), 300) == ({}, [], [])
 
 
-def test_the_arms_the_frontier_turns_on_run_first_on_each_seed(base):
-    specs = study.build_specs(base, 4, [0, 1], {"full bf16": 4e-3, "FullSync": 8e-3})
+def test_the_arms_the_frontier_turns_on_run_first_each_on_every_seed(base):
+    lrs = {"full bf16": 4e-3, "FullSync": 8e-3}
+    specs = study.build_specs(base, 4, [0, 1], lrs)
     order = [s.method for s in specs if s.seed == 0]
     assert order[:3] == ["P4 full bf16", "P4 learned 16x", "P4 learned 32x int4"]
     assert sorted(order) == sorted(f"P4 {a}" for a, _ in study.arms(base, 4))
-    assert [s.seed for s in specs] == [0] * 10 + [1] * 10  # seed by seed
+    assert [s.seed for s in specs] == [0, 1] * 10  # arm by arm: a stopped study has whole rows
+    async_, fullsync = (
+        study.build_specs(base, 4, [0, 1], lrs, part) for part in ("async", "FullSync")
+    )
+    assert [s.method for s in fullsync] == ["P4 FullSync"] * 2
+    assert async_ + fullsync == specs
+    assert all(dict(s.overrides)["optim.lr"] == 4e-3 for s in async_)
 
 
 def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
@@ -165,3 +172,8 @@ def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
         assert list(lrs) == sorted(lrs) and set(study.LR_GRID[arm]) < set(lrs)
         assert min(lrs) <= min(study.LR_GRID[arm]) / 2
     assert study.lr_grid(8, quick=True) == study.QUICK_LRS
+    # d 192 has its own grid, reaching below d 64's, at every depth
+    for p in (4, 8):
+        wide = study.lr_grid(p, width=192)
+        assert wide == study.LR_GRID_WIDTH[192]
+        assert all(min(wide[a]) < min(study.LR_GRID[a]) for a in wide)

@@ -5,7 +5,7 @@ DHT's start and close find and kill what a stuck DHT process started (comms/p2p/
 stopped cell kills its descendants (mesh/runtime/stop.py), the run lock and the dashboard tell
 a live holder from a dead or zombie one, checkpoint saves and `data prepare` tell a writer at
 work from a dead one's litter, and the benches' leak sampler walks the tree
-(mesh/bench/procstat.py). A process that exits while it is read counts as gone.
+(mesh/testing/procstat.py). A process that exits while it is read counts as gone.
 
 imports: stdlib only.
 """

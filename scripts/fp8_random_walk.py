@@ -24,10 +24,10 @@ ARMS = {  # (payload_error_feedback is on by default since session 12)
 
 
 def run_arm(args: tuple[str, int]) -> dict:
-    from mesh.bench.join_procs import tiny_grid_config
     from mesh.bench.soak import SOAK_D_MODEL, SOAK_SEQ_LEN
     from mesh.config import load_config
     from mesh.engine.sim import GridSim
+    from mesh.testing.local_peers import tiny_grid_config
 
     name, steps = args
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.bench.join_procs import generated_text
+from mesh.testing.local_peers import generated_text
 
 PROCESS_DIRS = {"integration", "throttled"}
 GRID_MODULES = {  # eight-peer grids and cell kills: one at a time

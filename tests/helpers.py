@@ -1,5 +1,5 @@
 """What several test files share: the tiny model's overrides and a bounded wait (a tiny run's
-TOML for `join` peers: mesh.bench.join_procs.tiny_grid_config).
+TOML for `join` peers: mesh.testing.local_peers.tiny_grid_config).
 
 Imported as `helpers` (pytest puts tests/, where conftest.py lives, on sys.path).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from mesh.bench import join_procs
+from mesh.testing import local_peers
 
 # --set overrides of the smallest model the tests train: 2 blocks of d=16.
 TINY_MODEL = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
@@ -23,17 +23,17 @@ TINY = [
 
 
 # the bounded wait lives with the local-grid helpers that `meshtrain bench join` shares with the
-# join tests (mesh/bench/join_procs.py); this is the same function
-wait_for = join_procs.wait_for
+# join tests (mesh/testing/local_peers.py); this is the same function
+wait_for = local_peers.wait_for
 
 
 def cli(*args: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
     """`meshtrain ARGS` in its own process (forked from the preloaded server:
-    mesh.bench.prefork) run to its end: the exit code and the streams a user sees."""
-    p = join_procs.meshtrain(
+    mesh.testing.prefork) run to its end: the exit code and the streams a user sees."""
+    p = local_peers.meshtrain(
         *args, key=None, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    out, err = join_procs.finish(p, timeout_s)
+    out, err = local_peers.finish(p, timeout_s)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from comms.procs import bound_sockets, comm, process_tree
 from comms.procs import running as alive
-from mesh.bench.join_procs import LOOPBACK, meshtrain, start_dht, stop, wait_for
-from mesh.bench.procstat import hivemind_sockets
+from mesh.testing.local_peers import LOOPBACK, meshtrain, start_dht, stop, wait_for
+from mesh.testing.procstat import hivemind_sockets
 
 # one torch/OpenMP thread per peer process: on a 2-core box more only contend
 LIGHT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -29,7 +29,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from mesh.bench.join_procs import (
+from mesh.report import format_table
+from mesh.testing.local_peers import (
     LOOPBACK,
     cell_of,
     generated_text,
@@ -43,7 +44,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.report import format_table
 
 MEASURES = {
     "join_to_training_s": ("join to training", "a join's start to its first update (3 per grid)"),

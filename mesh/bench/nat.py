@@ -34,9 +34,9 @@ from typing import Any
 from comms.natns import PUBLIC_ADDR, nat_homes
 from comms.p2p.relay_service import DEFAULT_LIMIT
 from mesh.bench import nat_probe
-from mesh.bench.join_procs import generated_text, kill, rows, wait_for
 from mesh.bench.nat_grid import nat_grid
 from mesh.report import format_table
+from mesh.testing.local_peers import generated_text, kill, rows, wait_for
 
 BULK_MIB = 16
 RESET_PROBE_MIB = 1  # through the default relay: more than its 128 KiB

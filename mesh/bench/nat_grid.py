@@ -9,7 +9,7 @@ relay (the bootstrap node or a public cell, each relaying within `relay_time_s` 
 find them as relays besides the bootstrap node.
 
 Processes are fresh interpreters under `ip netns exec`, each in its own session (killed with
-its group by mesh.bench.join_procs.kill). Needs root, iproute2 and nftables
+its group by mesh.testing.local_peers.kill). Needs root, iproute2 and nftables
 (comms.natns.unavailable says why not).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from comms.natns import PUBLIC_ADDR, NatHomes, nat_homes
-from mesh.bench.join_procs import KEY, kill, rows, step, tiny_grid_config, wait_for
+from mesh.testing.local_peers import KEY, kill, rows, step, tiny_grid_config, wait_for
 
 PUBLIC, HOME0, HOME1 = "public", "home0", "home1"
 CELLS = {"s0r0": PUBLIC, "s1r0": PUBLIC, "s0r1": HOME0, "s1r1": HOME1}

@@ -31,12 +31,12 @@ from tqdm import tqdm
 
 from mesh.algo.topology import cell_name
 from mesh.bench.grid import LocalGrid, record_failure
-from mesh.bench.join_procs import KEY, generated_text, run_meshtrain, tiny_grid_config
-from mesh.bench.procstat import tree_sample
 from mesh.bench.scale_report import write_reports
 from mesh.config import ConfigError
 from mesh.runtime.metrics import read_metrics
 from mesh.runtime.session import REJOIN_NOTE
+from mesh.testing.local_peers import KEY, generated_text, run_meshtrain, tiny_grid_config
+from mesh.testing.procstat import tree_sample
 
 TRAIN_WAIT_S = 600  # all cells not training by then: reported as missed, measured on anyway
 # 32 claims beating every second, each beat reading all claims, swamp a loaded 2-core box's

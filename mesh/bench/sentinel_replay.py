@@ -147,7 +147,7 @@ def table(rows: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from mesh.bench.join_procs import generated_text
+    from mesh.testing.local_peers import generated_text
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/sentinel")

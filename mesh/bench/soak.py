@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from mesh.algo.topology import cell_name
 from mesh.bench.grid import LocalGrid, record_failure
-from mesh.bench.join_procs import tiny_grid_config, wait_for
-from mesh.bench.procstat import tree_sample
 from mesh.bench.soak_report import write_reports
 from mesh.runtime.metrics import RowTail
+from mesh.testing.local_peers import tiny_grid_config, wait_for
+from mesh.testing.procstat import tree_sample
 
 CELLS = ["s0r0", "s1r1", "s1r0", "s0r1"]  # the kill order: each cell in turn
 FORM_S = 240  # forming the grid or replacing a peer longer than this is a failure

@@ -1,7 +1,7 @@
 """Process hygiene of the hivemind tests (tests/integration/test_p2p.py): the process tree of
 a peer, the /tmp/hivemind-*.sock files it bound, and checks that a killed peer's helpers (its
 DHT process and p2pd) exited and removed them. Reads /proc through comms/procs.py and
-mesh/bench/procstat.py.
+mesh/testing/procstat.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from comms.procs import bound_sockets, comm, process_tree
 from comms.procs import running as alive
-from mesh.bench.procstat import hivemind_sockets
+from mesh.testing.procstat import hivemind_sockets
 
 
 def assert_gone(pids: list[int], sockets: set[str], timeout_s: float = 10.0) -> None:

@@ -19,9 +19,9 @@ import browser
 import helpers
 import pytest
 
-from mesh.bench.join_procs import kill, meshtrain, wait_for
 from mesh.runtime.metrics import read_metrics
 from mesh.runtime.registry import HEARTBEAT_LIVES
+from mesh.testing.local_peers import kill, meshtrain, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

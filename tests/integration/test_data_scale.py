@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.bench.join_procs import generated_text
+from mesh.testing.local_peers import generated_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

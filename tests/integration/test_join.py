@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from cli.status import READ_TIMEOUT_S
-from mesh.bench.join_procs import (
+from mesh.runtime.registry import HEARTBEAT_LIVES
+from mesh.testing.local_peers import (
     LOOPBACK,
     cell_of,
     kill,
@@ -34,7 +35,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.runtime.registry import HEARTBEAT_LIVES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

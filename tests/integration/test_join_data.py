@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.bench.join_procs import (
+from mesh.data.prepare import prepare
+from mesh.testing.local_peers import (
     LOOPBACK,
     generated_text,
     kill,
@@ -22,7 +23,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.data.prepare import prepare
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

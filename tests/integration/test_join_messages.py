@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from comms import procs
-from mesh.bench.join_procs import (
+from mesh.testing.local_peers import (
     KEY,
     LOOPBACK,
     kill,

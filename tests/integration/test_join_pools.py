@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.bench.join_procs import (
+from mesh.runtime.metrics import read_metrics
+from mesh.testing.local_peers import (
     LOOPBACK,
     cell_of,
     kill,
@@ -27,7 +28,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.runtime.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import helpers
 import pytest
 from p2p_procs import assert_gone, comm, process_tree, sockets_of
 
-from mesh.bench.join_procs import (
+from mesh.testing.local_peers import (
     LOOPBACK,
     meshtrain,
     run_meshtrain,

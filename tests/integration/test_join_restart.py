@@ -10,7 +10,9 @@ import subprocess
 
 import pytest
 
-from mesh.bench.join_procs import (
+from mesh.runtime.lives import split_lives
+from mesh.runtime.registry import HEARTBEAT_LIVES
+from mesh.testing.local_peers import (
     LOOPBACK,
     cell_of,
     kill,
@@ -22,8 +24,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.runtime.lives import split_lives
-from mesh.runtime.registry import HEARTBEAT_LIVES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

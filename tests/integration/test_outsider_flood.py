@@ -19,7 +19,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from comms.p2p.auth import Auth
 from comms.p2p.bounds import RECORD_MAX_BYTES, REPLY_BUDGET_BYTES
 from comms.p2p.dht import DhtClient, get_records, start_dht, store_record
-from mesh.bench.join_procs import (
+from mesh.config import load_config
+from mesh.runtime.registry import CONFIG_KEY, CONFIG_SLOT, claims_key
+from mesh.testing.local_peers import (
     KEY,
     LOOPBACK,
     kill,
@@ -32,8 +34,6 @@ from mesh.bench.join_procs import (
     tiny_grid_config,
     wait_for,
 )
-from mesh.config import load_config
-from mesh.runtime.registry import CONFIG_KEY, CONFIG_SLOT, claims_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

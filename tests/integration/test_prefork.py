@@ -1,4 +1,4 @@
-"""mesh.bench.prefork: `meshtrain ARGS` forked from the preloaded fork server is the process a
+"""mesh.testing.prefork: `meshtrain ARGS` forked from the preloaded fork server is the process a
 fresh `python -m cli.main ARGS` is (same output, exit code, environment, working directory,
 session, signals), and answers as subprocess.Popen does where the benches and tests use it."""
 
@@ -14,7 +14,7 @@ import pytest
 from helpers import wait_for
 
 from comms.procs import process_tree, running
-from mesh.bench.join_procs import kill, meshtrain, start_dht, stop
+from mesh.testing.local_peers import kill, meshtrain, start_dht, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -85,7 +85,7 @@ def test_signals_wait_and_timeouts_as_popen(tmp_path):
 
 
 def test_kill_takes_the_whole_group_and_removes_its_socket_files():
-    """join_procs.kill, a machine dying under a test: the node, its DHT process and p2pd are
+    """local_peers.kill, a machine dying under a test: the node, its DHT process and p2pd are
     gone at once, and so are the socket files none of them lived to remove."""
     dht, _ = start_dht()
     try:
@@ -102,7 +102,7 @@ def test_kill_takes_the_whole_group_and_removes_its_socket_files():
 
 
 CALLER = """
-from mesh.bench.join_procs import start_dht
+from mesh.testing.local_peers import start_dht
 
 if __name__ == "__main__":
     dht, _ = start_dht()

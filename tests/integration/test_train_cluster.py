@@ -20,10 +20,10 @@ from train_nodes import Node, events, final_step, leftover, lives, sets, step, u
 
 from cli.main import main
 from comms.build import free_port
-from mesh.bench.join_procs import finish, meshtrain
 from mesh.config import load_config
 from mesh.engine.sim import GridSim
 from mesh.runtime.checkpoint import checkpoint_path
+from mesh.testing.local_peers import finish, meshtrain
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import pytest
 
 from comms import procs
 from comms.natns import PUBLIC_ADDR, unavailable
-from mesh.bench.join_procs import kill, rows, wait_for
 from mesh.bench.nat_grid import HOME0, HOME1, NatGrid, nat_grid
+from mesh.testing.local_peers import kill, rows, wait_for
 
 pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]
 RELAY_S, RELAY_MIB = 8.0, 0.25  # far below p2pd's 30 min / 4 GiB, so the run outlives many

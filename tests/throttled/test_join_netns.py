@@ -15,8 +15,8 @@ import pytest
 from helpers import wait_for
 
 from comms.netns import netns_star, unavailable
-from mesh.bench.join_procs import tiny_grid_config
 from mesh.runtime.metrics import read_metrics
+from mesh.testing.local_peers import tiny_grid_config
 
 RATE_MBIT = 20.0
 pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from comms.netns import ADDR_A, ADDR_B, drop_new_connections, netns_pair, unavailable
-from mesh.bench.join_procs import KEY, tiny_grid_config
+from mesh.testing.local_peers import KEY, tiny_grid_config
 
 pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]
 HANG_S = 120

@@ -1,7 +1,7 @@
 """A unix socket bound by a process in another network namespace counts as bound
 (comms.procs.bound_sockets): the leftover sweeps of tests beside a namespace test must not
 delete the sockets of its peers' p2pd; and it is that process's socket
-(mesh.bench.procstat.hivemind_sockets), so killing its group removes it. Root only; skipped
+(mesh.testing.procstat.hivemind_sockets), so killing its group removes it. Root only; skipped
 cleanly otherwise."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from comms import procs
 from comms.netns import netns_pair, unavailable
-from mesh.bench.procstat import hivemind_sockets
+from mesh.testing.procstat import hivemind_sockets
 
 pytestmark = [pytest.mark.throttled, pytest.mark.slow]
 

@@ -14,12 +14,12 @@ from click.testing import CliRunner
 from helpers import TINY
 
 from cli.main import main
-from mesh.bench.join_procs import generated_text
 from mesh.config import ConfigError, load_config
 from mesh.data.corpus import load_corpus, train_batch
 from mesh.data.manifest import digest
 from mesh.data.prepare import prepare
 from mesh.errors import DataError
+from mesh.testing.local_peers import generated_text
 
 DOCS = [generated_text(1500 + 50 * i, seed=i) for i in range(30)]
 

@@ -20,7 +20,6 @@ from cli.preflight import check_data
 from cli.run_record import run_config
 from cli.status import data_label, read_status
 from comms.p2p.auth import Auth
-from mesh.bench.join_procs import generated_text
 from mesh.config import ConfigError, load_config, with_overrides
 from mesh.data.corpus import bits_per_byte, load_corpus, train_batch, val_batches
 from mesh.data.manifest import describe_difference, identity, run_record_data
@@ -29,6 +28,7 @@ from mesh.data.shards import Tokens
 from mesh.engine.sim import GridSim
 from mesh.errors import DataError
 from mesh.runtime.registry import Registry, RunRecord
+from mesh.testing.local_peers import generated_text
 
 DOCS = [generated_text(1500 + 50 * i, seed=i) for i in range(40)]
 GRID = [*TINY, "grid.stages=2", "grid.replicas=1"]

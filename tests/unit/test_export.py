@@ -190,8 +190,8 @@ def test_export_of_a_run_on_a_prepared_bpe_dataset_carries_its_tokenizer(tmp_pat
     the manifest), exported with the tokenizer files that transformers loads, and sampled."""
     from transformers import AutoTokenizer
 
-    from mesh.bench.join_procs import generated_text
     from mesh.data.prepare import prepare
+    from mesh.testing.local_peers import generated_text
 
     src = tmp_path / "src.jsonl"
     src.write_text(

@@ -1,8 +1,9 @@
 """Layers point one way: cli -> mesh -> comms, and inside them room by room.
 
-Inside mesh: algo <- model, data <- engine <- runtime <- bench <- cli, with the run's vocabulary
-(config, errors, methods) at mesh's top; inside comms: the core (codecs, wire, transport,
-throttle, netns, addrs, errors) <- the transports (p2p, torchdist) <- build, their factory.
+Inside mesh: algo <- model, data <- engine <- runtime <- testing (the local grids' harness) <-
+bench <- cli, with the run's vocabulary (config, errors, methods) at mesh's top; inside comms:
+the core (codecs, wire, transport, throttle, netns, addrs, errors) <- the transports (p2p,
+torchdist) <- build, their factory.
 
 Checked on the import statements themselves: every one counts, at module level, inside a
 function or under TYPE_CHECKING alike (a lazy import is still an arrow: it runs when the function
@@ -33,7 +34,8 @@ ALGO = {"mesh", "comms"}
 MODEL = VOCABULARY | {"mesh.algo"}
 ENGINE = MODEL | {"mesh.model", "mesh.data"} | COMMS
 RUNTIME = ENGINE | {"mesh.engine"}
-BENCH = RUNTIME | {"mesh.runtime"}
+TESTING = RUNTIME | {"mesh.runtime"}
+BENCH = TESTING | {"mesh.testing"}
 # room -> the other rooms it may import (its own is always allowed)
 MAY_IMPORT: dict[str, set[str]] = {
     "comms": set(),
@@ -49,8 +51,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "mesh.data": MODEL | {"comms"},  # comms.procs: a dead writer's leftovers are litter
     "mesh.engine": ENGINE,
     "mesh.runtime": RUNTIME,
+    "mesh.testing": TESTING,  # the local grids' harness: benchmarks and tests only
     "mesh.bench": BENCH,  # and only cli imports the benchmarks
-    "cli": BENCH | {"mesh.bench"},
+    "cli": TESTING | {"mesh.bench"},
 }
 
 
@@ -179,6 +182,8 @@ def test_the_product_imports_no_benchmark_and_no_test_harness():
             for line, target in _imported(module, path):
                 if _room(target) == "mesh.bench":
                     bad.append(f"{where}:{line} imports the benchmark {target}")
+                if _room(target) == "mesh.testing" and _room(module) != "mesh.testing":
+                    bad.append(f"{where}:{line} imports the test harness {target}")
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

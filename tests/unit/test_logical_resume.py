@@ -152,7 +152,7 @@ def test_ctrl_c_stops_a_logical_run_saved_and_resume_finishes_it(tmp_path, text_
     import signal
     import subprocess
 
-    from mesh.bench.join_procs import meshtrain, wait_for
+    from mesh.testing.local_peers import meshtrain, wait_for
 
     run = tmp_path / "run"
     # the default sentinel bound: at 0.5 a cell's every microbatch can be dropped from the start

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mesh.bench.join_procs import generated_text
 from mesh.data import ngram
 from mesh.data.corpus import load_corpus, ngram_ce
 from mesh.data.manifest import read_manifest
 from mesh.data.ngram import BigramCounts, cross_entropy, ngram_reference
 from mesh.data.prepare import prepare
+from mesh.testing.local_peers import generated_text
 
 TRAIN = np.array([0, 1, 0, 1, 2])  # c = (2, 2, 1); pairs 01 x2, 10, 12
 VAL = np.array([0, 1, 2])

@@ -15,13 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mesh.bench.join_procs import generated_text
 from mesh.data import sources
 from mesh.data.manifest import digest, read_manifest
 from mesh.data.prepare import choose_val, prepare
 from mesh.data.shards import file_sha256
 from mesh.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from mesh.errors import DataError
+from mesh.testing.local_peers import generated_text
 
 DOCS = [generated_text(800 + 37 * i, seed=i) for i in range(40)] + ["caf\u00e9 \u2603 na\u00efve\n"]
 

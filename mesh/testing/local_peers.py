@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from comms.procs import process_tree
 from mesh.algo.topology import Grid
-from mesh.bench.procstat import hivemind_sockets
 from mesh.runtime.metrics import read_metrics
+from mesh.testing.procstat import hivemind_sockets
 
 if TYPE_CHECKING:
-    from mesh.bench.prefork import Preforked
+    from mesh.testing.prefork import Preforked
 
 KEY = "correct horse battery staple"  # the run key of these local grids
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -112,7 +112,7 @@ def meshtrain(
     **popen_kw: Any,
 ) -> subprocess.Popen | Preforked:
     """Start `meshtrain ARGS` in its own session, with run key `key` (and the environment
-    variables env_extra): a fork of the preloaded fork server (mesh.bench.prefork: ~0.1 s of
+    variables env_extra): a fork of the preloaded fork server (mesh.testing.prefork: ~0.1 s of
     CPU, not the ~4 s of a fresh interpreter's imports), or with fresh=True a new interpreter
     (this one) running `python -m cli.main ARGS`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
@@ -120,7 +120,7 @@ def meshtrain(
     if key is not None:
         env["MESHTRAIN_RUN_KEY"] = key
     if not fresh:
-        from mesh.bench.prefork import Preforked  # imports torch: not at this module's import
+        from mesh.testing.prefork import Preforked  # imports torch: not at this module's import
 
         return Preforked(list(args), env, **popen_kw)
     cmd = [sys.executable, "-m", "cli.main", *args]

@@ -1,5 +1,7 @@
-"""`meshtrain bench ...`: the side-by-side studies (their drivers live in mesh/bench/; each command
-imports its own when it runs, so `meshtrain --help` stays light)."""
+"""`meshtrain bench ...`: the side-by-side studies. COMMANDS, one table, makes every command: its
+name, its handler (here, or the process grids' in cli/bench_grids.py), its own options and the
+shared ones it takes (cli.options.BenchCommand). The drivers live in mesh/bench/; each handler
+imports its own when it runs, so `meshtrain --help` stays light."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from cli.bench_grids import GRID_COMMANDS
-from cli.options import config_options, parse_seeds, resolve_config, study_options, user_errors
+from cli import bench_grids as grids
+from cli.options import BenchCommand, parse_seeds, resolve_config
 from mesh.config import ConfigError, load_config
 
 
@@ -25,68 +27,64 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-for _command in GRID_COMMANDS:  # the process-grid benchmarks (cli/bench_grids.py)
-    bench.add_command(_command)
+CONVERGENCE_OPTIONS = (
+    click.option(
+        "--lr-sweep",
+        is_flag=True,
+        help="Instead: the DP study's learning-rate sweep (lr_sweep.md; about 12 minutes here).",
+    ),
+    click.option(
+        "--tune",
+        is_flag=True,
+        help="Instead: tune FullSync and AsyncMesh-fp8 with the same budget (tuning.md; about 45 "
+        "minutes here with 2 workers from scratch; runs whose config is unchanged are reused).",
+    ),
+    click.option(
+        "--dp-only",
+        is_flag=True,
+        help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
+    ),
+    click.option(
+        "--seeds",
+        default=None,
+        help="The data-parallel study's evaluation seeds, e.g. 10-17 (default 10-17; --quick: "
+        "10,11); refused where a seed also tuned (tuning.json's seeds, or --tune-seeds with "
+        "--tune).",
+    ),
+    click.option(
+        "--methods",
+        default=None,
+        help="The data-parallel methods to run, comma-separated, FullSync and AsyncMesh-fp8 among "
+        "them (default: all); the others keep their runs of summary.json on their own seeds, "
+        "marked in the table as not on the evaluation seeds.",
+    ),
+    click.option(
+        "--tune-seeds", default=None, help="With --tune: the seeds its stages run on (default 0)."
+    ),
+    click.option(
+        "--confirm-seeds",
+        default=None,
+        help="With --tune: the seeds each arm's best settings are confirmed on (default 1).",
+    ),
+    click.option(
+        "--like-for-like",
+        "like_for_like",
+        is_flag=True,
+        help="Instead: both headline arms with rotated_adam, each tuned with the same budget on "
+        "the tuning seeds, then on the evaluation seeds, with the async arm at FullSync's batch "
+        "beside them (like_for_like.md; 48 runs, resumable).",
+    ),
+    click.option(
+        "--interval",
+        "interval_axis",
+        is_flag=True,
+        help="Run the averaging-interval axis alone (AsyncMesh-fp8 at H = 1, 4, 16 on the "
+        "study's seeds): OUT/interval/.",
+    ),
+)
 
 
-@bench.command("convergence")
-@study_options("convergence", "A short version (under 5 minutes here).")
-@click.option(
-    "--lr-sweep",
-    is_flag=True,
-    help="Instead: the DP study's learning-rate sweep (lr_sweep.md; about 12 minutes here).",
-)
-@click.option(
-    "--tune",
-    is_flag=True,
-    help="Instead: tune FullSync and AsyncMesh-fp8 with the same budget (tuning.md; about 45 "
-    "minutes here with 2 workers from scratch; runs whose config is unchanged are reused).",
-)
-@click.option(
-    "--dp-only",
-    is_flag=True,
-    help="Run the data-parallel study alone; keep the pipeline study's runs of summary.json.",
-)
-@click.option(
-    "--seeds",
-    default=None,
-    help="The data-parallel study's evaluation seeds, e.g. 10-17 (default 10-17; --quick: 10,11); "
-    "refused where a seed also tuned (tuning.json's seeds, or --tune-seeds with --tune).",
-)
-@click.option(
-    "--methods",
-    default=None,
-    help="The data-parallel methods to run, comma-separated, FullSync and AsyncMesh-fp8 among "
-    "them (default: all); the others keep their runs of summary.json on their own seeds, "
-    "marked in the table as not on the evaluation seeds.",
-)
-@click.option(
-    "--tune-seeds",
-    default=None,
-    help="With --tune: the seeds its stages run on (default 0).",
-)
-@click.option(
-    "--confirm-seeds",
-    default=None,
-    help="With --tune: the seeds each arm's best settings are confirmed on (default 1).",
-)
-@click.option(
-    "--like-for-like",
-    "like_for_like",
-    is_flag=True,
-    help="Instead: both headline arms with rotated_adam, each tuned with the same budget on the "
-    "tuning seeds, then on the evaluation seeds, with the async arm at FullSync's batch beside "
-    "them (like_for_like.md; about 40 runs, resumable).",
-)
-@click.option(
-    "--interval",
-    "interval_axis",
-    is_flag=True,
-    help="Run the averaging-interval axis alone (AsyncMesh-fp8 at H = 1, 4, 16 on the study's "
-    "seeds): OUT/interval/.",
-)
-@user_errors
-def bench_convergence(
+def convergence(
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
@@ -101,7 +99,7 @@ def bench_convergence(
     methods: str | None,
     tune_seeds: str | None,
     confirm_seeds: str | None,
-) -> None:
+) -> str | None:
     """Every baseline at equal tokens on the corpus, 8 evaluation seeds the tuning never used,
     plus the pipeline-only study (2 seeds)."""
     from mesh.bench.convergence import EVAL_SEEDS, check_methods, run_convergence, run_lr_sweep
@@ -127,94 +125,90 @@ def bench_convergence(
             evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
         )
     cfg = resolve_config(config_files, overrides)
+    if like_for_like or interval_axis:
+        flag = "--like-for-like" if like_for_like else "--interval"
+        if not (Path(out) / "summary.json").is_file():
+            raise ConfigError(f"{flag} runs on a study's settings: {out}/summary.json is missing")
     if like_for_like:
-        from mesh.bench.like_for_like import run_like_for_like, table
+        from mesh.bench.like_for_like import run_like_for_like
+        from mesh.bench.like_for_like import table as like_table
 
-        if not (Path(out) / "summary.json").is_file():
-            raise ConfigError(
-                f"--like-for-like runs on a study's settings: {out}/summary.json is missing"
-            )
-        click.echo(table(run_like_for_like(cfg, Path(out), workers)))
-        return
+        return like_table(run_like_for_like(cfg, Path(out), workers))
     if interval_axis:
-        from mesh.bench.interval import run_interval, table
+        from mesh.bench.interval import run_interval
+        from mesh.bench.interval import table as interval_table
 
-        if not (Path(out) / "summary.json").is_file():
-            raise ConfigError(
-                f"--interval runs on a study's settings: {out}/summary.json is missing"
-            )
-        click.echo(table(run_interval(cfg, Path(out), workers, quick)))
-        return
+        return interval_table(run_interval(cfg, Path(out), workers, quick))
     if tune:
         from mesh.bench.tuning import run_tuning
 
         run_tuning(cfg, Path(out), quick, workers, tuning, confirm)
-        click.echo((Path(out) / "tuning.md").read_text())
-        return
+        return (Path(out) / "tuning.md").read_text()
     if lr_sweep:
         run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
-        click.echo((Path(out) / "lr_sweep.md").read_text())
-        return
+        return (Path(out) / "lr_sweep.md").read_text()
     run_convergence(
         cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
     )
+    return None
 
 
-@bench.command("ablations")
-@study_options("ablations", "1 seed, 160 microbatches (a few minutes here).")
-@click.option(
+SEEDS_OPTION = click.option(
     "--seeds",
     default=None,
     help="Comma-separated seeds (default 0,1; runs of a stopped study with other seeds are kept "
     "in runs.partial.jsonl and reused).",
 )
-@user_errors
-def bench_ablations(
+
+
+def ablations(
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
     out: str,
     workers: int,
     seeds: str | None,
-) -> None:
+) -> str:
     """The AsyncMesh paper's ablation table on an 8x2 grid, the paper's numbers beside ours."""
     from mesh.bench.ablations import run_ablations
 
     chosen = parse_seeds(seeds)
     run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers, chosen)
-    click.echo((Path(out) / "table.md").read_text())
+    return (Path(out) / "table.md").read_text()
 
 
-@bench.command("boundary")
-@study_options("boundary", "1 seed, P = 2, 24 microbatches (a minute here).")
-@click.option(
-    "--seeds",
-    default=None,
-    help="Comma-separated seeds to report (default 0,1; the lrs are tuned on seed 100).",
+BOUNDARY_OPTIONS = (
+    click.option(
+        "--seeds",
+        default=None,
+        help="Comma-separated seeds to report (default 0,1; the lrs are tuned on seed 100).",
+    ),
+    click.option(
+        "--stages",
+        "stages_csv",
+        default=None,
+        help="Comma-separated pipeline depths P to run (default 4,8); the rows of other depths "
+        "that --out's summary.json holds are kept, and a later run with the same --out reuses "
+        "these runs.",
+    ),
+    click.option(
+        "--width",
+        type=click.Choice(["64", "192"]),
+        default="64",
+        show_default=True,
+        help="The model's d_model (its heads and MLP with it); 192 writes to "
+        "results/boundary-d192 unless --out says otherwise.",
+    ),
+    click.option(
+        "--report-only",
+        is_flag=True,
+        help="Run nothing: write summary.json, table.md and the plot from the runs finished so "
+        "far (a study stopped part way; its missing arms are marked 'not run').",
+    ),
 )
-@click.option(
-    "--stages",
-    "stages_csv",
-    default=None,
-    help="Comma-separated pipeline depths P to run (default 4,8); the rows of other depths that "
-    "--out's summary.json holds are kept, and a later run with the same --out reuses these runs.",
-)
-@click.option(
-    "--width",
-    type=click.Choice(["64", "192"]),
-    default="64",
-    show_default=True,
-    help="The model's d_model (its heads and MLP with it); 192 writes to results/boundary-d192 "
-    "unless --out says otherwise.",
-)
-@click.option(
-    "--report-only",
-    is_flag=True,
-    help="Run nothing: write summary.json, table.md and the plot from the runs finished so far "
-    "(a study stopped part way; its missing arms are marked 'not run').",
-)
-@user_errors
-def bench_boundary(
+
+
+def boundary(
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
@@ -224,7 +218,7 @@ def bench_boundary(
     stages_csv: str | None,
     width: str,
     report_only: bool,
-) -> None:
+) -> str:
     """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
     method at 8-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
     (a d 64 or d 192 Llama on the Shakespeare bytes, 1.6M tokens a run, unless --config/--set
@@ -259,68 +253,72 @@ def bench_boundary(
         report_only,
         publish,
     )
-    click.echo(table(summary))
+    return table(summary)
 
 
-@bench.command("fidelity")
-@click.argument("study", type=click.Choice(["precision", "horizon", "scaling"]))
-@study_options("fidelity", "1 seed at a tenth of the budget (a few minutes here).")
-@user_errors
-def bench_fidelity(
+FIDELITY_OPTIONS = (
+    click.argument("study", type=click.Choice(["precision", "horizon", "scaling"])),
+)
+
+
+def fidelity(
     study: str,
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
     out: str,
     workers: int,
-) -> None:
+) -> str:
     """The paper's other claims: payload precision, the gap against the horizon, grid scaling
     (results/fidelity/STUDY; reads results/convergence/tuning.json)."""
     from mesh.bench.fidelity import run_fidelity
 
     where = Path(out) / study
     run_fidelity(resolve_config(config_files, overrides), study, where, quick, workers)
-    click.echo((where / "table.md").read_text())
+    return (where / "table.md").read_text()
 
 
-@bench.command("comms")
-@click.option("--quick", is_flag=True, help="Fewer repetitions (about a minute).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/comms")
-@user_errors
-def bench_comms(quick: bool, out: str) -> None:
+COMMS_OPTIONS = (
+    click.option("--quick", is_flag=True, help="Fewer repetitions (about a minute)."),
+    click.option("--out", type=click.Path(file_okay=False), default="results/comms"),
+)
+
+
+def comms(quick: bool, out: str) -> str:
     """Codecs, transports (hivemind and torch.distributed), group means and link shaping."""
     # comms knows nothing of models: this benchmark needs no config
     from mesh.bench.comms import run_comms_bench
 
     run_comms_bench(Path(out), quick=quick)
-    click.echo((Path(out) / "table.md").read_text())
+    return (Path(out) / "table.md").read_text()
 
 
-@bench.command("throughput")
-@config_options
-@click.option("--quick", is_flag=True, help="One short window per method (about 2 minutes).")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    default="results/throughput",
-    show_default=True,
-    help="Where summary.json, table.md and each window's metrics go.",
+THROUGHPUT_OPTIONS = (
+    click.option("--quick", is_flag=True, help="One short window per method (about 2 minutes)."),
+    click.option(
+        "--out",
+        type=click.Path(file_okay=False),
+        default="results/throughput",
+        show_default=True,
+        help="Where summary.json, table.md and each window's metrics go.",
+    ),
+    click.option(
+        "--real-size",
+        is_flag=True,
+        help="Only the real-size grid: llama-1b boundary shapes, 4x2 over a 100 Mbit/s uplink a "
+        "cell and 50 ms, compute at 40% of an H100, full fp8 against compressed boundaries, time "
+        "dilated to fit this host (10-30 minutes).",
+    ),
 )
-@click.option(
-    "--real-size",
-    is_flag=True,
-    help="Only the real-size grid: llama-1b boundary shapes, 4x2 over a 100 Mbit/s uplink a "
-    "cell and 50 ms, compute at 40% of an H100, full fp8 against compressed boundaries, time "
-    "dilated to fit this host (10-30 minutes).",
-)
-@user_errors
-def bench_throughput(
+
+
+def throughput(
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
     out: str,
     real_size: bool,
-) -> None:
+) -> str | None:
     """Grids A1-A4, emulated compute on shaped links: FullSync vs AsyncMesh, interleaved.
 
     The protocol's settings (d=128, L=4, T=128, B=8, M=4, t_f=10 ms, t_b=20 ms) apply after
@@ -341,18 +339,19 @@ def bench_throughput(
         entry = run_real_size(base, Path(out) / "real-size", steps=20 if quick else 60)
         entry = with_loss_costs(entry, Path(out).parent)
         merge_into(Path(out), entry)
-        click.echo(real_size_table(entry))
-        return
+        return real_size_table(entry)
     cfg = load_config(list(config_files), [*BENCH_SETS, *overrides])
     run_throughput(cfg, Path(out), quick=quick)
+    return None
 
 
-@bench.command("runtime")
-@config_options
-@click.option("--quick", is_flag=True, help="40 updates instead of 200.")
-@click.option("--out", type=click.Path(file_okay=False), default="results/runtime")
-@user_errors
-def bench_runtime(
+RUNTIME_OPTIONS = (
+    click.option("--quick", is_flag=True, help="40 updates instead of 200."),
+    click.option("--out", type=click.Path(file_okay=False), default="results/runtime"),
+)
+
+
+def runtime(
     config_files: tuple[str, ...], overrides: tuple[str, ...], quick: bool, out: str
 ) -> None:
     """Multi-process runs (torch, hivemind) against the simulator: same config and seed,
@@ -362,22 +361,23 @@ def bench_runtime(
     run_equivalence(resolve_config(config_files, overrides), Path(out), quick=quick)
 
 
-@bench.command("optimizers")
-@study_options("optimizers", "A short version (under 5 minutes here).")
-@click.option(
-    "--target",
-    type=float,
-    default=None,
-    help="Validation loss to reach (default: delay-free adamw's at half the horizon).",
+OPTIMIZERS_OPTIONS = (
+    click.option(
+        "--target",
+        type=float,
+        default=None,
+        help="Validation loss to reach (default: delay-free adamw's at half the horizon).",
+    ),
+    click.option(
+        "--reanalyze",
+        is_flag=True,
+        help="Do not train: re-derive OUT/summary.json's async updates-to-target for --target "
+        "(default: the loosest loss every run reaches) and rewrite the outputs.",
+    ),
 )
-@click.option(
-    "--reanalyze",
-    is_flag=True,
-    help="Do not train: re-derive OUT/summary.json's async updates-to-target for --target "
-    "(default: the loosest loss every run reaches) and rewrite the outputs.",
-)
-@user_errors
-def bench_optimizers(
+
+
+def optimizers(
     config_files: tuple[str, ...],
     overrides: tuple[str, ...],
     quick: bool,
@@ -400,31 +400,34 @@ def bench_optimizers(
             raise ConfigError(f"--reanalyze: no {out}/summary.json; run the study first")
         rederive(Path(out), target)
         return
-
     cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
     run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
 
 
-@bench.command("model")
-@click.option("--quick", is_flag=True, help="llama-20m only, short sequences (about a minute).")
-@click.option("--out", type=click.Path(file_okay=False), default="results/model", show_default=True)
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    show_default=True,
-    help="auto: cuda when present.",
+MODEL_OPTIONS = (
+    click.option("--quick", is_flag=True, help="llama-20m only, short sequences (about a minute)."),
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/model", show_default=True
+    ),
+    click.option(
+        "--device",
+        type=click.Choice(["auto", "cpu", "cuda"]),
+        default="auto",
+        show_default=True,
+        help="auto: cuda when present.",
+    ),
+    click.option(
+        "--preset",
+        "presets",
+        multiple=True,
+        type=click.Choice(["tiny", "llama-20m", "llama-160m", "llama-1b"]),
+        help="Only these models (repeatable; default llama-20m and llama-160m, --quick "
+        "llama-20m; llama-1b wants a GPU).",
+    ),
 )
-@click.option(
-    "--preset",
-    "presets",
-    multiple=True,
-    type=click.Choice(["tiny", "llama-20m", "llama-160m", "llama-1b"]),
-    help="Only these models (repeatable; default llama-20m and llama-160m, --quick llama-20m; "
-    "llama-1b wants a GPU).",
-)
-@user_errors
-def bench_model(quick: bool, out: str, device: str, presets: tuple[str, ...]) -> None:
+
+
+def model(quick: bool, out: str, device: str, presets: tuple[str, ...]) -> str:
     """Per stage of llama-20m and llama-160m (or --preset), fp32 and bf16: a cell's
     forward+backward against a plain torch loop over the same layers, tokens/s, FLOP/s (MFU on
     CUDA) and peak memory against `meshtrain plan`."""
@@ -439,23 +442,25 @@ def bench_model(quick: bool, out: str, device: str, presets: tuple[str, ...]) ->
     total = sum(2 * load_config([f"configs/models/{p}.toml"]).grid.stages for p in chosen)
     with progress_bar(total, "bench model") as bar:
         run_model_bench(Path(out), quick, device, lambda row: bar.goto(bar.bar.n + 1), chosen)
-    click.echo((Path(out) / "table.md").read_text())
+    return (Path(out) / "table.md").read_text()
 
 
-@bench.command("scale-model")
-@click.option(
-    "--preset",
-    "presets",
-    multiple=True,
-    type=click.Choice(["llama-160m", "llama-1b"]),
-    help="Only these models (default both; llama-1b needs about 16 GB of memory).",
+SCALE_MODEL_OPTIONS = (
+    click.option(
+        "--preset",
+        "presets",
+        multiple=True,
+        type=click.Choice(["llama-160m", "llama-1b"]),
+        help="Only these models (default both; llama-1b needs about 16 GB of memory).",
+    ),
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/scale-model", show_default=True
+    ),
+    click.option("--no-download", is_flag=True, help="Skip the state download (two processes)."),
 )
-@click.option(
-    "--out", type=click.Path(file_okay=False), default="results/scale-model", show_default=True
-)
-@click.option("--no-download", is_flag=True, help="Skip the state download (two processes).")
-@user_errors
-def bench_scale_model(presets: tuple[str, ...], out: str, no_download: bool) -> None:
+
+
+def scale_model(presets: tuple[str, ...], out: str, no_download: bool) -> str:
     """The largest stage of llama-160m and llama-1b at real size on this machine: build, one
     update, the averaging round's host cost, checkpoint save and load, and a state download
     over loopback, each with its peak RSS against `meshtrain plan`."""
@@ -468,4 +473,51 @@ def bench_scale_model(presets: tuple[str, ...], out: str, no_download: bool) -> 
         run_scale_model_bench(
             Path(out), chosen, lambda _: bar.goto(bar.bar.n + 1), download=not no_download
         )
-    click.echo((Path(out) / "table.md").read_text())
+    return (Path(out) / "table.md").read_text()
+
+
+# every `meshtrain bench` command (`meshtrain bench --help` lists them by name)
+COMMANDS = (
+    BenchCommand(
+        "convergence",
+        convergence,
+        CONVERGENCE_OPTIONS,
+        study="A short version (under 5 minutes here).",
+    ),
+    BenchCommand(
+        "ablations",
+        ablations,
+        (SEEDS_OPTION,),
+        study="1 seed, 160 microbatches (a few minutes here).",
+    ),
+    BenchCommand(
+        "boundary",
+        boundary,
+        BOUNDARY_OPTIONS,
+        study="1 seed, P = 2, 24 microbatches (a minute here).",
+    ),
+    BenchCommand(
+        "fidelity",
+        fidelity,
+        FIDELITY_OPTIONS,
+        study="1 seed at a tenth of the budget (a few minutes here).",
+    ),
+    BenchCommand("comms", comms, COMMS_OPTIONS),
+    BenchCommand("throughput", throughput, THROUGHPUT_OPTIONS, config=True),
+    BenchCommand("runtime", runtime, RUNTIME_OPTIONS, config=True),
+    BenchCommand(
+        "optimizers",
+        optimizers,
+        OPTIMIZERS_OPTIONS,
+        study="A short version (under 5 minutes here).",
+    ),
+    BenchCommand("model", model, MODEL_OPTIONS),
+    BenchCommand("scale-model", scale_model, SCALE_MODEL_OPTIONS),
+    BenchCommand("join", grids.join, grids.JOIN_OPTIONS),
+    BenchCommand("nat", grids.nat, grids.NAT_OPTIONS),
+    BenchCommand("pools", grids.pools, grids.POOLS_OPTIONS),
+    BenchCommand("soak", grids.soak, grids.SOAK_OPTIONS),
+    BenchCommand("scale", grids.scale, grids.SCALE_OPTIONS),
+)
+for _entry in COMMANDS:
+    bench.add_command(_entry.command())

@@ -1,5 +1,6 @@
-"""`meshtrain bench` commands that run grids of real processes: joins over a DHT, peers behind
-NAT, stage pools, the hour-long soak and 32 peers (cli/bench.py adds them to its group)."""
+"""The handlers and options of the `meshtrain bench` commands that run grids of real processes:
+joins over a DHT, peers behind NAT, stage pools, the hour-long soak and 32 peers (cli/bench.py's
+table makes them commands)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ from typing import Any
 
 import click
 
-from cli.options import user_errors
 from mesh.config import load_config
 
-
-@click.command("join")
-@click.option("--out", type=click.Path(file_okay=False), default="results/join", show_default=True)
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Grids to form, one after another (about 30 s each on 2 cores).",
+JOIN_OPTIONS = (
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/join", show_default=True
+    ),
+    click.option(
+        "--repeats",
+        type=click.IntRange(min=1),
+        default=3,
+        show_default=True,
+        help="Grids to form, one after another (about 30 s each on 2 cores).",
+    ),
 )
-def bench_join(out: str, repeats: int) -> None:
+
+
+def join(out: str, repeats: int) -> None:
     """Joins on 127.0.0.1 (a 2x2 tiny grid): join to training, a killed peer's replacement to
     its replica resumed, a join naming a dead bootstrap to its error."""
     from mesh.bench.join import run_join_bench
@@ -31,9 +35,14 @@ def bench_join(out: str, repeats: int) -> None:
     run_join_bench(Path(out), repeats=repeats)
 
 
-@click.command("nat")
-@click.option("--out", type=click.Path(file_okay=False), default="results/nat", show_default=True)
-def bench_nat(out: str) -> None:
+NAT_OPTIONS = (
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/nat", show_default=True
+    ),
+)
+
+
+def nat(out: str) -> str:
     """Peers behind NAT in network namespaces (root and nftables): streams direct against
     relayed, a relay's default limit, and a 2x2 grid whose replica 1 is relayed (about 5
     minutes)."""
@@ -46,46 +55,53 @@ def bench_nat(out: str) -> None:
     from mesh.bench.nat import run_nat_bench
 
     run_nat_bench(Path(out))
-    click.echo((Path(out) / "table.md").read_text(), nl=False)
+    return (Path(out) / "table.md").read_text()
 
 
-@click.command("pools")
-@click.option("--out", type=click.Path(file_okay=False), default="results/pools", show_default=True)
-@click.option("--quick", is_flag=True, help="The gpu-mix scenario alone, 30 updates a stream.")
-@click.option("--steps", type=click.IntRange(min=10), default=None, help="Updates a stream.")
-@click.option(
-    "--convergence",
-    is_flag=True,
-    help="Instead: validation loss at equal tokens, pools against fixed, on the convergence "
-    "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
+POOLS_OPTIONS = (
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/pools", show_default=True
+    ),
+    click.option("--quick", is_flag=True, help="The gpu-mix scenario alone, 30 updates a stream."),
+    click.option("--steps", type=click.IntRange(min=10), default=None, help="Updates a stream."),
+    click.option(
+        "--convergence",
+        is_flag=True,
+        help="Instead: validation loss at equal tokens, pools against fixed, on the convergence "
+        "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
+    ),
+    click.option(
+        "--workers", type=int, default=2, help="Simulator runs in parallel (--convergence)."
+    ),
+    click.option(
+        "--report-only",
+        is_flag=True,
+        help="Run nothing: write the table and plot again from --out's summary.json, the "
+        "capacity bounds recomputed.",
+    ),
+    click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A config key on top of the study's settings, in both arms (repeatable), e.g. --set "
+        "pipeline.pool_window=8 --out results/pools-window8.",
+    ),
+    click.option(
+        "--only",
+        multiple=True,
+        type=click.Choice(["gpu-mix", "dead-10", "churn"]),
+        help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
+    ),
+    click.option(
+        "--keep-runs",
+        is_flag=True,
+        help="Keep each arm's run directory (its cells' metrics rows) under OUT/runs/.",
+    ),
 )
-@click.option("--workers", type=int, default=2, help="Simulator runs in parallel (--convergence).")
-@click.option(
-    "--report-only",
-    is_flag=True,
-    help="Run nothing: write the table and plot again from --out's summary.json, the capacity "
-    "bounds recomputed.",
-)
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A config key on top of the study's settings, in both arms (repeatable), e.g. --set "
-    "pipeline.pool_window=8 --out results/pools-window8.",
-)
-@click.option(
-    "--only",
-    multiple=True,
-    type=click.Choice(["gpu-mix", "dead-10", "churn"]),
-    help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
-)
-@click.option(
-    "--keep-runs",
-    is_flag=True,
-    help="Keep each arm's run directory (its cells' metrics rows) under OUT/runs/.",
-)
-def bench_pools(
+
+
+def pools(
     out: str,
     quick: bool,
     steps: int | None,
@@ -95,48 +111,71 @@ def bench_pools(
     overrides: tuple[str, ...],
     only: tuple[str, ...],
     keep_runs: bool,
-) -> None:
+) -> str:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
     4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
     (fixed, pools, pools whose cells rebalance)."""
-    from mesh.bench import pools
+    from mesh.bench import pools as study
 
     if convergence:
         from mesh.bench.pools_convergence import run_convergence
 
         run_convergence(load_config([], []), Path(out), workers)
-        click.echo((Path(out) / "convergence.md").read_text(), nl=False)
-        return
-
+        return (Path(out) / "convergence.md").read_text()
     if report_only:
-        summary = pools.report_only(Path(out))
+        summary = study.report_only(Path(out))
     else:
         try:
-            summary = pools.run_study(Path(out), quick, steps, overrides, only, keep_runs)
+            summary = study.run_study(Path(out), quick, steps, overrides, only, keep_runs)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
-    click.echo((Path(out) / "table.md").read_text(), nl=False)
+    text = (Path(out) / "table.md").read_text()
     if not all(t["met"] for t in summary["targets"].values()):
-        click.echo("some targets missed (see above)")
+        text += "some targets missed (see above)\n"
+    return text
 
 
-@click.command("soak")
-@click.option("--out", type=click.Path(file_okay=False), default="results/soak", show_default=True)
-@click.option(
-    "--minutes",
-    type=click.FloatRange(min=1.0),
-    default=None,
-    help="How long the grid trains (default 60; 3 with --quick); a peer is killed and "
-    "replaced about every 10 minutes (at least once).",
+SOAK_OPTIONS = (
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/soak", show_default=True
+    ),
+    click.option(
+        "--minutes",
+        type=click.FloatRange(min=1.0),
+        default=None,
+        help="How long the grid trains (default 60; 3 with --quick); a peer is killed and "
+        "replaced about every 10 minutes (at least once).",
+    ),
+    click.option("--quick", is_flag=True, help="3 minutes, one kill, a sample every 5 s."),
 )
-@click.option("--quick", is_flag=True, help="3 minutes, one kill, a sample every 5 s.")
-def bench_soak(out: str, minutes: float | None, quick: bool) -> None:
+
+
+def soak(out: str, minutes: float | None, quick: bool) -> None:
     """A 2x2 hivemind grid of joins on wan100-shaped loopback links for an hour, one peer
     SIGKILLed and replaced every ~10 minutes: per peer RSS, descriptors, threads, asyncio tasks,
     mailbox depth and socket files over time; leftovers after the run; the loss by window."""
     from mesh.bench.soak import run_soak
 
     _grid_bench(lambda: run_soak(Path(out), minutes or (3.0 if quick else 60.0), quick), out)
+
+
+SCALE_OPTIONS = (
+    click.option(
+        "--out", type=click.Path(file_okay=False), default="results/scale", show_default=True
+    ),
+    click.option(
+        "--quick", is_flag=True, help="A 4x2 grid, one status call, a 20 s window (a smoke test)."
+    ),
+)
+
+
+def scale(out: str, quick: bool) -> None:
+    """32 joins (an 8x4 grid, emulated compute) over one bootstrap on 127.0.0.1: time until
+    all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
+    from mesh.bench.scale import run_scale
+
+    # too little memory: a user error, exit 2
+    _grid_bench(lambda: run_scale(Path(out), quick), out)
 
 
 def _grid_bench(run: Callable[[], dict[str, Any]], out: str) -> None:
@@ -149,21 +188,3 @@ def _grid_bench(run: Callable[[], dict[str, Any]], out: str) -> None:
         sys.exit(1)
     if not summary["all_targets_met"]:
         click.echo(f"some targets missed: see {out}/table.md", err=True)
-
-
-@click.command("scale")
-@click.option("--out", type=click.Path(file_okay=False), default="results/scale", show_default=True)
-@click.option(
-    "--quick", is_flag=True, help="A 4x2 grid, one status call, a 20 s window (a smoke test)."
-)
-@user_errors
-def bench_scale(out: str, quick: bool) -> None:
-    """32 joins (an 8x4 grid, emulated compute) over one bootstrap on 127.0.0.1: time until
-    all train, `status` latency, DHT records and bytes per peer per minute, rounds complete."""
-    from mesh.bench.scale import run_scale
-
-    # too little memory: a user error, exit 2
-    _grid_bench(lambda: run_scale(Path(out), quick), out)
-
-
-GRID_COMMANDS = [bench_join, bench_nat, bench_pools, bench_soak, bench_scale]

@@ -11,6 +11,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -154,6 +155,39 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
         return config_options(f)
 
     return wrap
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    """One `meshtrain bench` command: its handler (its docstring is the command's help; it takes
+    the options' values and returns the text to print, or None), its own options (click.option
+    decorators, top first), and the shared ones it takes: a simulator study's (`study`: the
+    help of its --quick; --config, --set, --quick, --out results/NAME, --workers), or only the
+    config's (`config`)."""
+
+    name: str
+    run: Callable[..., str | None]
+    options: tuple[Callable[[Any], Any], ...] = ()
+    study: str | None = None
+    config: bool = False
+
+    def command(self) -> click.Command:
+        run = self.run
+
+        @functools.wraps(run)
+        def callback(**values: Any) -> None:
+            text = run(**values)
+            if text:
+                click.echo(text, nl=not text.endswith("\n"))
+
+        f: Any = user_errors(callback)
+        for option in reversed(self.options):
+            f = option(f)
+        if self.study is not None:
+            f = study_options(self.name, self.study)(f)
+        elif self.config:
+            f = config_options(f)
+        return click.command(self.name, help=run.__doc__)(f)
 
 
 def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:

@@ -161,3 +161,27 @@ def test_summary_table_says_what_the_rounds_in_flight_are_and_what_was_refused()
     assert row[-1] == "0" and row[headers.index("val loss")] == "n/a"
     note = resumed_apart_note({0: 102, 1: 121})
     assert "replica 0 from step 102, replica 1 from step 121" in note and "rounds_jumped" in note
+
+
+def test_every_bench_command_comes_from_the_one_table():
+    from cli.bench import COMMANDS, bench
+
+    assert sorted(bench.commands) == sorted(c.name for c in COMMANDS)
+    for entry in COMMANDS:
+        cmd = bench.commands[entry.name]
+        assert cmd.help == entry.run.__doc__ and cmd.help, entry.name
+        names = {p.name for p in cmd.params}
+        if entry.study is not None:  # a study's shared options, --out defaulting to its name
+            assert {"config_files", "overrides", "quick", "out", "workers"} <= names
+            out = next(p for p in cmd.params if p.name == "out")
+            assert out.default == f"results/{entry.name}"
+        elif entry.config:
+            assert {"config_files", "overrides"} <= names
+
+
+def test_a_bench_commands_user_error_is_one_line_and_exit_2():
+    res = CliRunner().invoke(main, ["bench", "boundary", "--stages", "1", "--quick"])
+    assert res.exit_code == 2
+    assert res.output.strip() == "error: --stages 1: a pipeline needs P >= 2"
+    res = CliRunner().invoke(main, ["bench", "convergence", "--tune-seeds", "0"])
+    assert res.exit_code == 2 and "go with --tune" in res.output

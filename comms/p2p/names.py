@@ -1,7 +1,7 @@
-"""Peer names -> PeerRecords through the DHT, for P2PTransport (its `_resolve`).
+"""Peer names -> PeerRecords through the DHT, for P2PTransport (its `names`).
 
-Role: `NameMixin` looks a name up (`{run_id}.peer.{name}`, comms.p2p.dht's records) and dials
-the record's addresses. One DHT get per name is in flight however many sends wait for it, and
+Role: `Names` looks a name up (`{run_id}.peer.{name}`, comms.p2p.dht's records) and dials the
+record's addresses. One DHT get per name is in flight however many sends wait for it, and
 an empty answer stands a while: sends to a replica's absent cells (every averaging round goes
 to the whole stage column) each polled the DHT 5x a second, about 100 gets/s per cell in
 `bench scale`, the load that kept the grid's other replicas from forming. After an empty
@@ -9,8 +9,8 @@ answer the next lookup comes RESOLVE_POLL_S later, then x ABSENT_BACKOFF after e
 one, up to ABSENT_REUSE_MAX_S: a peer that starts with the others is found within a poll or
 two, a replica still forming is asked about once a second.
 
-The mixin uses these attributes of the transport: dht, run_id, _p2p, _records, _lookups,
-_absent, _key(), admits().
+It holds the DHT, the run's key space, the transport's membership test (`admits`) and, once
+the transport's libp2p client is up, that client (to dial what it resolved).
 
 imports: hivemind, comms only (no mesh, no cli).
 """
@@ -36,19 +36,23 @@ ABSENT_BACKOFF = 1.5
 ABSENT_REUSE_MAX_S = 1.0
 
 
-class NameMixin:
-    dht: Any
-    run_id: str
-    _p2p: Any
-    _records: dict[str, PeerRecord]
-    _lookups: dict[str, asyncio.Future[dict[str, object]]]  # name -> the get in flight
-    _absent: dict[str, tuple[float, float]]  # name -> (when it was not found, how long that stands)
-    _key: Callable[[str], str]
-    admits: Callable[[PeerRecord], bool]
+class Names:
+    """A run's peer names in the DHT (see the module docstring)."""
 
-    async def _lookup(self, name: str) -> dict[str, object]:
+    def __init__(self, dht: Any, run_id: str, admits: Callable[[PeerRecord], bool]) -> None:
+        self.dht, self.run_id, self.admits = dht, run_id, admits
+        self.p2p: Any = None  # the transport's libp2p client, once up: dials resolved records
+        self.records: dict[str, PeerRecord] = {}  # name -> the record it resolved to
+        self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}  # name -> get in flight
+        self._absent: dict[str, tuple[float, float]] = {}  # name -> (not found at, stands for)
+
+    def key(self, name: str) -> str:
+        """The DHT key of a name's records."""
+        return f"{self.run_id}.peer.{name}"
+
+    async def lookup(self, name: str) -> dict[str, object]:
         """Every record of a name in the DHT now (subkey -> value; {} when there is none)."""
-        found = await self.dht.get(self._key(name), latest=True, return_future=True)
+        found = await self.dht.get(self.key(name), latest=True, return_future=True)
         value = found.value if found is not None else None
         if not isinstance(value, dict):
             DHT_COUNTS.add(gets=1)
@@ -58,8 +62,8 @@ class NameMixin:
         DHT_COUNTS.add(gets=1, get_records=len(records), get_bytes=size)
         return records
 
-    async def _lookup_shared(self, name: str) -> dict[str, object]:
-        """_lookup, with one DHT get per name in flight however many callers wait for it."""
+    async def lookup_shared(self, name: str) -> dict[str, object]:
+        """lookup, with one DHT get per name in flight however many callers wait for it."""
         fut = self._lookups.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._lookup_noted(name))
@@ -68,8 +72,8 @@ class NameMixin:
         return await asyncio.shield(fut)  # a waiter's cancellation leaves the others' get be
 
     async def _lookup_noted(self, name: str) -> dict[str, object]:
-        """_lookup, noting how long an empty answer stands (see RESOLVE_POLL_S)."""
-        found = await self._lookup(name)
+        """lookup, noting how long an empty answer stands (see RESOLVE_POLL_S)."""
+        found = await self.lookup(name)
         if parse_records(found):
             self._absent.pop(name, None)
         else:
@@ -78,23 +82,25 @@ class NameMixin:
             self._absent[name] = (time.monotonic(), grown)
         return found
 
-    async def _resolve(
+    async def resolve(
         self, name: str, deadline: float, refresh: bool = False, avoid: PeerID | None = None
     ) -> PeerRecord:
-        if not refresh and name in self._records:
-            return self._records[name]
+        """The record `name` resolves to (the cached one unless `refresh`; `avoid`: another
+        PeerID's if the name has one), dialed; PeerLost when none appears by `deadline`."""
+        if not refresh and name in self.records:
+            return self.records[name]
         while True:
             at, stands_s = self._absent.get(name, (-math.inf, 0.0))
             if time.monotonic() - at >= stands_s:
-                rec = pick_record(await self._lookup_shared(name), self.admits, avoid)
+                rec = pick_record(await self.lookup_shared(name), self.admits, avoid)
                 if rec is not None:
                     # hivemind exposes no public connect; dial the published addresses so
                     # streams to peers we only know through the DHT find a route (the DHT
                     # itself does the same), a relay's circuit among them (comms/p2p/relay.py)
                     with contextlib.suppress(Exception):
                         addrs = dialable(rec.maddrs)
-                        await asyncio.wait_for(self._p2p._client.connect(rec.peer_id, addrs), 5)
-                    self._records[name] = rec
+                        await asyncio.wait_for(self.p2p._client.connect(rec.peer_id, addrs), 5)
+                    self.records[name] = rec
                     return rec
             left = deadline - time.monotonic()
             if left <= 0:

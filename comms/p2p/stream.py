@@ -1,6 +1,6 @@
 """The message protocol of P2PTransport on libp2p streams (client and server side).
 
-Role: `StreamMixin` gives P2PTransport its wire: a stream opened with
+Role: `Streams` (one a P2PTransport, `transport.streams`) is its wire: a stream opened with
 `P2P.call_binary_stream_handler` carries messages back to back, each one
   header (magic "MTP1", version, sender name length, total frame bytes) + sender name (utf-8)
   + the frame (`comms.wire.pack` bytes) in chunks of <= CHUNK_BYTES,
@@ -22,9 +22,9 @@ that). Proving a name costs at most SENDER_LOOKUPS DHT gets, shared with any oth
 claiming it at the same time, and a name that failed to prove for a PeerID is refused without
 a get for REFUSED_NAME_S (at most REFUSED_NAMES remembered).
 
-The mixin uses these attributes of the transport: me, timeout_s, stream_idle_s,
-max_unproven_streams, max_message_bytes, stats, mailbox, _p2p, _handler_name, _idle, _slots,
-_pool, _unproven, _refused_names, _resolve(), _lookup_shared().
+It works with the transport's names (comms.p2p.names.Names: resolving, proving senders,
+membership), counters, mailbox and averaging rounds (where AVERAGE frames go), its thread pool
+(validation off the event loop) and, once up, its libp2p client.
 
 imports: hivemind, comms only (no mesh, no cli).
 """
@@ -38,7 +38,7 @@ import logging
 import struct
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -48,6 +48,7 @@ from comms import wire
 from comms.errors import PeerLost
 from comms.group_means import GroupMeans
 from comms.mailbox import Mailbox
+from comms.p2p.names import Names
 from comms.p2p.peer_record import parse_records
 from comms.transport import TransportStats
 from comms.wire import Expect, Message, Reject
@@ -79,37 +80,52 @@ class Ack(IntEnum):
     # session's message (counted late / stale there)
 
 
-class StreamMixin:
+@dataclass(frozen=True)
+class StreamLimits:
+    """What a stream may cost us (see the module docstring)."""
+
+    timeout_s: float  # a body's chunks, a send's ack
+    stream_idle_s: float = STREAM_IDLE_S
+    max_unproven_streams: int = MAX_UNPROVEN_STREAMS
+    max_message_bytes: int = 256 << 20
+
+
+class Streams:
     """Client and server side of the stream protocol (see the module docstring)."""
 
-    me: str
-    timeout_s: float
-    stream_idle_s: float
-    max_unproven_streams: int
-    max_message_bytes: int
-    stats: TransportStats
-    mailbox: Mailbox
-    means: GroupMeans
-    _p2p: P2P
-    _handler_name: str
-    # per peer: pooled streams (reader, writer, monotonic time they went idle)
-    _idle: dict[PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]]
-    _unproven: Counter[PeerID]  # PeerID -> its open streams whose sender is not proven yet
-    _refused_names: OrderedDict[tuple[str, PeerID], float]  # -> when it failed to prove
-    _slots: dict[PeerID, asyncio.Semaphore]
-    _pool: cf.ThreadPoolExecutor
-    _resolve: Callable[..., Awaitable[Any]]  # (name, deadline, refresh, avoid) -> PeerRecord
-    _lookup_shared: Callable[[str], Awaitable[dict[str, object]]]  # name -> its DHT records
-    _records: dict[str, Any]  # name -> the PeerRecord it resolved to
-    admits: Callable[[Any], bool]  # PeerRecord -> whether it proves membership of our run
+    def __init__(
+        self,
+        me: str,
+        handler_name: str,
+        limits: StreamLimits,
+        names: Names,
+        stats: TransportStats,
+        mailbox: Mailbox,
+        means: GroupMeans,
+        pool: cf.ThreadPoolExecutor,
+    ) -> None:
+        self.me, self.handler_name, self.limits = me, handler_name, limits
+        self.names, self.stats, self.mailbox = names, stats, mailbox
+        self.means, self._pool = means, pool
+        self.p2p: P2P | None = None  # the transport's libp2p client, once up
+        # per peer: pooled streams (reader, writer, monotonic time they went idle)
+        self._idle: dict[
+            PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]
+        ] = {}
+        self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
+        self._unproven: Counter[PeerID] = Counter()  # PeerID -> its open unproven streams
+        # (name, PeerID) -> when it failed to prove
+        self._refused_names: OrderedDict[tuple[str, PeerID], float] = OrderedDict()
 
-    async def _deliver(self, to: str, frame: bytes, deadline: float) -> Ack:
+    async def deliver(self, to: str, frame: bytes, deadline: float) -> Ack:
         """Send on a reused stream; on failure re-resolve the name and retry once on a new one."""
         errors = []
         failed = None  # the peer attempt 0 could not reach: attempt 1 prefers another record
         for attempt in range(2):
-            rec = await self._resolve(to, deadline, refresh=attempt > 0, avoid=failed)
-            if not self.admits(rec):  # no run key, another config, or an outsider took the name
+            rec = await self.names.resolve(to, deadline, refresh=attempt > 0, avoid=failed)
+            if not self.names.admits(
+                rec
+            ):  # no run key, another config, or an outsider took the name
                 self.stats.add_reject("unauthorized")
                 raise PeerLost(f"{to!r} is not a member of this run: not sending to it")
             reused = bool(self._idle.get(rec.peer_id))
@@ -134,12 +150,13 @@ class StreamMixin:
         reader = writer = None
         while idle:  # the receiver closes a stream idle for stream_idle_s: leave it earlier
             reader, writer, since = idle.pop()
-            if time.monotonic() - since < self.stream_idle_s / 2:
+            if time.monotonic() - since < self.limits.stream_idle_s / 2:
                 break
             writer.close()
             reader = writer = None
         if writer is None:
-            _, reader, writer = await self._p2p.call_binary_stream_handler(peer, self._handler_name)
+            assert self.p2p is not None, "sending before the transport's start"
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.handler_name)
         ok = False
         try:
             me = self.me.encode()
@@ -164,15 +181,20 @@ class StreamMixin:
         for _, w, _ in self._idle.pop(peer, []):
             w.close()
 
+    def close_idle(self) -> None:
+        """Close every pooled stream (the transport's teardown)."""
+        for peer in list(self._idle):
+            self._drop_idle(peer)
+
     def unproven_streams(self) -> int:
         """Incoming streams held open now whose sender is not proven yet."""
         return sum(self._unproven.values())
 
-    async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
+    async def serve(self, info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
         """Serve one incoming stream: messages back to back until the sender closes it."""
         remote = info.peer_id
         if (
-            self.unproven_streams() >= self.max_unproven_streams
+            self.unproven_streams() >= self.limits.max_unproven_streams
             or self._unproven[remote] >= UNPROVEN_PER_PEER
         ):
             self.stats.add_reject("stream_cap")
@@ -204,7 +226,9 @@ class StreamMixin:
         self, remote: PeerID, reader: asyncio.StreamReader, writer: Any, proven: list[bool]
     ) -> bool:
         try:
-            head = await asyncio.wait_for(reader.readexactly(STREAM_HEAD.size), self.stream_idle_s)
+            head = await asyncio.wait_for(
+                reader.readexactly(STREAM_HEAD.size), self.limits.stream_idle_s
+            )
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise
@@ -217,7 +241,7 @@ class StreamMixin:
         if magic != STREAM_MAGIC or version != STREAM_VERSION:
             return await self._refuse(writer, Ack.BAD_STREAM, "bad_stream")
         try:
-            name = await asyncio.wait_for(reader.readexactly(name_len), self.stream_idle_s)
+            name = await asyncio.wait_for(reader.readexactly(name_len), self.limits.stream_idle_s)
             sender = name.decode("utf-8")
         except UnicodeDecodeError:
             return await self._refuse(writer, Ack.BAD_STREAM, "bad_stream")
@@ -228,7 +252,7 @@ class StreamMixin:
         if is_sender and not proven[0]:  # a member's stream: no longer held against the cap
             proven[0] = True
             self._unproven_done(remote)
-        if total > self.max_message_bytes:  # before buffering a single body byte
+        if total > self.limits.max_message_bytes:  # before buffering a single body byte
             if is_sender:  # a peer that announces absurd lengths is cut off (like a broken link)
                 self.mailbox.mark_lost(sender, f"announced {total} bytes")
             return await self._refuse(writer, Ack.TOO_LARGE, "too_large")
@@ -237,18 +261,18 @@ class StreamMixin:
         # The frame's header says what the message will hold once decoded (an fp8 body is a
         # quarter of its float32 copy): the room reserved is that, not the frame's length.
         head = await asyncio.wait_for(
-            reader.readexactly(min(total, wire.MAX_HEADER_BYTES)), self.timeout_s
+            reader.readexactly(min(total, wire.MAX_HEADER_BYTES)), self.limits.timeout_s
         )
-        held = wire.held_bytes(head, max_body_bytes=self.max_message_bytes)
+        held = wire.held_bytes(head, max_body_bytes=self.limits.max_message_bytes)
         if isinstance(held, Reject):  # read past the body (in chunks, nothing kept): the
             self.stats.add_reject(held.reason)  # stream stays usable, as for a bad body
             for off in range(len(head), total, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, total - off)
-                await asyncio.wait_for(reader.readexactly(n), self.timeout_s)
+                await asyncio.wait_for(reader.readexactly(n), self.limits.timeout_s)
             writer.write(bytes([Ack.REJECTED]))
             await writer.drain()
             return True
-        if not await self.mailbox.reserve(sender, held, self.timeout_s):
+        if not await self.mailbox.reserve(sender, held, self.limits.timeout_s):
             return await self._refuse(writer, Ack.FULL, "mailbox_full")
         answer, handed = Ack.REJECTED, False
         try:
@@ -284,8 +308,10 @@ class StreamMixin:
         view[: len(head)] = head
         for off in range(len(head), total, CHUNK_BYTES):
             n = min(CHUNK_BYTES, total - off)
-            view[off : off + n] = await asyncio.wait_for(reader.readexactly(n), self.timeout_s)
-        checks = Expect(max_body_bytes=self.max_message_bytes)
+            view[off : off + n] = await asyncio.wait_for(
+                reader.readexactly(n), self.limits.timeout_s
+            )
+        checks = Expect(max_body_bytes=self.limits.max_message_bytes)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, wire.unpack, body, checks)
 
@@ -301,8 +327,8 @@ class StreamMixin:
         proves membership (any of the name's records: during a replacement the old one may
         still be the newest by its publisher's clock). At most SENDER_LOOKUPS DHT gets; a
         failure is remembered for REFUSED_NAME_S (see the module docstring)."""
-        cached = self._records.get(name)
-        if cached is not None and cached.peer_id == remote and self.admits(cached):
+        cached = self.names.records.get(name)
+        if cached is not None and cached.peer_id == remote and self.names.admits(cached):
             return True
         refused_at = self._refused_names.get((name, remote))
         if refused_at is not None and time.monotonic() - refused_at < REFUSED_NAME_S:
@@ -317,15 +343,15 @@ class StreamMixin:
         return False
 
     async def _prove(self, name: str, remote: PeerID) -> bool:
-        deadline = time.monotonic() + min(self.timeout_s, 5.0)
+        deadline = time.monotonic() + min(self.limits.timeout_s, 5.0)
         pause_s = SENDER_POLL_S
         for get in range(SENDER_LOOKUPS):
             try:
-                records = parse_records(await self._lookup_shared(name))
+                records = parse_records(await self.names.lookup_shared(name))
             except Exception:  # noqa: BLE001 - no DHT answer: not proven
                 return False
             mine = [r for r in records if r.peer_id == remote]
-            if any(self.admits(r) for r in mine):
+            if any(self.names.admits(r) for r in mine):
                 return True
             if mine:  # a peer without the run key or with another config
                 self.stats.add_reject("unauthorized")

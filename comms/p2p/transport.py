@@ -6,7 +6,8 @@ shares that daemon through a replica P2P on a private asyncio loop thread.
 
 - Names: `me -> (PeerID, maddrs)` is published under `{run_id}.peer.{me}` with an expiration and
   refreshed; peers are resolved through the DHT, cached, and re-resolved when a send fails.
-- Point-to-point: our own binary stream handler `{run_id}::meshtrain.rpc_deliver`. A stream
+- Point-to-point (comms/p2p/stream.py, `streams`): our own binary stream handler
+  `{run_id}::meshtrain.rpc_deliver`. A stream
   carries messages back to back: a small header (magic, version, sender name, total length),
   then `comms.wire.pack` bytes in chunks of <= 1 MiB, answered by one ack byte. The receiver
   checks the declared length against `max_message_bytes` BEFORE buffering, checks that the
@@ -31,12 +32,10 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -55,11 +54,18 @@ from comms.p2p.dht import (
     msgpack_bytes,
     start_dht,
 )
-from comms.p2p.names import NameMixin
+from comms.p2p.names import Names
 from comms.p2p.peer_record import PeerRecord
 from comms.p2p.relay import RelayLimits, circuit_maddrs, p2pd_options, via_relay
 from comms.p2p.relay_service import relay_report
-from comms.p2p.stream import HANDLER, MAX_UNPROVEN_STREAMS, STREAM_IDLE_S, Ack, StreamMixin
+from comms.p2p.stream import (
+    HANDLER,
+    MAX_UNPROVEN_STREAMS,
+    STREAM_IDLE_S,
+    Ack,
+    StreamLimits,
+    Streams,
+)
 from comms.throttle import LinkShapers, Shaping
 from comms.transport import Averaging, TransportStats
 from comms.wire import Expect, Kind, Message
@@ -122,7 +128,7 @@ class SendResult:
         return cls(fut, to, tag)
 
 
-class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
+class P2PTransport(RunRecords, Averaging):
     """Transport over hivemind's libp2p (see the module docstring).
 
     Args:
@@ -189,9 +195,6 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             raise ValueError(f"peer name must be 1..255 utf-8 bytes, got {me!r}")
         self.me, self.run_id, self.timeout_s = me, run_id, timeout_s
         self.max_message_bytes, self.record_ttl_s = max_message_bytes, record_ttl_s
-        self.stream_idle_s, self.max_unproven_streams = stream_idle_s, max_unproven_streams
-        self._unproven: Counter[PeerID] = Counter()  # see StreamMixin
-        self._refused_names: OrderedDict[tuple[str, PeerID], float] = OrderedDict()
         self.auth = auth
         self.dht_server = not (client_mode or dht_client)
         self._shapers = shaping if isinstance(shaping, LinkShapers) else LinkShapers(me, shaping)
@@ -199,13 +202,6 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
         self.stats = TransportStats()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
         self.means = GroupMeans(self, self.mailbox)
-        self._records: dict[str, PeerRecord] = {}
-        self._lookups: dict[str, asyncio.Future[dict[str, object]]] = {}  # see NameMixin
-        self._absent: dict[str, tuple[float, float]] = {}
-        self._idle: dict[
-            PeerID, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]
-        ] = {}
-        self._slots: dict[PeerID, asyncio.Semaphore] = {}  # streams in use per peer
         self._order: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, users
         self._closed = False
         self._inflight: set[cf.Future[Any]] = set()  # see _submit
@@ -225,6 +221,18 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             client_mode=not self.dht_server,
             p2pd_flags=p2pd_flags,
             **relay_kwargs,
+        )
+        self.names = Names(self.dht, run_id, self.admits)
+        limits = StreamLimits(timeout_s, stream_idle_s, max_unproven_streams, max_message_bytes)
+        self.streams = Streams(
+            me,
+            self._handler_name,
+            limits,
+            self.names,
+            self.stats,
+            self.mailbox,
+            self.means,
+            self._pool,
         )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -331,7 +339,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
     def resolve(self, name: str, timeout_s: float | None = None) -> PeerRecord:
         """PeerRecord of a peer name, waiting up to timeout_s for it to appear in the DHT."""
         t = self.timeout_s if timeout_s is None else timeout_s
-        return self._run(self._resolve(name, time.monotonic() + t, refresh=True), t + 5.0)
+        return self._run(self.names.resolve(name, time.monotonic() + t, refresh=True), t + 5.0)
 
     def wait_for_peers(self, names: Sequence[str], timeout_s: float) -> None:
         """Block until every name resolves (PeerTimeout otherwise)."""
@@ -342,6 +350,10 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
                     self.resolve(n, max(0.0, deadline - time.monotonic()))
                 except PeerLost as e:
                     raise PeerTimeout(f"{n!r} did not appear within {timeout_s}s") from e
+
+    def unproven_streams(self) -> int:
+        """Incoming streams held open now whose sender is not proven yet."""
+        return self.streams.unproven_streams()
 
     def admits(self, rec: PeerRecord) -> bool:
         """Whether a peer's record proves membership of our run (always, without auth)."""
@@ -369,14 +381,11 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
     def _run(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def _key(self, name: str) -> str:
-        return f"{self.run_id}.peer.{name}"
-
     async def _setup(self) -> None:
-        self._p2p = await self.dht.replicate_p2p()
+        self._p2p = self.names.p2p = self.streams.p2p = await self.dht.replicate_p2p()
         own_socket = self._p2p._client_listen_maddr["unix"]
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
-        await self._p2p.add_binary_stream_handler(self._handler_name, self._on_stream)
+        await self._p2p.add_binary_stream_handler(self._handler_name, self.streams.serve)
         if self.dht_server:  # joiners may ask any DHT server to dial them back
             with contextlib.suppress(Exception):  # a service to others: never fails our start
                 await self.dht.run_coroutine(dialback.serve, return_future=True)
@@ -398,7 +407,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
 
         async def one(name: str) -> None:
             with contextlib.suppress(Exception):
-                await self._resolve(name, deadline)
+                await self.names.resolve(name, deadline)
 
         await asyncio.gather(*(one(n) for n in names))
 
@@ -409,7 +418,7 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             exp = get_dht_time() + ttl
             DHT_COUNTS.add(stores=1, store_bytes=msgpack_bytes(self._record))
             stored = self.dht.store(
-                self._key(self.me), self._record, exp, subkey=self._subkey, return_future=True
+                self.names.key(self.me), self._record, exp, subkey=self._subkey, return_future=True
             )
             if await stored:
                 self._record_exp = exp
@@ -432,14 +441,11 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self.dht.store(
-                        self._key(self.me), None, exp, subkey=self._subkey, return_future=True
+                        self.names.key(self.me), None, exp, subkey=self._subkey, return_future=True
                     ),
                     2,
                 )
-        for streams in self._idle.values():
-            for _, w, _ in streams:
-                w.close()
-        self._idle.clear()
+        self.streams.close_idle()
         p2p = getattr(self, "_p2p", None)
         if p2p is not None:
             with contextlib.suppress(Exception):
@@ -461,7 +467,9 @@ class P2PTransport(StreamMixin, NameMixin, RunRecords, Averaging):
             async with lock:
                 await asyncio.sleep(max(0.0, release - time.monotonic()))  # link model
                 deadline = time.monotonic() + self.timeout_s
-                ack = await asyncio.wait_for(self._deliver(to, frame, deadline), self.timeout_s)
+                ack = await asyncio.wait_for(
+                    self.streams.deliver(to, frame, deadline), self.timeout_s
+                )
         except TimeoutError as e:
             raise PeerTimeout(f"send {tag!r} to {to!r}: no ack in {self.timeout_s}s") from e
         finally:

@@ -73,7 +73,7 @@ def _hivemind_announce(t, to: str, nbytes: int) -> None:
     from comms.p2p.stream import STREAM_HEAD, STREAM_MAGIC, STREAM_VERSION
 
     async def announce() -> None:
-        rec = await t._resolve(to, time.monotonic() + t.timeout_s)
+        rec = await t.names.resolve(to, time.monotonic() + t.timeout_s)
         _, reader, writer = await t._p2p.call_binary_stream_handler(rec.peer_id, t._handler_name)
         me = t.me.encode()
         writer.write(STREAM_HEAD.pack(STREAM_MAGIC, STREAM_VERSION, len(me), nbytes) + me)

@@ -83,14 +83,14 @@ def _mean_result(_t, handles, key, timeout_s):
 
 def _raw(t, _h, to, frame):
     """Deliver arbitrary frame bytes through our stream protocol (bypassing wire.pack)."""
-    return int(t._run(t._deliver(to, frame, time.monotonic() + 20.0), 30.0))
+    return int(t._run(t.streams.deliver(to, frame, time.monotonic() + 20.0), 30.0))
 
 
 def _raw_stream(t, _h, to, head):
     """Open a stream and write an arbitrary header; return the peer's ack byte (or None)."""
 
     async def go():
-        rec = await t._resolve(to, time.monotonic() + 10.0)
+        rec = await t.names.resolve(to, time.monotonic() + 10.0)
         _, r, w = await t._p2p.call_binary_stream_handler(rec.peer_id, t._handler_name)
         w.write(head)
         await w.drain()

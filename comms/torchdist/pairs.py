@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -46,7 +44,8 @@ from comms.errors import PeerTimeout
 from comms.mailbox import Mailbox
 from comms.throttle import LinkSender, LinkShapers
 from comms.torchdist.gloo import gloo_device, pair_group
-from comms.transport import TransportStats
+from comms.torchdist.link import END, Link, join_all
+from comms.torchdist.pair_wire import PairWire
 
 WATCH_S = 0.2  # how often a watcher polls the store for new or departed incarnations
 HANDSHAKE_POLL_S = 0.05  # how often a forming link looks for the other side's `here`
@@ -55,7 +54,6 @@ HANDSHAKE_POLL_S = 0.05  # how often a forming link looks for the other side's `
 FORM_S = 60.0
 POISON_WAIT = timedelta(milliseconds=1)
 TAG_POISON = 3
-END = ("end", 0, None)  # the last item of a link's validator
 CHANGES = "mt/changes"
 
 
@@ -74,66 +72,50 @@ def pair_key(a: str, inc_a: int, b: str, inc_b: int) -> str:
     return f"mt/pair/{len(lo)}:{lo}.{i_lo}/{len(hi)}:{hi}.{i_hi}"
 
 
-@dataclass(eq=False)
-class Link:
-    """What we know about one other peer, across its incarnations."""
-
-    name: str
-    peer_rank: int  # the peer's rank in our pair groups
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    closed: str = ""  # why no more messages will arrive ("" while open or not formed yet)
-    sender: LinkSender | None = None  # the current pair's
-    receiver: threading.Thread | None = None  # forms the pairs and receives on them
-    validator: threading.Thread | None = None
-    inbox: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=2))
-    queued: int = 0  # items given to the validator and not yet done
-    pair: Any = None  # the current pair's gloo group (None before the first)
-    inc: int = 0  # the peer's incarnation the current pair was formed with
-    tried: int = 0  # the newest incarnation of the peer a pair was tried with
-    up: bool = False  # the current pair carries messages
-    lives: int = 0  # pairs formed with this peer so far
-    receiving: bool = False  # a recv was posted on a pair (sends to us can complete)
-    seen_inc: int = 0  # the peer's newest incarnation (the watcher's reading)
-    seen_left: int = 0  # the newest incarnation of the peer that closed
-
-
 class PairLinks:
-    """TorchTransport's links (a mixin: needs the attributes below, `_receive(link, pair)`,
-    `_deliver(link, pair, item)`, `_dispatch`-fed `_validate_loop(link)` and
-    `_mark_closed(link, why, life)`)."""
+    """TorchTransport's links (see the module docstring): each Link's pairs formed, watched,
+    poisoned and left; what travels on a pair is `wire`'s. `closing` is the transport's."""
 
-    me: str
-    timeout_s: float
-    stats: TransportStats
-    mailbox: Mailbox
-    _closed: bool
-    _links: dict[str, Link]
-    _shapers: LinkShapers
-    _store: Any
-
-    def _init_links(self) -> None:
-        self._store = self._device = self._watcher = None
+    def __init__(
+        self,
+        me: str,
+        timeout_s: float,
+        peers: dict[str, Link],
+        wire: PairWire,
+        shapers: LinkShapers,
+        mailbox: Mailbox,
+        closing: threading.Event,
+    ) -> None:
+        self.me, self.timeout_s, self.by_name = me, timeout_s, peers
+        self.wire, self._shapers, self.mailbox, self.closing = wire, shapers, mailbox, closing
+        self.store: Any = None
+        self._device: Any = None
+        self._watcher: threading.Thread | None = None
         self._watch_wake = threading.Event()
+        self._changed_at = time.monotonic()  # when the watcher last saw a peer start or leave
         self.incarnation = 0
 
-    def _open_links(self, store: Any, host: str, needed: set[str]) -> None:
+    def open(self, store: Any, host: str, needed: set[str]) -> None:
         """Register this incarnation, start the watcher and a thread per link, and wait until
         every link is formed, or its peer closed and is not needed: PeerTimeout when a peer's
         process is not there within timeout_s (of our start, or of the latest start or leave
         in the run), or its pair not formed FORM_S after that."""
-        self._store = store
+        self.store = store
         self._device = gloo_device(host)
-        self._changed_at = time.monotonic()  # when the watcher last saw a peer start or leave
+        self._changed_at = time.monotonic()
         self.incarnation = int(store.add(inc_key(self.me), 1))
         store.add(CHANGES, 1)
         self._watcher = threading.Thread(target=self._watch_loop, name="pairs", daemon=True)
         self._watcher.start()
-        for link in self._links.values():
+        for link in self.by_name.values():
             link.receiver = threading.Thread(
                 target=self._link_loop, args=(link,), name=f"recv<-{link.name}", daemon=True
             )
             link.validator = threading.Thread(
-                target=self._validate_loop, args=(link,), name=f"check<-{link.name}", daemon=True
+                target=self.wire.validate_loop,
+                args=(link,),
+                name=f"check<-{link.name}",
+                daemon=True,
             )
             link.receiver.start()
             link.validator.start()
@@ -151,11 +133,11 @@ class PairLinks:
         self._wait_links(settled, lambda: formed_by, f"formed no pair with us in {FORM_S}s")
 
     def _wait_links(self, ready: Any, deadline: Any, what: str) -> None:
-        for link in self._links.values():
+        for link in self.by_name.values():
             with link.cond:
                 while not ready(link) and time.monotonic() < deadline():
                     link.cond.wait(min(0.1, max(0.0, deadline() - time.monotonic())))
-        missing = [ln.name for ln in self._links.values() if not ready(ln)]
+        missing = [ln.name for ln in self.by_name.values() if not ready(ln)]
         if missing:
             raise PeerTimeout(f"{self.me}: {missing} {what} (timeout_s {self.timeout_s})")
 
@@ -167,12 +149,12 @@ class PairLinks:
                     return
                 pair = self._form(link, inc)
                 if pair is not None and self._install(link, inc, pair):
-                    self._receive(link, pair)  # until this pair's last item
+                    self.wire.receive(link, pair)  # until this pair's last item
                     with link.cond:  # the validator is done with this pair's items
                         while link.queued:
                             link.cond.wait(0.1)
         except Exception as e:  # noqa: BLE001 - the store is gone: this link forms no more
-            self._mark_closed(link, f"lost: the rendezvous store: {str(e)[:200]}")
+            self.wire.mark_closed(link, f"lost: the rendezvous store: {str(e)[:200]}")
         finally:
             link.inbox.put(END)
 
@@ -182,7 +164,7 @@ class PairLinks:
         while True:
             with link.cond:
                 gone = False
-                while not (self._closed or gone):
+                while not (self.closing.is_set() or gone):
                     if link.seen_inc > max(link.tried, link.seen_left):
                         link.tried = link.seen_inc
                         return link.seen_inc
@@ -191,20 +173,20 @@ class PairLinks:
                         link.cond.wait()
                 if not gone:
                     return None
-            self._mark_closed(link, "peer closed", link.lives)  # it left before we formed one
+            self.wire.mark_closed(link, "peer closed", link.lives)  # it left before we formed one
 
     def _form(self, link: Link, inc: int) -> Any:
         """The handshake, then the pair's gloo group; None when the peer's incarnation moved
         on, the transport closes, or the other side vanished mid-way."""
         key = pair_key(self.me, self.incarnation, link.name, inc)
-        self._store.set(f"{key}/here/{self.me}", "1")
+        self.store.set(f"{key}/here/{self.me}", "1")
         theirs = [f"{key}/here/{link.name}"]
-        while not self._store.check(theirs):
+        while not self.store.check(theirs):
             with link.cond:
-                if self._closed or link.seen_inc != inc:
+                if self.closing.is_set() or link.seen_inc != inc:
                     return None
                 link.cond.wait(HANDSHAKE_POLL_S)
-        store = dist.PrefixStore(f"{key}/gloo", self._store.clone())  # its own connection
+        store = dist.PrefixStore(f"{key}/gloo", self.store.clone())  # its own connection
         try:
             return pair_group(
                 store, 1 - link.peer_rank, self._device, timedelta(seconds=self.timeout_s)
@@ -216,7 +198,7 @@ class PairLinks:
         """The new pair carries the link from now on; what the previous incarnation left in
         the mailbox is dropped (counted stale)."""
         with link.cond:
-            if self._closed:
+            if self.closing.is_set():
                 return False
             self.mailbox.reset(link.name)
             old = link.sender
@@ -224,7 +206,7 @@ class PairLinks:
             link.lives += 1
             link.sender = LinkSender(
                 link.name,
-                functools.partial(self._deliver, link, pair),
+                functools.partial(self.wire.deliver, link, pair),
                 self._shapers.for_peer(link.name),
                 on_lost=functools.partial(self._sender_lost, link, link.lives),
             )
@@ -233,39 +215,30 @@ class PairLinks:
             old.finish(drop_pending=True)
         return True
 
-    def _receiving(self, link: Link) -> None:
-        """The link's thread posted a recv: a start may end (a peer's send completes only once
-        our recv is posted: a process frozen right after its start, with none posted, would
-        hold the others' first sends)."""
-        if not link.receiving:
-            with link.cond:
-                link.receiving = True
-                link.cond.notify_all()
-
     def _sender_lost(self, link: Link, life: int, error: BaseException) -> None:
-        self._mark_closed(link, f"lost: {error}", life)
+        self.wire.mark_closed(link, f"lost: {error}", life)
 
     def _watch_loop(self) -> None:
         seen = -1
         try:
-            while not self._closed:
-                changes = int(self._store.add(CHANGES, 0))
+            while not self.closing.is_set():
+                changes = int(self.store.add(CHANGES, 0))
                 if changes != seen:
                     seen, self._changed_at = changes, time.monotonic()
-                    for link in self._links.values():
-                        inc = int(self._store.add(inc_key(link.name), 0))
-                        left = int(self._store.add(left_key(link.name), 0))
+                    for link in self.by_name.values():
+                        inc = int(self.store.add(inc_key(link.name), 0))
+                        left = int(self.store.add(left_key(link.name), 0))
                         with link.cond:
                             link.seen_inc, link.seen_left = inc, left
                             stale = link.pair if link.up and inc > link.inc else None
                             link.cond.notify_all()
                         if stale is not None:  # its old process is gone: wake the receiver
-                            self._poison(link, stale)
+                            self.poison(link, stale)
                 self._watch_wake.wait(WATCH_S)
         except Exception:  # noqa: BLE001 - the store is gone: links that are up stay up
             return
 
-    def _poison(self, link: Link, pair: Any = None) -> None:
+    def poison(self, link: Link, pair: Any = None) -> None:
         """Close `pair` (default: the link's current one): a recv that times out closes every
         pair of its group (here: the one), which wakes a thread blocked on it."""
         pair = link.pair if pair is None else pair
@@ -274,18 +247,33 @@ class PairLinks:
                 dummy = torch.empty(1, dtype=torch.int64)
                 pair.recv([dummy], link.peer_rank, TAG_POISON).wait(POISON_WAIT)
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         """Tell the store this incarnation closed: peers stop waiting for it to start."""
         if not self.incarnation:
             return
         with contextlib.suppress(Exception):
             key = left_key(self.me)
-            self._store.add(key, self.incarnation - int(self._store.add(key, 0)))
-            self._store.add(CHANGES, 1)
+            self.store.add(key, self.incarnation - int(self.store.add(key, 0)))
+            self.store.add(CHANGES, 1)
 
-    def _wake_links(self) -> None:
+    def wake(self) -> None:
         """Closing: wake the watcher and every thread waiting on a link's condition."""
         self._watch_wake.set()
-        for link in self._links.values():
+        for link in self.by_name.values():
             with link.cond:
                 link.cond.notify_all()
+
+    def release(self, stuck: list[Link]) -> None:
+        """Wake threads stuck in gloo waits (poison their pairs), wake recv() callers, free the
+        groups and the store (the transport is closing)."""
+        for link in stuck:
+            self.poison(link)
+        join_all([t for ln in stuck for t in ln.threads()], time.monotonic() + 1.0)
+        for link in self.by_name.values():
+            self.wire.mark_closed(link, "transport closed")
+            if link.pair is not None and not link.alive():
+                with contextlib.suppress(Exception):
+                    link.pair.shutdown()
+        if self._watcher is not None:
+            self._watcher.join(1.0)
+        self.store = None

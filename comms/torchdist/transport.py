@@ -7,7 +7,8 @@ TCPStore), not through the global default group, so nothing here is process-glob
 Links. One 2-member gloo group per pair of peers that talk (`links`: every other peer by
 default; the runtime passes a cell's pipeline neighbours and its stage's column), keyed in the
 store by both peers and both incarnations, so a peer that is restarted forms new pairs with
-the live peers while they keep their other links (comms/torchdist/pairs.py). The store is
+the live peers while they keep their other links (comms/torchdist/pairs.py; a link is
+comms/torchdist/link.py, what travels on its pairs comms/torchdist/pair_wire.py). The store is
 served by whoever launched the peers (`serve_store=False`, comms.build.local_rendezvous) or by
 peers[0]; only the former outlives every peer.
 
@@ -58,15 +59,11 @@ imports: torch, comms only (no mesh, no cli).
 from __future__ import annotations
 
 import atexit
-import contextlib
-import struct
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
-
-import torch
 
 from comms import wire
 from comms.codecs import Encoded
@@ -75,14 +72,12 @@ from comms.group_means import GroupMeans
 from comms.mailbox import Mailbox
 from comms.means import MAX_GROUP_BYTES
 from comms.throttle import Delivery, LinkShapers, Shaping
-from comms.torchdist.gloo import FOREVER, store_client, store_server
-from comms.torchdist.pairs import END, Link, PairLinks
+from comms.torchdist.gloo import store_client, store_server
+from comms.torchdist.link import Link, join_all
+from comms.torchdist.pair_wire import BYE, PairWire
+from comms.torchdist.pairs import PairLinks
 from comms.transport import Averaging, TransportStats
-from comms.wire import Expect, Kind, Message, Reject
-
-_TAG_HEAD, _TAG_REST = 1, 2
-_HEAD = 64 << 10  # frame bytes that travel with the length: small frames take one gloo message
-_BYE = -1  # declared length of the goodbye frame (no body)
+from comms.wire import Expect, Kind, Message
 
 
 def parse_rendezvous(addr: str) -> tuple[str, int]:
@@ -93,7 +88,7 @@ def parse_rendezvous(addr: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-class TorchTransport(PairLinks, Averaging):
+class TorchTransport(Averaging):
     """Transport over torch.distributed (see the module docstring).
 
     Args:
@@ -163,15 +158,23 @@ class TorchTransport(PairLinks, Averaging):
         self.mailbox_messages, self.mailbox_bytes = mailbox_messages, mailbox_bytes
         self.close_timeout_s = close_timeout_s
         self.stats = TransportStats()
-        self._limit = Expect(max_body_bytes=max_message_bytes)
-        self._shapers = LinkShapers(me, shaping)
-        self._closed = False
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         self.mailbox = Mailbox(mailbox_messages, mailbox_bytes, on_drop=self.stats.add_reject)
         self.means = GroupMeans(self, self.mailbox, {g: ms for g, ms in groups.items() if me in ms})
-        self._init_links()
+        limit = Expect(max_body_bytes=max_message_bytes)
+        wire_ = PairWire(self.stats, self.mailbox, self.means, limit, self._closing)
+        peers_linked = {p: Link(p, int(p < me)) for p in linked}
+        self.links = PairLinks(
+            me,
+            timeout_s,
+            peers_linked,
+            wire_,
+            LinkShapers(me, shaping),
+            self.mailbox,
+            self._closing,
+        )
         self._server = None
-        self._links: dict[str, Link] = {p: Link(p, int(p < me)) for p in linked}
         try:
             rz_host, port = parse_rendezvous(rendezvous)
             wait = timedelta(seconds=timeout_s)
@@ -179,12 +182,12 @@ class TorchTransport(PairLinks, Averaging):
                 store = self._server = store_server(rz_host, port, wait)
             else:
                 store = store_client(rz_host, port, wait)
-            self._open_links(store, host, set(needed))
+            self.links.open(store, host, set(needed))
         except BaseException as e:
-            self._closed = True
-            self._leave()
-            self._wake_links()
-            self._release(stuck=list(self._links.values()))
+            self._closing.set()
+            self.links.leave()
+            self.links.wake()
+            self._release(stuck=list(self.links.by_name.values()))
             if isinstance(e, RuntimeError):  # DistStoreError, DistNetworkError, gloo connect
                 raise PeerTimeout(f"{me}: startup at {rendezvous} failed: {e}"[:500]) from e
             raise
@@ -239,36 +242,33 @@ class TorchTransport(PairLinks, Averaging):
         (pybind11 + Python 3.11), so none may be left behind.
         """
         with self._lock:
-            if self._closed:
+            if self._closing.is_set():
                 return
-            self._closed = True
+            self._closing.set()
         atexit.unregister(self.close)
-        self._leave()  # the peers' link threads stop waiting for this incarnation
-        self._wake_links()
+        self.links.leave()  # the peers' link threads stop waiting for this incarnation
+        self.links.wake()
         deadline = time.monotonic() + self.close_timeout_s
-        for link in self._links.values():  # a peer that said goodbye was answered then
+        links = list(self.links.by_name.values())
+        for link in links:  # a peer that said goodbye was answered then
             with link.cond:
                 sender = link.sender if link.up else None
             if sender is not None:
-                sender.finish((b"", "control", _BYE))
+                sender.finish((b"", "control", BYE))
         self.means.close()  # open rounds fail ("transport closed"), the rounds' thread ends
-        _join_all([t for ln in self._links.values() for t in _threads(ln)], deadline)
-        self._release(stuck=[link for link in self._links.values() if _alive(link)])
+        join_all([t for ln in links for t in ln.threads()], deadline)
+        self._release(stuck=[link for link in links if link.alive()])
 
     def _release(self, stuck: list[Link]) -> None:
-        """Wake threads stuck in gloo waits (poison their pairs), wake recv() callers, free
-        the groups and the store."""
-        for link in stuck:
-            self._poison(link)
-        _join_all([t for ln in stuck for t in _threads(ln)], time.monotonic() + 1.0)
-        for link in self._links.values():
-            self._mark_closed(link, "transport closed")
-            if link.pair is not None and not _alive(link):
-                with contextlib.suppress(Exception):
-                    link.pair.shutdown()
-        if self._watcher is not None:
-            self._watcher.join(1.0)
-        self._store = self._server = None  # a served store stops and frees its port
+        """The links released (comms.torchdist.pairs.PairLinks.release), then the store we
+        served: it stops and frees its port."""
+        self.links.release(stuck)
+        self._server = None
+
+    @property
+    def incarnation(self) -> int:
+        """This process's incarnation in the run's store (1 for the first start of a name)."""
+        return self.links.incarnation
 
     def __enter__(self) -> TorchTransport:
         return self
@@ -279,161 +279,18 @@ class TorchTransport(PairLinks, Averaging):
     # ---------------------------------------------------------------- point-to-point internals
 
     def _link(self, name: str) -> Link:
-        link = self._links.get(name)
+        link = self.links.by_name.get(name)
         if link is None:
-            raise ValueError(f"unknown peer {name!r} (me={self.me!r}, links {list(self._links)})")
+            known = list(self.links.by_name)
+            raise ValueError(f"unknown peer {name!r} (me={self.me!r}, links {known})")
         return link
 
     def _submit(self, link: Link, frame: bytes, kind: str, declared: int) -> Delivery:
         """To the current pair's sender; at once PeerLost while the link is down."""
         with link.cond:
-            sender = link.sender if link.up and not self._closed else None
-            why = "transport closed" if self._closed else link.closed or "not connected"
+            closed = self._closing.is_set()
+            sender = link.sender if link.up and not closed else None
+            why = "transport closed" if closed else link.closed or "not connected"
         if sender is None:
             return Delivery.failed(link.name, PeerLost(f"link to {link.name!r}: {why}"))
         return sender.submit((frame, kind, declared), 8 + len(frame))
-
-    def _deliver(self, link: Link, pair: Any, item: tuple[bytes, str, int]) -> None:
-        """Sender thread: one gloo message with the length and the first _HEAD frame bytes
-        (all of a small frame), then the rest if any (only when the length is the true one)."""
-        frame, kind, declared = item
-        head = struct.pack("<q", declared) + frame[:_HEAD]
-        head_t = torch.frombuffer(head, dtype=torch.uint8)
-        pair.send([head_t], link.peer_rank, _TAG_HEAD).wait(FOREVER)
-        if declared == len(frame) > _HEAD:
-            rest = torch.frombuffer(frame, dtype=torch.uint8, offset=_HEAD)
-            pair.send([rest], link.peer_rank, _TAG_REST).wait(FOREVER)
-        self.stats.add_sent(link.name, kind, 8 + len(frame))
-
-    def _receive(self, link: Link, pair: Any) -> None:
-        """The link's thread, for one pair: frames off the wire until the pair's last item.
-        Small frames are checked right here when nothing is queued; large ones go to the
-        link's validator, so the next recv is posted while the last body is checked. Order
-        is kept either way."""
-        try:
-            while True:
-                head = torch.zeros(8 + _HEAD, dtype=torch.uint8)  # zeros: short sends read 0s
-                posted = pair.recv([head], link.peer_rank, _TAG_HEAD)
-                self._receiving(link)
-                posted.wait(FOREVER)
-                n = int(head[:8].view(torch.int64).item())
-                if n == _BYE:
-                    item = ("bye", 8, None)
-                elif not 0 <= n <= self.max_message_bytes:  # cannot skip n bytes: cut the link
-                    item = ("cut", n, None)
-                elif n <= _HEAD:
-                    item = ("body", n, head[8 : 8 + n].clone())
-                else:
-                    body = torch.empty(n, dtype=torch.uint8)  # n was checked: allocate
-                    body[:_HEAD].copy_(head[8:])
-                    pair.recv([body[_HEAD:]], link.peer_rank, _TAG_REST).wait(FOREVER)
-                    item = ("body", n, body)
-                if self._dispatch(link, item):
-                    return
-        except Exception as e:  # noqa: BLE001 - a reset pair means the peer is gone
-            self._dispatch(link, ("lost", 0, f"lost: {str(e)[:200]}"))
-
-    def _dispatch(self, link: Link, item: tuple[str, int, object]) -> bool:
-        """Handle item here if the validator is idle and item is cheap, else queue it; True
-        for the pair's last item."""
-        with link.cond:
-            inline = link.queued == 0 and (item[0] != "body" or item[1] <= _HEAD)
-            if not inline:
-                link.queued += 1
-        if inline:
-            return self._check(link, *item)
-        link.inbox.put(item)
-        return item[0] != "body"
-
-    def _validate_loop(self, link: Link) -> None:
-        """Validator thread for one source: queued items in arrival order, every pair's."""
-        while True:
-            item = link.inbox.get()
-            if item is END:
-                return
-            self._check(link, *item)
-            with link.cond:
-                link.queued -= 1
-                link.cond.notify_all()
-
-    def _check(self, link: Link, what: str, n: int, item: object) -> bool:
-        """wire.unpack (size, crc, finiteness), count, file in the mailbox; or the goodbye,
-        cut or loss of the pair. True when no more items will come from it."""
-        if what == "body":
-            got = wire.unpack(memoryview(item.numpy()), self._limit)
-            kind = got.kind.name.lower() if isinstance(got, Message) else "invalid"
-            self.stats.add_received(link.name, kind, 8 + n)
-            if isinstance(got, Reject):
-                self.stats.add_reject(got.reason)
-                label = wire.frame_label(item[: wire.MAX_HEADER_BYTES].numpy())
-                if label is not None and label[0] == Kind.AVERAGE:  # its round says refused
-                    self.means.refused(link.name, label[1], got.reason)
-            elif got.kind == Kind.AVERAGE:  # a round's frame: to its round, or early in the box
-                self.means.file(link.name, got)
-            else:
-                self._file(link, got)
-            return False
-        if what == "bye":
-            self.stats.add_received(link.name, "control", 8)
-            self._peer_left(link)
-        elif what == "cut":
-            self.stats.add_received(link.name, "invalid", 8)
-            self.stats.add_reject("too_large" if n > 0 else "malformed")
-            self._mark_closed(link, f"broken: peer declared a {n}-byte frame")
-        else:
-            self._mark_closed(link, item)
-        return True
-
-    def _file(self, link: Link, msg: Message) -> None:
-        """Into the mailbox, once it has room (backpressure: the sender's gloo send waits on
-        us), unless we close or its sender is gone (its next pair drops the box anyway, and
-        must not wait on us)."""
-
-        def give_up() -> str:
-            return "mailbox_closed" if self._closed else "stale" if link.seen_inc > link.inc else ""
-
-        nbytes = msg.held_bytes  # the body and its decoded copy: what the box really holds
-        why = self.mailbox.wait_room(link.name, nbytes, give_up)
-        if why:
-            self.stats.add_reject(why)
-        else:
-            self.mailbox.put(link.name, msg, nbytes)
-
-    def _mark_closed(self, link: Link, why: str, life: int | None = None) -> None:
-        """No more messages will come from the peer until its next incarnation forms a new
-        pair; ours fail at once from now on, except after a cut (we stopped reading, the peer
-        did not); `life`: only if that pair is still the link's current one."""
-        with link.cond:
-            if life is not None and life != link.lives:
-                return
-            link.closed = link.closed or why
-            link.up = link.up and why.startswith("broken")
-            link.cond.notify_all()
-        self.mailbox.mark_lost(link.name, link.closed)  # its rounds stop waiting for it
-
-    def _peer_left(self, link: Link) -> None:
-        """The peer said goodbye: its remaining messages stay readable; answer with ours so
-        its receiver thread for us can end (drop what we still had queued for it)."""
-        self._mark_closed(link, "peer closed")
-        if link.sender is not None:
-            link.sender.finish((b"", "control", _BYE), drop_pending=True)
-
-
-def _threads(link: Link) -> list:
-    return [link.sender, link.receiver, link.validator]
-
-
-def _alive(link: Link) -> bool:
-    """True while a thread of this link may still sit in a gloo wait."""
-    threads = (link.receiver, link.sender._thread if link.sender else None)
-    return any(t is not None and t.is_alive() for t in threads)
-
-
-def _join_all(threads: list, deadline: float) -> bool:
-    """Join threads (or LinkSenders) until deadline; True if all ended."""
-    ok = True
-    for t in threads:
-        if t is not None:
-            t.join(max(0.0, deadline - time.monotonic()))
-            ok &= not (t.is_alive() if isinstance(t, threading.Thread) else t.alive)
-    return ok

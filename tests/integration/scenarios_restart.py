@@ -69,7 +69,9 @@ def rejoin(t, peer, victim: str, numel: int = 20_000, codec: str = "fp8_e4m3") -
         t.send(victim, f"back/{peer.name}", Kind.ACTIVATION, enc, 2).wait(wait)
         out["back_ok"] = bool(torch.equal(msg.tensor(), x[victim]))
     # before round 3: no peer can be done (and closed) before every other one started it
-    out["links"] = {n: {"lives": ln.lives, "closed": ln.closed} for n, ln in t._links.items()}
+    out["links"] = {
+        n: {"lives": ln.lives, "closed": ln.closed} for n, ln in t.links.by_name.items()
+    }
     out["after"] = mean(3, members)
     return out
 

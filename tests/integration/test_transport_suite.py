@@ -328,7 +328,7 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
         b2 = start("b", ["a", "c", "d"])
         waiting.join()
         d = got["d"]
-        assert b2.incarnation == 2 and a._links["b"].lives == 2
+        assert b2.incarnation == 2 and a.links.by_name["b"].lives == 2
         for peer in (a, c, d):  # b's new process talks to each, both ways
             peer_name = peer.me
             b2.send(peer_name, "x", Kind.CONTROL, x, 0).wait(TIMEOUT_S)
@@ -375,7 +375,7 @@ def test_torch_a_full_mailbox_does_not_hold_a_restarted_peer_off() -> None:
         b2 = start("b", needed=[])
         b2.send("a", "x", Kind.CONTROL, x, 0)
         assert torch.equal(_recv_when_formed(a, "b", TIMEOUT_S).tensor(), x.data)
-        assert a._links["b"].lives == 2 and a.stats.rejects["stale"] >= 2, a.stats.rejects
+        assert a.links.by_name["b"].lives == 2 and a.stats.rejects["stale"] >= 2, a.stats.rejects
         for t in (a, b2):
             t.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from cli import bench_grids as grids
-from cli.options import BenchCommand, parse_seeds, resolve_config
+from cli.options import BenchCommand, out_option, parse_seeds, resolve_config
 from mesh.config import ConfigError, load_config
 
 
@@ -406,9 +406,7 @@ def optimizers(
 
 MODEL_OPTIONS = (
     click.option("--quick", is_flag=True, help="llama-20m only, short sequences (about a minute)."),
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/model", show_default=True
-    ),
+    out_option("model"),
     click.option(
         "--device",
         type=click.Choice(["auto", "cpu", "cuda"]),
@@ -453,9 +451,7 @@ SCALE_MODEL_OPTIONS = (
         type=click.Choice(["llama-160m", "llama-1b"]),
         help="Only these models (default both; llama-1b needs about 16 GB of memory).",
     ),
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/scale-model", show_default=True
-    ),
+    out_option("scale-model"),
     click.option("--no-download", is_flag=True, help="Skip the state download (two processes)."),
 )
 

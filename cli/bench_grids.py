@@ -11,12 +11,11 @@ from typing import Any
 
 import click
 
+from cli.options import out_option
 from mesh.config import load_config
 
 JOIN_OPTIONS = (
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/join", show_default=True
-    ),
+    out_option("join"),
     click.option(
         "--repeats",
         type=click.IntRange(min=1),
@@ -35,11 +34,7 @@ def join(out: str, repeats: int) -> None:
     run_join_bench(Path(out), repeats=repeats)
 
 
-NAT_OPTIONS = (
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/nat", show_default=True
-    ),
-)
+NAT_OPTIONS = (out_option("nat"),)
 
 
 def nat(out: str) -> str:
@@ -59,9 +54,7 @@ def nat(out: str) -> str:
 
 
 POOLS_OPTIONS = (
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/pools", show_default=True
-    ),
+    out_option("pools"),
     click.option("--quick", is_flag=True, help="The gpu-mix scenario alone, 30 updates a stream."),
     click.option("--steps", type=click.IntRange(min=10), default=None, help="Updates a stream."),
     click.option(
@@ -136,9 +129,7 @@ def pools(
 
 
 SOAK_OPTIONS = (
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/soak", show_default=True
-    ),
+    out_option("soak"),
     click.option(
         "--minutes",
         type=click.FloatRange(min=1.0),
@@ -160,9 +151,7 @@ def soak(out: str, minutes: float | None, quick: bool) -> None:
 
 
 SCALE_OPTIONS = (
-    click.option(
-        "--out", type=click.Path(file_okay=False), default="results/scale", show_default=True
-    ),
+    out_option("scale"),
     click.option(
         "--quick", is_flag=True, help="A 4x2 grid, one status call, a 20 s window (a smoke test)."
     ),

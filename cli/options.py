@@ -157,6 +157,13 @@ def study_options(name: str, quick_help: str) -> Callable[[F], F]:
     return wrap
 
 
+def out_option(name: str) -> Callable[[Any], Any]:
+    """A benchmark's --out, results/NAME by default."""
+    return click.option(
+        "--out", type=click.Path(file_okay=False), default=f"results/{name}", show_default=True
+    )
+
+
 @dataclass(frozen=True)
 class BenchCommand:
     """One `meshtrain bench` command: its handler (its docstring is the command's help; it takes

@@ -235,6 +235,7 @@ def run_join(
     skip_reach_check: bool = False,
 ) -> None:
     from cli.preflight import check_data, check_extras
+    from comms.build import HivemindMeeting
     from comms.p2p.auth import Auth
     from comms.p2p.relay import RelayLimits
     from mesh.data.manifest import run_record_data
@@ -274,26 +275,27 @@ def run_join(
     out = out or default_out(run_id, j, i)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml())
-    options: dict[str, Any] = {
-        "initial_peers": list(initial_peers),
-        "run_id": run_id,
-        "client_mode": client_mode,
-        "relays": relays,  # with the bootstrap nodes (P2PTransport)
-        **maddr_kwargs,
-    }
+    limits = None
     if not client_mode:  # it relays for peers behind NAT within these (comms/p2p/relay_service.py)
         t = cfg.transport
-        mib = int(t.relay_data_limit_mib * 2**20)
-        options["relay_limits"] = RelayLimits(t.relay_time_limit_s, mib)
-    if identity:
-        options["identity_path"] = identity
+        limits = RelayLimits(t.relay_time_limit_s, int(t.relay_data_limit_mib * 2**20))
+    meeting = HivemindMeeting(
+        initial_peers=tuple(initial_peers),
+        run_id=run_id,
+        host_maddrs=tuple(maddr_kwargs["host_maddrs"]),
+        announce_maddrs=tuple(announce_maddrs or ()),
+        identity_path=identity or None,
+        client_mode=client_mode,
+        relays=tuple(relays),  # with the bootstrap nodes (P2PTransport)
+        relay_limits=limits,
+    )
     click.echo(
         f"joined run {run_id!r} as {cell_name(j, i)} (grid {cfg.grid.stages}x"
         f"{cfg.grid.replicas}); metrics and checkpoints in {out}"
     )
     # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
     # appears; the scout's claim (this process's DHT node is gone) expires by itself
-    _run_here(cfg, j, i, out, options, run_key, since - 1e-3)
+    _run_here(cfg, j, i, out, meeting, run_key, since - 1e-3)
 
 
 def _data_reference(cfg: Config) -> dict[str, Any] | None:
@@ -314,7 +316,7 @@ def _run_here(
     j: int,
     i: int,
     out: Path,
-    options: dict[str, Any],
+    meeting: Any,  # comms.build.HivemindMeeting
     run_key: str | None,
     since: float,
 ) -> None:
@@ -358,7 +360,7 @@ def _run_here(
     drawer.start()
     code, failure, lost, moved = 0, "", "", None
     try:
-        run_cell(cfg.model_dump(mode="json"), j, i, str(out), options, -1, run_key, since)
+        run_cell(cfg.model_dump(mode="json"), j, i, str(out), meeting, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (ConfigError, DataError, CheckpointError, DiskFull) as e:  # the message says the fix

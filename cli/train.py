@@ -134,13 +134,14 @@ def _run_cell_process(
 ) -> None:
     """The cell, in this process; one line on how it ended, then exit at once with its code
     (as mesh.runtime.trainer.cell_process_main: daemon threads may sit in C++ waits)."""
+    from comms.build import TorchMeeting
     from mesh.runtime.cluster_start import ClusterStart
     from mesh.runtime.cluster_store import hold_store, serve_store, watch_store
     from mesh.runtime.trainer import cell_life, run_cell
 
     # served for the process's life (rank 0 without a launcher's store): every link meets there
     store = serve_store(place, cfg.transport.start_timeout_s) if place.serves_store else None
-    options = {"rendezvous": f"tcp://{place.store_host}:{place.store_port}", "serve_store": False}
+    meeting = TorchMeeting(f"tcp://{place.store_host}:{place.store_port}", serve_store=False)
     search = [out, *[d for d in dirs if d.resolve() != out.resolve()]]
 
     def coordinator(cfg: Config, worker: Any, transport: Any, event: Any) -> ClusterStart:
@@ -157,7 +158,7 @@ def _run_cell_process(
         stage,
         replica,
         str(out),
-        options,
+        meeting,
         local_rank=place.local_rank,
         coordinator=coordinator,
     )

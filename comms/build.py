@@ -14,6 +14,7 @@ import importlib
 import multiprocessing
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from comms.names import BACKENDS
@@ -21,18 +22,47 @@ from comms.throttle import LinkShapers, Shaping
 from comms.transport import Transport
 
 
+@dataclass(frozen=True)
+class TorchMeeting:
+    """Where torch peers meet: the rendezvous TCPStore "tcp://HOST:PORT", served by whoever
+    launched them (serve_store False: comms.build.local_rendezvous, a cluster's launcher) or
+    bound by peers[0]."""
+
+    rendezvous: str
+    serve_store: bool = True
+
+
+@dataclass(frozen=True)
+class HivemindMeeting:
+    """Where hivemind peers meet and how others reach this one: multiaddrs of any DHT node to
+    bootstrap from, the run's namespace of DHT keys, the addresses to listen on (empty: the
+    transport's host, port 0) and to announce (NAT, port mapping), the identity file that keeps
+    the PeerID across restarts, client mode (behind NAT: reached through `relays`) and what this
+    peer relays for others (comms.p2p.relay.RelayLimits; None: p2pd's defaults)."""
+
+    initial_peers: tuple[str, ...] = ()
+    run_id: str = "meshtrain"
+    host_maddrs: tuple[str, ...] = ()
+    announce_maddrs: tuple[str, ...] = ()
+    identity_path: str | None = None
+    client_mode: bool = False
+    relays: tuple[str, ...] = ()
+    relay_limits: Any = None
+
+
+Meeting = TorchMeeting | HivemindMeeting
+
+
 def make_transport(
     backend: str,
     me: str,
     peers: list[str],
     groups: dict[str, list[str]],
+    meeting: Meeting,
     *,
-    rendezvous: str | None = None,
-    initial_peers: list[str] | None = None,
     host: str = "127.0.0.1",
     timeout_s: float = 10.0,
     shaping: Shaping = None,
-    run_id: str = "meshtrain",
     **options: Any,
 ) -> Transport:
     """A started transport for peer `me`.
@@ -40,25 +70,24 @@ def make_transport(
     Args:
         backend: "torch" (torch.distributed) or "hivemind" (libp2p through a DHT).
         me, peers, groups: this peer, every peer in rank order, averaging groups.
-        rendezvous: torch only: "tcp://HOST:PORT" of the TCPStore (served by local_rendezvous
-            with serve_store=False, else bound by peers[0]).
-        initial_peers: hivemind only: multiaddrs of any DHT node to bootstrap from.
+        meeting: where the peers meet, the backend's (TorchMeeting, HivemindMeeting).
         host: address to bind (loopback by default; tests never leave 127.0.0.x).
         timeout_s: startup deadline and default deadline of waits.
         shaping: LinkProfile (or PROFILES name) for every link, a per-destination dict, or None.
-        run_id: hivemind only: namespace of DHT keys.
-        options: backend-specific keyword arguments, passed through.
+        options: the backend's own settings (TorchTransport's links, needed, mailbox bounds;
+            P2PTransport's auth, dht_client, limits), by their names there.
     """
     if backend == "torch":
-        if rendezvous is None:
-            raise ValueError("the torch backend needs rendezvous='tcp://HOST:PORT'")
+        if not isinstance(meeting, TorchMeeting):
+            raise ValueError(f"the torch backend meets at a TorchMeeting, not {meeting!r}")
         from comms.torchdist.transport import TorchTransport
 
         return TorchTransport(
             me,
             peers,
             groups,
-            rendezvous,
+            meeting.rendezvous,
+            serve_store=meeting.serve_store,
             timeout_s=timeout_s,
             shaping=shaping,
             host=host,
@@ -66,12 +95,19 @@ def make_transport(
         )
     if backend == "hivemind":
         # ---- hivemind branch ----
+        if not isinstance(meeting, HivemindMeeting):
+            raise ValueError(f"the hivemind backend meets at a HivemindMeeting, not {meeting!r}")
         p2p = _optional_module("comms.p2p.transport")
         return p2p.P2PTransport(
             me,
-            run_id=run_id,
-            initial_peers=list(initial_peers or ()),
-            host_maddrs=options.pop("host_maddrs", None) or [f"/ip4/{host}/tcp/0"],
+            run_id=meeting.run_id,
+            initial_peers=list(meeting.initial_peers),
+            host_maddrs=list(meeting.host_maddrs) or [f"/ip4/{host}/tcp/0"],
+            announce_maddrs=list(meeting.announce_maddrs) or None,
+            identity_path=meeting.identity_path,
+            client_mode=meeting.client_mode,
+            relays=list(meeting.relays),
+            relay_limits=meeting.relay_limits,
             timeout_s=timeout_s,
             shaping=LinkShapers(me, shaping) if shaping is not None else None,
             peers=peers,
@@ -82,14 +118,13 @@ def make_transport(
 
 
 @contextlib.contextmanager
-def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
-    """What a group of local peers needs to find each other, as make_transport kwargs; lives
-    as long as the context (the parent process of a test or bench holds it).
+def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[Meeting]:
+    """Where a group of local peers meets (make_transport's `meeting`); lives as long as the
+    context (the parent process of a test or bench holds it).
 
-    torch: the rendezvous TCPStore, served from this process ({"rendezvous":
-    "tcp://host:port", "serve_store": False}), so that it outlives every peer: a peer that is
-    started again forms its links anew with the live ones.
-    hivemind: a bootstrap DHT node on host ({"initial_peers": [maddr, ...]}).
+    torch: the rendezvous TCPStore, served from this process (serve_store False), so that it
+    outlives every peer: a peer that is started again forms its links anew with the live ones.
+    hivemind: a bootstrap DHT node on host (its multiaddrs are the initial peers).
     """
     if backend == "torch":
         from datetime import timedelta
@@ -98,7 +133,7 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
 
         store = store_server(host, 0, timedelta(seconds=60))
         try:
-            yield {"rendezvous": f"tcp://{host}:{store.port}", "serve_store": False}
+            yield TorchMeeting(f"tcp://{host}:{store.port}", serve_store=False)
         finally:
             del store  # stops the server, frees the port
         return
@@ -118,7 +153,8 @@ def local_rendezvous(backend: str, host: str = "127.0.0.1") -> Iterator[dict[str
                 raise TimeoutError(
                     f"the bootstrap DHT node did not start in {SPAWN_S + BOOTSTRAP_START_S} s"
                 )
-            yield {"initial_peers": ours.recv()}  # EOFError: it failed (its stderr says why)
+            # EOFError: it failed (its stderr says why)
+            yield HivemindMeeting(initial_peers=tuple(ours.recv()))
         finally:
             with contextlib.suppress(OSError):
                 ours.send("stop")

@@ -47,7 +47,7 @@ class BootNode:
         from comms.build import local_rendezvous
 
         self._rendezvous = local_rendezvous("hivemind")
-        self._maddrs: list[str] = self._rendezvous.__enter__()["initial_peers"]
+        self._maddrs: list[str] = list(self._rendezvous.__enter__().initial_peers)
 
     def get_visible_maddrs(self) -> list[str]:
         return list(self._maddrs)

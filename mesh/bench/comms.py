@@ -347,7 +347,7 @@ def _child(backend, me, names, groups, rz, shaping, fn, kwargs, conn) -> None:
     # spinning in one process steal them from the transport threads of the others
     torch.set_num_threads(1)
     try:
-        t = make_transport(backend, me, names, groups, timeout_s=TIMEOUT_S, shaping=shaping, **rz)
+        t = make_transport(backend, me, names, groups, rz, timeout_s=TIMEOUT_S, shaping=shaping)
         try:
             conn.send(globals()[fn](t, me, names, **kwargs))
         finally:

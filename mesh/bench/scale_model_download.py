@@ -44,7 +44,7 @@ def _peer(role: str, preset: str, stage: int, rz: dict[str, Any], spool: str, co
             cell.flat.add_(1e-3)
             cell.drift.fill_(2e-4)
             cell.step = 1234
-        t = make_transport("torch", role_name(role), [DONOR, JOINER], {}, timeout_s=TIMEOUT_S, **rz)
+        t = make_transport("torch", role_name(role), [DONOR, JOINER], {}, rz, timeout_s=TIMEOUT_S)
         reset_peak_rss()
         base = rss_bytes()
         out: dict[str, Any] = {}

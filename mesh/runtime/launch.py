@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comms.build import local_rendezvous
+from comms.build import Meeting, local_rendezvous
 from mesh.algo import routing
 from mesh.algo.topology import cell_name
 from mesh.config import Config
@@ -68,8 +68,8 @@ class CellFailure:
 class LocalGrid:
     """The cells of one grid as local processes: start, signal, restart, stop and reap them."""
 
-    def __init__(self, cfg: Config, out_dir: Path, options: dict[str, Any]) -> None:
-        self.out_dir, self.options = out_dir, options
+    def __init__(self, cfg: Config, out_dir: Path, meeting: Meeting) -> None:
+        self.out_dir, self.meeting = out_dir, meeting
         # pipeline.window = "auto": sized once here, so every cell runs the same schedule
         self.tree = resolve_window(cfg).model_dump(mode="json")
         self.procs: dict[tuple[int, int], Any] = {}
@@ -93,7 +93,7 @@ class LocalGrid:
         self.lives[cell] = (max(resume_step or 0, 0), size)
         p = self._ctx.Process(
             target=launched_cell,
-            args=(target, self.tree, j, i, str(self.out_dir), self.options, resume_step),
+            args=(target, self.tree, j, i, str(self.out_dir), self.meeting, resume_step),
             name=f"cell-{cell_name(j, i)}",
         )
         with _sigterm_ignored():
@@ -234,8 +234,8 @@ def run_grid(
     tail = MetricsTail(out_dir, cfg.grid.stages - 1, resume_step or 0)
     grid: LocalGrid | None = None
     try:
-        with local_rendezvous(cfg.transport.backend, cfg.transport.host) as options:
-            grid = LocalGrid(cfg, out_dir, options)
+        with local_rendezvous(cfg.transport.backend, cfg.transport.host) as meeting:
+            grid = LocalGrid(cfg, out_dir, meeting)
             outcome = _watch(
                 cfg,
                 grid,

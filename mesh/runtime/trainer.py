@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from comms.build import Meeting
 from comms.errors import PeerLost, PeerTimeout
 from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
@@ -139,7 +140,7 @@ def run_cell(
     stage: int,
     replica: int,
     out_dir: str,
-    transport_options: dict[str, Any],
+    meeting: Meeting,
     resume_step: int | None = None,
     run_key: str | None = None,
     since: float | None = None,
@@ -205,7 +206,7 @@ def run_cell(
         # host, a TCPStore connect blocked in C++ where no handler runs), longer than a launcher
         # waits
         with STOP.immediate():
-            transport = cell_transport(cfg, stage, replica, transport_options, run_key)
+            transport = cell_transport(cfg, stage, replica, meeting, run_key)
         with metrics.open("a") as f:
             # whose rows these are: a dashboard on this machine tells a dead cell by its pid
             event("started", pid=os.getpid(), host=socket.gethostname())
@@ -429,16 +430,14 @@ def cell_process_main(
     stage: int,
     replica: int,
     out_dir: str,
-    transport_options: dict[str, Any],
+    meeting: Meeting,
     resume_step: int | None = None,
 ) -> None:
     """run_cell as a process's whole life (cell_life), then exit at once with its code,
     skipping interpreter finalization. Its files are closed and fsynced by then; what is left
     are daemon threads (rounds past their deadline, libp2p readers) that must not be torn down
     under a C++ thread at exit ("terminate called without an active exception")."""
-    run = functools.partial(
-        run_cell, cfg_tree, stage, replica, out_dir, transport_options, resume_step
-    )
+    run = functools.partial(run_cell, cfg_tree, stage, replica, out_dir, meeting, resume_step)
     code = cell_life(out_dir, stage, replica, run)
     sys.stdout.flush()
     sys.stderr.flush()

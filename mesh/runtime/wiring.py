@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from comms.build import make_transport
+from comms.build import Meeting, make_transport
 from comms.p2p.auth import Auth
 from comms.transport import Transport
 from mesh.algo import routing
@@ -52,11 +52,12 @@ def cell_transport(
     cfg: Config,
     stage: int,
     replica: int,
-    options: dict[str, Any],
+    meeting: Meeting,
     run_key: str | None = None,
 ) -> Transport:
-    """This cell's transport: the grid's names and groups, the configured links shaped; on
-    hivemind, records carry the membership token of (run key, config fingerprint)."""
+    """This cell's transport, meeting the others at `meeting`: the grid's names and groups, the
+    configured links shaped; on hivemind, records carry the membership token of (run key,
+    config fingerprint)."""
     grid = grid_of(cfg)
     extra = backend_options(cfg, run_key)
     if cfg.transport.backend == "torch":
@@ -66,9 +67,11 @@ def cell_transport(
         cell_name(stage, replica),
         grid.names(),
         grid.groups(),
+        meeting,
         host=cfg.transport.host,
         timeout_s=cfg.transport.start_timeout_s,
-        **{"shaping": cell_shaping(cfg, stage, replica), **extra, **options},
+        shaping=cell_shaping(cfg, stage, replica),
+        **extra,
     )
 
 

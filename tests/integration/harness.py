@@ -103,7 +103,7 @@ def run_peers(
             # lock that the others need (a shared mp.Queue has one)
             event_end, to_parent = ctx.Pipe(duplex=False)
             from_parent, go_end = ctx.Pipe(duplex=False)
-            args = (backend, n, names, groups, scenario, timeout_s, {**rz, **(build or {})}, life)
+            args = (backend, n, names, groups, scenario, timeout_s, rz, build or {}, life)
             err = str(Path(tmp) / f"{n}.err")
             p = ctx.Process(
                 target=_child, args=(*args, kwargs, to_parent, from_parent, err), name=f"peer-{n}"
@@ -217,7 +217,9 @@ def _reap(procs: dict[str, mp.Process], grace_s: float = 30.0) -> None:
             p.join(5)
 
 
-def _child(backend, name, names, groups, scenario, timeout_s, build, life, kwargs, events, go, err):
+def _child(
+    backend, name, names, groups, scenario, timeout_s, meeting, build, life, kwargs, events, go, err
+):
     """Child process body: stderr to a file, build, run, report, close."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a cell's fork server ignores it
     fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -232,7 +234,7 @@ def _child(backend, name, names, groups, scenario, timeout_s, build, life, kwarg
         module, _, fn_name = scenario.rpartition(":")  # "module:function", or one of scenarios'
         fn = getattr(importlib.import_module(module or "scenarios"), fn_name)
         peer = Peer(name, list(names), dict(groups), backend, timeout_s, life, events, go)
-        t = make_transport(backend, name, names, groups, timeout_s=timeout_s, **build)
+        t = make_transport(backend, name, names, groups, meeting, timeout_s=timeout_s, **build)
         try:
             peer.checkpoint(STARTED)
             result = fn(t, peer, **kwargs)

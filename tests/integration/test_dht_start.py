@@ -172,7 +172,7 @@ def test_local_rendezvous_dht_starts_with_a_deadline() -> None:
     from comms.build import local_rendezvous
 
     with local_rendezvous("hivemind") as rz:
-        assert rz["initial_peers"] and all("127.0.0.1" in a for a in rz["initial_peers"])
+        assert rz.initial_peers and all("127.0.0.1" in a for a in rz.initial_peers)
 
 
 def test_a_dht_that_did_not_shut_down_is_killed_with_its_p2pd_and_sockets() -> None:

@@ -90,7 +90,7 @@ def _transports(backend: str, names: list[str]) -> Iterator[dict[str, Transport]
             if backend == "torch":  # every peer must be starting at once: threads
 
                 def start(name: str) -> None:
-                    out[name] = make_transport(backend, name, names, {}, timeout_s=60.0, **where)
+                    out[name] = make_transport(backend, name, names, {}, where, timeout_s=60.0)
 
                 threads = [threading.Thread(target=start, args=(n,)) for n in names]
                 for t in threads:
@@ -100,9 +100,8 @@ def _transports(backend: str, names: list[str]) -> Iterator[dict[str, Transport]
                 assert set(out) == set(names), "a torch transport did not start"
             else:
                 for name in names:
-                    out[name] = make_transport(
-                        backend, name, names, {}, timeout_s=START_S, run_id="state", **where
-                    )
+                    meeting = dataclasses.replace(where, run_id="state")
+                    out[name] = make_transport(backend, name, names, {}, meeting, timeout_s=START_S)
             yield out
         finally:  # at once: a torch peer's close waits for the others' goodbyes
             closing = [threading.Thread(target=t.close) for t in out.values()]

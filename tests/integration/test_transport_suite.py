@@ -235,10 +235,10 @@ def test_torch_single_peer_world_and_close() -> None:
     import torch
 
     from comms import codecs
-    from comms.build import free_port, make_transport
+    from comms.build import TorchMeeting, free_port, make_transport
 
-    rz = f"tcp://127.0.0.1:{free_port()}"
-    t = make_transport("torch", "a", ["a"], {"g": ["a"]}, rendezvous=rz, timeout_s=10.0)
+    rz = TorchMeeting(f"tcp://127.0.0.1:{free_port()}")
+    t = make_transport("torch", "a", ["a"], {"g": ["a"]}, rz, timeout_s=10.0)
     x = torch.randn(1000)
     r = t.start_mean("g", ["a"], 0, x, "fp8_e4m3", 5.0).result(5.0)
     assert r.status == "ok" and r.contributors == ("a",)
@@ -310,7 +310,7 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
 
         def start(me: str, links: list[str], **kw) -> object:
             return make_transport(
-                "torch", me, names, {}, timeout_s=TIMEOUT_S, links=links, **rz, **kw
+                "torch", me, names, {}, rz, timeout_s=TIMEOUT_S, links=links, **kw
             )
 
         got: dict[str, object] = {}
@@ -360,7 +360,7 @@ def test_torch_a_full_mailbox_does_not_hold_a_restarted_peer_off() -> None:
     with local_rendezvous("torch") as rz:
 
         def start(me: str, **kw) -> object:
-            return make_transport("torch", me, names, {}, timeout_s=TIMEOUT_S, **rz, **kw)
+            return make_transport("torch", me, names, {}, rz, timeout_s=TIMEOUT_S, **kw)
 
         got: dict[str, object] = {}
         first = threading.Thread(target=lambda: got.update({"a": start("a", mailbox_messages=1)}))

@@ -95,9 +95,10 @@ LAUNCHER = """
 import sys, time
 from pathlib import Path
 from mesh.config import Config
+from comms.build import TorchMeeting
 from mesh.runtime.launch import LocalGrid
 from tests.unit.test_stop_signal import cell_that_waits
-grid = LocalGrid(Config(), Path(sys.argv[1]), {{}})
+grid = LocalGrid(Config(), Path(sys.argv[1]), TorchMeeting("tcp://127.0.0.1:1"))
 grid.start((0, 0), target=cell_that_waits)
 print(grid.pid((0, 0)), flush=True)
 time.sleep({hang})

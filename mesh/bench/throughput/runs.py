@@ -13,6 +13,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from comms.build import Meeting
 from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import cell_name
 from mesh.bench.throughput.analysis import (
@@ -43,7 +44,7 @@ def _bench_cell(
     stage: int,
     replica: int,
     out_dir: str,
-    options: dict[str, Any],
+    meeting: Meeting,
     barrier: Any,
     barrier_timeout_s: float,
 ) -> None:
@@ -62,7 +63,7 @@ def _bench_cell(
     cfgs = [config_from_dict(tree) for _, tree, _, _ in plan]
     first = cfgs[0]
     torch.set_num_threads(first.run.threads)
-    transport = cell_transport(first, stage, replica, options)
+    transport = cell_transport(first, stage, replica, meeting)
     module = build_stage(first.model, first.grid.stages, stage, first.run.seed)
     try:
         for (name, _, steps, base), cfg in zip(plan, cfgs, strict=True):
@@ -145,13 +146,13 @@ def _run_windows(
     trees = [(name, c.model_dump(mode="json"), steps, base) for name, c, steps, base in plan]
     procs = []
     start = time.perf_counter()
-    with local_rendezvous(cfg.transport.backend, cfg.transport.host) as options:
+    with local_rendezvous(cfg.transport.backend, cfg.transport.host) as meeting:
         try:
             for i in range(m):
                 for j in range(P):
                     p = ctx.Process(
                         target=_bench_cell,
-                        args=(trees, j, i, str(out), options, barrier, barrier_timeout_s),
+                        args=(trees, j, i, str(out), meeting, barrier, barrier_timeout_s),
                         name=f"bench-{cell_name(j, i)}",
                     )
                     p.start()

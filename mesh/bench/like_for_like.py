@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.convergence import study_variants
+from mesh.bench.regime import data_reference, rule_fields, rule_line
 from mesh.bench.report import fmt_interval, paired_interval
 from mesh.bench.simruns import run_specs
 from mesh.bench.tuning import check_held_out, known_runs, tuning_seeds
 from mesh.config import Config
+from mesh.model.build import stage_param_counts
 from mesh.report import format_table
 
 ROTATED = {"optim.name": "rotated_adam"}
@@ -141,7 +143,10 @@ def run_like_for_like(base: Config, study_dir: Path, workers: int) -> dict[str, 
             for name, _, _ in final
         },
         "runs": ev,
+        "params": sum(stage_param_counts(base.model, 1)),
+        "tokens_per_replica": study["microbatches_per_replica"]["dp"] * base.tokens_per_microbatch,
     }
+    summary.update(rule_fields("like_for_like", summary, data_reference(base)))
     write_outputs(summary, study_dir)
     return summary
 
@@ -186,6 +191,8 @@ def table(summary: dict[str, Any]) -> str:
             f"FullSync with rotated_adam. The microbatch x{BATCH_FACTOR} row is the async arm at "
             "FullSync's batch and update count (what is left of its gap is the staleness's).",
             "",
+            _scale_line(summary),
+            "",
             format_table(["run", "val loss (mean)", "gap, nats", "gap, %"], rows),
             "",
             "Tuning (final loss per tuning seed):",
@@ -194,6 +201,18 @@ def table(summary: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+def _scale_line(summary: dict[str, Any]) -> str:
+    """The model's size and tokens, and the rule's line (where the reference sits against the
+    data's bigram)."""
+    size = ""
+    if summary.get("params"):
+        size = (
+            f"Model: {summary['params'] / 1e6:.2f}M parameters, "
+            f"{summary['tokens_per_replica'] / 1e6:.2f}M tokens a replica. "
+        )
+    return size + rule_line(summary)
 
 
 def write_outputs(summary: dict[str, Any], study_dir: Path) -> None:

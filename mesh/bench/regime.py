@@ -70,6 +70,11 @@ def _convergence(s: dict[str, Any]) -> dict[str, float]:
     return {} if fs is None else {"dp FullSync": fs}
 
 
+def _like_for_like(s: dict[str, Any]) -> dict[str, float]:
+    loss = _mean(list(s.get("evaluation", {}).get("FullSync rotated_adam", {}).values()))
+    return {} if loss is None else {"FullSync rotated_adam": loss}
+
+
 def _optimizers(s: dict[str, Any]) -> dict[str, float]:
     runs = [
         r
@@ -105,6 +110,7 @@ def _data(s: dict[str, Any]) -> dict[str, float]:
 REFERENCES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]] = {
     "boundary": ("full bf16 async pipeline", _boundary),
     "convergence": ("FullSync (the DP study, evaluation seeds)", _convergence),
+    "like_for_like": ("FullSync rotated_adam (evaluation seeds)", _like_for_like),
     "ablations": ("full AsyncMesh", lambda s: _runs_by(s, "study", "full AsyncMesh")),
     "horizon": ("FullSync at each length", lambda s: _runs_by(s, "study", "FullSync")),
     "precision": ("AsyncMesh fp32", lambda s: _runs_by(s, "study", "AsyncMesh fp32")),

@@ -83,3 +83,29 @@ def test_a_fullsync_variant_reads_the_studys_tokens_not_four_times_them():
     study = spec_config(base, _dp_spec("FullSync", 0), budget[lfl.LABEL])
     # FullSync takes 4 microbatches an update: as many updates as the study's own FullSync
     assert variant.run.steps == study.run.steps == budget[lfl.LABEL] // 4
+
+
+def test_the_report_says_the_scale_and_where_the_reference_sits_against_the_bigram():
+    from mesh.bench.regime import rule_fields
+
+    summary = {
+        "tuning_seeds": [0, 1],
+        "evaluation_seeds": [10, 11],
+        "microbatches_per_replica": 1600,
+        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        "tuning_runs": [],
+        "evaluation": {"FullSync rotated_adam": {"10": 1.5, "11": 1.4}},
+        "params": 396_352,
+        "tokens_per_replica": 1_638_400,
+    }
+    entry = {
+        "unigram": {"nats_per_token": 3.3, "bits_per_byte": 4.8},
+        "bigram": {"nats_per_token": 2.5, "bits_per_byte": 3.6},
+    }
+    fields = rule_fields("like_for_like", summary, entry)
+    assert fields["reference_val_loss"] == {"FullSync rotated_adam": 1.45}
+    assert fields["reference_to_bigram_ratio"] == pytest.approx(1.45 / 2.5, abs=1e-3)
+    summary.update(fields)
+    text = lfl.table(summary)
+    assert "0.40M parameters, 1.64M tokens a replica" in text
+    assert "Passes the rule" in text

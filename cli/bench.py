@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from cli import bench_grids as grids
-from cli.options import BenchCommand, out_option, parse_seeds, resolve_config
+from cli.options import BenchCommand, StudyArgs, out_option, parse_seeds, resolve_config
 from mesh.config import ConfigError, load_config
 
 
@@ -85,11 +85,7 @@ CONVERGENCE_OPTIONS = (
 
 
 def convergence(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
+    study: StudyArgs,
     lr_sweep: bool,
     tune: bool,
     dp_only: bool,
@@ -124,31 +120,31 @@ def convergence(
         check_held_out(
             evaluation or EVAL_SEEDS, [*(tuning or TUNE_SEEDS), *(confirm or CONFIRM_SEEDS)]
         )
-    cfg = resolve_config(config_files, overrides)
+    cfg, out, workers, quick = study.config(), Path(study.out), study.workers, study.quick
     if like_for_like or interval_axis:
         flag = "--like-for-like" if like_for_like else "--interval"
-        if not (Path(out) / "summary.json").is_file():
+        if not (out / "summary.json").is_file():
             raise ConfigError(f"{flag} runs on a study's settings: {out}/summary.json is missing")
     if like_for_like:
         from mesh.bench.like_for_like import run_like_for_like
         from mesh.bench.like_for_like import table as like_table
 
-        return like_table(run_like_for_like(cfg, Path(out), workers))
+        return like_table(run_like_for_like(cfg, out, workers))
     if interval_axis:
         from mesh.bench.interval import run_interval
         from mesh.bench.interval import table as interval_table
 
-        return interval_table(run_interval(cfg, Path(out), workers, quick))
+        return interval_table(run_interval(cfg, out, workers, quick))
     if tune:
         from mesh.bench.tuning import run_tuning
 
-        run_tuning(cfg, Path(out), quick, workers, tuning, confirm)
-        return (Path(out) / "tuning.md").read_text()
+        run_tuning(cfg, out, quick, workers, tuning, confirm)
+        return (out / "tuning.md").read_text()
     if lr_sweep:
-        run_lr_sweep(cfg, Path(out), quick=quick, workers=workers)
-        return (Path(out) / "lr_sweep.md").read_text()
+        run_lr_sweep(cfg, out, quick=quick, workers=workers)
+        return (out / "lr_sweep.md").read_text()
     run_convergence(
-        cfg, Path(out), quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
+        cfg, out, quick, workers, pipeline=not dp_only, seeds=evaluation, methods=chosen
     )
     return None
 
@@ -162,19 +158,15 @@ SEEDS_OPTION = click.option(
 
 
 def ablations(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
+    study: StudyArgs,
     seeds: str | None,
 ) -> str:
     """The AsyncMesh paper's ablation table on an 8x2 grid, the paper's numbers beside ours."""
     from mesh.bench.ablations import run_ablations
 
-    chosen = parse_seeds(seeds)
-    run_ablations(resolve_config(config_files, overrides), Path(out), quick, workers, chosen)
-    return (Path(out) / "table.md").read_text()
+    out = Path(study.out)
+    run_ablations(study.config(), out, study.quick, study.workers, parse_seeds(seeds))
+    return (out / "table.md").read_text()
 
 
 BOUNDARY_OPTIONS = (
@@ -209,11 +201,7 @@ BOUNDARY_OPTIONS = (
 
 
 def boundary(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
+    study: StudyArgs,
     seeds: str | None,
     stages_csv: str | None,
     width: str,
@@ -228,10 +216,11 @@ def boundary(
 
     chosen = parse_seeds(seeds)
     # the study's model unless a config file names one (--set overrides either)
-    defaults = () if config_files else (*STUDY_DEFAULTS, *WIDTHS[int(width)])
+    defaults = () if study.config_files else (*STUDY_DEFAULTS, *WIDTHS[int(width)])
+    out = study.out
     if width != "64" and out == "results/boundary":
         out = f"results/boundary-d{width}"
-    base = resolve_config(config_files, (*defaults, *overrides))
+    base = study.config(defaults)
     if base.data.path is not None and not Path(base.data.path).exists():
         raise ConfigError(
             f"data.path = {base.data.path!r} does not exist: prepare it with `meshtrain data "
@@ -242,12 +231,17 @@ def boundary(
     if stages is not None and any(p < 2 for p in stages):
         raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
     # the default study at full budget is what `plan --uplink-mbit` ships with
-    publish = not quick and out == "results/boundary" and not config_files and not overrides
+    publish = (
+        not study.quick
+        and out == "results/boundary"
+        and not study.config_files
+        and not study.overrides
+    )
     summary = run_boundary(
         base,
         Path(out),
-        quick,
-        workers,
+        study.quick,
+        study.workers,
         chosen,
         tuple(stages) if stages else None,
         report_only,
@@ -261,20 +255,13 @@ FIDELITY_OPTIONS = (
 )
 
 
-def fidelity(
-    study: str,
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
-) -> str:
+def fidelity(args: StudyArgs, study: str) -> str:
     """The paper's other claims: payload precision, the gap against the horizon, grid scaling
     (results/fidelity/STUDY; reads results/convergence/tuning.json)."""
     from mesh.bench.fidelity import run_fidelity
 
-    where = Path(out) / study
-    run_fidelity(resolve_config(config_files, overrides), study, where, quick, workers)
+    where = Path(args.out) / study
+    run_fidelity(args.config(), study, where, args.quick, args.workers)
     return (where / "table.md").read_text()
 
 
@@ -378,11 +365,7 @@ OPTIMIZERS_OPTIONS = (
 
 
 def optimizers(
-    config_files: tuple[str, ...],
-    overrides: tuple[str, ...],
-    quick: bool,
-    out: str,
-    workers: int,
+    study: StudyArgs,
     target: float | None,
     reanalyze: bool,
 ) -> None:
@@ -396,12 +379,12 @@ def optimizers(
     if reanalyze:
         from mesh.bench.optimizers.runs import reanalyze as rederive
 
-        if not (Path(out) / "summary.json").is_file():
-            raise ConfigError(f"--reanalyze: no {out}/summary.json; run the study first")
-        rederive(Path(out), target)
+        if not (Path(study.out) / "summary.json").is_file():
+            raise ConfigError(f"--reanalyze: no {study.out}/summary.json; run the study first")
+        rederive(Path(study.out), target)
         return
-    cfg = load_config(list(config_files), [*STUDY_DEFAULTS, *overrides])
-    run_optimizers(cfg, Path(out), quick=quick, workers=workers, target=target)
+    cfg = study.config(STUDY_DEFAULTS)
+    run_optimizers(cfg, Path(study.out), quick=study.quick, workers=study.workers, target=target)
 
 
 MODEL_OPTIONS = (

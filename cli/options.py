@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -165,12 +165,28 @@ def out_option(name: str) -> Callable[[Any], Any]:
 
 
 @dataclass(frozen=True)
+class StudyArgs:
+    """The shared options of a simulator study, as its handler gets them."""
+
+    config_files: tuple[str, ...]
+    overrides: tuple[str, ...]
+    quick: bool
+    out: str
+    workers: int
+
+    def config(self, defaults: Sequence[str] = ()) -> Config:
+        """The study's base config: `defaults` (the study's own settings) after --config files,
+        before --set (which wins)."""
+        return load_config(list(self.config_files), [*defaults, *self.overrides])
+
+
+@dataclass(frozen=True)
 class BenchCommand:
     """One `meshtrain bench` command: its handler (its docstring is the command's help; it takes
     the options' values and returns the text to print, or None), its own options (click.option
     decorators, top first), and the shared ones it takes: a simulator study's (`study`: the
-    help of its --quick; --config, --set, --quick, --out results/NAME, --workers), or only the
-    config's (`config`)."""
+    help of its --quick; --config, --set, --quick, --out results/NAME, --workers: the handler
+    gets them as one StudyArgs, its first argument), or only the config's (`config`)."""
 
     name: str
     run: Callable[..., str | None]
@@ -179,11 +195,15 @@ class BenchCommand:
     config: bool = False
 
     def command(self) -> click.Command:
-        run = self.run
+        run, study = self.run, self.study is not None
 
         @functools.wraps(run)
         def callback(**values: Any) -> None:
-            text = run(**values)
+            if study:
+                shared = {k: values.pop(k) for k in STUDY_FIELDS}
+                text = run(StudyArgs(**shared), **values)
+            else:
+                text = run(**values)
             if text:
                 click.echo(text, nl=not text.endswith("\n"))
 
@@ -195,6 +215,9 @@ class BenchCommand:
         elif self.config:
             f = config_options(f)
         return click.command(self.name, help=run.__doc__)(f)
+
+
+STUDY_FIELDS = ("config_files", "overrides", "quick", "out", "workers")
 
 
 def parse_seeds(seeds: str | None, option: str = "--seeds") -> list[int] | None:

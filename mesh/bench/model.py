@@ -108,7 +108,9 @@ def _inputs(cfg: Config, stage: int, device: torch.device) -> tuple[torch.Tensor
     return x.to(device), y.to(device)
 
 
-def _cell_step(cell: Cell, x: torch.Tensor, y: torch.Tensor, last: bool) -> list[torch.Tensor]:
+def _cell_step(
+    cell: Cell, x: torch.Tensor, y: torch.Tensor, last: bool, precision: str
+) -> list[torch.Tensor]:
     """The runtime's backward of an update's first (async: only) microbatch, as
     mesh.runtime.stage.StageWorker._backward computes it: the parameters' gradients."""
     params = {n: t.detach().requires_grad_() for n, t in cell.weights(max(cell.history)).items()}
@@ -116,7 +118,7 @@ def _cell_step(cell: Cell, x: torch.Tensor, y: torch.Tensor, last: bool) -> list
     if x.is_floating_point():
         x = x.detach().requires_grad_()
         leaves = [x, *leaves]
-    out = stage_forward(cell.module, params, x, cell.cfg.runtime.precision)
+    out = stage_forward(cell.module, params, x, precision)
     if last:
         grads = torch.autograd.grad(lm_loss(out, y), leaves)
     else:
@@ -165,12 +167,14 @@ def peak_memory_bytes(cfg: Config, stage: int, device: torch.device) -> int:
     _, _, last = stage_layers(cfg.model, cfg.grid.stages, stage)
 
     def run() -> None:
-        cell = Cell(cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device))
+        cell = Cell.build(
+            cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device)
+        )
         for _ in range(cell.versions_to_keep() - 1):
             cell.step += 1
             cell.push_version()
         x, y = _inputs(cfg, stage, device)
-        cell.apply_update(_cell_step(cell, x, y, last))
+        cell.apply_update(_cell_step(cell, x, y, last, cfg.runtime.precision))
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -187,7 +191,7 @@ def peak_memory_bytes(cfg: Config, stage: int, device: torch.device) -> int:
 def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dict[str, Any]:
     _, _, last = stage_layers(cfg.model, cfg.grid.stages, stage)
     precision = cfg.runtime.precision
-    cell = Cell(cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device))
+    cell = Cell.build(cfg, stage, 0, build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device))
     plain = build_stage(cfg.model, cfg.grid.stages, stage, 0).to(device)
     x, y = _inputs(cfg, stage, device)
 
@@ -196,7 +200,7 @@ def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dic
             stage_forward(cell.module, cell.weights(max(cell.history)), x, precision)
 
     fns = {
-        "cell": lambda: _cell_step(cell, x, y, last),
+        "cell": lambda: _cell_step(cell, x, y, last, cfg.runtime.precision),
         "plain": lambda: _plain_step(plain, x, y, precision, last),
     }
     if not last:  # the last stage's forward is its backward's recompute

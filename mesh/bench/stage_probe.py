@@ -50,4 +50,4 @@ def build_cell(preset: str, stage: int) -> tuple[Any, Any]:
     from mesh.model.build import build_cell_stage
 
     cfg = bench_config(preset)
-    return cfg, Cell(cfg, stage, 0, build_cell_stage(cfg, stage))
+    return cfg, Cell.build(cfg, stage, 0, build_cell_stage(cfg, stage))

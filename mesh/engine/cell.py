@@ -26,7 +26,16 @@ from mesh.algo.optim import (
 )
 from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
 from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
-from mesh.config import Config, OptimConfig, parse_cell_factors
+from mesh.config import (
+    Config,
+    DPConfig,
+    FaultsConfig,
+    GridConfig,
+    OptimConfig,
+    PipelineConfig,
+    SentinelConfig,
+    parse_cell_factors,
+)
 from mesh.engine.rounds import Round, RoundBook
 from mesh.model.boundary import constrain_, riemannian_grads_
 
@@ -53,9 +62,38 @@ def optim_spec(
 APPLY_SLICE = 1 << 18  # values of a round applied at once (see Cell.apply_round)
 
 
+@dataclass(frozen=True)
+class CellSettings:
+    """What a cell reads of the run's config, its slice: the grid's shape, the optimizer and its
+    schedules' horizon, the averaging, the pipeline, the sentinel, the emulated faults and the
+    run's seed (its sparse subsets draw from it)."""
+
+    grid: GridConfig
+    optim: OptimConfig
+    dp: DPConfig
+    pipeline: PipelineConfig
+    sentinel: SentinelConfig
+    faults: FaultsConfig
+    seed: int
+    schedule_horizon: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> CellSettings:
+        return cls(
+            cfg.grid,
+            cfg.optim,
+            cfg.dp,
+            cfg.pipeline,
+            cfg.sentinel,
+            cfg.faults,
+            cfg.run.seed,
+            cfg.schedule_horizon,
+        )
+
+
 @dataclass
 class Cell:
-    cfg: Config
+    settings: CellSettings
     stage: int
     replica: int
     module: nn.Module  # a family's stage module (mesh.model.build)
@@ -71,8 +109,13 @@ class Cell:
     # RMS distances of the payloads accepted lately: the deviation bound's scale (dp.outlier_k)
     distances: deque[float] = field(default_factory=lambda: deque(maxlen=robust.OUTLIER_WINDOW))
 
+    @classmethod
+    def build(cls, cfg: Config, stage: int, replica: int, module: nn.Module) -> Cell:
+        """The cell of (stage, replica) around `module`, with its slice of `cfg`."""
+        return cls(CellSettings.of(cfg), stage, replica, module)
+
     def __post_init__(self) -> None:
-        self.rounds = RoundBook(self.cfg.dp.tau)
+        self.rounds = RoundBook(self.settings.dp.tau)
         # One flat buffer per stage (as FSDP does): a version is one clone, a round one gather.
         named = list(self.module.named_parameters())
         # Filled one parameter at a time, each one's own storage freed as its view replaces
@@ -89,14 +132,16 @@ class Cell:
             self._shapes.append((name, offset, n, p.shape))
             offset += n
         # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
-        pipe, window = self.cfg.pipeline, self.cfg.pipeline.extra_warmups()
-        delay = stage_delay(pipe.schedule, self.stage, self.cfg.grid.stages, window)
+        pipe, window = self.settings.pipeline, self.settings.pipeline.extra_warmups()
+        delay = stage_delay(pipe.schedule, self.stage, self.settings.grid.stages, window)
         # read by push_version every update: worked out once
-        self._versions_kept = versions_kept(pipe.schedule, self.stage, self.cfg.grid.stages, window)
+        self._versions_kept = versions_kept(
+            pipe.schedule, self.stage, self.settings.grid.stages, window
+        )
         # weight prediction: how far ahead this stage's versions are extrapolated (0: off)
         self._prediction = prediction_distance(pipe.weight_prediction, delay)
         beta = pipe.prediction_beta if self._prediction > 0 else None
-        spec = optim_spec(self.cfg.optim, delay, self.cfg.schedule_horizon, beta)
+        spec = optim_spec(self.settings.optim, delay, self.settings.schedule_horizon, beta)
         self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
         # a compressed boundary's constraints hold from the first version on (the subspace's
@@ -104,18 +149,18 @@ class Cell:
         constrain_(self.module)
         self.history = OrderedDict()
         self.history[0] = self.version_weights()
-        g = self.cfg.grid
-        poison = parse_cell_factors(self.cfg.faults.poison, g.stages, g.replicas, "poison")
+        g = self.settings.grid
+        poison = parse_cell_factors(self.settings.faults.poison, g.stages, g.replicas, "poison")
         self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
-        guard = self.cfg.sentinel
+        guard = self.settings.sentinel
         hostile = pipeline_poison.parse_pipeline_poison(
-            self.cfg.faults.pipeline_poison, g.stages, g.replicas
+            self.settings.faults.pipeline_poison, g.stages, g.replicas
         )
         self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
         mpu = self.mpu = microbatches_per_update(
-            self.cfg.pipeline.schedule, self.cfg.pipeline.microbatches
+            self.settings.pipeline.schedule, self.settings.pipeline.microbatches
         )
-        warmup = sentinel.warmup_messages(guard.warmup, self.cfg.optim.warmup_steps, mpu)
+        warmup = sentinel.warmup_messages(guard.warmup, self.settings.optim.warmup_steps, mpu)
         # an emulated attack starts once its receivers know the sender (twice their warm-up)
         self.poison_start = 0
         if self.pipeline_poison is not None:
@@ -207,7 +252,7 @@ class Cell:
         return self.step if self.progress is None else self.progress
 
     def lr_scale(self) -> float:
-        o, horizon, at = self.cfg.optim, self.cfg.schedule_horizon, self.schedule_step
+        o, horizon, at = self.settings.optim, self.settings.schedule_horizon, self.schedule_step
         scale = lr_at(at, horizon, 1.0, o.warmup_steps, o.min_lr_ratio)
         delay = self.optimizer.spec.delay
         return scale * delay_lr_factor(delay, at, horizon, o.delay_lr_share)
@@ -225,7 +270,7 @@ class Cell:
         pipeline), so its weights are stale and would drag the column back; it takes the
         others' mean. Only for the plain mean: a screened round (dp.aggregate, dp.outlier_k)
         measures the others against this cell's own payload."""
-        dp = self.cfg.dp
+        dp = self.settings.dp
         return self.stalled and dp.aggregate == "mean" and dp.outlier_k == 0
 
     def apply_update(self, grads: list[torch.Tensor]) -> float:
@@ -241,7 +286,7 @@ class Cell:
         constrain_(self.module)
         self.step += 1
         self.stalled = False
-        clip = self.cfg.optim.grad_clip
+        clip = self.settings.optim.grad_clip
         self.clipped += int(clip > 0 and norm > clip)
         return norm
 
@@ -255,7 +300,7 @@ class Cell:
         if hostile is None or microbatch < self.poison_start * self.mpu:
             return x
         which = int(kind == "gradient")
-        seed = sparse.stable_seed(self.cfg.run.seed, self.stage, self.replica, which, microbatch)
+        seed = sparse.stable_seed(self.settings.seed, self.stage, self.replica, which, microbatch)
         return pipeline_poison.poisoned(x, hostile, seed)
 
     def screen(
@@ -280,9 +325,9 @@ class Cell:
         is one gather, one payload and one scatter. Every replica averages the dequantized
         payloads of all replicas, its own included, so the mean is bit-identical everywhere.
         """
-        dp = self.cfg.dp
+        dp = self.settings.dp
         idx = sparse.subset_indices(
-            self.cfg.run.seed,
+            self.settings.seed,
             self.stage,
             0,
             index,
@@ -309,7 +354,7 @@ class Cell:
         cell's `me` among them): the deviation bound (dp.outlier_k) rejects payloads too far
         from ours, then dp.aggregate combines the rest (mesh/algo/robust.py). Returns the
         result and the names rejected."""
-        dp = self.cfg.dp
+        dp = self.settings.dp
         rejected: set[str] = set()
         if dp.outlier_k > 0:
             mine = parts[list(names).index(me)]
@@ -326,7 +371,7 @@ class Cell:
         assert rnd.mean is not None
         if self.poison is not None:
             return
-        dp = self.cfg.dp
+        dp = self.settings.dp
         lam = self.lambda_for(rnd.index)
         # in slices: the math is elementwise, so the result is the same bits, and a slice's
         # temporaries stay in the cache and the heap (a whole llama-1b round's are 66 MB each,
@@ -350,14 +395,18 @@ class Cell:
     def lambda_for(self, round_index: int) -> float:
         """lambda of the EMA at the arrival of round `round_index`, on the config's clock: this
         cell's update count now (steps) or the averages its coordinates have had (arrivals)."""
-        dp = self.cfg.dp
+        dp = self.settings.dp
         if dp.lambda_clock == "steps":
-            hold, now, total = dp.lambda_hold_steps, self.schedule_step, self.cfg.schedule_horizon
+            hold, now, total = (
+                dp.lambda_hold_steps,
+                self.schedule_step,
+                self.settings.schedule_horizon,
+            )
         else:
             hold = dp.lambda_hold_arrivals
             now = sparse.arrivals_before(round_index, dp.fraction, dp.selector)
             total = sparse.arrivals_per_coordinate(
-                self.cfg.schedule_horizon, dp.fraction, dp.interval_steps
+                self.settings.schedule_horizon, dp.fraction, dp.interval_steps
             )
         return lambda_at(now, total, dp.lambda_initial, dp.lambda_final, hold)
 

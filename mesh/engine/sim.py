@@ -131,7 +131,7 @@ class GridSim:
         self.M = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
         # every replica starts from the same weights: sparse averaging cannot align strangers
         self.cells = [
-            [Cell(cfg, j, i, module) for j, module in enumerate(build_cell_stages(cfg))]
+            [Cell.build(cfg, j, i, module) for j, module in enumerate(build_cell_stages(cfg))]
             for i in range(self.m)
         ]
         self.update = 0

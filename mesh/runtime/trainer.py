@@ -173,7 +173,7 @@ def run_cell(
         else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     )
     module = build_cell_stage(cfg, stage)
-    cell = Cell(cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank)))
+    cell = Cell.build(cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank)))
     if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
         resume_step = newest_intact(out_dir, stage, replica, cfg.state_fingerprint())
     if resume_step is not None:

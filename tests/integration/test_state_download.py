@@ -44,7 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _cell(extra: list[str], replica: int = 0, stage: int = 1) -> Cell:
     cfg = load_config([], [*helpers.TINY_MODEL, "grid.stages=2", "grid.replicas=3", *extra])
-    return Cell(cfg, stage, replica, build_stage(cfg.model, 2, stage, cfg.run.seed))
+    return Cell.build(cfg, stage, replica, build_stage(cfg.model, 2, stage, cfg.run.seed))
 
 
 def _train(cell: Cell, steps: int, seed: int) -> None:

@@ -35,7 +35,7 @@ from mesh.runtime.rows import append_row, cut_torn_tail
 
 def _cell(stage=0):
     cfg = load_config([], [*helpers.TINY_MODEL, "grid.stages=2"])
-    return cfg, Cell(cfg, stage, 0, build_stage(cfg.model, 2, stage, cfg.run.seed))
+    return cfg, Cell.build(cfg, stage, 0, build_stage(cfg.model, 2, stage, cfg.run.seed))
 
 
 def _train(cell, steps):

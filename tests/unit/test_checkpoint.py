@@ -30,7 +30,7 @@ TINY = helpers.TINY_MODEL
 
 def _cell(stage=0, *extra):
     cfg = load_config([], [*TINY, "grid.stages=2", *extra])
-    return cfg, Cell(cfg, stage, 0, build_stage(cfg.model, 2, stage, cfg.run.seed))
+    return cfg, Cell.build(cfg, stage, 0, build_stage(cfg.model, 2, stage, cfg.run.seed))
 
 
 def _train(cell, steps):
@@ -301,8 +301,8 @@ def test_a_longer_run_keeps_its_schedule_horizon():
     assert restretched.state_fingerprint() != base.state_fingerprint()
     # unset schedule_steps hashes as run.steps spelled out: fingerprints of old runs stand
     assert load_config([], [*short, "run.steps=8"]).fingerprint() == base.fingerprint()
-    a = Cell(base, 0, 0, build_stage(base.model, 2, 0, 0))
-    b = Cell(longer, 0, 0, build_stage(longer.model, 2, 0, 0))
+    a = Cell.build(base, 0, 0, build_stage(base.model, 2, 0, 0))
+    b = Cell.build(longer, 0, 0, build_stage(longer.model, 2, 0, 0))
     for step in (0, 3, 7, 8, 11):
         a.step = b.step = step
         assert a.lr_scale() == b.lr_scale()

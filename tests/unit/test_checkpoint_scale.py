@@ -81,7 +81,7 @@ def measure(run_dir: str) -> dict[str, object]:
     t0 = time.perf_counter()
     module = stage_module(cfg.model, *stage_layers(cfg.model, 1, 0))
     module.to_empty(device="cpu")  # not initialised: every value is drawn below
-    cell = Cell(cfg, 0, 0, module)
+    cell = Cell.build(cfg, 0, 0, module)
     build_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     for t in _tensors(cell).values():

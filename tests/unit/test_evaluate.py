@@ -22,7 +22,7 @@ def _saved_run(tmp_path, text_file, every: int):
             f"data.path='{text_file}'",
         ],
     )
-    cells = [Cell(cfg, j, 0, build_stage(cfg.model, 2, j, cfg.run.seed)) for j in range(2)]
+    cells = [Cell.build(cfg, j, 0, build_stage(cfg.model, 2, j, cfg.run.seed)) for j in range(2)]
     torch.manual_seed(0)
     for _ in range(3):  # saves at steps 2, 4 and 6
         for cell in cells:

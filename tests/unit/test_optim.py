@@ -506,5 +506,8 @@ def test_cells_scale_their_lr_by_their_own_delay(text_file) -> None:
     plain = load_config([], sets)
     cfg = load_config([], [*sets, "optim.delay_lr_share=0.5"])
     for j, module in enumerate(build_stages(cfg.model, 4, 0)):
-        corrected, base = Cell(cfg, j, 0, module).lr_scale(), Cell(plain, j, 0, module).lr_scale()
+        corrected, base = (
+            Cell.build(cfg, j, 0, module).lr_scale(),
+            Cell.build(plain, j, 0, module).lr_scale(),
+        )
         assert corrected == pytest.approx(base / max(1, 3 - j))  # delays 3, 2, 1, 0

@@ -37,7 +37,7 @@ def measure() -> dict[str, object]:
     cfg = load_config([], [*WIDE_LLAMA, *pools])
     module = stage_module(cfg.model, *stage_layers(cfg.model, 1, 0))
     module.to_empty(device="cpu")
-    cell = Cell(cfg, 0, 0, module)
+    cell = Cell.build(cfg, 0, 0, module)
     cell.flat.zero_()
     cell.history[0].zero_()  # version 0: the weights of step 0
     version_bytes = cell.flat.numel() * 4

@@ -119,7 +119,7 @@ def _grid(tmp_path, stages: int, replicas: int, steps: int, *extra: str):
     workers = {}
     for i in range(replicas):
         for j in range(stages):
-            cell = Cell(cfg, j, i, build_cell_stage(cfg, j))
+            cell = Cell.build(cfg, j, i, build_cell_stage(cfg, j))
             workers[f"s{j}r{i}"] = PoolWorker(cfg, cell, HubTransport(hub, f"s{j}r{i}"), None)
     return cfg, hub, workers
 

@@ -230,7 +230,7 @@ def test_cell_passes_stage_delay(schedule: str, stages: int, window, expected: l
     extra = [0] * stages if window == "none" else window
     periods = []
     for j, module in enumerate(build_stages(cfg.model, stages, 0)):
-        cell = Cell(cfg, j, 0, module)
+        cell = Cell.build(cfg, j, 0, module)
         assert cell.optimizer.spec.delay == (
             stages - 1 - j + extra[j] if schedule == "async" else int(schedule == "2bw")
         )

@@ -94,7 +94,7 @@ class Worker(Rounds):
 
     def __init__(self, *overrides: str, cuttable: bool = True) -> None:
         cfg = load_config([], [*helpers.TINY_MODEL, "grid.stages=1", "grid.replicas=2", *overrides])
-        cell = Cell(cfg, 0, 0, build_stage(cfg.model, 1, 0, cfg.run.seed))
+        cell = Cell.build(cfg, 0, 0, build_stage(cfg.model, 1, 0, cfg.run.seed))
         column = ["s0r0", "s0r1"]
         super().__init__(RoundSettings.of(cfg), cell, Transport(cuttable), StageStats(), column)
 

@@ -283,12 +283,12 @@ def test_arrivals_clock_counts_the_averages_a_coordinate_has_had() -> None:
 def test_cell_lambda_on_the_arrivals_clock() -> None:
     base = ["grid.stages=1", "grid.replicas=2", "run.steps=1600", "dp.fraction=0.05"]
     cfg = load_config([], [*base, "dp.lambda_clock=arrivals", "dp.lambda_hold_arrivals=10"])
-    cell = Cell(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
+    cell = Cell.build(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
     # rounds 0..199 are arrivals 0..9: held; the cosine then runs over arrivals 10..80
     assert cell.lambda_for(0) == cell.lambda_for(199) == 0.5
     assert cell.lambda_for(20 * 45) == pytest.approx(0.01 + 0.49 * 0.5)  # midway: 45 of 10..80
     assert cell.lambda_for(1599) == pytest.approx(0.01, abs=2e-3)
-    steps = Cell(load_config([], base), 0, 0, build_stages(cfg.model, 1, 0)[0])
+    steps = Cell.build(load_config([], base), 0, 0, build_stages(cfg.model, 1, 0)[0])
     steps.step = 1200  # the steps clock reads the cell's update count, not the round
     assert steps.lambda_for(0) == pytest.approx(lambda_at(1200, 1600, 0.5, 0.01, 1000))
 
@@ -439,7 +439,7 @@ def test_a_cell_round_in_runs_is_the_round_taken_value_by_value(monkeypatch) -> 
 
     monkeypatch.setattr(cell_mod, "APPLY_SLICE", 100)  # -> slices of 96 values: 12 runs of 8
     cfg = load_config([], ["grid.stages=1", "grid.replicas=2", "dp.subset_block=8"])
-    cell = Cell(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
+    cell = Cell.build(cfg, 0, 0, build_stages(cfg.model, 1, 0)[0])
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         cell.drift.copy_(torch.randn(cell.drift.shape, generator=gen) * 1e-3)

@@ -104,7 +104,7 @@ def _cells(text_file, *sets):
             *sets,
         ],
     )
-    return cfg, [Cell(cfg, j, 0, m) for j, m in enumerate(build_stages(cfg.model, 3, 0))]
+    return cfg, [Cell.build(cfg, j, 0, m) for j, m in enumerate(build_stages(cfg.model, 3, 0))]
 
 
 def test_cells_stash_predicted_versions_by_their_delay(text_file):

@@ -67,7 +67,7 @@ def _bench_cell(
     module = build_stage(first.model, first.grid.stages, stage, first.run.seed)
     try:
         for (name, _, steps, base), cfg in zip(plan, cfgs, strict=True):
-            cell = Cell(cfg, stage, replica, module)
+            cell = Cell.build(cfg, stage, replica, module)
             cell.step = base
             cell.history = OrderedDict({base: cell.flat.clone()})
             worker = StageWorker(cfg, cell, transport, None)

@@ -170,7 +170,7 @@ def test_layers_point_one_way():
 # The benchmarks and the tests' harness are no part of the product: only the bench commands and
 # the benchmarks themselves import mesh.bench (a product command's tables and plots come from
 # mesh.report), and nothing of cli, mesh or comms imports a module of tests/.
-BENCH_COMMANDS = ("cli.bench", "cli.bench_grids")
+BENCH_COMMANDS = ("cli.bench", "cli.bench_grids", "cli.bench_system")
 TEST_MODULES = {"tests"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
 
 

@@ -29,8 +29,6 @@ from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import (
     Config,
     DPConfig,
-    FaultsConfig,
-    GridConfig,
     OptimConfig,
     PipelineConfig,
     SentinelConfig,
@@ -64,30 +62,38 @@ APPLY_SLICE = 1 << 18  # values of a round applied at once (see Cell.apply_round
 
 @dataclass(frozen=True)
 class CellSettings:
-    """What a cell reads of the run's config, its slice: the grid's shape, the optimizer and its
-    schedules' horizon, the averaging, the pipeline, the sentinel, the emulated faults and the
-    run's seed (its sparse subsets draw from it)."""
+    """What a cell reads of the run's config, its slice: the pipeline's depth, the optimizer and
+    its schedules' horizon, the averaging, the pipeline, the sentinel, the run's seed (its
+    sparse subsets draw from it) and, for an emulated hostile cell (faults.poison,
+    faults.pipeline_poison), what it does: parsed once, here, for this cell alone."""
 
-    grid: GridConfig
+    stages: int
     optim: OptimConfig
     dp: DPConfig
     pipeline: PipelineConfig
     sentinel: SentinelConfig
-    faults: FaultsConfig
     seed: int
     schedule_horizon: int
+    poison: float | None = None  # None: an honest cell
+    pipeline_poison: pipeline_poison.PipelinePoison | None = None  # None: honest
 
     @classmethod
-    def of(cls, cfg: Config) -> CellSettings:
+    def of(cls, cfg: Config, stage: int, replica: int) -> CellSettings:
+        g, faults = cfg.grid, cfg.faults
+        poison = parse_cell_factors(faults.poison, g.stages, g.replicas, "poison")
+        hostile = pipeline_poison.parse_pipeline_poison(
+            faults.pipeline_poison, g.stages, g.replicas
+        )
         return cls(
-            cfg.grid,
+            g.stages,
             cfg.optim,
             cfg.dp,
             cfg.pipeline,
             cfg.sentinel,
-            cfg.faults,
             cfg.run.seed,
             cfg.schedule_horizon,
+            poison.get((stage, replica)),
+            hostile.get((stage, replica)),
         )
 
 
@@ -112,7 +118,7 @@ class Cell:
     @classmethod
     def build(cls, cfg: Config, stage: int, replica: int, module: nn.Module) -> Cell:
         """The cell of (stage, replica) around `module`, with its slice of `cfg`."""
-        return cls(CellSettings.of(cfg), stage, replica, module)
+        return cls(CellSettings.of(cfg, stage, replica), stage, replica, module)
 
     def __post_init__(self) -> None:
         self.rounds = RoundBook(self.settings.dp.tau)
@@ -133,11 +139,9 @@ class Cell:
             offset += n
         # the in-flight window's extra warm-ups add to the delay (stage-aware rotation reads it)
         pipe, window = self.settings.pipeline, self.settings.pipeline.extra_warmups()
-        delay = stage_delay(pipe.schedule, self.stage, self.settings.grid.stages, window)
+        delay = stage_delay(pipe.schedule, self.stage, self.settings.stages, window)
         # read by push_version every update: worked out once
-        self._versions_kept = versions_kept(
-            pipe.schedule, self.stage, self.settings.grid.stages, window
-        )
+        self._versions_kept = versions_kept(pipe.schedule, self.stage, self.settings.stages, window)
         # weight prediction: how far ahead this stage's versions are extrapolated (0: off)
         self._prediction = prediction_distance(pipe.weight_prediction, delay)
         beta = pipe.prediction_beta if self._prediction > 0 else None
@@ -149,14 +153,9 @@ class Cell:
         constrain_(self.module)
         self.history = OrderedDict()
         self.history[0] = self.version_weights()
-        g = self.settings.grid
-        poison = parse_cell_factors(self.settings.faults.poison, g.stages, g.replicas, "poison")
-        self.poison = poison.get((self.stage, self.replica))  # None: an honest cell
+        self.poison = self.settings.poison
+        self.pipeline_poison = self.settings.pipeline_poison
         guard = self.settings.sentinel
-        hostile = pipeline_poison.parse_pipeline_poison(
-            self.settings.faults.pipeline_poison, g.stages, g.replicas
-        )
-        self.pipeline_poison = hostile.get((self.stage, self.replica))  # None: honest
         mpu = self.mpu = microbatches_per_update(
             self.settings.pipeline.schedule, self.settings.pipeline.microbatches
         )

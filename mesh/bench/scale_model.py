@@ -77,7 +77,7 @@ def measure_cell(preset: str, stage: int, run_dir: str) -> dict[str, Any]:
     _, _, last = stage_layers(cfg.model, cfg.grid.stages, stage)
     x, y = _inputs(cfg, stage, torch.device("cpu"))
     t0 = time.perf_counter()
-    cell.apply_update(_cell_step(cell, x, y, last))
+    cell.apply_update(_cell_step(cell, x, y, last, cfg.runtime.precision))
     update_s = time.perf_counter() - t0
     cell.push_version()
     dp = cfg.dp

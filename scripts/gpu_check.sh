@@ -45,6 +45,7 @@ if [ "$dry" = 1 ]; then
   bench=(--quick --preset tiny)
   codec_values=$((1 << 20))
   steps=4 hm_steps=4 microbatch=8
+  grid=2x2 # the plumbing is the same at any shape: half the processes of the GPU's 4x2
 else
   root=${GPU_CHECK_RESULTS:-results}
   runs=${GPU_CHECK_RUNS:-runs}
@@ -53,6 +54,7 @@ else
   bench=(--preset llama-1b --preset llama-160m) # llama-1b first: its rows are the target's
   codec_values=$((64 << 20))                    # 256 MB of fp32
   steps=20 hm_steps=10 microbatch=4
+  grid=4x2
 fi
 res=$root/gpu
 # GPU_CHECK_PARTS="grid-fp8 hivemind": setup and these parts only, added to the results there
@@ -160,7 +162,7 @@ print(format_table(
      for r in rows]))
 PY
 
-common=("${model[@]}" --grid 4x2 --steps "$steps" --backend torch
+common=("${model[@]}" --grid "$grid" --steps "$steps" --backend torch
   --set runtime.precision='"bf16"' --set runtime.device="\"$device\""
   --set pipeline.microbatch_size="$microbatch" --set run.eval_every="$steps"
   --set data.val_batches=2 --set checkpoint.every=0) # one checkpoint, at the clean stop

@@ -76,6 +76,12 @@ CONVERGENCE_OPTIONS = (
         "beside them (like_for_like.md; 48 runs, resumable).",
     ),
     click.option(
+        "--report-only",
+        is_flag=True,
+        help="With --like-for-like: run nothing, write like_for_like.md from the runs finished "
+        "so far (a stopped study's missing runs are marked 'not run').",
+    ),
+    click.option(
         "--interval",
         "interval_axis",
         is_flag=True,
@@ -92,6 +98,7 @@ def convergence(
     dp_only: bool,
     interval_axis: bool,
     like_for_like: bool,
+    report_only: bool,
     seeds: str | None,
     methods: str | None,
     tune_seeds: str | None,
@@ -112,6 +119,8 @@ def convergence(
             "--seeds goes with the study or --tune (--interval and --lr-sweep run "
             "on the study's own seeds)"
         )
+    if report_only and not like_for_like:
+        raise ConfigError("--report-only goes with --like-for-like")
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     if chosen is not None:
         if tune or lr_sweep or interval_axis:
@@ -130,7 +139,7 @@ def convergence(
         from mesh.bench.like_for_like import run_like_for_like
         from mesh.bench.like_for_like import table as like_table
 
-        return like_table(run_like_for_like(cfg, out, workers))
+        return like_table(run_like_for_like(cfg, out, workers, report_only))
     if interval_axis:
         from mesh.bench.interval import run_interval
         from mesh.bench.interval import table as interval_table

@@ -40,7 +40,7 @@ from mesh.bench.ablations import best_lr
 from mesh.bench.boundary_report import MAPL_BAND, PUBLISHED, REFERENCE, write_outputs
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.report import paired_gap
-from mesh.bench.simruns import Spec, read_runs, reuse, run_specs
+from mesh.bench.simruns import Spec, cached_runs, run_specs
 from mesh.config import Config
 from mesh.engine import measured
 from mesh.engine.plan import boundary_bytes, rank_for_compression
@@ -309,7 +309,7 @@ def run_boundary(
     budget = {"boundary": QUICK_MICROBATCHES if quick else MICROBATCHES}
     stages = stages or ((2,) if quick else STAGES)
     start = time.perf_counter()
-    run = _cached if report_only else run_specs
+    run = cached_runs if report_only else run_specs
     width = base.model.d_model
     grids = {p: lr_grid(p, quick, width) for p in stages}
 
@@ -386,18 +386,3 @@ def run_boundary(
     if summary["complete"]:
         (out / "runs.partial.jsonl").unlink(missing_ok=True)
     return summary
-
-
-def _cached(
-    base: Config,
-    specs: list[Spec],
-    budget: dict[str, int],
-    out: Path,
-    workers: int,
-    desc: str,
-    known: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """run_specs's answer from what has run (out's runs.partial.jsonl, `known`), running
-    nothing: the specs without a finished run are left out."""
-    found = reuse([*known, *read_runs(out / "runs.partial.jsonl")], specs, base, budget)
-    return sorted((r for r in found if r is not None), key=lambda r: (r["method"], r["seed"]))

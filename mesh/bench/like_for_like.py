@@ -33,7 +33,7 @@ from typing import Any
 from mesh.bench.convergence import study_variants
 from mesh.bench.regime import data_reference, rule_fields, rule_line
 from mesh.bench.report import fmt_interval, paired_interval
-from mesh.bench.simruns import run_specs
+from mesh.bench.simruns import cached_runs, run_specs
 from mesh.bench.tuning import check_held_out, known_runs, tuning_seeds
 from mesh.config import Config
 from mesh.model.build import stage_param_counts
@@ -96,8 +96,14 @@ def batch_variant(change: dict[str, Any], microbatch_size: int) -> tuple[str, st
     return (f"AsyncMesh-fp8 rotated_adam, microbatch x{BATCH_FACTOR}", "AsyncMesh-fp8", ov)
 
 
-def run_like_for_like(base: Config, study_dir: Path, workers: int) -> dict[str, Any]:
+def run_like_for_like(
+    base: Config, study_dir: Path, workers: int, report_only: bool = False
+) -> dict[str, Any]:
+    """The like for like, resumed from what OUT/like_for_like/ holds; report_only: run nothing,
+    report the runs finished so far (a setting without runs never wins a pick; an evaluation
+    seed without runs is left out of the paired gaps)."""
     out = study_dir / LABEL
+    runner = cached_runs if report_only else run_specs
     tune_on = tuning_seeds(study_dir / "tuning.json")
     study = json.loads((study_dir / "summary.json").read_text())
     evaluation = study["seeds"]["dp"]
@@ -107,7 +113,7 @@ def run_like_for_like(base: Config, study_dir: Path, workers: int) -> dict[str, 
     def run(variants: list[tuple[str, str, dict]], seeds: list[int], desc: str) -> list[dict]:
         _, specs, budget = study_variants(study_dir, LABEL, variants, seeds)
         specs = [_batched(s) for s in specs]
-        return run_specs(base, specs, budget, out, workers, desc, known)
+        return runner(base, specs, budget, out, workers, desc, known)
 
     fs = run(fullsync_variants(), tune_on, "like for like: FullSync lr")
     lr1 = run(async_lr_variants(), tune_on, "like for like: async lr")
@@ -195,12 +201,29 @@ def table(summary: dict[str, Any]) -> str:
             "",
             format_table(["run", "val loss (mean)", "gap, nats", "gap, %"], rows),
             "",
+            _picks(summary),
+            "",
             "Tuning (final loss per tuning seed):",
             "",
             format_table(["setting", "val loss per tuning seed"], tuned),
             "",
         ]
     )
+
+
+def _picks(summary: dict[str, Any]) -> str:
+    """The settings each arm's tuning picked, and where a pick sits on its grid's edge."""
+    parts = []
+    for arm, change in summary.get("chosen", {}).items():
+        shown = ", ".join(
+            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in change.items()
+        )
+        parts.append(f"{arm}: {shown}")
+    lr = summary.get("chosen", {}).get("FullSync", {}).get("optim.lr")
+    edge, lo, hi = "", min(FULLSYNC_LRS), max(FULLSYNC_LRS)
+    if lr in (lo, hi):
+        edge = f" FullSync's pick sits on its grid's edge ({lo:g}-{hi:g})."
+    return f"Picked on the tuning seeds: {'; '.join(parts)}.{edge}" if parts else ""
 
 
 def _scale_line(summary: dict[str, Any]) -> str:

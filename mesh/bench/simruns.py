@@ -174,3 +174,18 @@ def run_specs(
                 f.write(json.dumps(res) + "\n")
     runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
     return runs
+
+
+def cached_runs(
+    base: Config,
+    specs: list[Spec],
+    budget: dict[str, int],
+    out: Path,
+    workers: int,
+    desc: str,
+    known: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """run_specs's answer from what has run (out's runs.partial.jsonl, `known`), running
+    nothing: the specs without a finished run are left out."""
+    found = reuse([*known, *read_runs(out / "runs.partial.jsonl")], specs, base, budget)
+    return sorted((r for r in found if r is not None), key=lambda r: (r["method"], r["seed"]))

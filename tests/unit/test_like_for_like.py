@@ -109,3 +109,23 @@ def test_the_report_says_the_scale_and_where_the_reference_sits_against_the_bigr
     text = lfl.table(summary)
     assert "0.40M parameters, 1.64M tokens a replica" in text
     assert "Passes the rule" in text
+
+
+def test_the_report_names_the_picks_and_a_pick_on_its_grids_edge(tmp_path):
+    summary = {
+        "tuning_seeds": [0, 1],
+        "evaluation_seeds": [10, 11],
+        "microbatches_per_replica": 1600,
+        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        "tuning_runs": [],
+        "evaluation": {},
+        "chosen": {
+            "FullSync": {"optim.name": "rotated_adam", "optim.lr": max(lfl.FULLSYNC_LRS)},
+            "AsyncMesh-fp8": {"optim.name": "rotated_adam", "optim.lr": 3e-3, "dp.tau": 5},
+        },
+    }
+    text = lfl.table(summary)
+    assert "AsyncMesh-fp8: optim.name rotated_adam, optim.lr 0.003, dp.tau 5" in text
+    assert "FullSync's pick sits on its grid's edge" in text
+    summary["chosen"]["FullSync"]["optim.lr"] = 9e-3
+    assert "edge" not in lfl.table(summary)

@@ -31,6 +31,7 @@ FullSync's best of LR_GRID at each P; every async arm of that P then runs at the
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from mesh.bench.ablations import best_lr
 from mesh.bench.boundary_report import MAPL_BAND, PUBLISHED, REFERENCE, write_outputs
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.report import paired_gap
-from mesh.bench.simruns import Spec, cached_runs, run_specs
+from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.engine import measured
 from mesh.engine.plan import boundary_bytes, rank_for_compression
@@ -309,7 +310,7 @@ def run_boundary(
     budget = {"boundary": QUICK_MICROBATCHES if quick else MICROBATCHES}
     stages = stages or ((2,) if quick else STAGES)
     start = time.perf_counter()
-    run = cached_runs if report_only else run_specs
+    run = functools.partial(run_specs, report_only=report_only)
     width = base.model.d_model
     grids = {p: lr_grid(p, quick, width) for p in stages}
 

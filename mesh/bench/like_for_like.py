@@ -33,7 +33,7 @@ from typing import Any
 from mesh.bench.convergence import study_variants
 from mesh.bench.regime import data_reference, rule_fields, rule_line
 from mesh.bench.report import fmt_interval, paired_interval
-from mesh.bench.simruns import cached_runs, run_specs
+from mesh.bench.simruns import run_specs
 from mesh.bench.tuning import check_held_out, known_runs, tuning_seeds
 from mesh.config import Config
 from mesh.model.build import stage_param_counts
@@ -103,17 +103,18 @@ def run_like_for_like(
     report the runs finished so far (a setting without runs never wins a pick; an evaluation
     seed without runs is left out of the paired gaps)."""
     out = study_dir / LABEL
-    runner = cached_runs if report_only else run_specs
     tune_on = tuning_seeds(study_dir / "tuning.json")
     study = json.loads((study_dir / "summary.json").read_text())
     evaluation = study["seeds"]["dp"]
     check_held_out(evaluation, tune_on)
-    known = known_runs(study_dir / "summary.json")
+    # the study's runs, and this like for like's own as its last report wrote them (a clean
+    # checkout has no runs.partial.jsonl: the report is what resumes it there)
+    known = known_runs(study_dir / "summary.json") + _reported_runs(study_dir)
 
     def run(variants: list[tuple[str, str, dict]], seeds: list[int], desc: str) -> list[dict]:
         _, specs, budget = study_variants(study_dir, LABEL, variants, seeds)
         specs = [_batched(s) for s in specs]
-        return runner(base, specs, budget, out, workers, desc, known)
+        return run_specs(base, specs, budget, out, workers, desc, known, report_only)
 
     fs = run(fullsync_variants(), tune_on, "like for like: FullSync lr")
     lr1 = run(async_lr_variants(), tune_on, "like for like: async lr")
@@ -155,6 +156,14 @@ def run_like_for_like(
     summary.update(rule_fields("like_for_like", summary, data_reference(base)))
     write_outputs(summary, study_dir)
     return summary
+
+
+def _reported_runs(study_dir: Path) -> list[dict[str, Any]]:
+    path = study_dir / f"{LABEL}.json"
+    if not path.is_file():
+        return []
+    report = json.loads(path.read_text())
+    return [*report.get("tuning_runs", []), *report.get("runs", [])]
 
 
 def _change(variants: list[tuple[str, str, dict]], name: str) -> dict[str, Any]:

@@ -147,18 +147,22 @@ def run_specs(
     workers: int,
     desc: str,
     known: Sequence[dict[str, Any]] = (),
+    report_only: bool = False,
 ) -> list[dict[str, Any]]:
     """Every spec's run at its study's budget, `workers` at a time, with a progress bar. Each
     finished run is appended to out/runs.partial.jsonl at once, so a stopped study resumes
     where it stopped; the caller removes that file once its outputs are written. Runs in `known`
-    (another study's, a sweep's) are reused where their config is the same."""
+    (another study's, a sweep's) are reused where their config is the same. report_only: run
+    nothing and write nothing, answer with the runs finished so far (the others left out)."""
     from tqdm import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
     partial = out / "runs.partial.jsonl"
     old = read_runs(partial)
     found = reuse([*known, *old], specs, base, budget)
     runs = [r for r in found if r is not None]
+    if report_only:
+        return sorted(runs, key=lambda r: (r["study"], r["method"], r["seed"]))
+    out.mkdir(parents=True, exist_ok=True)
     todo = [s for s, r in zip(specs, found, strict=True) if r is None]
     # the file keeps what it had (another call's runs: a study of two stages, an lr sweep and
     # the rows at its best, resumes both) and gains the runs reused from `known`
@@ -174,18 +178,3 @@ def run_specs(
                 f.write(json.dumps(res) + "\n")
     runs.sort(key=lambda r: (r["study"], r["method"], r["seed"]))
     return runs
-
-
-def cached_runs(
-    base: Config,
-    specs: list[Spec],
-    budget: dict[str, int],
-    out: Path,
-    workers: int,
-    desc: str,
-    known: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """run_specs's answer from what has run (out's runs.partial.jsonl, `known`), running
-    nothing: the specs without a finished run are left out."""
-    found = reuse([*known, *read_runs(out / "runs.partial.jsonl")], specs, base, budget)
-    return sorted((r for r in found if r is not None), key=lambda r: (r["method"], r["seed"]))

@@ -2,6 +2,7 @@
 settings for each arm, the pick by the tuning's rule, the decomposition arm at FullSync's batch
 and update count at equal tokens, and the report with the arms still to run."""
 
+import json
 import math
 
 import pytest
@@ -9,6 +10,14 @@ import pytest
 from mesh.bench import like_for_like as lfl
 from mesh.bench.simruns import Spec, spec_config
 from mesh.config import load_config
+
+# what every report carries besides its runs
+_REPORT = {
+    "tuning_seeds": [0, 1],
+    "evaluation_seeds": [10, 11],
+    "microbatches_per_replica": 1600,
+    "tune_runs_per_seed": lfl.TUNE_RUNS,
+}
 
 
 def test_both_arms_get_the_same_tuning_budget():
@@ -53,10 +62,7 @@ def test_the_decomposition_arm_reads_fullsyncs_batch_at_equal_tokens():
 
 def test_the_report_marks_arms_not_run_yet():
     summary = {
-        "tuning_seeds": [0, 1],
-        "evaluation_seeds": [10, 11],
-        "microbatches_per_replica": 1600,
-        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        **_REPORT,
         "tuning_runs": [{"method": "FullSync rotated_adam lr 0.009", "seed": 0, "val_loss": 1.5}],
         "evaluation": {
             "FullSync rotated_adam": {"10": 1.5, "11": 1.4},
@@ -89,10 +95,7 @@ def test_the_report_says_the_scale_and_where_the_reference_sits_against_the_bigr
     from mesh.bench.regime import rule_fields
 
     summary = {
-        "tuning_seeds": [0, 1],
-        "evaluation_seeds": [10, 11],
-        "microbatches_per_replica": 1600,
-        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        **_REPORT,
         "tuning_runs": [],
         "evaluation": {"FullSync rotated_adam": {"10": 1.5, "11": 1.4}},
         "params": 396_352,
@@ -113,10 +116,7 @@ def test_the_report_says_the_scale_and_where_the_reference_sits_against_the_bigr
 
 def test_the_report_names_the_picks_and_a_pick_on_its_grids_edge(tmp_path):
     summary = {
-        "tuning_seeds": [0, 1],
-        "evaluation_seeds": [10, 11],
-        "microbatches_per_replica": 1600,
-        "tune_runs_per_seed": lfl.TUNE_RUNS,
+        **_REPORT,
         "tuning_runs": [],
         "evaluation": {},
         "chosen": {
@@ -129,3 +129,20 @@ def test_the_report_names_the_picks_and_a_pick_on_its_grids_edge(tmp_path):
     assert "FullSync's pick sits on its grid's edge" in text
     summary["chosen"]["FullSync"]["optim.lr"] = 9e-3
     assert "edge" not in lfl.table(summary)
+
+
+def test_a_clean_checkout_reports_the_like_for_like_from_its_committed_report(tmp_path):
+    # runs.partial.jsonl is not committed: the report's own runs must be what a re-run reuses
+    import shutil
+    from pathlib import Path
+
+    study = Path(__file__).resolve().parents[2] / "results" / "convergence"
+    for name in ("summary.json", "tuning.json", "like_for_like.json"):
+        shutil.copy(study / name, tmp_path / name)
+    committed = json.loads((study / "like_for_like.json").read_text())
+    got = lfl.run_like_for_like(load_config([], []), tmp_path, 1, report_only=True)
+    assert got["chosen"] == committed["chosen"]
+    assert {k: {str(s): v for s, v in d.items()} for k, d in got["evaluation"].items()} == (
+        committed["evaluation"]
+    )
+    assert not (tmp_path / "like_for_like" / "runs.partial.jsonl").exists()  # nothing ran

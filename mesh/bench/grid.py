@@ -132,8 +132,11 @@ class LocalGrid:
         those named after the pid of one of our processes (a peer's DHT process names its
         p2pd's files hivemind-PID-*). Other files in /tmp may be other programs' (and a socket
         bound in another network namespace does not show in our /proc/net/unix): never
-        guessed to be ours."""
+        guessed to be ours. A file named after a pid of ours that a live process has bound is
+        not ours: pids wrap at 32768, and a long test run reuses them; a process of ours that
+        outlived the grid is reported as an orphan, its files with it."""
         named = {str(f) for p in self.seen for f in Path("/tmp").glob(f"hivemind-{p}-*.sock")}
+        named -= bound_sockets() - self.sockets
         return sorted({s for s in self.sockets if os.path.exists(s)} | named)
 
     def close(self) -> None:

@@ -185,10 +185,12 @@ def pingpong(t, peer, shape: tuple[int, ...] = (64, 33), codec_list=P2P_CODECS) 
         out_of_order = torch.equal(m1.tensor(), y1) and torch.equal(m2.tensor(), y2)
     # a receiver that cannot know the tag (a stage pool's cell): the oldest under a prefix,
     # its name read from the message; nothing waiting under it is a timeout at once. Then b
-    # says done (CONTROL, not counted below), so a does not close while b still talks to it
+    # says done (CONTROL, not counted below), so a does not close while b still talks to it.
+    # Frames of different tags may overtake each other on the wire (hivemind sends them on
+    # streams of their own): p/7/x is acked, so filed, before p/3/y leaves
     if me == a:
         send("q/9/a", Kind.ACTIVATION, y2, "fp32", 3)
-        send("p/7/x", Kind.ACTIVATION, y1, "fp32", 4)
+        send("p/7/x", Kind.ACTIVATION, y1, "fp32", 4).wait(wait)
         send("p/3/y", Kind.ACTIVATION, y2, "fp32", 5).wait(wait)
         t.recv(other, "done", Expect(kind=Kind.CONTROL), wait)
     else:

@@ -34,7 +34,7 @@ def test_pingpong_every_codec_and_exact_bytes(backend: str) -> None:
         # it from waiting out the transport's own timeout (TIMEOUT_S), with room for a busy host
         assert r["timeout_raised"] and 0.25 < r["timeout_elapsed_s"] < TIMEOUT_S, r
         assert r["rejects"] == {}, r["rejects"]
-    assert res["b"]["out_of_order"] and res["b"]["in_order"]
+    assert res["b"]["out_of_order"] and res["b"]["in_order"], res["b"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

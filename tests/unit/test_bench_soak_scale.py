@@ -189,3 +189,27 @@ def test_scale_table_counts_joins_that_started_over_by_themselves():
         if ln.startswith("| joins that started over")
     )
     assert row.split("|")[2].strip() == "3" and "p06" in row
+
+
+def test_a_socket_named_after_a_reused_pid_is_ours_only_once_no_one_holds_it(tmp_path):
+    """Pids wrap at 32768: a file hivemind-PID-* that another process (here, this test) has
+    bound under a pid our grid once saw is not our leftover; once unbound, it is."""
+    import os
+    import socket
+
+    from mesh.bench.grid import LocalGrid
+
+    grid = LocalGrid(tmp_path)
+    pid = os.getpid()
+    grid.seen[pid] = "python3"  # as if a process of the grid had had our pid
+    path = f"/tmp/hivemind-{pid}-p2pd-reusedpid.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(1)
+        assert path not in grid.own_socket_files()
+        sock.close()
+        assert path in grid.own_socket_files()  # its owner is gone: a leftover
+    finally:
+        sock.close()
+        os.unlink(path)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from mesh.algo.topology import cell_name
 from mesh.bench.grid import LocalGrid, record_failure
 from mesh.bench.soak_report import write_reports
-from mesh.runtime.metrics import RowTail
+from mesh.runtime.metrics import RowTail, cell_of_file, newest_metrics_file
 from mesh.testing.local_peers import tiny_grid_config, wait_for
 from mesh.testing.procstat import tree_sample
 
@@ -77,12 +77,12 @@ class Tail:
         self.last: dict[str, Any] = {}
 
     def read(self) -> dict[str, Any]:
-        files = sorted((self.run_dir / "metrics").glob("*.jsonl"))
-        if not files:
+        path = newest_metrics_file(self.run_dir)
+        if path is None:
             return {}
-        if self.tail is None:
-            stage, replica = files[0].stem.split("-")
-            self.cell, self.tail = cell_name(int(stage), int(replica)), RowTail(files[0])
+        if self.tail is None or self.tail.path != path:  # a join that lost its claim rejoined
+            self.cell, self.tail = cell_name(*cell_of_file(path)), RowTail(path)
+            self.health, self.last = {}, {}
         losses = []
         for row in self.tail.read():
             if row.get("event") == "health":
@@ -196,7 +196,8 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
         finally:
             if sampler is not None:
                 sampler.stop.set()
-                sampler.join(30)
+                if sampler.ident is not None:  # a grid that never formed never started it
+                    sampler.join(30)
                 meta["sampler_errors"] = sampler.errors
             meta["leftovers"] = grid.leftovers
             summary = write_reports(out, samples, meta)

@@ -32,7 +32,7 @@ def read_metrics(
     left out, unless replayed=True (mesh/runtime/lives.py)."""
     rows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.jsonl")):
-        stage, replica = (int(x) for x in path.stem.split("-"))
+        stage, replica = cell_of_file(path)
         with path.open("rb") as f:
             f.seek((since or {}).get(path.name, 0))
             parsed = parse_rows(f.read())
@@ -40,6 +40,18 @@ def read_metrics(
             parsed = without_replayed(parsed)
         rows[(stage, replica)] = [r for r in parsed if events or "event" not in r]
     return rows
+
+
+def newest_metrics_file(run_dir: Path) -> Path | None:
+    """The metrics file appended to last: a `join`'s current cell. A join that lost its claim
+    to a racing one, or moved stage, has written a file for each cell it held."""
+    files = list((Path(run_dir) / "metrics").glob("*.jsonl"))
+    return max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+def cell_of_file(path: Path) -> tuple[int, int]:
+    stage, replica = (int(x) for x in path.stem.split("-"))
+    return stage, replica
 
 
 class RowTail:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from comms.procs import process_tree
 from mesh.algo.topology import Grid
-from mesh.runtime.metrics import read_metrics
+from mesh.runtime.metrics import cell_of_file, newest_metrics_file, read_metrics
 from mesh.testing.procstat import hivemind_sockets
 
 if TYPE_CHECKING:
@@ -171,13 +171,16 @@ def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, period_s: flo
 
 
 def cell_of(out: Path) -> tuple[int, int] | None:
-    """(stage, replica) of the cell a join ran in run directory `out` (None before it wrote)."""
-    return next(iter(read_metrics(out, events=True)), None)
+    """(stage, replica) of the cell a join runs in run directory `out`, its newest if it held
+    several (a claim lost to a racing join, a move); None before it wrote."""
+    path = newest_metrics_file(out)
+    return None if path is None else cell_of_file(path)
 
 
 def rows(out: Path) -> list[dict]:
-    """The metrics rows (events too) of the cell in run directory `out`."""
-    return next(iter(read_metrics(out, events=True).values()), [])
+    """The metrics rows (events too) of the cell a join runs in run directory `out` (cell_of)."""
+    cell = cell_of(out)
+    return [] if cell is None else read_metrics(out, events=True).get(cell, [])
 
 
 def step(out: Path) -> int:

@@ -145,7 +145,8 @@ def test_rebalancing_moves_a_cell_to_the_thinnest_stage(text_file, tmp_path):
         movers = [n for n, p in logs.items() if "moving to stage 1" in p.read_text()]
         assert len(movers) == 1, movers
         out = tmp_path / movers[0]
-        events = [r for r in rows(out) if r.get("event") == "moved"]
+        every_cell = read_metrics(out, events=True).values()  # "moved" is its old cell's row
+        events = [r for v in every_cell for r in v if r.get("event") == "moved"]
         assert events and events[0]["from_stage"] == 0 and events[0]["to_stage"] == 1, events
 
         def pools_now() -> dict:

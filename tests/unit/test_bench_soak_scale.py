@@ -213,3 +213,26 @@ def test_a_socket_named_after_a_reused_pid_is_ours_only_once_no_one_holds_it(tmp
     finally:
         sock.close()
         os.unlink(path)
+
+
+def test_a_join_that_lost_its_first_claim_is_read_from_the_cell_it_holds_now(tmp_path):
+    """A join whose claim lost a race (or that moved) has a file for each cell it held: the
+    soak's reader and the harness follow the one appended to last, not the first by name."""
+    import json
+    import os
+
+    from mesh.bench.soak import Tail
+    from mesh.testing.local_peers import cell_of, step
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    lost, held = metrics / "0-1.jsonl", metrics / "1-1.jsonl"
+    lost.write_text(json.dumps({"event": "started", "step": 0}) + "\n")
+    held.write_text("".join(json.dumps({"step": s, "loss": 2.0}) + "\n" for s in (1, 2, 3)))
+    os.utime(lost, ns=(1_000_000_000, 1_000_000_000))  # written first
+    tail = Tail(tmp_path)
+    assert tail.read()["cell"] == "s1r1" and tail.read()["step"] == 3
+    assert cell_of(tmp_path) == (1, 1) and step(tmp_path) == 3
+    with held.open("a") as f:
+        f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
+    assert tail.read()["step"] == 4  # the same cell's tail: only what was appended

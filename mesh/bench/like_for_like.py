@@ -16,7 +16,9 @@ while FullSync updates once per 4 microbatches (32 sequences), so the async arm 
 updates at a quarter of the batch. The decomposition arm runs the async arm's best settings with
 microbatches 4x larger (32 sequences, 400 updates: FullSync's batch and update count at the
 same tokens) and the same pipeline delay in updates: what closes is the batch size's share, what
-stays is the staleness's.
+stays is the staleness's. It runs twice: at the async arm's lr (tuned at the small batch), and
+at its own lr, tuned over BATCH_LRS on the tuning seeds (the same tau and clip), since a 4x
+batch takes a larger step.
 
 Every stage resumes from runs.partial.jsonl in OUT/like_for_like/ (runs with the same config and
 budget are reused); writes OUT/like_for_like.json and like_for_like.md.
@@ -46,7 +48,12 @@ ASYNC_STAGE2 = ({"dp.tau": 5}, {"dp.tau": 10}, {"optim.grad_clip": 10.0})
 TUNE_RUNS = len(FULLSYNC_LRS)  # settings per tuning seed, each arm
 assert len(ASYNC_LRS) + len(ASYNC_STAGE2) == TUNE_RUNS, "the two arms' budgets must be equal"
 BATCH_FACTOR = 4  # the decomposition arm's microbatch, x the study's (FullSync's batch)
+# the decomposition arm's own lr, tuned at its batch (FullSync picked 2.4e-2 at that batch):
+# the async arm's lr was tuned at a quarter of it, so the untuned row mixes a step too small
+# with the staleness
+BATCH_LRS = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
 LABEL = "like_for_like"
+BATCH_ARM = f"AsyncMesh-fp8, microbatch x{BATCH_FACTOR}"  # its pick's name in the report
 
 
 def _score(runs: list[dict[str, Any]]) -> float:
@@ -96,6 +103,12 @@ def batch_variant(change: dict[str, Any], microbatch_size: int) -> tuple[str, st
     return (f"AsyncMesh-fp8 rotated_adam, microbatch x{BATCH_FACTOR}", "AsyncMesh-fp8", ov)
 
 
+def batch_lr_variants(change: dict[str, Any], microbatch_size: int) -> list[tuple[str, str, dict]]:
+    """The decomposition arm at each of BATCH_LRS (the async arm's tau and clip kept)."""
+    name, method, ov = batch_variant(change, microbatch_size)
+    return [(f"{name}, lr {lr:g}", method, {**ov, "optim.lr": lr}) for lr in BATCH_LRS]
+
+
 def run_like_for_like(
     base: Config, study_dir: Path, workers: int, report_only: bool = False
 ) -> dict[str, Any]:
@@ -135,15 +148,26 @@ def run_like_for_like(
         batch_variant(chosen["AsyncMesh-fp8"], mb),
     ]
     ev = run(final, evaluation, "like for like: evaluation")
+    # the decomposition arm at its own lr: tuned on the tuning seeds, then evaluated
+    bt_variants = batch_lr_variants(chosen["AsyncMesh-fp8"], mb)
+    bt = run(bt_variants, tune_on, "like for like: x4 batch lr")
+    own_lr = f"{batch_variant(chosen['AsyncMesh-fp8'], mb)[0]}, own lr"
+    if bt:  # none yet (a report of a stopped study): its row says "not run", nothing is picked
+        change = _change(bt_variants, best_of(bt, [n for n, _, _ in bt_variants]))
+        chosen[BATCH_ARM] = change
+        final.append((own_lr, "AsyncMesh-fp8", change))
+        ev += run(final[-1:], evaluation, "like for like: x4 batch at its lr")
+    else:
+        final.append((own_lr, "AsyncMesh-fp8", {}))
     summary = {
         "tuning_seeds": tune_on,
         "evaluation_seeds": evaluation,
         "microbatches_per_replica": study["microbatches_per_replica"]["dp"],
         "tune_runs_per_seed": TUNE_RUNS,
         "tuning": {
-            r["method"]: r["val_loss"] for r in [*fs, *lr1, *st2] if r["seed"] == tune_on[0]
+            r["method"]: r["val_loss"] for r in [*fs, *lr1, *st2, *bt] if r["seed"] == tune_on[0]
         },
-        "tuning_runs": [*fs, *lr1, *st2],
+        "tuning_runs": [*fs, *lr1, *st2, *bt],
         "chosen": chosen,
         "evaluation": {
             name: {r["seed"]: r["val_loss"] for r in ev if r["method"] == name}
@@ -203,8 +227,11 @@ def table(summary: dict[str, Any]) -> str:
             f"tuning seed {summary['tuning_seeds']} (FullSync: its lr; AsyncMesh-fp8: its lr, then "
             f"its tau and clip at the best lr); the best of each on the evaluation seeds "
             f"{summary['evaluation_seeds']}; gaps paired by seed, mean +- SE [95% t interval], to "
-            f"FullSync with rotated_adam. The microbatch x{BATCH_FACTOR} row is the async arm at "
-            "FullSync's batch and update count (what is left of its gap is the staleness's).",
+            f"FullSync with rotated_adam. The microbatch x{BATCH_FACTOR} rows are the async arm at "
+            "FullSync's batch and update count: at the async arm's lr (tuned at a quarter of "
+            "that batch), and at its own lr (tuned over "
+            f"{', '.join(f'{lr:g}' for lr in BATCH_LRS)}); what is left of the own-lr row's gap "
+            "is the staleness's.",
             "",
             _scale_line(summary),
             "",
@@ -228,10 +255,11 @@ def _picks(summary: dict[str, Any]) -> str:
             f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in change.items()
         )
         parts.append(f"{arm}: {shown}")
-    lr = summary.get("chosen", {}).get("FullSync", {}).get("optim.lr")
-    edge, lo, hi = "", min(FULLSYNC_LRS), max(FULLSYNC_LRS)
-    if lr in (lo, hi):
-        edge = f" FullSync's pick sits on its grid's edge ({lo:g}-{hi:g})."
+    edge = ""
+    for arm, grid in (("FullSync", FULLSYNC_LRS), (BATCH_ARM, BATCH_LRS)):
+        lr, lo, hi = summary.get("chosen", {}).get(arm, {}).get("optim.lr"), min(grid), max(grid)
+        if lr in (lo, hi):
+            edge += f" {arm}'s pick sits on its grid's edge ({lo:g}-{hi:g})."
     return f"Picked on the tuning seeds: {'; '.join(parts)}.{edge}" if parts else ""
 
 

@@ -142,7 +142,28 @@ def test_a_clean_checkout_reports_the_like_for_like_from_its_committed_report(tm
     committed = json.loads((study / "like_for_like.json").read_text())
     got = lfl.run_like_for_like(load_config([], []), tmp_path, 1, report_only=True)
     assert got["chosen"] == committed["chosen"]
-    assert {k: {str(s): v for s, v in d.items()} for k, d in got["evaluation"].items()} == (
-        committed["evaluation"]
-    )
+    ev = {k: {str(s): v for s, v in d.items()} for k, d in got["evaluation"].items()}
+    assert {k: ev[k] for k in committed["evaluation"]} == committed["evaluation"]
+    assert all(ev[k] == {} for k in set(ev) - set(committed["evaluation"]))  # not run yet
     assert not (tmp_path / "like_for_like" / "runs.partial.jsonl").exists()  # nothing ran
+
+
+def test_the_decomposition_arm_is_tuned_at_its_own_batch_and_reported_beside_the_untuned():
+    """Its lr over BATCH_LRS (up to FullSync's pick at that batch), the async arm's tau kept;
+    its pick named, and a pick on the grid's edge said."""
+    base = load_config([], [])
+    change = {**lfl.ROTATED, "optim.lr": 3e-3, "dp.tau": 5}
+    variants = lfl.batch_lr_variants(change, base.pipeline.microbatch_size)
+    assert [c["optim.lr"] for _, _, c in variants] == list(lfl.BATCH_LRS)
+    assert max(lfl.BATCH_LRS) >= max(lfl.FULLSYNC_LRS)
+    assert all(c["dp.tau"] == 5 and "microbatch x4" in n for n, _, c in variants)
+    mb = {c["pipeline.microbatch_size"] for _, _, c in variants}
+    assert mb == {lfl.BATCH_FACTOR * base.pipeline.microbatch_size}
+    summary = {
+        **_REPORT,
+        "tuning_runs": [],
+        "evaluation": {"FullSync rotated_adam": {"10": 1.5, "11": 1.4}},
+        "chosen": {lfl.BATCH_ARM: {"optim.lr": max(lfl.BATCH_LRS)}},
+    }
+    text = lfl.table(summary)
+    assert f"{lfl.BATCH_ARM}: optim.lr 0.024" in text and f"{lfl.BATCH_ARM}'s pick sits" in text

@@ -44,12 +44,12 @@ from comms.wire import Expect, Kind, Message
 from mesh import choices
 from mesh.algo import routing, sentinel
 from mesh.algo.topology import cell_name
-from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
 from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
 from mesh.runtime.stage import StageWorker
+from mesh.runtime.worker_settings import WorkerSettings
 
 IDLE_S = 0.05  # the loop's longest sleep with nothing filed (timeouts and claims to look at)
 DOWN_S = 2.0  # a cell found cut off is not routed to for this long (a restart may bring it back)
@@ -61,9 +61,9 @@ class PoolWorker(StageWorker):
     stats: PoolStats
 
     def __init__(
-        self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
+        self, settings: WorkerSettings, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
-        super().__init__(cfg, cell, transport, corpus)
+        super().__init__(settings, cell, transport, corpus)
         self.window = None  # pools read the newest weights: no schedule window
         self.ups = self.grid.column(self.j - 1) if self.j > 0 else []
         self.downs = self.grid.column(self.j + 1) if self.next else []
@@ -79,7 +79,7 @@ class PoolWorker(StageWorker):
         self.heard: dict[str, float] = {}  # upstream cell -> when its last activation came
         self._turn = 0  # which upstream cell _take_work asks first
         self._started = time.monotonic()
-        self.rng = random.Random(routing.unit(cfg.run.seed, self.j, self.i, "pool") * 2**32)
+        self.rng = random.Random(routing.unit(settings.seed, self.j, self.i, "pool") * 2**32)
         self.next_index = cell.step  # stage 0: the stream's next microbatch
         self.sec_per_mb: float | None = None  # EMA of this cell's compute per microbatch
         self.round_trip_s: float | None = None  # EMA of its microbatches' time downstream
@@ -92,11 +92,9 @@ class PoolWorker(StageWorker):
 
     # ---- names and data -----------------------------------------------------------------
     def _batch_of(self, stream: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        s = self.settings
         assert self.corpus is not None, "real compute needs the corpus"
-        x, y = train_batch(
-            self.corpus, cfg.run.seed, stream, b, cfg.pipeline.microbatch_size, cfg.model.seq_len
-        )
+        x, y = train_batch(self.corpus, s.seed, stream, b, s.pipeline.microbatch_size, s.seq_len)
         return x.to(self.device), y.to(self.device)
 
     def _load_tag(self, kind: str, stream: int, index: int, to: str) -> str:
@@ -110,7 +108,7 @@ class PoolWorker(StageWorker):
 
     def stream_window(self) -> int:
         """Stage 0: the microbatches its stream keeps in flight (pipeline.pool_stream_window)."""
-        want, floor = self.cfg.pipeline.pool_stream_window, self.cfg.pipeline.pool_window
+        want, floor = self.settings.pipeline.pool_stream_window, self.settings.pipeline.pool_window
         if want == "window":
             return floor
         if want == "auto":
@@ -154,7 +152,7 @@ class PoolWorker(StageWorker):
         pool: a stage's capacity is its cells' sum; 0 until measured)."""
         if not self.sec_per_mb:
             return 0.0
-        return self.cfg.tokens_per_microbatch / self.sec_per_mb
+        return self.settings.tokens_per_microbatch / self.sec_per_mb
 
     def _members(self) -> None:
         """At most every MEMBERS_S: neighbours without a live claim are down (routed around,
@@ -178,14 +176,14 @@ class PoolWorker(StageWorker):
         if self.held:
             return False
         if self.j == 0:
-            return self.next_index >= self.cfg.run.steps
+            return self.next_index >= self.settings.steps
         return all(u in self.fins or self._gone(u) for u in self.ups)
 
     def _gone(self, cell: str) -> bool:
         """It left the pool (no FIN to wait for): cut off for longer than elastic.pool_timeout_s,
         or, once the run is ending (another upstream cell said FIN), silent that long (a cell
         that died after its last send: its link can wait for a next life that never comes)."""
-        now, limit = time.monotonic(), self.cfg.elastic.pool_timeout_s
+        now, limit = time.monotonic(), self.settings.elastic.pool_timeout_s
         since = self.down_since.get(cell)
         if since is not None and now - since > limit:
             return True
@@ -193,7 +191,7 @@ class PoolWorker(StageWorker):
 
     def _issue(self, on_step: object) -> bool:
         """Stage 0: start the stream's next microbatch while the window has room."""
-        if self.next_index >= self.cfg.run.steps or len(self.held) >= self.stream_window():
+        if self.next_index >= self.settings.steps or len(self.held) >= self.stream_window():
             return False
         b = self.next_index
         self.next_index += 1
@@ -231,7 +229,7 @@ class PoolWorker(StageWorker):
         if (stream, b) in self.held:
             self.transport.stats.add_reject("duplicate")
             return
-        if len(self.held) >= self.cfg.pipeline.pool_window:
+        if len(self.held) >= self.settings.pipeline.pool_window:
             self.stats.refused += 1
             self._control(up, self._load_tag("r", stream, b, up))
             return
@@ -266,7 +264,7 @@ class PoolWorker(StageWorker):
         """h's forward on its stashed version, as it leaves for the next stage (encoded)."""
         if self.emu:
             deadline = self.emu.begin(self.t_f)
-            enc = codecs.encode(self._fake_act, self.cfg.pipeline.codec)
+            enc = codecs.encode(self._fake_act, self.settings.pipeline.codec)
             self.emu.finish(deadline)
             self.stats.busy_s += self.t_f
             return enc
@@ -276,7 +274,7 @@ class PoolWorker(StageWorker):
             out = stage_forward(self.cell.module, weights, h.inputs, self.precision, tokens)
         self._busy(t_cpu)
         out = self.cell.outgoing(out, "activation", h.index)  # faults.pipeline_poison
-        return codecs.encode(out, self.cfg.pipeline.codec)
+        return codecs.encode(out, self.settings.pipeline.codec)
 
     def _track_stash(self) -> None:
         """The stash's peak: the weight versions kept and what the held microbatches hold
@@ -297,8 +295,8 @@ class PoolWorker(StageWorker):
         live = self._live_downs(exclude)
         if not live:
             return False
-        second = self.rng.random() if self.cfg.pipeline.pool_choice == "delay" else None
-        to = self.book.choose(live, self.rng.random(), self.cfg.pipeline.pool_window, second)
+        second = self.rng.random() if self.settings.pipeline.pool_choice == "delay" else None
+        to = self.book.choose(live, self.rng.random(), self.settings.pipeline.pool_window, second)
         assert h.out is not None
         self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
         self.book.sent(to)
@@ -368,7 +366,7 @@ class PoolWorker(StageWorker):
         if self.emu:  # no math: the device is busy for the op, a real-shaped tensor goes back
             t = self.t_b + (self.t_f if self.next is None else 0.0)
             deadline = self.emu.begin(t)
-            enc = codecs.encode(self._fake_grad, self.cfg.pipeline.codec) if h.sender else None
+            enc = codecs.encode(self._fake_grad, self.settings.pipeline.codec) if h.sender else None
             self.emu.finish(deadline)
             self.stats.busy_s += t
         else:
@@ -376,7 +374,7 @@ class PoolWorker(StageWorker):
             enc = None
             if h.sender is not None:
                 sent = self.cell.outgoing(grads[0], "gradient", h.index)
-                enc = codecs.encode(sent, self.cfg.pipeline.codec)
+                enc = codecs.encode(sent, self.settings.pipeline.codec)
                 grads = grads[1:]
         if h.sender is not None and tag is not None and enc is not None:
             self._send(h.sender, tag, Kind.GRADIENT, enc)
@@ -389,7 +387,7 @@ class PoolWorker(StageWorker):
                 self.cell.step += 1  # emulated: no optimizer math, the weights stay
             else:
                 self.stats.grad_norm = self.cell.apply_update(list(grads))
-            if self.cfg.dp.mode == "param_avg" and self.m > 1:
+            if self.settings.dp.mode == "param_avg" and self.m > 1:
                 self.rounds.after_update()
             self._push_version()
         if callable(on_step):
@@ -432,7 +430,7 @@ class PoolWorker(StageWorker):
         """Microbatches whose cell was cut off or that are overdue go to another live cell, or
         are voided when there is none."""
         now = time.monotonic()
-        limit = self.cfg.elastic.pool_timeout_s
+        limit = self.settings.elastic.pool_timeout_s
         for h in list(self.held.values()):
             if h.sent_to is None:
                 if h.out is not None and self._route(h):  # waiting for a live cell

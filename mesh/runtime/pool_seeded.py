@@ -27,10 +27,10 @@ class SeededPoolWorker(PoolWorker):
         simulator reproduces it (mesh/engine/pools.py); a lost cell is a PeerTimeout here."""
         everyone = Grid(self.P, self.m)  # the seeded paths are drawn over every cell
         pools = [everyone.column(j) for j in range(self.P)]
-        me, seed = self.cell_name, self.cfg.run.seed
-        wait = self.cfg.elastic.pool_timeout_s
+        me, seed = self.cell_name, self.settings.seed
+        wait = self.settings.elastic.pool_timeout_s
         done = self.cell.step  # a resumed cell took this many of its microbatches already
-        for b in range(self.cfg.run.steps):
+        for b in range(self.settings.steps):
             for s in range(self.m):
                 path = routing.seeded_path(seed, s, b, pools)
                 if path[self.j] != me:

@@ -38,14 +38,13 @@ from comms import codecs
 from comms.errors import CommsError, PeerLost, PeerTimeout
 from comms.transport import MeanStatus, Transport
 from comms.wire import Expect, Kind
-from mesh.algo.schedule import Op, iter_actions, microbatches_per_update, version_for
+from mesh.algo.schedule import Op, iter_actions, version_for
 from mesh.algo.topology import cell_name, group_name
-from mesh.config import Config
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
-from mesh.runtime.emulate import ComputeClock, emulated_op_s, slowdown, window_of
-from mesh.runtime.rounds import Rounds, RoundSettings
+from mesh.runtime.emulate import ComputeClock
+from mesh.runtime.rounds import Rounds
 from mesh.runtime.session import (
     CHECK_EVERY_S,
     Coordinator,
@@ -54,7 +53,7 @@ from mesh.runtime.session import (
     StaticCoordinator,
 )
 from mesh.runtime.stage_stats import StageStats
-from mesh.runtime.wiring import grid_of
+from mesh.runtime.worker_settings import WorkerSettings
 
 
 @dataclass
@@ -69,27 +68,27 @@ class _InFlight:
 
 class StageWorker:
     def __init__(
-        self, cfg: Config, cell: Cell, transport: Transport, corpus: Corpus | None
+        self, settings: WorkerSettings, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
-        self.cfg, self.cell, self.transport, self.corpus = cfg, cell, transport, corpus
-        self.P, self.m = cfg.grid.stages, cfg.grid.replicas
+        self.settings, self.cell, self.transport, self.corpus = settings, cell, transport, corpus
+        self.P, self.m = settings.stages, settings.replicas
         self.j, self.i = cell.stage, cell.replica
-        self.mpu = microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
-        self.window = window_of(cfg)
-        self.slowdown = slowdown(cfg, self.j, self.i)
+        self.mpu = settings.microbatches_per_update
+        self.window = settings.window
+        self.slowdown = settings.slowdown
         self.emu: ComputeClock | None = None
-        if cfg.emulation.compute == "emulated":
+        if settings.emulated_op_s is not None:
             self.emu = ComputeClock()
-            self.t_f, self.t_b = emulated_op_s(cfg, self.j, self.i)
-            gen = torch.Generator().manual_seed(cfg.run.seed * 1009 + self.j * 31 + self.i)
-            B, T, w = cfg.boundary_shape  # what crosses the link (pipeline.boundary)
-            self._fake_tokens = torch.randint(0, cfg.model.vocab_size, (B, T), generator=gen)
+            self.t_f, self.t_b = settings.emulated_op_s
+            gen = torch.Generator().manual_seed(settings.seed * 1009 + self.j * 31 + self.i)
+            B, T, w = settings.boundary_shape  # what crosses the link (pipeline.boundary)
+            self._fake_tokens = torch.randint(0, settings.vocab_size, (B, T), generator=gen)
             self._fake_act = torch.randn(B, T, w, generator=gen)
             self._fake_grad = torch.randn(B, T, w, generator=gen) * 1e-3
         self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
         self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
         # cells emulation.deaths takes out from the start average with nobody
-        self.grid = grid_of(cfg)
+        self.grid = settings.grid
         self.column = self.grid.column(self.j)
         self.absent = {cell_name(j, i) for j, i in self.grid.absent}
         self.in_flight: dict[int, _InFlight] = {}
@@ -99,11 +98,9 @@ class StageWorker:
         self._grads_empty = True
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = self._new_stats()
-        self.rounds = Rounds(
-            RoundSettings.of(cfg), cell, transport, self.stats, self.column, self.emu
-        )
+        self.rounds = Rounds(settings.rounds, cell, transport, self.stats, self.column, self.emu)
         self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
-        self.precision = self.cfg.runtime.precision  # autocast of forward and backward
+        self.precision = settings.precision  # autocast of forward and backward
         self.lock = threading.Lock()  # held while an update changes the cell's state
         self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
         self.session = Session(0, 0, 0)
@@ -111,7 +108,7 @@ class StageWorker:
         self.first = cell.step
         self._update_loss = 0.0
         self._update_used = 0  # microbatches of this update whose loss was computed
-        shape = cfg.boundary_shape
+        shape = settings.boundary_shape
         self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
         self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
 
@@ -136,10 +133,10 @@ class StageWorker:
         self.session, self.coord = session, coord
         self.first = self.cell.step  # weight versions are read relative to this step
         plan = iter_actions(
-            self.cfg.pipeline.schedule,
+            self.settings.pipeline.schedule,
             self.j,
             self.P,
-            self.cfg.pipeline.microbatches,
+            self.settings.pipeline.microbatches,
             session.updates,
             self.window,
         )
@@ -186,7 +183,7 @@ class StageWorker:
         Fixed grid: PeerTimeout after transport.recv_timeout_s. Elastic (hivemind): a lost neighbour
         is waited for up to elastic.rejoin_timeout_s, since the replica re-forms around it."""
         elastic = self.coord.elastic
-        limit = self.cfg.elastic.rejoin_timeout_s if elastic else self._timeout()
+        limit = self.settings.elastic.rejoin_timeout_s if elastic else self._timeout()
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
@@ -205,14 +202,12 @@ class StageWorker:
                     time.sleep(CHECK_EVERY_S)
 
     def _timeout(self) -> float:
-        return self.cfg.transport.recv_timeout_s
+        return self.settings.recv_timeout_s
 
     def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        s = self.settings
         assert self.corpus is not None, "real compute needs the corpus"
-        x, y = train_batch(
-            self.corpus, cfg.run.seed, self.i, b, cfg.pipeline.microbatch_size, cfg.model.seq_len
-        )
+        x, y = train_batch(self.corpus, s.seed, self.i, b, s.pipeline.microbatch_size, s.seq_len)
         return x.to(self.device), y.to(self.device)
 
     def _tokens(self, b: int) -> torch.Tensor | None:
@@ -232,7 +227,7 @@ class StageWorker:
 
     def _forward(self, b: int, rel: int) -> None:
         update = self.first + rel // self.mpu
-        version = version_for(self.cfg.pipeline.schedule, self.j, self.P, update, self.window)
+        version = version_for(self.settings.pipeline.schedule, self.j, self.P, update, self.window)
         # a cell that joined (or reloaded state) holds only its current version: the fill reads it
         version = max(version, min(self.cell.history))
         if self.j == 0:
@@ -256,7 +251,7 @@ class StageWorker:
             out = stage_forward(self.cell.module, weights, inputs, self.precision, self._tokens(b))
         self._busy(t0)
         out = self.cell.outgoing(out, "activation", b)  # faults.pipeline_poison: a hostile cell
-        enc = codecs.encode(out, self.cfg.pipeline.codec)
+        enc = codecs.encode(out, self.settings.pipeline.codec)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
 
     def _emulated(
@@ -266,7 +261,7 @@ class StageWorker:
         time, then queue the payload (it leaves when the op would have produced it)."""
         assert self.emu is not None
         deadline = self.emu.begin(seconds)
-        enc = codecs.encode(payload, self.cfg.pipeline.codec) if to is not None else None
+        enc = codecs.encode(payload, self.settings.pipeline.codec) if to is not None else None
         self.emu.finish(deadline)
         self.stats.busy_s += seconds
         if to is not None and enc is not None:
@@ -334,7 +329,7 @@ class StageWorker:
         self._busy(t0)
         if self.j > 0:
             sent = self.cell.outgoing(grads[0], "gradient", b)  # faults.pipeline_poison
-            enc = codecs.encode(sent, self.cfg.pipeline.codec)
+            enc = codecs.encode(sent, self.settings.pipeline.codec)
             assert self.prev is not None
             self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
             grads = grads[1:]
@@ -346,7 +341,7 @@ class StageWorker:
 
     def _flush(self) -> None:
         """FullSync: a blocking mean of the gradients over the replicas of this stage."""
-        if self.cfg.dp.mode != "grad_allreduce" or self.m == 1:
+        if self.settings.dp.mode != "grad_allreduce" or self.m == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in self.grads]).cpu()  # transports: host memory
         t0 = time.perf_counter()
@@ -355,7 +350,7 @@ class StageWorker:
             self.column,
             self.cell.step,
             flat,
-            self.cfg.dp.codec,
+            self.settings.dp.codec,
             self._timeout(),
         )
         res = handle.result(self._timeout())
@@ -385,7 +380,7 @@ class StageWorker:
                 loss if used == self.mpu else (loss * self.mpu / used if used else None)
             )
         self._update_loss, self._update_used = 0.0, 0
-        if self.cfg.dp.mode == "param_avg" and self.m > 1:
+        if self.settings.dp.mode == "param_avg" and self.m > 1:
             self.rounds.after_update()
         self.cell.push_version(shared=self.emu is not None)
 
@@ -400,8 +395,8 @@ class StageWorker:
 
     def _send_void(self, to: str, tag: str, kind: Kind) -> None:
         """The void marker (mesh/algo/sentinel.py): an all-zero tensor of the boundary's shape."""
-        zeros = torch.zeros(self.cfg.boundary_shape)
-        self._send(to, tag, kind, codecs.encode(zeros, self.cfg.pipeline.codec))
+        zeros = torch.zeros(self.settings.boundary_shape)
+        self._send(to, tag, kind, codecs.encode(zeros, self.settings.pipeline.codec))
 
     def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:
         self._last_send[to] = self.transport.send(to, tag, kind, enc, self.cell.step)

@@ -53,6 +53,7 @@ from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP, StopAt, StopAtStep, watch_parent
 from mesh.runtime.wiring import cell_device, cell_transport
+from mesh.runtime.worker_settings import WorkerSettings
 
 
 def make_coordinator(
@@ -223,7 +224,7 @@ def run_cell(
             kind = StageWorker
             if pools:  # the seeded mode serializes each cell, so the simulator can follow it
                 kind = SeededPoolWorker if cfg.pipeline.pool_choice == "seeded" else PoolWorker
-            worker = kind(cfg, cell, transport, corpus)
+            worker = kind(WorkerSettings.of(cfg, stage, replica), cell, transport, corpus)
             worker.critical = STOP.deferred
             if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
                 coord = coordinator(cfg, worker, transport, event)

@@ -21,6 +21,7 @@ from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
 from mesh.runtime.pool import PoolWorker
 from mesh.runtime.pool_wire import parse_tag
+from mesh.runtime.worker_settings import WorkerSettings
 
 
 class Hub:
@@ -120,7 +121,8 @@ def _grid(tmp_path, stages: int, replicas: int, steps: int, *extra: str):
     for i in range(replicas):
         for j in range(stages):
             cell = Cell.build(cfg, j, i, build_cell_stage(cfg, j))
-            workers[f"s{j}r{i}"] = PoolWorker(cfg, cell, HubTransport(hub, f"s{j}r{i}"), None)
+            settings = WorkerSettings.of(cfg, j, i)
+            workers[f"s{j}r{i}"] = PoolWorker(settings, cell, HubTransport(hub, f"s{j}r{i}"), None)
     return cfg, hub, workers
 
 

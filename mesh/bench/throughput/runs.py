@@ -59,6 +59,7 @@ def _bench_cell(
     from mesh.model.build import build_stage
     from mesh.runtime.stage import StageWorker
     from mesh.runtime.wiring import cell_transport
+    from mesh.runtime.worker_settings import WorkerSettings
 
     cfgs = [config_from_dict(tree) for _, tree, _, _ in plan]
     first = cfgs[0]
@@ -70,7 +71,7 @@ def _bench_cell(
             cell = Cell.build(cfg, stage, replica, module)
             cell.step = base
             cell.history = OrderedDict({base: cell.flat.clone()})
-            worker = StageWorker(cfg, cell, transport, None)
+            worker = StageWorker(WorkerSettings.of(cfg, stage, replica), cell, transport, None)
             path = Path(out_dir) / name / "metrics" / f"{stage}-{replica}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             barrier.wait(barrier_timeout_s)

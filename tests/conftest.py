@@ -8,10 +8,10 @@ tier, the developer's loop; `python3 -m pytest` (CI) runs both.
 Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) two tests run at once, and:
 - the process grids (GRID_MODULES: eight-peer soaks, join grids, cell kills) run one after the
   other, on one worker (`xdist_group("grid")`): two at once would be 16+ processes on 2 cores;
-- a test marked `alone` (one that measures rates, as the kernel-shaping cross-check does; one
-  that diffs every /tmp/hivemind-* file) holds an exclusive lock that every other test holds
-  shared, so it waits for the test running beside it and none starts beside it (a turnstile
-  keeps a stream of shared holders from starving it). One test at a time (no -n), the locks are
+- a test marked `alone` (one that measures rates, as the kernel-shaping cross-check does)
+  holds an exclusive lock that every other test holds shared, so it waits for the test running
+  beside it and none starts beside it (a turnstile keeps a stream of shared holders from
+  starving it). One test at a time (no -n), the locks are
   never contended.
 """
 

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from comms import procs
 from mesh.testing.local_peers import (
     KEY,
     LOOPBACK,
+    finish,
     kill,
     meshtrain,
     run_meshtrain,
@@ -146,39 +148,61 @@ def test_join_and_status_say_what_is_happening(text_file, tmp_path):
             kill(p)
 
 
-def _hivemind_files() -> set[Path]:
-    return set(Path("/tmp").glob("hivemind-*"))
+def _run_watched(*args: str, seen: set[int]) -> tuple[int, str]:
+    """_run, adding to `seen` every pid of the command's process tree while it runs (its
+    DHT process names its p2pd's files /tmp/hivemind-PID-*: that tells them from the files of
+    the tests running beside this one)."""
+    p = meshtrain(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(procs.process_tree(p.pid))
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out, _ = finish(p, HANG_S)
+    finally:
+        done.set()
+        watcher.join(5)
+    return p.returncode, out
 
 
-@pytest.mark.alone  # every new /tmp/hivemind-* file is taken to be its own
 def test_a_failed_join_leaves_no_socket_files(tmp_path):
     from hivemind.p2p import PeerID
 
     dht, maddr = start_dht()
+    seen: set[int] = set()
     try:
-        before = _hivemind_files()
         host = maddr.split("/p2p/")[0]
         # the bootstrap's address with another peer's ID (it restarted without --identity):
         # the TCP probe passes, then p2pd fails to bootstrap and exits
         someone_else = PeerID(b"\x12\x20" + os.urandom(32)).to_base58()  # a sha256 multihash
         stale = f"{host}/p2p/{someone_else}"
-        code, out = _run("join", "--initial-peers", stale, *LOOPBACK)
+        code, out = _run_watched("join", "--initial-peers", stale, *LOOPBACK, seen=seen)
         assert code == 2 and "could not reach the DHT" in out, out
         # a scout that started, then found no run to join
-        code, out = _run("join", "--initial-peers", maddr, *LOOPBACK)
+        scout: set[int] = set()
+        code, out = _run_watched("join", "--initial-peers", maddr, *LOOPBACK, seen=scout)
         assert code == 2 and "no run found" in out, out
+        assert len(scout) > 1, "its DHT process was not seen: the check below would be blind"
+        seen |= scout
         # the first peer's data cannot be read: one line, before it claims a cell
         bad_data = tmp_path / "bad.toml"
         bad_data.write_text('[data]\npath = "/nonexistent/corpus.txt"\n')
-        code, out = _run("join", "--initial-peers", maddr, *LOOPBACK, "--config", str(bad_data))
+        args = ("join", "--initial-peers", maddr, *LOOPBACK, "--config", str(bad_data))
+        code, out = _run_watched(*args, seen=seen)
         assert code == 2 and "error: data.path" in out and "Traceback" not in out, out
         # malformed: refused by syntax before any daemon starts, with the right form (every
         # malformed shape: tests/unit/test_join_ux.py)
-        code, out = _run("join", "--initial-peers", host[5:].replace("/tcp/", ":"), *LOOPBACK)
+        malformed = host[5:].replace("/tcp/", ":")
+        code, out = _run_watched("join", "--initial-peers", malformed, *LOOPBACK, seen=seen)
         assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, out
-        bound = procs.bound_sockets()
-        left = sorted(str(p) for p in _hivemind_files() - before if str(p) not in bound)
-        assert not left, left
+        bound = procs.bound_sockets()  # a live p2pd's: the check after this one
+        files = {str(f) for pid in seen for f in Path("/tmp").glob(f"hivemind-{pid}-*")}
+        assert not files - bound, sorted(files - bound)
         assert not procs.named_with(host.encode(), "p2pd"), "a failed join left its p2pd running"
     finally:
         kill(dht)

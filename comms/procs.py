@@ -81,6 +81,23 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def started_unix_s(pid: int) -> float | None:
+    """When the process started, in Unix seconds (boot time + start_ticks; to within about a
+    second: /proc/stat's btime is whole seconds). None when there is no such process."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
+        btime = next(
+            int(line.split()[1])
+            for line in (PROC / "stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, StopIteration, ValueError):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _parents() -> dict[int, list[int]]:
     """parent pid -> its children's pids, of every process now."""
     kids: dict[int, list[int]] = {}

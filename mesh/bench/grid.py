@@ -10,6 +10,7 @@ grid's processes are reported and removed (a live socket is never touched).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from comms.procs import bound_sockets, comm, process_tree
+from comms.procs import bound_sockets, comm, process_tree, started_unix_s
 from comms.procs import running as alive
 from mesh.testing.local_peers import LOOPBACK, meshtrain, start_dht, stop, wait_for
 from mesh.testing.procstat import hivemind_sockets
@@ -35,6 +36,7 @@ class LocalGrid:
         self.joins: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}  # time.monotonic() of each join's start
         self.seen: dict[int, str] = {}  # pid -> comm of every process of a peer's tree seen
+        self.started_s: dict[int, float] = {}  # pid -> when that process started (Unix s)
         self.sockets: set[str] = set()  # socket files our processes held
         self.dht: subprocess.Popen | None = None
         self.maddr = ""
@@ -85,6 +87,8 @@ class LocalGrid:
         tree = process_tree(root)
         for p in tree:
             self.seen.setdefault(p, comm(p))
+            if p not in self.started_s:
+                self.started_s[p] = started_unix_s(p) or 0.0
         self.sockets |= hivemind_sockets(tree)
         return tree
 
@@ -132,10 +136,17 @@ class LocalGrid:
         those named after the pid of one of our processes (a peer's DHT process names its
         p2pd's files hivemind-PID-*). Other files in /tmp may be other programs' (and a socket
         bound in another network namespace does not show in our /proc/net/unix): never
-        guessed to be ours. A file named after a pid of ours that a live process has bound is
-        not ours: pids wrap at 32768, and a long test run reuses them; a process of ours that
-        outlived the grid is reported as an orphan, its files with it."""
-        named = {str(f) for p in self.seen for f in Path("/tmp").glob(f"hivemind-{p}-*.sock")}
+        guessed to be ours. Pids wrap at 32768 and a long test run reuses them, so a file named
+        after a pid of ours is not ours when it is older than our process of that pid (an
+        earlier one's leftover; 2 s of slack for the start time's precision) or a live process
+        has it bound (a later one's; a process of ours that outlived the grid is reported as an
+        orphan, its files with it)."""
+        named = {
+            str(f)
+            for p in self.seen
+            for f in Path("/tmp").glob(f"hivemind-{p}-*.sock")
+            if _made_s(f) >= self.started_s.get(p, 0.0) - 2.0
+        }
         named -= bound_sockets() - self.sockets
         return sorted({s for s in self.sockets if os.path.exists(s)} | named)
 
@@ -161,6 +172,14 @@ class LocalGrid:
             _kill_pid(p, self.seen[p])
         for s in self.leftovers["socket_files_left"]:
             _unlink_unbound(s)
+
+
+def _made_s(path: Path) -> float:
+    """When a socket file was made (its mtime: a socket file is never written as a file)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile: nobody's leftover
+        return -math.inf
 
 
 def _kill_pid(pid: int, name: str) -> None:

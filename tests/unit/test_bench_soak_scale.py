@@ -193,9 +193,11 @@ def test_scale_table_counts_joins_that_started_over_by_themselves():
 
 def test_a_socket_named_after_a_reused_pid_is_ours_only_once_no_one_holds_it(tmp_path):
     """Pids wrap at 32768: a file hivemind-PID-* that another process (here, this test) has
-    bound under a pid our grid once saw is not our leftover; once unbound, it is."""
+    bound under a pid our grid once saw is not our leftover; once unbound, it is, unless it is
+    older than our process of that pid (an earlier process's leftover)."""
     import os
     import socket
+    import time
 
     from mesh.bench.grid import LocalGrid
 
@@ -210,6 +212,10 @@ def test_a_socket_named_after_a_reused_pid_is_ours_only_once_no_one_holds_it(tmp
         assert path not in grid.own_socket_files()
         sock.close()
         assert path in grid.own_socket_files()  # its owner is gone: a leftover
+        grid.started_s[pid] = time.time() + 3600  # our process of that pid came after it
+        assert path not in grid.own_socket_files()
+        grid.started_s[pid] = time.time() - 60  # it came after our process: ours
+        assert path in grid.own_socket_files()
     finally:
         sock.close()
         os.unlink(path)

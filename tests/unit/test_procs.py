@@ -74,3 +74,20 @@ def test_bound_sockets_name_a_bound_unix_socket_and_not_a_leftover(tmp_path) -> 
         s.bind(str(path))
         assert str(path) in procs.bound_sockets()
     assert path.exists() and str(path) not in procs.bound_sockets()  # left behind
+
+
+def test_a_process_start_time_is_now_for_a_new_child_and_none_once_reaped():
+    import subprocess
+    import time
+
+    from comms.procs import started_unix_s
+
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        started = started_unix_s(child.pid)
+        assert started is not None and before - 2 <= started <= time.time() + 2
+    finally:
+        child.kill()
+        child.wait()
+    assert started_unix_s(child.pid) is None

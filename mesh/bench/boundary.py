@@ -163,14 +163,15 @@ def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, .
 
 
 # the order the arms run in on each seed: the reference, then the arms the frontier question
-# turns on (a study stopped part way has those first), the baselines last
+# turns on (a study stopped part way has those first: 16x, the target's ratio, and 8x, where the
+# frontier sits when 16x misses), the baselines last
 RUN_FIRST = (
     "full bf16",
     "learned 16x",
+    "learned 8x",
     "learned 32x int4",
     "learned 32x",
     "learned 64x int4",
-    "learned 8x",
     "subspace 16x",
     "subspace 8x",
 )

@@ -154,7 +154,7 @@ def test_the_arms_the_frontier_turns_on_run_first_each_on_every_seed(base):
     lrs = {"full bf16": 4e-3, "FullSync": 8e-3}
     specs = study.build_specs(base, 4, [0, 1], lrs)
     order = [s.method for s in specs if s.seed == 0]
-    assert order[:3] == ["P4 full bf16", "P4 learned 16x", "P4 learned 32x int4"]
+    assert order[:3] == ["P4 full bf16", "P4 learned 16x", "P4 learned 8x"]
     assert sorted(order) == sorted(f"P4 {a}" for a, _ in study.arms(base, 4))
     assert [s.seed for s in specs] == [0, 1] * 10  # arm by arm: a stopped study has whole rows
     async_, fullsync = (

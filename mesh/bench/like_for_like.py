@@ -16,9 +16,9 @@ while FullSync updates once per 4 microbatches (32 sequences), so the async arm 
 updates at a quarter of the batch. The decomposition arm runs the async arm's best settings with
 microbatches 4x larger (32 sequences, 400 updates: FullSync's batch and update count at the
 same tokens) and the same pipeline delay in updates: what closes is the batch size's share, what
-stays is the staleness's. It runs twice: at the async arm's lr (tuned at the small batch), and
-at its own lr, tuned over BATCH_LRS on the tuning seeds (the same tau and clip), since a 4x
-batch takes a larger step.
+stays is the asynchrony's (stale weights, the partial averaging). It runs twice: at the async
+arm's lr (tuned at the small batch), and at its own lr, tuned over BATCH_LRS on the tuning seeds
+(the same tau and clip), since a 4x batch may take a larger step.
 
 Every stage resumes from runs.partial.jsonl in OUT/like_for_like/ (runs with the same config and
 budget are reused); writes OUT/like_for_like.json and like_for_like.md.
@@ -232,7 +232,7 @@ def table(summary: dict[str, Any]) -> str:
             "FullSync's batch and update count: at the async arm's lr (tuned at a quarter of "
             "that batch), and at its own lr (tuned over "
             f"{', '.join(f'{lr:g}' for lr in BATCH_LRS)}); what is left of the own-lr row's gap "
-            "is the staleness's.",
+            "is the asynchrony's (stale weights, the partial averaging).",
             "",
             _scale_line(summary),
             "",

@@ -57,12 +57,13 @@ class NatGrid:
         return self.directory / f"{name}.log"
 
     def start(self, name: str, where: str, *args: str) -> Any:
-        """`meshtrain ARGS` in namespace `where`, output to NAME.log (the dht's stdout piped)."""
+        """`meshtrain ARGS` in namespace `where`, output to NAME.log (the dht's stdout piped, its
+        stderr to dht.log)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": KEY}
         maddr = ["--host-maddrs", f"/ip4/{self.addr(where)}/tcp/0"]
         cmd = self.topo.cmd(self.ns(where), sys.executable, "-m", "cli.main", *args, *maddr)
         out: Any = subprocess.PIPE if name == "dht" else self.log(name).open("w")
-        err = subprocess.DEVNULL if name == "dht" else subprocess.STDOUT
+        err = self.log(name).open("w") if name == "dht" else subprocess.STDOUT
         p = subprocess.Popen(
             cmd,
             env=env,

@@ -268,11 +268,13 @@ def run_cell(
                                 raise StageMove(cell_name(stage, replica), to)
                 row = _row(w, transport, now - start)
                 if isinstance(coord, DhtCoordinator):
-                    coord.beat.stats = beat_stats(row)
+                    stats = beat_stats(row)
                     if row["flagged"]:  # sentinel.enabled's flagged neighbours
-                        coord.beat.stats["flagged"] = row["flagged"]
+                        stats["flagged"] = row["flagged"]
                     if isinstance(transport, DirectoryTransport) and transport.relayed:  # NAT
-                        coord.beat.stats["relayed"] = True
+                        stats["relayed"] = True
+                    # whole, then in: the heartbeat thread reads beat.stats at any moment
+                    coord.beat.stats = stats
                 with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
                     sink.write(row)
                 if stop_at is not None and stop_at.due(cell.step):

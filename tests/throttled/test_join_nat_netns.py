@@ -37,6 +37,23 @@ def _relay_limits(grid: NatGrid, cell: str) -> list:
     return sorted(last[-1].values(), key=str) if last else []
 
 
+def _wait_for_answers(grid: NatGrid, cell: str, want: list) -> None:
+    """Until each of `cell`'s three relays answered its reservation with `want`; on timeout,
+    what they answered and what the relays' logs said of their relay service."""
+    try:
+        wait_for(lambda: _relay_limits(grid, cell) == [want] * 3, WAIT_S, f"{cell}'s answers")
+    except AssertionError as e:
+        said = [
+            f"{name}: {line}"
+            for name in ("dht", "s0r0", "s1r0", cell)
+            if grid.log(name).exists()
+            for line in grid.log(name).read_text().splitlines()
+            if "relay" in line.lower()
+        ]
+        last = [r.get("relay_limits") for r in grid.health(cell)][-3:]
+        raise AssertionError(f"{e}: last answers {last}; logs: {said[-20:]}") from None
+
+
 def _relays_in_use(grid: NatGrid, cell: str, since_s: float = 0.0) -> set[str]:
     return {
         relay
@@ -63,7 +80,7 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
         assert set(relays) <= set(procs.named_with(b"-forceReachabilityPublic=1", "p2pd"))
         want = [int(RELAY_S), int(RELAY_MIB * 2**20)]
         for cell in ("s0r1", "s1r1"):
-            wait_for(lambda c=cell: _relay_limits(grid, c) == [want] * 3, WAIT_S, "answers")
+            _wait_for_answers(grid, cell, want)
 
         # replica 1 trains through relays: the homes' only TCP peers are on the public side
         for home in (HOME0, HOME1):
@@ -85,7 +102,8 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
         assert grid.step("s1r1") > start, "s1r1 stalled"
 
         status = {c["cell"]: c for c in grid.status()["cells"]}
-        assert {c for c, row in status.items() if row["relayed"]} == {"s0r1", "s1r1"}, status
+        relayed = {c for c, row in status.items() if row["relayed"]}
+        assert relayed == {"s0r1", "s1r1"}, [status[c] for c in ("s0r1", "s1r1")]
 
         # the relay carrying replica 1 is killed: it goes on through another one
         in_use = _relays_in_use(grid, "s0r1") | _relays_in_use(grid, "s1r1")

@@ -300,6 +300,15 @@ def held_depths(
     return lrs, [r for r in kept("lr_sweep") if _depth(r) in lrs], runs
 
 
+def _grids_of(
+    stages: tuple[int, ...], grids: dict[int, dict[str, tuple[float, ...]]], old: dict[str, Any]
+) -> dict[str, dict[str, list[float]]]:
+    """Each depth's lr grid for the summary: this call's, or for a depth it kept from an earlier
+    summary (held_depths), the grid that summary says its sweep ran."""
+    ran = {str(p): {arm: list(v) for arm, v in g.items()} for p, g in grids.items()}
+    return {str(p): ran.get(str(p)) or old.get("lr_grid", {}).get(str(p), {}) for p in stages}
+
+
 def run_boundary(
     base: Config,
     out: Path,
@@ -370,7 +379,7 @@ def run_boundary(
         "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
         "seeds": seeds,
         "tune_seed": TUNE_SEED,
-        "lr_grid": {str(p): {arm: list(v) for arm, v in grids[p].items()} for p in stages},
+        "lr_grid": _grids_of(stages, grids, old),
         "lrs": {str(p): v for p, v in tuned.items()},
         "anchor_rank": ANCHOR_RANK,
         "quick": quick,

@@ -176,3 +176,34 @@ def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
         wide = study.lr_grid(p, width=192)
         assert wide == study.LR_GRID_WIDTH[192]
         assert all(min(wide[a]) < min(study.LR_GRID[a]) for a in wide)
+
+
+def test_a_report_of_one_depth_keeps_the_other_depths_rows_and_grid(tmp_path):
+    """--stages 4 over an --out whose summary also holds P = 8: P = 8's rows, lrs and the grid
+    its sweep ran stay in the summary beside P = 4's (nothing runs: report_only)."""
+    base = load_config([], study.STUDY_DEFAULTS)  # the default corpus: the rule's bigram
+    mbs = study.MICROBATCHES
+    runs = [
+        {
+            "method": f"P8 {arm}",
+            "seed": seed,
+            "val_loss": 2.0 + 0.01 * i,
+            "val_bpb": 2.9,
+            "diverged": False,
+            "microbatches": mbs,
+            "wall_s": 1.0,
+        }
+        for i, (arm, _) in enumerate(study.arms(base, 8))
+        for seed in (0, 1)
+    ]
+    old = {
+        "lrs": {"8": {study.REFERENCE: 2e-3, "FullSync": 8e-3}},
+        "lr_grid": {"8": {study.REFERENCE: [1e-3, 2e-3], "FullSync": [8e-3]}},
+        "lr_sweep": [],
+        "runs": runs,
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    summary = study.run_boundary(base, tmp_path, False, 1, stages=(4,), report_only=True)
+    assert summary["lrs"] == {"8": old["lrs"]["8"]}
+    assert summary["lr_grid"] == {"8": old["lr_grid"]["8"]}
+    assert {r["P"] for r in summary["rows"]} == {8} and summary["runs"] == runs

@@ -112,13 +112,14 @@ def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
         took_s = time.monotonic() - killed_at
         # the two live stage-1 cells carried the three streams' microbatches: each took work
         assert all(step(outs[n]) > at_kill[n] for n in survivors), (at_kill, survivors)
-        wait_for(
-            lambda: "s1r1" not in {c["cell"] for c in status(maddr)["cells"]},
-            HANG_S,
-            "the killed cell's claim expired",
-        )
-        pools = {p["stage"]: p for p in status(maddr)["pools"]}
-        assert pools[1]["cells"] == 2 and pools[0]["cells"] == 3, pools
+
+        # the killed cell's claim expires, the others' stay (stage 1 down to 2 cells, stage 0
+        # at 3): one read of a loaded DHT can miss a live claim whose heartbeat is late, so the
+        # pools are read until they are so
+        def pools_now() -> dict:
+            return {p["stage"]: p["cells"] for p in status(maddr)["pools"]}
+
+        wait_for(lambda: pools_now() == {0: 3, 1: 2}, HANG_S, "s1r1's claim expired alone")
         for n in streams:
             events = [r.get("event") for r in rows(outs[n])]
             assert "session_broken" not in events, (n, events)

@@ -72,8 +72,10 @@ QUICK_LRS = {"full bf16": (4e-3,), "FullSync": (8e-3,)}
 # a wider model wants a smaller step (Adam's update is per element, a d 192 matrix sums 3x the
 # terms): d 192 tries half of d 64's grid and d 64's low edge; its reference's best sat on the
 # low edge twice (4e-3: 2.040, 2e-3: 1.757, 1e-3: 1.675 nats per byte on seed 100), so it goes
-# down to 5e-4; FullSync (a quarter of the updates, 4x the batch) from 2e-3, a quarter of d 64's
-LR_GRID_WIDTH = {192: {"full bf16": (5e-4, 1e-3, 2e-3, 4e-3), "FullSync": (2e-3, 4e-3, 8e-3)}}
+# down to 5e-4; FullSync's too (2e-3: 1.701, 4e-3: 1.773, 8e-3: 1.948), so it goes as low
+LR_GRID_WIDTH = {
+    192: {"full bf16": (5e-4, 1e-3, 2e-3, 4e-3), "FullSync": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+}
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 # the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)

@@ -73,9 +73,13 @@ QUICK_LRS = {"full bf16": (4e-3,), "FullSync": (8e-3,)}
 # terms): d 192 tries half of d 64's grid and d 64's low edge; its reference's best sat on the
 # low edge twice (4e-3: 2.040, 2e-3: 1.757, 1e-3: 1.675 nats per byte on seed 100), so it goes
 # down to 5e-4; FullSync's too (2e-3: 1.701, 4e-3: 1.773, 8e-3: 1.948), so it goes as low
-# (1e-3: 1.698, 5e-4: 1.755: its best is inside)
+# (1e-3: 1.698, 5e-4: 1.755: its best is inside). The reference's best then sat on the new
+# low edge, if by a hair (5e-4: 1.6736, 1e-3: 1.6751): it also tries 2.5e-4
 LR_GRID_WIDTH = {
-    192: {"full bf16": (5e-4, 1e-3, 2e-3, 4e-3), "FullSync": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)}
+    192: {
+        "full bf16": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3),
+        "FullSync": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+    }
 }
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24

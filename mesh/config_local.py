@@ -141,6 +141,14 @@ class EmulationConfig(_Section):
         "as slow); unlisted cells 1.0. Real compute: each forward/backward then waits "
         "(factor-1) x its own time",
     )
+    min_compute_ms: float = Field(
+        0.0,
+        ge=0,
+        description="real compute: each forward and each backward takes at least this long "
+        "(the cell waits out the rest, as on a device with that step time; after slowdowns); "
+        "0: as fast as it runs. Paces tiny test models, whose messages would otherwise take "
+        "the CPU",
+    )
     deaths: list[str] = Field(
         [],
         description="the simulator (pools and fixed): cells dead for a span of updates, e.g. "

@@ -102,6 +102,12 @@ def slowdown(cfg: Config, stage: int, replica: int) -> float:
     return table.get((stage, replica), 1.0)
 
 
+def real_op_s(spent_s: float, factor: float, floor_s: float) -> float:
+    """How long a real forward or backward takes the cell: its CPU time `spent_s` x its
+    slowdown `factor`, and at least `floor_s` (emulation.min_compute_ms)."""
+    return max(spent_s * factor, floor_s)
+
+
 def emulated_op_s(cfg: Config, stage: int, replica: int) -> tuple[float, float]:
     """(forward, backward) seconds per microbatch of one cell in emulated mode."""
     f = slowdown(cfg, stage, replica)
@@ -274,9 +280,10 @@ def resolve_window(cfg: Config, headroom: float = 0.25) -> Config:
     if cfg.emulation.compute == "emulated":
         rows = compute_table(cfg)
     else:
-        measured = measure_compute_s(cfg)
+        measured = measure_compute_s(cfg)  # forward and backward: two floors a microbatch
+        floor_s = cfg.emulation.min_compute_ms / 1e3
         rows = [
-            [t * slowdown(cfg, j, i) for j, t in enumerate(measured)]
+            [real_op_s(t, slowdown(cfg, j, i), 2 * floor_s) for j, t in enumerate(measured)]
             for i in range(cfg.grid.replicas)
         ]
     lat = link_latency_s(cfg)

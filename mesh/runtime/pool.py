@@ -409,7 +409,7 @@ class PoolWorker(StageWorker):
         else:
             assert grad_out is not None
             grads = torch.autograd.grad(out, leaves, grad_outputs=grad_out)
-        self._busy(t0)
+        self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
         return grads
 
     def _push_version(self) -> None:

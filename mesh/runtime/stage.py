@@ -43,7 +43,7 @@ from mesh.algo.topology import cell_name, group_name
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
 from mesh.model.build import lm_loss, needs_tokens, stage_forward
-from mesh.runtime.emulate import ComputeClock
+from mesh.runtime.emulate import ComputeClock, real_op_s
 from mesh.runtime.rounds import Rounds
 from mesh.runtime.session import (
     CHECK_EVERY_S,
@@ -75,7 +75,7 @@ class StageWorker:
         self.j, self.i = cell.stage, cell.replica
         self.mpu = settings.microbatches_per_update
         self.window = settings.window
-        self.slowdown = settings.slowdown
+        self.slowdown, self.min_op_s = settings.slowdown, settings.min_op_s
         self.emu: ComputeClock | None = None
         if settings.emulated_op_s is not None:
             self.emu = ComputeClock()
@@ -267,13 +267,15 @@ class StageWorker:
         if to is not None and enc is not None:
             self._send(to, tag, kind, enc)
 
-    def _busy(self, t0: float) -> None:
+    def _busy(self, t0: float, ops: int = 1) -> None:
         """Real compute: count the thread CPU time since t0; a slowdown > 1 then waits
-        (factor - 1) x that time, as a slower peer would."""
+        (factor - 1) x that time, as a slower peer would, and up to the floor of its `ops`
+        forwards and backwards (min_op_s each), as a device with that step time would."""
         spent = time.thread_time() - t0
-        self.stats.busy_s += spent * self.slowdown
-        if self.slowdown > 1:
-            time.sleep(spent * (self.slowdown - 1))
+        took = real_op_s(spent, self.slowdown, self.min_op_s * ops)
+        self.stats.busy_s += took
+        if took > spent:
+            time.sleep(took - spent)
 
     def _track_stash(self) -> None:
         held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
@@ -326,7 +328,7 @@ class StageWorker:
         else:
             assert fl.grad_out is not None
             grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
-        self._busy(t0)
+        self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
         if self.j > 0:
             sent = self.cell.outgoing(grads[0], "gradient", b)  # faults.pipeline_poison
             enc = codecs.encode(sent, self.settings.pipeline.codec)

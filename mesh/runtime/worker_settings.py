@@ -36,6 +36,7 @@ class WorkerSettings:
     microbatches_per_update: int
     window: list[int] | None  # the resolved pipeline.window
     slowdown: float  # this cell's compute factor (emulation.slowdowns)
+    min_op_s: float  # a real forward's or backward's least time (emulation.min_compute_ms)
     # (forward, backward) seconds per microbatch when emulation.compute = "emulated", else None
     emulated_op_s: tuple[float, float] | None
     grid: Grid  # the run's grid, less the cells emulation.deaths takes out
@@ -66,6 +67,7 @@ class WorkerSettings:
             ),
             window=window_of(cfg),
             slowdown=slowdown(cfg, stage, replica),
+            min_op_s=cfg.emulation.min_compute_ms / 1e3,
             emulated_op_s=emulated_op_s(cfg, stage, replica) if emulated else None,
             grid=grid_of(cfg),
             rounds=RoundSettings.of(cfg),

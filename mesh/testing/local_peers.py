@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 KEY = "correct horse battery staple"  # the run key of these local grids
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+# a join grid's pace (tiny_grid_config's min_compute_ms): each forward and backward at least
+# this long, as on a device. Flat out, tiny cells' messages and bookkeeping took the 2 cores
+# (about 50 updates a second each), and every process started beside them (a join, `status`)
+# started slower: the sixth join of a pooled grid took 27 s to train, paced 7 s
+PACE_MS = 50.0
 
 
 WORDS = (
@@ -63,6 +68,7 @@ def tiny_grid_config(
     schedule_steps: int | None = None,
     dp: str = "",
     slowdown: float = 1.0,
+    min_compute_ms: float = 0.0,
 ) -> Path:
     """A `stages` x `replicas` grid of a tiny model (one block per stage) on `text_file` (None:
     the default corpus, Shakespeare) that runs until stopped (run.toml); `local`: more TOML
@@ -70,10 +76,14 @@ def tiny_grid_config(
     `steps`: the run's horizon; `schedule_steps`: the lr and lambda schedules' (None: `steps`);
     `dp`: TOML lines for its [dp] table; `slowdown`: every cell's emulation.slowdowns factor
     (a cell then waits (slowdown - 1) x the CPU time of each forward and backward; its
-    messages and bookkeeping are not slowed)."""
+    messages and bookkeeping are not slowed); `min_compute_ms`: emulation.min_compute_ms, a
+    floor on each forward and backward (a grid of tiny cells paced as on devices, so that
+    their messages leave CPU to the processes a test starts beside them)."""
     cells = [f'"{name}={slowdown}"' for name in Grid(stages, replicas).names()]
     if slowdown != 1.0:
         local = f"emulation.slowdowns = [{', '.join(cells)}]\n{local}"
+    if min_compute_ms:
+        local = f"emulation.min_compute_ms = {min_compute_ms}\n{local}"
     path = directory / "run.toml"
     data = "" if text_file is None else f'path = "{text_file}"\n'
     path.write_text(

@@ -24,6 +24,7 @@ from cli.status import READ_TIMEOUT_S
 from mesh.runtime.registry import HEARTBEAT_LIVES
 from mesh.testing.local_peers import (
     LOOPBACK,
+    PACE_MS,
     cell_of,
     kill,
     meshtrain,
@@ -41,16 +42,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Only hangs are bounded here, with room for a loaded 2-core box; how long joining, resuming and
 # failing take is measured by `meshtrain bench join` (results/join/table.md).
 HANG_S = 60
-SLOWDOWN = 4.0  # emulation.slowdowns of every cell
 HEARTBEAT_S = 1.0  # tiny_grid_config's elastic.heartbeat_s
 CELLS = {"s0r0", "s1r0", "s0r1", "s1r1"}
 
 
 def test_grid_formed_by_joins(text_file, tmp_path):
-    # the cells' compute slowed 4x: flat out, the four joins take 1.5 of the 2 cores (~30
-    # updates a second each) and starve the `status` and `join` processes this test is about;
-    # slowed, 1 core (~25 a second: their messages and bookkeeping cost more than the math)
-    cfg = tiny_grid_config(tmp_path, text_file, slowdown=SLOWDOWN)
+    # the cells paced as on devices (PACE_MS): flat out, the four joins take 1.5 of the 2 cores
+    # (~30 updates a second each) and starve the `status` and `join` processes this test is about
+    cfg = tiny_grid_config(tmp_path, text_file, min_compute_ms=PACE_MS)
     dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     joins: dict[str, subprocess.Popen] = {}
     extra: list[subprocess.Popen] = []

@@ -24,6 +24,7 @@ from comms import procs
 from mesh.testing.local_peers import (
     KEY,
     LOOPBACK,
+    PACE_MS,
     finish,
     kill,
     meshtrain,
@@ -74,7 +75,11 @@ class Join:
 
 def test_join_and_status_say_what_is_happening(text_file, tmp_path):
     cfg = tiny_grid_config(  # less CPU for the cells: see test_join
-        tmp_path, text_file, replicas=1, local="elastic.rejoin_timeout_s = 600", slowdown=4.0
+        tmp_path,
+        text_file,
+        replicas=1,
+        local="elastic.rejoin_timeout_s = 600",
+        min_compute_ms=PACE_MS,
     )
     dht, maddr = start_dht()
     peers = ["--initial-peers", maddr]

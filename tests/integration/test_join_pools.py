@@ -17,6 +17,7 @@ import pytest
 from mesh.runtime.metrics import read_metrics
 from mesh.testing.local_peers import (
     LOOPBACK,
+    PACE_MS,
     cell_of,
     kill,
     meshtrain,
@@ -64,7 +65,7 @@ class PooledJoins:
 @contextlib.contextmanager
 def pooled_joins(tmp: Path, text_file: Path, replicas: int, local: str) -> Iterator[PooledJoins]:
     """A 2 x `replicas` pooled grid's bootstrap node; every process stopped at the end."""
-    cfg = tiny_grid_config(tmp, text_file, replicas=replicas, slowdown=4.0, local=local)
+    cfg = tiny_grid_config(tmp, text_file, replicas=replicas, min_compute_ms=PACE_MS, local=local)
     cfg.write_text(cfg.read_text().replace("[pipeline]", '[pipeline]\nrouting = "pools"'))
     dht, maddr = start_dht()
     grid = PooledJoins(tmp, cfg, maddr)
@@ -97,6 +98,9 @@ def test_pooled_joins_route_around_a_killed_cell(text_file, tmp_path):
         pools = {p["stage"]: p for p in grid["pools"]}
         assert set(pools) == {0, 1} and all(p["cells"] == 3 for p in pools.values()), grid
         assert all(p["capacity_tps"] > 0 for p in pools.values()), pools
+        # paced as on devices: each forward and backward took at least PACE_MS
+        paced = [r for r in rows(outs["j0"]) if r.get("microbatches")][-1]
+        assert paced["busy_s"] >= 0.9 * paced["microbatches"] * 2 * PACE_MS / 1e3, paced
         victim = next(n for n, c in cells.items() if c == (1, 1))
         streams = [n for n, c in cells.items() if c[0] == 0]
         survivors = [n for n, c in cells.items() if c[0] == 1 and n != victim]

@@ -14,6 +14,7 @@ from mesh.runtime.lives import split_lives
 from mesh.runtime.registry import HEARTBEAT_LIVES
 from mesh.testing.local_peers import (
     LOOPBACK,
+    PACE_MS,
     cell_of,
     kill,
     meshtrain,
@@ -37,7 +38,7 @@ def test_a_join_stopped_with_ctrl_c_and_started_again_resumes_from_its_own_save(
     Ctrl-C to the stage-1 peer at a random step: it exits 0 having saved its step; the same
     command, started at once, claims s1r0 again, its new life starts at that step (the
     `resumed` event names its checkpoint) and trains on with no `state_loaded`."""
-    cfg = tiny_grid_config(tmp_path, text_file, replicas=1, slowdown=4.0)
+    cfg = tiny_grid_config(tmp_path, text_file, replicas=1, min_compute_ms=PACE_MS)
     dht, maddr = start_dht()
     procs = {}
     try:

@@ -24,6 +24,7 @@ from mesh.runtime.registry import CONFIG_KEY, CONFIG_SLOT, claims_key
 from mesh.testing.local_peers import (
     KEY,
     LOOPBACK,
+    PACE_MS,
     kill,
     meshtrain,
     rows,
@@ -134,7 +135,7 @@ def _squat(outsider: DhtClient, cfg_path, space: str) -> None:
 
 def test_a_keyed_grid_rides_out_a_squatter_and_a_flood(text_file, tmp_path):
     """A 2x1 grid of joins (the least that has a replica's session to break)."""
-    cfg = tiny_grid_config(tmp_path, text_file, replicas=1, slowdown=4.0)
+    cfg = tiny_grid_config(tmp_path, text_file, replicas=1, min_compute_ms=PACE_MS)
     space = Auth.of(KEY, "").space  # where the run's records live (the key's space)
     dht = meshtrain("dht", *LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     joins: dict[str, subprocess.Popen] = {}

@@ -25,6 +25,7 @@ from mesh.runtime.emulate import (
     compute_table,
     emulated_op_s,
     link_profile,
+    real_op_s,
     resolve_window,
     slowdown,
     stage_times,
@@ -133,6 +134,17 @@ def test_slowdowns_parse_and_name_the_key() -> None:
     # a smaller grid: the cell check follows the grid
     with pytest.raises(ConfigError, match="2x2"):
         load_config([], ["grid.stages=2", "grid.replicas=2", "emulation.slowdowns=['s2r0=2']"])
+
+
+def test_a_real_ops_time_is_its_slowed_cpu_time_and_at_least_the_floor() -> None:
+    assert real_op_s(0.010, 1.0, 0.0) == 0.010  # as fast as it runs
+    assert real_op_s(0.010, 3.0, 0.0) == pytest.approx(0.030)
+    assert real_op_s(0.010, 1.0, 0.050) == 0.050  # a tiny model on a "device" of 50 ms
+    assert real_op_s(0.010, 8.0, 0.050) == pytest.approx(0.080)  # the slowdown past the floor
+    assert real_op_s(0.010, 0.5, 0.0) == pytest.approx(0.005)  # a faster cell waits for nothing
+    assert load_config([], ["emulation.min_compute_ms=40"]).emulation.min_compute_ms == 40
+    with pytest.raises(ConfigError, match="emulation.min_compute_ms"):
+        load_config([], ["emulation.min_compute_ms=-1"])
 
 
 def test_link_profiles_match_comms_and_override() -> None:

@@ -15,18 +15,17 @@ import pytest
 from helpers import wait_for
 
 from comms.netns import netns_star, unavailable
-from mesh.runtime.metrics import read_metrics
-from mesh.testing.local_peers import cell_of, tiny_grid_config
+from mesh.testing.local_peers import rows as cell_rows
+from mesh.testing.local_peers import tiny_grid_config
 
 RATE_MBIT = 20.0
 pytestmark = [pytest.mark.throttled, pytest.mark.integration, pytest.mark.slow]
 
 
 def _rows(out: Path) -> list[dict]:
-    """The rows of the cell the join runs now: one that lost its first claim to a racing join
-    also wrote a file for that cell (a couple of rows), which must not stand for it."""
-    cell = cell_of(out)
-    return [] if cell is None else read_metrics(out).get(cell, [])
+    """The update rows of the cell the join runs now (a join that lost its first claim to a
+    racing one also wrote a couple of rows for that cell, which must not stand for it)."""
+    return [r for r in cell_rows(out) if "event" not in r]
 
 
 def test_grid_of_joins_in_shaped_namespaces(text_file, tmp_path):

@@ -15,7 +15,7 @@ Every DHT process of ours bounds what junk can do (comms/p2p/bounds.py: what it 
 big a reply grows), and run-record reads (`get_records`) tell "nobody answered" from "nothing
 there".
 
-imports: hivemind, comms.p2p (auth, bounds, locks, relay_service), comms.procs, stdlib (no
+imports: hivemind, comms.p2p (auth, bounds, locks, relay_service, shm), comms.procs, stdlib (no
 torch, no mesh, no cli).
 """
 
@@ -40,7 +40,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms import procs
-from comms.p2p import bounds, locks
+from comms.p2p import bounds, locks, shm
 from comms.p2p.relay_service import check_relay_service
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 # before any DHT process is forked: hivemind's process-shared locks stay stuck for ever when a
 # process holding one dies, and every later DHT process of ours would hang on them
 locks.install()
+# and where a stop (SIGTERM, Ctrl-C) cannot spin a process's first shared tensor for ever
+shm.install()
 
 
 def watch_parent(on_orphan: Callable[[], None], period_s: float = 0.5) -> None:

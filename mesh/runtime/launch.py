@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
+import os
 import signal
 import threading
 import time
@@ -36,6 +37,7 @@ from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import LOST_NEIGHBOUR, failure_report
 from mesh.runtime.grid_stop import one_step_stop, stop_grid_at_one_step
 from mesh.runtime.metrics import RowTail
+from mesh.runtime.stacks import STACKS_SIGNAL, STACKS_WAIT_S, keep_stacks
 from mesh.runtime.stop import STOP, stop_file
 from mesh.runtime.trainer import cell_process_main
 
@@ -76,6 +78,8 @@ class LocalGrid:
         self.left: set[tuple[int, int]] = set()  # pools: dead cells not started again
         # each cell's current life: the step it started from, its metrics file's size then
         self.lives: dict[tuple[int, int], tuple[int, int]] = {}
+        # cells killed after outliving a stop: their threads' stacks (mesh/runtime/stacks.py)
+        self.stuck: dict[tuple[int, int], Path] = {}
         self._ctx = cell_context()
 
     def start(
@@ -137,8 +141,17 @@ class LocalGrid:
         ]
         return sorted(out, key=lambda x: x[1] >= 0)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        _stop_all(list(self.procs.values()), grace_s)
+    def stop(self, grace_s: float = 5.0, cells: list[tuple[int, int]] | None = None) -> None:
+        """Stop these cells (default: all) cleanly; one still running after grace_s is asked
+        for its threads' stacks and killed, and its stacks kept (`stuck`)."""
+        procs = {c: self.procs[c] for c in (self.procs if cells is None else cells)}
+        running = {c: p.pid for c, p in procs.items() if p.is_alive()}
+        _stop_all(list(procs.values()), grace_s)
+        for cell, pid in running.items():
+            if procs[cell].exitcode == -signal.SIGKILL:
+                path = keep_stacks(self.out_dir, *cell, pid)
+                if path is not None:
+                    self.stuck[cell] = path
 
 
 # What the fork server imports once, before it forks any cell: a spawned cell spent ~2 s of CPU
@@ -383,6 +396,11 @@ def _watch(
     finally:
         grid.stop(grace_s)  # what is still running (after a one-step stop: nothing)
         stop_file(grid.out_dir).unlink(missing_ok=True)
+        for cell, path in grid.stuck.items():
+            notice(
+                f"cell {cell_name(*cell)} did not stop within {grace_s:.0f} s and was killed; "
+                f"what its threads were doing: {path}"
+            )
     return out
 
 
@@ -406,7 +424,7 @@ def restart_replica(cfg: Config, grid: LocalGrid, replica: int, grace_s: float) 
     and start all its cells again from the newest step every one of them saved (None: from
     the start). Returns that step."""
     cells = [(j, replica) for j in range(cfg.grid.stages)]
-    _stop_all([grid.procs[c] for c in cells], grace_s)
+    grid.stop(grace_s, cells)
     step = resume_point(grid.out_dir, cells, cfg.state_fingerprint()).step
     drop_abandoned(grid.out_dir, dict.fromkeys(cells, step))
     for cell in cells:
@@ -474,7 +492,8 @@ RESIGNAL_S = 0.5  # a stop repeats SIGTERM this often: a starting child ignores 
 
 def _stop_all(procs: list[Any], grace_s: float) -> None:
     """SIGTERM the children still running (again every RESIGNAL_S, for children that were
-    still starting), SIGKILL what is left after grace_s, reap all."""
+    still starting), SIGKILL what is left after grace_s (asked for its threads' stacks first:
+    mesh/runtime/stacks.py), reap all."""
     deadline = time.monotonic() + grace_s
     while True:
         alive = [p for p in procs if p.is_alive()]
@@ -484,7 +503,12 @@ def _stop_all(procs: list[Any], grace_s: float) -> None:
         for p in alive:
             p.terminate()  # idempotent in a cell: its handler ignores a second one
         alive[0].join(min(RESIGNAL_S, left))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    stuck = [p for p in procs if p.is_alive()]
+    for p in stuck:  # what it is doing, before the kill (mesh/runtime/stacks.py)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, STACKS_SIGNAL)
+    if stuck:
+        time.sleep(STACKS_WAIT_S)
+    for p in stuck:
+        p.kill()
+        p.join(5)

@@ -34,7 +34,7 @@ from mesh.data.corpus import load_corpus
 from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
-from mesh.runtime import memory
+from mesh.runtime import memory, stacks
 from mesh.runtime.checkpoint import checkpoint_path, load_cell, newest_intact, save_cell
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import (
@@ -415,7 +415,8 @@ def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], N
     reserve = reserve_failure_report(out_dir, stage, replica)
     watch_parent()
     try:
-        run()
+        with stacks.written_on_request(out_dir, stage, replica):  # a launcher about to kill it
+            run()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
     except (PeerLost, PeerTimeout) as e:  # a neighbour died or froze: the launcher's fault

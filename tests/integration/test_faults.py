@@ -66,6 +66,8 @@ def _events(out: Path, cell: tuple[int, int], name: str, pid: int | None = None)
 def _stop_cleanly(grid: LocalGrid) -> dict:
     """SIGTERM every cell (a clean stop: checkpoint, release, exit 0) and reap them."""
     grid.stop(grace_s=20)
+    for cell, path in grid.stuck.items():  # shown with a failure: what it was doing when killed
+        print(f"cell {cell} outlived its stop; its threads:\n{path.read_text()}")
     return grid.exit_codes()
 
 

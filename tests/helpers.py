@@ -57,3 +57,17 @@ class BootNode:
 
     def join(self, timeout_s: float | None = None) -> None:
         """shutdown() already waited for the node's process."""
+
+
+def hivemind_files(pids, since: float) -> list[Path]:
+    """/tmp/hivemind-PID-* files of these pids made at or after `since` (time.time()): pids
+    wrap at 32768, and a file an earlier process of the same pid left is not the test's."""
+    out = []
+    for pid in pids:
+        for f in Path("/tmp").glob(f"hivemind-{pid}-*"):
+            try:
+                if f.lstat().st_mtime >= since:
+                    out.append(f)
+            except OSError:  # removed meanwhile
+                pass
+    return out

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 
 from comms.p2p import dht as dht_mod
@@ -178,17 +179,18 @@ def test_local_rendezvous_dht_starts_with_a_deadline() -> None:
 def test_a_dht_that_did_not_shut_down_is_killed_with_its_p2pd_and_sockets() -> None:
     """P2PTransport.close's last step: a DHT process that ignored its shutdown (it ignores
     SIGTERM, so hivemind's hard way does nothing) would otherwise run as long as we do."""
+    since = time.time() - 1.0
     node = dht_mod.start_dht([], 60.0, host_maddrs=[LOOPBACK])
     daemons = dht_mod._p2pd_children(node.pid)
     assert len(daemons) == 1
-    assert list(Path("/tmp").glob(f"hivemind-{node.pid}-*"))
+    assert helpers.hivemind_files([node.pid], since)
     dht_mod.kill_unstopped(node)  # no shutdown asked: as one stuck in it
     assert not node.is_alive()
     deadline = time.monotonic() + 30  # the p2pd, re-parented to init, is reaped there
     while _alive(daemons[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(daemons[0])
-    assert not list(Path("/tmp").glob(f"hivemind-{node.pid}-*"))
+    assert not helpers.hivemind_files([node.pid], since)
 
 
 _DIES_IN_A_SEND = """

@@ -16,8 +16,10 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
+import helpers
 import pytest
 
 from comms import procs
@@ -180,6 +182,7 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
 
     dht, maddr = start_dht()
     seen: set[int] = set()
+    started = time.time() - 1.0  # a file older than the test is another's whose pid was reused
     try:
         host = maddr.split("/p2p/")[0]
         # the bootstrap's address with another peer's ID (it restarted without --identity):
@@ -206,7 +209,7 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
         code, out = _run_watched("join", "--initial-peers", malformed, *LOOPBACK, seen=seen)
         assert code == 2 and "e.g. /ip4/" in out and "Traceback" not in out, out
         bound = procs.bound_sockets()  # a live p2pd's: the check after this one
-        files = {str(f) for pid in seen for f in Path("/tmp").glob(f"hivemind-{pid}-*")}
+        files = {str(f) for f in helpers.hivemind_files(seen, started)}
         assert not files - bound, sorted(files - bound)
         assert not procs.named_with(host.encode(), "p2pd"), "a failed join left its p2pd running"
     finally:

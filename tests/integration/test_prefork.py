@@ -8,8 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
+import time
 
+import helpers
 import pytest
 from helpers import wait_for
 
@@ -87,12 +88,13 @@ def test_signals_wait_and_timeouts_as_popen(tmp_path):
 def test_kill_takes_the_whole_group_and_removes_its_socket_files():
     """local_peers.kill, a machine dying under a test: the node, its DHT process and p2pd are
     gone at once, and so are the socket files none of them lived to remove."""
+    started = time.time() - 1.0
     dht, _ = start_dht()
     try:
         # (torch's shared-memory manager runs in a session of its own, and goes when its
         # clients have gone)
         group = [pid for pid in process_tree(dht.pid) if os.getpgid(pid) == dht.pid]
-        files = [f for pid in group for f in Path("/tmp").glob(f"hivemind-{pid}-*")]
+        files = helpers.hivemind_files(group, started)
         assert len(group) == 3 and files, (group, files)
         kill(dht)
         assert not [f for f in files if f.exists()], files

@@ -81,6 +81,10 @@ LR_GRID_WIDTH = {
         "FullSync": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
     }
 }
+# ... and at P = 8 FullSync leaves out 8e-3: at P = 4 it ended 15% behind the best (1.948
+# against 1e-3's 1.698), and d 64's best only doubled from P = 4 to 8 (4e-3 to 8e-3), so 4e-3
+# still brackets a best that doubles; a d 192 run at P = 8 takes 10-20 minutes of a core
+LR_GRID_WIDTH_AT = {192: {8: {"FullSync": (5e-4, 1e-3, 2e-3, 4e-3)}}}
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 # the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)
@@ -146,7 +150,7 @@ def lr_grid(stages: int, quick: bool = False, width: int = 64) -> dict[str, tupl
     """Each baseline's lrs to try at depth `stages` and d_model `width`, smallest first."""
     if quick:
         return QUICK_LRS
-    grid = LR_GRID_WIDTH.get(width, LR_GRID)
+    grid = {**LR_GRID_WIDTH.get(width, LR_GRID), **LR_GRID_WIDTH_AT.get(width, {}).get(stages, {})}
     extra = LR_GRID_EXTRA.get(stages, {}) if width == 64 else {}
     return {arm: tuple(sorted({*lrs, *extra.get(arm, ())})) for arm, lrs in grid.items()}
 

@@ -171,11 +171,14 @@ def test_lr_grid_widens_downward_only_where_the_best_sat_on_its_edge():
             assert list(lrs) == sorted(lrs) and set(study.LR_GRID[arm]) < set(lrs)
             assert min(lrs) <= min(study.LR_GRID[arm]) / 2
     assert study.lr_grid(8, quick=True) == study.QUICK_LRS
-    # d 192 has its own grid, reaching below d 64's, at every depth
+    # d 192 has its own grid, reaching below d 64's, at every depth; at P = 8 FullSync's
+    # leaves out its top lr (what P = 4 found far past its best)
     for p in (4, 8):
         wide = study.lr_grid(p, width=192)
-        assert wide == study.LR_GRID_WIDTH[192]
+        assert wide["full bf16"] == study.LR_GRID_WIDTH[192]["full bf16"]
         assert all(min(wide[a]) < min(study.LR_GRID[a]) for a in wide)
+    assert study.lr_grid(4, width=192)["FullSync"] == study.LR_GRID_WIDTH[192]["FullSync"]
+    assert study.lr_grid(8, width=192)["FullSync"] == study.LR_GRID_WIDTH[192]["FullSync"][:-1]
 
 
 def test_a_report_of_one_depth_keeps_the_other_depths_rows_and_grid(tmp_path):

@@ -25,16 +25,21 @@ def failure_path(out_dir: str | Path, stage: int, replica: int) -> Path:
     return Path(out_dir) / "logs" / f"{cell_name(stage, replica)}.err"
 
 
+def drop_dead_processes_files(path: Path) -> None:
+    """Remove the hidden per-process files beside `path` (.NAME.PID) whose process is gone."""
+    for old in path.parent.glob(f".{path.name}.*"):
+        pid = old.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            old.unlink(missing_ok=True)
+
+
 def reserve_failure_report(out_dir: str | Path, stage: int, replica: int) -> Path | None:
     """Room for this cell's failure report, taken while there is some: a hidden file of zeros
     beside the report (DIR/logs/.sJrI.err.PID) that write_failure writes into and renames, so
     a full disk still gets its one line. Reserves of dead processes are removed. None when
     not even this fits."""
     path = failure_path(out_dir, stage, replica)
-    for old in path.parent.glob(f".{path.name}.*"):
-        pid = old.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            old.unlink(missing_ok=True)
+    drop_dead_processes_files(path)
     reserve = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
-import os
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,11 +31,12 @@ from mesh.runtime.checkpoint import (
     resume_point,
     saved_steps,
 )
+from mesh.runtime.child_stop import sigterm_ignored, stop_all
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import LOST_NEIGHBOUR, failure_report
 from mesh.runtime.grid_stop import one_step_stop, stop_grid_at_one_step
 from mesh.runtime.metrics import RowTail
-from mesh.runtime.stacks import STACKS_SIGNAL, STACKS_WAIT_S, keep_stacks
+from mesh.runtime.stacks import keep_stacks
 from mesh.runtime.stop import STOP, stop_file
 from mesh.runtime.trainer import cell_process_main
 
@@ -100,7 +99,7 @@ class LocalGrid:
             args=(target, self.tree, j, i, str(self.out_dir), self.meeting, resume_step),
             name=f"cell-{cell_name(j, i)}",
         )
-        with _sigterm_ignored():
+        with sigterm_ignored():
             p.start()
         self.procs[cell] = p
 
@@ -146,7 +145,7 @@ class LocalGrid:
         for its threads' stacks and killed, and its stacks kept (`stuck`)."""
         procs = {c: self.procs[c] for c in (self.procs if cells is None else cells)}
         running = {c: p.pid for c, p in procs.items() if p.is_alive()}
-        _stop_all(list(procs.values()), grace_s)
+        stop_all(list(procs.values()), grace_s)
         for cell, pid in running.items():
             if procs[cell].exitcode == -signal.SIGKILL:
                 path = keep_stacks(self.out_dir, *cell, pid)
@@ -171,12 +170,13 @@ def launched_cell(target: Callable[..., None], *args: Any) -> None:
 def cell_context() -> multiprocessing.context.ForkServerContext:
     """The cells' start method: "forkserver", one server process per launcher (started on the
     first call, in the main thread with SIGTERM ignored, a disposition every cell inherits:
-    see _sigterm_ignored). Each cell is a fork of it, then prepared as a spawned process is
-    (the launcher's working directory, sys.path and __main__). Its parent is the server, not
-    the launcher: a cell watches the launcher itself (mesh.runtime.stop.watch_parent)."""
+    see child_stop.sigterm_ignored). Each cell is a fork of it, then prepared as a spawned
+    process is (the launcher's working directory, sys.path and __main__). Its parent is the
+    server, not the launcher: a cell watches the launcher itself
+    (mesh.runtime.stop.watch_parent)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(CELL_PRELOAD)
-    with _sigterm_ignored():
+    with sigterm_ignored():
         multiprocessing.forkserver.ensure_running()
     return ctx
 
@@ -468,47 +468,3 @@ class MetricsTail:
             return self.start_step, None
         rows = list(self.last.values())
         return min(r["step"] for r in rows), rows[-1].get("loss")
-
-
-@contextlib.contextmanager
-def _sigterm_ignored() -> Iterator[None]:
-    """Start children, and the cells' fork server whose forks inherit it, with SIGTERM ignored
-    (an ignored signal stays ignored across exec): a child still starting when a stop comes
-    would otherwise die of it (exit -15) before run_cell installs its handler, which makes
-    SIGTERM a clean stop (checkpoint, release, exit 0). _stop_all repeats the signal until
-    then. Only the main thread can set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-RESIGNAL_S = 0.5  # a stop repeats SIGTERM this often: a starting child ignores it until ready
-
-
-def _stop_all(procs: list[Any], grace_s: float) -> None:
-    """SIGTERM the children still running (again every RESIGNAL_S, for children that were
-    still starting), SIGKILL what is left after grace_s (asked for its threads' stacks first:
-    mesh/runtime/stacks.py), reap all."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        alive = [p for p in procs if p.is_alive()]
-        left = deadline - time.monotonic()
-        if not alive or left <= 0:
-            break
-        for p in alive:
-            p.terminate()  # idempotent in a cell: its handler ignores a second one
-        alive[0].join(min(RESIGNAL_S, left))
-    stuck = [p for p in procs if p.is_alive()]
-    for p in stuck:  # what it is doing, before the kill (mesh/runtime/stacks.py)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, STACKS_SIGNAL)
-    if stuck:
-        time.sleep(STACKS_WAIT_S)
-    for p in stuck:
-        p.kill()
-        p.join(5)

@@ -9,7 +9,7 @@ cannot open one); the launcher keeps it under the cell's name once the cell is d
 that ends on its own removes its hidden file; those of processes that died otherwise are
 removed by the next cell of that name.
 
-imports: stdlib, mesh (procs, topology).
+imports: stdlib, mesh (topology, failure).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from comms.procs import pid_alive
 from mesh.algo.topology import cell_name
+from mesh.runtime.failure import drop_dead_processes_files
 
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_WAIT_S = 1.0  # what a launcher gives a cell to write its stacks before the kill
@@ -41,10 +41,7 @@ def _hidden(out_dir: str | Path, stage: int, replica: int, pid: int) -> Path:
 def written_on_request(out_dir: str | Path, stage: int, replica: int) -> Iterator[None]:
     """Inside, STACKS_SIGNAL writes this process's threads' stacks to its hidden file."""
     path = _hidden(out_dir, stage, replica, os.getpid())
-    for old in path.parent.glob(f".{stacks_path(out_dir, stage, replica).name}.*"):
-        pid = old.name.rsplit(".", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            old.unlink(missing_ok=True)
+    drop_dead_processes_files(stacks_path(out_dir, stage, replica))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = path.open("w")

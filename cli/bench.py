@@ -314,6 +314,59 @@ def optimizers(
     run_optimizers(cfg, Path(study.out), quick=study.quick, workers=study.workers, target=target)
 
 
+DEPTH_OPTIONS = (
+    SEEDS_OPTION,
+    click.option(
+        "--stages",
+        "stages_csv",
+        default=None,
+        help="Comma-separated depths P of the finals, in the order they run (default 8,16,4).",
+    ),
+    click.option(
+        "--phase",
+        type=click.Choice(["screen", "picks", "finals"]),
+        default="finals",
+        show_default=True,
+        help="Stop after this phase: the screen at P = 8, the picks (the best two levers and "
+        "their combination), or the finals at every depth.",
+    ),
+    click.option(
+        "--report-only",
+        is_flag=True,
+        help="Run nothing: write summary.json, table.md and gap.png from the runs finished so far.",
+    ),
+)
+
+
+def depth(
+    study: StudyArgs, seeds: str | None, stages_csv: str | None, phase: str, report_only: bool
+) -> str:
+    """Depth at parity: the async pipeline against FullSync at P = 4, 8 and 16, and the levers
+    that close the gap (lr correction, adaptive momentum, the decay phase, rotation, Muon, 2BW
+    with error feedback, weight prediction), screened at P = 8 with tuned lrs, then the best
+    two and their combination on the report seeds (a 16-block d 64 Llama on the Shakespeare
+    bytes, 1.6M tokens a run, unless --config/--set say otherwise; docs/depth.md)."""
+    from mesh.bench.depth import run_depth
+    from mesh.bench.depth_arms import STUDY_DEFAULTS
+    from mesh.bench.depth_report import table
+
+    stages = parse_seeds(stages_csv, "--stages")
+    if stages is not None and any(p < 2 for p in stages):
+        raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    base = study.config(() if study.config_files else STUDY_DEFAULTS)
+    summary = run_depth(
+        base,
+        Path(study.out),
+        study.quick,
+        study.workers,
+        parse_seeds(seeds),
+        tuple(stages) if stages else None,
+        phase,
+        report_only,
+    )
+    return table(summary)
+
+
 # every `meshtrain bench` command (`meshtrain bench --help` lists them by name)
 COMMANDS = (
     BenchCommand(
@@ -339,6 +392,12 @@ COMMANDS = (
         fidelity,
         FIDELITY_OPTIONS,
         study="1 seed at a tenth of the budget (a few minutes here).",
+    ),
+    BenchCommand(
+        "depth",
+        depth,
+        DEPTH_OPTIONS,
+        study="1 seed, P = 2 and 4, 24 microbatches (a few minutes here).",
     ),
     BenchCommand("comms", system.comms, system.COMMS_OPTIONS),
     BenchCommand("throughput", system.throughput, system.THROUGHPUT_OPTIONS, config=True),

@@ -224,6 +224,17 @@ class OptimConfig(_Section):
         "at this share of the run (AsyncPP's lr_correction; mesh.algo.staleness.delay_lr_factor); "
         "0: off",
     )
+    adaptive_momentum: bool = Field(
+        False,
+        description="AsyncPP's adaptive momentum: stage j's beta1 = beta1 + delay_j (0.99 - "
+        "beta1) / P (needs beta1 < 0.99 to change anything; mesh.algo.optim.adaptive_beta1)",
+    )
+    mu_cap: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="nadamw: NAdam's mu_t at most this (None: torch's ramp towards beta1)",
+    )
     error_feedback: bool = Field(False, description="x <- x - 2u_t + u_(t-1) for any optimizer")
     state_8bit: bool = Field(False, description="bitsandbytes 8-bit optimizer states (CUDA)")
 
@@ -362,7 +373,7 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
         "pool_choice",
         "pool_stream_window",
     ),
-    "optim": ("delay_lr_share",),
+    "optim": ("delay_lr_share", "adaptive_momentum", "mu_cap"),
     "dp": (
         "lambda_clock",
         "lambda_hold_arrivals",

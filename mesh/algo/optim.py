@@ -30,6 +30,8 @@ State = dict[str, torch.Tensor | int | float]
 
 # beta1 when OptimSpec.beta1 is None; muon's value is for its AdamW part.
 DEFAULT_BETA1: dict[str, float] = {"nadamw": 0.99, "adamw": 0.9, "muon": 0.9}
+# where AsyncPP's adaptive momentum takes the most delayed stage's beta1 towards
+ADAPTIVE_BETA1_TOP = 0.99
 
 
 # ----------------------------------------------------------------------------------- schedules
@@ -85,12 +87,27 @@ def momentum_decay_for(horizon_steps: int) -> float:
     return PAPER_MOMENTUM_DECAY * PAPER_STEPS / horizon_steps
 
 
-def nadam_mu(step: int, beta1: float, momentum_decay: float) -> float:
-    """NAdam momentum cache mu_t = beta1 (1 - 0.5 * 0.96^(t psi)), t 1-based (torch's NAdam).
+def nadam_mu(step: int, beta1: float, momentum_decay: float, cap: float | None = None) -> float:
+    """NAdam momentum cache mu_t = beta1 (1 - 0.5 * 0.96^(t psi)), t 1-based (torch's NAdam),
+    at most `cap` when given (optim.mu_cap: the look-ahead's weight on the momentum stops
+    growing there, so the fresh gradient keeps a share 1 - cap of the step late in a run).
 
     With beta1 0.99, psi 0.004: ~0.495 at t=1, 0.57 at 1k, 0.69 at 3k, -> 0.99. psi=0 gives beta1/2.
     """
-    return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+    mu = beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+    return mu if cap is None else min(mu, cap)
+
+
+def adaptive_beta1(beta1: float, delay: int, stages: int, top: float = ADAPTIVE_BETA1_TOP) -> float:
+    """AsyncPP's adaptive momentum (`--adaptive_momentum`): beta1_j = beta1 + delta_j (top -
+    beta1) / P for a stage whose gradients are delta_j updates stale, top = 0.99. The freshest
+    stage keeps beta1; stage 0 of an async pipeline (delta = P - 1) gets (P-1)/P of the way to
+    top. A base at or above top is kept (the formula would lower it: AsyncPP's runs use 0.9)."""
+    if delay < 0 or stages < 1:
+        raise ValueError(f"adaptive momentum needs delay >= 0 and stages >= 1: {delay}, {stages}")
+    if beta1 >= top:
+        return beta1
+    return beta1 + delay * (top - beta1) / stages
 
 
 # ------------------------------------------------------------------------------------- the spec
@@ -114,6 +131,9 @@ class OptimSpec:
     rotate_every: int = 10  # rotated_adam: eigenbasis refresh period (steps)
     stage_aware: bool = False  # rotated_adam: refresh period shrinks with the stage's delay
     delay: int = 0  # this stage's gradient delay delta_j (filled in by the cell)
+    stages: int = 1  # the pipeline's depth P (adaptive momentum reads it; filled in by the cell)
+    adaptive_momentum: bool = False  # AsyncPP: beta1 grows with the stage's delay
+    mu_cap: float | None = None  # nadamw: mu_t at most this (None: torch's ramp to beta1)
     grad_clip: float = 10.0  # per-stage global norm; <= 0 disables
     error_feedback: bool = False
     state_8bit: bool = False
@@ -132,6 +152,8 @@ class OptimSpec:
             ("ns_steps", self.ns_steps >= 1),
             ("rotate_every", self.rotate_every >= 1),
             ("delay", self.delay >= 0),
+            ("stages", self.stages >= 1),
+            ("mu_cap", self.mu_cap is None or 0 <= self.mu_cap < 1),
             ("velocity_beta", self.velocity_beta is None or 0 <= self.velocity_beta < 1),
         ]
         for key, ok in checks:
@@ -139,8 +161,12 @@ class OptimSpec:
                 raise ValueError(f"optim.{key} out of range: {getattr(self, key)!r}")
 
     def resolved_beta1(self) -> float:
-        """beta1 with the per-optimizer default filled in."""
-        return self.beta1 if self.beta1 is not None else DEFAULT_BETA1.get(self.name, 0.9)
+        """beta1 with the per-optimizer default filled in, and with adaptive momentum this
+        stage's own (AsyncPP: more momentum the staler its gradients)."""
+        b1 = self.beta1 if self.beta1 is not None else DEFAULT_BETA1.get(self.name, 0.9)
+        if self.adaptive_momentum:
+            b1 = adaptive_beta1(b1, self.delay, self.stages)
+        return b1
 
 
 # ---------------------------------------------------------------------------------- update rules
@@ -213,9 +239,11 @@ class NAdamWRule(AdamWRule):
         eps: float,
         weight_decay: float,
         momentum_decay: float,
+        mu_cap: float | None = None,
     ) -> None:
         super().__init__(lr, beta1, beta2, eps, weight_decay)
         self.momentum_decay = momentum_decay
+        self.mu_cap = mu_cap
 
     def init_state(self, p: torch.Tensor) -> State:
         # Pi_0 = 1. Kept as a Python float (torch keeps an fp32 tensor: differences ~1e-7 rel).
@@ -226,8 +254,8 @@ class NAdamWRule(AdamWRule):
     ) -> None:
         lr = self.lr * lr_scale
         p.mul_(1.0 - lr * self.weight_decay)
-        mu = nadam_mu(step, self.beta1, self.momentum_decay)
-        mu_next = nadam_mu(step + 1, self.beta1, self.momentum_decay)
+        mu = nadam_mu(step, self.beta1, self.momentum_decay, self.mu_cap)
+        mu_next = nadam_mu(step + 1, self.beta1, self.momentum_decay, self.mu_cap)
         mu_product = float(state["mu_product"]) * mu
         state["mu_product"] = mu_product
         m, v = self._moments(g, state)
@@ -272,7 +300,9 @@ def _plan_adamw(name: str, p: torch.Tensor, spec: OptimSpec) -> UpdateRule:
 @register_optimizer("nadamw")
 def _plan_nadamw(name: str, p: torch.Tensor, spec: OptimSpec) -> UpdateRule:
     b1 = spec.resolved_beta1()
-    return NAdamWRule(spec.lr, b1, spec.beta2, spec.eps, spec.weight_decay, spec.momentum_decay)
+    return NAdamWRule(
+        spec.lr, b1, spec.beta2, spec.eps, spec.weight_decay, spec.momentum_decay, spec.mu_cap
+    )
 
 
 @register_optimizer("muon")

@@ -97,6 +97,16 @@ def _by_arm(key: str, arm: str, name: str) -> Callable[[dict[str, Any]], dict[st
     return read
 
 
+def _depth(s: dict[str, Any]) -> dict[str, float]:
+    """FullSync's loss at each depth of the finals; before them, its best on the screen."""
+    rows = [r for r in s.get("rows", []) if r.get("arm") == "FullSync"]
+    out = {f"P{r['P']}": r["val_loss"] for r in rows if r.get("val_loss") is not None}
+    if out:
+        return out
+    screen = [r for r in s.get("screen", []) if r.get("arm") == "FullSync"]
+    return {f"P{r['P']} (screen)": r["best_loss"] for r in screen if r.get("best_loss")}
+
+
 def _interval(s: dict[str, Any]) -> dict[str, float]:
     losses = [r.get("val_loss") for r in s.get("rows", []) if r.get("interval_steps") == 1]
     return {"H1": losses[0]} if losses and losses[0] is not None else {}
@@ -109,6 +119,7 @@ def _data(s: dict[str, Any]) -> dict[str, float]:
 # study -> (its reference arm in words, the reference's final loss per setting from its summary)
 REFERENCES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]] = {
     "boundary": ("full bf16 async pipeline", _boundary),
+    "depth": ("FullSync at each depth", _depth),
     "convergence": ("FullSync (the DP study, evaluation seeds)", _convergence),
     "like_for_like": ("FullSync rotated_adam (evaluation seeds)", _like_for_like),
     "ablations": ("full AsyncMesh", lambda s: _runs_by(s, "study", "full AsyncMesh")),

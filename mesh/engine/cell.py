@@ -45,16 +45,18 @@ def optim_spec(
     delay: int = 0,
     horizon_steps: int | None = None,
     velocity_beta: float | None = None,
+    stages: int = 1,
 ) -> OptimSpec:
     """The optimizer's plain dataclass from the config section (same field names), plus the
-    stage's gradient delay (stage-aware rotation uses it), momentum_decay = 'auto' resolved
-    for the run's schedule horizon, and the velocity EMA weight prediction reads (None: off)."""
+    stage's gradient delay and the pipeline's depth (stage-aware rotation and adaptive
+    momentum read them), momentum_decay = 'auto' resolved for the run's schedule horizon, and
+    the velocity EMA weight prediction reads (None: off)."""
     fields = OptimSpec.__dataclass_fields__
     values = {k: v for k, v in cfg.model_dump().items() if k in fields}
     if values["momentum_decay"] == "auto":
         assert horizon_steps is not None, "momentum_decay = 'auto' needs the schedule horizon"
         values["momentum_decay"] = momentum_decay_for(horizon_steps)
-    return OptimSpec(**values, delay=delay, velocity_beta=velocity_beta)
+    return OptimSpec(**values, delay=delay, velocity_beta=velocity_beta, stages=stages)
 
 
 APPLY_SLICE = 1 << 18  # values of a round applied at once (see Cell.apply_round)
@@ -145,7 +147,9 @@ class Cell:
         # weight prediction: how far ahead this stage's versions are extrapolated (0: off)
         self._prediction = prediction_distance(pipe.weight_prediction, delay)
         beta = pipe.prediction_beta if self._prediction > 0 else None
-        spec = optim_spec(self.settings.optim, delay, self.settings.schedule_horizon, beta)
+        spec = optim_spec(
+            self.settings.optim, delay, self.settings.schedule_horizon, beta, self.settings.stages
+        )
         self.optimizer = StageOptimizer(named, spec)
         self.drift = torch.zeros_like(self.flat)
         # a compressed boundary's constraints hold from the first version on (the subspace's

@@ -1,0 +1,343 @@
+"""`meshtrain bench depth`: what the async pipeline loses to FullSync with depth, and which lever
+closes it, at equal tokens (docs/depth.md).
+
+Every run is one replica's pipeline (grid P x 1) of a 16-block d 64 Llama on the Shakespeare
+bytes (depth_arms.STUDY_DEFAULTS), 1,600 microbatches of 1,024 tokens (1.64M tokens), on the
+logical simulator. The study runs in phases, each resumable (a finished run is kept in
+out/runs.partial.jsonl and reused by its config's fingerprint):
+
+1. the screen, at P = 8 on the tuning seed (TUNE_SEED, never reported): every arm of
+   depth_arms.screen_arms at each lr of its grid; a grid whose best sits on an edge is widened
+   by a factor of 2 past that edge (WIDEN times at most), so each pick is inside its grid;
+2. the picks: the two levers with the lowest screen loss, and their combination (the next
+   compatible pair where the best two set one key two ways), its lr swept the same way; the
+   candidate with the lowest screen loss of the three is `recommended`;
+3. the finals: at each P of STAGES (8 first, then 16, then 4), the recommended candidate, the
+   reference and FullSync, then the other two picks, each swept on the tuning seed at that P
+   (around its P = 8 lr) and run on the report seeds. Gaps are paired by seed against FullSync,
+   as a share of FullSync's loss, with their t intervals.
+
+--phase stops after a phase (screen, picks, finals), so the next invocation goes on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from mesh.bench import depth_arms
+from mesh.bench.depth_arms import FULLSYNC, REFERENCE, Arm
+from mesh.bench.regime import data_reference, rule_fields
+from mesh.bench.simruns import Spec, run_specs, spec_config
+from mesh.config import Config, load_config
+
+SCREEN_P = 8
+STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
+REPORT_SEEDS = [0, 1]
+TUNE_SEED = 100
+MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
+QUICK_MICROBATCHES = 24
+WIDEN = 2  # how many times a grid whose best is on its edge is widened past it
+PHASES = ("screen", "picks", "finals")
+# a recommended arm with one of these optimizers also meets FullSync running it
+SAME_OPTIMIZER_BASELINE = ("muon", "rotated_adam")
+
+
+def label(stages: int, arm: str, lr: float | None = None) -> str:
+    """A run's label: "P8 muon lr=0.002" (a sweep's) or "P8 muon" (a reported seed's)."""
+    return f"P{stages} {arm}" + ("" if lr is None else f" lr={lr:g}")
+
+
+def spec(arm: Arm, stages: int, seed: int, lr: float, sweep: bool) -> Spec:
+    return Spec(
+        "depth",
+        label(stages, arm.name, lr if sweep else None),
+        seed,
+        arm.microbatches_per_update,
+        tuple(arm.at(lr).items()),
+    )
+
+
+def _loss(r: dict[str, Any]) -> float:
+    v = r.get("val_loss")
+    return math.inf if r.get("diverged") or v is None or not math.isfinite(v) else float(v)
+
+
+def wider(lrs: tuple[float, ...], losses: dict[float, float]) -> float | None:
+    """The lr to try next when the best of `losses` sits on an edge of the grid tried (half the
+    lowest, twice the highest); None when the best is inside (or nothing finished)."""
+    tried = sorted(lr for lr in lrs if lr in losses)
+    if len(tried) < 2 or not any(math.isfinite(v) for v in losses.values()):
+        return None
+    best = min(tried, key=lambda lr: losses[lr])
+    if best == tried[0]:
+        return tried[0] / 2
+    if best == tried[-1]:
+        return tried[-1] * 2
+    return None
+
+
+class Study:
+    """One invocation's runs: where they go, how many at once, what is reused."""
+
+    def __init__(
+        self, base: Config, out: Path, workers: int, microbatches: int, report_only: bool
+    ) -> None:
+        self.base, self.out, self.workers = base, out, workers
+        self.budget = {"depth": microbatches}
+        self.report_only = report_only
+        self.runs: dict[str, dict[str, Any]] = {}  # by label and seed
+        # the runs an earlier invocation's summary holds (its runs.partial.jsonl is gone once
+        # the study completed)
+        old = out / "summary.json"
+        self.known = json.loads(old.read_text()).get("runs", []) if old.is_file() else []
+
+    def run(self, specs: list[Spec], desc: str) -> list[dict[str, Any]]:
+        done = run_specs(
+            self.base,
+            specs,
+            self.budget,
+            self.out,
+            self.workers,
+            desc,
+            self.known,
+            report_only=self.report_only,
+        )
+        for r in done:
+            self.runs[f"{r['method']}|{r['seed']}"] = r
+        return done
+
+    def get(self, name: str, seed: int) -> dict[str, Any] | None:
+        return self.runs.get(f"{name}|{seed}")
+
+    def sweep(self, arms: list[tuple[Arm, int, tuple[float, ...]]], desc: str) -> dict[str, Any]:
+        """Each (arm, P, lrs) on the tuning seed, widened where the best sits on an edge:
+        {"P8 arm": {"lrs": {lr: loss}, "best_lr": lr, "best_loss": loss}} (best_lr None where
+        nothing has finished)."""
+        grids = {(a.name, p): (a, p, list(lrs)) for a, p, lrs in arms}
+        for widened in range(WIDEN + 1):
+            specs = [spec(a, p, TUNE_SEED, lr, True) for a, p, lrs in grids.values() for lr in lrs]
+            self.run(specs, desc)
+            if widened == WIDEN:
+                break
+            grown = False
+            for a, p, lrs in grids.values():
+                more = wider(tuple(lrs), self._losses(a, p, lrs)) if a.tune else None
+                if more is not None and more not in lrs:
+                    lrs.append(more)
+                    grown = True
+            if not grown:
+                break
+        out = {}
+        for a, p, lrs in grids.values():
+            losses = self._losses(a, p, lrs)
+            finite = {lr: v for lr, v in losses.items() if math.isfinite(v)}
+            best = min(finite, key=finite.__getitem__) if finite else None
+            out[label(p, a.name)] = {
+                "arm": a.name,
+                "P": p,
+                "lrs": {f"{lr:g}": losses.get(lr) for lr in sorted(lrs)},
+                "best_lr": best,
+                "best_loss": None if best is None else finite[best],
+                # None: screened at fixed lrs (Arm.tune off), no claim of an optimum
+                "inside": (best is not None and wider(tuple(lrs), losses) is None)
+                if a.tune
+                else None,
+            }
+        return out
+
+    def _losses(self, a: Arm, p: int, lrs: list[float]) -> dict[float, float]:
+        got = {lr: self.get(label(p, a.name, lr), TUNE_SEED) for lr in lrs}
+        return {lr: _loss(r) for lr, r in got.items() if r is not None}
+
+
+def picks(screen: dict[str, Any], stages: int = SCREEN_P) -> list[Arm]:
+    """The two levers with the lowest screen loss (baselines aside), best first."""
+    baseline = {REFERENCE, FULLSYNC}
+    arms = {a.name: a for a in depth_arms.screen_arms(stages)}
+    ranked = sorted(
+        (row["best_loss"], row["arm"])
+        for row in screen.values()
+        if row["best_loss"] is not None
+        and row["arm"] in arms
+        and row["arm"] not in baseline
+        and arms[row["arm"]].lever  # not FullSync at 2BW's M
+    )
+    return [arms[name] for _, name in ranked[:2]]
+
+
+def combination(screen: dict[str, Any], stages: int = SCREEN_P) -> Arm | None:
+    """The combination of the two best levers that can be combined (in screen order)."""
+    baseline = {REFERENCE, FULLSYNC}
+    arms = {a.name: a for a in depth_arms.screen_arms(stages)}
+    ranked = [
+        arms[name]
+        for _, name in sorted(
+            (row["best_loss"], row["arm"])
+            for row in screen.values()
+            if row["best_loss"] is not None
+            and row["arm"] in arms
+            and row["arm"] not in baseline
+            and arms[row["arm"]].lever
+        )
+    ]
+    for i, a in enumerate(ranked):
+        for b in ranked[i + 1 :]:
+            both = depth_arms.combine(stages, a, b)
+            if both is not None:
+                return both
+    return None
+
+
+def at_depth(arm: Arm, stages: int) -> Arm:
+    """The same candidate at another depth (its overrides rebuilt for P = stages)."""
+    if arm.name == REFERENCE:
+        return depth_arms.reference(stages)
+    if arm.name.startswith(FULLSYNC):
+        name = arm.overrides.get("optim.name", "adamw")
+        optimizer = None if name == "adamw" else name
+        return depth_arms.fullsync(stages, arm.microbatches_per_update, arm.lrs, optimizer)
+    ov = {**arm.overrides, "grid.stages": stages}
+    if arm.overrides.get("pipeline.schedule") == "2bw":  # M >= P
+        m = max(arm.microbatches_per_update, stages)
+        ov["pipeline.microbatches"] = m
+        return Arm(arm.name, ov, arm.lrs, m, arm.muon, {**arm.lever, "pipeline.microbatches": m})
+    return Arm(arm.name, ov, arm.lrs, arm.microbatches_per_update, arm.muon, arm.lever)
+
+
+def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:
+    """A depth's first grid for an arm tuned at another: its lr there, half and twice it."""
+    return fallback if lr is None else (lr / 2, lr, lr * 2)
+
+
+def settings_of(base: Config, arm: Arm, stages: int, lr: float, microbatches: int) -> list[str]:
+    """The `key=value` settings that reproduce an arm with `meshtrain simulate --backend
+    logical --set ...`: every key the run's config holds away from the defaults, the seed
+    aside (model, data, grid, steps, the schedules' shares, optimizer, lr)."""
+    run = spec_config(base, spec(arm, stages, 0, lr, False), microbatches)
+    default = load_config([], []).model_dump(mode="json")
+    have = run.model_dump(mode="json")
+    out = []
+    for section, values in have.items():
+        for key, value in values.items():
+            if section == "run" and key == "seed":
+                continue
+            if f"{section}.{key}" in ALWAYS_SAID or default.get(section, {}).get(key) != value:
+                out.append(f"{section}.{key}={_toml(value)}")
+    return sorted(out)
+
+
+# said even at their defaults: what a reader looks for first in an arm's settings
+ALWAYS_SAID = {
+    "grid.stages",
+    "grid.replicas",
+    "run.steps",
+    "pipeline.schedule",
+    "optim.name",
+    "optim.lr",
+    "model.d_model",
+    "model.n_layers",
+}
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_item(v) for v in value) + "]"
+    return repr(value)
+
+
+def _toml_item(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else _toml(value)
+
+
+def run_depth(
+    base: Config,
+    out: Path,
+    quick: bool,
+    workers: int,
+    seeds: list[int] | None = None,
+    stages: tuple[int, ...] | None = None,
+    phase: str = "finals",
+    report_only: bool = False,
+) -> dict[str, Any]:
+    """The study up to and including `phase`, resumed from what out/ holds; writes summary.json,
+    table.md and the plots from whatever has finished."""
+    from mesh.bench.depth_report import summarize, write_outputs
+
+    start = time.perf_counter()
+    seeds = seeds or ([0] if quick else REPORT_SEEDS)
+    stages = stages or ((2, 4) if quick else STAGES)
+    screen_p = stages[0] if quick else SCREEN_P
+    mbs = QUICK_MICROBATCHES if quick else MICROBATCHES
+    study = Study(base, out, workers, mbs, report_only)
+    arms = depth_arms.screen_arms(screen_p)
+    screen = study.sweep([(a, screen_p, a.lrs) for a in arms], f"depth screen P={screen_p}")
+    chosen: list[Arm] = []
+    tuned: dict[str, dict[str, Any]] = dict(screen)
+    if PHASES.index(phase) >= 1:
+        chosen = picks(screen, screen_p)
+        both = combination(screen, screen_p)
+        if both is not None:
+            tuned.update(study.sweep([(both, screen_p, both.lrs)], "depth: the combination's lr"))
+            chosen.append(both)
+    ranked = sorted(
+        (tuned[label(screen_p, a.name)]["best_loss"] or math.inf, a.name) for a in chosen
+    )
+    best = next((a for a in chosen if ranked and a.name == ranked[0][1]), None)
+    finals_arms: list[Arm] = []
+    if best is not None:
+        others = [a for a in chosen if a is not best]
+        finals_arms = [best, depth_arms.reference(screen_p), depth_arms.fullsync(screen_p)]
+        # an arm that changes the optimizer meets FullSync with that optimizer too
+        same = best.lever.get("optim.name")
+        if same in SAME_OPTIMIZER_BASELINE:
+            finals_arms.append(depth_arms.fullsync(screen_p, 4, best.lrs, same))
+        finals_arms += others
+    if PHASES.index(phase) >= 2 and finals_arms:
+        for p in stages:
+            here = [at_depth(a, p) for a in finals_arms]
+            untuned = [a for a in here if label(p, a.name) not in tuned]
+            first = {
+                a.name: around(tuned.get(label(screen_p, a.name), {}).get("best_lr"), a.lrs)
+                for a in untuned
+            }
+            if untuned:
+                tuned.update(
+                    study.sweep([(a, p, first[a.name]) for a in untuned], f"depth P={p}: lr sweeps")
+                )
+            specs = [
+                spec(a, p, s, tuned[label(p, a.name)]["best_lr"], False)
+                for a in here
+                if tuned.get(label(p, a.name), {}).get("best_lr") is not None
+                for s in seeds
+            ]
+            study.run(specs, f"depth P={p}: report seeds")
+    summary = summarize(
+        base,
+        study,
+        screen_p,
+        stages,
+        seeds,
+        tuned,
+        best,
+        finals_arms,
+        mbs,
+    )
+    summary.update(
+        quick=quick,
+        phase=phase,
+        wall_s=round(time.perf_counter() - start, 1),
+    )
+    fields = rule_fields("depth", summary, data_reference(base))
+    summary.update(fields)
+    write_outputs(summary, out)
+    if summary.get("complete"):
+        (out / "runs.partial.jsonl").unlink(missing_ok=True)
+    return summary

@@ -1,0 +1,196 @@
+"""The depth study's arms: what each candidate against the async pipeline's staleness sets.
+
+An arm is a set of overrides on one replica's pipeline (grid P x 1: the depth is the
+pipeline's; the averaging axis has its own studies) plus how its lr knob maps to keys. Each
+candidate is one lever the seeds name (docs/depth.md):
+
+- the reference: the async pipeline as it ships (AsyncPP's NAdamW, beta1 0.99, weight stashing);
+- FullSync: the synchronous pipeline (GPipe, AdamW, M microbatches an update);
+- AsyncPP's per-stage lr correction (`optim.delay_lr_share`) and adaptive momentum
+  (`optim.adaptive_momentum`, which needs a base beta1 below 0.99 to do anything);
+- the decay phase: a cosine floor of 0 (`optim.min_lr_ratio`), a cap on NAdam's mu_t
+  (`optim.mu_cap`);
+- basis rotation (`rotated_adam`, with and without `stage_aware`) and Muon;
+- the constant one-step delay (2BW, M microbatches an update) with Muon and error feedback;
+- weight prediction (PipeMare) along the update velocity.
+
+A candidate's lr grid is centred where the lever's own scale puts it; the study widens a grid
+whose best sits on its edge (depth.py), so every pick is inside its grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mesh.bench.boundary import WIDTHS
+from mesh.methods import METHODS
+
+# the depth study's model: a Llama of 16 blocks, so that P = 16 holds one a stage, on bytes
+STUDY_DEFAULTS = [
+    "model.arch=llama",
+    "model.vocab_size=256",
+    "model.n_layers=16",
+    "model.seq_len=128",
+    "pipeline.microbatch_size=8",
+    "data.val_batches=16",
+    *WIDTHS[64],
+]
+REFERENCE = "reference"
+FULLSYNC = "FullSync"
+RECOMMENDED = "recommended"
+# Muon's matrices take 10x the lr of its AdamW part (the optimizers study's 0.02 / 2e-3)
+MUON_LR_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One candidate: its overrides (no lr), its lr grid on the tuning seed, the microbatches
+    one update takes (FullSync's and 2BW's M), and whether Muon's lr follows the lr knob."""
+
+    name: str
+    overrides: dict[str, Any]
+    lrs: tuple[float, ...]
+    microbatches_per_update: int = 1
+    muon: bool = False
+    # what it adds to the reference (the settings a combination merges)
+    lever: dict[str, Any] = field(default_factory=dict)
+    # False: a screen at the lrs given only (a lever that is a refinement of another arm, run
+    # at that arm's lr: it is picked only if it helps there), no widening
+    tune: bool = True
+
+    def at(self, lr: float) -> dict[str, Any]:
+        """Its overrides at lr (and Muon's matrices at MUON_LR_FACTOR x lr)."""
+        ov = {**self.overrides, "optim.lr": lr}
+        if self.muon:
+            ov["optim.muon_lr"] = round(lr * MUON_LR_FACTOR, 10)
+        return ov
+
+
+def _async(stages: int) -> dict[str, Any]:
+    """The reference pipeline at depth `stages`: AsyncMesh-fp8's optimizer, full bf16
+    boundaries, one replica, the sentinel off (its drops are a defence's cost, not depth's)."""
+    return {
+        **METHODS["AsyncMesh-fp8"],
+        "grid.stages": stages,
+        "grid.replicas": 1,
+        "pipeline.boundary": "full",
+        "pipeline.codec": "bf16",
+        "sentinel.enabled": False,
+    }
+
+
+def fullsync(
+    stages: int,
+    m: int = 4,
+    lrs: tuple[float, ...] = (4e-3, 8e-3, 1.6e-2),
+    optimizer: str | None = None,
+) -> Arm:
+    """FullSync (GPipe, M microbatches an update), with AdamW or, to hold the optimizer fixed
+    against an async arm that changes it, with that arm's optimizer ("FullSync muon")."""
+    ov = {
+        **METHODS["FullSync"],
+        "grid.stages": stages,
+        "grid.replicas": 1,
+        "pipeline.microbatches": m,
+        "pipeline.codec": "bf16",
+        "sentinel.enabled": False,
+    }
+    name = FULLSYNC if m == 4 else f"{FULLSYNC} M={m}"
+    if optimizer is not None:
+        ov["optim.name"] = optimizer
+        name = f"{name} {optimizer}"
+    return Arm(name, ov, lrs, microbatches_per_update=m, muon=optimizer == "muon")
+
+
+# each lever: (name, what it sets on the reference, its lr grid, Muon's lr follows, tuned)
+LEVERS: list[tuple[str, dict[str, Any], tuple[float, ...], bool, bool]] = [
+    ("lr correction", {"optim.delay_lr_share": 0.5}, (2e-3, 4e-3, 8e-3), False, True),
+    # beta1 0.99 is a setting counted in updates (a memory of ~100 of the paper's 30k); at our
+    # horizons the convergence study's async arm gained most from 0.95 (results/convergence)
+    ("beta1 0.95", {"optim.beta1": 0.95}, (1e-3, 2e-3, 4e-3), False, True),
+    ("muon", {"optim.name": "muon"}, (1e-3, 2e-3, 4e-3), True, True),
+    ("rotated", {"optim.name": "rotated_adam"}, (2e-3, 4e-3, 8e-3), False, True),
+    (
+        "adaptive momentum",
+        {"optim.beta1": 0.9, "optim.adaptive_momentum": True},
+        (1e-3, 2e-3, 4e-3),
+        False,
+        True,
+    ),
+    # the decay phase and weight prediction refine the reference: screened at its lrs (its
+    # best at P = 8 and the next one up: 1e-3 and 2e-3 on the 16-block model)
+    ("cosine to 0", {"optim.min_lr_ratio": 0.0}, (1e-3, 2e-3), False, False),
+    ("mu cap 0.9", {"optim.mu_cap": 0.9}, (1e-3, 2e-3), False, False),
+    ("prediction", {"pipeline.weight_prediction": 1.0}, (1e-3,), False, False),
+    (
+        "rotated SA",
+        {"optim.name": "rotated_adam", "optim.stage_aware": True},
+        (2e-3,),
+        False,
+        False,
+    ),
+]
+
+
+def reference(stages: int) -> Arm:
+    return Arm(REFERENCE, _async(stages), (1e-3, 2e-3, 4e-3))
+
+
+def lever_arm(
+    stages: int, name: str, lever: dict[str, Any], lrs: tuple[float, ...], muon: bool, tune: bool
+) -> Arm:
+    return Arm(name, {**_async(stages), **lever}, lrs, muon=muon, lever=dict(lever), tune=tune)
+
+
+def two_bw(stages: int, m: int) -> Arm:
+    """PipeDream-2BW: one update every M >= P microbatches, every stage one update stale, with
+    Muon and error feedback (arXiv 2606.30634's recipe)."""
+    lever = {
+        "pipeline.schedule": "2bw",
+        "pipeline.microbatches": m,
+        "optim.name": "muon",
+        "optim.error_feedback": True,
+    }
+    return Arm(
+        f"2bw muon EF M={m}",
+        {**_async(stages), **lever},
+        (4e-3, 8e-3),
+        microbatches_per_update=m,
+        muon=True,
+        lever=lever,
+    )
+
+
+def screen_arms(stages: int) -> list[Arm]:
+    """Every arm of the screen at depth `stages` in the order they run (a screen stopped part
+    way has the likeliest ones): the baselines, the levers, then 2BW and its FullSync at the same
+    M (M >= P: it halves the updates against FullSync's 4 at P = 8) and FullSync with Muon."""
+    m = max(8, stages)
+    return [
+        reference(stages),
+        fullsync(stages),
+        *(lever_arm(stages, *lv) for lv in LEVERS),
+        two_bw(stages, m),
+        fullsync(stages, m, (8e-3, 1.6e-2)),
+        # the optimizer held fixed: Muon on the synchronous pipeline too (the async arm's
+        # Muon gains at P = 1 as much as at depth: results/optimizers)
+        fullsync(stages, 4, (2e-3, 4e-3), "muon"),
+    ]
+
+
+def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
+    """The two levers together (None when they set one key two ways: muon and rotated_adam)."""
+    clash = {k for k in a.lever.keys() & b.lever.keys() if a.lever[k] != b.lever[k]}
+    if clash or a.microbatches_per_update != b.microbatches_per_update:
+        return None
+    lever = {**a.lever, **b.lever}
+    lrs = tuple(sorted({*a.lrs, *b.lrs}))
+    return Arm(
+        f"{a.name} + {b.name}",
+        {**_async(stages), **lever},
+        lrs,
+        microbatches_per_update=a.microbatches_per_update,
+        muon=a.muon or b.muon,
+        lever=lever,
+    )

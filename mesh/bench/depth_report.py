@@ -1,0 +1,306 @@
+"""The depth study's outputs (mesh/bench/depth.py): summary.json, table.md, and the plots of the
+gap to FullSync against the depth and against the tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from mesh.bench.depth_arms import FULLSYNC, RECOMMENDED, REFERENCE, Arm
+from mesh.bench.regime import rule_line
+from mesh.bench.report import fmt_interval, paired_interval
+from mesh.config import Config
+from mesh.model.build import stage_param_counts
+from mesh.report import format_table, pyplot
+
+
+def summarize(
+    base: Config,
+    study: Any,
+    screen_p: int,
+    stages: tuple[int, ...],
+    seeds: list[int],
+    tuned: dict[str, dict[str, Any]],
+    best: Arm | None,
+    finals: list[Arm],
+    microbatches: int,
+) -> dict[str, Any]:
+    """What the runs so far say: the screen, the picks, the finals' rows and the settings that
+    reproduce the recommended candidate and FullSync at each depth."""
+    from mesh.bench.depth import at_depth, label, settings_of
+
+    rows: list[dict[str, Any]] = []
+    recommended: dict[str, Any] = {}
+    fullsync: dict[str, Any] = {}
+    by_tokens: dict[str, Any] = {}
+    for p in stages:
+        here = [at_depth(a, p) for a in finals]
+        losses = {a.name: _seed_losses(study, label(p, a.name), seeds) for a in here}
+        sync = losses.get(FULLSYNC, {})
+        for a in here:
+            iv = paired_interval(losses[a.name], sync, relative=True)
+            # against FullSync running the same optimizer, where the finals have it
+            opt = a.lever.get("optim.name")
+            same = losses.get(f"{FULLSYNC} {opt}") if opt else None
+            iv_same = None if not same else paired_interval(losses[a.name], same, relative=True)
+            lr = tuned.get(label(p, a.name), {}).get("best_lr")
+            is_best = best is not None and a.name == best.name
+            rows.append(
+                {
+                    "P": p,
+                    "arm": RECOMMENDED if is_best else a.name,
+                    "candidate": a.name,
+                    "lr": lr,
+                    "seeds": sorted(losses[a.name]),
+                    "val_loss": _mean(list(losses[a.name].values())),
+                    "per_seed": {str(s): round(v, 5) for s, v in losses[a.name].items()},
+                    "gap_pct": None if iv is None else round(100 * iv.mean, 3),
+                    "gap_se_pct": None
+                    if iv is None or not math.isfinite(iv.se)
+                    else round(100 * iv.se, 3),
+                    "gap_ci95_pct": None
+                    if iv is None or not math.isfinite(iv.low)
+                    else [round(100 * iv.low, 3), round(100 * iv.high, 3)],
+                    "gap": fmt_interval(iv, pct=True),
+                    "gap_same_optimizer_pct": None
+                    if iv_same is None
+                    else round(100 * iv_same.mean, 3),
+                    "gap_same_optimizer": None
+                    if iv_same is None
+                    else fmt_interval(iv_same, pct=True),
+                }
+            )
+            if lr is not None and (is_best or a.name == FULLSYNC):
+                where = recommended if is_best else fullsync
+                where[str(p)] = {
+                    "candidate": a.name,
+                    "lr": lr,
+                    "set": settings_of(base, a, p, lr, microbatches),
+                }
+        curves = {
+            name: _gap_curve(study, label(p, name), label(p, FULLSYNC), seeds)
+            for name in ([best.name] if best else []) + [REFERENCE]
+        }
+        by_tokens[str(p)] = {
+            (RECOMMENDED if best and name == best.name else name): c
+            for name, c in curves.items()
+            if c
+        }
+    screen = [{**row, "label": key} for key, row in tuned.items() if row["P"] == screen_p]
+    complete = (
+        bool(rows)
+        and all(r["seeds"] == sorted(seeds) for r in rows)
+        and set(stages) == {r["P"] for r in rows}
+    )
+    return {
+        "model": {
+            k: getattr(base.model, k)
+            for k in ("arch", "d_model", "n_layers", "vocab_size", "seq_len")
+        },
+        "params": sum(stage_param_counts(base.model, 1)),
+        "data": base.data.path or "Shakespeare bytes (the default corpus)",
+        "microbatch_tokens": base.tokens_per_microbatch,
+        "microbatches_per_run": microbatches,
+        "tokens_per_run": microbatches * base.tokens_per_microbatch,
+        "seeds": seeds,
+        "tune_seed": _tune_seed(),
+        "screen_P": screen_p,
+        "stages": list(stages),
+        "screen": screen,
+        "picks": [a.name for a in finals if a.name not in (REFERENCE, FULLSYNC)],
+        "recommended_candidate": best.name if best else None,
+        "rows": rows,
+        "recommended": recommended,
+        "fullsync": fullsync,
+        "gap_vs_tokens": by_tokens,
+        "sweeps": {k: v for k, v in tuned.items()},
+        "complete": complete,
+        "cpu_s_of_runs": round(sum(r.get("wall_s", 0) for r in study.runs.values()), 1),
+        "runs": sorted(study.runs.values(), key=lambda r: (r["method"], r["seed"])),
+    }
+
+
+def _tune_seed() -> int:
+    from mesh.bench.depth import TUNE_SEED
+
+    return TUNE_SEED
+
+
+def _seed_losses(study: Any, name: str, seeds: list[int]) -> dict[int, float]:
+    out = {}
+    for s in seeds:
+        r = study.get(name, s)
+        if r is not None and not r.get("diverged") and r.get("val_loss") is not None:
+            out[s] = float(r["val_loss"])
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if math.isfinite(x)]
+    return round(sum(xs) / len(xs), 5) if xs else None
+
+
+def interpolate(curve: list[dict[str, Any]], tokens: float) -> float | None:
+    """A run's validation loss at `tokens`, linear between its evaluations (None outside)."""
+    pts = sorted((c["tokens"], c["val_loss"]) for c in curve if c.get("val_loss") is not None)
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+    if pts and pts[-1][0] == tokens:
+        return pts[-1][1]
+    return None
+
+
+def _gap_curve(study: Any, name: str, sync: str, seeds: list[int]) -> list[list[float]]:
+    """[tokens, gap %] at FullSync's evaluations, the mean over the seeds both have of the
+    arm's loss (interpolated there) against FullSync's."""
+    per_seed = []
+    for s in seeds:
+        a, f = study.get(name, s), study.get(sync, s)
+        if a is None or f is None:
+            continue
+        gaps = {}
+        for c in f.get("curve", []):
+            v = interpolate(a.get("curve", []), c["tokens"])
+            if v is not None and c.get("val_loss"):
+                gaps[c["tokens"]] = 100 * (v / c["val_loss"] - 1)
+        per_seed.append(gaps)
+    if not per_seed:
+        return []
+    common = sorted(set.intersection(*(set(g) for g in per_seed)))
+    return [[t, round(sum(g[t] for g in per_seed) / len(per_seed), 3)] for t in common]
+
+
+def table(summary: dict[str, Any]) -> str:
+    m = summary["model"]
+    head = (
+        f"# Depth at parity: the async pipeline against FullSync at equal tokens\n\n"
+        f"Model: {m['arch']} d {m['d_model']} x {m['n_layers']} ({summary['params'] / 1e6:.2f}M "
+        f"parameters), vocab {m['vocab_size']}, seq_len {m['seq_len']}; "
+        f"{summary['tokens_per_run']:,} tokens a run ({summary['microbatches_per_run']} "
+        f"microbatches of {summary['microbatch_tokens']}), one replica (grid P x 1), the logical "
+        f"simulator. Screen at P = {summary['screen_P']} on seed {summary['tune_seed']} (never "
+        f"reported); finals on seeds {summary['seeds']}.\n"
+    )
+    parts = [head, rule_line(summary), ""]
+    if summary["rows"]:
+        parts += ["## Finals: gap to FullSync (paired by seed, share of FullSync's loss)", ""]
+        parts.append(
+            format_table(
+                [
+                    "P",
+                    "arm",
+                    "candidate",
+                    "lr",
+                    "val loss",
+                    "gap (mean +- SE [95% t])",
+                    "vs FullSync, same optimizer",
+                    "seeds",
+                ],
+                [
+                    [
+                        r["P"],
+                        r["arm"],
+                        r["candidate"],
+                        "n/a" if r["lr"] is None else f"{r['lr']:g}",
+                        "not run" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+                        r["gap"],
+                        r["gap_same_optimizer"] or "",
+                        len(r["seeds"]),
+                    ]
+                    for r in summary["rows"]
+                ],
+            )
+        )
+        parts.append("")
+    parts += [
+        f"## Screen at P = {summary['screen_P']} (seed {summary['tune_seed']}): each arm's lr "
+        "sweep",
+        "",
+    ]
+    sync = next(
+        (r["best_loss"] for r in summary["screen"] if r["arm"] == FULLSYNC and r["best_loss"]),
+        None,
+    )
+    screen_rows = sorted(summary["screen"], key=lambda r: r["best_loss"] or math.inf)
+    parts.append(
+        format_table(
+            ["arm", "lr: val loss", "best lr", "inside its grid", "best loss", "vs FullSync"],
+            [
+                [
+                    r["arm"],
+                    ", ".join(
+                        f"{lr}: {'...' if v is None else f'{v:.4f}'}" for lr, v in r["lrs"].items()
+                    ),
+                    "n/a" if r["best_lr"] is None else f"{r['best_lr']:g}",
+                    {True: "yes", False: "no", None: "fixed lrs"}[r["inside"]],
+                    "n/a" if r["best_loss"] is None else f"{r['best_loss']:.4f}",
+                    "n/a"
+                    if not (sync and r["best_loss"])
+                    else f"{100 * (r['best_loss'] / sync - 1):+.2f}%",
+                ]
+                for r in screen_rows
+            ],
+        )
+    )
+    parts.append("")
+    parts.append(
+        f"Picks: {', '.join(summary['picks']) or 'not yet'}; recommended: "
+        f"{summary['recommended_candidate'] or 'not yet'}. The complete study: "
+        f"{'yes' if summary['complete'] else 'no (runs missing: `meshtrain bench depth` resumes)'}."
+    )
+    return "\n".join(parts) + "\n"
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "table.md").write_text(table(summary))
+    plot(summary, out)
+
+
+def plot(summary: dict[str, Any], out: Path) -> None:
+    """gap.png: the gap to FullSync against P (recommended and reference, with each one's 95%
+    interval where it has one) and, beside it, against the tokens at each depth."""
+    plt = pyplot()
+    if plt is None or not summary["rows"]:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    for arm in (RECOMMENDED, REFERENCE):
+        pts = sorted(
+            (r["P"], r["gap_pct"], r["gap_ci95_pct"])
+            for r in summary["rows"]
+            if r["arm"] == arm and r["gap_pct"] is not None
+        )
+        if pts:
+            xs = [p for p, _, _ in pts]
+            ys = [g for _, g, _ in pts]
+            err = [
+                [g - (ci[0] if ci else g) for _, g, ci in pts],
+                [(ci[1] if ci else g) - g for _, g, ci in pts],
+            ]
+            left.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=arm)
+    left.axhline(0, color="k", lw=0.8)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("pipeline stages P")
+    left.set_ylabel("val loss gap to FullSync (%)")
+    left.set_title("gap against depth (paired seeds, 95% t interval)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    for p, arms in summary["gap_vs_tokens"].items():
+        for arm, curve in arms.items():
+            if curve:
+                xs, ys = zip(*curve, strict=True)
+                style = "-" if arm == RECOMMENDED else "--"
+                right.plot(xs, ys, style, marker=".", label=f"P = {p} {arm}")
+    right.axhline(0, color="k", lw=0.8)
+    right.set_xlabel("tokens")
+    right.set_ylabel("val loss gap to FullSync (%)")
+    right.set_title("gap against tokens")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "gap.png")
+    plt.close(fig)

@@ -1,0 +1,137 @@
+"""`meshtrain bench depth`: its lr grids, picks and combinations, the settings it says reproduce
+an arm, the gap against tokens, and a whole (tiny) study that resumes from its own runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mesh.bench import depth, depth_arms
+from mesh.bench.depth_report import _gap_curve, interpolate
+from mesh.bench.simruns import spec_config
+from mesh.config import load_config
+
+
+def test_a_grid_widens_past_the_edge_its_best_sits_on() -> None:
+    lrs = (1e-3, 2e-3, 4e-3)
+    assert depth.wider(lrs, {1e-3: 2.0, 2e-3: 1.9, 4e-3: 2.1}) is None  # inside
+    assert depth.wider(lrs, {1e-3: 1.8, 2e-3: 1.9, 4e-3: 2.1}) == 5e-4
+    assert depth.wider(lrs, {1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8}) == 8e-3
+    assert depth.wider(lrs, {1e-3: 2.0, 2e-3: 1.9, 4e-3: math.inf}) is None  # a diverged edge
+    assert depth.wider(lrs, {1e-3: 2.0}) is None  # not enough finished to say
+
+
+def test_levers_combine_unless_they_set_one_key_two_ways() -> None:
+    arms = {a.name: a for a in depth_arms.screen_arms(8)}
+    assert depth_arms.combine(8, arms["muon"], arms["rotated"]) is None
+    both = depth_arms.combine(8, arms["lr correction"], arms["muon"])
+    assert both is not None and both.muon
+    assert both.at(2e-3)["optim.delay_lr_share"] == 0.5
+    assert both.at(2e-3)["optim.name"] == "muon"
+    assert both.at(2e-3)["optim.muon_lr"] == pytest.approx(0.02)
+    # 2BW updates every M microbatches: it does not combine with a per-microbatch lever
+    assert depth_arms.combine(8, arms["2bw muon EF M=8"], arms["lr correction"]) is None
+
+
+def _screen(losses: dict[str, float]) -> dict[str, dict]:
+    return {
+        depth.label(8, name): {"arm": name, "P": 8, "best_loss": v, "best_lr": 1e-3}
+        for name, v in losses.items()
+    }
+
+
+def test_picks_are_the_two_best_levers_and_their_combination() -> None:
+    screen = _screen(
+        {"reference": 1.7, "FullSync": 1.5, "muon": 1.55, "rotated": 1.6, "lr correction": 1.65}
+    )
+    assert [a.name for a in depth.picks(screen)] == ["muon", "rotated"]
+    both = depth.combination(screen)  # muon and rotated clash: the next pair
+    assert both is not None and both.name == "muon + lr correction"
+    # FullSync at 2BW's M is a baseline, not a lever
+    screen = _screen({"FullSync M=8": 1.0, "muon": 1.55, "rotated": 1.6})
+    assert [a.name for a in depth.picks(screen)] == ["muon", "rotated"]
+
+
+def test_an_arm_moves_to_another_depth() -> None:
+    arms = {a.name: a for a in depth_arms.screen_arms(8)}
+    two_bw = depth.at_depth(arms["2bw muon EF M=8"], 16)
+    assert two_bw.overrides["grid.stages"] == 16
+    assert two_bw.overrides["pipeline.microbatches"] == 16  # M >= P
+    assert two_bw.microbatches_per_update == 16
+    assert depth.at_depth(arms["muon"], 4).overrides["grid.stages"] == 4
+    assert depth.around(2e-3, (1.0,)) == (1e-3, 2e-3, 4e-3)
+
+
+def test_the_settings_a_row_names_reproduce_its_run() -> None:
+    base = load_config([], depth_arms.STUDY_DEFAULTS)
+    for arm in (depth_arms.reference(8), depth_arms.fullsync(8), depth_arms.two_bw(8, 8)):
+        sets = depth.settings_of(base, arm, 8, 2e-3, 1600)
+        run = spec_config(base, depth.spec(arm, 8, 0, 2e-3, False), 1600)
+        again = load_config([], [*sets, "run.seed=0"])
+        assert again.fingerprint() == run.fingerprint(), arm.name
+        assert "model.n_layers=16" in sets and "grid.stages=8" in sets
+        assert not any(s.startswith("run.seed=") for s in sets)
+
+
+def test_gap_against_tokens_is_read_at_fullsyncs_evaluations() -> None:
+    curve = [{"tokens": 0, "val_loss": 3.0}, {"tokens": 100, "val_loss": 2.0}]
+    assert interpolate(curve, 50) == pytest.approx(2.5)
+    assert interpolate(curve, 100) == 2.0
+    assert interpolate(curve, 150) is None
+
+    class Runs:
+        runs = {
+            "P8 a|0": {"curve": curve},
+            "P8 FullSync|0": {"curve": [{"tokens": 50, "val_loss": 2.0}]},
+        }
+
+        def get(self, name: str, seed: int):
+            return self.runs.get(f"{name}|{seed}")
+
+    assert _gap_curve(Runs(), "P8 a", "P8 FullSync", [0, 1]) == [[50, 25.0]]
+
+
+@pytest.mark.slow
+def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
+    """The whole study on a tiny model: the screen widens, the picks and their combination
+    run, the finals give each depth a recommended row and the settings that reproduce it; a
+    second call runs nothing new."""
+    base = load_config(
+        [],
+        [
+            *depth_arms.STUDY_DEFAULTS,
+            f"data.path='{text_file}'",
+            "model.n_layers=4",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.intermediate_size=32",
+            "model.seq_len=16",
+            "pipeline.microbatch_size=2",
+            "data.val_batches=1",
+        ],
+    )
+    out = tmp_path / "depth"
+    s = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4))
+    assert s["screen_P"] == 2 and s["recommended_candidate"] in s["picks"]
+    assert {r["P"] for r in s["rows"]} == {2, 4}
+    rec = [r for r in s["rows"] if r["arm"] == "recommended"]
+    assert len(rec) == 2 and all(r["gap_pct"] is not None for r in rec)
+    for p in ("2", "4"):
+        sets = s["recommended"][p]["set"]
+        assert f"grid.stages={p}" in sets and s["fullsync"][p]["set"]
+    assert s["complete"] and (out / "table.md").is_file()
+    # a tuned arm's best is inside its grid, or the grid was widened WIDEN times past its edge
+    first = {a.name: len(a.lrs) for a in depth_arms.screen_arms(2)}
+    for r in s["screen"]:
+        if r["arm"] in first and r["inside"] is not None:
+            best = f"{r['best_lr']:g}"
+            edge = best in (min(r["lrs"], key=float), max(r["lrs"], key=float))
+            assert r["inside"] != edge, r
+            assert r["inside"] or len(r["lrs"]) == first[r["arm"]] + depth.WIDEN, r
+    runs = len(s["runs"])
+    again = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4))
+    assert len(again["runs"]) == runs
+    assert json.loads((out / "summary.json").read_text())["rows"] == again["rows"]

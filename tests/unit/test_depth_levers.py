@@ -1,0 +1,90 @@
+"""The depth levers' math against hand computations: AsyncPP's adaptive momentum, a cap on
+NAdam's mu_t, and each cell of a pipeline getting its own (mesh.algo.optim, mesh.engine.cell)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesh.algo.optim import OptimSpec, StageOptimizer, adaptive_beta1, nadam_mu
+from mesh.config import ConfigError, load_config
+from mesh.config_sections import LATER_KEYS
+
+
+def test_adaptive_beta1_is_asyncpps_formula() -> None:
+    # beta1_j = beta1 + delta_j (0.99 - beta1) / P
+    assert adaptive_beta1(0.9, 7, 8) == pytest.approx(0.9 + 7 * 0.09 / 8)  # 0.97875
+    assert adaptive_beta1(0.9, 3, 4) == pytest.approx(0.9675)
+    assert adaptive_beta1(0.9, 0, 8) == 0.9  # the last stage: fresh gradients
+    assert adaptive_beta1(0.95, 15, 16) == pytest.approx(0.95 + 15 * 0.04 / 16)
+    assert adaptive_beta1(0.99, 7, 8) == 0.99  # at the top already: kept
+    assert adaptive_beta1(0.995, 7, 8) == 0.995  # above it: kept, not lowered
+    with pytest.raises(ValueError):
+        adaptive_beta1(0.9, -1, 8)
+
+
+def test_spec_resolves_its_stages_beta1() -> None:
+    plain = OptimSpec("nadamw", lr=1e-3, beta1=0.9, delay=3, stages=4)
+    assert plain.resolved_beta1() == 0.9
+    spec = OptimSpec("nadamw", lr=1e-3, beta1=0.9, delay=3, stages=4, adaptive_momentum=True)
+    assert spec.resolved_beta1() == pytest.approx(0.9675)
+    # muon's AdamW part and adamw take it too (their default beta1 0.9)
+    muon = OptimSpec("muon", lr=1e-3, delay=1, stages=2, adaptive_momentum=True)
+    assert muon.resolved_beta1() == pytest.approx(0.9 + 0.09 / 2)
+
+
+def test_each_cell_of_a_pipeline_gets_its_own_beta1(text_file) -> None:
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_stages
+
+    sets = ["model.n_layers=4", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+    sets += [f"data.path='{text_file}'", "grid.stages=4", "grid.replicas=1"]
+    sets += ["pipeline.schedule=async", "optim.beta1=0.9", "optim.adaptive_momentum=true"]
+    cfg = load_config([], sets)
+    for j, module in enumerate(build_stages(cfg.model, 4, 0)):
+        cell = Cell.build(cfg, j, 0, module)
+        delay = 3 - j
+        betas = [r.beta1 for r in cell.optimizer.rules.values()]
+        assert betas == [pytest.approx(0.9 + delay * 0.09 / 4)] * len(betas), (j, betas)
+
+
+def test_nadam_mu_cap() -> None:
+    assert nadam_mu(1, 0.99, 0.004, cap=0.9) == nadam_mu(1, 0.99, 0.004)  # below the cap
+    assert nadam_mu(10_000, 0.99, 1.0, cap=0.9) == 0.9
+    assert nadam_mu(10_000, 0.99, 1.0) == pytest.approx(0.99)
+
+
+def test_nadamw_with_a_mu_cap_matches_a_hand_computation() -> None:
+    """Two steps of NAdamW with mu_t capped, written out in floats (one scalar parameter)."""
+    lr, b1, b2, eps, wd, psi, cap = 0.1, 0.99, 0.999, 1e-8, 0.01, 50.0, 0.9
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    spec = OptimSpec("nadamw", lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+    capped = OptimSpec(**{**spec.__dict__, "momentum_decay": psi, "mu_cap": cap, "grad_clip": 0})
+    opt = StageOptimizer([("w", p)], capped)
+    x, m, v, pi = 1.0, 0.0, 0.0, 1.0
+    for t, g in ((1, 0.5), (2, -0.25)):
+        p.grad = torch.tensor([g])
+        opt.step(1.0)
+        mu = min(b1 * (1 - 0.5 * 0.96 ** (t * psi)), cap)
+        mu_next = min(b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi)), cap)
+        assert mu == mu_next == cap  # psi 50: the ramp is at beta1 from the first step
+        pi *= mu
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        denom = (v / (1 - b2**t)) ** 0.5 + eps
+        x = x * (1 - lr * wd)
+        x -= lr * (1 - mu) / (1 - pi) * g / denom
+        x -= lr * mu_next / (1 - pi * mu_next) * m / denom
+        assert p.item() == pytest.approx(x, rel=1e-6), t
+
+
+def test_the_levers_config_keys_check_their_values() -> None:
+    with pytest.raises(ConfigError, match="mu_cap"):
+        load_config([], ["optim.mu_cap=1.0"])
+    cfg = load_config([], ["optim.mu_cap=0.9", "optim.adaptive_momentum=true"])
+    assert cfg.optim.mu_cap == 0.9 and cfg.optim.adaptive_momentum
+    # set, they change the run's numbers, so its fingerprint; left at their defaults they stay
+    # out of it (LATER_KEYS), so the runs and checkpoints made before them keep theirs
+    plain = load_config([], [])
+    assert cfg.fingerprint() != plain.fingerprint()
+    assert {"mu_cap", "adaptive_momentum"} <= set(LATER_KEYS["optim"])

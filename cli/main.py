@@ -64,7 +64,9 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
     click.echo(f"# fingerprint {cfg.fingerprint()}")
     per_stage = ", ".join(f"s{j} {n:,}" for j, n in enumerate(counts))
     click.echo(f"# parameters per stage: {per_stage} (total {sum(counts):,})")
-    click.echo(cfg.to_toml(), nl=False)
+    click.echo(f"# {cfg.depth_rule_line()}")
+    # the settings the cells train with: the depth rule's keys resolved
+    click.echo(cfg.effective().to_toml(), nl=False)
 
 
 @main.command()
@@ -123,8 +125,10 @@ def simulate(
     backend = backend or cfg.transport.backend
     cfg = with_method(cfg, method)
     if backend != "logical":
+        from cli.preflight import check_deaths
         from cli.simulate import simulate_processes
 
+        check_deaths(cfg, "simulate")  # first: before the data is read or a process starts
         simulate_processes(cfg, backend, Path(out) if out else None, bool(resume), verify_data)
         return
     from cli.logical import simulate_logical

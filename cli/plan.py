@@ -114,9 +114,10 @@ def plan(
         f"{m.arch} d {m.d_model} x {m.n_layers} layers, {sum(c.params for c in cells):,} "
         f"parameters on {g.stages} stages x {g.replicas} replicas; {cfg.pipeline.schedule}, "
         f"microbatch {cfg.pipeline.microbatch_size} x {m.seq_len} tokens, "
-        f"{cfg.runtime.precision} compute, optimizer {cfg.optim.name}"
+        f"{cfg.runtime.precision} compute, optimizer {cfg.effective().optim.name}"
         + (" (8-bit states)" if cfg.optim.state_8bit else "")
     )
+    click.echo(cfg.depth_rule_line())
     headers = [
         "stage",
         "layers",

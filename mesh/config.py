@@ -266,10 +266,45 @@ class Config(_Section):
         """Updates over which the lr and lambda schedules run (run.schedule_steps or run.steps)."""
         return self.run.schedule_steps or self.run.steps
 
+    def effective(self) -> Config:
+        """This config with optim.depth_rule resolved (mesh/depth_rule.py): the optimizer keys
+        the rule for this depth sets where the config leaves them at their defaults. What the
+        cells train with, `plan` counts and `show-config` shows; the config itself keeps what
+        was asked, so a later change of depth resolves again."""
+        changes = self.depth_rule_settings()
+        if not changes:
+            return self
+        return self.model_copy(update={"optim": self.optim.model_copy(update=changes)})
+
+    def depth_rule_settings(self) -> dict[str, Any]:
+        """The optim keys (without the section) optim.depth_rule sets on this config."""
+        from mesh.depth_rule import resolved_settings
+
+        if self.optim.depth_rule == "off":
+            return {}
+        defaults = {k: f.default for k, f in OptimConfig.model_fields.items()}
+        return resolved_settings(
+            self.optim.model_dump(), defaults, self.grid.stages, self.pipeline.schedule
+        )
+
+    def depth_rule_line(self) -> str:
+        """One line on what optim.depth_rule does to this config."""
+        from mesh.depth_rule import describe
+
+        return describe(
+            self.optim.depth_rule,
+            self.depth_rule_settings(),
+            self.grid.stages,
+            self.pipeline.schedule,
+        )
+
     def _hash(self, with_steps: bool) -> str:
         import torch
 
-        d = self.model_dump(mode="json")
+        # the numbers a run trains: the depth rule's resolved keys, not the switch that chose
+        # them (a config that spells them out hashes the same)
+        d = self.effective().model_dump(mode="json")
+        del d["optim"]["depth_rule"]
         # resolved horizon: a config with schedule_steps unset hashes as one that spells it out
         # (and a run's fingerprint is what it was before the key existed when they agree)
         run: dict[str, int] = {"seed": self.run.seed}

@@ -235,6 +235,12 @@ class OptimConfig(_Section):
         lt=1,
         description="nadamw: NAdam's mu_t at most this (None: torch's ramp towards beta1)",
     )
+    depth_rule: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: an async pipeline's optimizer keys left at their defaults take what "
+        "`bench depth` measured for its depth (mesh/depth_rule.py; show-config shows them); off: "
+        "the defaults at every depth",
+    )
     error_feedback: bool = Field(False, description="x <- x - 2u_t + u_(t-1) for any optimizer")
     state_8bit: bool = Field(False, description="bitsandbytes 8-bit optimizer states (CUDA)")
 

@@ -77,6 +77,9 @@ def _async(stages: int) -> dict[str, Any]:
         "pipeline.boundary": "full",
         "pipeline.codec": "bf16",
         "sentinel.enabled": False,
+        # the arms are the settings they name, whatever optim.depth_rule ships (it is what
+        # the study picks; hashed away, so the fingerprints are the same either way)
+        "optim.depth_rule": "off",
     }
 
 
@@ -95,6 +98,7 @@ def fullsync(
         "pipeline.microbatches": m,
         "pipeline.codec": "bf16",
         "sentinel.enabled": False,
+        "optim.depth_rule": "off",
     }
     name = FULLSYNC if m == 4 else f"{FULLSYNC} M={m}"
     if optimizer is not None:

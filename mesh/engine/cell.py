@@ -88,7 +88,7 @@ class CellSettings:
         )
         return cls(
             g.stages,
-            cfg.optim,
+            cfg.effective().optim,  # with optim.depth_rule resolved for this depth
             cfg.dp,
             cfg.pipeline,
             cfg.sentinel,

@@ -80,7 +80,7 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
         stage=stage,
         boundary=boundary_spec(cfg),
     )
-    spec = optim_spec(cfg.optim)
+    spec = optim_spec(cfg.effective().optim)  # the depth rule resolved
     planner = get_planner(spec.name)
     total = 0
     for name, p in module.named_parameters():
@@ -90,7 +90,7 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
                 continue
             n = val.numel()
             q8 = _Blockwise8bit
-            if cfg.optim.state_8bit and key in rule.quantized and p.numel() >= q8.MIN_NUMEL:
+            if spec.state_8bit and key in rule.quantized and p.numel() >= q8.MIN_NUMEL:
                 total += n + 4 * math.ceil(n / q8.BLOCK)
             else:
                 total += n * val.element_size()
@@ -99,7 +99,7 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
     delay = stage_delay(pipe.schedule, stage, cfg.grid.stages, pipe.extra_warmups())
     if prediction_distance(pipe.weight_prediction, delay) > 0:
         total += 4 * params  # the update velocity weight prediction reads (optimizer state)
-    return total, 4 * params if cfg.optim.error_feedback else 0
+    return total, 4 * params if spec.error_feedback else 0
 
 
 def pool_held(cfg: Config, stage: int) -> int:

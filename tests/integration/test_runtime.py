@@ -30,6 +30,19 @@ LLAMA = [
     "dp.fraction=0.25",
 ]
 
+DEPTH_LEVERS = [
+    "model.n_layers=3",
+    "grid.stages=3",
+    "pipeline.schedule=async",
+    "dp.tau=2",
+    "dp.fraction=0.25",
+    "optim.delay_lr_share=0.5",
+    "optim.beta1=0.9",
+    "optim.adaptive_momentum=true",
+    "optim.mu_cap=0.95",
+    "optim.min_lr_ratio=0.0",
+]
+
 
 def _final_flats(out: Path, cfg) -> dict:
     flats = {}
@@ -79,6 +92,10 @@ def _final_flats(out: Path, cfg) -> dict:
             "faults.pipeline_poison=['s0r1=scale:100@4']",
             "sentinel.warmup=2",
         ],
+        # the depth levers (bench depth's candidates) on three stages, so delays 2, 1, 0
+        # differ: the per-stage lr correction, adaptive momentum, a cap on mu_t, cosine to 0
+        [*DEPTH_LEVERS],
+        [*DEPTH_LEVERS, "transport.backend=hivemind"],
     ],
     ids=[
         "asyncmesh-fp8",
@@ -89,6 +106,8 @@ def _final_flats(out: Path, cfg) -> dict:
         "boundary-subspace",
         "boundary-learned-hivemind",
         "stalled-replica",
+        "depth-levers",
+        "depth-levers-hivemind",
     ],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):

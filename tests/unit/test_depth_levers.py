@@ -88,3 +88,49 @@ def test_the_levers_config_keys_check_their_values() -> None:
     plain = load_config([], [])
     assert cfg.fingerprint() != plain.fingerprint()
     assert {"mu_cap", "adaptive_momentum"} <= set(LATER_KEYS["optim"])
+
+
+def test_a_depth_rule_applies_from_its_depth_on_the_async_schedule() -> None:
+    from mesh.depth_rule import DepthRule, describe, resolved_settings, rule_for
+
+    rules = (
+        DepthRule(8, {"delay_lr_share": 0.5}, "P8"),
+        DepthRule(16, {"delay_lr_share": 0.5, "beta1": 0.95}, "P16"),
+    )
+    assert rule_for(4, "async", rules) is None
+    assert rule_for(8, "async", rules).evidence == "P8"
+    assert rule_for(12, "async", rules).evidence == "P8"
+    assert rule_for(32, "async", rules).evidence == "P16"
+    assert rule_for(16, "gpipe", rules) is None  # no staleness to correct
+    assert rule_for(16, "2bw", rules) is None
+    defaults = {"delay_lr_share": 0.0, "beta1": None}
+    # keys at their defaults take the rule's values; a key the user set keeps the user's
+    got = resolved_settings({"delay_lr_share": 0.0, "beta1": None}, defaults, 16, "async", rules)
+    assert got == {"delay_lr_share": 0.5, "beta1": 0.95}
+    got = resolved_settings({"delay_lr_share": 0.25, "beta1": None}, defaults, 16, "async", rules)
+    assert got == {"beta1": 0.95}
+    assert resolved_settings({"delay_lr_share": 0.0}, defaults, 4, "async", rules) == {}
+    line = describe("auto", got, 16, "async", rules)
+    assert "optim.beta1 = 0.95" in line and "P16" in line
+    assert "nothing changed" in describe("auto", {}, 4, "async", rules)
+    assert "off" in describe("off", {}, 16, "async", rules)
+
+
+def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
+    cfg = load_config([], ["grid.stages=8", "model.n_layers=8"])
+    off = load_config([], ["grid.stages=8", "model.n_layers=8", "optim.depth_rule=off"])
+    assert off.effective() is off  # nothing resolves with the rule off
+    rule = cfg.depth_rule_settings()
+    # the resolved config carries the rule's keys; the config itself keeps the defaults
+    assert cfg.effective().optim.model_dump() == {**cfg.optim.model_dump(), **rule}
+    assert cfg.optim.delay_lr_share == 0.0 and cfg.optim.depth_rule == "auto"
+    # a config that spells the rule's keys out trains the same numbers: the same fingerprint
+    spelled = load_config(
+        [],
+        ["grid.stages=8", "model.n_layers=8", "optim.depth_rule=off"]
+        + [f"optim.{k}={v}" for k, v in rule.items()],
+    )
+    assert spelled.fingerprint() == cfg.fingerprint()
+    # and a flushed pipeline takes none
+    sync = load_config([], ["grid.stages=8", "model.n_layers=8", "pipeline.schedule=gpipe"])
+    assert sync.depth_rule_settings() == {}

@@ -234,7 +234,7 @@ def run_join(
     verify_data: bool = False,
     skip_reach_check: bool = False,
 ) -> None:
-    from cli.preflight import check_data, check_extras
+    from cli.preflight import check_data, check_deaths, check_extras
     from comms.build import HivemindMeeting
     from comms.p2p.auth import Auth
     from comms.p2p.relay import RelayLimits
@@ -253,6 +253,7 @@ def run_join(
         cfg = config_of_record(rec, cfg_local, sets, run_key)
         cfg = with_overrides(cfg, {"transport.backend": "hivemind"})
         check_extras(cfg)  # before a claim: a missing package is one line here
+        check_deaths(cfg, "join")
         data = None
         if cfg.emulation.compute == "real":  # before a claim: a bad data path is one line here
             run_data = rec.data if rec is not None else None

@@ -5,6 +5,8 @@ costs the user one line and exit 2 within seconds, not eight tracebacks after tw
   and shard sizes, and with --verify-data its shards' hashes), it is the run's (data.digest),
   and its tokens fit the vocabulary;
 - the machine: transport.host can be bound, runtime.device = cuda has a GPU;
+- the settings a process grid cannot act out: emulation.deaths but for a cell out from the
+  start (`simulate` never starts it), dp.noise_codec;
 - a resume: the directory is a run, the new config changes nothing that the updates so far
   depend on, and every cell has an intact checkpoint at a common step (newer damaged files are
   passed over, and the user is told).
@@ -86,6 +88,34 @@ def check_extras(cfg: Config) -> None:
     for module, key, on in wanted:
         if on and importlib.util.find_spec(module) is None:
             raise need_extra(module, key)
+
+
+def check_deaths(cfg: Config, command: str) -> None:
+    """emulation.deaths as this command's processes can act it out (else one line, exit 2,
+    before any cell starts): `simulate` on torch or hivemind leaves out a cell dead from update
+    0 for good ("sJrI@0": never started) and kills none mid-run; `train` and `join` start one
+    cell each, whose peers someone else starts, and take no deaths at all."""
+    from mesh.algo.routing import mid_run_deaths, parse_deaths
+
+    items = cfg.emulation.deaths
+    if not items:
+        return
+    if command != "simulate":
+        raise ConfigError(
+            f"emulation.deaths = {list(items)} is acted out by `meshtrain simulate` only; "
+            f"`{command}` runs real peers: take a cell out by stopping its process, and "
+            "drop the setting (--set emulation.deaths=[])"
+        )
+    g = cfg.grid
+    mid = mid_run_deaths(parse_deaths(items, g.stages, g.replicas))
+    if mid:
+        cell = mid[0].split("@")[0]
+        raise ConfigError(
+            f"emulation.deaths {', '.join(repr(x) for x in mid)}: a cell that dies during the "
+            "run or comes back is acted out by --backend logical only; on torch and hivemind "
+            f'a cell can only be out from the start ("{cell}@0": never started); use '
+            "--backend logical, or write the span as sJrI@0"
+        )
 
 
 def check_machine(cfg: Config) -> None:

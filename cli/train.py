@@ -62,6 +62,9 @@ def train_config(cfg: Config, place: Place) -> Config:
             "inside a cluster; over the internet use `meshtrain join` (docs/cluster.md)"
         )
     check_world(cfg.grid.stages, cfg.grid.replicas, place.world_size)
+    from cli.preflight import check_deaths
+
+    check_deaths(cfg, "train")
     if cfg.pipeline.window == "auto":
         if cfg.emulation.compute != "emulated":
             raise ConfigError(

@@ -153,7 +153,8 @@ class EmulationConfig(_Section):
         [],
         description="the simulator (pools and fixed): cells dead for a span of updates, e.g. "
         '["s2r1@100-300"] (dead from update 100, back at 300, its state then taken from a live '
-        'peer of its stage; "s2r1@100": for good)',
+        'peer of its stage; "s2r1@100": for good). simulate on torch / hivemind: only "sJrI@0" '
+        "(the cell is never started; other spans are refused); train and join: refused",
     )
 
 

@@ -273,6 +273,18 @@ def absent(spans: Spans, stages: int, replicas: int, routing_: str) -> set[Place
     return {(j, i) for _, i in gone for j in range(stages)}
 
 
+def mid_run_deaths(spans: Spans) -> list[str]:
+    """The spans a process grid cannot act out, written back as "sJrI@FROM[-TO]": every one
+    but a death from update 0 for good (the cells `absent` names, never started). A process
+    grid kills no cell mid-run and starts none late; the simulator does both."""
+    return [
+        f"s{j}r{i}@{a}" + ("" if b is None else f"-{b}")
+        for (j, i), s in sorted(spans.items())
+        for a, b in s
+        if not (a == 0 and b is None)
+    ]
+
+
 @dataclass
 class LoadBook:
     """A sender's view of the next stage's cells: each one's last reported rate (microbatches a

@@ -324,11 +324,12 @@ DEPTH_OPTIONS = (
     ),
     click.option(
         "--phase",
-        type=click.Choice(["screen", "picks", "finals"]),
-        default="finals",
+        type=click.Choice(["screen", "picks", "finals", "long", "width"]),
+        default="width",
         show_default=True,
         help="Stop after this phase: the screen at P = 8, the picks (the best two levers and "
-        "their combination), or the finals at every depth.",
+        "their combination), the finals at every depth, the long run (4x the tokens), or the "
+        "width check (d 192 x 8 at P = 8): the last is the whole study.",
     ),
     click.option(
         "--report-only",

@@ -17,7 +17,12 @@ out/runs.partial.jsonl and reused by its config's fingerprint):
    (around its P = 8 lr) and run on the report seeds. Gaps are paired by seed against FullSync,
    as a share of FullSync's loss, with their t intervals.
 
---phase stops after a phase (screen, picks, finals), so the next invocation goes on from there.
+4. the long run: the recommended arm and FullSync at LONG_FACTOR x the tokens, P = 8, one seed;
+5. the width check: the recommended arm at d 192 x 8, P = 8, its lr swept on the tuning seed,
+   against the reference and FullSync at the lrs the boundary study tuned there (its runs are
+   reused from results/boundary-d192 by their fingerprints).
+
+--phase stops after a phase, so the next invocation goes on from there.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench import depth_arms
+from mesh.bench.boundary import WIDTHS
 from mesh.bench.depth_arms import FULLSYNC, REFERENCE, Arm
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.simruns import Spec, run_specs, spec_config
@@ -41,7 +47,15 @@ TUNE_SEED = 100
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 WIDEN = 2  # how many times a grid whose best is on its edge is widened past it
-PHASES = ("screen", "picks", "finals")
+PHASES = ("screen", "picks", "finals", "long", "width")
+LONG_FACTOR = 4  # the long run's tokens against a study run's (6.5M tokens)
+# the width check: the boundary study's d 192 x 8 Llama at P = 8, whose reference and FullSync
+# lrs are tuned there (results/boundary-d192: its runs are reused by their fingerprints)
+WIDTH = 192
+WIDTH_LAYERS = 8
+WIDTH_PREFIX = "d192 "
+WIDTH_TUNED = {REFERENCE: 5e-4, FULLSYNC: 1e-3}
+WIDTH_KNOWN = Path("results/boundary-d192/summary.json")
 # a recommended arm with one of these optimizers also meets FullSync running it
 SAME_OPTIMIZER_BASELINE = ("muon", "rotated_adam")
 
@@ -51,10 +65,14 @@ def label(stages: int, arm: str, lr: float | None = None) -> str:
     return f"P{stages} {arm}" + ("" if lr is None else f" lr={lr:g}")
 
 
-def spec(arm: Arm, stages: int, seed: int, lr: float, sweep: bool) -> Spec:
+def spec(
+    arm: Arm, stages: int, seed: int, lr: float, sweep: bool, prefix: str = "", study: str = "depth"
+) -> Spec:
+    """A run of `arm` at depth `stages` (prefix: "d192 " for the width check; study
+    "depth-long": the run at LONG_FACTOR x the tokens)."""
     return Spec(
-        "depth",
-        label(stages, arm.name, lr if sweep else None),
+        study,
+        prefix + label(stages, arm.name, lr if sweep else None),
         seed,
         arm.microbatches_per_update,
         tuple(arm.at(lr).items()),
@@ -87,7 +105,7 @@ class Study:
         self, base: Config, out: Path, workers: int, microbatches: int, report_only: bool
     ) -> None:
         self.base, self.out, self.workers = base, out, workers
-        self.budget = {"depth": microbatches}
+        self.budget = {"depth": microbatches, "depth-long": LONG_FACTOR * microbatches}
         self.report_only = report_only
         self.runs: dict[str, dict[str, Any]] = {}  # by label and seed
         # the runs an earlier invocation's summary holds (its runs.partial.jsonl is gone once
@@ -95,9 +113,9 @@ class Study:
         old = out / "summary.json"
         self.known = json.loads(old.read_text()).get("runs", []) if old.is_file() else []
 
-    def run(self, specs: list[Spec], desc: str) -> list[dict[str, Any]]:
+    def run(self, specs: list[Spec], desc: str, base: Config | None = None) -> list[dict[str, Any]]:
         done = run_specs(
-            self.base,
+            base or self.base,
             specs,
             self.budget,
             self.out,
@@ -107,25 +125,38 @@ class Study:
             report_only=self.report_only,
         )
         for r in done:
-            self.runs[f"{r['method']}|{r['seed']}"] = r
+            self.runs[f"{r['study']}|{r['method']}|{r['seed']}"] = r
         return done
 
     def get(self, name: str, seed: int) -> dict[str, Any] | None:
-        return self.runs.get(f"{name}|{seed}")
+        return self.runs.get(f"depth|{name}|{seed}")
 
-    def sweep(self, arms: list[tuple[Arm, int, tuple[float, ...]]], desc: str) -> dict[str, Any]:
+    def get_long(self, name: str, seed: int) -> dict[str, Any] | None:
+        return self.runs.get(f"depth-long|{name}|{seed}")
+
+    def sweep(
+        self,
+        arms: list[tuple[Arm, int, tuple[float, ...]]],
+        desc: str,
+        base: Config | None = None,
+        prefix: str = "",
+    ) -> dict[str, Any]:
         """Each (arm, P, lrs) on the tuning seed, widened where the best sits on an edge:
         {"P8 arm": {"lrs": {lr: loss}, "best_lr": lr, "best_loss": loss}} (best_lr None where
         nothing has finished)."""
         grids = {(a.name, p): (a, p, list(lrs)) for a, p, lrs in arms}
         for widened in range(WIDEN + 1):
-            specs = [spec(a, p, TUNE_SEED, lr, True) for a, p, lrs in grids.values() for lr in lrs]
-            self.run(specs, desc)
+            specs = [
+                spec(a, p, TUNE_SEED, lr, True, prefix)
+                for a, p, lrs in grids.values()
+                for lr in lrs
+            ]
+            self.run(specs, desc, base)
             if widened == WIDEN:
                 break
             grown = False
             for a, p, lrs in grids.values():
-                more = wider(tuple(lrs), self._losses(a, p, lrs)) if a.tune else None
+                more = wider(tuple(lrs), self._losses(a, p, lrs, prefix)) if a.tune else None
                 if more is not None and more not in lrs:
                     lrs.append(more)
                     grown = True
@@ -133,10 +164,10 @@ class Study:
                 break
         out = {}
         for a, p, lrs in grids.values():
-            losses = self._losses(a, p, lrs)
+            losses = self._losses(a, p, lrs, prefix)
             finite = {lr: v for lr, v in losses.items() if math.isfinite(v)}
             best = min(finite, key=finite.__getitem__) if finite else None
-            out[label(p, a.name)] = {
+            out[prefix + label(p, a.name)] = {
                 "arm": a.name,
                 "P": p,
                 "lrs": {f"{lr:g}": losses.get(lr) for lr in sorted(lrs)},
@@ -149,8 +180,8 @@ class Study:
             }
         return out
 
-    def _losses(self, a: Arm, p: int, lrs: list[float]) -> dict[float, float]:
-        got = {lr: self.get(label(p, a.name, lr), TUNE_SEED) for lr in lrs}
+    def _losses(self, a: Arm, p: int, lrs: list[float], prefix: str = "") -> dict[float, float]:
+        got = {lr: self.get(prefix + label(p, a.name, lr), TUNE_SEED) for lr in lrs}
         return {lr: _loss(r) for lr, r in got.items() if r is not None}
 
 
@@ -257,6 +288,41 @@ def _toml_item(value: Any) -> str:
     return f'"{value}"' if isinstance(value, str) else _toml(value)
 
 
+def width_base(base: Config) -> Config:
+    """The width check's model: d 192 x 8 blocks, the rest of the study's config as it is."""
+    from mesh.config import with_overrides
+
+    ov = dict(kv.split("=", 1) for kv in WIDTHS[WIDTH])
+    ov["model.n_layers"] = str(WIDTH_LAYERS)
+    return with_overrides(base, {k: int(v) for k, v in ov.items()})
+
+
+def width_check(study: Study, best: Arm, seeds: list[int], lr_d64: float) -> dict[str, Any]:
+    """The recommended arm at d 192 x 8, P = 8, against the reference and FullSync at their lrs
+    tuned there: its own lr swept on the tuning seed around its d 64 lr moved as the reference's
+    moved (d 192's reference takes half d 64's 8-block lr), then the report seeds."""
+    base = width_base(study.base)
+    old = json.loads(WIDTH_KNOWN.read_text()) if WIDTH_KNOWN.is_file() else {}
+    study.known = [*study.known, *old.get("runs", []), *old.get("lr_sweep", [])]
+    p = SCREEN_P
+    tuned = study.sweep(
+        [(best, p, around(lr_d64 / 2, best.lrs))],
+        "depth d192: the recommended arm's lr",
+        base,
+        WIDTH_PREFIX,
+    )
+    lrs = {**WIDTH_TUNED, best.name: tuned[WIDTH_PREFIX + label(p, best.name)]["best_lr"]}
+    arms = [best, depth_arms.reference(p), depth_arms.fullsync(p)]
+    specs = [
+        spec(a, p, s, lrs[a.name], False, WIDTH_PREFIX)
+        for a in arms
+        if lrs.get(a.name) is not None
+        for s in seeds
+    ]
+    study.run(specs, "depth d192: report seeds", base)
+    return {"lrs": lrs, "sweep": tuned}
+
+
 def run_depth(
     base: Config,
     out: Path,
@@ -264,7 +330,7 @@ def run_depth(
     workers: int,
     seeds: list[int] | None = None,
     stages: tuple[int, ...] | None = None,
-    phase: str = "finals",
+    phase: str = "width",
     report_only: bool = False,
 ) -> dict[str, Any]:
     """The study up to and including `phase`, resumed from what out/ holds; writes summary.json,
@@ -319,6 +385,29 @@ def run_depth(
                 for s in seeds
             ]
             study.run(specs, f"depth P={p}: report seeds")
+    long_arms: list[Arm] = []
+    if PHASES.index(phase) >= 3 and best is not None:
+        # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
+        # close, hold or grow with a longer run?
+        long_arms = [best, depth_arms.fullsync(screen_p)]
+        study.run(
+            [
+                spec(
+                    a,
+                    screen_p,
+                    seeds[0],
+                    tuned[label(screen_p, a.name)]["best_lr"],
+                    False,
+                    study="depth-long",
+                )
+                for a in long_arms
+                if tuned.get(label(screen_p, a.name), {}).get("best_lr") is not None
+            ],
+            f"depth P={screen_p}: {LONG_FACTOR}x the tokens",
+        )
+    width: dict[str, Any] = {}
+    if PHASES.index(phase) >= 4 and best is not None and not quick:
+        width = width_check(study, best, seeds, tuned[label(screen_p, best.name)]["best_lr"])
     summary = summarize(
         base,
         study,
@@ -329,6 +418,8 @@ def run_depth(
         best,
         finals_arms,
         mbs,
+        long_arms,
+        width,
     )
     summary.update(
         quick=quick,

@@ -26,6 +26,8 @@ def summarize(
     best: Arm | None,
     finals: list[Arm],
     microbatches: int,
+    long_arms: list[Arm] | None = None,
+    width: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the runs so far say: the screen, the picks, the finals' rows and the settings that
     reproduce the recommended candidate and FullSync at each depth."""
@@ -88,7 +90,13 @@ def summarize(
             for name, c in curves.items()
             if c
         }
-    screen = [{**row, "label": key} for key, row in tuned.items() if row["P"] == screen_p]
+    long = _long(study, screen_p, seeds, best, long_arms or [])
+    wide = _width(study, seeds, best, width or {})
+    screen = [
+        {**row, "label": key}
+        for key, row in tuned.items()
+        if row["P"] == screen_p and not key.startswith("d")
+    ]
     complete = (
         bool(rows)
         and all(r["seeds"] == sorted(seeds) for r in rows)
@@ -115,11 +123,74 @@ def summarize(
         "recommended": recommended,
         "fullsync": fullsync,
         "gap_vs_tokens": by_tokens,
+        "long": long,
+        "width": wide,
         "sweeps": {k: v for k, v in tuned.items()},
         "complete": complete,
         "cpu_s_of_runs": round(sum(r.get("wall_s", 0) for r in study.runs.values()), 1),
         "runs": sorted(study.runs.values(), key=lambda r: (r["method"], r["seed"])),
     }
+
+
+def _long(
+    study: Any, p: int, seeds: list[int], best: Arm | None, arms: list[Arm]
+) -> dict[str, Any] | None:
+    """The recommended arm against FullSync at LONG_FACTOR x the tokens, one seed."""
+    from mesh.bench.depth import LONG_FACTOR, label
+
+    if best is None or not arms:
+        return None
+    seed = seeds[0]
+    rec = _losses_of(study.get_long, label(p, best.name), [seed])
+    sync = _losses_of(study.get_long, label(p, FULLSYNC), [seed])
+    iv = paired_interval(rec, sync, relative=True)
+    return {
+        "P": p,
+        "seed": seed,
+        "tokens_factor": LONG_FACTOR,
+        "recommended": rec.get(seed),
+        "FullSync": sync.get(seed),
+        "gap_pct": None if iv is None else round(100 * iv.mean, 3),
+        "gap_vs_tokens": _gap_curve(study, label(p, best.name), label(p, FULLSYNC), [seed], "long"),
+    }
+
+
+def _width(
+    study: Any, seeds: list[int], best: Arm | None, width: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The recommended arm, the reference and FullSync at d 192 x 8, P = 8, paired by seed."""
+    from mesh.bench.depth import SCREEN_P, WIDTH, WIDTH_LAYERS, WIDTH_PREFIX, label
+
+    if best is None or not width:
+        return None
+    losses = {
+        name: _losses_of(study.get, WIDTH_PREFIX + label(SCREEN_P, name), seeds)
+        for name in (best.name, REFERENCE, FULLSYNC)
+    }
+    rows = []
+    for name, got in losses.items():
+        iv = paired_interval(got, losses[FULLSYNC], relative=True)
+        rows.append(
+            {
+                "arm": RECOMMENDED if name == best.name else name,
+                "candidate": name,
+                "lr": width["lrs"].get(name),
+                "val_loss": _mean(list(got.values())),
+                "seeds": sorted(got),
+                "gap_pct": None if iv is None else round(100 * iv.mean, 3),
+                "gap": fmt_interval(iv, pct=True),
+            }
+        )
+    return {"d_model": WIDTH, "n_layers": WIDTH_LAYERS, "P": SCREEN_P, "rows": rows}
+
+
+def _losses_of(get: Any, name: str, seeds: list[int]) -> dict[int, float]:
+    out = {}
+    for s in seeds:
+        r = get(name, s)
+        if r is not None and not r.get("diverged") and r.get("val_loss") is not None:
+            out[s] = float(r["val_loss"])
+    return out
 
 
 def _tune_seed() -> int:
@@ -129,12 +200,7 @@ def _tune_seed() -> int:
 
 
 def _seed_losses(study: Any, name: str, seeds: list[int]) -> dict[int, float]:
-    out = {}
-    for s in seeds:
-        r = study.get(name, s)
-        if r is not None and not r.get("diverged") and r.get("val_loss") is not None:
-            out[s] = float(r["val_loss"])
-    return out
+    return _losses_of(study.get, name, seeds)
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -153,12 +219,15 @@ def interpolate(curve: list[dict[str, Any]], tokens: float) -> float | None:
     return None
 
 
-def _gap_curve(study: Any, name: str, sync: str, seeds: list[int]) -> list[list[float]]:
+def _gap_curve(
+    study: Any, name: str, sync: str, seeds: list[int], kind: str = ""
+) -> list[list[float]]:
     """[tokens, gap %] at FullSync's evaluations, the mean over the seeds both have of the
-    arm's loss (interpolated there) against FullSync's."""
+    arm's loss (interpolated there) against FullSync's (kind "long": the long runs')."""
+    get = study.get_long if kind == "long" else study.get
     per_seed = []
     for s in seeds:
-        a, f = study.get(name, s), study.get(sync, s)
+        a, f = get(name, s), get(sync, s)
         if a is None or f is None:
             continue
         gaps = {}
@@ -215,6 +284,37 @@ def table(summary: dict[str, Any]) -> str:
             )
         )
         parts.append("")
+    long = summary.get("long")
+    if long and long.get("gap_pct") is not None:
+        parts += [
+            f"## {long['tokens_factor']}x the tokens, P = {long['P']}, seed {long['seed']}",
+            "",
+            f"recommended {long['recommended']:.4f} against FullSync {long['FullSync']:.4f}: "
+            f"{long['gap_pct']:+.2f}%.",
+            "",
+        ]
+    wide = summary.get("width")
+    if wide and wide.get("rows"):
+        parts += [
+            f"## Width: d {wide['d_model']} x {wide['n_layers']} at P = {wide['P']}, gap to "
+            "FullSync",
+            "",
+            format_table(
+                ["arm", "candidate", "lr", "val loss", "gap (mean +- SE [95% t])", "seeds"],
+                [
+                    [
+                        r["arm"],
+                        r["candidate"],
+                        "n/a" if r["lr"] is None else f"{r['lr']:g}",
+                        "not run" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+                        r["gap"],
+                        len(r["seeds"]),
+                    ]
+                    for r in wide["rows"]
+                ],
+            ),
+            "",
+        ]
     parts += [
         f"## Screen at P = {summary['screen_P']} (seed {summary['tune_seed']}): each arm's lr "
         "sweep",

@@ -123,6 +123,11 @@ def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
         sets = s["recommended"][p]["set"]
         assert f"grid.stages={p}" in sets and s["fullsync"][p]["set"]
     assert s["complete"] and (out / "table.md").is_file()
+    # the long run: the recommended arm and FullSync at 4x the tokens, one seed
+    assert s["long"]["gap_pct"] is not None and s["long"]["seed"] == 0
+    long_runs = [r for r in s["runs"] if r["study"] == "depth-long"]
+    assert {r["microbatches"] for r in long_runs} == {depth.LONG_FACTOR * 24}
+    assert "4x the tokens" in (out / "table.md").read_text()
     # a tuned arm's best is inside its grid, or the grid was widened WIDEN times past its edge
     first = {a.name: len(a.lrs) for a in depth_arms.screen_arms(2)}
     for r in s["screen"]:
@@ -135,3 +140,18 @@ def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
     again = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4))
     assert len(again["runs"]) == runs
     assert json.loads((out / "summary.json").read_text())["rows"] == again["rows"]
+
+
+def test_the_width_check_reuses_the_boundary_studys_d192_runs() -> None:
+    """d 192 x 8's reference and FullSync at P = 8 are the boundary study's runs (the same
+    configs: their fingerprints match the committed summary's), so only the recommended arm
+    runs there."""
+    base = depth.width_base(load_config([], depth_arms.STUDY_DEFAULTS))
+    assert (base.model.d_model, base.model.n_layers, base.model.n_heads) == (192, 8, 6)
+    boundary = json.loads(depth.WIDTH_KNOWN.read_text())
+    have = {(r["config_fingerprint"], r["seed"]) for r in boundary["runs"]}
+    for arm in (depth_arms.reference(8), depth_arms.fullsync(8)):
+        lr = depth.WIDTH_TUNED[arm.name]
+        for seed in (0, 1):
+            cfg = spec_config(base, depth.spec(arm, 8, seed, lr, False), depth.MICROBATCHES)
+            assert (cfg.fingerprint(), seed) in have, (arm.name, seed)

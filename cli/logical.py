@@ -8,7 +8,7 @@ flight, sentinel statistics and counters: mesh/engine/sim_state.py), so a resume
 the weights and loss of an uninterrupted one. SIGTERM, SIGHUP and Ctrl-C stop it after the
 update under way, every cell saved (a second Ctrl-C stops it at once, unsaved).
 
-imports: click, cli (report, simulate's stop signals and reference cells), mesh (config, data,
+imports: click, cli (report, simulate's stop signals, reference and pool cells), mesh (config, data,
 engine, runtime).
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 import click
 
 from cli.report import print_table, progress_bar
-from cli.simulate import reference_cells
+from cli.simulate import POOL_HEADERS, pool_cells, reference_cells
 from mesh.config import Config
 from mesh.data.corpus import ngram_ce
 from mesh.data.ngram import beside_loss
 from mesh.engine import sim_state
-from mesh.engine.pools import make_sim
+from mesh.engine.pools import PoolSim, make_sim
 from mesh.engine.sim import GridSim
 from mesh.runtime.checkpoint import (
     CheckpointError,
@@ -92,6 +92,7 @@ def simulate_logical(
         "config_fingerprint": cfg.fingerprint(),
         **result.__dict__,
         **beside_loss(result.val_loss, ngram_ce(sim.corpus)),  # the data's reference points
+        **pool_counts(sim),
     }
     if out is not None:
         if result.val_loss is not None:  # a diverged run keeps its last finite checkpoint
@@ -108,6 +109,7 @@ def simulate_logical(
         "pp B/replica/step",
         "dp B/replica/step",
         "wall s",
+        *(POOL_HEADERS if "pools" in summary else []),
     ]
     print_table(
         headers,
@@ -122,9 +124,41 @@ def simulate_logical(
                 f"{result.pp_bytes_per_replica_step:,.0f}",
                 f"{result.dp_bytes_per_replica_step:,.0f}",
                 f"{result.wall_s:.1f}",
+                *pool_cells(summary),
             ]
         ],
     )
+    for line in stalled_note(summary):
+        click.echo(line)
+
+
+def pool_counts(sim: GridSim) -> dict[str, Any]:
+    """What the pool engine counted (mesh/engine/pools.py; {} for the fixed grid's GridSim):
+    "pools" with stage pools (microbatches sent on from one stage to the next, of them to
+    another replica's cell, and voided: a stage had no live cell), and each replica's updates
+    where emulation.deaths stalled a fixed one."""
+    if not isinstance(sim, PoolSim):
+        return {}
+    if sim.cfg.pipeline.routing == "pools":
+        routed = sim.streamed * (sim.P - 1)
+        return {
+            "pools": {"routed": routed, "cross_replica": sim.cross_replica, "voided": sim.voided}
+        }
+    return {"replica_updates": [sim.routed[(0, i)] for i in range(sim.m)]}
+
+
+def stalled_note(summary: dict) -> list[str]:
+    """The line under a fixed grid's table whose replicas emulation.deaths stalled ([]: none
+    was): each one's updates, and what the validation loss holds of it."""
+    done, steps = summary.get("replica_updates"), summary["steps"]
+    short = [f"replica {i} trained {n} of {steps}" for i, n in enumerate(done or []) if n < steps]
+    if not short:
+        return []
+    return [
+        f"emulation.deaths stalled replicas ({', '.join(short)} updates: a fixed replica waits "
+        "while a cell of it is dead); the validation loss averages every replica's weights as "
+        "they stand, a stalled one's included"
+    ]
 
 
 def save_grid(sim: GridSim, cfg: Config, out: Path) -> None:

@@ -99,7 +99,7 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
     summary = summarize_run(cfg, out, run.wall_s, start_step, segment)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(cfg, out)
-    notes = [ROUNDS_NOTE.format(tau=cfg.dp.tau)]
+    notes = [ROUNDS_NOTE.format(tau=cfg.dp.tau), *left_out_note(summary)]
     if point is not None and len({s or 0 for s in point.replica_steps.values()}) > 1:
         notes.append(resumed_apart_note(point.replica_steps))
     table = "\n".join([format_table(*summary_table(summary)), *notes])
@@ -181,6 +181,7 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
         "dp B/replica/step",
         "rounds started/applied/failed/in flight",
         "rejects",
+        *(POOL_HEADERS if "pools" in summary else []),
     ]
     r = summary["rounds"]
     in_flight = r["rounds_started"] - r["rounds_applied"] - r["rounds_failed"]
@@ -198,8 +199,40 @@ def summary_table(summary: dict) -> tuple[list[str], list[list[str]]]:
         f"{summary['bytes']['dp_per_replica_step']:,.0f}",
         rounds,
         rejects_cell(summary),
+        *pool_cells(summary),
     ]
     return headers, [[str(c) for c in row]]
+
+
+# stage pools (summary["pools"], every life of every cell): microbatches sent on from one stage
+# to the next and of them to another replica's cell; refusals of full cells and microbatches
+# sent again elsewhere; microbatches given up (no live cell took them)
+POOL_HEADERS = ["pool routed/across replicas", "pool refused/rerouted", "pool voided"]
+
+
+def pool_cells(summary: dict) -> list[str]:
+    """POOL_HEADERS' cells ([] without stage pools); the simulator, whose cells hold no
+    window, refuses and reroutes nothing: n/a."""
+    p = summary.get("pools")
+    if p is None:
+        return []
+    refused = f"{p['refused']}/{p['rerouted']}" if "refused" in p else "n/a"
+    return [f"{p['routed']}/{p['cross_replica']}", refused, str(p["voided"])]
+
+
+def left_out_note(summary: dict) -> list[str]:
+    """The line under the table that says which replicas the counts leave out, and why ([]:
+    none): a replica that never ran (fixed wiring, a cell dead from the start) is in neither
+    the tokens nor the validation loss; one that saved no checkpoint, or whose chain lacks a
+    pooled cell that never ran, is not in the validation loss."""
+    said = {"tokens": "the tokens", "val_loss": "the validation loss"}
+    parts = [
+        f"replica {d['replica']} left out of "
+        + " and ".join(said[k] for k in d["left_out_of"])
+        + f" ({d['why']})"
+        for d in summary.get("replicas_left_out") or []
+    ]
+    return ["; ".join(parts)] if parts else []
 
 
 def rejects_cell(summary: dict) -> str:

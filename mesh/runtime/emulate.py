@@ -387,7 +387,14 @@ def throughput(
     else:
         compute = [[busy.get((j, i), 0.0) for j in range(P)] for i in range(m)]
     link_rows = [[link.get((j, i), 0.0) for j in range(P)] for i in range(m)]
-    st = [[max(c, x) for c, x in zip(cr, lr)] for cr, lr in zip(compute, link_rows)]
+    # a cell emulation.deaths takes out from the start never ran (on a fixed grid its whole
+    # replica): no capacity in the ideal, no rate to measure
+    spans = routing.parse_deaths(cfg.emulation.deaths, P, m)
+    gone = routing.absent(spans, P, m, cfg.pipeline.routing)
+    st = [
+        [0.0 if (j, i) in gone else max(c, x) for j, (c, x) in enumerate(zip(cr, lr))]
+        for i, (cr, lr) in enumerate(zip(compute, link_rows))
+    ]
     if cfg.pipeline.routing == "pools":  # a stage's cells share its work: its summed speed
         speeds = [[1.0 / st[i][j] if st[i][j] > 0 else 0.0 for i in range(m)] for j in range(P)]
         ideal = tok * routing.pool_bound(speeds)
@@ -395,6 +402,8 @@ def throughput(
         ideal = tok * sum(1.0 / max(row) for row in st if max(row) > 0)
     rate = 0.0
     for i in range(m):
+        if (P - 1, i) in gone:
+            continue
         r = steps_rows.get((P - 1, i), [])
         ups = steady_rate([x["time_s"] for x in r], [x["step"] for x in r], skip_frac)
         if ups is None:

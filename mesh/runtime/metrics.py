@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from mesh.algo.topology import cell_name
-from mesh.runtime.lives import ROUNDS, add_counts, cell_totals, split_lives, without_replayed
+from mesh.runtime.lives import (
+    POOL,
+    ROUNDS,
+    add_counts,
+    cell_totals,
+    split_lives,
+    without_replayed,
+)
 from mesh.runtime.rows import append_row, parse_rows
 
 
@@ -104,21 +111,41 @@ def summarize_run(
     every = read_metrics(out_dir, events=True, replayed=True)  # every life of every cell
     totals = {k: cell_totals(v) for k, v in every.items()}
     P, m = cfg.grid.stages, cfg.grid.replicas
-    steps = min((r[-1]["step"] for r in rows.values() if r), default=0)
-    tokens = tokens_at(cfg, steps)  # one formula with the validation rows (mesh.runtime.evaluate)
-    segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
+    pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
+    dropped = left_out(cfg)
+    # fixed: each replica that ran at the step all its cells reached (one that never ran, or
+    # had nothing new in this segment, at the segment's start)
+    ran = [i for i in range(m) if "tokens" not in dropped.get(i, {}).get("left_out_of", [])]
+    ends = {i: [v[-1]["step"] for (_, r), v in rows.items() if r == i and v] for i in ran}
+    reached = [min(e) if e else start_step for e in ends.values()]
+    steps = min(reached, default=0)
+    per_update = tokens_at(cfg, 1) // m  # one formula with the validation rows (evaluate)
+    tokens = sum(reached) * per_update  # what the replicas that ran trained
+    segment_tokens = sum(s - min(start_step, s) for s in reached) * per_update
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
-    pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
     # a replica where its cells' checkpoints meet; a pool's cells (different numbers of
     # updates), or hivemind cells resumed a step apart, at each one's newest
     at = [(common_steps(out_dir, cfg, i) or [None])[-1] if not pools else None for i in range(m)]
     at = [a if a is not None else latest_steps(out_dir, cfg, i) for i, a in enumerate(at)]
-    # a replica none of whose cells saved (stopped before its first save) has no loss to show
+    # the mean over the replicas with a loss to show: not one left out (a cell of its chain
+    # never ran), nor one none of whose cells saved (stopped before its first save)
     losses = [
-        replica_loss(cfg, out_dir, i, at[i], batches) if _saved(at[i]) else None for i in range(m)
+        replica_loss(cfg, out_dir, i, at[i], batches)
+        if _saved(at[i]) and i not in dropped
+        else None
+        for i in range(m)
     ]
-    val_loss = None if None in losses else sum(losses) / m
+    for i, x in enumerate(losses):
+        if x is None and i not in dropped:
+            dropped[i] = {
+                "replica": i,
+                "left_out_of": ["val_loss"],
+                "why": "none of its cells saved a checkpoint: it stopped before "
+                f"checkpoint.every = {cfg.checkpoint.every} updates",
+            }
+    kept = [x for x in losses if x is not None]
+    val_loss = sum(kept) / len(kept) if kept else None
     bpt = corpus.val_bytes_per_token
     if pools:
         streams = [v[-1]["step"] for k, v in rows.items() if v and k[0] == 0]
@@ -158,6 +185,11 @@ def summarize_run(
         "rejects": sum(rejects.values()),
         "rejects_by_reason": rejects,
         "lives": {cell_name(*k): t["lives"] for k, t in sorted(totals.items())},
+        # replicas not counted, and why: in the tokens and the loss, or in the loss alone
+        "replicas_left_out": [dropped[i] for i in sorted(dropped)],
+        # stage pools: microbatches sent on from one stage to the next (of them, to another
+        # replica's cell), refusals of full cells, sent again elsewhere, given up
+        **({"pools": {k: sum(t[k] for t in totals.values()) for k in POOL}} if pools else {}),
         "compute": cfg.emulation.compute,
         "steady_tokens_per_s": tp.tokens_per_s,
         "ideal_tokens_per_s": tp.ideal_tokens_per_s,
@@ -166,6 +198,31 @@ def summarize_run(
         "staleness": tp.staleness,
         "peak_memory": {"stash_bytes": tp.peak_stash_bytes, "rss_mb": tp.peak_rss_mb},
     }
+
+
+def left_out(cfg: Any) -> dict[int, dict[str, Any]]:
+    """The replicas a process grid's emulation.deaths leaves out, keyed by replica: a cell dead
+    from update 0 (`routing.absent`: never started) takes its whole replica out of a fixed grid
+    (tokens and validation loss), and its replica's chain out of a pooled grid's validation
+    loss (its stage's other cells take its work)."""
+    from mesh.algo import routing
+
+    P, m = cfg.grid.stages, cfg.grid.replicas
+    spans = routing.parse_deaths(cfg.emulation.deaths, P, m)
+    dead = routing.absent(spans, P, m, "pools")  # the cells themselves
+    out: dict[int, dict[str, Any]] = {}
+    for i in range(m):
+        cells = [cell_name(j, i) for j in range(P) if (j, i) in dead]
+        if not cells:
+            continue
+        said = f"emulation.deaths takes {', '.join(cells)} out from update 0"
+        if cfg.pipeline.routing == "pools":
+            why = f"{said}: its stage's other cells took its work, and its replica's chain lacks it"
+            out[i] = {"replica": i, "left_out_of": ["val_loss"], "why": why}
+        else:
+            why = f"{said}, and a fixed replica trains only with all its stages: it never ran"
+            out[i] = {"replica": i, "left_out_of": ["tokens", "val_loss"], "why": why}
+    return out
 
 
 def _saved(step: int | list[int | None]) -> bool:

@@ -22,6 +22,7 @@ from cli.options import (
     resolve_config,
     run_options,
     shorthand_overrides,
+    skip_resource_check_option,
     user_errors,
     with_method,
 )
@@ -83,12 +84,13 @@ def show_config(config_files: tuple[str, ...], overrides: tuple[str, ...]) -> No
 )
 @click.option(
     "--resume",
-    type=click.Path(file_okay=False, exists=True),
     default=None,
+    metavar="DIR",
     help="Continue a stopped run from its checkpoints (a logical run's on the logical "
     "backend, exactly as if uninterrupted).",
 )
 @verify_data_option
+@skip_resource_check_option
 @user_errors
 def simulate(
     config_files: tuple[str, ...],
@@ -101,10 +103,20 @@ def simulate(
     backend: str | None,
     resume: str | None,
     verify_data: bool,
+    skip_resource_check: bool,
 ) -> None:
-    """Train a whole grid on this machine, every cell its own process, and print a summary."""
+    """Train a whole grid on this machine, every cell its own process, and print a summary.
+
+    Before any cell starts, a grid whose processes this machine cannot hold (their memory as
+    `meshtrain plan` counts it, and their threads, against its available memory and process
+    limits) is refused in one line; --skip-resource-check starts it anyway."""
     extra = shorthand_overrides(grid, steps, init_from)
     if resume:
+        if not Path(resume).is_dir():
+            raise ConfigError(
+                f"--resume {resume}: no such directory; give the directory of a stopped run (its "
+                "--out, e.g. runs/20250101-120000), or leave --resume out to start a new run"
+            )
         if method:
             raise ConfigError("--resume keeps the run's method (its config.toml); drop --method")
         if out and Path(out) != Path(resume):
@@ -129,7 +141,14 @@ def simulate(
         from cli.simulate import simulate_processes
 
         check_deaths(cfg, "simulate")  # first: before the data is read or a process starts
-        simulate_processes(cfg, backend, Path(out) if out else None, bool(resume), verify_data)
+        simulate_processes(
+            cfg,
+            backend,
+            Path(out) if out else None,
+            bool(resume),
+            verify_data,
+            check_resources=not skip_resource_check,
+        )
         return
     from cli.logical import simulate_logical
     from cli.preflight import check_data

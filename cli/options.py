@@ -100,6 +100,14 @@ def grid_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+skip_resource_check_option = click.option(
+    "--skip-resource-check",
+    is_flag=True,
+    help="Start the cells even if this machine (on `train`: this node) cannot hold them as "
+    "predicted: their memory and threads against what it has (docs/running.md).",
+)
+
+
 def shorthand_overrides(grid: str | None, steps: int | None, init_from: str | None) -> list[str]:
     """--grid, --steps and --init-from as the config keys they stand for."""
     extra = grid_overrides(grid) + ([f"run.steps={steps}"] if steps is not None else [])

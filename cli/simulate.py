@@ -22,16 +22,22 @@ from mesh.config import Config, ConfigError, with_overrides
 from mesh.report import format_table, plot_curves
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.evaluate import ValTracker, read_val, tokens_at
-from mesh.runtime.launch import GridRun, StopRequest, run_grid
+from mesh.runtime.launch import GridRun, StopRequest, grid_cells, run_grid
 from mesh.runtime.metrics import metrics_offsets, read_metrics, summarize_run
 from mesh.runtime.run_lock import run_lock
 
 
 def simulate_processes(
-    cfg: Config, backend: str, out: Path | None, resume: bool = False, verify_data: bool = False
+    cfg: Config,
+    backend: str,
+    out: Path | None,
+    resume: bool = False,
+    verify_data: bool = False,
+    check_resources: bool = True,
 ) -> None:
     """Check everything a cell would trip over, then run the grid as processes; one line and
-    exit 2 for a user error (here or in a cell), the summary table otherwise."""
+    exit 2 for a user error (here or in a cell), the summary table otherwise.
+    check_resources: refuse a grid this machine cannot hold (cli/resources.py)."""
     cfg = with_overrides(cfg, {"transport.backend": backend})
     # resolved here, so a --resume runs the same schedule (and fingerprint): the in-flight window
     # and the lr / lambda horizon (a resume that extends run.steps keeps the one it started with)
@@ -40,6 +46,10 @@ def simulate_processes(
         cfg = with_overrides(cfg, {"run.schedule_steps": cfg.run.steps})
     corpus = None if cfg.emulation.compute == "emulated" else check_data(cfg, verify_data)
     check_machine(cfg)
+    if check_resources:
+        from cli.resources import check_simulate
+
+        check_simulate(cfg, grid_cells(cfg))
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     created = not out.exists()
     if (out / "metrics").exists() and not resume:
@@ -102,6 +112,8 @@ def _simulate_in(cfg: Config, out: Path, resume: bool, created: bool, corpus: ob
     notes = [ROUNDS_NOTE.format(tau=cfg.dp.tau), *left_out_note(summary)]
     if point is not None and len({s or 0 for s in point.replica_steps.values()}) > 1:
         notes.append(resumed_apart_note(point.replica_steps))
+    if cfg.emulation.compute == "emulated":
+        notes.append(EMULATED_NOTE)
     table = "\n".join([format_table(*summary_table(summary)), *notes])
     (out / "table.md").write_text(table + "\n")
     click.echo(table)
@@ -163,6 +175,13 @@ def stop_signals(ctrl_c: bool = False) -> Iterator[StopRequest]:
 ROUNDS_NOTE = (
     "rounds: started = applied + failed + in flight at the end (launched in the last "
     "dp.tau = {tau} updates, or due but not yet complete, when the cells stopped)"
+)
+
+
+# under the table of an emulated-compute run, whose loss would otherwise pass for a result
+EMULATED_NOTE = (
+    "compute was emulated (emulation.compute = emulated): no model math ran, so the loss is "
+    "the untrained model's"
 )
 
 

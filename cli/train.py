@@ -25,6 +25,7 @@ from cli.options import (
     config_options,
     grid_run_options,
     shorthand_overrides,
+    skip_resource_check_option,
     user_errors,
     with_method,
 )
@@ -110,8 +111,10 @@ def run_train(
     dirs: list[Path],
     host: str | None,
     verify_data: bool,
+    check_resources: bool = True,
 ) -> None:
-    """Everything `train` does in this process; never returns (the cell's exit code)."""
+    """Everything `train` does in this process; never returns (the cell's exit code).
+    check_resources: refuse when this node cannot hold its cells (cli/resources.py)."""
     place = place_from_env(os.environ)
     cfg = train_config(cfg, place)
     stage, replica = cell_of_rank(
@@ -123,6 +126,10 @@ def run_train(
     if cfg.emulation.compute != "emulated":
         check_data(cfg, verify_data)
     check_machine(cfg)
+    if check_resources:
+        from cli.resources import check_train
+
+        check_train(cfg, place)
     check_out(cfg, out)
     write_config(cfg, out)
     say = f"{describe(place, stage, replica)} on {cfg.transport.host}, writing {out}"
@@ -231,7 +238,7 @@ def print_placement(cfg: Config, ranks_per_node: int) -> None:
 @click.option(
     "--resume",
     multiple=True,
-    type=click.Path(file_okay=False, exists=True),
+    metavar="DIR",
     help="Continue a run with its stored config: its node directories (repeat the option) or "
     "its one shared directory; cells read their checkpoints from any of them and write to "
     "--out (default: the first).",
@@ -255,6 +262,7 @@ def print_placement(cfg: Config, ranks_per_node: int) -> None:
     is_flag=True,
     help="Hash every shard of a prepared dataset against its manifest first.",
 )
+@skip_resource_check_option
 @user_errors
 def train(
     config_files: tuple[str, ...],
@@ -268,13 +276,16 @@ def train(
     host: str | None,
     placement: int | None,
     verify_data: bool,
+    skip_resource_check: bool,
 ) -> None:
     """Run this process's cell of a grid launched by torchrun or srun (one process per cell,
     WORLD_SIZE = stages x replicas; docs/cluster.md). Rank r takes a cell so that a replica's
     stages share a node where the grid allows (--placement shows the table); the cell runs on
     cuda:LOCAL_RANK when there is a GPU, its links meet at the launcher's rendezvous store. It
     continues from the newest checkpoint its replica shares, and downloads its stage's state
-    from the most advanced live peer when more than elastic.max_lag_steps behind."""
+    from the most advanced live peer when more than elastic.max_lag_steps behind. Before its
+    cell starts, a node that cannot hold its cells (their memory and threads against what it
+    has) is refused in one line; --skip-resource-check starts them anyway."""
     extra = shorthand_overrides(grid, steps, init_from)
     dirs = [Path(d) for d in resume]
     if dirs:
@@ -294,4 +305,11 @@ def train(
         return
     if out is None and not dirs:
         raise ConfigError("give --out DIR (this node's run directory), or --resume DIR")
-    run_train(cfg, Path(out) if out else dirs[0], dirs, host, verify_data)
+    run_train(
+        cfg,
+        Path(out) if out else dirs[0],
+        dirs,
+        host,
+        verify_data,
+        check_resources=not skip_resource_check,
+    )

@@ -61,18 +61,21 @@ def plot_curves(
         return
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    drawn = 0
     for label, pts in curves.items():
         if pts:
             xs, ys = zip(*pts, strict=True)
             style = {"marker": "." if len(pts) < 30 else None, **(styles or {}).get(label, {})}
             ax.plot(xs, ys, label=label, **style)
+            drawn += 1
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if logx:
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if drawn:  # no curve has a point (emulated compute has no loss): no legend to draw
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -185,3 +185,70 @@ def test_a_bench_commands_user_error_is_one_line_and_exit_2():
     assert res.output.strip() == "error: --stages 1: a pipeline needs P >= 2"
     res = CliRunner().invoke(main, ["bench", "convergence", "--tune-seeds", "0"])
     assert res.exit_code == 2 and "go with --tune" in res.output
+
+
+def test_a_missing_resume_directory_is_one_line_naming_the_option(tmp_path):
+    """Not click's four-line usage error: one line, exit 2, the option and what to give it."""
+    missing = tmp_path / "no" / "such"
+    res = CliRunner().invoke(main, ["simulate", "--resume", str(missing)])
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1, res.output
+    assert lines[0].startswith(f"error: --resume {missing}: no such directory")
+    assert "stopped run" in lines[0]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    res = CliRunner().invoke(main, ["train", "--resume", str(missing)], env=env)
+    assert (
+        res.exit_code == 2 and res.output.strip() == f"error: --resume {missing}: no such directory"
+    )
+
+
+def test_an_emulated_runs_table_says_no_math_ran_and_its_plot_has_no_empty_legend(
+    monkeypatch, tmp_path
+):
+    """Emulated compute: the loss under the table is the untrained model's, and a line says
+    so; loss.png has no loss curve to label, so no legend (matplotlib warned of one)."""
+    import json
+    import warnings
+
+    from cli.simulate import EMULATED_NOTE
+    from mesh.runtime.launch import GridRun
+
+    def fake_grid(cfg, out, **kwargs):  # the cells' rows as an emulated 2x1 grid writes them
+        (out / "metrics").mkdir(parents=True, exist_ok=True)
+        for j in range(2):
+            rows = [{"event": "started", "step": 0}] + [
+                {"step": s, "time_s": 0.1 * s, "microbatches": s, "busy_s": 0.0}
+                for s in range(1, 6)
+            ]
+            text = "".join(json.dumps(r) + "\n" for r in rows)
+            (out / "metrics" / f"{j}-0.jsonl").write_text(text)
+        return GridRun({(0, 0): 0, (1, 0): 0}, wall_s=1.0, interrupted=False)
+
+    monkeypatch.setattr("cli.simulate.run_grid", fake_grid)
+    out = tmp_path / "run"
+    args = ["simulate", "--grid", "2x1", "--steps", "5", "--out", str(out)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = CliRunner().invoke(main, [*args, "--set", "emulation.compute='emulated'"])
+    assert res.exit_code == 0, res.output
+    assert EMULATED_NOTE in res.output and EMULATED_NOTE in (out / "table.md").read_text()
+    assert "untrained" in EMULATED_NOTE and "emulation.compute = emulated" in EMULATED_NOTE
+    assert not [w for w in caught if "legend" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_plot_with_no_points_draws_no_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from mesh.report import plot_curves
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found"
+        plot_curves(
+            {"replica 0 train": [], "replica 0 validation": []}, tmp_path / "a.png", "x", "y", "t"
+        )
+        plot_curves(
+            {"replica 0 train": [(1.0, 2.0), (2.0, 1.5)]}, tmp_path / "b.png", "x", "y", "t"
+        )
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0

@@ -35,48 +35,35 @@ from typing import Any
 
 from mesh.bench import depth_arms
 from mesh.bench.boundary import WIDTHS
-from mesh.bench.depth_arms import FULLSYNC, REFERENCE, Arm
+from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by its tests
+    FULLSYNC,
+    LONG_FACTOR,
+    REFERENCE,
+    SCREEN_P,
+    TUNE_SEED,
+    WIDTH,
+    WIDTH_LAYERS,
+    WIDTH_PREFIX,
+    Arm,
+    at_depth,
+    label,
+    settings_of,
+    spec,
+)
 from mesh.bench.regime import data_reference, rule_fields
-from mesh.bench.simruns import Spec, run_specs, spec_config
-from mesh.config import Config, load_config
+from mesh.bench.simruns import Spec, run_specs
+from mesh.config import Config
 
-SCREEN_P = 8
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
 REPORT_SEEDS = [0, 1]
-TUNE_SEED = 100
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 WIDEN = 2  # how many times a grid whose best is on its edge is widened past it
 PHASES = ("screen", "picks", "finals", "long", "width")
-LONG_FACTOR = 4  # the long run's tokens against a study run's (6.5M tokens)
-# the width check: the boundary study's d 192 x 8 Llama at P = 8, whose reference and FullSync
-# lrs are tuned there (results/boundary-d192: its runs are reused by their fingerprints)
-WIDTH = 192
-WIDTH_LAYERS = 8
-WIDTH_PREFIX = "d192 "
 WIDTH_TUNED = {REFERENCE: 5e-4, FULLSYNC: 1e-3}
 WIDTH_KNOWN = Path("results/boundary-d192/summary.json")
 # a recommended arm with one of these optimizers also meets FullSync running it
 SAME_OPTIMIZER_BASELINE = ("muon", "rotated_adam")
-
-
-def label(stages: int, arm: str, lr: float | None = None) -> str:
-    """A run's label: "P8 muon lr=0.002" (a sweep's) or "P8 muon" (a reported seed's)."""
-    return f"P{stages} {arm}" + ("" if lr is None else f" lr={lr:g}")
-
-
-def spec(
-    arm: Arm, stages: int, seed: int, lr: float, sweep: bool, prefix: str = "", study: str = "depth"
-) -> Spec:
-    """A run of `arm` at depth `stages` (prefix: "d192 " for the width check; study
-    "depth-long": the run at LONG_FACTOR x the tokens)."""
-    return Spec(
-        study,
-        prefix + label(stages, arm.name, lr if sweep else None),
-        seed,
-        arm.microbatches_per_update,
-        tuple(arm.at(lr).items()),
-    )
 
 
 def _loss(r: dict[str, Any]) -> float:
@@ -223,69 +210,9 @@ def combination(screen: dict[str, Any], stages: int = SCREEN_P) -> Arm | None:
     return None
 
 
-def at_depth(arm: Arm, stages: int) -> Arm:
-    """The same candidate at another depth (its overrides rebuilt for P = stages)."""
-    if arm.name == REFERENCE:
-        return depth_arms.reference(stages)
-    if arm.name.startswith(FULLSYNC):
-        name = arm.overrides.get("optim.name", "adamw")
-        optimizer = None if name == "adamw" else name
-        return depth_arms.fullsync(stages, arm.microbatches_per_update, arm.lrs, optimizer)
-    ov = {**arm.overrides, "grid.stages": stages}
-    if arm.overrides.get("pipeline.schedule") == "2bw":  # M >= P
-        m = max(arm.microbatches_per_update, stages)
-        ov["pipeline.microbatches"] = m
-        return Arm(arm.name, ov, arm.lrs, m, arm.muon, {**arm.lever, "pipeline.microbatches": m})
-    return Arm(arm.name, ov, arm.lrs, arm.microbatches_per_update, arm.muon, arm.lever)
-
-
 def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:
     """A depth's first grid for an arm tuned at another: its lr there, half and twice it."""
     return fallback if lr is None else (lr / 2, lr, lr * 2)
-
-
-def settings_of(base: Config, arm: Arm, stages: int, lr: float, microbatches: int) -> list[str]:
-    """The `key=value` settings that reproduce an arm with `meshtrain simulate --backend
-    logical --set ...`: every key the run's config holds away from the defaults, the seed
-    aside (model, data, grid, steps, the schedules' shares, optimizer, lr)."""
-    run = spec_config(base, spec(arm, stages, 0, lr, False), microbatches)
-    default = load_config([], []).model_dump(mode="json")
-    have = run.model_dump(mode="json")
-    out = []
-    for section, values in have.items():
-        for key, value in values.items():
-            if section == "run" and key == "seed":
-                continue
-            if f"{section}.{key}" in ALWAYS_SAID or default.get(section, {}).get(key) != value:
-                out.append(f"{section}.{key}={_toml(value)}")
-    return sorted(out)
-
-
-# said even at their defaults: what a reader looks for first in an arm's settings
-ALWAYS_SAID = {
-    "grid.stages",
-    "grid.replicas",
-    "run.steps",
-    "pipeline.schedule",
-    "optim.name",
-    "optim.lr",
-    "model.d_model",
-    "model.n_layers",
-}
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_item(v) for v in value) + "]"
-    return repr(value)
-
-
-def _toml_item(value: Any) -> str:
-    return f'"{value}"' if isinstance(value, str) else _toml(value)
 
 
 def width_base(base: Config) -> Config:

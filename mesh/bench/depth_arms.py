@@ -1,4 +1,5 @@
-"""The depth study's arms: what each candidate against the async pipeline's staleness sets.
+"""The depth study's arms (what each candidate against the async pipeline's staleness sets), their
+runs' labels and specs, and the settings that reproduce a run.
 
 An arm is a set of overrides on one replica's pipeline (grid P x 1: the depth is the
 pipeline's; the averaging axis has its own studies) plus how its lr knob maps to keys. Each
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.bench.boundary import WIDTHS
+from mesh.bench.simruns import Spec, spec_config
+from mesh.config import Config, load_config
 from mesh.methods import METHODS
 
 # the depth study's model: a Llama of 16 blocks, so that P = 16 holds one a stage, on bytes
@@ -198,3 +201,92 @@ def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
         muon=a.muon or b.muon,
         lever=lever,
     )
+
+
+SCREEN_P = 8
+TUNE_SEED = 100
+LONG_FACTOR = 4  # the long run's tokens against a study run's (6.5M tokens)
+# the width check: the boundary study's d 192 x 8 Llama at P = 8, whose reference and FullSync
+# lrs are tuned there (results/boundary-d192: its runs are reused by their fingerprints)
+WIDTH = 192
+WIDTH_LAYERS = 8
+WIDTH_PREFIX = "d192 "
+
+
+def label(stages: int, arm: str, lr: float | None = None) -> str:
+    """A run's label: "P8 muon lr=0.002" (a sweep's) or "P8 muon" (a reported seed's)."""
+    return f"P{stages} {arm}" + ("" if lr is None else f" lr={lr:g}")
+
+
+def spec(
+    arm: Arm, stages: int, seed: int, lr: float, sweep: bool, prefix: str = "", study: str = "depth"
+) -> Spec:
+    """A run of `arm` at depth `stages` (prefix: "d192 " for the width check; study
+    "depth-long": the run at LONG_FACTOR x the tokens)."""
+    return Spec(
+        study,
+        prefix + label(stages, arm.name, lr if sweep else None),
+        seed,
+        arm.microbatches_per_update,
+        tuple(arm.at(lr).items()),
+    )
+
+
+def at_depth(arm: Arm, stages: int) -> Arm:
+    """The same candidate at another depth (its overrides rebuilt for P = stages)."""
+    if arm.name == REFERENCE:
+        return reference(stages)
+    if arm.name.startswith(FULLSYNC):
+        name = arm.overrides.get("optim.name", "adamw")
+        optimizer = None if name == "adamw" else name
+        return fullsync(stages, arm.microbatches_per_update, arm.lrs, optimizer)
+    ov = {**arm.overrides, "grid.stages": stages}
+    if arm.overrides.get("pipeline.schedule") == "2bw":  # M >= P
+        m = max(arm.microbatches_per_update, stages)
+        ov["pipeline.microbatches"] = m
+        return Arm(arm.name, ov, arm.lrs, m, arm.muon, {**arm.lever, "pipeline.microbatches": m})
+    return Arm(arm.name, ov, arm.lrs, arm.microbatches_per_update, arm.muon, arm.lever)
+
+
+def settings_of(base: Config, arm: Arm, stages: int, lr: float, microbatches: int) -> list[str]:
+    """The `key=value` settings that reproduce an arm with `meshtrain simulate --backend
+    logical --set ...`: every key the run's config holds away from the defaults, the seed
+    aside (model, data, grid, steps, the schedules' shares, optimizer, lr)."""
+    run = spec_config(base, spec(arm, stages, 0, lr, False), microbatches)
+    default = load_config([], []).model_dump(mode="json")
+    have = run.model_dump(mode="json")
+    out = []
+    for section, values in have.items():
+        for key, value in values.items():
+            if section == "run" and key == "seed":
+                continue
+            if f"{section}.{key}" in ALWAYS_SAID or default.get(section, {}).get(key) != value:
+                out.append(f"{section}.{key}={_toml(value)}")
+    return sorted(out)
+
+
+# said even at their defaults: what a reader looks for first in an arm's settings
+ALWAYS_SAID = {
+    "grid.stages",
+    "grid.replicas",
+    "run.steps",
+    "pipeline.schedule",
+    "optim.name",
+    "optim.lr",
+    "model.d_model",
+    "model.n_layers",
+}
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_item(v) for v in value) + "]"
+    return repr(value)
+
+
+def _toml_item(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else _toml(value)

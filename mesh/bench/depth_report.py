@@ -8,7 +8,21 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mesh.bench.depth_arms import FULLSYNC, RECOMMENDED, REFERENCE, Arm
+from mesh.bench.depth_arms import (
+    FULLSYNC,
+    LONG_FACTOR,
+    RECOMMENDED,
+    REFERENCE,
+    SCREEN_P,
+    TUNE_SEED,
+    WIDTH,
+    WIDTH_LAYERS,
+    WIDTH_PREFIX,
+    Arm,
+    at_depth,
+    label,
+    settings_of,
+)
 from mesh.bench.regime import rule_line
 from mesh.bench.report import fmt_interval, paired_interval
 from mesh.config import Config
@@ -31,8 +45,6 @@ def summarize(
 ) -> dict[str, Any]:
     """What the runs so far say: the screen, the picks, the finals' rows and the settings that
     reproduce the recommended candidate and FullSync at each depth."""
-    from mesh.bench.depth import at_depth, label, settings_of
-
     rows: list[dict[str, Any]] = []
     recommended: dict[str, Any] = {}
     fullsync: dict[str, Any] = {}
@@ -113,7 +125,7 @@ def summarize(
         "microbatches_per_run": microbatches,
         "tokens_per_run": microbatches * base.tokens_per_microbatch,
         "seeds": seeds,
-        "tune_seed": _tune_seed(),
+        "tune_seed": TUNE_SEED,
         "screen_P": screen_p,
         "stages": list(stages),
         "screen": screen,
@@ -136,8 +148,6 @@ def _long(
     study: Any, p: int, seeds: list[int], best: Arm | None, arms: list[Arm]
 ) -> dict[str, Any] | None:
     """The recommended arm against FullSync at LONG_FACTOR x the tokens, one seed."""
-    from mesh.bench.depth import LONG_FACTOR, label
-
     if best is None or not arms:
         return None
     seed = seeds[0]
@@ -159,8 +169,6 @@ def _width(
     study: Any, seeds: list[int], best: Arm | None, width: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The recommended arm, the reference and FullSync at d 192 x 8, P = 8, paired by seed."""
-    from mesh.bench.depth import SCREEN_P, WIDTH, WIDTH_LAYERS, WIDTH_PREFIX, label
-
     if best is None or not width:
         return None
     losses = {
@@ -191,12 +199,6 @@ def _losses_of(get: Any, name: str, seeds: list[int]) -> dict[int, float]:
         if r is not None and not r.get("diverged") and r.get("val_loss") is not None:
             out[s] = float(r["val_loss"])
     return out
-
-
-def _tune_seed() -> int:
-    from mesh.bench.depth import TUNE_SEED
-
-    return TUNE_SEED
 
 
 def _seed_losses(study: Any, name: str, seeds: list[int]) -> dict[int, float]:

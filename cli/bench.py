@@ -336,11 +336,22 @@ DEPTH_OPTIONS = (
         is_flag=True,
         help="Run nothing: write summary.json, table.md and gap.png from the runs finished so far.",
     ),
+    click.option(
+        "--levers",
+        default=None,
+        help="Comma-separated arms of the screen to run (the reference and FullSync always run; "
+        "default: every arm), e.g. 'lr correction,beta1 0.95': the picks are made among them.",
+    ),
 )
 
 
 def depth(
-    study: StudyArgs, seeds: str | None, stages_csv: str | None, phase: str, report_only: bool
+    study: StudyArgs,
+    seeds: str | None,
+    stages_csv: str | None,
+    phase: str,
+    report_only: bool,
+    levers: str | None,
 ) -> str:
     """Depth at parity: the async pipeline against FullSync at P = 4, 8 and 16, and the levers
     that close the gap (lr correction, adaptive momentum, the decay phase, rotation, Muon, 2BW
@@ -364,6 +375,7 @@ def depth(
         tuple(stages) if stages else None,
         phase,
         report_only,
+        [x.strip() for x in levers.split(",")] if levers else None,
     )
     return table(summary)
 

@@ -52,7 +52,7 @@ from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by i
 )
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.simruns import Spec, run_specs
-from mesh.config import Config
+from mesh.config import Config, ConfigError
 
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
 REPORT_SEEDS = [0, 1]
@@ -259,9 +259,12 @@ def run_depth(
     stages: tuple[int, ...] | None = None,
     phase: str = "width",
     report_only: bool = False,
+    levers: list[str] | None = None,
 ) -> dict[str, Any]:
     """The study up to and including `phase`, resumed from what out/ holds; writes summary.json,
-    table.md and the plots from whatever has finished."""
+    table.md and the plots from whatever has finished. levers: screen only these of the
+    screen's arms (the baselines always; None: every arm): the picks are then made among them,
+    and the summary says which were left out."""
     from mesh.bench.depth_report import summarize, write_outputs
 
     start = time.perf_counter()
@@ -271,6 +274,14 @@ def run_depth(
     mbs = QUICK_MICROBATCHES if quick else MICROBATCHES
     study = Study(base, out, workers, mbs, report_only)
     arms = depth_arms.screen_arms(screen_p)
+    if levers is not None:  # the baselines always run
+        unknown = set(levers) - {a.name for a in arms}
+        if unknown:
+            known = ", ".join(a.name for a in arms if a.name not in (REFERENCE, FULLSYNC))
+            raise ConfigError(
+                f"--levers: no arm named {', '.join(sorted(unknown))}; the screen's arms: {known}"
+            )
+        arms = [a for a in arms if a.name in (REFERENCE, FULLSYNC) or a.name in levers]
     screen = study.sweep([(a, screen_p, a.lrs) for a in arms], f"depth screen P={screen_p}")
     chosen: list[Arm] = []
     tuned: dict[str, dict[str, Any]] = dict(screen)
@@ -348,9 +359,11 @@ def run_depth(
         long_arms,
         width,
     )
+    left_out = [a.name for a in depth_arms.screen_arms(screen_p) if a not in arms]
     summary.update(
         quick=quick,
         phase=phase,
+        levers_left_out=left_out,
         wall_s=round(time.perf_counter() - start, 1),
     )
     fields = rule_fields("depth", summary, data_reference(base))

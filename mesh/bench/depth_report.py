@@ -348,6 +348,12 @@ def table(summary: dict[str, Any]) -> str:
         )
     )
     parts.append("")
+    if summary.get("levers_left_out"):
+        parts.append(
+            f"Screened so far without: {', '.join(summary['levers_left_out'])} (the picks are "
+            "made among the arms screened; `meshtrain bench depth` screens every arm)."
+        )
+        parts.append("")
     parts.append(
         f"Picks: {', '.join(summary['picks']) or 'not yet'}; recommended: "
         f"{summary['recommended_candidate'] or 'not yet'}. The complete study: "

@@ -155,3 +155,16 @@ def test_the_width_check_reuses_the_boundary_studys_d192_runs() -> None:
         for seed in (0, 1):
             cfg = spec_config(base, depth.spec(arm, 8, seed, lr, False), depth.MICROBATCHES)
             assert (cfg.fingerprint(), seed) in have, (arm.name, seed)
+
+
+def test_an_unknown_lever_is_one_line_and_exit_2(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    res = CliRunner().invoke(
+        main, ["bench", "depth", "--quick", "--out", str(tmp_path), "--levers", "warp drive"]
+    )
+    assert res.exit_code == 2, res.output
+    assert "--levers: no arm named warp drive" in res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -253,13 +253,27 @@ def node_address(place: Place, given: str | None) -> str:
             f"cannot find this node's address on the route to {place.store_host} ({e}); "
             "pass --host ADDR (or MESHTRAIN_HOST)"
         ) from None
-    if place.nodes > 1 and ipaddress.ip_address(addr).is_loopback:
+    if place.nodes > 1 and ipaddress.ip_address(addr).is_loopback and not on_loopback(place):
         raise ConfigError(
             f"this node's address came out as {addr} (the route to the store's host "
             f"{place.store_host}), which the other {place.nodes - 1} node(s) cannot reach: pass "
             "--host ADDR (or MESHTRAIN_HOST) with this node's address on the nodes' network"
         )
     return addr
+
+
+def on_loopback(place: Place) -> bool:
+    """Whether the store was named by a loopback address (127.0.0.1, ::1, localhost): then every
+    node reaches it on its own loopback, so every node is on this machine and loopback addresses
+    reach them all. A host name that merely resolves to loopback here (Debian maps the machine's
+    own name to 127.0.1.1) says nothing of where the other nodes are: not counted."""
+    host = place.store_host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def describe(place: Place, stage: int, replica: int) -> str:

@@ -408,7 +408,12 @@ def test_int4_adversarial_inputs() -> None:
     enc = encode(x, INT4)
     y = decode(enc)
     assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(enc.scales).all())
-    assert torch.equal(y[:128], roundtrip(x[:128], INT4)) and y[130] > 1e36
+    # (the first block as if alone: the same up to the rotation's float rounding, which a
+    # matmul of 3 blocks and one of 1 may round apart in the last bit on some CPUs)
+    alone = encode(x[:128].clone(), INT4)
+    torch.testing.assert_close(enc.scales[:1], alone.scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(y[:128], decode(alone), rtol=0, atol=1e-5)
+    assert y[130] > 1e36
     # values at float32's limit in every position (the rotation's sum must not overflow)
     for v in (3.4e38, -3.4e38):
         assert bool(torch.isfinite(roundtrip(torch.full((300,), v), INT4)).all())

@@ -54,6 +54,10 @@ def spec_config(base: Config, spec: Spec, microbatches: int) -> Config:
         # studies' runs were made) drops honest microbatches at a loss spike, and its section
         # is outside the fingerprint, so a run with it would pass for the cached one
         "sentinel.enabled": False,
+        # a study's arms are the settings they name: the depth rule (what `bench depth` picked
+        # for deep async pipelines, mesh/depth_rule.py) only where a spec asks for it (it is
+        # hashed away, so the studies' cached runs keep their fingerprints)
+        "optim.depth_rule": "off",
     }
     return with_overrides(base, {**shares, **ov})
 

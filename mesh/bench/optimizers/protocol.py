@@ -125,6 +125,8 @@ def spec_config(base: Config, spec: Spec, microbatches: int, evals: int = 30) ->
             "run.eval_every": max(1, steps // evals),
             "run.threads": 1,
             "optim.warmup_steps": max(1, steps // 20),
+            # each optimizer as it is at every depth (the depth rule is bench depth's pick)
+            "optim.depth_rule": "off",
         }
     )
     return with_overrides(base, ov)

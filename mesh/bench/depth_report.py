@@ -396,7 +396,8 @@ def plot(summary: dict[str, Any], out: Path) -> None:
     left.set_ylabel("val loss gap to FullSync (%)")
     left.set_title("gap against depth (paired seeds, 95% t interval)")
     left.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    if left.get_legend_handles_labels()[0]:  # nothing drawn yet: no empty legend
+        left.legend(fontsize=8)
     for p, arms in summary["gap_vs_tokens"].items():
         for arm, curve in arms.items():
             if curve:
@@ -408,7 +409,8 @@ def plot(summary: dict[str, Any], out: Path) -> None:
     right.set_ylabel("val loss gap to FullSync (%)")
     right.set_title("gap against tokens")
     right.grid(alpha=0.3)
-    right.legend(fontsize=8)
+    if right.get_legend_handles_labels()[0]:  # nothing drawn yet: no empty legend
+        right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "gap.png")
     plt.close(fig)

@@ -64,6 +64,13 @@ POOLS_OPTIONS = (
         "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
     ),
     click.option(
+        "--controls",
+        is_flag=True,
+        help="Instead: what in pools costs the loss, on the same grid and budget (simulator, "
+        "seeds 10-11, one run at a time: pools with no slow cell, routing alone, replica "
+        "affinity, pools against fixed under DPAvg; controls.md in --out).",
+    ),
+    click.option(
         "--workers", type=int, default=2, help="Simulator runs in parallel (--convergence)."
     ),
     click.option(
@@ -99,6 +106,7 @@ def pools(
     quick: bool,
     steps: int | None,
     convergence: bool,
+    controls: bool,
     workers: int,
     report_only: bool,
     overrides: tuple[str, ...],
@@ -110,6 +118,11 @@ def pools(
     (fixed, pools, pools whose cells rebalance)."""
     from mesh.bench import pools as study
 
+    if controls:
+        from mesh.bench.pools_convergence import run_controls
+
+        run_controls(load_config([], []), Path(out))
+        return (Path(out) / "controls.md").read_text()
     if convergence:
         from mesh.bench.pools_convergence import run_convergence
 

@@ -211,6 +211,12 @@ class Config(_Section):
                 "so no flushed batch spans a fixed chain; set pipeline.schedule='async' or "
                 "pipeline.routing='fixed'"
             )
+        if 0 < p.pool_affinity < 1:
+            raise ValueError(
+                f"pipeline.pool_affinity = {p.pool_affinity}: 0 (off) or a ratio >= 1 (stay on "
+                "the own replica's cell unless its time per microbatch is more than this x the "
+                "best other's), e.g. 1.5"
+            )
         parse_cell_factors(self.faults.poison, g.stages, g.replicas, "faults.poison")
         from mesh.algo.pipeline_poison import parse_pipeline_poison
 

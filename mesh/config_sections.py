@@ -174,6 +174,15 @@ class PipelineConfig(_Section):
         "takes its microbatches one at a time in (microbatch, stream) order: reproduces the "
         "simulator exactly",
     )
+    pool_affinity: float = Field(
+        0.0,
+        ge=0,
+        description="pools (load and delay): replica affinity. 0 = off; a ratio >= 1 keeps a "
+        "microbatch on its own replica's next cell unless that cell is clearly slower: its "
+        "measured time per microbatch more than this x the best other cell's (or it is full, "
+        "down or not measured yet). With equal peers a pool is then fixed wiring; 1.5 is what "
+        "docs/pools.md measured",
+    )
 
     def extra_warmups(self) -> list[int] | None:
         """The resolved window as the schedule functions take it (None for 'none').
@@ -378,6 +387,7 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
         "pool_window",
         "pool_choice",
         "pool_stream_window",
+        "pool_affinity",
     ),
     "optim": ("delay_lr_share", "adaptive_momentum", "mu_cap"),
     "dp": (

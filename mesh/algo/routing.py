@@ -4,7 +4,9 @@ With `pipeline.routing = "pools"` the live cells of stage j are stage j's pool. 
 named by (stream, index): stage 0's cells are the data streams, and every cell reads a
 microbatch's tokens and targets from its name, so only activations and gradients cross links.
 Leaving stage j a microbatch goes to a stage-(j+1) cell drawn with probability proportional to
-rate / (queue + 1) (SWARM's stochastic wiring, arXiv 2301.11913): `pick`. `pipeline.pool_choice =
+rate / (queue + 1) (SWARM's stochastic wiring, arXiv 2301.11913): `pick`. With replica affinity
+(`pipeline.pool_affinity`) it keeps to its own replica's next cell unless that cell is clearly
+slower than the best other one: `stays`. `pipeline.pool_choice =
 "seeded"` draws uniformly by a pure function of the name instead (`seeded_path`): both engines
 then route every microbatch the same way, which is what makes them comparable number for number.
 
@@ -56,6 +58,31 @@ def pick_by_delay(rates: Sequence[float | None], queues: Sequence[int], u: float
     a, b = pick(ws, u), pick(ws, v)
     rs = resolved_rates(rates)
     return a if (queues[a] + 1) / rs[a] <= (queues[b] + 1) / rs[b] else b
+
+
+def stays(rates: Sequence[float | None], own: int | None, affinity: float) -> bool:
+    """Replica affinity (`pipeline.pool_affinity`): whether the microbatch keeps to candidate
+    `own`, its own replica's next cell, rather than being routed by load. It does unless own is
+    clearly slower: its time per microbatch, 1 / rate, more than `affinity` x the best other
+    candidate's. With equal peers a pool is then fixed wiring, and a cell more than `affinity`
+    x slower than the best of its stage sheds its stream's work to the draw.
+
+    Never with affinity 0 (off) or own None (not a candidate: down, or full); always when own is
+    the only candidate; never while a candidate's rate is unmeasured (None or <= 0): the draw
+    then sends it work and its gradients bring its rate (a sender learns a cell's rate only from
+    the cells it sent to, so staying from the start would never learn that its own is slow).
+    Queues are not compared: every cell of a busy pipeline holds about its stream's window, and
+    what a sender knows of them differs by up to the window from reporting lag alone, so
+    (queue + 1) / rate did not tell equal peers from a 2x slower one at any threshold
+    (docs/pools.md); a full own cell (the window) is what sheds a transient stall."""
+    if affinity <= 0 or own is None:
+        return False
+    if len(rates) == 1:
+        return True
+    if any(r is None or r <= 0 for r in rates):
+        return False
+    measured = [float(r) for r in rates if r is not None]
+    return affinity * measured[own] >= max(r for k, r in enumerate(measured) if k != own)
 
 
 def pick(ws: Sequence[float], u: float) -> int:
@@ -310,13 +337,23 @@ class LoadBook:
         return self.others.get(cell, 0) + self.mine.get(cell, 0)
 
     def choose(
-        self, cells: Sequence[str], u: float, window: int | None = None, v: float | None = None
+        self,
+        cells: Sequence[str],
+        u: float,
+        window: int | None = None,
+        v: float | None = None,
+        own: str | None = None,
+        affinity: float = 0.0,
     ) -> str:
         """A cell drawn by rate / (queue + 1); with v, the sooner done of two so drawn
         (pick_by_delay); with `window`, among the cells whose queue as this sender knows it is
-        below the window (a full cell would refuse), if any is."""
+        below the window (a full cell would refuse), if any is. With `affinity` > 0, `own` (the
+        microbatch's own replica's cell) whenever it has room and `stays` says so."""
         room = [c for c in cells if window is None or self.queue(c) < window] or list(cells)
         rates, queues = [self.rate.get(c) for c in room], [self.queue(c) for c in room]
+        mine = room.index(own) if own in room else None
+        if own is not None and stays(rates, mine, affinity):
+            return own
         if v is not None:
             return room[pick_by_delay(rates, queues, u, v)]
         return room[pick(weights(rates, queues), u)]

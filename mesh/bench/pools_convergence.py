@@ -7,22 +7,30 @@ cell, the control that tells the slow cell's share of a gap from the routing's. 
 numbers are the convergence study's own runs where their config fingerprint is the same (the
 simulator's fixed grid has no clock: a slow cell changes nothing there); the pools arms run here,
 resumably.
+
+`--controls` isolates what costs the loss (`run_controls`): pools with no slow cell, routing alone
+(every cell one microbatch a tick, half the hops across replicas: PairedPoolSim), pools with
+replica affinity, and pools against fixed under DPAvg (the replicas' weights equal every tick),
+each against its fixed arm, one run at a time in this process.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from mesh.algo.routing import unit
 from mesh.bench.convergence import _dp_spec
 from mesh.bench.regime import data_reference
-from mesh.bench.simruns import Spec, read_runs, run_one, spec_config, worker_pool
+from mesh.bench.simruns import Spec, read_runs, record, run_one, spec_config, worker_pool
 from mesh.bench.tuning import load_tuned
 from mesh.config import Config
 from mesh.data.ngram import regime, to_bigram
+from mesh.engine.pools import PoolSim
 from mesh.report import format_table
 
 SEEDS = (10, 11, 12, 13)
@@ -130,3 +138,139 @@ def relative_gap(values: list[float], reference: list[float]) -> dict[str, float
     mean = statistics.mean(diffs)
     half = T95[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
     return {"mean": round(mean, 5), "low": round(mean - half, 5), "high": round(mean + half, 5)}
+
+
+# ---- the controls (`--controls`): what in pools costs the loss -------------------------------
+CONTROL_SEEDS = (10, 11)
+PAIRED = "paired"  # the arm whose engine is PairedPoolSim
+# arm -> (method, routing, slowdowns, extra overrides, label), each against its fixed arm at
+# equal tokens: "even" is pools on this engine (versions after the tick's arrivals); "paired"
+# routing alone (every microbatch to a random cell of another replica or its own, exactly one a
+# cell a tick: no cell steps twice); "affinity" pools with replica affinity 1.5 and the slow
+# cell (its stream leaves it, the equal cells keep theirs); the DPAvg pair the same routing
+# with the replicas' weights made equal every tick (a blocking full average).
+CONTROL_ARMS: dict[str, tuple[str, str, list[str], dict[str, Any], str]] = {
+    "fixed": ("AsyncMesh-fp8", "fixed", SLOW, {}, "AsyncMesh-fp8 fixed"),
+    "even": ("AsyncMesh-fp8", "pools", [], {}, "AsyncMesh-fp8 pools (delay), no slow cell"),
+    PAIRED: ("AsyncMesh-fp8", "pools", [], {}, "AsyncMesh-fp8 paired across replicas"),
+    "affinity": (
+        "AsyncMesh-fp8",
+        "pools",
+        SLOW,
+        {"pipeline.pool_affinity": 1.5},
+        "AsyncMesh-fp8 pools (delay), affinity 1.5",
+    ),
+    "dpavg-fixed": ("DPAvg", "fixed", [], {}, "DPAvg fixed"),
+    "dpavg-pools": ("DPAvg", "pools", [], {}, "DPAvg pools (delay), no slow cell"),
+}
+# each arm's reference: the fixed arm of its method
+CONTROL_REFERENCE = {
+    "even": "fixed",
+    PAIRED: "fixed",
+    "affinity": "fixed",
+    "dpavg-pools": "dpavg-fixed",
+}
+
+
+def control_specs(seeds: tuple[int, ...] = CONTROL_SEEDS) -> dict[str, list[Spec]]:
+    tuned, _ = load_tuned()
+    out: dict[str, list[Spec]] = {}
+    for arm, (method, routing_, slow, extra, label) in CONTROL_ARMS.items():
+        out[arm] = []
+        for seed in seeds:
+            s = _dp_spec(method, seed, tuned=tuned)
+            ov = {**dict(s.overrides), "pipeline.routing": routing_, "emulation.slowdowns": slow}
+            if routing_ == "pools":
+                ov["pipeline.pool_choice"] = CHOICE
+            ov.update(extra)
+            out[arm].append(Spec("pools", label, seed, 1, tuple(ov.items())))
+    return out
+
+
+def run_control(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
+    """One control run: the paired arm on PairedPoolSim, the others as every study's run."""
+    from mesh.config import config_from_dict
+
+    base_tree, spec, microbatches = args
+    if spec.method != CONTROL_ARMS[PAIRED][4]:
+        return run_one(args)
+    cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
+    return record(cfg, spec, microbatches, PairedPoolSim(cfg).run())
+
+
+def run_controls(
+    base: Config,
+    out: Path,
+    seeds: tuple[int, ...] = CONTROL_SEEDS,
+    microbatches: int = MICROBATCHES,
+) -> dict[str, Any]:
+    """The controls, one run at a time in this process (resumable: controls.partial.jsonl),
+    a group of arms on every seed before the next group; the fixed AsyncMesh-fp8 runs are the
+    convergence study's where the fingerprint is the same. Writes controls.json and .md."""
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "controls.partial.jsonl"
+    done = {_key(r["method"], r["config_fingerprint"]): r for r in read_runs(partial)}
+    study = Path("results/convergence/summary.json")
+    if study.is_file():
+        for r in json.loads(study.read_text()).get("runs", []):
+            if r.get("microbatches") == microbatches:
+                done.setdefault(_key(CONTROL_ARMS["fixed"][4], r["config_fingerprint"]), r)
+    arms = control_specs(seeds)
+
+    def key(s: Spec) -> str:
+        return _key(s.method, spec_config(base, s, microbatches).fingerprint())
+
+    # by what each tells, every seed of a group before the next group: a stopped study has pairs
+    groups = (("even", PAIRED), ("dpavg-fixed", "dpavg-pools"), ("fixed", "affinity"))
+    order = [arms[arm][k] for group in groups for k in range(len(seeds)) for arm in group]
+    todo = [s for s in order if key(s) not in done]
+    tree = base.model_dump(mode="json")
+    for s in tqdm(todo, desc="pools controls"):
+        r = run_control((tree, s, microbatches))
+        with partial.open("a") as f:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "curve"}) + "\n")
+        done[key(s)] = r
+    loss = {arm: [done[key(s)]["val_loss"] for s in ss] for arm, ss in arms.items()}
+    gaps = {
+        arm: relative_gap_or_one(loss[arm], loss[ref]) for arm, ref in CONTROL_REFERENCE.items()
+    }
+    summary = {"seeds": list(seeds), "microbatches_per_replica": microbatches, "val_loss": loss}
+    summary["gaps"] = gaps
+    (out / "controls.json").write_text(json.dumps(summary, indent=2))
+    rows = [
+        [
+            CONTROL_ARMS[arm][4],
+            *(f"{v:.4f}" for v in loss[arm]),
+            _gap(gaps[arm]) if arm in gaps else "",
+        ]
+        for arm in arms
+    ]
+    head = ["arm", *(f"seed {s}" for s in seeds), "against its fixed arm"]
+    (out / "controls.md").write_text(format_table(head, rows) + "\n")
+    return summary
+
+
+def relative_gap_or_one(values: list[float], reference: list[float]) -> dict[str, float]:
+    """relative_gap, or with one seed its value alone (no interval)."""
+    if len(values) > 1:
+        return relative_gap(values, reference)
+    d = round((values[0] - reference[0]) / reference[0], 5)
+    return {"mean": d, "low": d, "high": d}
+
+
+class PairedPoolSim(PoolSim):
+    """Routing alone: at every tick and stage each stream's microbatch goes to the cell a random
+    permutation of the replicas gives it (keyed by seed, tick and stage), so every cell takes
+    exactly one microbatch a tick, as on a fixed grid, and half of the hops (at m = 2) cross
+    replicas, as pools' do. No deaths."""
+
+    def _path(
+        self, u: int, s: int, dead: set[tuple[int, int]], queue: Counter[tuple[int, int]]
+    ) -> list[int] | None:
+        assert not dead, "the paired control has no deaths"
+        seed = self.cfg.run.seed
+        path = [s]
+        for j in range(1, self.P):
+            order = sorted(range(self.m), key=lambda i: unit(seed, u, j, i, "pair"))
+            path.append(order[s])
+        return path

@@ -12,10 +12,13 @@ import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mesh.config import Config, with_overrides
 from mesh.runtime.launch import cell_context
+
+if TYPE_CHECKING:
+    from mesh.engine.sim import SimResult
 
 # A --quick study's budget per run (the full studies' is 1600 microbatches); tests lower it.
 QUICK_MICROBATCHES = 160
@@ -69,7 +72,11 @@ def run_one(args: tuple[dict[str, Any], Spec, int]) -> dict[str, Any]:
 
     base_tree, spec, microbatches = args
     cfg = spec_config(config_from_dict(base_tree), spec, microbatches)
-    r = make_sim(cfg).run()
+    return record(cfg, spec, microbatches, make_sim(cfg).run())
+
+
+def record(cfg: Config, spec: Spec, microbatches: int, r: SimResult) -> dict[str, Any]:
+    """A finished run's record for summary.json."""
     return {
         "microbatches": microbatches,
         "config_fingerprint": cfg.fingerprint(),

@@ -4,12 +4,20 @@ emulated speeds and a schedule of deaths, deterministic for a seed.
 At tick u every live stream s (stage 0's cell of replica s) sends microbatch (s, u) along a
 path: with `pipeline.pool_choice = "load"` stage j's cell is drawn with probability ~ speed /
 (queue + 1) (mesh/algo/routing.weights), its queue being the microbatches this tick already sent
-it, by a uniform number keyed by (seed, u, s, j); with "seeded" by routing.seeded_path. Streams go
-in order; each microbatch is one update of every cell on its path (async: a backward is an
-update), so a cell that takes two microbatches in a tick steps twice and one that takes none
-does not step. "load" reads the weights the async schedule's delay says (cell.step - (P-1-j),
-as the fixed grid's version_for does); "seeded" reads the newest, as the processes' seeded mode
-does one microbatch at a time, which is what makes the two engines equal number for number.
+it, by a uniform number keyed by (seed, u, s, j); with "seeded" by routing.seeded_path. With
+`pipeline.pool_affinity` (load and delay) the stream's own replica's cell keeps it unless
+routing.stays says that cell is clearly slower. Streams go in order; each microbatch is one update
+of every cell on its path (async: a backward is an update), so a cell that takes two microbatches
+in a tick steps twice and one that takes none does not step. "load" reads the weights the async
+schedule's delay says (cell.step - (P-1-j), as the fixed grid's version_for does); "seeded" reads
+the newest, as the processes' seeded mode does one microbatch at a time, which is what makes the
+two engines equal number for number.
+
+A cell's new version is stored at the end of the tick, after the tick's averaging arrivals, as
+GridSim stores it (a cell taking a second microbatch in the tick first stores what the first
+left), and the rounds read the tick's clock (u + 1 after tick u, GridSim's step). So with every
+cell taking one microbatch a tick (fixed routing, or equal speeds with affinity) PoolSim trains
+GridSim's numbers bit for bit (tests/unit/test_pool_sim.py).
 
 `emulation.deaths` takes cells out for spans of ticks: a dead cell is in no path and no round; a
 stream whose stage-0 cell is dead issues nothing, and a microbatch that finds a stage empty is
@@ -46,6 +54,7 @@ class PoolSim(GridSim):
         self.cross_replica = 0  # hops to a cell of another replica
         self.routed: Counter[tuple[int, int]] = Counter()  # cell -> microbatches it took
         self._dead: set[tuple[int, int]] = set()
+        self._unstored: set[tuple[int, int]] = set()  # cells whose live weights have no version
 
     @property
     def tokens(self) -> int:
@@ -68,9 +77,14 @@ class PoolSim(GridSim):
                 self.voided += 1
                 continue
             losses.append(self._microbatch(u, s, path))
+        for j, i in ((j, i) for j in range(self.P) for i in range(self.m) if (j, i) not in dead):
+            self.cells[i][j].progress = u + 1  # the tick's updates done (GridSim: its step)
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
             self._average_live(dead)
         self.update += 1
+        for j, i in sorted(self._unstored):  # after the arrivals, as GridSim stores them
+            self.cells[i][j].push_version()
+        self._unstored.clear()
         if losses:
             self._last_loss = sum(losses) / len(losses)
         return self._last_loss
@@ -97,6 +111,10 @@ class PoolSim(GridSim):
             if not live:
                 return None
             rates, queues = [self.speed[j][i] for i in live], [queue[(j, i)] for i in live]
+            own = live.index(s) if s in live else None  # the stream's own replica's cell
+            if routing.stays(rates, own, pipe.pool_affinity):
+                path.append(s)
+                continue
             first = routing.unit(seed, u, s, j)
             if pipe.pool_choice == "delay":
                 second = routing.unit(seed, u, s, j, "second")
@@ -112,6 +130,10 @@ class PoolSim(GridSim):
         (stage order from the last: as the gradient reaches them)."""
         cfg = self.cfg
         cells = [self.cells[i][j] for j, i in enumerate(path)]
+        for c in cells:  # a second microbatch this tick reads what the first left
+            if (c.stage, c.replica) in self._unstored:
+                c.push_version()
+                self._unstored.discard((c.stage, c.replica))
         seeded = cfg.pipeline.pool_choice == "seeded" and cfg.pipeline.routing == "pools"
         versions = [
             c.step if seeded else max(min(c.history), c.step - (self.P - 1 - j))
@@ -140,7 +162,7 @@ class PoolSim(GridSim):
             c.progress = u  # the schedules by the data's position, as the processes do
             c.apply_update(grads[pos : pos + len(stage)])
             pos += len(stage)
-            c.push_version()
+            self._unstored.add((c.stage, c.replica))  # its version: at the tick's end
             self.routed[(c.stage, c.replica)] += 1
         self.streamed += 1
         return loss.item()
@@ -159,6 +181,7 @@ class PoolSim(GridSim):
                 for c in column:
                     for rnd in c.due_rounds():
                         c.apply_round(rnd)
+                        self._unstored.add((c.stage, c.replica))  # its live weights moved
 
     def _revive(self, j: int, i: int, dead: set[tuple[int, int]]) -> None:
         """A cell back from the dead takes the state of the most advanced live cell of its

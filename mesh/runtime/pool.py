@@ -1,6 +1,8 @@
 """A cell of a stage pool (`pipeline.routing = "pools"`): takes microbatches from any cell of the
 stage before, routes each onward to a cell of the stage after by load, returns gradients along
-the recorded path.
+the recorded path. With replica affinity (`pipeline.pool_affinity`) it keeps to its own replica's
+next cell (its stream's) unless that cell is clearly slower than the best other one, full or down
+(mesh/algo/routing.stays); a stream waits for its own full cell rather than cross.
 
 A microbatch is named by (stream, index): stage 0's cell of replica i is stream i and issues
 indices 0 .. run.steps-1; every cell reads the microbatch's tokens and targets from its name
@@ -193,12 +195,33 @@ class PoolWorker(StageWorker):
         """Stage 0: start the stream's next microbatch while the window has room."""
         if self.next_index >= self.settings.steps or len(self.held) >= self.stream_window():
             return False
+        if self._waits_for_own():
+            return False
         b = self.next_index
         self.next_index += 1
         tokens = self._fake_tokens if self.emu else self._batch_of(self.i, b)[0]
         held = Held(self.i, b, tokens, self.cell.step, None)
         self._forward_held(held, on_step)
         return True
+
+    def _waits_for_own(self) -> bool:
+        """Replica affinity at a stream: while its own replica's next cell is full as this
+        stream knows it but not clearly slower (routing.stays), the stream waits for it, as a
+        fixed chain does, rather than send the microbatch across (which would fill the other
+        replica's cell and push its stream across in turn). Only while one of ours is there:
+        its gradient brings the cell's load up to date."""
+        pipe = self.settings.pipeline
+        if pipe.pool_affinity <= 0 or self.next is None:
+            return False
+        own, live = cell_name(1, self.i), self._live_downs()
+        if (
+            own not in live
+            or not self.book.mine.get(own)
+            or self.book.queue(own) < pipe.pool_window
+        ):
+            return False
+        rates = [self.book.rate.get(c) for c in live]
+        return routing.stays(rates, live.index(own), pipe.pool_affinity)
 
     def _take_work(self, on_step: object) -> bool:
         """Stage j > 0: one activation, from the upstream cells in turn (each loop starts one
@@ -295,8 +318,13 @@ class PoolWorker(StageWorker):
         live = self._live_downs(exclude)
         if not live:
             return False
-        second = self.rng.random() if self.settings.pipeline.pool_choice == "delay" else None
-        to = self.book.choose(live, self.rng.random(), self.settings.pipeline.pool_window, second)
+        pipe = self.settings.pipeline
+        second = self.rng.random() if pipe.pool_choice == "delay" else None
+        # replica affinity: the cell of the microbatch's own replica (its stream's) is kept
+        # while it has room unless it is clearly slower than the best other (routing.stays)
+        own = cell_name(self.j + 1, h.stream)
+        first = self.rng.random()
+        to = self.book.choose(live, first, pipe.pool_window, second, own, pipe.pool_affinity)
         assert h.out is not None
         self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
         self.book.sent(to)

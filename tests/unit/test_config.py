@@ -376,3 +376,14 @@ def test_a_resume_may_change_every_local_section_and_no_training_key(tmp_path):
     (run / "config.toml").write_text(OLD_RUNTIME_TABLE + grid)
     stored, new = resume_config(run, [], ["sentinel.z=3"])
     assert (stored.sentinel.z, new.sentinel.z, new.transport.backend) == (6.0, 3.0, "hivemind")
+
+
+def test_pool_affinity_is_off_by_default_keeps_fingerprints_and_refuses_a_ratio_below_one():
+    pools = load_config([], ["pipeline.routing='pools'"])
+    assert pools.pipeline.pool_affinity == 0.0
+    off = with_overrides(pools, {"pipeline.pool_affinity": 0.0})
+    assert off.fingerprint() == pools.fingerprint()  # a later key at its default: hashed away
+    on = with_overrides(pools, {"pipeline.pool_affinity": 2.0})
+    assert on.fingerprint() != pools.fingerprint()
+    with pytest.raises(ConfigError, match="pool_affinity"):
+        load_config([], ["pipeline.routing='pools'", "pipeline.pool_affinity=0.5"])

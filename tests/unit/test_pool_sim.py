@@ -97,13 +97,59 @@ def test_fixed_wiring_stalls_a_replica_whose_cell_is_dead(text_file):
 def test_a_pooled_cells_schedules_follow_the_data_not_its_own_update_count(text_file):
     """A slow cell takes fewer microbatches, so fewer updates, but its lr follows the position
     of the microbatches it applies: at the end every cell of a stage is at the same point of
-    the cosine, whatever its share of the work."""
+    the cosine, whatever its share of the work: between ticks, the ticks done (as a fixed
+    grid's cell reads its update count)."""
     cfg = _cfg(text_file, "pipeline.routing='pools'", 'emulation.slowdowns=["s1r0=4.0"]')
     sim = make_sim(cfg)
     for _ in range(cfg.run.steps):
         sim.step()
     stage1 = [sim.cells[i][1] for i in range(3)]
     assert len({c.step for c in stage1}) > 1  # different numbers of updates
-    last = [c for c in stage1 if c.progress == cfg.run.steps - 1]
-    assert len(last) >= 2 and len({c.lr_scale() for c in last}) == 1
-    assert sim.cells[0][0].schedule_step == cfg.run.steps - 1
+    assert {c.progress for c in stage1} == {cfg.run.steps}
+    assert len({c.lr_scale() for c in stage1}) == 1
+    assert sim.cells[0][0].schedule_step == cfg.run.steps
+
+
+def _trained(sim: GridSim, steps: int) -> list[torch.Tensor]:
+    losses = [sim.step() for _ in range(steps)]
+    return [torch.tensor(losses), *_flats(sim)]  # type: ignore[arg-type]
+
+
+def test_equal_peers_with_affinity_and_fixed_routing_train_the_grid_sims_numbers(text_file):
+    """The pool engine adds nothing of its own: with replica affinity and equal speeds every
+    microbatch keeps to its replica (one a cell a tick, as a fixed chain), versions are stored
+    after the tick's averaging arrivals and the rounds read the tick's clock, so the losses and
+    every cell's weights equal GridSim's bit for bit; PoolSim with fixed routing too. Averaging
+    every update, its rounds landing within the run."""
+    avg = ("dp.interval_steps=1", "dp.tau=2", "dp.lambda_hold_steps=3")
+    grid = _trained(GridSim(_cfg(text_file, *avg)), 12)
+    engine = _trained(PoolSim(_cfg(text_file, *avg)), 12)
+    affine = PoolSim(_cfg(text_file, *avg, "pipeline.routing='pools'", "pipeline.pool_affinity=2"))
+    pooled = _trained(affine, 12)
+    assert affine.cross_replica == 0 and set(affine.routed.values()) == {12}
+    for other in (engine, pooled):
+        assert all(torch.equal(x, y) for x, y in zip(grid, other, strict=True))
+
+
+def test_affinity_still_routes_around_a_clearly_slower_own_cell(text_file):
+    """A cell 4x slower than its peers is clearly worse than the best of them (affinity 2): its
+    stream's microbatches go elsewhere, and the equal cells keep their own streams."""
+    slow = 'emulation.slowdowns=["s1r0=4.0"]'
+    cfg = _cfg(text_file, "pipeline.routing='pools'", "pipeline.pool_affinity=2", slow)
+    sim = make_sim(cfg)
+    for _ in range(cfg.run.steps):
+        sim.step()
+    assert sim.routed[(1, 0)] < cfg.run.steps and sim.cross_replica > 0
+    assert sum(sim.routed[(1, i)] for i in range(3)) == 3 * cfg.run.steps
+
+
+def test_the_paired_control_routes_across_replicas_one_microbatch_a_cell_a_tick(text_file):
+    """bench pools --controls' routing alone: every cell takes exactly one microbatch a tick
+    (as on a fixed grid), and hops cross replicas."""
+    from mesh.bench.pools_convergence import PairedPoolSim
+
+    sim = PairedPoolSim(_cfg(text_file, "pipeline.routing='pools'"))
+    for _ in range(6):
+        sim.step()
+        assert all(c.step == sim.update for row in sim.cells for c in row)
+    assert sim.cross_replica > 0 and set(sim.routed.values()) == {6}

@@ -201,3 +201,45 @@ def test_the_delay_choice_takes_the_sooner_done_of_two_draws():
     for _ in range(2):
         book.sent("a")  # a now has 4 queued: (4 + 1) / 1 against (0 + 1) / 0.25
     assert book.choose(["a", "b"], u_slow, 8, u_fast) == "b"
+
+
+def test_affinity_keeps_the_own_cell_unless_it_is_clearly_slower():
+    # equal peers: the own cell (index 1) at any affinity >= 1; never with affinity off
+    assert routing.stays([1.0, 1.0, 1.0], 1, 1.5)
+    assert routing.stays([1.0, 1.0], 0, 1.0)
+    assert not routing.stays([1.0, 1.0], 1, 0.0)
+    # measured jitter within the ratio stays; a cell 2x slower than the best other sheds at 1.5
+    assert routing.stays([0.8, 1.0, 1.1], 0, 1.5)
+    assert not routing.stays([0.5, 1.0], 0, 1.5)
+    assert routing.stays([0.5, 1.0], 0, 2.0)  # at 2: exactly 2x is not "clearly"
+    # the best other counts, not the mean
+    assert not routing.stays([1.0, 0.1, 2.0], 0, 1.5)
+    # no own cell among the candidates (dead, or full), or it alone
+    assert not routing.stays([1.0, 1.0], None, 1.5)
+    assert routing.stays([0.1], 0, 1.0)
+    # a candidate not measured yet: routed by load (which measures it), not kept
+    assert not routing.stays([1.0, None], 0, 1.5)
+    assert not routing.stays([None, 1.0], 0, 1.5)
+
+
+def test_the_load_book_keeps_the_own_cell_with_room_and_draws_past_a_full_or_slow_one():
+    book = routing.LoadBook()
+    cells = ["a", "b", "c"]
+    assert len({book.choose(cells, k / 50, 4, None, "b", 1.5) for k in range(50)}) == 3
+    for cell in cells:  # measured: equal peers
+        book.report(cell, 1.0, 0)
+    kept = Counter(
+        book.choose(cells, random.random(), 4, random.random(), "b", 1.5) for _ in range(200)
+    )
+    assert kept == Counter({"b": 200})  # fixed wiring
+    off = Counter(book.choose(cells, random.random(), 4, random.random(), "b") for _ in range(200))
+    assert len(off) == 3  # off (the default): the draw
+    # the own cell full as this sender knows it (its window): routed by load elsewhere
+    for _ in range(4):
+        book.sent("b")
+    assert book.choose(cells, 0.5, 4, 0.5, "b", 1.5) != "b"
+    # with room again but reported 2x slower: routed by load
+    book.back("b")
+    book.report("b", 0.5, 0)
+    got = {book.choose(cells, random.random(), 4, random.random(), "b", 1.5) for _ in range(50)}
+    assert got & {"a", "c"}

@@ -302,6 +302,7 @@ class Config(_Section):
             self.depth_rule_settings(),
             self.grid.stages,
             self.pipeline.schedule,
+            self.optim.name,
         )
 
     def _hash(self, with_steps: bool) -> str:

@@ -221,3 +221,35 @@ def test_poisoning_replica_is_refused_and_counted_by_the_runtime(text_file, tmp_
     flats = _final_flats(tmp_path, cfg)
     for i in (0, 1):
         torch.testing.assert_close(flats[(0, i)], sim.cells[i][0].flat, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hivemind"])
+def test_the_depth_rule_trains_the_same_numbers_in_processes_as_in_the_simulator(
+    text_file, tmp_path, backend
+):
+    """An 8-stage async pipeline with the defaults takes optim.depth_rule's settings (the
+    shipped pick of bench depth): every cell process trains with them, to the simulator's
+    weights, and they change the numbers (the same grid with the rule off ends elsewhere)."""
+    sets = [
+        *TINY,
+        f"data.path='{text_file}'",
+        "model.n_layers=8",
+        "grid.stages=8",
+        "grid.replicas=1",
+        "run.steps=6",
+        "pipeline.schedule=async",
+        f"transport.backend={backend}",
+    ]
+    cfg = load_config([], sets)
+    assert cfg.depth_rule_settings(), "no depth rule applies at P = 8"
+    run = run_grid(cfg, tmp_path, timeout_s=300)
+    assert run.ok, run.exit_codes
+    sim = GridSim(cfg)
+    off = GridSim(load_config([], [*sets, "optim.depth_rule=off"]))
+    for _ in range(cfg.run.steps):
+        sim.step()
+        off.step()
+    flats = _final_flats(tmp_path, cfg)
+    for (j, i), flat in flats.items():
+        torch.testing.assert_close(flat, sim.cells[i][j].flat, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(sim.cells[0][0].flat, off.cells[0][0].flat)

@@ -97,12 +97,13 @@ def test_a_depth_rule_applies_from_its_depth_on_the_async_schedule() -> None:
         DepthRule(8, {"delay_lr_share": 0.5}, "P8"),
         DepthRule(16, {"delay_lr_share": 0.5, "beta1": 0.95}, "P16"),
     )
-    assert rule_for(4, "async", rules) is None
-    assert rule_for(8, "async", rules).evidence == "P8"
-    assert rule_for(12, "async", rules).evidence == "P8"
-    assert rule_for(32, "async", rules).evidence == "P16"
-    assert rule_for(16, "gpipe", rules) is None  # no staleness to correct
-    assert rule_for(16, "2bw", rules) is None
+    assert rule_for(4, "async", rules=rules) is None
+    assert rule_for(8, "async", rules=rules).evidence == "P8"
+    assert rule_for(12, "async", rules=rules).evidence == "P8"
+    assert rule_for(32, "async", rules=rules).evidence == "P16"
+    assert rule_for(16, "gpipe", rules=rules) is None  # no staleness to correct
+    assert rule_for(16, "2bw", rules=rules) is None
+    assert rule_for(16, "async", "muon", rules) is None  # measured with nadamw
     defaults = {"delay_lr_share": 0.0, "beta1": None}
     # keys at their defaults take the rule's values; a key the user set keeps the user's
     got = resolved_settings({"delay_lr_share": 0.0, "beta1": None}, defaults, 16, "async", rules)
@@ -110,10 +111,10 @@ def test_a_depth_rule_applies_from_its_depth_on_the_async_schedule() -> None:
     got = resolved_settings({"delay_lr_share": 0.25, "beta1": None}, defaults, 16, "async", rules)
     assert got == {"beta1": 0.95}
     assert resolved_settings({"delay_lr_share": 0.0}, defaults, 4, "async", rules) == {}
-    line = describe("auto", got, 16, "async", rules)
+    line = describe("auto", got, 16, "async", "nadamw", rules)
     assert "optim.beta1 = 0.95" in line and "P16" in line
-    assert "nothing changed" in describe("auto", {}, 4, "async", rules)
-    assert "off" in describe("off", {}, 16, "async", rules)
+    assert "nothing changed" in describe("auto", {}, 4, "async", "nadamw", rules)
+    assert "off" in describe("off", {}, 16, "async", "nadamw", rules)
 
 
 def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
@@ -121,6 +122,7 @@ def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
     off = load_config([], ["grid.stages=8", "model.n_layers=8", "optim.depth_rule=off"])
     assert off.effective() is off  # nothing resolves with the rule off
     rule = cfg.depth_rule_settings()
+    assert rule, "the shipped rule sets something at P = 8"
     # the resolved config carries the rule's keys; the config itself keeps the defaults
     assert cfg.effective().optim.model_dump() == {**cfg.optim.model_dump(), **rule}
     assert cfg.optim.delay_lr_share == 0.0 and cfg.optim.depth_rule == "auto"
@@ -134,3 +136,29 @@ def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
     # and a flushed pipeline takes none
     sync = load_config([], ["grid.stages=8", "model.n_layers=8", "pipeline.schedule=gpipe"])
     assert sync.depth_rule_settings() == {}
+
+
+def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) -> None:
+    """The shipped rule at work in the cells both engines drive: stage j of an 8-stage async
+    pipeline with the defaults starts at lr / delta_j (delay_lr_share), with it off at the lr."""
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_stages
+
+    sets = ["model.n_layers=8", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+    sets += [f"data.path='{text_file}'", "grid.stages=8", "grid.replicas=1", "run.steps=100"]
+    sets += ["optim.warmup_steps=0", "pipeline.schedule=async"]
+    auto = load_config([], sets)
+    off = load_config([], [*sets, "optim.depth_rule=off"])
+    assert auto.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 2e-3}
+    for j, module in enumerate(build_stages(auto.model, 8, 0)):
+        ruled = Cell.build(auto, j, 0, module)
+        plain = Cell.build(off, j, 0, module)
+        assert ruled.lr_scale() == pytest.approx(plain.lr_scale() / max(1, 7 - j)), j  # 7 .. 0
+        assert ruled.optimizer.spec.lr == 2e-3 and plain.optimizer.spec.lr == 1e-3
+    # a user's own lr is kept (the correction still applies)
+    mine = load_config([], [*sets, "optim.lr=3e-3"])
+    assert mine.depth_rule_settings() == {"delay_lr_share": 0.5}
+    assert mine.effective().optim.lr == 3e-3
+    # four stages: no rule (the pipeline loses nothing there at the shipped settings)
+    shallow = load_config([], [*sets, "grid.stages=4"])
+    assert shallow.depth_rule_settings() == {}

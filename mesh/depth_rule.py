@@ -28,6 +28,7 @@ class DepthRule:
     settings: dict[str, Any] = field(default_factory=dict)  # optim keys -> values
     evidence: str = ""
     optimizer: str = "nadamw"  # the optimizer the study measured it with (optim.name)
+    max_stages: int | None = None  # the deepest pipeline it holds for (None: any deeper one)
 
 
 # deepest last; a pipeline takes the last rule whose min_stages it reaches (none below them).
@@ -37,7 +38,9 @@ class DepthRule:
 # 1 it ends -0.04% +- 0.38% from FullSync against the plain pipeline's +6.28% (a 16-block d 64
 # Llama, 1.64M tokens, FullSync at 0.73 of the bigram). The lr is the rule's only where a config
 # leaves optim.lr at its default (1e-3); a user's own lr is kept: double the lr tuned without
-# the correction. P = 4 loses nothing at the defaults; P = 16 takes the P = 8 rule (unmeasured)
+# the correction. Not below P = 8 (P = 4 ends 0.4-1.6% from FullSync without it). P = 16 takes
+# it too, far from parity there: on seed 100 the corrected pipeline at 2e-3 ended 2.119, the
+# plain one at its P = 8 lr 2.258, FullSync 1.782 (P = 16's lrs not yet tuned)
 RULES: tuple[DepthRule, ...] = (
     DepthRule(
         8,
@@ -58,7 +61,9 @@ def rule_for(
         return None
     found = None
     for rule in rules:
-        if stages >= rule.min_stages and optimizer == rule.optimizer:
+        deep_enough = stages >= rule.min_stages
+        not_too_deep = rule.max_stages is None or stages <= rule.max_stages
+        if deep_enough and not_too_deep and optimizer == rule.optimizer:
             found = rule
     return found
 

@@ -63,11 +63,21 @@ def specs(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[Spec]]:
     return out
 
 
+# the pool simulator's numbers by version: runs of another version are not reused
+POOL_ENGINE = 2
+
+
 def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "convergence.partial.jsonl"
     # a run by its arm and config: emulated speeds are a local setting, out of the fingerprint
-    done = {_key(r["method"], r["config_fingerprint"]): r for r in read_runs(partial)}
+    # a pooled run is kept only if the pool simulator of today made it: its numbers changed
+    # under the same fingerprints (versions stored after the tick's arrivals, POOL_ENGINE 2)
+    done = {
+        _key(r["method"], r["config_fingerprint"]): r
+        for r in read_runs(partial)
+        if r["method"] == ARMS["fixed"][2] or r.get("pool_engine") == POOL_ENGINE
+    }
     study = Path("results/convergence/summary.json")
     if study.is_file():  # the convergence study's fixed-wiring runs: the same configs
         for r in json.loads(study.read_text()).get("runs", []):
@@ -83,6 +93,7 @@ def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]
         with worker_pool(workers) as pool:
             args = [(base.model_dump(mode="json"), s, MICROBATCHES) for s in todo]
             for r in tqdm(pool.imap(run_one, args), total=len(args), desc="pools convergence"):
+                r = {**r, "pool_engine": POOL_ENGINE}
                 with partial.open("a") as f:
                     f.write(json.dumps({k: v for k, v in r.items() if k != "curve"}) + "\n")
                 done[_key(r["method"], r["config_fingerprint"])] = r

@@ -365,6 +365,8 @@ def depth(
     stages = parse_seeds(stages_csv, "--stages")
     if stages is not None and any(p < 2 for p in stages):
         raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    if stages is not None and "-" not in stages_csv:  # as given: the finals run the first first
+        stages = list(dict.fromkeys(int(p) for p in stages_csv.split(",")))
     base = study.config(() if study.config_files else STUDY_DEFAULTS)
     summary = run_depth(
         base,

@@ -168,3 +168,14 @@ def test_an_unknown_lever_is_one_line_and_exit_2(tmp_path) -> None:
     assert res.exit_code == 2, res.output
     assert "--levers: no arm named warp drive" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_the_finals_run_their_depths_in_the_order_given(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    args = ["bench", "depth", "--report-only", "--out", str(tmp_path), "--stages", "16,4"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "summary.json").read_text())["stages"] == [16, 4]

@@ -40,14 +40,13 @@ from typing import Any
 from mesh.bench.ablations import best_lr
 from mesh.bench.boundary_report import MAPL_BAND, PUBLISHED, REFERENCE, write_outputs
 from mesh.bench.regime import data_reference, rule_fields
-from mesh.bench.report import paired_gap
+from mesh.bench.report import paired_gap, study_scale
 from mesh.bench.simruns import Spec, run_specs
 from mesh.config import Config
 from mesh.engine import measured
 from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.engine.uplink import INT4_CODEC, arm_label
 from mesh.methods import METHODS
-from mesh.model.build import stage_param_counts
 
 FP8_RATIOS = {"learned": (8, 16, 32), "subspace": (8, 16)}
 INT4_STUDY_RATIOS = (32, 64)
@@ -379,13 +378,7 @@ def run_boundary(
     rows = [row for p in stages for row in summarize_rows(base, runs, p)]
     best = frontier(rows)
     summary = {
-        "model": {
-            k: getattr(base.model, k)
-            for k in ("arch", "d_model", "n_layers", "vocab_size", "seq_len")
-        },
-        "params": sum(stage_param_counts(base.model, 1)),
-        "data": base.data.path or "Shakespeare bytes (the default corpus)",
-        "microbatch_tokens": base.tokens_per_microbatch,
+        **study_scale(base),
         "microbatches_per_replica": budget["boundary"],
         "tokens_per_run": budget["boundary"] * base.tokens_per_microbatch,
         "seeds": seeds,

@@ -24,9 +24,8 @@ from mesh.bench.depth_arms import (
     settings_of,
 )
 from mesh.bench.regime import rule_line
-from mesh.bench.report import fmt_interval, paired_interval
+from mesh.bench.report import fmt_interval, paired_interval, study_scale
 from mesh.config import Config
-from mesh.model.build import stage_param_counts
 from mesh.report import format_table, pyplot
 
 
@@ -115,13 +114,7 @@ def summarize(
         and set(stages) == {r["P"] for r in rows}
     )
     return {
-        "model": {
-            k: getattr(base.model, k)
-            for k in ("arch", "d_model", "n_layers", "vocab_size", "seq_len")
-        },
-        "params": sum(stage_param_counts(base.model, 1)),
-        "data": base.data.path or "Shakespeare bytes (the default corpus)",
-        "microbatch_tokens": base.tokens_per_microbatch,
+        **study_scale(base),
         "microbatches_per_run": microbatches,
         "tokens_per_run": microbatches * base.tokens_per_microbatch,
         "seeds": seeds,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from mesh.report import format_table
 
@@ -127,3 +127,19 @@ def fmt_gap(g: tuple[float, float] | None) -> str:
     if g is None:
         return "n/a"
     return f"{g[0]:+.4f} +- {g[1]:.4f}" if math.isfinite(g[1]) else f"{g[0]:+.4f}"
+
+
+def study_scale(base: Any) -> dict[str, Any]:
+    """What a study's summary says of its model and data: the model's shape, its parameters,
+    the data, the tokens a microbatch (every claim names its scale)."""
+    from mesh.model.build import stage_param_counts
+
+    return {
+        "model": {
+            k: getattr(base.model, k)
+            for k in ("arch", "d_model", "n_layers", "vocab_size", "seq_len")
+        },
+        "params": sum(stage_param_counts(base.model, 1)),
+        "data": base.data.path or "Shakespeare bytes (the default corpus)",
+        "microbatch_tokens": base.tokens_per_microbatch,
+    }

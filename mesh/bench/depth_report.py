@@ -383,27 +383,26 @@ def plot(summary: dict[str, Any], out: Path) -> None:
                 [(ci[1] if ci else g) - g for _, g, ci in pts],
             ]
             left.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=arm)
-    left.axhline(0, color="k", lw=0.8)
     left.set_xscale("log", base=2)
-    left.set_xlabel("pipeline stages P")
-    left.set_ylabel("val loss gap to FullSync (%)")
-    left.set_title("gap against depth (paired seeds, 95% t interval)")
-    left.grid(alpha=0.3)
-    if left.get_legend_handles_labels()[0]:  # nothing drawn yet: no empty legend
-        left.legend(fontsize=8)
+    _gap_axes(left, "pipeline stages P", "gap against depth (paired seeds, 95% t interval)")
     for p, arms in summary["gap_vs_tokens"].items():
         for arm, curve in arms.items():
             if curve:
                 xs, ys = zip(*curve, strict=True)
                 style = "-" if arm == RECOMMENDED else "--"
                 right.plot(xs, ys, style, marker=".", label=f"P = {p} {arm}")
-    right.axhline(0, color="k", lw=0.8)
-    right.set_xlabel("tokens")
-    right.set_ylabel("val loss gap to FullSync (%)")
-    right.set_title("gap against tokens")
-    right.grid(alpha=0.3)
-    if right.get_legend_handles_labels()[0]:  # nothing drawn yet: no empty legend
-        right.legend(fontsize=8)
+    _gap_axes(right, "tokens", "gap against tokens")
     fig.tight_layout()
     fig.savefig(out / "gap.png")
     plt.close(fig)
+
+
+def _gap_axes(ax: Any, xlabel: str, title: str) -> None:
+    """A gap plot's zero line, labels and grid, and a legend where something is drawn."""
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("val loss gap to FullSync (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)

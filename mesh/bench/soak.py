@@ -122,8 +122,10 @@ class Sampler(threading.Thread):
             f.write(json.dumps({"t_s": round(time.monotonic() - self.t0, 2), **record}) + "\n")
 
     def run(self) -> None:
-        k = 0
-        while not self.stop.wait(max(0.0, self.t0 + k * self.period_s - time.monotonic())):
+        # every period_s from its own start (a grid slow to form must not be sampled in a burst
+        # of catch-up samples); t_s stays relative to t0
+        start, k = time.monotonic(), 0
+        while not self.stop.wait(max(0.0, start + k * self.period_s - time.monotonic())):
             k += 1
             try:
                 self.sample()
@@ -189,7 +191,7 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
                 form(grid, cfg)
                 meta["formed_s"] = round(time.monotonic() - t0, 1)
                 sampler.start()
-                soak_loop(grid, sampler, p, t0)
+                soak_loop(grid, sampler, p)
                 meta["completed"] = True
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report what we have
             record_failure(grid, meta, out, e)
@@ -220,9 +222,12 @@ def form(grid: LocalGrid, cfg: Path) -> None:
     )
 
 
-def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float) -> None:
-    """Until the end: every kill_every_s, SIGKILL the peer in the next cell of CELLS and
-    start a fresh join in its place; a progress bar over the minutes."""
+def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float]) -> None:
+    """For duration_s from the grid's formation (a loaded box can take most of a short soak to
+    form it: the kills are spaced over the time it trains): every kill_every_s, SIGKILL the
+    peer in the next cell of CELLS and start a fresh join in its place; a progress bar over
+    the minutes."""
+    t0 = time.monotonic()
     end = t0 + p["duration_s"]
     kills, n_peers = 0, 4
     with tqdm(
@@ -237,7 +242,7 @@ def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float)
             bar.refresh()
             if kills < p["kills"] and time.monotonic() >= t0 + (kills + 1) * p["kill_every_s"]:
                 cell = CELLS[kills % len(CELLS)]
-                victim = holder(grid, sampler, cell)
+                victim = holder(grid, cell)
                 if victim is None:
                     raise RuntimeError(f"no live peer holds {cell} at the kill")
                 crash = grid.crash(victim)
@@ -268,10 +273,14 @@ def soak_loop(grid: LocalGrid, sampler: Sampler, p: dict[str, float], t0: float)
         raise RuntimeError(f"peers exited on their own: {crashed}")
 
 
-def holder(grid: LocalGrid, sampler: Sampler, cell: str) -> str | None:
-    """The live peer that trains `cell` (as its metrics file says)."""
-    live = grid.live()
-    return next((n for n, t in sampler.tails.items() if t.cell == cell and n in live), None)
+def holder(grid: LocalGrid, cell: str) -> str | None:
+    """The live peer that trains `cell`, as its newest metrics file's name says (read here,
+    not from the sampler's tails: a peer the sampler has not read yet still holds its cell)."""
+    for name in grid.live():
+        path = newest_metrics_file(grid.out(name))
+        if path is not None and cell_name(*cell_of_file(path)) == cell:
+            return name
+    return None
 
 
 def replace(grid: LocalGrid, name: str) -> float:

@@ -94,13 +94,7 @@ def summarize_run(
     from mesh.data.corpus import bits_per_byte, load_corpus, ngram_ce
     from mesh.data.ngram import beside_loss
     from mesh.runtime.emulate import throughput
-    from mesh.runtime.evaluate import (
-        common_steps,
-        latest_steps,
-        replica_loss,
-        tokens_at,
-        validation_batches,
-    )
+    from mesh.runtime.evaluate import tokens_at, validation_batches
 
     segment = read_metrics(out_dir, events=True, since=since)
     rows = {k: [r for r in v if "event" not in r] for k, v in segment.items()}
@@ -113,8 +107,61 @@ def summarize_run(
     P, m = cfg.grid.stages, cfg.grid.replicas
     pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
     dropped = left_out(cfg)
-    # fixed: each replica that ran at the step all its cells reached (one that never ran, or
-    # had nothing new in this segment, at the segment's start)
+    steps, tokens, segment_tokens = _fixed_progress(cfg, rows, dropped, start_step)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
+    batches = validation_batches(cfg, corpus)
+    losses = _replica_losses(cfg, out_dir, batches, dropped)
+    kept = [x for x in losses if x is not None]
+    val_loss = sum(kept) / len(kept) if kept else None
+    bpt = corpus.val_bytes_per_token
+    if pools:
+        steps, tokens, segment_tokens = _pool_progress(cfg, rows, start_step)
+    rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
+    sent, rejects = _sent_and_rejects(totals)
+    updates = sum(t["steps"] for t in totals.values()) / P  # a replica's, over every life
+    # steady state (warm-up rows left out) against the ideal of the same run
+    # (mesh/runtime/emulate.py)
+    tp = throughput(cfg, current)
+    return {
+        "grid": f"{P}x{m}",
+        "steps": steps,
+        "tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
+        "updates_trained": updates,  # by all replicas, every life: replayed ones again
+        "tokens_trained": tokens if pools else round(updates * tokens_at(cfg, 1) / m),
+        "val_loss": val_loss,
+        "val_bpb": None if val_loss is None else bits_per_byte(val_loss, bpt),
+        "val_loss_replicas": losses,
+        # the data's reference points beside the loss (mesh/data/ngram.py)
+        **beside_loss(val_loss, ngram_ce(corpus)),
+        "bytes": _bytes_per_replica_step(sent, updates),
+        "rounds": rounds,
+        "rejects": sum(rejects.values()),
+        "rejects_by_reason": rejects,
+        "lives": {cell_name(*k): t["lives"] for k, t in sorted(totals.items())},
+        # replicas not counted, and why: in the tokens and the loss, or in the loss alone
+        "replicas_left_out": [dropped[i] for i in sorted(dropped)],
+        # stage pools: microbatches sent on from one stage to the next (of them, to another
+        # replica's cell), refusals of full cells, sent again elsewhere, given up
+        **({"pools": {k: sum(t[k] for t in totals.values()) for k in POOL}} if pools else {}),
+        "compute": cfg.emulation.compute,
+        **_steady_state(tp),
+    }
+
+
+Rows = dict[tuple[int, int], list[dict[str, Any]]]
+
+
+def _fixed_progress(
+    cfg: Any, rows: Rows, dropped: dict[int, dict[str, Any]], start_step: int
+) -> tuple[int, int, int]:
+    """A fixed grid's (steps, tokens, this segment's tokens): each replica that ran at the step
+    all its cells reached (one that never ran, or had nothing new in this segment, at the
+    segment's start)."""
+    from mesh.runtime.evaluate import tokens_at
+
+    m = cfg.grid.replicas
     ran = [i for i in range(m) if "tokens" not in dropped.get(i, {}).get("left_out_of", [])]
     ends = {i: [v[-1]["step"] for (_, r), v in rows.items() if r == i and v] for i in ran}
     reached = [min(e) if e else start_step for e in ends.values()]
@@ -122,8 +169,29 @@ def summarize_run(
     per_update = tokens_at(cfg, 1) // m  # one formula with the validation rows (evaluate)
     tokens = sum(reached) * per_update  # what the replicas that ran trained
     segment_tokens = sum(s - min(start_step, s) for s in reached) * per_update
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
-    batches = validation_batches(cfg, corpus)
+    return steps, tokens, segment_tokens
+
+
+def _pool_progress(cfg: Any, rows: Rows, start_step: int) -> tuple[int, int, int]:
+    """A pooled grid's (steps, tokens, this segment's tokens), from its stage 0 streams."""
+    from mesh.runtime.evaluate import tokens_at
+
+    streams = [v[-1]["step"] for k, v in rows.items() if v and k[0] == 0]
+    steps = min(streams, default=0)
+    tokens = sum(streams) * cfg.tokens_per_microbatch  # every microbatch a stream got back
+    segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
+    return steps, tokens, segment_tokens
+
+
+def _replica_losses(
+    cfg: Any, out_dir: Path, batches: Any, dropped: dict[int, dict[str, Any]]
+) -> list[float | None]:
+    """Each replica's validation loss (None where it has none to show); a replica none of whose
+    cells saved is added to `dropped`, with why."""
+    from mesh.runtime.evaluate import common_steps, latest_steps, replica_loss
+
+    m = cfg.grid.replicas
+    pools = cfg.pipeline.routing == "pools"
     # a replica where its cells' checkpoints meet; a pool's cells (different numbers of
     # updates), or hivemind cells resumed a step apart, at each one's newest
     at = [(common_steps(out_dir, cfg, i) or [None])[-1] if not pools else None for i in range(m)]
@@ -144,53 +212,34 @@ def summarize_run(
                 "why": "none of its cells saved a checkpoint: it stopped before "
                 f"checkpoint.every = {cfg.checkpoint.every} updates",
             }
-    kept = [x for x in losses if x is not None]
-    val_loss = sum(kept) / len(kept) if kept else None
-    bpt = corpus.val_bytes_per_token
-    if pools:
-        streams = [v[-1]["step"] for k, v in rows.items() if v and k[0] == 0]
-        steps = min(streams, default=0)
-        tokens = sum(streams) * cfg.tokens_per_microbatch  # every microbatch a stream got back
-        segment_tokens = tokens - tokens_at(cfg, min(start_step, steps))
-    rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
+    return losses
+
+
+def _sent_and_rejects(
+    totals: dict[tuple[int, int], dict[str, Any]],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes sent by kind and rejects by reason, summed over every cell's lives."""
     sent: dict[str, int] = {}
     rejects: dict[str, int] = {}
     for t in totals.values():
         add_counts(sent, t["bytes_sent"])
         add_counts(rejects, t["rejects"])
-    updates = sum(t["steps"] for t in totals.values()) / P  # a replica's, over every life
+    return sent, rejects
+
+
+def _bytes_per_replica_step(sent: dict[str, int], updates: float) -> dict[str, Any]:
+    """Each life's final row when present (written after its sends drained)."""
     per = max(updates, 1)
-    # steady state (warm-up rows left out) against the ideal of the same run
-    # (mesh/runtime/emulate.py)
-    tp = throughput(cfg, current)
     return {
-        "grid": f"{P}x{m}",
-        "steps": steps,
-        "tokens": tokens,
-        "wall_s": round(wall_s, 2),
-        "tokens_per_s": segment_tokens / wall_s if wall_s > 0 else None,
-        "updates_trained": updates,  # by all replicas, every life: replayed ones again
-        "tokens_trained": tokens if pools else round(updates * tokens_at(cfg, 1) / m),
-        "val_loss": val_loss,
-        "val_bpb": None if val_loss is None else bits_per_byte(val_loss, bpt),
-        "val_loss_replicas": losses,
-        # the data's reference points beside the loss (mesh/data/ngram.py)
-        **beside_loss(val_loss, ngram_ce(corpus)),
-        "bytes": {  # each life's final row when present (written after its sends drained)
-            "pp_per_replica_step": (sent.get("activation", 0) + sent.get("gradient", 0)) / per,
-            "dp_per_replica_step": sent.get("average", 0) / per,
-            "sent": sent,
-        },
-        "rounds": rounds,
-        "rejects": sum(rejects.values()),
-        "rejects_by_reason": rejects,
-        "lives": {cell_name(*k): t["lives"] for k, t in sorted(totals.items())},
-        # replicas not counted, and why: in the tokens and the loss, or in the loss alone
-        "replicas_left_out": [dropped[i] for i in sorted(dropped)],
-        # stage pools: microbatches sent on from one stage to the next (of them, to another
-        # replica's cell), refusals of full cells, sent again elsewhere, given up
-        **({"pools": {k: sum(t[k] for t in totals.values()) for k in POOL}} if pools else {}),
-        "compute": cfg.emulation.compute,
+        "pp_per_replica_step": (sent.get("activation", 0) + sent.get("gradient", 0)) / per,
+        "dp_per_replica_step": sent.get("average", 0) / per,
+        "sent": sent,
+    }
+
+
+def _steady_state(tp: Any) -> dict[str, Any]:
+    """The summary's steady-state rates, stage times, staleness and peak memory."""
+    return {
         "steady_tokens_per_s": tp.tokens_per_s,
         "ideal_tokens_per_s": tp.ideal_tokens_per_s,
         "fraction_of_ideal": tp.fraction_of_ideal,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import click
 
 from cli.options import config_options, resolve_config, user_errors
+from cli.plan_uplink import answer_uplink
+from cli.plan_uplink import tie_note as tie_note  # re-exported: its tests read it here
 from mesh.config import ConfigError
 
 
@@ -77,38 +78,58 @@ def plan(
     cfg = resolve_config(config_files, overrides)
     if uplink_mbit is not None:
         memory = _memory_with_uplink(cfg, memory_gb) if memory_gb is not None else None
-        _uplink(cfg, tokens_per_s, uplink_mbit, results_dir, as_json, memory)
+        answer_uplink(cfg, tokens_per_s, uplink_mbit, results_dir, as_json, memory)
         return
-    from cli.report import print_table
-    from mesh.engine.plan import link_mbps, plan, stage_to_take, stages_that_fit, uplink_by_codec
+    from mesh.engine.plan import plan
 
     cells = plan(cfg)
     # a run on runtime.device = cpu trains in this machine's memory, whatever GPU it has
     gpus = local_gpus() if cfg.runtime.device != "cpu" else []
     memory, source = memory_to_check(memory_gb, gpus, host_memory_bytes(), cfg.runtime.device)
-    take = stage_to_take(cells, memory)
     if as_json:
-        rows = []
-        for c in cells:
-            pp, dp = link_mbps(c, cfg, tokens_per_s)
-            fits = c.total_bytes <= memory
-            rows.append({**c.as_dict(), "fits": fits, "pp_up_mbps": pp, "dp_up_mbps": dp})
-        click.echo(
-            json.dumps(
-                {
-                    "tokens_per_s": tokens_per_s,
-                    "precision": cfg.runtime.precision,
-                    "masters": "fp32",
-                    "memory_bytes": memory,
-                    "memory_source": source,
-                    "stages_that_fit": stages_that_fit(cells, memory),
-                    "take_stage": take,
-                    "cells": rows,
-                },
-                indent=2,
-            )
-        )
+        _echo_plan_json(cfg, cells, tokens_per_s, memory, source)
         return
+    on_host = memory_gb is None and not gpus
+    _echo_plan_tables(cfg, cells, tokens_per_s, memory, source, on_host)
+
+
+def _echo_plan_json(
+    cfg: Any, cells: list[Any], tokens_per_s: float, memory: float, source: str
+) -> None:
+    """`plan --json`: the memory checked, the stages that fit it and every cell's needs."""
+    from mesh.engine.plan import link_mbps, stage_to_take, stages_that_fit
+
+    take = stage_to_take(cells, memory)
+    rows = []
+    for c in cells:
+        pp, dp = link_mbps(c, cfg, tokens_per_s)
+        fits = c.total_bytes <= memory
+        rows.append({**c.as_dict(), "fits": fits, "pp_up_mbps": pp, "dp_up_mbps": dp})
+    click.echo(
+        json.dumps(
+            {
+                "tokens_per_s": tokens_per_s,
+                "precision": cfg.runtime.precision,
+                "masters": "fp32",
+                "memory_bytes": memory,
+                "memory_source": source,
+                "stages_that_fit": stages_that_fit(cells, memory),
+                "take_stage": take,
+                "cells": rows,
+            },
+            indent=2,
+        )
+    )
+
+
+def _echo_plan_tables(
+    cfg: Any, cells: list[Any], tokens_per_s: float, memory: float, source: str, on_host: bool
+) -> None:
+    """`plan`'s tables: the model in one line, each stage's cell, the memory answer and the
+    uplink each codec needs."""
+    from cli.report import print_table
+    from mesh.engine.plan import uplink_by_codec
+
     m, g = cfg.model, cfg.grid
     click.echo(
         f"{m.arch} d {m.d_model} x {m.n_layers} layers, {sum(c.params for c in cells):,} "
@@ -136,32 +157,9 @@ def plan(
         f"pp up Mbit/s ({cfg.pipeline.codec})",
         f"dp up Mbit/s ({cfg.dp.codec})",
     ]
-    rows = []
-    for c in cells:
-        pp, dp = link_mbps(c, cfg, tokens_per_s)
-        rows.append(
-            [
-                c.stage,
-                c.layers,
-                f"{c.params:,}",
-                _gb(c.weights_bytes),
-                f"{_gb(c.stash_bytes)} ({c.versions})",
-                _gb(c.grad_bytes),
-                _gb(c.optimizer_bytes),
-                _gb(c.drift_bytes + c.error_feedback_bytes),
-                _gb(c.averaging_bytes),
-                f"{_gb(c.inflight_bytes)} ({c.inflight})",
-                _gb(c.transport_bytes),
-                _gb(c.activation_bytes),
-                _gb(c.total_bytes),
-                "yes" if c.total_bytes <= memory else "no",
-                f"{pp:,.0f}",
-                f"{dp:,.0f}",
-            ]
-        )
+    rows = [_plan_row(c, cfg, tokens_per_s, memory) for c in cells]
     print_table(headers, rows)
     click.echo("")
-    on_host = memory_gb is None and not gpus
     for line in memory_answer(cfg, cells, memory, source, on_host=on_host):
         click.echo(line)
     click.echo(f"\nuplink per cell at {tokens_per_s:,.0f} tokens/s by codec (Mbit/s):")
@@ -172,6 +170,31 @@ def plan(
             for codec, pp, dp in uplink_by_codec(cfg, tokens_per_s)
         ],
     )
+
+
+def _plan_row(c: Any, cfg: Any, tokens_per_s: float, memory: float) -> list[Any]:
+    """One stage's cell in `plan`'s table: its memory by part, whether it fits, its uplinks."""
+    from mesh.engine.plan import link_mbps
+
+    pp, dp = link_mbps(c, cfg, tokens_per_s)
+    return [
+        c.stage,
+        c.layers,
+        f"{c.params:,}",
+        _gb(c.weights_bytes),
+        f"{_gb(c.stash_bytes)} ({c.versions})",
+        _gb(c.grad_bytes),
+        _gb(c.optimizer_bytes),
+        _gb(c.drift_bytes + c.error_feedback_bytes),
+        _gb(c.averaging_bytes),
+        f"{_gb(c.inflight_bytes)} ({c.inflight})",
+        _gb(c.transport_bytes),
+        _gb(c.activation_bytes),
+        _gb(c.total_bytes),
+        "yes" if c.total_bytes <= memory else "no",
+        f"{pp:,.0f}",
+        f"{dp:,.0f}",
+    ]
 
 
 def local_gpus() -> list[tuple[str, int]]:
@@ -282,34 +305,6 @@ def _fit_phrase(stages: list[int]) -> str:
     return f"stages {', '.join(str(j) for j in stages)} fit"
 
 
-def measured_costs(cfg: Any, results: str | None) -> tuple[dict[str, float], dict[int, float], str]:
-    """The studies' loss gaps (shares) by boundary arm (the study's P nearest the run's stages)
-    and by averaging interval, and one line saying which file they came from: the costs shipped
-    with the package, or --results DIR's studies."""
-    from mesh.engine import measured
-
-    if results is None:
-        found = measured.read_shipped()
-        what = measured.describe(found, cfg.grid.stages)
-        line = (
-            f"measured costs: {measured.SHIPPED} (shipped with meshtrain; {what})"
-            if what
-            else f"measured costs: none ({measured.SHIPPED} is missing or empty): every row "
-            "'not measured'"
-        )
-    else:
-        found, files = measured.read_results(Path(results))
-        what = measured.describe(found, cfg.grid.stages)
-        line = (
-            f"measured costs: {', '.join(map(str, files))} ({what})"
-            if files
-            else f"measured costs: none in --results {results} (no boundary/summary.json or "
-            "convergence/interval/summary.json): every row 'not measured'"
-        )
-    boundary, interval = measured.costs_for(found, cfg.grid.stages)
-    return boundary, interval, line
-
-
 def _memory_with_uplink(cfg: Any, memory_gb: float) -> dict[str, Any]:
     """The memory answer of --memory-gb, kept when --uplink-mbit asks the link question too."""
     from mesh.engine.plan import plan, stage_to_take, stages_that_fit
@@ -323,140 +318,3 @@ def _memory_with_uplink(cfg: Any, memory_gb: float) -> dict[str, Any]:
         "take_stage": stage_to_take(cells, memory),
         "lines": memory_answer(cfg, cells, memory, source),
     }
-
-
-def tie_note(best: Any, candidates: list[Any], uplink: float) -> str | None:
-    """Why the chosen setting won, where another that fits has the same measured cost: the
-    least compressed boundary wins a tie (it carries more of the activations for the same
-    measured loss, and a measured gap below zero counts as none), then the shortest averaging
-    interval (fresher averages for the same cost)."""
-    if best.cost is None:
-        return None
-    tied = [s for s in candidates if s.busiest_mbps <= uplink and s.cost == best.cost and s != best]
-    others = list(dict.fromkeys(s.option.label for s in tied if s.option != best.option))
-    if not others:
-        if any(s.option == best.option for s in tied):
-            return (
-                f"tie: longer intervals cost the same measured {_pct(best.cost)}; the shortest "
-                "that fits wins (fresher averages)"
-            )
-        return None
-    shown = ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
-    return (
-        f"tie: {shown} also fit at the same measured cost ({_pct(best.cost)}; a gap below zero "
-        f"counts as none); {best.option.label} wins as the least compressed of them (more of the "
-        "activations carried for the same measured loss), then the shortest interval"
-    )
-
-
-def _pct(cost: float | None) -> str:
-    return "not measured" if cost is None else f"{100 * cost:+.2f}%"
-
-
-def _uplink(
-    cfg: Any,
-    tokens_per_s: float,
-    uplink: float,
-    results: str | None,
-    as_json: bool,
-    memory: dict[str, Any] | None = None,
-) -> None:
-    """Which pipeline boundary and averaging interval fit an uplink of `uplink` Mbit/s a cell
-    (with memory: --memory-gb's answer too, above the link's)."""
-    from cli.report import print_table
-    from mesh.engine import uplink as up
-
-    if uplink <= 0:
-        raise ConfigError("--uplink-mbit must be > 0")
-    b_costs, i_costs, source = measured_costs(cfg, results)
-    cands = up.settings(cfg, tokens_per_s, b_costs, i_costs)
-    best = up.choose(cands, uplink)
-    shown = up.per_option(cands, uplink)
-    tie = None if best is None else tie_note(best, cands, uplink)
-    if as_json:
-        rows = [
-            {
-                "boundary": s.option.label,
-                "rank": s.option.rank,
-                "codec": s.option.codec,
-                "compression": s.option.compression,
-                "interval_steps": s.interval_steps,
-                "needs_mbps": list(s.needs_mbps),
-                "fits": s.busiest_mbps <= uplink,
-                "cost": s.cost,
-            }
-            for s in shown
-        ]
-        chosen = (
-            None
-            if best is None
-            else {**best.option.overrides(), "dp.interval_steps": best.interval_steps}
-        )
-        mem = None if memory is None else {k: v for k, v in memory.items() if k != "lines"}
-        click.echo(
-            json.dumps(
-                {
-                    "uplink_mbit": uplink,
-                    "tokens_per_s": tokens_per_s,
-                    "measured_costs": source,
-                    "options": rows,
-                    "chosen": chosen,
-                    "tie": tie,
-                    "memory": mem,
-                },
-                indent=2,
-            )
-        )
-    else:
-        for line in (memory or {}).get("lines", []):
-            click.echo(line)
-        if memory is not None:
-            click.echo("")
-        click.echo(source)
-        P = cfg.grid.stages
-        click.echo(
-            f"uplink {uplink:g} Mbit/s a cell at {tokens_per_s:,.0f} tokens/s a replica "
-            f"({P} stages x {cfg.grid.replicas} replicas; pipeline + averaging, Mbit/s):"
-        )
-        headers = [
-            "pipeline boundary",
-            "width",
-            "vs bf16",
-            "dp.interval_steps",
-            *[f"stage {j}" for j in range(P)],
-            "fits",
-            "measured loss cost",
-        ]
-        rows = []
-        for s in shown:
-            mark = " <- chosen" if best is not None and s.option == best.option else ""
-            rows.append(
-                [
-                    s.option.label + mark,
-                    s.option.rank,
-                    f"{s.option.compression:.1f}x",
-                    s.interval_steps,
-                    *[f"{n:,.1f}" for n in s.needs_mbps],
-                    "yes" if s.busiest_mbps <= uplink else "no",
-                    _pct(s.cost),
-                ]
-            )
-        print_table(headers, rows)
-    if best is None:
-        lean = up.leanest(cands)
-        most = tokens_per_s * uplink / lean.busiest_mbps
-        raise ConfigError(
-            f"no pipeline boundary and averaging interval fit --uplink-mbit {uplink:g} at "
-            f"{tokens_per_s:,.0f} tokens/s: the leanest ({lean.option.label}, "
-            f"dp.interval_steps={lean.interval_steps}) needs {lean.busiest_mbps:,.1f} Mbit/s "
-            f"at its busiest cell; lower --tokens-per-s to {most:,.0f} or below"
-        )
-    if not as_json:
-        sets = " ".join(f"--set {k}={v}" for k, v in best.overrides().items())
-        click.echo(
-            f"\nchosen: {best.option.label} boundary, a round every {best.interval_steps} "
-            f"update(s); busiest cell {best.busiest_mbps:,.1f} of {uplink:g} Mbit/s; measured "
-            f"cost {_pct(best.cost)}\n  {sets}"
-        )
-        if tie is not None:
-            click.echo(f"  {tie}")

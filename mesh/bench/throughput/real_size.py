@@ -224,13 +224,24 @@ def arm_steps(steps: int, dilated_period_s: float) -> int:
 def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
     """Calibrate every arm's host pace on one set of 4x2 cell processes, then run each arm at
     its dilation on its own set (a set's links are shaped once); the real-size entry."""
-    from mesh.bench.throughput.runs import _run_windows
-
     cfg, compute = real_size_config(base)
     arms = [(arm_name(m, r, c), arm_config(cfg, m, r, c), m) for m, r, c in ARMS]
     bw = cfg.transport.link_bandwidth_mbps * 1e6 / 8
-    slowest = max(compute)
     t0 = time.perf_counter()
+    paces = calibrate(arms, out)
+    compute_ideal = cfg.tokens_per_microbatch * cfg.grid.replicas / max(compute)
+    rows = [
+        run_arm(label, c, method, paces[label], compute, compute_ideal, bw, out, steps)
+        for label, c, method in arms
+    ]
+    return real_size_entry(cfg, compute, compute_ideal, rows, t0)
+
+
+def calibrate(arms: list[tuple[str, Config, str]], out: Path) -> dict[str, tuple[float, float]]:
+    """Each arm's host pace (host_pace: seconds an update, the busiest cell's CPU seconds an
+    update), from undilated, unshaped runs of all the arms on one set of cell processes."""
+    from mesh.bench.throughput.runs import _run_windows
+
     cal = [
         (
             f"calibrate-{label.replace(' ', '-')}",
@@ -242,69 +253,86 @@ def run_real_size(base: Config, out: Path, steps: int = 60) -> dict[str, Any]:
     ]
     print(f"real size: calibrating the host's pace ({len(cal)} arms) ...", flush=True)
     _run_windows(cal[0][1], cal, out, timeout_s=1800)
-    paces = {
+    return {
         label: host_pace(read_metrics(out / name))
         for (label, _, _), (name, *_rest) in zip(arms, cal, strict=True)
     }
-    compute_ideal = cfg.tokens_per_microbatch * cfg.grid.replicas / slowest
-    rows = []
-    for label, c, method in arms:
-        period = predicted_period_s(c, compute)
-        host_s, cpu_s = paces[label]
-        k = dilation(host_s, period)
-        d = dilated(c, k)
-        name = label.replace(" ", "-")
-        n = arm_steps(steps, period * k)
-        print(
-            f"real size: {label}: host {1e3 * host_s:.0f} ms an update (busiest cell "
-            f"{1e3 * cpu_s:.0f} ms CPU), period {1e3 * period:.1f} ms -> k = {k:.2f}, "
-            f"{n} updates",
-            flush=True,
-        )
-        expected = n * period * k
-        _run_windows(
-            d, [(name, d, n, 0)], out, timeout_s=600 + 4 * expected, barrier_timeout_s=TIMEOUT_S * k
-        )
-        tp = throughput(d, read_metrics(out / name), SKIP_FRAC)
-        frame = activation_frame_bytes(c)
-        tokens_per_s = None if tp.tokens_per_s is None else tp.tokens_per_s * k
-        rows.append(
-            {
-                "arm": label,
-                "boundary": method,
-                "codec": c.pipeline.codec,
-                "rank": c.boundary_width,
-                "compression": round(
-                    compression_vs_bf16(
-                        c.tokens_per_microbatch,
-                        c.model.d_model,
-                        method,
-                        c.boundary_width,
-                        c.pipeline.codec,
-                    ),
-                    2,
-                ),
-                "frame_bytes": frame,
-                "link_s_per_message": frame / bw,
-                "steps": n,
-                "dilation": round(k, 3),
-                "host_s_per_update": round(host_s, 4),
-                "host_cpu_s_per_update_busiest_cell": round(cpu_s, 4),
-                "wall_s_per_update": None
-                if tokens_per_s is None
-                else c.tokens_per_microbatch * c.grid.replicas / tokens_per_s,
-                "tokens_per_s": tokens_per_s,
-                "fraction_of_ideal": tp.fraction_of_ideal,  # link-inclusive, as the grids A1-A4
-                "fraction_of_compute_ideal": None
-                if tokens_per_s is None
-                else tokens_per_s / compute_ideal,
-                "predicted_link_model_share": slowest / period,
-                "host_late_s": tp_late(out / name),
-                "staleness": tp.staleness,
-                "peak_rss_mb": max(tp.peak_rss_mb.values(), default=None),
-                "peak_rss_mb_all_cells": round(sum(tp.peak_rss_mb.values()), 1),
-            }
-        )
+
+
+def run_arm(
+    label: str,
+    c: Config,
+    method: str,
+    pace: tuple[float, float],
+    compute: list[float],
+    compute_ideal: float,
+    bw: float,
+    out: Path,
+    steps: int,
+) -> dict[str, Any]:
+    """One arm run at its dilation (pace: its host's seconds and busiest cell's CPU seconds an
+    update; bw: the link's bytes a second), and its row of the entry."""
+    from mesh.bench.throughput.runs import _run_windows
+
+    period = predicted_period_s(c, compute)
+    host_s, cpu_s = pace
+    k = dilation(host_s, period)
+    d = dilated(c, k)
+    name = label.replace(" ", "-")
+    n = arm_steps(steps, period * k)
+    print(
+        f"real size: {label}: host {1e3 * host_s:.0f} ms an update (busiest cell "
+        f"{1e3 * cpu_s:.0f} ms CPU), period {1e3 * period:.1f} ms -> k = {k:.2f}, "
+        f"{n} updates",
+        flush=True,
+    )
+    expected = n * period * k
+    _run_windows(
+        d, [(name, d, n, 0)], out, timeout_s=600 + 4 * expected, barrier_timeout_s=TIMEOUT_S * k
+    )
+    tp = throughput(d, read_metrics(out / name), SKIP_FRAC)
+    frame = activation_frame_bytes(c)
+    tokens_per_s = None if tp.tokens_per_s is None else tp.tokens_per_s * k
+    return {
+        "arm": label,
+        "boundary": method,
+        "codec": c.pipeline.codec,
+        "rank": c.boundary_width,
+        "compression": round(
+            compression_vs_bf16(
+                c.tokens_per_microbatch,
+                c.model.d_model,
+                method,
+                c.boundary_width,
+                c.pipeline.codec,
+            ),
+            2,
+        ),
+        "frame_bytes": frame,
+        "link_s_per_message": frame / bw,
+        "steps": n,
+        "dilation": round(k, 3),
+        "host_s_per_update": round(host_s, 4),
+        "host_cpu_s_per_update_busiest_cell": round(cpu_s, 4),
+        "wall_s_per_update": None
+        if tokens_per_s is None
+        else c.tokens_per_microbatch * c.grid.replicas / tokens_per_s,
+        "tokens_per_s": tokens_per_s,
+        "fraction_of_ideal": tp.fraction_of_ideal,  # link-inclusive, as the grids A1-A4
+        "fraction_of_compute_ideal": None if tokens_per_s is None else tokens_per_s / compute_ideal,
+        "predicted_link_model_share": max(compute) / period,
+        "host_late_s": tp_late(out / name),
+        "staleness": tp.staleness,
+        "peak_rss_mb": max(tp.peak_rss_mb.values(), default=None),
+        "peak_rss_mb_all_cells": round(sum(tp.peak_rss_mb.values()), 1),
+    }
+
+
+def real_size_entry(
+    cfg: Config, compute: list[float], compute_ideal: float, rows: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
+    """The real-size entry of the throughput summary: the shapes, link and compute model, the
+    host, and each arm's row (t0: when the calibration began, for wall_s)."""
     return {
         "grid": "4x2",
         "shapes": {

@@ -327,38 +327,75 @@ def _run_here(
     clean stop (Ctrl-C / SIGTERM), 2 after a user error, 1 after any other failure."""
     import os
     import threading
-    import traceback
 
     from cli.events import EventLines
-    from cli.report import print_table, progress_bar
-    from cli.simulate import reference_cells
-    from comms.errors import CommsError
-    from mesh.data.ngram import beside_loss
-    from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
-    from mesh.runtime.lives import cell_totals
     from mesh.runtime.metrics import RowTail, read_metrics
-    from mesh.runtime.session import CellLost, StageMove
-    from mesh.runtime.trainer import run_cell
 
     done = threading.Event()
     events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
     path = out / "metrics" / f"{j}-{i}.jsonl"
     tail = RowTail(path, path.stat().st_size if path.exists() else 0)
-
-    def draw() -> None:
-        with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
-            while not done.wait(0.5):
-                rows = tail.read()  # only what was appended: the file grows for days
-                events.say_appended(rows, bar.bar.write)
-                last = [r for r in rows if "step" in r and "event" not in r and not r.get("final")]
-                if last:
-                    bar.bar.n = last[-1]["step"]
-                    if last[-1].get("loss") is not None:
-                        bar.bar.set_postfix(loss=f"{last[-1]['loss']:.3f}", refresh=False)
-                    bar.bar.refresh()
-
-    drawer = threading.Thread(target=draw, name="progress", daemon=True)
+    drawer = threading.Thread(
+        target=_draw_progress, args=(cfg, j, i, tail, events, done), name="progress", daemon=True
+    )
     drawer.start()
+    try:
+        code, failure, lost, moved = _run_cell_caught(cfg, j, i, out, meeting, run_key, since)
+    finally:
+        done.set()
+        drawer.join(2)
+    events.say_new(read_metrics(out, events=True).get((j, i), []), click.echo)
+    if failure:  # below the closed bar, not drawn into it
+        click.echo(failure.rstrip(), err=True)
+    _print_cell_summary(cfg, j, i, out)
+    if moved is not None:
+        move_to(moved)
+    if lost:
+        code, failure = rejoin(lost)  # returns only when this peer rejoined too often
+        click.echo(failure, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown under libp2p / averaging daemon threads (see
+    # mesh.runtime.trainer.cell_process_main); files are closed and fsynced by now
+    os._exit(code)
+
+
+def _draw_progress(cfg: Config, j: int, i: int, tail: Any, events: Any, done: Any) -> None:
+    """The progress thread: every half second, the rows the cell appended (tail, a
+    mesh.runtime.metrics.RowTail) move the bar and print their events (events, a
+    cli.events.EventLines) above it, until `done` is set."""
+    from cli.report import progress_bar
+
+    with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
+        while not done.wait(0.5):
+            rows = tail.read()  # only what was appended: the file grows for days
+            events.say_appended(rows, bar.bar.write)
+            last = [r for r in rows if "step" in r and "event" not in r and not r.get("final")]
+            if last:
+                bar.bar.n = last[-1]["step"]
+                if last[-1].get("loss") is not None:
+                    bar.bar.set_postfix(loss=f"{last[-1]['loss']:.3f}", refresh=False)
+                bar.bar.refresh()
+
+
+def _run_cell_caught(
+    cfg: Config,
+    j: int,
+    i: int,
+    out: Path,
+    meeting: Any,
+    run_key: str | None,
+    since: float,
+) -> tuple[int, str, str, int | None]:
+    """run_cell, and how it ended: (exit code, the failure to print, why the cell was lost to
+    another join, the stage elastic.rebalance moves this peer to)."""
+    import traceback
+
+    from comms.errors import CommsError
+    from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
+    from mesh.runtime.session import CellLost, StageMove
+    from mesh.runtime.trainer import run_cell
+
     code, failure, lost, moved = 0, "", "", None
     try:
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), meeting, -1, run_key, since)
@@ -377,12 +414,18 @@ def _run_here(
         started = p2pd_failure(e) or disk_full(e)
         code = 1 if started is None else 2
         failure = traceback.format_exc() if started is None else f"error: {started}"
-    finally:
-        done.set()
-        drawer.join(2)
-    events.say_new(read_metrics(out, events=True).get((j, i), []), click.echo)
-    if failure:  # below the closed bar, not drawn into it
-        click.echo(failure.rstrip(), err=True)
+    return code, failure, lost, moved
+
+
+def _print_cell_summary(cfg: Config, j: int, i: int, out: Path) -> None:
+    """The cell's one-row table after the run: steps, last loss beside the data's n-gram
+    references, rounds, rejects and lives."""
+    from cli.report import print_table
+    from cli.simulate import reference_cells
+    from mesh.data.ngram import beside_loss
+    from mesh.runtime.lives import cell_totals
+    from mesh.runtime.metrics import read_metrics
+
     rows = [r for r in read_metrics(out).get((j, i), []) if "step" in r and not r.get("final")]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     ref = _data_reference(cfg)
@@ -411,13 +454,3 @@ def _run_here(
             ]
         ],
     )
-    if moved is not None:
-        move_to(moved)
-    if lost:
-        code, failure = rejoin(lost)  # returns only when this peer rejoined too often
-        click.echo(failure, err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip interpreter teardown under libp2p / averaging daemon threads (see
-    # mesh.runtime.trainer.cell_process_main); files are closed and fsynced by now
-    os._exit(code)

@@ -84,64 +84,92 @@ def _async_labels(g: dict[tuple[str, int], list[dict[str, Any]]]) -> list[str]:
     return [lab for lab in order if any(k[0] == lab for k in g)]
 
 
+Target = tuple[str, str, bool | None, str]  # (name, measured, met or None, note)
+Groups = dict[tuple[str, int], list[dict[str, Any]]]  # (label, P) -> its runs (_group)
+
+
 def targets(summary: dict[str, Any]) -> list[tuple[str, str, bool | None, str]]:
     """The issue's targets: (name, measured, met or None when inconclusive, note)."""
     runs = summary["runs"]
     a, b = _group(runs, "async"), _group(runs, "2bw")
     stages = sorted({p for _, p in a})
     lo, hi = (stages[0], stages[-1]) if stages else (1, 1)
-    out: list[tuple[str, str, bool | None, str]] = []
+    out: list[Target] = [_growth_target(a, lo, hi)]
+    rotation = _rotation_target(a, hi)
+    if rotation is not None:
+        out.append(rotation)
+    out += _error_feedback_targets(b)
+    out += _time_targets(summary, stages)
+    out.append(_memory_target(a, stages))
+    stage_aware = _stage_aware_info(a, hi)
+    if stage_aware is not None:
+        out.append(stage_aware)
+    return out
 
-    def growth(label: str) -> tuple[float, float, bool]:
-        """(extra updates from P=lo to P=hi, their ratio, extra is only a lower bound)."""
-        r_hi, r_lo = a.get((label, hi)), a.get((label, lo))
-        if not r_hi or not r_lo or _s2t(r_lo)[1]:
-            return math.nan, math.nan, False
-        (s_hi, c_hi), (s_lo, _) = _s2t(r_hi), _s2t(r_lo)
-        return s_hi - s_lo, s_hi / s_lo, c_hi
 
-    def faster(x: tuple[float, float, bool], y: tuple[float, float, bool]) -> bool | None:
-        """Does x grow more than y? None when the censoring leaves it open."""
-        (ex, _, cx), (ey, _, cy) = x, y
-        if not (math.isfinite(ex) and math.isfinite(ey)) or (cx and cy):
-            return None
-        if ex > ey:
-            return None if cy else True
-        return None if cx else False
+def _growth(a: Groups, label: str, lo: int, hi: int) -> tuple[float, float, bool]:
+    """(extra updates from P=lo to P=hi, their ratio, extra is only a lower bound)."""
+    r_hi, r_lo = a.get((label, hi)), a.get((label, lo))
+    if not r_hi or not r_lo or _s2t(r_lo)[1]:
+        return math.nan, math.nan, False
+    (s_hi, c_hi), (s_lo, _) = _s2t(r_hi), _s2t(r_lo)
+    return s_hi - s_lo, s_hi / s_lo, c_hi
 
-    ga, gr, gm = growth("adamw"), growth("rotated_adam"), growth("muon")
-    verdicts = [faster(ga, gr), faster(ga, gm)]
+
+def _faster(x: tuple[float, float, bool], y: tuple[float, float, bool]) -> bool | None:
+    """Does x grow more than y? None when the censoring leaves it open."""
+    (ex, _, cx), (ey, _, cy) = x, y
+    if not (math.isfinite(ex) and math.isfinite(ey)) or (cx and cy):
+        return None
+    if ex > ey:
+        return None if cy else True
+    return None if cx else False
+
+
+def _growth_target(a: Groups, lo: int, hi: int) -> Target:
+    """Whether adamw's updates-to-target grow with depth faster than the others'."""
+    ga = _growth(a, "adamw", lo, hi)
+    gr = _growth(a, "rotated_adam", lo, hi)
+    gm = _growth(a, "muon", lo, hi)
+    verdicts = [_faster(ga, gr), _faster(ga, gm)]
     ok = False if False in verdicts else (True if all(verdicts) else None)
     measured = f"P={lo}->{hi}: " + ", ".join(
         f"{n} {g[0]:+.0f}{'+' if g[2] else ''} ({g[1]:.2f}x)"
         for n, g in (("adamw", ga), ("rotated_adam", gr), ("muon", gm))
     )
-    out.append(
-        (
-            "adamw's updates-to-target grow with P faster than rotated_adam's and muon's",
-            measured,
-            ok,
-            "growth = extra updates to target at the deepest P over P=1 (ratio in brackets); '+' "
-            "= a seed never reached it, counted at the horizon, so the growth is a lower bound",
-        )
+    return (
+        "adamw's updates-to-target grow with P faster than rotated_adam's and muon's",
+        measured,
+        ok,
+        "growth = extra updates to target at the deepest P over P=1 (ratio in brackets); '+' "
+        "= a seed never reached it, counted at the horizon, so the growth is a lower bound",
     )
+
+
+def _rotation_target(a: Groups, hi: int) -> Target | None:
+    """At the deepest P, whether rotated_adam needs >= 30% fewer updates than adamw (None
+    without both)."""
     ra, rr = a.get(("adamw", hi)), a.get(("rotated_adam", hi))
-    if ra and rr:
-        (sa, csa), (sr, csr) = _s2t(ra), _s2t(rr)
-        red = 1 - sr / sa
-        if csr:
-            ok = None if csa else False
-        else:
-            ok = red >= 0.3 if not csa or red >= 0.3 else None
-        out.append(
-            (
-                f"P={hi}: rotated_adam needs >= 30% fewer updates than adamw",
-                f"{sr:.0f}{'+' if csr else ''} vs {sa:.0f}{'+' if csa else ''}: "
-                f"{100 * red:.1f}% fewer{' (at least)' if csa and not csr else ''}",
-                ok,
-                "",
-            )
-        )
+    if not (ra and rr):
+        return None
+    (sa, csa), (sr, csr) = _s2t(ra), _s2t(rr)
+    red = 1 - sr / sa
+    if csr:
+        ok = None if csa else False
+    else:
+        ok = red >= 0.3 if not csa or red >= 0.3 else None
+    return (
+        f"P={hi}: rotated_adam needs >= 30% fewer updates than adamw",
+        f"{sr:.0f}{'+' if csr else ''} vs {sa:.0f}{'+' if csa else ''}: "
+        f"{100 * red:.1f}% fewer{' (at least)' if csa and not csr else ''}",
+        ok,
+        "",
+    )
+
+
+def _error_feedback_targets(b: Groups) -> list[Target]:
+    """For adamw and muon: whether error feedback narrows 2bw's loss gap to gpipe."""
+    out: list[Target] = []
     for opt in ("adamw", "muon"):
         ref = _by_seed(b.get((f"gpipe {opt}", TWO_BW_P)))
         g0 = paired_gap(_by_seed(b.get((f"2bw {opt}", TWO_BW_P))), ref)
@@ -154,52 +182,62 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, bool | None, str]]:
                 "",
             )
         )
+    return out
+
+
+def _time_targets(summary: dict[str, Any], stages: list[int]) -> list[Target]:
+    """rotated_adam's time per update against adamw's, and (for information) the stage-aware
+    variant's."""
     times = _timing(summary)
     ratios = {}
     for label in ("rotated_adam", "rotated_adam+SA"):
         rs = [times[(label, p)][0] / times[("adamw", p)][0] for p in stages if (label, p) in times]
         ratios[label] = [x for x in rs if math.isfinite(x)]
-    rt = ratios["rotated_adam"]
-    out.append(
+    rt, rt_sa = ratios["rotated_adam"], ratios["rotated_adam+SA"]
+    return [
         (
             "rotated_adam time per update <= 1.5x adamw's",
             f"{statistics.mean(rt):.2f}x mean over P (max {max(rt):.2f}x)" if rt else "n/a",
             (max(rt) <= 1.5) if rt else None,
             "whole simulated update (all stages), same P, timed side by side",
-        )
-    )
-    rt = ratios["rotated_adam+SA"]
-    out.append(
+        ),
         (
             "(info) rotated_adam+SA time per update vs adamw",
-            f"{statistics.mean(rt):.2f}x mean over P (max {max(rt):.2f}x)" if rt else "n/a",
+            f"{statistics.mean(rt_sa):.2f}x mean over P (max {max(rt_sa):.2f}x)"
+            if rt_sa
+            else "n/a",
             None,
             "stage-aware refreshes the deepest stages' bases every update",
-        )
-    )
+        ),
+    ]
+
+
+def _memory_target(a: Groups, stages: list[int]) -> Target:
+    """rotated_adam's largest extra state on a stage, reported."""
     mem = _memory_rows(a, stages)
     biggest = max(mem, key=lambda m: m[2], default=None)
-    out.append(
-        (
-            "rotated_adam's extra memory reported per stage",
-            f"max +{biggest[2] / 1024:.1f} KiB on a stage at P={biggest[0]}" if biggest else "n/a",
-            True if biggest else None,
-            "see the cost table",
-        )
+    return (
+        "rotated_adam's extra memory reported per stage",
+        f"max +{biggest[2] / 1024:.1f} KiB on a stage at P={biggest[0]}" if biggest else "n/a",
+        True if biggest else None,
+        "see the cost table",
     )
+
+
+def _stage_aware_info(a: Groups, hi: int) -> Target | None:
+    """(info) at the deepest P, stage-aware rotation's updates against plain rotation's (None
+    without both)."""
     rs_, rp = a.get(("rotated_adam+SA", hi)), a.get(("rotated_adam", hi))
-    if rs_ and rp:
-        (s1, c1), (s0, c0) = _s2t(rs_), _s2t(rp)
-        out.append(
-            (
-                f"(info) P={hi}: stage-aware vs plain rotation (paper: +29.2% speed)",
-                f"{s1:.0f}{'+' if c1 else ''} vs {s0:.0f}{'+' if c0 else ''} updates "
-                f"({100 * (1 - s1 / s0):+.1f}% fewer)",
-                None,
-                "",
-            )
-        )
-    return out
+    if not (rs_ and rp):
+        return None
+    (s1, c1), (s0, c0) = _s2t(rs_), _s2t(rp)
+    return (
+        f"(info) P={hi}: stage-aware vs plain rotation (paper: +29.2% speed)",
+        f"{s1:.0f}{'+' if c1 else ''} vs {s0:.0f}{'+' if c0 else ''} updates "
+        f"({100 * (1 - s1 / s0):+.1f}% fewer)",
+        None,
+        "",
+    )
 
 
 def _timing(summary: dict[str, Any]) -> dict[tuple[str, int], tuple[float, float]]:

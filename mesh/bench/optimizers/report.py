@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.optimizers.analysis import (
+    Groups,
     _async_labels,
     _by_seed,
     _group,
@@ -53,13 +54,28 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
     a, b = _group(runs, "async"), _group(runs, "2bw")
     stages = sorted({p for _, p in a})
     labels = _async_labels(a)
+    lines = [
+        *_intro(summary),
+        *_async_steps_section(a, stages, labels),
+        *_async_loss_section(a, stages, labels),
+        *_two_bw_section(b),
+        *_cost_section(summary, a, stages),
+        *_targets_section(summary),
+    ]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    _plot(summary, out / "depth.png")
+
+
+def _intro(summary: dict[str, Any]) -> list[str]:
+    """table.md's title and the study's setting: model, tokens, seeds, learning rates, targets."""
+    runs = summary["runs"]
     tg = summary["targets"]
     fmt_t = {k: ("n/a" if v is None else f"{v:.4f}") for k, v in tg.items()}
     horizon = {
         st: max((r["horizon_steps"] for r in runs if r["study"] == st), default=0) for st in tg
     }
     lr = summary["lr"]
-    lines = [
+    return [
         "# Optimizers for deep asynchronous pipelines",
         "",
         f"Model: {summary['model']['n_layers']} layers, d_model {summary['model']['d_model']}, "
@@ -77,9 +93,12 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         "seeds reached it, the "
         "others count at the horizon.",
         "",
-        "## Async (PipeDream stashing): updates to reach the target",
-        "",
     ]
+
+
+def _async_steps_section(a: Groups, stages: list[int], labels: list[str]) -> list[str]:
+    """Updates each optimizer took to the target at each depth, and the deepest over the
+    shallowest."""
     rows = []
     for lab in labels:
         row = [lab] + [_fmt_s2t(a.get((lab, p))) for p in stages]
@@ -91,7 +110,16 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
             row.append("-")
         rows.append(row)
     head = ["optimizer"] + [f"P={p}" for p in stages] + [f"P={stages[-1]} / P={stages[0]}"]
-    lines += [format_table(head, rows), "", "## Async: final validation loss at equal tokens", ""]
+    return [
+        "## Async (PipeDream stashing): updates to reach the target",
+        "",
+        format_table(head, rows),
+        "",
+    ]
+
+
+def _async_loss_section(a: Groups, stages: list[int], labels: list[str]) -> list[str]:
+    """Each optimizer's final validation loss at each depth, and its paired gap to adamw."""
     rows = [[lab] + [f"{_loss(a.get((lab, p))):.4f}" for p in stages] for lab in labels]
     for lab in [x for x in labels if x != "adamw"]:
         rows.append(
@@ -101,11 +129,16 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 for p in stages
             ]
         )
-    lines += [format_table(["optimizer"] + [f"P={p}" for p in stages], rows), ""]
-    lines += [
-        f"## 2bw (P={TWO_BW_P}, M={TWO_BW_M}, delay 1) vs gpipe at the same M",
+    return [
+        "## Async: final validation loss at equal tokens",
+        "",
+        format_table(["optimizer"] + [f"P={p}" for p in stages], rows),
         "",
     ]
+
+
+def _two_bw_section(b: Groups) -> list[str]:
+    """2bw, with and without error feedback, against gpipe at the same microbatches."""
     rows = []
     for opt in TWO_BW_OPTIMIZERS:
         ref = b.get((f"gpipe {opt}", TWO_BW_P))
@@ -123,7 +156,9 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 fmt_gap(paired_gap(_by_seed(v1), _by_seed(ref))),
             ]
         )
-    lines += [
+    return [
+        f"## 2bw (P={TWO_BW_P}, M={TWO_BW_M}, delay 1) vs gpipe at the same M",
+        "",
         format_table(
             [
                 "optimizer",
@@ -137,9 +172,11 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
             rows,
         ),
         "",
-        "## Cost: optimizer state and time per update (async)",
-        "",
     ]
+
+
+def _cost_section(summary: dict[str, Any], a: Groups, stages: list[int]) -> list[str]:
+    """Optimizer state and time per update at each depth (async), against adamw's."""
     rows = []
     mem = {p: (ad, ex) for p, ad, ex in _memory_rows(a, stages)}
     times = _timing(summary)
@@ -165,7 +202,9 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
                 _runs_of(periods),
             ]
         )
-    lines += [
+    return [
+        "## Cost: optimizer state and time per update (async)",
+        "",
         format_table(
             [
                 "P",
@@ -185,6 +224,12 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
         "(interleaved update by update, one process) so that they share the machine's load; "
         "summary.json also has each run's own mean, taken under whatever load it met.",
         "",
+    ]
+
+
+def _targets_section(summary: dict[str, Any]) -> list[str]:
+    """Each of the study's targets, what was measured and whether it was met."""
+    return [
         "## Targets",
         "",
         format_table(
@@ -202,8 +247,6 @@ def write_outputs(summary: dict[str, Any], out: Path) -> None:
             ],
         ),
     ]
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    _plot(summary, out / "depth.png")
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:

@@ -161,7 +161,11 @@ class Study:
                 "best_lr": best,
                 "best_loss": None if best is None else finite[best],
                 # None: screened at fixed lrs (Arm.tune off), no claim of an optimum
-                "inside": (best is not None and wider(tuple(lrs), losses) is None)
+                "inside": (
+                    best is not None
+                    and len(losses) == len(lrs)
+                    and wider(tuple(lrs), losses) is None
+                )
                 if a.tune
                 else None,
             }
@@ -208,6 +212,94 @@ def combination(screen: dict[str, Any], stages: int = SCREEN_P) -> Arm | None:
             if both is not None:
                 return both
     return None
+
+
+def screen_arms_of(screen_p: int, levers: list[str] | None) -> list[Arm]:
+    """The screen's arms: every one, or the baselines and `levers` (a user error names the
+    arms there are)."""
+    arms = depth_arms.screen_arms(screen_p)
+    if levers is None:
+        return arms
+    unknown = set(levers) - {a.name for a in arms}
+    if unknown:
+        known = ", ".join(a.name for a in arms if a.name not in (REFERENCE, FULLSYNC))
+        raise ConfigError(
+            f"--levers: no arm named {', '.join(sorted(unknown))}; the screen's arms: {known}"
+        )
+    return [a for a in arms if a.name in (REFERENCE, FULLSYNC) or a.name in levers]
+
+
+def picked(
+    study: Study, screen_p: int, tuned: dict[str, dict[str, Any]]
+) -> tuple[Arm | None, list[Arm]]:
+    """The picks from the screen (`tuned` holds it; it gains the combination's sweep): the
+    recommended candidate (None before any lever finished) and the finals' arms: it, the
+    reference, FullSync (with its optimizer too where it changes it), then the other picks."""
+    chosen = picks(tuned, screen_p)
+    both = combination(tuned, screen_p)
+    if both is not None:
+        tuned.update(study.sweep([(both, screen_p, both.lrs)], "depth: the combination's lr"))
+        chosen.append(both)
+    ranked = sorted(
+        (tuned[label(screen_p, a.name)]["best_loss"] or math.inf, a.name) for a in chosen
+    )
+    best = next((a for a in chosen if ranked and a.name == ranked[0][1]), None)
+    if best is None:
+        return None, []
+    finals = [best, depth_arms.reference(screen_p), depth_arms.fullsync(screen_p)]
+    # an arm that changes the optimizer meets FullSync with that optimizer too
+    same = best.lever.get("optim.name")
+    if same in SAME_OPTIMIZER_BASELINE:
+        finals.append(depth_arms.fullsync(screen_p, 4, best.lrs, same))
+    return best, finals + [a for a in chosen if a is not best]
+
+
+def _seed_specs(
+    arm: Arm, p: int, seeds: list[int], tuned: dict[str, dict[str, Any]], study: str = "depth"
+) -> list[Spec]:
+    """The arm's runs on `seeds` at its tuned lr at depth p (none before it is tuned)."""
+    lr = tuned.get(label(p, arm.name), {}).get("best_lr")
+    return [] if lr is None else [spec(arm, p, s, lr, False, study=study) for s in seeds]
+
+
+def finals_at_depth(
+    study: Study, p: int, screen_p: int, finals: list[Arm], tuned: dict[str, dict[str, Any]]
+) -> tuple[Arm, list[Arm]]:
+    """At depth p: the finals' arms swept on the tuning seed (around their screen lr), the
+    depth's own candidates screened beside them (depth_arms.depth_candidates), and the
+    recommended one: at the screen's depth the screen's best, elsewhere the candidate with
+    the lowest tuning-seed loss there. Returns it and the arms the report seeds run (the
+    finals, and the recommended one with its same-optimizer FullSync where it is a depth's
+    own). `tuned` gains the sweeps."""
+    here = [at_depth(a, p) for a in finals]
+    names = {a.name for a in here}
+    own = [a for a in depth_arms.depth_candidates(p) if a.name not in names]
+    untuned = [a for a in here if label(p, a.name) not in tuned]
+    grids = [
+        (a, p, around(tuned.get(label(screen_p, a.name), {}).get("best_lr"), a.lrs))
+        for a in untuned
+    ]
+    grids += [(a, p, a.lrs) for a in own if label(p, a.name) not in tuned]
+    if grids:
+        tuned.update(study.sweep(grids, f"depth P={p}: lr sweeps"))
+    if p == screen_p:
+        return here[0], here
+    candidates = [a for a in [*here, *own] if a.lever]  # the baselines aside
+    ranked = sorted(
+        (tuned.get(label(p, a.name), {}).get("best_loss") or math.inf, i)
+        for i, a in enumerate(candidates)
+    )
+    best = candidates[ranked[0][1]] if ranked and math.isfinite(ranked[0][0]) else here[0]
+    report = list(here)
+    if best.name not in names:
+        report.append(best)
+        same = best.lever.get("optim.name")
+        if same in SAME_OPTIMIZER_BASELINE and f"{FULLSYNC} {same}" not in names:
+            report.append(depth_arms.fullsync(p, 4, best.lrs, same))
+    missing = [(a, p, a.lrs) for a in report if label(p, a.name) not in tuned]
+    if missing:
+        tuned.update(study.sweep(missing, f"depth P={p}: lr sweeps"))
+    return best, report
 
 
 def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:
@@ -273,56 +365,21 @@ def run_depth(
     screen_p = stages[0] if quick else SCREEN_P
     mbs = QUICK_MICROBATCHES if quick else MICROBATCHES
     study = Study(base, out, workers, mbs, report_only)
-    arms = depth_arms.screen_arms(screen_p)
-    if levers is not None:  # the baselines always run
-        unknown = set(levers) - {a.name for a in arms}
-        if unknown:
-            known = ", ".join(a.name for a in arms if a.name not in (REFERENCE, FULLSYNC))
-            raise ConfigError(
-                f"--levers: no arm named {', '.join(sorted(unknown))}; the screen's arms: {known}"
-            )
-        arms = [a for a in arms if a.name in (REFERENCE, FULLSYNC) or a.name in levers]
+    arms = screen_arms_of(screen_p, levers)
     screen = study.sweep([(a, screen_p, a.lrs) for a in arms], f"depth screen P={screen_p}")
-    chosen: list[Arm] = []
     tuned: dict[str, dict[str, Any]] = dict(screen)
-    if PHASES.index(phase) >= 1:
-        chosen = picks(screen, screen_p)
-        both = combination(screen, screen_p)
-        if both is not None:
-            tuned.update(study.sweep([(both, screen_p, both.lrs)], "depth: the combination's lr"))
-            chosen.append(both)
-    ranked = sorted(
-        (tuned[label(screen_p, a.name)]["best_loss"] or math.inf, a.name) for a in chosen
-    )
-    best = next((a for a in chosen if ranked and a.name == ranked[0][1]), None)
-    finals_arms: list[Arm] = []
-    if best is not None:
-        others = [a for a in chosen if a is not best]
-        finals_arms = [best, depth_arms.reference(screen_p), depth_arms.fullsync(screen_p)]
-        # an arm that changes the optimizer meets FullSync with that optimizer too
-        same = best.lever.get("optim.name")
-        if same in SAME_OPTIMIZER_BASELINE:
-            finals_arms.append(depth_arms.fullsync(screen_p, 4, best.lrs, same))
-        finals_arms += others
-    if PHASES.index(phase) >= 2 and finals_arms:
-        for p in stages:
-            here = [at_depth(a, p) for a in finals_arms]
-            untuned = [a for a in here if label(p, a.name) not in tuned]
-            first = {
-                a.name: around(tuned.get(label(screen_p, a.name), {}).get("best_lr"), a.lrs)
-                for a in untuned
-            }
-            if untuned:
-                tuned.update(
-                    study.sweep([(a, p, first[a.name]) for a in untuned], f"depth P={p}: lr sweeps")
-                )
-            specs = [
-                spec(a, p, s, tuned[label(p, a.name)]["best_lr"], False)
-                for a in here
-                if tuned.get(label(p, a.name), {}).get("best_lr") is not None
-                for s in seeds
-            ]
-            study.run(specs, f"depth P={p}: report seeds")
+    best, finals_arms = picked(study, screen_p, tuned) if PHASES.index(phase) >= 1 else (None, [])
+    best_at: dict[int, Arm] = {} if best is None else {screen_p: best}
+    finals_at: dict[int, list[Arm]] = {}
+    for p in stages if best is not None else ():
+        if PHASES.index(phase) >= 2:
+            best_at[p], finals_at[p] = finals_at_depth(study, p, screen_p, finals_arms, tuned)
+            study.run(
+                [s for a in finals_at[p] for s in _seed_specs(a, p, seeds, tuned)],
+                f"depth P={p}: report seeds",
+            )
+        else:  # the finals' rows, not run yet
+            best_at[p], finals_at[p] = at_depth(best, p), [at_depth(a, p) for a in finals_arms]
     long_arms: list[Arm] = []
     if PHASES.index(phase) >= 3 and best is not None:
         # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
@@ -330,16 +387,9 @@ def run_depth(
         long_arms = [best, depth_arms.fullsync(screen_p)]
         study.run(
             [
-                spec(
-                    a,
-                    screen_p,
-                    seeds[0],
-                    tuned[label(screen_p, a.name)]["best_lr"],
-                    False,
-                    study="depth-long",
-                )
+                s
                 for a in long_arms
-                if tuned.get(label(screen_p, a.name), {}).get("best_lr") is not None
+                for s in _seed_specs(a, screen_p, seeds[:1], tuned, "depth-long")
             ],
             f"depth P={screen_p}: {LONG_FACTOR}x the tokens",
         )
@@ -353,8 +403,8 @@ def run_depth(
         stages,
         seeds,
         tuned,
-        best,
-        finals_arms,
+        best_at,
+        finals_at,
         mbs,
         long_arms,
         width,

@@ -194,6 +194,36 @@ def screen_arms(stages: int) -> list[Arm]:
     ]
 
 
+def fixed_lrs(arm: Arm, lrs: tuple[float, ...]) -> Arm:
+    """The arm screened at these lrs only (no widening: a refinement run where its parts are
+    tuned)."""
+    return Arm(
+        arm.name, arm.overrides, lrs, arm.microbatches_per_update, arm.muon, arm.lever, False
+    )
+
+
+def depth_candidates(stages: int) -> list[Arm]:
+    """Candidates screened at their own depth beside the P = 8 picks (none below P = 16). At
+    P = 16 stage 0 applies gradients 15 updates stale, and P = 8's best (the lr correction)
+    ends 8% behind FullSync on the tuning seed: a longer correction, the levers P = 8 ranked
+    next on top of it, the one-step delay (2BW with Muon and error feedback, M = P) and
+    FullSync at that M (2BW's update count)."""
+    if stages < 16:
+        return []
+    by = {name: lever_arm(stages, name, *rest) for name, *rest in LEVERS}
+    lrc = by["lr correction"]
+    longer = lever_arm(
+        stages, "lr correction share 1", {"optim.delay_lr_share": 1.0}, (1e-3,), False, False
+    )
+    on_lrc = [combine(stages, lrc, by[n]) for n in ("beta1 0.95", "prediction", "muon")]
+    return [
+        longer,
+        *(fixed_lrs(a, (1e-3,)) for a in on_lrc if a is not None),
+        fixed_lrs(two_bw(stages, stages), (4e-3,)),
+        fixed_lrs(fullsync(stages, stages, (8e-3,)), (8e-3,)),
+    ]
+
+
 def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
     """The two levers together (None when they set one key two ways: muon and rotated_adam)."""
     clash = {k for k in a.lever.keys() & b.lever.keys() if a.lever[k] != b.lever[k]}

@@ -19,7 +19,6 @@ from mesh.bench.depth_arms import (
     WIDTH_LAYERS,
     WIDTH_PREFIX,
     Arm,
-    at_depth,
     label,
     settings_of,
 )
@@ -36,55 +35,28 @@ def summarize(
     stages: tuple[int, ...],
     seeds: list[int],
     tuned: dict[str, dict[str, Any]],
-    best: Arm | None,
-    finals: list[Arm],
+    best_at: dict[int, Arm],
+    finals_at: dict[int, list[Arm]],
     microbatches: int,
     long_arms: list[Arm] | None = None,
     width: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the runs so far say: the screen, the picks, the finals' rows and the settings that
-    reproduce the recommended candidate and FullSync at each depth."""
+    reproduce the recommended candidate and FullSync at each depth (best_at: each depth's
+    recommended candidate; finals_at: the arms its report seeds run)."""
+    best = best_at.get(screen_p)
     rows: list[dict[str, Any]] = []
     recommended: dict[str, Any] = {}
     fullsync: dict[str, Any] = {}
     by_tokens: dict[str, Any] = {}
     for p in stages:
-        here = [at_depth(a, p) for a in finals]
+        here = finals_at.get(p, [])
+        rec = best_at.get(p)
         losses = {a.name: _seed_losses(study, label(p, a.name), seeds) for a in here}
-        sync = losses.get(FULLSYNC, {})
         for a in here:
-            iv = paired_interval(losses[a.name], sync, relative=True)
-            # against FullSync running the same optimizer, where the finals have it
-            opt = a.lever.get("optim.name")
-            same = losses.get(f"{FULLSYNC} {opt}") if opt else None
-            iv_same = None if not same else paired_interval(losses[a.name], same, relative=True)
             lr = tuned.get(label(p, a.name), {}).get("best_lr")
-            is_best = best is not None and a.name == best.name
-            rows.append(
-                {
-                    "P": p,
-                    "arm": RECOMMENDED if is_best else a.name,
-                    "candidate": a.name,
-                    "lr": lr,
-                    "seeds": sorted(losses[a.name]),
-                    "val_loss": _mean(list(losses[a.name].values())),
-                    "per_seed": {str(s): round(v, 5) for s, v in losses[a.name].items()},
-                    "gap_pct": None if iv is None else round(100 * iv.mean, 3),
-                    "gap_se_pct": None
-                    if iv is None or not math.isfinite(iv.se)
-                    else round(100 * iv.se, 3),
-                    "gap_ci95_pct": None
-                    if iv is None or not math.isfinite(iv.low)
-                    else [round(100 * iv.low, 3), round(100 * iv.high, 3)],
-                    "gap": fmt_interval(iv, pct=True),
-                    "gap_same_optimizer_pct": None
-                    if iv_same is None
-                    else round(100 * iv_same.mean, 3),
-                    "gap_same_optimizer": None
-                    if iv_same is None
-                    else fmt_interval(iv_same, pct=True),
-                }
-            )
+            is_best = rec is not None and a.name == rec.name
+            rows.append(_final_row(p, a, losses, lr, is_best))
             if lr is not None and (is_best or a.name == FULLSYNC):
                 where = recommended if is_best else fullsync
                 where[str(p)] = {
@@ -94,10 +66,10 @@ def summarize(
                 }
         curves = {
             name: _gap_curve(study, label(p, name), label(p, FULLSYNC), seeds)
-            for name in ([best.name] if best else []) + [REFERENCE]
+            for name in ([rec.name] if rec else []) + [REFERENCE]
         }
         by_tokens[str(p)] = {
-            (RECOMMENDED if best and name == best.name else name): c
+            (RECOMMENDED if rec and name == rec.name else name): c
             for name, c in curves.items()
             if c
         }
@@ -122,8 +94,11 @@ def summarize(
         "screen_P": screen_p,
         "stages": list(stages),
         "screen": screen,
-        "picks": [a.name for a in finals if a.name not in (REFERENCE, FULLSYNC)],
+        "picks": [
+            a.name for a in finals_at.get(screen_p, []) if a.name not in (REFERENCE, FULLSYNC)
+        ],
         "recommended_candidate": best.name if best else None,
+        "recommended_by_depth": {str(p): a.name for p, a in best_at.items()},
         "rows": rows,
         "recommended": recommended,
         "fullsync": fullsync,
@@ -134,6 +109,34 @@ def summarize(
         "complete": complete,
         "cpu_s_of_runs": round(sum(r.get("wall_s", 0) for r in study.runs.values()), 1),
         "runs": sorted(study.runs.values(), key=lambda r: (r["method"], r["seed"])),
+    }
+
+
+def _final_row(
+    p: int, a: Arm, losses: dict[str, dict[int, float]], lr: float | None, is_best: bool
+) -> dict[str, Any]:
+    """One arm's row of the finals at depth p: its seeds' losses and its gap paired by seed
+    against FullSync (and against FullSync with its optimizer, where the finals have it)."""
+    iv = paired_interval(losses[a.name], losses.get(FULLSYNC, {}), relative=True)
+    opt = a.lever.get("optim.name")
+    same = losses.get(f"{FULLSYNC} {opt}") if opt else None
+    iv_same = None if not same else paired_interval(losses[a.name], same, relative=True)
+    return {
+        "P": p,
+        "arm": RECOMMENDED if is_best else a.name,
+        "candidate": a.name,
+        "lr": lr,
+        "seeds": sorted(losses[a.name]),
+        "val_loss": _mean(list(losses[a.name].values())),
+        "per_seed": {str(s): round(v, 5) for s, v in losses[a.name].items()},
+        "gap_pct": None if iv is None else round(100 * iv.mean, 3),
+        "gap_se_pct": None if iv is None or not math.isfinite(iv.se) else round(100 * iv.se, 3),
+        "gap_ci95_pct": None
+        if iv is None or not math.isfinite(iv.low)
+        else [round(100 * iv.low, 3), round(100 * iv.high, 3)],
+        "gap": fmt_interval(iv, pct=True),
+        "gap_same_optimizer_pct": None if iv_same is None else round(100 * iv_same.mean, 3),
+        "gap_same_optimizer": None if iv_same is None else fmt_interval(iv_same, pct=True),
     }
 
 
@@ -250,35 +253,12 @@ def table(summary: dict[str, Any]) -> str:
     )
     parts = [head, rule_line(summary), ""]
     if summary["rows"]:
-        parts += ["## Finals: gap to FullSync (paired by seed, share of FullSync's loss)", ""]
-        parts.append(
-            format_table(
-                [
-                    "P",
-                    "arm",
-                    "candidate",
-                    "lr",
-                    "val loss",
-                    "gap (mean +- SE [95% t])",
-                    "vs FullSync, same optimizer",
-                    "seeds",
-                ],
-                [
-                    [
-                        r["P"],
-                        r["arm"],
-                        r["candidate"],
-                        "n/a" if r["lr"] is None else f"{r['lr']:g}",
-                        "not run" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
-                        r["gap"],
-                        r["gap_same_optimizer"] or "",
-                        len(r["seeds"]),
-                    ]
-                    for r in summary["rows"]
-                ],
-            )
-        )
-        parts.append("")
+        parts += [
+            "## Finals: gap to FullSync (paired by seed, share of FullSync's loss)",
+            "",
+            _finals_table(summary["rows"]),
+            "",
+        ]
     long = summary.get("long")
     if long and long.get("gap_pct") is not None:
         parts += [
@@ -314,32 +294,19 @@ def table(summary: dict[str, Any]) -> str:
         f"## Screen at P = {summary['screen_P']} (seed {summary['tune_seed']}): each arm's lr "
         "sweep",
         "",
+        _sweep_table(summary["screen"]),
     ]
-    sync = next(
-        (r["best_loss"] for r in summary["screen"] if r["arm"] == FULLSYNC and r["best_loss"]),
-        None,
-    )
-    screen_rows = sorted(summary["screen"], key=lambda r: r["best_loss"] or math.inf)
-    parts.append(
-        format_table(
-            ["arm", "lr: val loss", "best lr", "inside its grid", "best loss", "vs FullSync"],
-            [
-                [
-                    r["arm"],
-                    ", ".join(
-                        f"{lr}: {'...' if v is None else f'{v:.4f}'}" for lr, v in r["lrs"].items()
-                    ),
-                    "n/a" if r["best_lr"] is None else f"{r['best_lr']:g}",
-                    {True: "yes", False: "no", None: "fixed lrs"}[r["inside"]],
-                    "n/a" if r["best_loss"] is None else f"{r['best_loss']:.4f}",
-                    "n/a"
-                    if not (sync and r["best_loss"])
-                    else f"{100 * (r['best_loss'] / sync - 1):+.2f}%",
-                ]
-                for r in screen_rows
-            ],
-        )
-    )
+    for p in summary["stages"]:
+        rows = [r for r in summary.get("sweeps", {}).values() if r["P"] == p]
+        if p != summary["screen_P"] and rows:
+            parts += [
+                "",
+                f"## Tuning at P = {p} (seed {summary['tune_seed']}): the finals' lr sweeps "
+                f"and the depth's own candidates (recommended: "
+                f"{summary.get('recommended_by_depth', {}).get(str(p), 'not yet')})",
+                "",
+                _sweep_table(rows),
+            ]
     parts.append("")
     if summary.get("levers_left_out"):
         parts.append(
@@ -353,6 +320,57 @@ def table(summary: dict[str, Any]) -> str:
         f"{'yes' if summary['complete'] else 'no (runs missing: `meshtrain bench depth` resumes)'}."
     )
     return "\n".join(parts) + "\n"
+
+
+def _finals_table(rows: list[dict[str, Any]]) -> str:
+    return format_table(
+        [
+            "P",
+            "arm",
+            "candidate",
+            "lr",
+            "val loss",
+            "gap (mean +- SE [95% t])",
+            "vs FullSync, same optimizer",
+            "seeds",
+        ],
+        [
+            [
+                r["P"],
+                r["arm"],
+                r["candidate"],
+                "n/a" if r["lr"] is None else f"{r['lr']:g}",
+                "not run" if r["val_loss"] is None else f"{r['val_loss']:.4f}",
+                r["gap"],
+                r["gap_same_optimizer"] or "",
+                len(r["seeds"]),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Each arm's lr sweep on the tuning seed, best first, against FullSync's best there."""
+    sync = next((r["best_loss"] for r in rows if r["arm"] == FULLSYNC and r["best_loss"]), None)
+    return format_table(
+        ["arm", "lr: val loss", "best lr", "inside its grid", "best loss", "vs FullSync"],
+        [
+            [
+                r["arm"],
+                ", ".join(
+                    f"{lr}: {'...' if v is None else f'{v:.4f}'}" for lr, v in r["lrs"].items()
+                ),
+                "n/a" if r["best_lr"] is None else f"{r['best_lr']:g}",
+                {True: "yes", False: "no", None: "fixed lrs"}[r["inside"]],
+                "n/a" if r["best_loss"] is None else f"{r['best_loss']:.4f}",
+                "n/a"
+                if not (sync and r["best_loss"])
+                else f"{100 * (r['best_loss'] / sync - 1):+.2f}%",
+            ]
+            for r in sorted(rows, key=lambda r: r["best_loss"] or math.inf)
+        ],
+    )
 
 
 def write_outputs(summary: dict[str, Any], out: Path) -> None:

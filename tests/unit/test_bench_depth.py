@@ -54,6 +54,60 @@ def test_picks_are_the_two_best_levers_and_their_combination() -> None:
     assert [a.name for a in depth.picks(screen)] == ["muon", "rotated"]
 
 
+class _Sweeps:
+    """A study whose sweeps return set losses (each arm's first lr its best)."""
+
+    def __init__(self, losses: dict[str, float]) -> None:
+        self.losses, self.swept = losses, []
+
+    def sweep(self, grids, desc):
+        self.swept += [a.name for a, _, _ in grids]
+        return {
+            depth.label(p, a.name): {
+                "arm": a.name,
+                "P": p,
+                "best_lr": lrs[0],
+                "best_loss": self.losses.get(a.name),
+            }
+            for a, p, lrs in grids
+        }
+
+
+def test_a_deep_pipeline_recommends_its_own_best_candidate() -> None:
+    arms = {a.name: a for a in depth_arms.screen_arms(8)}
+    finals = [arms["lr correction"], arms["reference"], arms["FullSync"]]
+    own = {a.name for a in depth_arms.depth_candidates(16)}
+    assert "2bw muon EF M=16" in own and "lr correction + muon" in own
+    assert depth_arms.depth_candidates(8) == []  # P = 8's candidates are its screen's
+    losses = {
+        "reference": 2.2,
+        "FullSync": 1.8,
+        "lr correction": 1.9,
+        "FullSync M=16": 1.7,
+        "lr correction + muon": 1.85,
+        "lr correction + beta1 0.95": 1.88,
+    }
+    study, tuned = _Sweeps(losses), {}
+    best, report = depth.finals_at_depth(study, 16, 8, finals, tuned)
+    # FullSync at 2BW's M is a baseline, never recommended; Muon meets FullSync with Muon
+    assert best.name == "lr correction + muon"
+    assert [a.name for a in report] == [
+        "lr correction",
+        "reference",
+        "FullSync",
+        "lr correction + muon",
+        "FullSync muon",
+    ]
+    assert own <= set(study.swept) and depth.label(16, "FullSync muon") in tuned
+    # where none of the depth's own beats a pick, the pick stays recommended; at the screen's
+    # depth, the screen's best is
+    losses["lr correction"] = 1.8
+    best, report = depth.finals_at_depth(_Sweeps(losses), 16, 8, finals, {})
+    assert best.name == "lr correction" and len(report) == 3
+    best, _ = depth.finals_at_depth(_Sweeps(losses), 8, 8, finals, {})
+    assert best.name == "lr correction"
+
+
 def test_an_arm_moves_to_another_depth() -> None:
     arms = {a.name: a for a in depth_arms.screen_arms(8)}
     two_bw = depth.at_depth(arms["2bw muon EF M=8"], 16)

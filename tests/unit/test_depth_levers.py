@@ -169,3 +169,30 @@ def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) ->
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
     assert deep.depth_rule_settings() == {"delay_lr_share": 0.5}
     assert deep.effective().optim.lr == 1e-3
+
+
+def test_the_default_at_each_depth_the_study_measured_is_its_recommended_arm() -> None:
+    """What a user gets without flags (the depth rule resolving the study's config with the
+    rule's keys left out) is the optimizer the study measured as `recommended`, at every depth
+    whose report seeds finished (results/depth/summary.json)."""
+    import json
+    from pathlib import Path
+
+    from mesh.depth_rule import rule_for
+
+    summary = json.loads((Path(__file__).parents[2] / "results/depth/summary.json").read_text())
+    checked = []
+    for p, rec in summary["recommended"].items():
+        row = next(r for r in summary["rows"] if r["P"] == int(p) and r["arm"] == "recommended")
+        if row["seeds"] != summary["seeds"]:
+            continue  # not measured on the report seeds yet
+        rule = rule_for(int(p), "async")
+        ruled = {f"optim.{k}" for k in rule.settings} if rule else set()
+        measured = load_config([], rec["set"]).effective().optim.model_dump()
+        user = [kv for kv in rec["set"] if kv.split("=")[0] not in ruled | {"optim.depth_rule"}]
+        default = load_config([], user).effective().optim.model_dump()
+        for got in (measured, default):
+            got.pop("depth_rule")
+        assert default == measured, (p, rec["candidate"])
+        checked.append(int(p))
+    assert 8 in checked

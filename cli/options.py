@@ -89,7 +89,9 @@ def grid_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--method", default=None, help="A named baseline, e.g. AsyncMesh, FullSync."),
         click.option(
             "--init-from",
-            type=click.Path(file_okay=False, exists=True),
+            # no exists=True: a missing directory is the config's one-line error (exit 2)
+            # naming model.init_from, not click's usage
+            type=click.Path(file_okay=False),
             default=None,
             help="Start from a Hugging Face LlamaForCausalLM directory's weights "
             "(shorthand for model.init_from; its config.json gives the model keys).",

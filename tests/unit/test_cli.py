@@ -203,6 +203,14 @@ def test_a_missing_resume_directory_is_one_line_naming_the_option(tmp_path):
     )
 
 
+def test_a_missing_init_from_directory_is_one_line_naming_the_key(tmp_path):
+    missing = tmp_path / "no-model"
+    res = CliRunner().invoke(main, ["simulate", "--init-from", str(missing), "--steps", "2"])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "model.init_from" in lines[0] and "config.json" in lines[0]
+
+
 def test_an_emulated_runs_table_says_no_math_ran_and_its_plot_has_no_empty_legend(
     monkeypatch, tmp_path
 ):

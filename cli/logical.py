@@ -55,6 +55,15 @@ def simulate_logical(
     start = 0
     if resume:
         assert out is not None, "a resume continues in its run directory"
+        if isinstance(sim, PoolSim):
+            # its cells end at different updates with microbatches queued between them, and
+            # the pool simulator saves neither queue: an honest refusal, not a wrong restart
+            raise CheckpointError(
+                f"--resume {out}: a logical run with pipeline.routing = 'pools' does not "
+                "resume (its cells stop at different updates with microbatches in flight); "
+                "run it again with more --steps, or use --backend torch/hivemind, whose pooled "
+                "cells resume"
+            )
         start = load_grid(sim, cfg, out)
         if start >= cfg.run.steps:
             click.echo(

@@ -125,6 +125,25 @@ def test_a_stopped_run_saves_every_cell_and_resumes_to_the_same_end(
     _assert_same_state(_cells(uninterrupted, STEPS), _cells(run, STEPS))
 
 
+def test_a_pooled_logical_run_is_refused_resume_in_one_line_saying_why(tmp_path, text_file):
+    run = tmp_path / "run"
+    res = _simulate(
+        "--backend",
+        "logical",
+        "--steps",
+        "4",
+        "--out",
+        str(run),
+        "--set=pipeline.routing='pools'",
+        text_file=text_file,
+    )
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["simulate", "--resume", str(run), "--steps", "6"])
+    assert res.exit_code == 2, res.output
+    (line,) = res.output.strip().splitlines()
+    assert "pipeline.routing = 'pools' does not resume" in line and "--backend torch" in line
+
+
 def test_resume_refuses_a_damaged_simulator_state_in_one_line(tmp_path, text_file):
     run = tmp_path / "run"
     res = _simulate("--backend", "logical", "--steps", "4", "--out", str(run), text_file=text_file)

@@ -364,7 +364,9 @@ class GroupMeans:
 
     def _loop(self) -> None:
         """Look at the rounds something happened to and those past their deadline, each time
-        the thread is woken, until close."""
+        the thread is woken, until close. One Condition over a deadline heap rather than
+        `sched`: its run() sleeps to the next event without waking for one pushed earlier from
+        another thread, and rounds are also woken by arrivals, not only by time."""
         while True:
             with self._wake_cond:
                 while True:

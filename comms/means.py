@@ -28,7 +28,7 @@ imports: torch, comms only.
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures as cf
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -238,11 +238,10 @@ class MeanRound:
         self.sends: dict[str, Sent] = {}  # our frame to each other member
         self.cut_asked = False
         self._wake = wake
-        self._event = threading.Event()
-        self._result: MeanResult | None = None
+        self._outcome: cf.Future[MeanResult] = cf.Future()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._outcome.done()
 
     def cut(self) -> bool:
         """End the round now over the payloads that arrived (PARTIAL, as at its deadline)."""
@@ -252,9 +251,10 @@ class MeanRound:
         return True
 
     def result(self, timeout_s: float) -> MeanResult:
-        if not self._event.wait(max(0.0, timeout_s)) or self._result is None:
+        try:
+            return self._outcome.result(max(0.0, timeout_s))
+        except cf.TimeoutError:
             return MeanResult(MeanStatus.FAILED, None, (), "deadline")
-        return self._result
 
     def frame(self, member: str) -> FrameId:
         return FrameId(self.group, self.round_id, self.members.index(member))
@@ -285,8 +285,8 @@ class MeanRound:
 
     def finish(self, result: MeanResult) -> bool:
         """Deliver the result; False when it was delivered already."""
-        if self._event.is_set():
+        try:
+            self._outcome.set_result(result)
+        except cf.InvalidStateError:
             return False
-        self._result = result
-        self._event.set()
         return True

@@ -27,6 +27,7 @@ imports: stdlib only (no torch, no mesh, no cli).
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import random
 import threading
 import time
@@ -190,18 +191,15 @@ class Delivery:
 
     def __init__(self, to: str) -> None:
         self.to = to
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._left: cf.Future[None] = cf.Future()  # done when the bytes left, or never will
         self._cancel: Callable[[], None] | None = None  # set by the LinkSender that queued it
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._left.done()
 
     def error(self) -> BaseException | None:
         """Why the bytes never left, once done; None otherwise."""
-        return self._error if self._event.is_set() else None
+        return self._left.exception(0) if self._left.done() else None
 
     def taken(self) -> None:
         """None: a link without acknowledgements cannot tell whether the peer used them."""
@@ -209,11 +207,7 @@ class Delivery:
 
     def on_done(self, fn: Callable[[], None]) -> None:
         """Call fn() once done (at once if it is; else on the thread that finishes it)."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn()
+        self._left.add_done_callback(lambda _: fn())
 
     def cancel(self) -> None:
         """Take the message out of its queue if it has not left yet (it fails: PeerLost)."""
@@ -222,20 +216,21 @@ class Delivery:
 
     def wait(self, timeout_s: float) -> None:
         """Block until the bytes left; PeerTimeout after timeout_s, PeerLost if they never will."""
-        if not self._event.wait(timeout_s):
-            raise PeerTimeout(f"send to {self.to!r} not delivered within {timeout_s}s")
-        if self._error is not None:
-            raise self._error
+        try:
+            self._left.result(timeout_s)
+        except cf.TimeoutError:
+            if self._left.done():  # the send's own error (a PeerTimeout is a TimeoutError)
+                raise
+            raise PeerTimeout(f"send to {self.to!r} not delivered within {timeout_s}s") from None
 
     def _finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._error = error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        try:
+            if error is None:
+                self._left.set_result(None)
+            else:
+                self._left.set_exception(error)
+        except cf.InvalidStateError:  # finished already (sent, then cancelled too late)
+            return
 
     @classmethod
     def failed(cls, to: str, error: BaseException) -> Delivery:

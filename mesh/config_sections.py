@@ -228,10 +228,10 @@ class OptimConfig(_Section):
     delay_lr_share: float = Field(
         0.0,
         ge=0,
-        le=1,
+        le=4,
         description="a stage with gradient delay d > 1 starts at lr / d and reaches the full lr "
         "at this share of the run (AsyncPP's lr_correction; mesh.algo.staleness.delay_lr_factor); "
-        "0: off",
+        "above 1 it ends at lr / d^(1 - 1/share); 0: off",
     )
     adaptive_momentum: bool = Field(
         False,

@@ -50,7 +50,9 @@ def delay_lr_factor(delay: int, step: int, total_steps: int, share: float) -> fl
     """A delayed stage's lr multiplier (AsyncPP's `--lr_correction`, PipeMare's lr
     rescheduling): 1 / delay^(1 - progress / share) while progress = step / total_steps < share,
     1 after; so stage j starts at lr / delta_j and reaches the full lr at `share` of the run.
-    A fresh stage (delay 0 or 1), or share 0, keeps the full lr."""
+    A share above 1 never releases it whole: the run ends at lr / delta_j^(1 - 1 / share)
+    (share 2: lr / sqrt(delta_j)), so the least delayed stages can take a larger lr than the
+    most delayed ones keep. A fresh stage (delay 0 or 1), or share 0, keeps the full lr."""
     if share < 0 or delay < 0:
         raise ValueError(f"delay lr correction needs share >= 0, delay >= 0: {share}, {delay}")
     if share == 0 or delay <= 1:

@@ -205,7 +205,8 @@ def fixed_lrs(arm: Arm, lrs: tuple[float, ...]) -> Arm:
 def depth_candidates(stages: int) -> list[Arm]:
     """Candidates screened at their own depth beside the P = 8 picks (none below P = 16). At
     P = 16 stage 0 applies gradients 15 updates stale, and P = 8's best (the lr correction)
-    ends 8% behind FullSync on the tuning seed: a longer correction, the levers P = 8 ranked
+    ends 8% behind FullSync on the tuning seed: a longer correction (to the run's end, or
+    never released whole at a larger lr), the levers P = 8 ranked
     next on top of it, the one-step delay (2BW with Muon and error feedback, M = P) and
     FullSync at that M (2BW's update count)."""
     if stages < 16:
@@ -215,9 +216,15 @@ def depth_candidates(stages: int) -> list[Arm]:
     longer = lever_arm(
         stages, "lr correction share 1", {"optim.delay_lr_share": 1.0}, (1e-3,), False, False
     )
+    # never released whole (stage j ends at lr / delta_j^0.5): a larger lr for the fresh
+    # stages than the stale ones keep
+    kept = lever_arm(
+        stages, "lr correction share 2", {"optim.delay_lr_share": 2.0}, (2e-3, 4e-3), False, False
+    )
     on_lrc = [combine(stages, lrc, by[n]) for n in ("beta1 0.95", "prediction", "muon")]
     return [
         longer,
+        kept,
         *(fixed_lrs(a, (1e-3,)) for a in on_lrc if a is not None),
         fixed_lrs(two_bw(stages, stages), (4e-3,)),
         fixed_lrs(fullsync(stages, stages, (8e-3,)), (8e-3,)),

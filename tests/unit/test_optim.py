@@ -486,6 +486,10 @@ def test_delay_lr_factor_rises_from_lr_over_delay_to_lr() -> None:
     assert delay_lr_factor(3, 0, 1000, 0.5) == pytest.approx(1 / 3)
     assert delay_lr_factor(4, 250, 1000, 0.5) == pytest.approx(4**-0.5)  # halfway: 1/sqrt(d)
     assert delay_lr_factor(3, 500, 1000, 0.5) == 1.0
+    # a share above 1 never releases it whole: share 2 ends at 1/sqrt(d), halfway at d^-0.75
+    assert delay_lr_factor(4, 1000, 1000, 2.0) == pytest.approx(0.5)
+    assert delay_lr_factor(16, 500, 1000, 2.0) == pytest.approx(16**-0.75)
+    assert delay_lr_factor(16, 0, 1000, 2.0) == pytest.approx(1 / 16)
     assert delay_lr_factor(3, 900, 1000, 0.5) == 1.0
     factors = [delay_lr_factor(3, s, 1000, 0.5) for s in range(0, 1001, 50)]
     assert factors == sorted(factors)  # never falls

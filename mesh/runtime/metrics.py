@@ -118,7 +118,7 @@ def summarize_run(
         steps, tokens, segment_tokens = _pool_progress(cfg, rows, start_step)
     rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
     sent, rejects = _sent_and_rejects(totals)
-    updates = sum(t["steps"] for t in totals.values()) / P  # a replica's, over every life
+    updates = whole_updates({k: t["steps"] for k, t in totals.items()}, P, m, pools)
     # steady state (warm-up rows left out) against the ideal of the same run
     # (mesh/runtime/emulate.py)
     tp = throughput(cfg, current)
@@ -225,6 +225,19 @@ def _sent_and_rejects(
         add_counts(sent, t["bytes_sent"])
         add_counts(rejects, t["rejects"])
     return sent, rejects
+
+
+def whole_updates(
+    steps: dict[tuple[int, int], int], stages: int, replicas: int, pools: bool
+) -> int:
+    """The updates every stage applied, summed over the replicas, from each cell's updates over
+    every life (`steps` by (stage, replica); replayed ones count again): a fixed replica's the
+    fewest of its stages' (one that stopped a step behind the others has not finished that
+    update; a cell that never ran: none), a pool's the updates its stage-0 cells applied
+    (a microbatch's update is complete when its gradient reaches stage 0)."""
+    if pools:
+        return sum(n for (j, _), n in steps.items() if j == 0)
+    return sum(min(steps.get((j, i), 0) for j in range(stages)) for i in range(replicas))
 
 
 def _bytes_per_replica_step(sent: dict[str, int], updates: float) -> dict[str, Any]:

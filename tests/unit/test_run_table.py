@@ -183,3 +183,15 @@ def test_the_logical_table_counts_a_stalled_replica_and_its_pools(text_file):
     p = pool_counts(sim)["pools"]
     assert p == {"routed": 12, "cross_replica": 6, "voided": 0}  # 2 streams x 6, all to s1r0
     assert pool_cells({"pools": p}) == ["12/6", "n/a", "0"]
+
+
+def test_updates_trained_are_whole_updates_every_stage_applied() -> None:
+    """A replica's stages stopped a step apart (a hivemind stop) count the update they all
+    finished: 384, not the mean 384.25; a cell that never ran leaves its replica at 0; a pool
+    counts its stage-0 cells' updates."""
+    from mesh.runtime.metrics import whole_updates
+
+    steps = {(0, 0): 192, (1, 0): 193, (0, 1): 192, (1, 1): 192}
+    assert whole_updates(steps, 2, 2, pools=False) == 384
+    assert whole_updates({(0, 0): 10, (1, 0): 10, (0, 1): 7}, 2, 2, pools=False) == 10
+    assert whole_updates({(0, 0): 30, (0, 1): 12, (1, 0): 25, (1, 1): 17}, 2, 2, pools=True) == 42

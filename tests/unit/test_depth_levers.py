@@ -196,3 +196,20 @@ def test_the_default_at_each_depth_the_study_measured_is_its_recommended_arm() -
         assert default == measured, (p, rec["candidate"])
         checked.append(int(p))
     assert 8 in checked
+
+
+def test_the_depth_rule_leaves_the_convergence_headline_as_it_was_measured() -> None:
+    """The headline's grid is 4 x 2: the shipped rule sets nothing there, so its configs with
+    the rule on train the numbers measured with it off (the same fingerprints): the headline
+    needs no rerun for the new defaults."""
+    from mesh.bench.convergence import HEADLINE, _dp_spec
+    from mesh.bench.simruns import spec_config
+    from mesh.config import with_overrides
+
+    base = load_config([], [])
+    for method in HEADLINE:
+        off = spec_config(base, _dp_spec(method, 20), 1600)
+        assert off.optim.depth_rule == "off" and off.grid.stages == 4
+        auto = with_overrides(off, {"optim.depth_rule": "auto"})
+        assert auto.depth_rule_settings() == {}
+        assert auto.fingerprint() == off.fingerprint()

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from mesh.data.manifest import run_record_data
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
 from mesh.runtime import memory, stacks
+from mesh.runtime.cell_rows import final_row, health_rows, update_row
 from mesh.runtime.checkpoint import checkpoint_path, load_cell, newest_intact, save_cell
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import (
@@ -44,7 +44,7 @@ from mesh.runtime.failure import (
 )
 from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.pool import PoolWorker
-from mesh.runtime.pool_grid import pool_members, pool_move, pool_row
+from mesh.runtime.pool_grid import pool_members, pool_move
 from mesh.runtime.pool_seeded import SeededPoolWorker
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rows import append_row, cut_torn_tail
@@ -162,247 +162,283 @@ def run_cell(
     # is closed (p2pd children reaped), the cell released and the checkpoint written
     signal.signal(signal.SIGTERM, STOP.handler)
     signal.signal(signal.SIGINT, STOP.handler)  # Ctrl-C: the same clean stop
-    cfg = config_from_dict(cfg_tree)
-    memory.limit_arenas(cfg.runtime.malloc_arenas)  # before the transport's threads start
-    torch.set_num_threads(cfg.run.threads)
-    emulated = cfg.emulation.compute == "emulated"
-    if emulated:
-        cfg = resolve_window(cfg)  # deterministic here; real compute: the launcher resolves it
-    corpus = (
-        None
-        if emulated
-        else load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
-    )
-    module = build_cell_stage(cfg, stage)
-    cell = Cell.build(cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank)))
-    if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
-        resume_step = newest_intact(out_dir, stage, replica, cfg.state_fingerprint())
-    if resume_step is not None:
-        path = checkpoint_path(out_dir, stage, replica, resume_step)
-        load_cell(cell, cfg.state_fingerprint(), path)
-    metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
-    metrics.parent.mkdir(parents=True, exist_ok=True)
-    cut_torn_tail(metrics)  # a row torn by a kill: this run's rows start on a line of their own
-    transport: Transport | None = None
-    coord: StaticCoordinator | DhtCoordinator | None = None
-    server: StateServer | None = None
-    worker: StageWorker | None = None
-    sink: MetricsSink | None = None
-    start = time.perf_counter()
-    tokens_per_update = (
-        microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
-        * cfg.pipeline.microbatch_size
-        * cfg.model.seq_len
-    )
+    life = CellRun.build(cfg_tree, stage, replica, out_dir, resume_step, local_rank)
+    try:
+        life.start_transport(meeting, run_key)
+        with life.metrics.open("a") as f:
+            life.open_rows(f)
+            life.start_coordinator(run_key, since, coordinator)
+            life.train()
+            life.write_final(f)
+    finally:
+        life.save()
 
-    def event(name: str, **fields: Any) -> None:
+
+class CellRun:
+    """One cell's life in phases (run_cell): built, its transport started, its rows opened, its
+    coordinator and worker made, trained, saved. What a phase starts is kept here (None: not
+    started), so the save, which runs whatever ended the others, closes exactly that; on_step
+    is what the worker calls after each update."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        stage: int,
+        replica: int,
+        out_dir: str,
+        cell: Cell,
+        corpus: Any,
+        resume_step: int | None,
+        metrics: Path,
+    ) -> None:
+        self.cfg, self.stage, self.replica, self.out_dir = cfg, stage, replica, out_dir
+        self.cell, self.corpus, self.resume_step, self.metrics = cell, corpus, resume_step, metrics
+        self.transport: Transport | None = None
+        self.coord: StaticCoordinator | DhtCoordinator | None = None
+        self.server: StateServer | None = None
+        self.worker: StageWorker | None = None
+        self.sink: MetricsSink | None = None
+        self.start = time.perf_counter()
+        self.tokens_per_update = (
+            microbatches_per_update(cfg.pipeline.schedule, cfg.pipeline.microbatches)
+            * cfg.pipeline.microbatch_size
+            * cfg.model.seq_len
+        )
+        # the training loop's clocks (the last heartbeat rate, stage pools' last rebalancing
+        # look, the last trim) and checks: train sets them
+        self.last_beat = self.last_look = self.last_trim = self.start
+        self.rebalance: routing.Rebalancer | None = None
+        self.stop_at: StopAt | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cfg_tree: dict[str, Any],
+        stage: int,
+        replica: int,
+        out_dir: str,
+        resume_step: int | None,
+        local_rank: int | None,
+    ) -> CellRun:
+        """The build phase: the config, the process's arenas and threads, the corpus, the
+        stage's module on its device, the checkpoint resumed from, the metrics file."""
+        cfg = config_from_dict(cfg_tree)
+        memory.limit_arenas(cfg.runtime.malloc_arenas)  # before the transport's threads start
+        torch.set_num_threads(cfg.run.threads)
+        emulated = cfg.emulation.compute == "emulated"
+        if emulated:
+            cfg = resolve_window(cfg)  # deterministic here; real compute: the launcher resolves it
+        corpus = (
+            None
+            if emulated
+            else load_corpus(
+                cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest
+            )
+        )
+        module = build_cell_stage(cfg, stage)
+        cell = Cell.build(
+            cfg, stage, replica, module.to(cell_device(cfg, stage, replica, local_rank))
+        )
+        if resume_step == -1:  # the newest intact one: a file torn by a crash is passed over
+            resume_step = newest_intact(out_dir, stage, replica, cfg.state_fingerprint())
+        if resume_step is not None:
+            path = checkpoint_path(out_dir, stage, replica, resume_step)
+            load_cell(cell, cfg.state_fingerprint(), path)
+        metrics = Path(out_dir) / "metrics" / f"{stage}-{replica}.jsonl"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        cut_torn_tail(metrics)  # a row torn by a kill: this run's rows start on a line of their own
+        return cls(cfg, stage, replica, out_dir, cell, corpus, resume_step, metrics)
+
+    def event(self, name: str, **fields: Any) -> None:
         """An event row (`join` prints each as a line). Its own append, so the heartbeat thread
         can write one too, and one can follow the cell's release after the rows' file closed."""
-        row = {"event": name, "step": cell.step, **fields}
-        append_row(metrics, {**row, "time_s": round(time.perf_counter() - start, 4)})
+        row = {"event": name, "step": self.cell.step, **fields}
+        append_row(self.metrics, {**row, "time_s": round(time.perf_counter() - self.start, 4)})
 
-    try:
-        # a stop while the transport starts ends it at once (its helper processes with it):
-        # a start may take up to transport.start_timeout_s (p2pd's bootstrap retries on a busy
-        # host, a TCPStore connect blocked in C++ where no handler runs), longer than a launcher
-        # waits
+    def start_transport(self, meeting: Meeting, run_key: str | None) -> None:
+        """The transport phase. A stop while the transport starts ends it at once (its helper
+        processes with it): a start may take up to transport.start_timeout_s (p2pd's bootstrap
+        retries on a busy host, a TCPStore connect blocked in C++ where no handler runs),
+        longer than a launcher waits."""
         with STOP.immediate():
-            transport = cell_transport(cfg, stage, replica, meeting, run_key)
-        with metrics.open("a") as f:
-            # whose rows these are: a dashboard on this machine tells a dead cell by its pid
-            event("started", pid=os.getpid(), host=socket.gethostname())
-            sink = MetricsSink(f, cfg, stage, replica, Path(out_dir), tokens_per_update)
-            if resume_step is not None:
-                saved_at = checkpoint_path(out_dir, stage, replica, resume_step)
-                event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
-            data = run_record_data(corpus.manifest) if corpus is not None else None
-            coord = make_coordinator(cfg, cell, transport, run_key, since, data)
-            if isinstance(coord, DhtCoordinator):
-                coord.on_event = event  # waiting for whom, sessions
-                coord.on_beat = _health_rows(event, transport)
-            pools = cfg.pipeline.routing == "pools"
-            kind = StageWorker
-            if pools:  # the seeded mode serializes each cell, so the simulator can follow it
-                kind = SeededPoolWorker if cfg.pipeline.pool_choice == "seeded" else PoolWorker
-            worker = kind(WorkerSettings.of(cfg, stage, replica), cell, transport, corpus)
-            worker.critical = STOP.deferred
-            if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
-                coord = coordinator(cfg, worker, transport, event)
-            if coord.elastic:
-                column = Grid(cfg.grid.stages, cfg.grid.replicas).column(stage, without=replica)
-                server = StateServer(transport, cell, worker.lock, column, spool_dir=out_dir)
-            last = [time.perf_counter()]
-            last_check = [time.perf_counter()]  # stage pools: the last rebalancing look
-            rebalance = (
-                routing.Rebalancer(cfg.elastic.rebalance_ratio, cfg.elastic.rebalance_after_s)
-                if pools and cfg.elastic.rebalance
-                else None
-            )
-            trimmed = [time.perf_counter()]
-            # a launcher's stop names the step this fixed replica ends at (mesh/runtime/stop.py)
-            fixed = not coord.elastic and not isinstance(worker, PoolWorker)
-            stop_at = StopAt(out_dir, replica) if fixed else None
+            self.transport = cell_transport(self.cfg, self.stage, self.replica, meeting, run_key)
 
-            def on_step(w: StageWorker) -> None:
-                every = cfg.checkpoint.every
-                if every and cell.step % every == 0:
-                    with STOP.deferred():
-                        save_cell(cell, cfg.state_fingerprint(), out_dir)
-                now = time.perf_counter()
-                trim_s = cfg.runtime.trim_every_s
-                if trim_s and now - trimmed[0] >= trim_s:
-                    trimmed[0] = now
-                    memory.trim()
-                if isinstance(coord, DhtCoordinator):
-                    dt, last[0] = now - last[0], now
-                    tps = tokens_per_update / dt if dt > 0 else 0.0
-                    coord.beat.step = cell.step
-                    coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
-                    if isinstance(w, PoolWorker):  # a pool's capacity: what it could compute
-                        coord.beat.tps = w.capacity_tps()
-                        if rebalance is not None and now - last_check[0] >= cfg.elastic.heartbeat_s:
-                            last_check[0] = now
-                            to = pool_move(coord, cfg, stage, replica, rebalance)
-                            if to is not None:
-                                event("moved", from_stage=stage, to_stage=to)
-                                raise StageMove(cell_name(stage, replica), to)
-                row = _row(w, transport, now - start)
-                if isinstance(coord, DhtCoordinator):
-                    stats = beat_stats(row)
-                    if row["flagged"]:  # sentinel.enabled's flagged neighbours
-                        stats["flagged"] = row["flagged"]
-                    if isinstance(transport, DirectoryTransport) and transport.relayed:  # NAT
-                        stats["relayed"] = True
-                    # whole, then in: the heartbeat thread reads beat.stats at any moment
-                    coord.beat.stats = stats
-                with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
-                    sink.write(row)
-                if stop_at is not None and stop_at.due(cell.step):
-                    raise StopAtStep(cell.step)
-
-            def align() -> int:
-                if isinstance(coord, DhtCoordinator):
-                    source = catch_up(cfg, worker, coord, transport, out_dir, event)
-                    if source is not None:
-                        coord.beat.step = cell.step
-                        event("state_loaded", from_cell=source.cell, from_peer=source.peer)
-                return cell.step
-
-            try:
-                if isinstance(worker, PoolWorker):  # no sessions: the pools route around a loss
-                    if isinstance(coord, DhtCoordinator):
-                        align()  # a joiner (or a cell far behind) takes its stage's state first
-                        worker.live = pool_members(coord, cfg.elastic.heartbeat_s)
-                    worker.run_pools(on_step)
-                while not isinstance(worker, PoolWorker):
-                    session = coord.next_session(align)
-                    if session is None:
-                        break
-                    try:
-                        worker.run_session(session, coord, on_step)
-                    except SessionBroken:
-                        worker.reset()
-                        if cfg.runtime.trim_every_s:
-                            memory.trim()  # the old session's buffers and threads are gone
-                        event("session_broken")
-            except StopAtStep:  # ends here as at the run's end (saved below)
-                pass
-            except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
-                # has no other row that says what it refused)
-                sent, rejects = transport.stats.sent_by_kind(), dict(transport.stats.rejects)
-                event("stopped", bytes_sent=sent, rejects=rejects)
-                raise
-            worker.finish()
-            final = {
-                "final": True,
-                "stage": stage,
-                "replica": replica,
-                "step": cell.step,
-                "flat_sha": _digest(cell.flat),
-                "wall_s": time.perf_counter() - start,
-                "bytes_sent": transport.stats.sent_by_kind(),  # sends drained: final counts
-                "staleness_hist": {str(k): n for k, n in sorted(worker.stats.staleness.items())},
-                "rejects": dict(transport.stats.rejects),
-                "sessions_broken": worker.stats.sessions_broken,
-                **pool_row(worker.stats),
-            }
-            append_row(f, final)
-    finally:
-        STOP.exiting = True  # a second SIGTERM must not cut the last save short
-        if sink is not None:
-            sink.close()
-        if server is not None:
-            server.close()
-        with worker.lock if worker is not None else contextlib.nullcontext():
-            saved = save_cell(cell, cfg.state_fingerprint(), out_dir)  # first: nothing can lose it
-        released = None
-        if coord is not None:
-            released = coord.close()  # releases our claim: a joiner can take the cell at once
-        if transport is not None:
-            transport.close()
-        with contextlib.suppress(OSError):  # `join` says so only now that it is true
-            event("saved", checkpoint=str(saved), released=released)
-
-
-HEALTH_EVERY_S = 5.0  # a `health` row at most this often (on the heartbeat thread)
-
-
-def _health_rows(event: Any, transport: Transport) -> Any:
-    """A heartbeat hook writing a `health` event row every HEALTH_EVERY_S: what only the
-    process itself can see of a leak (threads, live asyncio tasks, mailbox depth, its own DHT
-    calls); `meshtrain bench soak` reads /proc for the rest (RSS, descriptors). unix_s ties the
-    row's time_s to the wall clock."""
-    last = [-HEALTH_EVERY_S]
-
-    def beat() -> None:
-        now = time.monotonic()
-        if now - last[0] < HEALTH_EVERY_S:
-            return
-        last[0] = now
-        event(
-            "health",
-            threads=threading.active_count(),
-            torch_threads=torch.get_num_threads(),
-            unix_s=round(time.time(), 3),
-            **transport.health(),
+    def open_rows(self, f: Any) -> None:
+        """The cell's first rows (`started`, `resumed`) and the sink its update rows go to."""
+        # whose rows these are: a dashboard on this machine tells a dead cell by its pid
+        self.event("started", pid=os.getpid(), host=socket.gethostname())
+        self.sink = MetricsSink(
+            f, self.cfg, self.stage, self.replica, Path(self.out_dir), self.tokens_per_update
         )
+        if self.resume_step is not None:
+            saved_at = checkpoint_path(self.out_dir, self.stage, self.replica, self.resume_step)
+            self.event("resumed", **{"from": "checkpoint"}, checkpoint=str(saved_at))
 
-    return beat
+    def start_coordinator(
+        self, run_key: str | None, since: float | None, coordinator: Callable[..., Any] | None
+    ) -> None:
+        """The coordinator phase: the backend's coordinator (or a launcher's own), the worker
+        and, on an elastic grid, the server of this cell's state to its stage's joiners."""
+        cfg, cell, transport = self.cfg, self.cell, self.transport
+        data = run_record_data(self.corpus.manifest) if self.corpus is not None else None
+        self.coord = make_coordinator(cfg, cell, transport, run_key, since, data)
+        if isinstance(self.coord, DhtCoordinator):
+            self.coord.on_event = self.event  # waiting for whom, sessions
+            self.coord.on_beat = health_rows(self.event, transport)
+        kind = StageWorker
+        if cfg.pipeline.routing == "pools":
+            # the seeded mode serializes each cell, so the simulator can follow it
+            kind = SeededPoolWorker if cfg.pipeline.pool_choice == "seeded" else PoolWorker
+        settings = WorkerSettings.of(cfg, self.stage, self.replica)
+        self.worker = kind(settings, cell, transport, self.corpus)
+        self.worker.critical = STOP.deferred
+        if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
+            self.coord = coordinator(cfg, self.worker, transport, self.event)
+        if self.coord.elastic:
+            column = Grid(cfg.grid.stages, cfg.grid.replicas).column(
+                self.stage, without=self.replica
+            )
+            self.server = StateServer(
+                transport, cell, self.worker.lock, column, spool_dir=self.out_dir
+            )
 
+    def train(self) -> None:
+        """The loop phase: the pools' run, or session after session, until the run's end; a
+        launcher's stop step ends it as the run's end does, a clean stop (SystemExit) writes
+        the totals so far and goes on up."""
+        cfg, worker, coord, transport = self.cfg, self.worker, self.coord, self.transport
+        self.last_beat = self.last_look = self.last_trim = time.perf_counter()
+        pools = cfg.pipeline.routing == "pools"
+        if pools and cfg.elastic.rebalance:  # stage pools: a look at the pools every beat
+            self.rebalance = routing.Rebalancer(
+                cfg.elastic.rebalance_ratio, cfg.elastic.rebalance_after_s
+            )
+        # a launcher's stop names the step this fixed replica ends at (mesh/runtime/stop.py)
+        fixed = not coord.elastic and not isinstance(worker, PoolWorker)
+        self.stop_at = StopAt(self.out_dir, self.replica) if fixed else None
+        try:
+            if isinstance(worker, PoolWorker):  # no sessions: the pools route around a loss
+                if isinstance(coord, DhtCoordinator):
+                    self.align()  # a joiner (or a cell far behind) takes its stage's state first
+                    worker.live = pool_members(coord, cfg.elastic.heartbeat_s)
+                worker.run_pools(self.on_step)
+            while not isinstance(worker, PoolWorker):
+                session = coord.next_session(self.align)
+                if session is None:
+                    break
+                try:
+                    worker.run_session(session, coord, self.on_step)
+                except SessionBroken:
+                    worker.reset()
+                    if cfg.runtime.trim_every_s:
+                        memory.trim()  # the old session's buffers and threads are gone
+                    self.event("session_broken")
+        except StopAtStep:  # ends here as at the run's end (saved below)
+            pass
+        except SystemExit:  # a clean stop: the totals so far (a cell that never stepped
+            # has no other row that says what it refused)
+            sent, rejects = transport.stats.sent_by_kind(), dict(transport.stats.rejects)
+            self.event("stopped", bytes_sent=sent, rejects=rejects)
+            raise
+        worker.finish()
 
-def _row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:
-    st, cell = worker.stats, worker.cell
-    return {
-        "stage": cell.stage,
-        "replica": cell.replica,
-        "step": cell.step,
-        "time_s": round(time_s, 4),
-        "loss": st.loss,
-        "lr_scale": cell.lr_scale(),
-        "grad_norm": st.grad_norm,
-        "bytes_sent": transport.stats.sent_by_kind(),
-        "rounds_started": st.rounds_started,
-        "rounds_applied": st.rounds_applied,
-        "rounds_partial": st.rounds_partial,
-        "rounds_failed": st.rounds_failed,
-        "rounds_jumped": st.rounds_jumped,
-        "rounds_skipped": st.rounds_skipped,
-        "rejects": dict(transport.stats.rejects),
-        # neighbours sentinel.enabled flagged for sending far outside their statistics
-        "flagged": cell.sentinel.flagged() if cell.sentinel is not None else [],
-        "microbatches": st.microbatches,
-        "busy_s": round(st.busy_s, 6),
-        "staleness_max": st.staleness_max,
-        "stash_bytes_peak": st.stash_bytes_peak,
-        "rss_peak_mb": round(st.rss_peak_mb(), 1),
-        **pool_row(st),
-    }
+    def align(self) -> int:
+        """The cell's step for the next session, after catching up with its stage's most
+        advanced peer where it lags (a DHT grid)."""
+        if isinstance(self.coord, DhtCoordinator):
+            source = catch_up(
+                self.cfg, self.worker, self.coord, self.transport, self.out_dir, self.event
+            )
+            if source is not None:
+                self.coord.beat.step = self.cell.step
+                self.event("state_loaded", from_cell=source.cell, from_peer=source.peer)
+        return self.cell.step
 
+    def on_step(self, w: StageWorker) -> None:
+        """After each update, in order: the checkpoint that is due, memory handed back, the
+        heartbeat's step and rate (a pool's: its capacity, and a rebalancing move), the
+        metrics row, a launcher's stop step."""
+        self.checkpoint_if_due()
+        now = time.perf_counter()
+        self.trim_if_due(now)
+        coord = self.coord
+        if isinstance(coord, DhtCoordinator):
+            self.beat_rate(coord, now)
+            if isinstance(w, PoolWorker):  # a pool's capacity: what it could compute
+                coord.beat.tps = w.capacity_tps()
+                self.move_if_thinner(coord, now)
+        row = update_row(w, self.transport, now - self.start)
+        if isinstance(coord, DhtCoordinator):
+            self.beat_row(coord, row)
+        with STOP.deferred():  # a row is in every sink or in none (a Ctrl-C between)
+            self.sink.write(row)
+        if self.stop_at is not None and self.stop_at.due(self.cell.step):
+            raise StopAtStep(self.cell.step)
 
-def _digest(t: torch.Tensor) -> str:
-    import hashlib
+    def checkpoint_if_due(self) -> None:
+        """A checkpoint every checkpoint.every updates, whole even if a stop comes meanwhile."""
+        every = self.cfg.checkpoint.every
+        if every and self.cell.step % every == 0:
+            with STOP.deferred():
+                save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)
 
-    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
+    def trim_if_due(self, now: float) -> None:
+        """Freed memory handed back to the system every runtime.trim_every_s."""
+        trim_s = self.cfg.runtime.trim_every_s
+        if trim_s and now - self.last_trim >= trim_s:
+            self.last_trim = now
+            memory.trim()
+
+    def beat_rate(self, coord: DhtCoordinator, now: float) -> None:
+        """The heartbeat's step and tokens a second (a moving average over the updates)."""
+        dt, self.last_beat = now - self.last_beat, now
+        tps = self.tokens_per_update / dt if dt > 0 else 0.0
+        coord.beat.step = self.cell.step
+        coord.beat.tps = 0.8 * coord.beat.tps + 0.2 * tps if coord.beat.tps else tps
+
+    def move_if_thinner(self, coord: DhtCoordinator, now: float) -> None:
+        """Stage pools with elastic.rebalance: once a heartbeat, a look at the pools; a move to
+        a thinner stage ends this cell (StageMove: `join` takes the stage it names)."""
+        if self.rebalance is None or now - self.last_look < self.cfg.elastic.heartbeat_s:
+            return
+        self.last_look = now
+        to = pool_move(coord, self.cfg, self.stage, self.replica, self.rebalance)
+        if to is not None:
+            self.event("moved", from_stage=self.stage, to_stage=to)
+            raise StageMove(cell_name(self.stage, self.replica), to)
+
+    def beat_row(self, coord: DhtCoordinator, row: dict[str, Any]) -> None:
+        """What the heartbeat carries of the update's row (and the flags, a relayed link)."""
+        stats = beat_stats(row)
+        if row["flagged"]:  # sentinel.enabled's flagged neighbours
+            stats["flagged"] = row["flagged"]
+        if isinstance(self.transport, DirectoryTransport) and self.transport.relayed:  # NAT
+            stats["relayed"] = True
+        # whole, then in: the heartbeat thread reads beat.stats at any moment
+        coord.beat.stats = stats
+
+    def write_final(self, f: Any) -> None:
+        """The cell's final row: its totals, once the worker finished (sends drained)."""
+        append_row(f, final_row(self.worker, self.transport, self.start))
+
+    def save(self) -> None:
+        """The save phase, however the others ended: the sinks and the state server closed, the
+        checkpoint written, the claim released, the transport closed, and a `saved` row."""
+        STOP.exiting = True  # a second SIGTERM must not cut the last save short
+        if self.sink is not None:
+            self.sink.close()
+        if self.server is not None:
+            self.server.close()
+        with self.worker.lock if self.worker is not None else contextlib.nullcontext():
+            # first: nothing can lose it
+            saved = save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)
+        released = None
+        if self.coord is not None:
+            released = self.coord.close()  # releases our claim: a joiner can take the cell at once
+        if self.transport is not None:
+            self.transport.close()
+        with contextlib.suppress(OSError):  # `join` says so only now that it is true
+            self.event("saved", checkpoint=str(saved), released=released)
 
 
 def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], None]) -> int:

@@ -221,11 +221,16 @@ def depth_candidates(stages: int) -> list[Arm]:
     kept = lever_arm(
         stages, "lr correction share 2", {"optim.delay_lr_share": 2.0}, (2e-3, 4e-3), False, False
     )
-    on_lrc = [combine(stages, lrc, by[n]) for n in ("beta1 0.95", "prediction", "muon")]
+    on_lrc = [combine(stages, lrc, by[n]) for n in ("beta1 0.95", "prediction")]
+    # Muon on top of the correction: level with FullSync at 1e-3 on the tuning seed (1.785
+    # against 1.782), so its lr is tuned inside its grid like a pick's
+    with_muon = combine(stages, lrc, by["muon"])
+    assert with_muon is not None
     return [
         longer,
         kept,
         *(fixed_lrs(a, (1e-3,)) for a in on_lrc if a is not None),
+        Arm(with_muon.name, with_muon.overrides, (5e-4, 1e-3, 2e-3), 1, True, with_muon.lever),
         fixed_lrs(two_bw(stages, stages), (4e-3,)),
         fixed_lrs(fullsync(stages, stages, (8e-3,)), (8e-3,)),
     ]

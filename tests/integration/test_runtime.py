@@ -43,6 +43,17 @@ DEPTH_LEVERS = [
     "optim.min_lr_ratio=0.0",
 ]
 
+DEPTH_MUON = [
+    "model.n_layers=3",
+    "grid.stages=3",
+    "pipeline.schedule=async",
+    "dp.tau=2",
+    "dp.fraction=0.25",
+    "optim.name=muon",
+    "optim.muon_lr=0.01",
+    "optim.delay_lr_share=0.5",
+]
+
 
 def _final_flats(out: Path, cfg) -> dict:
     flats = {}
@@ -96,6 +107,9 @@ def _final_flats(out: Path, cfg) -> dict:
         # differ: the per-stage lr correction, adaptive momentum, a cap on mu_t, cosine to 0
         [*DEPTH_LEVERS],
         [*DEPTH_LEVERS, "transport.backend=hivemind"],
+        # P = 16's rule: Muon on top of the lr correction, on three stages
+        [*DEPTH_MUON],
+        [*DEPTH_MUON, "transport.backend=hivemind"],
     ],
     ids=[
         "asyncmesh-fp8",
@@ -108,6 +122,8 @@ def _final_flats(out: Path, cfg) -> dict:
         "stalled-replica",
         "depth-levers",
         "depth-levers-hivemind",
+        "depth-muon",
+        "depth-muon-hivemind",
     ],
 )
 def test_torch_runtime_matches_simulator(text_file, tmp_path, extra):

@@ -39,9 +39,12 @@ class DepthRule:
 # Llama, 1.64M tokens, FullSync at 0.73 of the bigram). The lr is the rule's only where a config
 # leaves optim.lr at its default (1e-3); a user's own lr is kept: double the lr tuned without
 # the correction. Not below P = 8 (P = 4 ends 0.4-1.6% from FullSync without it).
-# P >= 16: the correction at the default lr. On seed 100 at P = 16 it ends 1.929 at 1e-3 and
-# 2.119 at 2e-3 (stage 0 is 15 updates stale), the plain pipeline 2.258 at 1e-3, FullSync
-# 1.782: the best of these, still 8% behind (P = 16's sweeps and other levers are next)
+# P >= 16: Muon on top of the correction, at the default lr (Muon's matrices at 10x it). Stage 0
+# is 15 updates stale there; on seed 100 the correction alone ends 1.929 (its best lr, 1e-3),
+# held to the run's end 1.940, never released whole (share 2) 1.897 at 4e-3, with beta1 0.95
+# 2.102, with weight prediction 1.957; 2BW with Muon and error feedback at M = 16 ends level
+# with FullSync at that M (2.471 both: 100 updates are too few at this budget); with Muon
+# 1.785 at 1e-3 (5e-4: 1.828, 2e-3: 1.827) against FullSync's 1.782 (4e-3, inside its grid)
 RULES: tuple[DepthRule, ...] = (
     DepthRule(
         8,
@@ -52,9 +55,10 @@ RULES: tuple[DepthRule, ...] = (
     ),
     DepthRule(
         16,
-        {"delay_lr_share": 0.5},
-        "bench depth at P = 16, seed 100 only: +8.3% from FullSync at the default lr, the plain "
-        "pipeline +26.7%; results/depth, docs/depth.md",
+        {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2},
+        "bench depth at P = 16: -1.01% +- 0.62% from FullSync on seeds 0 and 1 (the "
+        "correction alone +8.3% on seed 100, the plain pipeline +26.7%); results/depth, "
+        "docs/depth.md",
     ),
 )
 

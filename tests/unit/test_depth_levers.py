@@ -162,13 +162,20 @@ def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) ->
     mine = load_config([], [*sets, "optim.lr=3e-3"])
     assert mine.depth_rule_settings() == {"delay_lr_share": 0.5}
     assert mine.effective().optim.lr == 3e-3
-    # four stages: no rule (the pipeline ends within 0.4-1.6% of FullSync there); sixteen: the
-    # correction at the default lr (2e-3 was worse there)
+    # four stages: no rule (the pipeline ends within 0.4-1.6% of FullSync there); sixteen:
+    # Muon on top of the correction, at the default lr (Muon's matrices at 10x it)
     shallow = load_config([], [*sets, "grid.stages=4"])
     assert shallow.depth_rule_settings() == {}
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
-    assert deep.depth_rule_settings() == {"delay_lr_share": 0.5}
+    assert deep.depth_rule_settings() == {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2}
     assert deep.effective().optim.lr == 1e-3
+    for j, module in enumerate(build_stages(deep.model, 16, 0)):
+        cell = Cell.build(deep, j, 0, module)
+        assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
+        assert cell.lr_scale() == pytest.approx(1 / max(1, 15 - j)), j  # 15 .. 0
+    # a user's own optimizer is kept, and then no rule applies (each is measured with nadamw)
+    adamw = load_config([], [*sets, "model.n_layers=16", "grid.stages=16", "optim.name=adamw"])
+    assert adamw.depth_rule_settings() == {}
 
 
 def test_the_default_at_each_depth_the_study_measured_is_its_recommended_arm() -> None:

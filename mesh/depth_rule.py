@@ -44,7 +44,9 @@ class DepthRule:
 # held to the run's end 1.940, never released whole (share 2) 1.897 at 4e-3, with beta1 0.95
 # 2.102, with weight prediction 1.957; 2BW with Muon and error feedback at M = 16 ends level
 # with FullSync at that M (2.471 both: 100 updates are too few at this budget); with Muon
-# 1.785 at 1e-3 (5e-4: 1.828, 2e-3: 1.827) against FullSync's 1.782 (4e-3, inside its grid)
+# 1.785 at 1e-3 (5e-4: 1.828, 2e-3: 1.827) against FullSync's 1.782 (4e-3, inside its grid).
+# With the optimizer held fixed it is not parity: FullSync with Muon ends 1.617 (4e-3), which the
+# stale stages cannot follow; the rule is the best async pipeline measured at this depth
 RULES: tuple[DepthRule, ...] = (
     DepthRule(
         8,

@@ -250,8 +250,16 @@ def picked(
     # an arm that changes the optimizer meets FullSync with that optimizer too
     same = best.lever.get("optim.name")
     if same in SAME_OPTIMIZER_BASELINE:
-        finals.append(depth_arms.fullsync(screen_p, 4, best.lrs, same))
+        finals.append(same_optimizer_fullsync(screen_p, best, same))
     return best, finals + [a for a in chosen if a is not best]
+
+
+def same_optimizer_fullsync(p: int, arm: Arm, optimizer: str) -> Arm:
+    """FullSync with the arm's optimizer, its lr grid the arm's and twice each (FullSync takes
+    a quarter of the updates, each of 4 microbatches: it wants larger lrs, as AdamW's grid is
+    4x the reference's; with Muon at P = 16 its best sat at twice the async arm's grid top)."""
+    lrs = tuple(sorted({*arm.lrs, *(2 * lr for lr in arm.lrs)}))
+    return depth_arms.fullsync(p, 4, lrs, optimizer)
 
 
 def _seed_specs(
@@ -295,7 +303,7 @@ def finals_at_depth(
         report.append(best)
         same = best.lever.get("optim.name")
         if same in SAME_OPTIMIZER_BASELINE and f"{FULLSYNC} {same}" not in names:
-            report.append(depth_arms.fullsync(p, 4, best.lrs, same))
+            report.append(same_optimizer_fullsync(p, best, same))
     missing = [(a, p, a.lrs) for a in report if label(p, a.name) not in tuned]
     if missing:
         tuned.update(study.sweep(missing, f"depth P={p}: lr sweeps"))

@@ -65,7 +65,7 @@ def _sums(cell) -> dict[str, float]:
     }
 
 
-def measure(run_dir: str) -> dict[str, object]:
+def measure(run_dir: str, optimizer: str = "nadamw") -> dict[str, object]:
     """Build the wide cell, give every state tensor random values (a trained cell's state
     without an update: its gradients would be a stage more), then save, check, wipe and load
     it, and export its weights, each under its own memory peak."""
@@ -76,7 +76,7 @@ def measure(run_dir: str) -> dict[str, object]:
     from mesh.runtime.export import write_weights
 
     torch.set_num_threads(2)
-    cfg = load_config([], WIDE_LLAMA)
+    cfg = load_config([], [*WIDE_LLAMA, f"optim.name='{optimizer}'"])
     fp = cfg.state_fingerprint()
     t0 = time.perf_counter()
     module = stage_module(cfg.model, *stage_layers(cfg.model, 1, 0))
@@ -105,6 +105,9 @@ def measure(run_dir: str) -> dict[str, object]:
     index = json.loads((out / "model.safetensors.index.json").read_text())
     return {
         "params": cell.flat.numel(),
+        "optimizer_state_tensors": sum(
+            isinstance(v, torch.Tensor) for st in cell.optimizer.state.values() for v in st.values()
+        ),
         "state_bytes": state_bytes,
         "build_s": build_s,
         "save_s": save_s,
@@ -129,17 +132,20 @@ def measure(run_dir: str) -> dict[str, object]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
-def test_a_300m_stage_saves_loads_and_exports_without_a_second_copy(tmp_path):
+# nadamw: the one-stage default; muon: what optim.depth_rule gives a pipeline of 16 stages or
+# more (its momentum in place of Adam's two moments on the hidden matrices)
+@pytest.mark.parametrize("optimizer", ["nadamw", "muon"])
+def test_a_300m_stage_saves_loads_and_exports_without_a_second_copy(tmp_path, optimizer):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs: the peak cannot be reset")
     run = tmp_path / "run"
     try:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            got = pool.submit(measure, str(run)).result(timeout=240)
+            got = pool.submit(measure, str(run), optimizer).result(timeout=240)
     finally:
         shutil.rmtree(run, ignore_errors=True)  # 7 GB of files
     print(json.dumps(got))  # the figures (pytest -s shows them)
-    assert got["params"] >= 300_000_000
+    assert got["params"] >= 300_000_000 and got["optimizer_state_tensors"] > 0
     assert got["file_bytes"] >= got["state_bytes"]  # everything is in the file
     bound = MARGIN * got["state_bytes"]
     assert got["save_extra_bytes"] <= bound, got

@@ -107,15 +107,17 @@ def summarize_run(
     P, m = cfg.grid.stages, cfg.grid.replicas
     pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
     dropped = left_out(cfg)
-    steps, tokens, segment_tokens = _fixed_progress(cfg, rows, dropped, start_step)
+    steps, tokens, segment_tokens = (
+        _pool_progress(cfg, rows, start_step)
+        if pools
+        else _fixed_progress(cfg, rows, dropped, start_step)
+    )
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
     batches = validation_batches(cfg, corpus)
     losses = _replica_losses(cfg, out_dir, batches, dropped)
     kept = [x for x in losses if x is not None]
     val_loss = sum(kept) / len(kept) if kept else None
     bpt = corpus.val_bytes_per_token
-    if pools:
-        steps, tokens, segment_tokens = _pool_progress(cfg, rows, start_step)
     rounds = {k: sum(t[k] for t in totals.values()) for k in ROUNDS}
     sent, rejects = _sent_and_rejects(totals)
     updates = whole_updates({k: t["steps"] for k, t in totals.items()}, P, m, pools)

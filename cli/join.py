@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from cli.claim_keeper import ClaimKeeper
 from cli.reach import (
     EXAMPLE_MADDR,
     any_reachable,
@@ -62,6 +63,12 @@ RUN_READS = 5
 CLAIM_READS = 5  # reads of the claims (each up to the registry's timeout) before a join gives up
 REACH_S = 30.0  # asking helpers for a dial-back: no new helper is asked after this
 CLAIM_CONFIRM_READS = 2  # a claim must own its cell on this many reads, CLAIM_SETTLE_S apart
+# how long the scout keeps a claim for a cell whose own claim has not shown (its transport's
+# start on a loaded box takes tens of seconds; a cell that never comes up frees it after this)
+KEEP_CLAIM_S = 180.0
+# a placeholder claim lives at least this long: its confirmation (a settle, then a read that may
+# take seconds) must not outlast it when elastic.heartbeat_s is short
+PLACEHOLDER_TTL_S = 10.0
 CLAIM_SETTLE_S = 1.0  # after claiming, how long other claims of the same cell may still appear
 # (a racing claim was stored, with acks, before its claimer slept: 1 s covers WAN round trips)
 
@@ -154,9 +161,10 @@ def claim_cell(
     me: str,
     stage: int | None,
     prefer: list[tuple[int, int]] = (),
-) -> tuple[int, int, float]:
+) -> tuple[int, int, CellRecord]:
     """Claim the first free cell (of `stage` if given): the `prefer` ones first (cells this
-    peer has checkpoints of), then replica by replica; returns (stage, replica, since). A claim
+    peer has checkpoints of), then replica by replica; returns (stage, replica, the claim: a
+    placeholder, see cli/claim_keeper.py). A claim
     that loses a race (an earlier claim of the same cell shows up within CLAIM_SETTLE_S) is
     withdrawn and the next free cell is tried."""
     P, m = cfg.grid.stages, cfg.grid.replicas
@@ -178,10 +186,9 @@ def claim_cell(
         j, i = next((j, i) for j, i in order if cell_name(j, i) == name)
         since = time.time()
         rec = CellRecord(name, me, CLAIMING, since, 0, -1, 0.0, since, registry.token(me))
-        registry.beat(rec)
-        if all(_holds(registry, name, i, me) for _ in range(CLAIM_CONFIRM_READS)):
-            return j, i, since
-        registry.release(name, me)
+        if all(_holds(registry, rec, i) for _ in range(CLAIM_CONFIRM_READS)):
+            return j, i, rec
+        registry.release(name, me, PLACEHOLDER_TTL_S)
 
 
 def pool_capacity(registry: Registry, stages: int, replicas: int) -> list[float]:
@@ -191,13 +198,16 @@ def pool_capacity(registry: Registry, stages: int, replicas: int) -> list[float]
     return routing.stage_capacity({c: rec.tps for c, rec in owned.items()}, stages)
 
 
-def _holds(registry: Registry, name: str, replica: int, me: str) -> bool:
-    """After CLAIM_SETTLE_S, whether our claim owns the cell: read twice a settle apart, so a
-    rival's earlier claim whose store reached a loaded DHT late is seen (two joins holding
-    one cell stall its replica until one notices; bench scale saw 7 of 32)."""
+def _holds(registry: Registry, claim: CellRecord, replica: int) -> bool:
+    """The claim (re-)stored, then after CLAIM_SETTLE_S whether it owns its cell: read twice a
+    settle apart, so a rival's earlier claim whose store reached a loaded DHT late is seen (two
+    joins holding one cell stall its replica until one notices; bench scale saw 7 of 32). Each
+    read follows a fresh store: a claim lives HEARTBEAT_LIVES heartbeats, which with a short
+    elastic.heartbeat_s is less than the settles."""
+    registry.beat(claim, PLACEHOLDER_TTL_S)
     time.sleep(CLAIM_SETTLE_S)
-    winner = (read_owners(registry, [replica], CLAIM_READS) or {}).get(name)
-    return winner is not None and winner.peer == me
+    winner = (read_owners(registry, [replica], CLAIM_READS) or {}).get(claim.cell)
+    return winner is not None and winner.peer == claim.peer
 
 
 def default_out(run_id: str, j: int, i: int) -> Path:
@@ -244,6 +254,7 @@ def run_join(
     if announce_maddrs:
         maddr_kwargs["announce_maddrs"] = announce_maddrs
     scout = open_scout(initial_peers, run_id, client_mode=True, **maddr_kwargs)
+    keeper = None
     try:
         # a joiner without --config can only follow a run: it waits longer for the record
         reads = RUN_READS if cfg_local is None else 2
@@ -268,11 +279,15 @@ def run_join(
         if stage is not None and not 0 <= stage < cfg.grid.stages:
             raise JoinError(f"--stage {stage}: the run has stages 0..{cfg.grid.stages - 1}")
         stage = moved_stage(stage)
-        j, i, since = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
+        j, i, claim = claim_cell(registry, cfg, scout.peer_id, stage, saved_cells(cfg, out, run_id))
         grid = Grid(cfg.grid.stages, cfg.grid.replicas).names()
         relays = public_relays(scout, auth, grid) if client_mode else []
+        # the scout keeps the claim until the cell's own shows, then closes (it was closed
+        # here, and the cell was free while its process came up: two joins took one cell)
+        keeper = ClaimKeeper(registry, claim, scout, KEEP_CLAIM_S, PLACEHOLDER_TTL_S)
     finally:
-        scout.close()
+        if keeper is None:
+            scout.close()
     out = out or default_out(run_id, j, i)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml())
@@ -295,8 +310,8 @@ def run_join(
         f"{cfg.grid.replicas}); metrics and checkpoints in {out}"
     )
     # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
-    # appears; the scout's claim (this process's DHT node is gone) expires by itself
-    _run_here(cfg, j, i, out, meeting, run_key, since - 1e-3)
+    # appears; the keeper then withdraws the scout's
+    _run_here(cfg, j, i, out, meeting, run_key, claim.since - 1e-3, keeper)
 
 
 def _data_reference(cfg: Config) -> dict[str, Any] | None:
@@ -320,6 +335,7 @@ def _run_here(
     meeting: Any,  # comms.build.HivemindMeeting
     run_key: str | None,
     since: float,
+    keeper: ClaimKeeper,
 ) -> None:
     """Run the cell in this process (no second interpreter to start: the replica resumes
     sooner), a progress bar drawn from its metrics by a thread, with a line above it for each
@@ -344,10 +360,12 @@ def _run_here(
     finally:
         done.set()
         drawer.join(2)
+        keeper.stop()
     events.say_new(read_metrics(out, events=True).get((j, i), []), click.echo)
     if failure:  # below the closed bar, not drawn into it
         click.echo(failure.rstrip(), err=True)
-    _print_cell_summary(cfg, j, i, out)
+    if not lost:  # a join that lost its cell trained nothing of its own: no table of it
+        _print_cell_summary(cfg, j, i, out)
     if moved is not None:
         move_to(moved)
     if lost:

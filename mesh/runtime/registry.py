@@ -365,15 +365,18 @@ class Registry:
         assert replica is not None, f"not a cell name: {cell!r}"
         return claims_key(replica)
 
-    def beat(self, rec: CellRecord) -> bool:
-        ttl = self.heartbeat_s * HEARTBEAT_LIVES
+    def beat(self, rec: CellRecord, min_ttl_s: float = 0.0) -> bool:
+        """Store a claim for HEARTBEAT_LIVES heartbeats (at least min_ttl_s)."""
+        ttl = max(self.heartbeat_s * HEARTBEAT_LIVES, min_ttl_s)
         key, subkey = self._claims_key_of(rec.cell), self._subkey(rec.cell, rec.peer)
         return self._put(key, subkey, self._seal(key, subkey, cell_value(rec), ttl), ttl)
 
-    def release(self, cell: str, peer: str) -> bool:
+    def release(self, cell: str, peer: str, min_ttl_s: float = 0.0) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with
-        the terminal's process group; the claim then expires by itself). Whether it was."""
-        ttl = self.heartbeat_s * HEARTBEAT_LIVES + 1
+        the terminal's process group; the claim then expires by itself). Whether it was.
+        min_ttl_s: the claim's own (beat's); the withdrawal outlives it, or a node that missed
+        the withdrawal would bring the claim back in a read's merge."""
+        ttl = max(self.heartbeat_s * HEARTBEAT_LIVES, min_ttl_s) + 1
         key = self._claims_key_of(cell)
         return self._put(key, self._subkey(cell, peer), None, ttl, timeout_s=2.0)
 

@@ -141,6 +141,12 @@ class Coordinator(Protocol):
     def next_session(self, align: Callable[[], int]) -> Session | None:
         """The next session this cell runs (None: the run is over); align() is the cell's step."""
 
+    @property
+    def lost(self) -> bool:
+        """Whether another peer's live claim owns our cell (see CellLost): its state is not ours
+        to save."""
+        return self._lost is not None
+
     def broken(self, session: Session) -> bool:
         """Whether `session` no longer stands (a member left or the leader started another)."""
 
@@ -161,6 +167,12 @@ class StaticCoordinator:
             return None
         self._given = True
         return Session(0, step * self.mpu, self.steps - step)
+
+    @property
+    def lost(self) -> bool:
+        """Whether another peer's live claim owns our cell (see CellLost): its state is not ours
+        to save."""
+        return self._lost is not None
 
     def broken(self, session: Session) -> bool:
         return False
@@ -433,6 +445,12 @@ class DhtCoordinator:
 
     def _step_now(self) -> int:
         return self.beat.step
+
+    @property
+    def lost(self) -> bool:
+        """Whether another peer's live claim owns our cell (see CellLost): its state is not ours
+        to save."""
+        return self._lost is not None
 
     def broken(self, session: Session) -> bool:
         """Whether the running session no longer stands (the heartbeat thread's verdict; a

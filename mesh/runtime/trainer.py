@@ -429,16 +429,21 @@ class CellRun:
             self.sink.close()
         if self.server is not None:
             self.server.close()
-        with self.worker.lock if self.worker is not None else contextlib.nullcontext():
-            # first: nothing can lose it
-            saved = save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)
+        saved = None
+        # a cell another join holds (CellLost) writes no checkpoint: the cell's state is the
+        # owner's, and a second writer under one --out would mix the two
+        if not getattr(self.coord, "lost", False):
+            with self.worker.lock if self.worker is not None else contextlib.nullcontext():
+                # first: nothing can lose it
+                saved = save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)
         released = None
         if self.coord is not None:
             released = self.coord.close()  # releases our claim: a joiner can take the cell at once
         if self.transport is not None:
             self.transport.close()
-        with contextlib.suppress(OSError):  # `join` says so only now that it is true
-            self.event("saved", checkpoint=str(saved), released=released)
+        if saved is not None:
+            with contextlib.suppress(OSError):  # `join` says so only now that it is true
+                self.event("saved", checkpoint=str(saved), released=released)
 
 
 def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], None]) -> int:

@@ -45,3 +45,18 @@ def test_a_peer_takes_back_the_cell_it_has_checkpoints_of(tmp_path):
     # --stage limits the preference to that stage
     reg2 = Registry(d.joined("[owner:s]"), None, 60.0)
     assert join.claim_cell(reg2, cfg, "s", 1, [(0, 1)])[:2] == (1, 0)
+
+
+def test_a_placeholder_is_handed_over_only_to_a_running_claim_of_another_peer():
+    from cli.claim_keeper import handed_over
+    from mesh.runtime.registry import CLAIMING
+
+    placeholder = CellRecord("s0r0", "scout", CLAIMING, 10.0, 0, 0, 0.0, 10.0, None)
+    cell = CellRecord("s0r0", "cell", 7, 10.0 - 1e-3, 0, 0, 0.0, 11.0, None)
+    rival = CellRecord("s0r0", "rival", CLAIMING, 9.0, 0, 0, 0.0, 11.0, None)
+    assert not handed_over(None, placeholder)  # the DHT did not answer
+    assert not handed_over({}, placeholder)
+    assert not handed_over({"s0r0": placeholder}, placeholder)
+    assert not handed_over({"s0r0": rival}, placeholder)  # another join's placeholder: not up
+    assert not handed_over({"s1r0": cell}, placeholder)
+    assert handed_over({"s0r0": cell}, placeholder)

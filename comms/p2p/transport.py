@@ -71,6 +71,7 @@ from comms.transport import Averaging, TransportStats
 from comms.wire import Expect, Kind, Message
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+PUBLISH_RETRY_S = 1.0  # between tries of a start's first store of our address
 
 
 class SendResult:
@@ -239,8 +240,16 @@ class P2PTransport(RunRecords, Averaging):
             target=self._loop.run_forever, name=f"p2p-{me}", daemon=True
         )
         self._thread.start()
+        self._setup_step = "connecting to its DHT's p2pd"  # what a start that timed out did
         try:
-            self._run(self._setup(), startup_s)
+            try:
+                self._run(self._setup(time.monotonic() + startup_s), startup_s)
+            except cf.TimeoutError:  # a bare TimeoutError says nothing: name the step
+                raise PeerTimeout(
+                    f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s "
+                    f"(it was {self._setup_step}); on a loaded machine raise "
+                    "transport.start_timeout_s"
+                ) from None
             others = [n for n in peers if n != me]
             self._submit(self._warm(others, startup_s))
         except BaseException:
@@ -381,10 +390,12 @@ class P2PTransport(RunRecords, Averaging):
     def _run(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    async def _setup(self) -> None:
+    async def _setup(self, deadline: float) -> None:
         self._p2p = self.names.p2p = self.streams.p2p = await self.dht.replicate_p2p()
         own_socket = self._p2p._client_listen_maddr["unix"]
+        self._setup_step = "adopting its p2pd's socket"
         await self.dht.run_coroutine(partial(adopt_socket, own_socket), return_future=True)
+        self._setup_step = "opening its stream handler"
         await self._p2p.add_binary_stream_handler(self._handler_name, self.streams.serve)
         if self.dht_server:  # joiners may ask any DHT server to dial them back
             with contextlib.suppress(Exception):  # a service to others: never fails our start
@@ -397,8 +408,12 @@ class P2PTransport(RunRecords, Averaging):
         self._subkey = f"{self.peer_id}{self.owner_marker}"  # signed: only we can write it
         if self.auth is not None:
             self._record["auth"] = self.auth.token(self.peer_id, self.owner_marker)
-        if not await self._publish():
-            raise PeerLost(f"could not publish {self.me!r} in the DHT")
+        # a loaded DHT refuses or drops a store now and then: again until the deadline
+        self._setup_step = "publishing its address in the DHT"
+        while not await self._publish():
+            if time.monotonic() + PUBLISH_RETRY_S >= deadline:
+                raise PeerLost(f"could not publish {self.me!r} in the DHT by its start's deadline")
+            await asyncio.sleep(PUBLISH_RETRY_S)
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def _warm(self, names: list[str], within_s: float) -> None:

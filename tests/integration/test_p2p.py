@@ -598,3 +598,15 @@ def test_dht_process_skips_a_request_it_cannot_read():
     finally:
         dht.shutdown()
         dht.join(10)
+
+
+def test_a_transport_that_cannot_start_in_time_says_at_which_step_and_leaves_no_p2pd():
+    """A start past its deadline (a loaded machine) is one line naming the step and the key to
+    raise, not a bare TimeoutError, and its DHT process and p2pd are gone."""
+    from comms.errors import PeerTimeout
+
+    before = p2pd_descendants()
+    with pytest.raises(PeerTimeout, match=r"did not start within .*\(it was .*start_timeout_s"):
+        P2PTransport("a", run_id="slow-start", startup_timeout_s=0.001)
+    left = p2pd_descendants() - before
+    assert_gone(sorted(left), set())

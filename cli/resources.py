@@ -172,7 +172,7 @@ def grid_needs(
     if cfg.transport.backend == "hivemind":
         threads = HIVEMIND_THREADS * len(cells)
     else:
-        links = sum(len(cell_links(cfg, j, i)["links"]) for j, i in cells)
+        links = sum(len(cell_links(cfg, j, i).links or ()) for j, i in cells)
         threads = THREADS_BASE * len(cells) + THREADS_PER_LINK * links
     memory = state + process_bytes * len(cells) + once_bytes
     return Needs(len(cells), memory, state, threads)

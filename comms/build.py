@@ -53,6 +53,33 @@ class HivemindMeeting:
 Meeting = TorchMeeting | HivemindMeeting
 
 
+@dataclass(frozen=True)
+class TorchOptions:
+    """The torch backend's own settings: the peers it links to (None: every other peer) and of
+    those the ones it needs at its start (None: every link; a peer that closed before is not
+    waited for unless needed), and its mailbox's bounds (messages, bytes decoded)."""
+
+    links: tuple[str, ...] | None = None
+    needed: tuple[str, ...] | None = None
+    mailbox_messages: int = 64
+    mailbox_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class HivemindOptions:
+    """The hivemind backend's own settings: the membership token's maker (comms.p2p.auth.Auth;
+    None: an open run), whether its DHT node is a client (it serves no records), and its
+    mailbox's bounds."""
+
+    auth: Any = None
+    dht_client: bool = False
+    mailbox_messages: int = 256
+    mailbox_bytes: int = 1 << 30
+
+
+Options = TorchOptions | HivemindOptions
+
+
 def make_transport(
     backend: str,
     me: str,
@@ -63,7 +90,7 @@ def make_transport(
     host: str = "127.0.0.1",
     timeout_s: float = 10.0,
     shaping: Shaping = None,
-    **options: Any,
+    options: Options | None = None,
 ) -> Transport:
     """A started transport for peer `me`.
 
@@ -74,12 +101,15 @@ def make_transport(
         host: address to bind (loopback by default; tests never leave 127.0.0.x).
         timeout_s: startup deadline and default deadline of waits.
         shaping: LinkProfile (or PROFILES name) for every link, a per-destination dict, or None.
-        options: the backend's own settings (TorchTransport's links, needed, mailbox bounds;
-            P2PTransport's auth, dht_client, limits), by their names there.
+        options: the backend's own settings (TorchOptions, HivemindOptions; None: its
+            defaults).
     """
     if backend == "torch":
         if not isinstance(meeting, TorchMeeting):
             raise ValueError(f"the torch backend meets at a TorchMeeting, not {meeting!r}")
+        opts = TorchOptions() if options is None else options
+        if not isinstance(opts, TorchOptions):
+            raise ValueError(f"the torch backend takes TorchOptions, not {opts!r}")
         from comms.torchdist.transport import TorchTransport
 
         return TorchTransport(
@@ -91,12 +121,18 @@ def make_transport(
             timeout_s=timeout_s,
             shaping=shaping,
             host=host,
-            **options,
+            links=None if opts.links is None else list(opts.links),
+            needed=None if opts.needed is None else list(opts.needed),
+            mailbox_messages=opts.mailbox_messages,
+            mailbox_bytes=opts.mailbox_bytes,
         )
     if backend == "hivemind":
         # ---- hivemind branch ----
         if not isinstance(meeting, HivemindMeeting):
             raise ValueError(f"the hivemind backend meets at a HivemindMeeting, not {meeting!r}")
+        hm = HivemindOptions() if options is None else options
+        if not isinstance(hm, HivemindOptions):
+            raise ValueError(f"the hivemind backend takes HivemindOptions, not {hm!r}")
         p2p = _optional_module("comms.p2p.transport")
         return p2p.P2PTransport(
             me,
@@ -111,7 +147,10 @@ def make_transport(
             timeout_s=timeout_s,
             shaping=LinkShapers(me, shaping) if shaping is not None else None,
             peers=peers,
-            **options,
+            auth=hm.auth,
+            dht_client=hm.dht_client,
+            mailbox_messages=hm.mailbox_messages,
+            mailbox_bytes=hm.mailbox_bytes,
         )
         # ---- end of hivemind branch ----
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -4,11 +4,9 @@ cell with them; `train` and the throughput bench use them too)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from comms.build import Meeting, make_transport
+from comms.build import HivemindOptions, Meeting, Options, TorchOptions, make_transport
 from comms.p2p.auth import Auth
 from comms.transport import Transport
 from mesh.algo import routing
@@ -27,25 +25,25 @@ def grid_of(cfg: Config) -> Grid:
     return Grid(g.stages, g.replicas, frozenset(gone))
 
 
-def cell_links(cfg: Config, stage: int, replica: int) -> dict[str, list[str]]:
+def cell_links(cfg: Config, stage: int, replica: int) -> TorchOptions:
     """The torch transport's links of a cell: its pipeline neighbours and its stage's column
     (not every cell of the grid), of which the neighbours are needed at its start even when
     they closed before (a replica started again starts all its cells at once), while a column
     peer that is done is not waited for."""
     grid = grid_of(cfg)
     nbrs = grid.neighbours(stage, replica, cfg.pipeline.routing == "pools")
-    return {"links": nbrs + grid.column(stage, without=replica), "needed": nbrs}
+    return TorchOptions(links=tuple(nbrs + grid.column(stage, without=replica)), needed=tuple(nbrs))
 
 
-def backend_options(cfg: Config, run_key: str | None) -> dict[str, Any]:
-    """What the config asks of a cell's transport beyond names and links: on hivemind, the
-    membership token of (run key, config fingerprint) and the DHT mode."""
-    if cfg.transport.backend != "hivemind":
-        return {}
-    return {
-        "auth": Auth.of(run_key, cfg.fingerprint()),
-        "dht_client": cfg.transport.dht_mode == "client",
-    }
+def backend_options(cfg: Config, stage: int, replica: int, run_key: str | None) -> Options:
+    """What the config asks of a cell's transport beyond names: on torch, its links; on
+    hivemind, the membership token of (run key, config fingerprint) and the DHT mode."""
+    if cfg.transport.backend == "torch":
+        return cell_links(cfg, stage, replica)
+    return HivemindOptions(
+        auth=Auth.of(run_key, cfg.fingerprint()),
+        dht_client=cfg.transport.dht_mode == "client",
+    )
 
 
 def cell_transport(
@@ -59,9 +57,6 @@ def cell_transport(
     configured links shaped; on hivemind, records carry the membership token of (run key,
     config fingerprint)."""
     grid = grid_of(cfg)
-    extra = backend_options(cfg, run_key)
-    if cfg.transport.backend == "torch":
-        extra.update(cell_links(cfg, stage, replica))
     return make_transport(
         cfg.transport.backend,
         cell_name(stage, replica),
@@ -71,7 +66,7 @@ def cell_transport(
         host=cfg.transport.host,
         timeout_s=cfg.transport.start_timeout_s,
         shaping=cell_shaping(cfg, stage, replica),
-        **extra,
+        options=backend_options(cfg, stage, replica, run_key),
     )
 
 

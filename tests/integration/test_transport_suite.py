@@ -301,17 +301,18 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
 
     import torch
 
-    from comms.build import local_rendezvous, make_transport
+    from comms.build import TorchOptions, local_rendezvous, make_transport
     from comms.errors import PeerLost
 
     names = ["a", "b", "c", "d"]
     x = codecs.encode(torch.arange(4.0), "fp32")
     with local_rendezvous("torch") as rz:
 
-        def start(me: str, links: list[str], **kw) -> object:
-            return make_transport(
-                "torch", me, names, {}, rz, timeout_s=TIMEOUT_S, links=links, **kw
+        def start(me: str, links: list[str], needed: list[str] | None = None) -> object:
+            opts = TorchOptions(
+                links=tuple(links), needed=None if needed is None else tuple(needed)
             )
+            return make_transport("torch", me, names, {}, rz, timeout_s=TIMEOUT_S, options=opts)
 
         got: dict[str, object] = {}
         first = threading.Thread(target=lambda: got.update({"a": start("a", ["b"])}))
@@ -353,14 +354,15 @@ def test_torch_a_full_mailbox_does_not_hold_a_restarted_peer_off() -> None:
 
     import torch
 
-    from comms.build import local_rendezvous, make_transport
+    from comms.build import TorchOptions, local_rendezvous, make_transport
 
     names = ["a", "b"]
     x = codecs.encode(torch.arange(4.0), "fp32")
     with local_rendezvous("torch") as rz:
 
         def start(me: str, **kw) -> object:
-            return make_transport("torch", me, names, {}, rz, timeout_s=TIMEOUT_S, **kw)
+            opts = TorchOptions(**kw)
+            return make_transport("torch", me, names, {}, rz, timeout_s=TIMEOUT_S, options=opts)
 
         got: dict[str, object] = {}
         first = threading.Thread(target=lambda: got.update({"a": start("a", mailbox_messages=1)}))
@@ -403,7 +405,10 @@ def test_mailbox_bounds_what_a_message_holds_decoded(backend: str) -> None:
     frame plus decoded float32 copy (~503 kB each) does not: the box holds one at a time. With
     the bound counting frames, both would be filed at once."""
     numel = 100_000
-    build = {"mailbox_bytes": 400_000}
+    from comms.build import HivemindOptions, TorchOptions
+
+    kind = TorchOptions if backend == "torch" else HivemindOptions
+    build = {"options": kind(mailbox_bytes=400_000)}
     res = run_peers(backend, ["a", "b"], {}, "held_bytes", TIMEOUT_S, build=build, numel=numel)
     b = res["b"]
     assert b["first_ok"] and b["held_at_once"] == 1, b

@@ -291,13 +291,16 @@ def test_an_old_runtime_table_loads_into_the_new_sections_with_a_notice(tmp_path
 
 
 def test_the_dht_mode_reaches_a_hivemind_cells_transport():
+    from comms.build import HivemindOptions, TorchOptions
     from mesh.runtime.wiring import backend_options
 
     hive = ["transport.backend=hivemind"]
-    assert backend_options(load_config([], hive), None)["dht_client"] is False
+    opts = backend_options(load_config([], hive), 0, 0, None)
+    assert isinstance(opts, HivemindOptions) and opts.dht_client is False
     client = load_config([], [*hive, "transport.dht_mode=client"])
-    assert backend_options(client, None)["dht_client"] is True
-    assert backend_options(load_config([], []), None) == {}  # torch: no DHT at all
+    assert backend_options(client, 0, 0, None).dht_client is True
+    # torch: no DHT at all, the cell's links
+    assert isinstance(backend_options(load_config([], []), 0, 0, None), TorchOptions)
     with pytest.raises(ConfigError, match="transport.dht_mode"):
         load_config([], [*hive, "transport.dht_mode=relay"])
 

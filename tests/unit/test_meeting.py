@@ -1,4 +1,5 @@
-"""comms.build's meetings: each backend takes its own typed meeting, and says so otherwise."""
+"""comms.build's meetings and options: each backend takes its own typed meeting and options, and
+says so otherwise."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pickle
 
 import pytest
 
-from comms.build import HivemindMeeting, TorchMeeting, make_transport
+from comms.build import (
+    HivemindMeeting,
+    HivemindOptions,
+    TorchMeeting,
+    TorchOptions,
+    make_transport,
+)
 
 
 def test_a_backend_refuses_the_other_backends_meeting_before_starting_anything():
@@ -16,6 +23,11 @@ def test_a_backend_refuses_the_other_backends_meeting_before_starting_anything()
         make_transport("hivemind", "a", ["a"], {}, TorchMeeting("tcp://127.0.0.1:1"))
     with pytest.raises(ValueError, match="unknown backend"):
         make_transport("carrier-pigeon", "a", ["a"], {}, TorchMeeting("tcp://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="takes TorchOptions"):
+        torch_meeting = TorchMeeting("tcp://127.0.0.1:1")
+        make_transport("torch", "a", ["a"], {}, torch_meeting, options=HivemindOptions())
+    with pytest.raises(ValueError, match="takes HivemindOptions"):
+        make_transport("hivemind", "a", ["a"], {}, HivemindMeeting(), options=TorchOptions())
 
 
 def test_a_meeting_crosses_to_a_cell_process_as_it_is():

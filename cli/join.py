@@ -169,7 +169,7 @@ def claim_cell(
     withdrawn and the next free cell is tried."""
     P, m = cfg.grid.stages, cfg.grid.replicas
     grid = [(j, i) for i in range(m) for j in range(P) if stage is None or j == stage]
-    if cfg.pipeline.routing == "pools" and stage is None:  # fill the thinnest stage first
+    if cfg.pipeline.pooled and stage is None:  # fill the thinnest stage first
         grid = routing.thinnest_first(pool_capacity(registry, P, m), grid)
     order = [c for c in prefer if c in grid] + [c for c in grid if c not in prefer]
     tried: set[str] = set()

@@ -148,7 +148,7 @@ def pool_counts(sim: GridSim) -> dict[str, Any]:
     where emulation.deaths stalled a fixed one."""
     if not isinstance(sim, PoolSim):
         return {}
-    if sim.cfg.pipeline.routing == "pools":
+    if sim.cfg.pipeline.pooled:
         routed = sim.streamed * (sim.P - 1)
         return {
             "pools": {"routed": routed, "cross_replica": sim.cross_replica, "voided": sim.voided}

@@ -199,7 +199,7 @@ def check_resume(cfg: Config, run_dir: Path) -> Resume:
     every later resume's way)."""
     from mesh.runtime.checkpoint import resume_point
 
-    if cfg.transport.backend == "hivemind" or cfg.pipeline.routing == "pools":
+    if cfg.transport.backend == "hivemind" or cfg.pipeline.pooled:
         return _resume_cells(cfg, run_dir)
     fp, damaged, steps, notes = cfg.state_fingerprint(), [], {}, []
     for i in range(cfg.grid.replicas):

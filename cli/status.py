@@ -108,7 +108,7 @@ def status_rows(
         data = {"path": cfg.data.path, "digest": cfg.data.digest}
         if registry is not None:
             free = free_cells(Grid(P, m).names(), owned)
-    pools = pool_rows(owned, P) if cfg is not None and cfg.pipeline.routing == "pools" else None
+    pools = pool_rows(owned, P) if cfg is not None and cfg.pipeline.pooled else None
     withdrawn = {} if registry is None else registry.withdrawn
     return {
         "pools": pools,

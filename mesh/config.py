@@ -204,7 +204,7 @@ class Config(_Section):
         from mesh.algo.routing import parse_deaths
 
         parse_deaths(self.emulation.deaths, g.stages, g.replicas)
-        if p.routing == "pools" and p.schedule != "async":
+        if p.pooled and p.schedule != "async":
             raise ValueError(
                 f"pipeline.routing = 'pools' needs pipeline.schedule = 'async' (got "
                 f"{p.schedule!r}): a pooled microbatch's path is drawn when it leaves a stage, "

@@ -291,11 +291,12 @@ def dead_at(spans: Spans, cell: tuple[int, int], update: int) -> bool:
     return any(a <= update and (b is None or update < b) for a, b in spans.get(cell, ()))
 
 
-def absent(spans: Spans, stages: int, replicas: int, routing_: str) -> set[Place]:
+def absent(spans: Spans, stages: int, replicas: int, pooled: bool) -> set[Place]:
     """The cells a process grid never starts: dead from update 0 for good (emulation.deaths
-    "sJrI@0"); on a fixed grid their whole replica (it cannot train without them)."""
+    "sJrI@0"); on a fixed grid (not pooled) their whole replica (it cannot train without
+    them)."""
     gone = {c for c, s in spans.items() if any(a == 0 and b is None for a, b in s)}
-    if routing_ == "pools":
+    if pooled:
         return gone
     return {(j, i) for _, i in gone for j in range(stages)}
 

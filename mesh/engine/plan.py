@@ -116,7 +116,7 @@ def pool_held(cfg: Config, stage: int) -> int:
 def inflight_microbatches(cfg: Config, stage: int) -> int:
     """Microbatches whose input stage j holds between forward and backward at most."""
     p = cfg.pipeline
-    if p.routing == "pools":
+    if p.pooled:
         return pool_held(cfg, stage)
     if p.schedule == "gpipe":
         return p.microbatches
@@ -130,7 +130,7 @@ def stash_versions(cfg: Config, stage: int) -> int:
     """Weight versions a cell holds: its schedule's, or a pooled cell's at most one per
     microbatch it holds plus the live one (PoolWorker._push_version pins no more)."""
     p = cfg.pipeline
-    if p.routing == "pools":
+    if p.pooled:
         return pool_held(cfg, stage) + 1
     return versions_kept(p.schedule, stage, cfg.grid.stages, p.extra_warmups())
 

@@ -98,7 +98,7 @@ class PoolSim(GridSim):
         """The replica index of the cell each stage gives microbatch (s, u); None: a stage
         has no live cell for it (fixed: its own replica's cell is dead)."""
         pipe, seed = self.cfg.pipeline, self.cfg.run.seed
-        if pipe.routing == "fixed":
+        if not pipe.pooled:
             path = [s] * self.P
             return None if any((j, s) in dead for j in range(self.P)) else path
         if pipe.pool_choice == "seeded":
@@ -134,7 +134,7 @@ class PoolSim(GridSim):
             if (c.stage, c.replica) in self._unstored:
                 c.push_version()
                 self._unstored.discard((c.stage, c.replica))
-        seeded = cfg.pipeline.pool_choice == "seeded" and cfg.pipeline.routing == "pools"
+        seeded = cfg.pipeline.seeded_pools
         versions = [
             c.step if seeded else max(min(c.history), c.step - (self.P - 1 - j))
             for j, c in enumerate(cells)
@@ -208,6 +208,6 @@ def _cloned(sd: dict) -> dict:  # type: ignore[type-arg]
 def make_sim(cfg: Config, corpus: Corpus | None = None) -> GridSim:
     """The simulator a config needs: PoolSim for stage pools or a death schedule, else the
     fixed grid's GridSim (bit for bit what it always computed)."""
-    if cfg.pipeline.routing == "pools" or cfg.emulation.deaths:
+    if cfg.pipeline.pooled or cfg.emulation.deaths:
         return PoolSim(cfg, corpus)
     return GridSim(cfg, corpus)

@@ -390,12 +390,12 @@ def throughput(
     # a cell emulation.deaths takes out from the start never ran (on a fixed grid its whole
     # replica): no capacity in the ideal, no rate to measure
     spans = routing.parse_deaths(cfg.emulation.deaths, P, m)
-    gone = routing.absent(spans, P, m, cfg.pipeline.routing)
+    gone = routing.absent(spans, P, m, cfg.pipeline.pooled)
     st = [
         [0.0 if (j, i) in gone else max(c, x) for j, (c, x) in enumerate(zip(cr, lr))]
         for i, (cr, lr) in enumerate(zip(compute, link_rows))
     ]
-    if cfg.pipeline.routing == "pools":  # a stage's cells share its work: its summed speed
+    if cfg.pipeline.pooled:  # a stage's cells share its work: its summed speed
         speeds = [[1.0 / st[i][j] if st[i][j] > 0 else 0.0 for i in range(m)] for j in range(P)]
         ideal = tok * routing.pool_bound(speeds)
     else:

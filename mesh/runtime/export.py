@@ -111,7 +111,7 @@ def export_steps(run_dir: str | Path, cfg: Config, replica: int) -> list[int]:
     """Each stage's step the export reads: export_step's for every stage of a fixed grid; for
     stage pools, whose cells take different numbers of updates (mesh/runtime/pool.py), each
     stage's newest intact checkpoint of the replica's cell, as a pooled resume takes it."""
-    if cfg.pipeline.routing != "pools":
+    if not cfg.pipeline.pooled:
         return [export_step(run_dir, cfg, replica)] * cfg.grid.stages
     export_step_checks(run_dir, cfg, replica)
     fp = cfg.state_fingerprint()

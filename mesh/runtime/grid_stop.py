@@ -138,8 +138,7 @@ def one_step_stop(cfg: Config) -> bool:
     """Whether a stop runs each replica's cells to one step: on a fixed torch grid (hivemind's
     sessions resume cells at different steps; a pool's cells take different numbers of
     updates: they save where the stop finds them)."""
-    pools = getattr(cfg.pipeline, "routing", "fixed") == "pools"
-    return cfg.transport.backend == "torch" and not pools
+    return cfg.transport.backend == "torch" and not cfg.pipeline.pooled
 
 
 def stop_grid_at_one_step(

@@ -186,7 +186,7 @@ def grid_cells(cfg: Config) -> list[tuple[int, int]]:
     emulation.deaths takes out from the start (routing.absent)."""
     g = cfg.grid
     spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
+    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.pooled)
     return [(j, i) for i in range(g.replicas) for j in range(g.stages) if (j, i) not in gone]
 
 
@@ -344,7 +344,7 @@ def _watch(
             if dead:
                 cell, code = dead[0]
                 what = f"cell {cell_name(*cell)} died ({_death(code)})"
-                pooled = cfg.pipeline.routing == "pools"
+                pooled = cfg.pipeline.pooled
                 if pooled and run_over_around(cell, grid.exit_codes(), grid.left):
                     grid.left.add(cell)  # started again, it would wait for links to nobody
                     notice(f"{what} after every other cell finished; not started again")
@@ -368,7 +368,7 @@ def _watch(
                     break
                 restarts.append(what)
                 n = f"restart {len(restarts)} of {cfg.elastic.max_restarts}"
-                if cfg.pipeline.routing == "pools":  # its stage's pool routes around it meanwhile
+                if cfg.pipeline.pooled:  # its stage's pool routes around it meanwhile
                     grid.start(cell, -1)  # from its own newest checkpoint
                     notice(
                         f"{what}; it starts again from its own checkpoint, the pools "

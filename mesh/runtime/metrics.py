@@ -105,7 +105,7 @@ def summarize_run(
     every = read_metrics(out_dir, events=True, replayed=True)  # every life of every cell
     totals = {k: cell_totals(v) for k, v in every.items()}
     P, m = cfg.grid.stages, cfg.grid.replicas
-    pools = cfg.pipeline.routing == "pools"  # a pool's cells take different numbers of updates
+    pools = cfg.pipeline.pooled  # a pool's cells take different numbers of updates
     dropped = left_out(cfg)
     steps, tokens, segment_tokens = (
         _pool_progress(cfg, rows, start_step)
@@ -193,7 +193,7 @@ def _replica_losses(
     from mesh.runtime.evaluate import common_steps, latest_steps, replica_loss
 
     m = cfg.grid.replicas
-    pools = cfg.pipeline.routing == "pools"
+    pools = cfg.pipeline.pooled
     # a replica where its cells' checkpoints meet; a pool's cells (different numbers of
     # updates), or hivemind cells resumed a step apart, at each one's newest
     at = [(common_steps(out_dir, cfg, i) or [None])[-1] if not pools else None for i in range(m)]
@@ -273,14 +273,14 @@ def left_out(cfg: Any) -> dict[int, dict[str, Any]]:
 
     P, m = cfg.grid.stages, cfg.grid.replicas
     spans = routing.parse_deaths(cfg.emulation.deaths, P, m)
-    dead = routing.absent(spans, P, m, "pools")  # the cells themselves
+    dead = routing.absent(spans, P, m, pooled=True)  # the cells themselves
     out: dict[int, dict[str, Any]] = {}
     for i in range(m):
         cells = [cell_name(j, i) for j in range(P) if (j, i) in dead]
         if not cells:
             continue
         said = f"emulation.deaths takes {', '.join(cells)} out from update 0"
-        if cfg.pipeline.routing == "pools":
+        if cfg.pipeline.pooled:
             why = f"{said}: its stage's other cells took its work, and its replica's chain lacks it"
             out[i] = {"replica": i, "left_out_of": ["val_loss"], "why": why}
         else:

@@ -87,7 +87,7 @@ def make_coordinator(
         run_record=RunRecord(cfg.fingerprint(), cfg.to_toml(), auth.key_check, data),
         since=since,
         step=cell.step,
-        watch=list(range(cfg.grid.replicas)) if cfg.pipeline.routing == "pools" else None,
+        watch=list(range(cfg.grid.replicas)) if cfg.pipeline.pooled else None,
     )
 
 
@@ -286,9 +286,9 @@ class CellRun:
             self.coord.on_event = self.event  # waiting for whom, sessions
             self.coord.on_beat = health_rows(self.event, transport)
         kind = StageWorker
-        if cfg.pipeline.routing == "pools":
+        if cfg.pipeline.pooled:
             # the seeded mode serializes each cell, so the simulator can follow it
-            kind = SeededPoolWorker if cfg.pipeline.pool_choice == "seeded" else PoolWorker
+            kind = SeededPoolWorker if cfg.pipeline.seeded_pools else PoolWorker
         settings = WorkerSettings.of(cfg, self.stage, self.replica)
         self.worker = kind(settings, cell, transport, self.corpus)
         self.worker.critical = STOP.deferred
@@ -308,7 +308,7 @@ class CellRun:
         the totals so far and goes on up."""
         cfg, worker, coord, transport = self.cfg, self.worker, self.coord, self.transport
         self.last_beat = self.last_look = self.last_trim = time.perf_counter()
-        pools = cfg.pipeline.routing == "pools"
+        pools = cfg.pipeline.pooled
         if pools and cfg.elastic.rebalance:  # stage pools: a look at the pools every beat
             self.rebalance = routing.Rebalancer(
                 cfg.elastic.rebalance_ratio, cfg.elastic.rebalance_after_s
@@ -432,7 +432,7 @@ class CellRun:
         saved = None
         # a cell another join holds (CellLost) writes no checkpoint: the cell's state is the
         # owner's, and a second writer under one --out would mix the two
-        if not getattr(self.coord, "lost", False):
+        if not (isinstance(self.coord, DhtCoordinator) and self.coord.lost):
             with self.worker.lock if self.worker is not None else contextlib.nullcontext():
                 # first: nothing can lose it
                 saved = save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)

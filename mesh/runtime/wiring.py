@@ -21,7 +21,7 @@ def grid_of(cfg: Config) -> Grid:
     them."""
     g = cfg.grid
     spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.routing)
+    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.pooled)
     return Grid(g.stages, g.replicas, frozenset(gone))
 
 
@@ -31,7 +31,7 @@ def cell_links(cfg: Config, stage: int, replica: int) -> TorchOptions:
     they closed before (a replica started again starts all its cells at once), while a column
     peer that is done is not waited for."""
     grid = grid_of(cfg)
-    nbrs = grid.neighbours(stage, replica, cfg.pipeline.routing == "pools")
+    nbrs = grid.neighbours(stage, replica, cfg.pipeline.pooled)
     return TorchOptions(links=tuple(nbrs + grid.column(stage, without=replica)), needed=tuple(nbrs))
 
 

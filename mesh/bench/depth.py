@@ -51,7 +51,7 @@ from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by i
     spec,
 )
 from mesh.bench.regime import data_reference, rule_fields
-from mesh.bench.simruns import Spec, run_specs
+from mesh.bench.simruns import Spec, read_runs, run_specs
 from mesh.config import Config, ConfigError
 
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
@@ -114,6 +114,18 @@ class Study:
         for r in done:
             self.runs[f"{r['study']}|{r['method']}|{r['seed']}"] = r
         return done
+
+    def all_runs(self) -> list[dict[str, Any]]:
+        """Every run the study's folder knows: this call's, its summary's and its partial
+        file's, once each. The summary keeps them all: a call for some depths (--stages 4)
+        must not drop the others' runs, which it then finds neither there nor in the partial
+        file it removes."""
+        out: dict[tuple[Any, Any], dict[str, Any]] = {}
+        partial = read_runs(self.out / "runs.partial.jsonl")
+        ours = [r for r in [*self.known, *partial] if r.get("study") in self.budget]
+        for r in [*ours, *self.runs.values()]:  # (another study's runs a sweep reused: theirs)
+            out[(r.get("study"), r.get("microbatches"), r.get("config_fingerprint"))] = r
+        return sorted(out.values(), key=lambda r: (r["method"], r["seed"]))
 
     def get(self, name: str, seed: int) -> dict[str, Any] | None:
         return self.runs.get(f"depth|{name}|{seed}")

@@ -108,7 +108,7 @@ def summarize(
         "sweeps": {k: v for k, v in tuned.items()},
         "complete": complete,
         "cpu_s_of_runs": round(sum(r.get("wall_s", 0) for r in study.runs.values()), 1),
-        "runs": sorted(study.runs.values(), key=lambda r: (r["method"], r["seed"])),
+        "runs": study.all_runs(),
     }
 
 

@@ -194,6 +194,13 @@ def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
     again = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4))
     assert len(again["runs"]) == runs
     assert json.loads((out / "summary.json").read_text())["rows"] == again["rows"]
+    # a call for one depth reports that depth and keeps every other run the folder held
+    # (quick: the screen runs at the first depth given, here 2 as above)
+    one = depth.run_depth(base, out, quick=True, workers=2, stages=(2,))
+    assert {r["P"] for r in one["rows"]} == {2}
+    assert len(one["runs"]) == runs
+    both = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4), report_only=True)
+    assert both["rows"] == again["rows"]
 
 
 def test_the_width_check_reuses_the_boundary_studys_d192_runs() -> None:

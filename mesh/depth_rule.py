@@ -1,10 +1,11 @@
 """What a deep asynchronous pipeline gets without flags: the optimizer settings keyed on the depth
 (`optim.depth_rule = "auto"`), from `meshtrain bench depth` (results/depth, docs/depth.md).
 
-Stage j of an async pipeline applies gradients P-1-j updates stale. At P = 4 the shipped
-optimizer loses nothing to FullSync at equal tokens; deeper, it does, and the study measures which
-of the seeds' levers closes the gap. A rule names, for pipelines of at least `min_stages` stages
-on the async schedule, the settings the study picked, and the evidence.
+Stage j of an async pipeline applies gradients P-1-j updates stale. At P = 4 the plain optimizer
+loses nothing to FullSync at equal tokens; deeper, it does, and the study measures which of the
+seeds' levers closes the gap (and at P = 4, which one gains most). A rule names, for
+pipelines of at least `min_stages` stages on the async schedule, the settings the study picked,
+and the evidence.
 
 Resolution (Config.effective): a key the rule names takes the rule's value only where the config
 leaves it at the schema default, so anything a user sets wins. The rule is applied when a config
@@ -32,13 +33,18 @@ class DepthRule:
 
 
 # deepest last; a pipeline takes the last rule whose range holds its depth (none below them).
+# 4 <= P <= 7: the lr correction too, at twice the lr the plain pipeline takes: at P = 4 on seed
+# 100 the corrected pipeline's best lr is 4e-3 (1.717; 2e-3: 1.753, 8e-3: 1.808), the plain
+# one's 4e-3 (1.779; 2e-3: 1.780), FullSync's 8e-3 (1.803); on the report seeds 0 and 1 the
+# corrected pipeline ends -2.50% +- 1.51% from FullSync, the plain one -0.65% +- 0.02% (a
+# 16-block d 64 Llama, 1.64M tokens). At P = 5-7 the P = 4 settings hold (not measured there).
 # 8 <= P <= 15: AsyncPP's lr correction (stage j starts at lr / delta_j, the full lr from half
 # the run), which lets the lr double: on seed 100 the corrected pipeline's best lr is 2e-3
 # (1.798) where the plain one's is 1e-3 (1.898; FullSync 1.791), and on the report seeds 0 and 1
 # it ends -0.04% +- 0.38% from FullSync against the plain pipeline's +6.28% (a 16-block d 64
 # Llama, 1.64M tokens, FullSync at 0.73 of the bigram). The lr is the rule's only where a config
 # leaves optim.lr at its default (1e-3); a user's own lr is kept: double the lr tuned without
-# the correction. Not below P = 8 (P = 4 ends 0.4-1.6% from FullSync without it).
+# the correction.
 # P >= 16: Muon on top of the correction, at the default lr (Muon's matrices at 10x it). Stage 0
 # is 15 updates stale there; on seed 100 the correction alone ends 1.929 (its best lr, 1e-3),
 # held to the run's end 1.940, never released whole (share 2) 1.897 at 4e-3, with beta1 0.95
@@ -48,6 +54,13 @@ class DepthRule:
 # With the optimizer held fixed it is not parity: FullSync with Muon ends 1.617 (4e-3), which the
 # stale stages cannot follow; the rule is the best async pipeline measured at this depth
 RULES: tuple[DepthRule, ...] = (
+    DepthRule(
+        4,
+        {"delay_lr_share": 0.5, "lr": 4e-3},
+        "bench depth at P = 4: -2.50% +- 1.51% from FullSync on seeds 0 and 1, the plain "
+        "pipeline -0.65%; results/depth, docs/depth.md",
+        max_stages=7,
+    ),
     DepthRule(
         8,
         {"delay_lr_share": 0.5, "lr": 2e-3},

@@ -109,7 +109,12 @@ def test_fingerprints_of_configs_that_predate_later_keys_are_pinned():
         pytest.skip("pinned for torch 2.13, the version CI installs")
     # payload_error_feedback's default changed to on: off, it hashes away (HASHED_AWAY_AT);
     # index_map came with a new default: the old map, permutation, hashes away
-    before = {"dp.payload_error_feedback": False, "dp.index_map": "permutation"}
+    # the depth rule off: from its P = 4 rule on, the default 4-stage grid trains other numbers
+    before = {
+        "dp.payload_error_feedback": False,
+        "dp.index_map": "permutation",
+        "optim.depth_rule": "off",
+    }
     old = with_overrides(load_config([]), before)
     assert old.fingerprint() == "05fa7fa63e712496"
     cfg = with_overrides(old, {"dp.lambda_clock": "steps", "dp.lambda_hold_arrivals": 50})
@@ -118,7 +123,9 @@ def test_fingerprints_of_configs_that_predate_later_keys_are_pinned():
     fed = with_overrides(cfg, {"dp.payload_error_feedback": True})
     assert fed.fingerprint() != cfg.fingerprint()  # a run with it is another run (not reused)
     keyed = with_overrides(fed, {"dp.index_map": "keyed"})
-    assert load_config([]).fingerprint() == keyed.fingerprint()  # the default now
+    unruled = with_overrides(load_config([]), {"optim.depth_rule": "off"})
+    assert unruled.fingerprint() == keyed.fingerprint()  # the default now, the rule off
+    assert load_config([]).fingerprint() != keyed.fingerprint()  # with it: another run
     # a lossless codec: the feedback changes no number, so the fp32 runs keep their hash
     fp32 = with_overrides(old, {"dp.codec": "fp32"})
     assert with_overrides(fp32, {"dp.payload_error_feedback": True}).fingerprint() == (

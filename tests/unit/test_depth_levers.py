@@ -162,10 +162,11 @@ def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) ->
     mine = load_config([], [*sets, "optim.lr=3e-3"])
     assert mine.depth_rule_settings() == {"delay_lr_share": 0.5}
     assert mine.effective().optim.lr == 3e-3
-    # four stages: no rule (the pipeline ends within 0.4-1.6% of FullSync there); sixteen:
+    # four stages: the correction at twice the plain pipeline's lr; two: no rule; sixteen:
     # Muon on top of the correction, at the default lr (Muon's matrices at 10x it)
     shallow = load_config([], [*sets, "grid.stages=4"])
-    assert shallow.depth_rule_settings() == {}
+    assert shallow.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 4e-3}
+    assert load_config([], [*sets, "grid.stages=2"]).depth_rule_settings() == {}
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
     assert deep.depth_rule_settings() == {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2}
     assert deep.effective().optim.lr == 1e-3
@@ -206,16 +207,23 @@ def test_the_default_at_each_depth_the_study_measured_is_its_recommended_arm() -
 
 
 def test_the_depth_rule_leaves_the_convergence_headline_as_it_was_measured() -> None:
-    """The headline's grid is 4 x 2: the shipped rule sets nothing there, so its configs with
-    the rule on train the numbers measured with it off (the same fingerprints): the headline
-    needs no rerun for the new defaults."""
+    """The headline's grid is 4 x 2, where the P = 4 rule applies: but its async arm was tuned
+    with the correction on and an lr of its own (results/convergence/tuning.json), and FullSync
+    has no stale gradients, so its configs with the rule on train the numbers measured with it
+    off (the same fingerprints): the headline needs no rerun for the new defaults."""
+    from pathlib import Path
+
     from mesh.bench.convergence import HEADLINE, _dp_spec
     from mesh.bench.simruns import spec_config
+    from mesh.bench.tuning import load_tuned
     from mesh.config import with_overrides
 
+    root = Path(__file__).parents[2]
+    tuned, is_tuned = load_tuned(root / "results/convergence/tuning.json")
+    assert is_tuned and tuned["AsyncMesh-fp8"]["optim.delay_lr_share"] == 0.5
     base = load_config([], [])
     for method in HEADLINE:
-        off = spec_config(base, _dp_spec(method, 20), 1600)
+        off = spec_config(base, _dp_spec(method, 20, tuned=tuned), 1600)
         assert off.optim.depth_rule == "off" and off.grid.stages == 4
         auto = with_overrides(off, {"optim.depth_rule": "auto"})
         assert auto.depth_rule_settings() == {}

@@ -290,7 +290,11 @@ class Config(_Section):
             return {}
         defaults = {k: f.default for k, f in OptimConfig.model_fields.items()}
         return resolved_settings(
-            self.optim.model_dump(), defaults, self.grid.stages, self.pipeline.schedule
+            self.optim.model_dump(),
+            defaults,
+            self.grid.stages,
+            self.pipeline.schedule,
+            d_model=self.model.d_model,
         )
 
     def depth_rule_line(self) -> str:

@@ -30,6 +30,10 @@ class DepthRule:
     evidence: str = ""
     optimizer: str = "nadamw"  # the optimizer the study measured it with (optim.name)
     max_stages: int | None = None  # the deepest pipeline it holds for (None: any deeper one)
+    # the widest model (model.d_model) its lr was measured on: a wider one keeps its own lr and
+    # takes the rest (a model's best lr falls with its width: at d 192, P = 8 the corrected
+    # pipeline's is 1e-3, and d 64's 2e-3 ends 2.24)
+    lr_width: int = 64
 
 
 # deepest last; a pipeline takes the last rule whose range holds its depth (none below them).
@@ -101,13 +105,20 @@ def resolved_settings(
     stages: int,
     schedule: str,
     rules: tuple[DepthRule, ...] = RULES,
+    d_model: int | None = None,
 ) -> dict[str, Any]:
     """The optim keys the rule sets on this config: those it names that `optim` (the section's
-    values) leaves at their schema `defaults`."""
+    values) leaves at their schema `defaults`; not the lr on a model wider than the rule's
+    lr_width (d_model None: any width)."""
     rule = rule_for(stages, schedule, str(optim.get("name", "nadamw")), rules)
     if rule is None:
         return {}
-    return {k: v for k, v in rule.settings.items() if optim.get(k) == defaults.get(k)}
+    wide = d_model is not None and d_model > rule.lr_width
+    return {
+        k: v
+        for k, v in rule.settings.items()
+        if optim.get(k) == defaults.get(k) and not (wide and k == "lr")
+    }
 
 
 def describe(

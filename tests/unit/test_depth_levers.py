@@ -114,6 +114,14 @@ def test_a_depth_rule_applies_from_its_depth_on_the_async_schedule() -> None:
     got = resolved_settings({"delay_lr_share": 0.25, "beta1": None}, defaults, 16, "async", rules)
     assert got == {"beta1": 0.95}
     assert resolved_settings({"delay_lr_share": 0.0}, defaults, 4, "async", rules) == {}
+    # the lr only on models as narrow as the rule's lr_width
+    lr_rules = (DepthRule(8, {"delay_lr_share": 0.5, "lr": 2e-3}, "P8", lr_width=64),)
+    plain = {"delay_lr_share": 0.0, "lr": 1e-3}
+    lr_defaults = {"delay_lr_share": 0.0, "lr": 1e-3}
+    narrow = resolved_settings(plain, lr_defaults, 8, "async", lr_rules, d_model=64)
+    assert narrow == {"delay_lr_share": 0.5, "lr": 2e-3}
+    wide = resolved_settings(plain, lr_defaults, 8, "async", lr_rules, d_model=192)
+    assert wide == {"delay_lr_share": 0.5}
     line = describe("auto", got, 16, "async", "nadamw", rules)
     assert "optim.beta1 = 0.95" in line and "P16" in line
     assert "nothing changed" in describe("auto", {}, 4, "async", "nadamw", rules)
@@ -174,6 +182,10 @@ def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) ->
         cell = Cell.build(deep, j, 0, module)
         assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
         assert cell.lr_scale() == pytest.approx(1 / max(1, 15 - j)), j  # 15 .. 0
+    # a model wider than d 64 (where the rule's lrs were measured) keeps its lr
+    wide = load_config([], [*sets, "model.d_model=192", "model.n_heads=4"])
+    assert wide.depth_rule_settings() == {"delay_lr_share": 0.5}
+    assert wide.effective().optim.lr == 1e-3
     # a user's own optimizer is kept, and then no rule applies (each is measured with nadamw)
     adamw = load_config([], [*sets, "model.n_layers=16", "grid.stages=16", "optim.name=adamw"])
     assert adamw.depth_rule_settings() == {}

@@ -13,6 +13,7 @@ the placeholder then expires within its lives).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from mesh.runtime.registry import CellRecord, Registry, replica_of, running
@@ -50,9 +51,8 @@ class ClaimKeeper:
         replica = replica_of(self.placeholder.cell)
         assert replica is not None, self.placeholder.cell
         period_s = self.registry.heartbeat_s
-        waited_s = 0.0
-        while not self._stop.wait(period_s) and waited_s < self.give_up_s:
-            waited_s += period_s
+        deadline = time.monotonic() + self.give_up_s  # (a read may take seconds: by the clock)
+        while not self._stop.wait(period_s) and time.monotonic() < deadline:
             try:
                 if handed_over(self.registry.owners([replica]), self.placeholder):
                     self.handed.set()

@@ -141,12 +141,6 @@ class Coordinator(Protocol):
     def next_session(self, align: Callable[[], int]) -> Session | None:
         """The next session this cell runs (None: the run is over); align() is the cell's step."""
 
-    @property
-    def lost(self) -> bool:
-        """Whether another peer's live claim owns our cell (see CellLost): its state is not ours
-        to save."""
-        return self._lost is not None
-
     def broken(self, session: Session) -> bool:
         """Whether `session` no longer stands (a member left or the leader started another)."""
 
@@ -167,12 +161,6 @@ class StaticCoordinator:
             return None
         self._given = True
         return Session(0, step * self.mpu, self.steps - step)
-
-    @property
-    def lost(self) -> bool:
-        """Whether another peer's live claim owns our cell (see CellLost): its state is not ours
-        to save."""
-        return self._lost is not None
 
     def broken(self, session: Session) -> bool:
         return False

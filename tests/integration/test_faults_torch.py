@@ -88,6 +88,15 @@ def _trained(out: Path, cell: str, life: int) -> int:
     return 0 if first is None else last - first + 1
 
 
+def _running(proc: subprocess.Popen) -> bool:
+    """True while the launcher runs; its exit fails the test at once with what it printed (a
+    wait for a step it will never log would only time out, saying nothing)."""
+    if proc.poll() is None:
+        return True
+    out, err = proc.communicate()
+    raise AssertionError(f"the launcher exited early ({proc.returncode}): {(out + err)[-3000:]}")
+
+
 def _step(out: Path, cell: str) -> int:
     steps = [r["step"] for r in _rows(out, cell) if "event" not in r and not r.get("final")]
     return max(steps, default=0)
@@ -163,13 +172,13 @@ def test_a_killed_cell_restarts_its_replica_alone_and_the_other_trains_on(tmp_pa
     )
     try:
         helpers.wait_for(
-            lambda: _step(out, "1-1") >= 6 and _step(out, "0-1") >= 6,
+            lambda: _running(proc) and _step(out, "1-1") >= 6 and _step(out, "0-1") >= 6,
             RUN_S,
             "replica 1 past a checkpoint",
         )
         os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
         helpers.wait_for(
-            lambda: len(_lives(out, "1-1")) == 2 and _lives(out, "1-1")[1],
+            lambda: _running(proc) and len(_lives(out, "1-1")) == 2 and _lives(out, "1-1")[1],
             RUN_S,
             "replica 1's second life training",
         )
@@ -213,7 +222,9 @@ def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
     with log.open("w") as err_file:
         proc = subprocess.Popen(_cmd(out, 400), stdout=subprocess.PIPE, stderr=err_file, text=True)
     try:
-        helpers.wait_for(lambda: _step(out, "1-1") >= 6, RUN_S, "s1r1 past a checkpoint")
+        helpers.wait_for(
+            lambda: _running(proc) and _step(out, "1-1") >= 6, RUN_S, "s1r1 past a checkpoint"
+        )
         os.kill(_starts(out, "1-1")[-1]["pid"], signal.SIGKILL)
         helpers.wait_for(
             lambda: "replica 1 starts again" in log.read_text(), RUN_S, "the restart's notice"
@@ -235,6 +246,7 @@ def test_sigterm_while_a_replica_restarts_stops_saved_and_resumes(tmp_path):
     assert set(_final_steps(out).values()) == {end}
 
 
+@pytest.mark.timeout(3 * RUN_S)  # two lives of one replica and a resume: a hang guard
 def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(tmp_path):
     """SIGKILL of s1r1: its replica starts again from its newest shared checkpoint. With
     elastic.max_restarts = 1, a second kill stops the grid, every other cell saved, in one
@@ -250,7 +262,7 @@ def test_a_killed_cell_is_restarted_and_past_the_limit_the_grid_stops_resumable(
     try:
         for life in (1, 2):  # each life: the victim trains past a checkpoint of its own
             helpers.wait_for(
-                lambda n=life: _trained(out, "1-1", n) >= 6,
+                lambda n=life: _running(proc) and _trained(out, "1-1", n) >= 6,
                 RUN_S,
                 f"life {life} of s1r1 past a checkpoint",
             )
@@ -285,7 +297,9 @@ def test_sigterm_to_the_launcher_stops_and_saves_and_a_second_launcher_is_refuse
         _cmd(out, steps), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        helpers.wait_for(lambda: _step(out, "1-0") >= 8, RUN_S, "the grid training")
+        helpers.wait_for(
+            lambda: _running(proc) and _step(out, "1-0") >= 8, RUN_S, "the grid training"
+        )
         second = _run([*_cmd(out, steps), "--resume", str(out)])
         assert second.returncode == 2, second.stderr
         lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
@@ -334,7 +348,11 @@ def test_a_stop_at_a_random_step_keeps_every_step_and_resume_starts_there(tmp_pa
         text=True,
     )
     try:
-        helpers.wait_for(lambda: min(_step(out, c) for c in cells) >= at, RUN_S, f"step {at}")
+        helpers.wait_for(
+            lambda: _running(proc) and min(_step(out, c) for c in cells) >= at,
+            RUN_S,
+            f"step {at}",
+        )
         seen = {c: _step(out, c) for c in cells}
         proc.send_signal(sig)
         stdout, err = proc.communicate(timeout=RUN_S)

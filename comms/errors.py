@@ -41,5 +41,10 @@ class PeerTimeout(CommsError, TimeoutError):
     """A peer did not deliver (or accept) a message before the deadline; it may still be alive."""
 
 
+class StartTimeout(PeerTimeout):
+    """This peer's own transport did not start before its deadline (a loaded machine): no
+    neighbour's doing, so no reason to wait for one; the message names the setting to raise."""
+
+
 class PeerLost(CommsError):
     """The link to a peer is gone: it died, closed its transport, or was cut off as broken."""

@@ -41,7 +41,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from comms import wire
 from comms.codecs import Encoded
-from comms.errors import PeerLost, PeerTimeout
+from comms.errors import PeerLost, PeerTimeout, StartTimeout
 from comms.group_means import GroupMeans
 from comms.mailbox import Mailbox
 from comms.p2p import dialback
@@ -245,7 +245,7 @@ class P2PTransport(RunRecords, Averaging):
             try:
                 self._run(self._setup(time.monotonic() + startup_s), startup_s)
             except cf.TimeoutError:  # a bare TimeoutError says nothing: name the step
-                raise PeerTimeout(
+                raise StartTimeout(
                     f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s "
                     f"(it was {self._setup_step}); on a loaded machine raise "
                     "transport.start_timeout_s"

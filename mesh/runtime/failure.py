@@ -2,7 +2,7 @@
 into room reserved at the cell's start so that a full disk still gets it; the exit codes a
 launcher reads (2: a user error, LOST_NEIGHBOUR: a peer it needs is gone, 1: a bug).
 
-imports: stdlib, mesh (config, errors, procs, topology).
+imports: stdlib, comms (errors, procs), mesh (config, errors, topology).
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import os
 import sys
 from pathlib import Path
 
+from comms.errors import StartTimeout
 from comms.procs import pid_alive
 from mesh.algo.topology import cell_name
 from mesh.config import ConfigError
 from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
 
 LOST_NEIGHBOUR = 3  # exit code of a cell that stopped because a peer it needs is gone
-USER_ERRORS = (ConfigError, DataError, CheckpointError, DiskFull)  # the message says the fix: 2
+# the message says the fix: exit 2 (StartTimeout: raise transport.start_timeout_s)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DiskFull, StartTimeout)
 REPORT_RESERVE_BYTES = 4096  # room kept for a failure report's first line on a full disk
 
 

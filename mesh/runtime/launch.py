@@ -69,8 +69,15 @@ class CellFailure:
 class LocalGrid:
     """The cells of one grid as local processes: start, signal, restart, stop and reap them."""
 
-    def __init__(self, cfg: Config, out_dir: Path, meeting: Meeting) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        out_dir: Path,
+        meeting: Meeting,
+        targets: dict[tuple[int, int], Callable[..., None]] | None = None,
+    ) -> None:
         self.out_dir, self.meeting = out_dir, meeting
+        self.targets = targets or {}  # a cell's process main in place of the real one (start)
         # pipeline.window = "auto": sized once here, so every cell runs the same schedule
         self.tree = resolve_window(cfg).model_dump(mode="json")
         self.procs: dict[tuple[int, int], Any] = {}
@@ -85,11 +92,13 @@ class LocalGrid:
         self,
         cell: tuple[int, int],
         resume_step: int | None = None,
-        target: Callable[..., None] = cell_process_main,
+        target: Callable[..., None] | None = None,
     ) -> None:
         """Start (or restart) a cell; resume_step -1: from its own latest checkpoint. target:
-        the process's main (run_cell's arguments), e.g. a misbehaving peer in a test; it must
-        install its own SIGTERM handler (run_cell does), since it starts with SIGTERM ignored."""
+        the process's main (run_cell's arguments; default: the grid's `targets`, else the real
+        cell), e.g. a misbehaving peer in a test; it must install its own SIGTERM handler
+        (run_cell does), since it starts with SIGTERM ignored."""
+        target = target or self.targets.get(cell, cell_process_main)
         j, i = cell
         metrics = self.out_dir / "metrics" / f"{j}-{i}.jsonl"
         size = metrics.stat().st_size if metrics.exists() else 0
@@ -202,6 +211,7 @@ def run_grid(
     replica_steps: dict[int, int | None] | None = None,
     stop: StopRequest | None = None,
     cell_steps: dict[tuple[int, int], int | None] | None = None,
+    targets: dict[tuple[int, int], Callable[..., None]] | None = None,
 ) -> GridRun:
     """Run every cell to cfg.run.steps; returns exit codes (None: killed by us).
 
@@ -225,6 +235,8 @@ def run_grid(
     replica's cells to one step (GridRun.stop_steps), where they end and save; on hivemind, or
     on KeyboardInterrupt (a second Ctrl-C), every cell saves where it is. GridRun.interrupted,
     GridRun.stopped_by names the signal.
+    targets: a cell's process main in place of the real one (LocalGrid.start; a test's
+    misbehaving peer).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_file(out_dir).unlink(missing_ok=True)  # an earlier life's stop is not this one's
@@ -248,7 +260,7 @@ def run_grid(
     grid: LocalGrid | None = None
     try:
         with local_rendezvous(cfg.transport.backend, cfg.transport.host) as meeting:
-            grid = LocalGrid(cfg, out_dir, meeting)
+            grid = LocalGrid(cfg, out_dir, meeting, targets)
             outcome = _watch(
                 cfg,
                 grid,

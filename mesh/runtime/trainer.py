@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from comms.build import Meeting
-from comms.errors import PeerLost, PeerTimeout
+from comms.errors import PeerLost, PeerTimeout, StartTimeout
 from comms.p2p.auth import Auth
 from comms.transport import DirectoryTransport, Transport
 from mesh.algo import routing
@@ -49,6 +49,7 @@ from mesh.runtime.pool_seeded import SeededPoolWorker
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StageMove, StaticCoordinator
+from mesh.runtime.session_step import take_session_step
 from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
 from mesh.runtime.stop import STOP, StopAt, StopAtStep, watch_parent
@@ -326,6 +327,8 @@ class CellRun:
                 session = coord.next_session(self.align)
                 if session is None:
                     break
+                if isinstance(coord, DhtCoordinator):
+                    take_session_step(worker, coord, session, self.event)
                 try:
                     worker.run_session(session, coord, self.on_step)
                 except SessionBroken:
@@ -448,7 +451,8 @@ class CellRun:
 
 def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], None]) -> int:
     """Run a cell (`run`) as its process's life and return the process's exit code: 0 when it
-    returns, 2 for a user error, LOST_NEIGHBOUR when a peer it needs died or froze (a fixed
+    returns, 2 for a user error (its own transport not starting in time among them),
+    LOST_NEIGHBOUR when a peer it needs died or froze (a fixed
     pipeline cannot go on without it; the launcher restarts its replica), 1 for anything else,
     the reason in DIR/logs/sJrI.err, not on the terminal, where eight cells would print eight
     tracebacks. The launcher gone (SIGKILL) is a clean stop, not an orphan that trains on."""
@@ -460,6 +464,9 @@ def cell_life(out_dir: str | Path, stage: int, replica: int, run: Callable[[], N
             run()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
+    except StartTimeout as e:  # its own transport never started: a user error (exit 2), not a
+        # lost neighbour, which a hivemind launcher leaves its replica to wait out (120 s)
+        code = write_failure(out_dir, stage, replica, e, reserve)
     except (PeerLost, PeerTimeout) as e:  # a neighbour died or froze: the launcher's fault
         write_failure(out_dir, stage, replica, e, reserve)
         code = LOST_NEIGHBOUR

@@ -49,6 +49,45 @@ def test_a_failing_cell_stops_the_grid_and_says_why(tmp_path):
     assert run.failure.log is not None and run.failure.log.read_text().startswith("data.path")
 
 
+def cell_that_cannot_start(*args, **kwargs) -> None:
+    """A real cell whose hivemind transport has 1 ms to start (a machine too loaded to start
+    p2pd in time): it cannot start. The rest of the grid is as a user runs it."""
+    from comms.p2p.transport import P2PTransport
+    from mesh.runtime.trainer import cell_process_main
+
+    init = P2PTransport.__init__
+
+    def short(self, *a, **k):
+        init(self, *a, **{**k, "startup_timeout_s": 0.001})
+
+    P2PTransport.__init__ = short
+    cell_process_main(*args, **kwargs)
+
+
+def test_a_hivemind_cell_that_cannot_start_stops_the_grid_at_once(text_file, tmp_path):
+    """One cell of a hivemind grid cannot start its transport: the grid stops within the
+    launcher's grace, the failure one line naming the cell and the setting to raise. (It was
+    taken for a lost neighbour, which hivemind rides out: its replica waited 120 s for it
+    while the other trained on, and the launcher said no why.)"""
+    cfg = load_config(
+        [],
+        [
+            *TINY,
+            f"data.path='{text_file}'",
+            "grid.stages=2",
+            "grid.replicas=2",
+            "transport.backend='hivemind'",
+            "run.steps=100000",  # the healthy replica trains until the failure stops it
+        ],
+    )
+    # a hang guard far above the seconds it takes, well under the 120 s wait it replaces
+    run = run_grid(cfg, tmp_path, timeout_s=90, targets={(1, 0): cell_that_cannot_start})
+    f = run.failure
+    assert f is not None and f.cell == "s1r0" and f.exit_code == 2, run
+    assert "transport.start_timeout_s" in f.message and "\n" not in f.message, f.message
+    assert run.exit_codes[(1, 0)] == 2 and all(c is not None for c in run.exit_codes.values())
+
+
 def test_resume_falls_back_extends_and_refuses_without_damage(text_file, tmp_path):
     run_dir = tmp_path / "run"
     base = [

@@ -74,7 +74,7 @@ def test_a_hivemind_grid_stopped_resumes_each_cell_from_its_own_save(text_file, 
     """hivemind (sessions take a replica's cells at different steps): a stop saves each cell
     where it finds it, past every step it logged, with no periodic checkpoint to fall back
     on; the resume starts each cell from its own save (a common step would be none, or an
-    older one) and the run finishes."""
+    older one) and every cell ends at the resumed run's run.steps."""
     base = [
         *helpers.TINY,
         f"data.path='{text_file}'",
@@ -91,7 +91,10 @@ def test_a_hivemind_grid_stopped_resumes_each_cell_from_its_own_save(text_file, 
     stop = StopRequest()
 
     def stop_past_step_6(step, loss):
-        if step >= 6:
+        # every cell has trained (a replica whose sessions are still forming on a loaded box
+        # has nothing to save: it would start again from step 0, which is not this test)
+        trained = read_metrics(out)
+        if step >= 6 and len(trained) == len(CELLS) and all(trained.values()):
             stop.request("SIGTERM")
 
     first = run_grid(cfg, out, on_progress=stop_past_step_6, stop=stop, timeout_s=240)
@@ -110,7 +113,37 @@ def test_a_hivemind_grid_stopped_resumes_each_cell_from_its_own_save(text_file, 
     for c, v in read_metrics(out, events=True).items():
         starts = [r["step"] for r in v if r.get("event") == "resumed"]
         assert starts == [point.cell_steps[c]], (c, starts)
-        # a session counts its updates from its leader's (stage 0's) step: a cell that
-        # resumed a step ahead of its leader ends a step past the run's end
-        lead = point.cell_steps[(0, c[1])]
-        assert [r for r in v if r.get("final")][-1]["step"] == end + point.cell_steps[c] - lead
+        # a session counts from its leader's (stage 0's) step, and a follower resumed a step
+        # apart takes it: every cell ends at run.steps, the run's length (it had ended a step
+        # past it, or short of it), where its replica's saves meet again
+        assert [r for r in v if r.get("final")][-1]["step"] == end, (c, point.cell_steps)
+    for i in range(2):
+        assert {saved_steps(out, j, i)[-1] for j in range(2)} == {end}
+
+
+def test_a_hivemind_follower_resumed_ahead_of_its_leader_ends_at_the_runs_end(text_file, tmp_path):
+    """s1r0 resumes from a save two steps past its leader's (as a hivemind stop can leave
+    them): it takes its session's step, its leader's, and both cells end at run.steps and
+    save it (it had ended two steps past the run's end, its saves never meeting its
+    leader's)."""
+    base = [
+        *helpers.TINY,
+        f"data.path='{text_file}'",
+        "grid.stages=2",
+        "grid.replicas=1",
+        "transport.backend='hivemind'",
+        "run.schedule_steps=400",
+        "checkpoint.every=2",
+        "transport.recv_timeout_s=30",
+    ]
+    out = tmp_path / "run"
+    assert run_grid(load_config([], [*base, "run.steps=6"]), out, timeout_s=240).ok
+    starts = {(0, 0): 4, (1, 0): 6}
+    longer = load_config([], [*base, "run.steps=12"])
+    assert run_grid(longer, out, resume=True, cell_steps=starts, timeout_s=240).ok
+    rows = read_metrics(out, events=True)
+    for c in starts:
+        assert [r for r in rows[c] if r.get("final")][-1]["step"] == 12, c
+        assert saved_steps(out, *c)[-1] == 12, saved_steps(out, *c)
+    taken = [r for r in rows[(1, 0)] if r.get("event") == "session_step"]
+    assert (6, 4) in [(r["from_step"], r["step"]) for r in taken], taken  # at its first session

@@ -195,3 +195,35 @@ def test_updates_trained_are_whole_updates_every_stage_applied() -> None:
     assert whole_updates(steps, 2, 2, pools=False) == 384
     assert whole_updates({(0, 0): 10, (1, 0): 10, (0, 1): 7}, 2, 2, pools=False) == 10
     assert whole_updates({(0, 0): 30, (0, 1): 12, (1, 0): 25, (1, 1): 17}, 2, 2, pools=True) == 42
+
+
+def test_a_hivemind_replicas_loss_is_of_its_cells_newest_saves(text_file, tmp_path):
+    """A hivemind stop saves each cell where it finds it (here s0r0 at 9, s1r0 at 10), past
+    the last step both saved (4, a periodic save): the summary's loss is of the newest saves,
+    not of step 4 (a resumed run reported the loss of the step it had resumed from)."""
+    import torch
+
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_cell_stage
+    from mesh.runtime.checkpoint import save_cell
+    from mesh.runtime.evaluate import replica_loss, validation_batches
+
+    cfg = _cfg(text_file, *helpers.TINY, "grid.replicas=1", "transport.backend='hivemind'")
+    run = tmp_path / "run"
+    cells = [Cell.build(cfg, j, 0, build_cell_stage(cfg, j)) for j in range(2)]
+    for cell in cells:
+        cell.step = 4
+        save_cell(cell, cfg.state_fingerprint(), run)
+    for cell, step in zip(cells, (9, 10), strict=True):
+        cell.step = step
+        cell.flat.add_(torch.randn_like(cell.flat))  # somewhere else entirely
+        save_cell(cell, cfg.state_fingerprint(), run)
+    for j, end in ((0, 9), (1, 10)):
+        _write(run, (j, 0), [{"event": "started", "step": 0}, *_updates(0, end)])
+    from mesh.data.corpus import load_corpus
+
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len, cfg.data.digest)
+    batches = validation_batches(cfg, corpus)
+    newest, old = (replica_loss(cfg, run, 0, at, batches) for at in ([9, 10], 4))
+    assert newest != old
+    assert summarize_run(cfg, run, wall_s=1.0)["val_loss_replicas"] == [newest]

@@ -34,6 +34,13 @@ OUTLIER_WINDOW = 16  # accepted distances the reference remembers: a few rounds,
 # follows the replicas' spread as it grows in early training
 
 
+def screened(aggregate: str, outlier_k: float) -> bool:
+    """Whether each member combines a round itself (dp.aggregate other than the plain mean, or
+    the deviation bound dp.outlier_k on): it measures the others' payloads against its own, so
+    it needs every payload, its own included, and no shared mean serves it."""
+    return aggregate != "mean" or outlier_k > 0
+
+
 def trim_count(n: int) -> int:
     """Values trimmed at EACH end of a coordinate by trimmed_mean over n payloads: a quarter,
     at least one (n = 3: the median; n = 4: the mean of the middle two)."""

@@ -2,7 +2,7 @@
 
 Per stage of llama-20m and llama-160m (or the models named: llama-1b on a GPU), fp32 against
 bf16: the cell's forward+backward time per microbatch (the runtime's own path: the stashed
-version's recompute-and-backward through stage_forward, as the worker runs it) against a plain
+version's recompute-and-backward, Cell.backward, as the workers run it) against a plain
 torch loop over the same layers (module(x), backward) - the runtime's overhead; the no-grad
 forward an async cell runs first to send activations early, apart; tokens/s and achieved FLOP/s
 (6 x matmul parameters per token + 12 x layers x seq_len x d for attention); and the cell's peak
@@ -31,7 +31,6 @@ from mesh.model.build import (
     autocast,
     build_stage,
     lm_loss,
-    stage_forward,
     stage_layers,
     stage_module,
 )
@@ -111,19 +110,10 @@ def _inputs(cfg: Config, stage: int, device: torch.device) -> tuple[torch.Tensor
 def _cell_step(
     cell: Cell, x: torch.Tensor, y: torch.Tensor, last: bool, precision: str
 ) -> list[torch.Tensor]:
-    """The runtime's backward of an update's first (async: only) microbatch, as
-    mesh.runtime.stage.StageWorker._backward computes it: the parameters' gradients."""
-    params = {n: t.detach().requires_grad_() for n, t in cell.weights(max(cell.history)).items()}
-    leaves = list(params.values())
-    if x.is_floating_point():
-        x = x.detach().requires_grad_()
-        leaves = [x, *leaves]
-    out = stage_forward(cell.module, params, x, precision)
-    if last:
-        grads = torch.autograd.grad(lm_loss(out, y), leaves)
-    else:
-        grads = torch.autograd.grad(out, leaves, grad_outputs=y)
-    return list(grads[len(leaves) - len(params) :])
+    """The runtime's backward of an update's first (async: only) microbatch, as the workers
+    compute it (Cell.backward): the parameters' gradients."""
+    grad_out, targets = (None, y) if last else (y, None)
+    return cell.backward(max(cell.history), x, precision, None, grad_out, targets).weights
 
 
 def _plain_step(
@@ -196,8 +186,7 @@ def bench_stage(cfg: Config, stage: int, reps: int, device: torch.device) -> dic
     x, y = _inputs(cfg, stage, device)
 
     def forward() -> None:  # an async cell's own forward (no grad): it sends activations early
-        with torch.no_grad():
-            stage_forward(cell.module, cell.weights(max(cell.history)), x, precision)
+        cell.forward(max(cell.history), x, precision, None)
 
     fns = {
         "cell": lambda: _cell_step(cell, x, y, last, cfg.runtime.precision),

@@ -35,7 +35,9 @@ from mesh.config import (
     parse_cell_factors,
 )
 from mesh.engine.rounds import Round, RoundBook
+from mesh.engine.stage_step import StageGrads, StagePass, stage_pass
 from mesh.model.boundary import constrain_, riemannian_grads_
+from mesh.model.build import stage_forward
 
 Params = dict[str, torch.Tensor]
 
@@ -246,6 +248,37 @@ class Cell:
         assert version in self.history, (version, list(self.history))
         return self.as_params(self.history[version])
 
+    # ---- the stage's step on a microbatch (mesh/engine/stage_step.py) ----------------------
+    def forward(
+        self, version: int, inputs: torch.Tensor, precision: str, tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This stage's output for `inputs` on weight version `version`, no autograd: the
+        activation a worker sends on (its backward recomputes it)."""
+        with torch.no_grad():
+            return stage_forward(self.module, self.weights(version), inputs, precision, tokens)
+
+    def forward_pass(
+        self, version: int, inputs: torch.Tensor, precision: str, tokens: torch.Tensor | None
+    ) -> StagePass:
+        """The forward on version `version` with autograd on, kept for its backward."""
+        weights = self.weights(version)
+        return stage_pass(self.module, weights, inputs, precision, tokens, self.stage == 0)
+
+    def backward(
+        self,
+        version: int,
+        inputs: torch.Tensor,
+        precision: str,
+        tokens: torch.Tensor | None,
+        grad_out: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        share: int = 1,
+    ) -> StageGrads:
+        """The forward recomputed on the stashed version, then its backward (StagePass.backward:
+        from grad_out, or on the last stage from the loss on `targets` / share)."""
+        step = self.forward_pass(version, inputs, precision, tokens)
+        return step.backward(grad_out, targets, share)
+
     # ---- optimizer ------------------------------------------------------------------------
     @property
     def schedule_step(self) -> int:
@@ -273,8 +306,14 @@ class Cell:
         pipeline), so its weights are stale and would drag the column back; it takes the
         others' mean. Only for the plain mean: a screened round (dp.aggregate, dp.outlier_k)
         measures the others against this cell's own payload."""
+        return self.stalled and not self.screens_rounds
+
+    @property
+    def screens_rounds(self) -> bool:
+        """Whether this cell combines its rounds itself (robust.screened: dp.aggregate,
+        dp.outlier_k) rather than taking the members' plain mean."""
         dp = self.settings.dp
-        return self.stalled and dp.aggregate == "mean" and dp.outlier_k == 0
+        return robust.screened(dp.aggregate, dp.outlier_k)
 
     def apply_update(self, grads: list[torch.Tensor]) -> float:
         """One optimizer step on the live weights with the given gradients; returns grad norm."""

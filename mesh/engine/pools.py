@@ -36,10 +36,8 @@ import torch
 from mesh.algo import routing
 from mesh.config import Config, parse_slowdowns
 from mesh.data.corpus import Corpus, train_batch
-from mesh.engine.cell import Cell, Params
-from mesh.engine.rounds import Action, after_update
-from mesh.engine.sim import GridSim, _Link, cross_link
-from mesh.model.build import lm_loss, stage_forward
+from mesh.engine.cell import Cell
+from mesh.engine.sim import GridSim
 
 
 class PoolSim(GridSim):
@@ -76,11 +74,15 @@ class PoolSim(GridSim):
             if path is None:
                 self.voided += 1
                 continue
-            losses.append(self._microbatch(u, s, path))
+            loss = self._microbatch(u, s, path)
+            if loss is not None:
+                losses.append(loss)
         for j, i in ((j, i) for j in range(self.P) for i in range(self.m) if (j, i) not in dead):
             self.cells[i][j].progress = u + 1  # the tick's updates done (GridSim: its step)
         if self.cfg.dp.mode == "param_avg" and self.m > 1:
-            self._average_live(dead)
+            # a stage with one live cell launches nothing: alone is not a mean (GridSim._launch)
+            for c in self._average(dead):
+                self._unstored.add((c.stage, c.replica))  # its live weights moved
         self.update += 1
         for j, i in sorted(self._unstored):  # after the arrivals, as GridSim stores them
             self.cells[i][j].push_version()
@@ -125,9 +127,10 @@ class PoolSim(GridSim):
             queue[(j, i)] += 1
         return path
 
-    def _microbatch(self, u: int, s: int, path: list[int]) -> float:
-        """Forward microbatch (s, u) through the path's cells, backward, and one update of each
-        (stage order from the last: as the gradient reaches them)."""
+    def _microbatch(self, u: int, s: int, path: list[int]) -> float | None:
+        """Microbatch (s, u) forward through the path's cells and back (GridSim's through_path),
+        then one update of each cell its gradient reached, in stage order from the last (as the
+        gradient reaches them). Its loss (None: a stage voided it, and no cell updates)."""
         cfg = self.cfg
         cells = [self.cells[i][j] for j, i in enumerate(path)]
         for c in cells:  # a second microbatch this tick reads what the first left
@@ -139,49 +142,21 @@ class PoolSim(GridSim):
             c.step if seeded else max(min(c.history), c.step - (self.P - 1 - j))
             for j, c in enumerate(cells)
         ]
-        leaves: list[Params] = [
-            {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}
-            for c, v in zip(cells, versions, strict=True)
-        ]
-        x, y = train_batch(
+        batch = train_batch(
             self.corpus, cfg.run.seed, s, u, cfg.pipeline.microbatch_size, cfg.model.seq_len
         )
-        h, cut = x, [-1]
-        for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
-            h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
-            if j < self.P - 1:
-                link = _Link(cfg.pipeline.codec, c, cells[j + 1], u, (x, y), self.verdicts, cut)
-                h = cross_link(h, link)
-                self.cross_replica += path[j + 1] != path[j]
-        self.pp_bytes += 2 * (self.P - 1) * self._act_bytes()
-        loss = lm_loss(h, y)
-        flat = [t for stage in leaves for t in stage.values()]
-        grads = list(torch.autograd.grad(loss, flat))
-        pos = 0
-        for c, stage in zip(cells, leaves, strict=True):
-            c.progress = u  # the schedules by the data's position, as the processes do
-            c.apply_update(grads[pos : pos + len(stage)])
-            pos += len(stage)
-            self._unstored.add((c.stage, c.replica))  # its version: at the tick's end
+        self.cross_replica += sum(a != b for a, b in zip(path, path[1:]))
+        mb = self._through(cells, versions, batch, u)
+        for c, grads in zip(cells, mb.weights, strict=True):
             self.routed[(c.stage, c.replica)] += 1
-        self.streamed += 1
-        return loss.item()
-
-    def _average_live(self, dead: set[tuple[int, int]]) -> None:
-        """This tick's round actions for each stage's live cells (a stage with one live cell
-        launches nothing: alone is not a mean)."""
-        dp = self.cfg.dp
-        for j in range(self.P):
-            column = [self.cells[i][j] for i in range(self.m) if (j, i) not in dead]
-            for action in after_update(self.update, dp.interval_steps, dp.tau):
-                if action is Action.LAUNCH:
-                    if len(column) > 1:
-                        self._launch(j, column)
-                    continue
-                for c in column:
-                    for rnd in c.due_rounds():
-                        c.apply_round(rnd)
-                        self._unstored.add((c.stage, c.replica))  # its live weights moved
+            if grads is None:  # voided, or its gradient dropped on the way: no update
+                continue
+            c.progress = u  # the schedules by the data's position, as the processes do
+            c.apply_update(grads)
+            self._unstored.add((c.stage, c.replica))  # its version: at the tick's end
+        if mb.loss is not None:
+            self.streamed += 1
+        return mb.loss
 
     def _revive(self, j: int, i: int, dead: set[tuple[int, int]]) -> None:
         """A cell back from the dead takes the state of the most advanced live cell of its

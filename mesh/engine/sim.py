@@ -1,8 +1,9 @@
 """The whole P x m grid in one process on a logical clock: exact, repeatable, fast.
 
-At update u, replica i computes its microbatch(es) through the composed stages with the version
-vector of its schedule (stage j uses weights `version_for(schedule, j, P, u)`), each stage steps its
-newest weights with the gradient, and averaging rounds land exactly `dp.tau` updates after they
+At update u, replica i computes its microbatch(es) through its stages with the version vector of
+its schedule (stage j uses weights `version_for(schedule, j, P, u)`), one stage at a time forward
+and back with the workers' stage step (mesh/engine/stage_step.py), each stage steps its newest
+weights with the gradient, and averaging rounds land exactly `dp.tau` updates after they
 were launched. Wall-clock effects are left out on purpose; stashing, staleness, codecs and the
 drift correction are all in. Every payload that would cross a link goes through its codec, and
 the bytes each cell would send are counted exactly (pipeline and averaging apart).
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.func import functional_call
 
 from comms import codecs
 from comms.errors import CodecError
+from comms.means import alone
 from comms.transport import mean_in_member_order
 from mesh.algo import sparse
 from mesh.algo.schedule import microbatches_per_update, version_for
@@ -31,7 +33,8 @@ from mesh.data.corpus import Corpus, bits_per_byte, load_corpus, train_batch, va
 from mesh.engine.cell import Cell, Params
 from mesh.engine.rounds import Action, round_index
 from mesh.engine.rounds import after_update as rounds_after
-from mesh.model.build import build_cell_stages, lm_loss, run_stages, stage_forward
+from mesh.engine.stage_step import GradSum, update_loss
+from mesh.model.build import build_cell_stages, lm_loss, run_stages
 
 
 @dataclass
@@ -40,7 +43,8 @@ class _Link:
     and takes the gradient back. Each side's emulated attack (faults.pipeline_poison) applies
     to what it sends, and the receiver screens what arrives (sentinel.enabled), as the runtime's
     stages do (mesh/runtime/stage.py). A dropped activation voids the whole microbatch; a
-    dropped (or void) gradient gives the stages up to j nothing from it."""
+    dropped (or void) gradient gives the stages up to j nothing from it. With fp32, no attack
+    and no sentinel, a tensor crosses as it is (the codec's roundtrip would give the same)."""
 
     codec: str
     upper: Cell
@@ -48,52 +52,79 @@ class _Link:
     microbatch: int
     batch: tuple[torch.Tensor, torch.Tensor]  # its inputs and targets: what the sentinel keys by
     verdicts: Counter[str]  # the grid's count of drops and voids
-    cut: list[int]  # the microbatch's: stages up to cut[0] got no gradient from it (-1: all did)
 
     @property
-    def void(self) -> bool:
-        return self.verdicts["void_forward"] > 0
+    def plain(self) -> bool:
+        cells = (self.upper, self.lower)
+        guarded = any(c.pipeline_poison is not None or c.sentinel is not None for c in cells)
+        return self.codec == "fp32" and not guarded
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sent = self.upper.outgoing(x.detach(), "activation", self.microbatch)
-        got = codecs.roundtrip(sent, self.codec)
-        sender = cell_name(self.upper.stage, self.upper.replica)
-        verdict = self.lower.screen(sender, "activation", got, self.batch)
-        if verdict != "use":
-            self.verdicts["void_forward"] += 1
-            self.verdicts["poison"] += verdict == "drop"
-        return got
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The activation as the lower stage takes it; None: it voided the microbatch."""
+        return self._cross(x, self.upper, self.lower, "activation")
 
-    def backward(self, g: torch.Tensor) -> torch.Tensor:
-        sent = self.lower.outgoing(g, "gradient", self.microbatch)
-        got = codecs.roundtrip(sent, self.codec)
-        sender = cell_name(self.lower.stage, self.lower.replica)
-        verdict = self.upper.screen(sender, "gradient", got, self.batch)
+    def backward(self, g: torch.Tensor) -> torch.Tensor | None:
+        """The input's gradient as the upper stage takes it; None: it gets nothing."""
+        return self._cross(g, self.lower, self.upper, "gradient")
+
+    def _cross(
+        self, x: torch.Tensor, sender: Cell, receiver: Cell, kind: str
+    ) -> torch.Tensor | None:
+        if self.plain:
+            return x
+        got = codecs.roundtrip(sender.outgoing(x, kind, self.microbatch), self.codec)
+        name = cell_name(sender.stage, sender.replica)
+        verdict = receiver.screen(name, kind, got, self.batch)
         if verdict == "use":
             return got
+        if kind == "activation":
+            self.verdicts["void_forward"] += 1
         self.verdicts["poison"] += verdict == "drop"
-        self.cut[0] = max(self.cut[0], self.upper.stage)
-        return torch.zeros_like(got)
+        return None
 
 
-class _Boundary(torch.autograd.Function):
-    """A stage boundary: activations forward and their gradients backward cross the link."""
+@dataclass
+class Microbatch:
+    """One microbatch's way through a path of cells (one a stage), forward and back."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, link: _Link) -> torch.Tensor:
-        ctx.link = link
-        return link.forward(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.link.backward(g), None
+    weights: list[list[torch.Tensor] | None]  # per stage its weight gradients (None: it got none)
+    loss: float | None  # None: voided on its way (no stage got a gradient)
 
 
-def cross_link(x: torch.Tensor, link: _Link) -> torch.Tensor:
-    """x across the link; with fp32, no attack and no sentinel, x itself (the same numbers)."""
-    cells = (link.upper, link.lower)
-    plain = all(c.pipeline_poison is None and c.sentinel is None for c in cells)
-    return x if link.codec == "fp32" and plain else _Boundary.apply(x, link)
+def through_path(
+    cells: list[Cell],
+    versions: list[int],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    index: int,
+    codec: str,
+    precision: str,
+    verdicts: Counter[str],
+    share: int = 1,
+) -> Microbatch:
+    """Microbatch `index` (its inputs and targets `batch`) forward through `cells` on their
+    `versions` and back (Cell.forward_pass, StagePass.backward: the workers' step), each
+    boundary crossing its _Link; the last stage's loss is divided by `share` (an update's
+    microbatches). A tensor a stage drops stops the microbatch there (see _Link)."""
+    x, y = batch
+    passes, links, h = [], [], x
+    for j, (c, version) in enumerate(zip(cells, versions, strict=True)):
+        passes.append(c.forward_pass(version, h, precision, x))
+        if j + 1 < len(cells):
+            links.append(_Link(codec, c, cells[j + 1], index, batch, verdicts))
+            h = links[-1].forward(passes[-1].output.detach())
+            if h is None:  # the later stages skip it, as the runtime's do: no loss, no gradient
+                return Microbatch([None] * len(cells), None)
+    grads: list[list[torch.Tensor] | None] = [None] * len(cells)
+    top = passes[-1].backward(targets=y, share=share)
+    grads[-1], back = top.weights, top.inputs
+    for j in reversed(range(len(links))):
+        assert back is not None  # a stage past the first has its input's gradient
+        g = links[j].backward(back)
+        if g is None:  # dropped on its way: the stages up to j get nothing from it
+            break
+        step = passes[j].backward(g)
+        grads[j], back = step.weights, step.inputs
+    return Microbatch(grads, top.loss)
 
 
 @dataclass
@@ -152,21 +183,17 @@ class GridSim:
 
     # ---- one update of the whole grid ---------------------------------------------------
     def _replica_grads(self, replica: int) -> tuple[float | None, list[list[torch.Tensor] | None]]:
+        """One replica's update: its microbatches through its stages on the schedule's versions,
+        each stage's gradients summed (GridSim: what each stage applies; None: none reached
+        it) and the update's loss (None: every microbatch was voided)."""
         cfg, cells = self.cfg, self.cells[replica]
         schedule, window = cfg.pipeline.schedule, self.window
         versions = [version_for(schedule, j, self.P, self.update, window) for j in range(self.P)]
-        leaves: list[Params] = [
-            {n: t.detach().requires_grad_() for n, t in c.weights(v).items()}
-            for c, v in zip(cells, versions, strict=True)
-        ]
-        flat = [t for stage in leaves for t in stage.values()]
-        grads = [torch.zeros_like(t) for t in flat]
+        sums = [GradSum(c.params) for c in cells]
         total, used = 0.0, 0
-        reached = [0] * self.P  # per stage: microbatches whose gradient got there
-        act_bytes = self._act_bytes()
         for k in range(self.M):
             b = self.update * self.M + k
-            x, y = train_batch(
+            batch = train_batch(
                 self.corpus,
                 cfg.run.seed,
                 replica,
@@ -174,37 +201,29 @@ class GridSim:
                 cfg.pipeline.microbatch_size,
                 cfg.model.seq_len,
             )
-            h, void, cut = x, False, [-1]
-            for j, (c, params) in enumerate(zip(cells, leaves, strict=True)):
-                h = stage_forward(c.module, params, h, cfg.runtime.precision, tokens=x)
-                if j < self.P - 1:
-                    nxt = cells[j + 1]
-                    link = _Link(cfg.pipeline.codec, c, nxt, b, (x, y), self.verdicts, cut)
-                    before = self.verdicts["void_forward"]
-                    h = cross_link(h, link)
-                    if self.verdicts["void_forward"] > before:
-                        void = True  # the runtime's later stages skip it: no loss, no gradient
-                        break
-            # each inner boundary carries one activation forward and one gradient back
-            self.pp_bytes += 2 * (self.P - 1) * act_bytes
-            if void:
+            mb = self._through(cells, versions, batch, b, self.M)
+            if mb.loss is None:
                 continue
-            loss = lm_loss(h, y)
-            for g, d in zip(grads, torch.autograd.grad(loss / self.M, flat), strict=True):
-                g.add_(d)
-            total += loss.item() / self.M
-            used += 1
-            for j in range(cut[0] + 1, self.P):
-                reached[j] += 1
-        out, pos = [], 0
-        for stage in leaves:
-            out.append(grads[pos : pos + len(stage)])
-            pos += len(stage)
-        # a stage no gradient reached has none to apply (None)
-        out = [g if n else None for g, n in zip(out, reached, strict=True)]
-        if used < self.M:  # the loss over the microbatches that reached it (None: none did)
-            return (total * self.M / used if used else None), out
-        return total, out
+            total, used = total + mb.loss / self.M, used + 1
+            for acc, grads in zip(sums, mb.weights, strict=True):
+                if grads is not None:
+                    acc.add(grads)
+        return update_loss(total, used, self.M), [acc.take() for acc in sums]
+
+    def _through(
+        self,
+        cells: list[Cell],
+        versions: list[int],
+        batch: tuple[torch.Tensor, torch.Tensor],
+        index: int,
+        share: int = 1,
+    ) -> Microbatch:
+        """through_path with this grid's codec, precision and counters; each inner boundary
+        carries one activation forward and one gradient back, counted whatever befalls them."""
+        cfg = self.cfg
+        self.pp_bytes += 2 * (self.P - 1) * self._act_bytes()
+        codec, precision = cfg.pipeline.codec, cfg.runtime.precision
+        return through_path(cells, versions, batch, index, codec, precision, self.verdicts, share)
 
     def _act_bytes(self) -> int:
         """What one boundary carries each way a microbatch: the residual stream or its
@@ -225,11 +244,13 @@ class GridSim:
                 for i in range(self.m):
                     grads[i][j][k] = mean.clone()
 
-    def _average(self) -> None:
-        """This update's round actions (mesh/engine/rounds.py) for every stage's column."""
-        dp = self.cfg.dp
+    def _average(self, dead: Collection[tuple[int, int]] = ()) -> list[Cell]:
+        """This update's round actions (mesh/engine/rounds.py) for every stage's column (its
+        live cells: those of no (stage, replica) in `dead`). Returns the cells that applied a
+        round (their live weights moved)."""
+        dp, moved = self.cfg.dp, []
         for j in range(self.P):
-            column = [self.cells[i][j] for i in range(self.m)]
+            column = [self.cells[i][j] for i in range(self.m) if (j, i) not in dead]
             for action in rounds_after(self.update, dp.interval_steps, dp.tau):
                 if action is Action.LAUNCH:
                     self._launch(j, column)
@@ -237,13 +258,16 @@ class GridSim:
                 for c in column:
                     for rnd in c.due_rounds():
                         c.apply_round(rnd)
+                        moved.append(c)
+        return moved
 
     def _launch(self, j: int, column: list[Cell]) -> None:
         """Open this update's round on every replica of stage j and fill its mean at once."""
         dp = self.cfg.dp
         index = round_index(self.update, dp.interval_steps)
         rounds, decoded = zip(*(c.open_round(index) for c in column), strict=True)
-        screened = dp.aggregate != "mean" or dp.outlier_k > 0
+        screened = column[0].screens_rounds
+        names = [cell_name(j, c.replica) for c in column]  # a pool's live cells: not every replica
         # a cell whose weights are stale (Cell.sits_out: its last update had no gradient) sits
         # the round out and takes the others' mean, as on the processes (comms/means.py)
         contributors = [k for k, c in enumerate(column) if not c.sits_out()]
@@ -253,14 +277,14 @@ class GridSim:
         if mean is not None and dp.noise_codec != "none":
             seed = sparse.stable_seed(self.cfg.run.seed, j, self.update)
             mean = mean + codecs.shuffled_error(mean, dp.noise_codec, dp.block_size, seed)
-        names = [cell_name(j, c.replica) for c in column]  # a pool's live cells: not every replica
-        for k, (c, rnd) in enumerate(zip(column, rounds, strict=True)):
+        for me, c, rnd in zip(names, column, rounds, strict=True):
+            kept = [names[k] for k in contributors]
+            rnd.mean = mean
             if screened:  # each replica screens against its own payload
-                rnd.mean, rejected = c.combine_round(names, decoded, cell_name(j, c.replica))
+                rnd.mean, rejected = c.combine_round(names, decoded, me)
                 self.rejects["outlier"] += len(rejected)
-            elif any(x != k for x in contributors):
-                rnd.mean = mean
-            else:  # no other member's payload: alone is no mean, the round fails here
+                kept = [n for n in names if n not in rejected]
+            if alone(kept, me):  # no other member's payload: no mean, the round fails here
                 continue
             c.rounds.launch(rnd, None)
             self.dp_bytes += sparse.ring_allreduce_bytes(rnd.payload_bytes, self.m)

@@ -48,7 +48,8 @@ from mesh.algo import routing, sentinel
 from mesh.algo.topology import cell_name
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
-from mesh.model.build import lm_loss, needs_tokens, stage_forward
+from mesh.engine.stage_step import StageGrads
+from mesh.model.build import needs_tokens
 from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
 from mesh.runtime.stage import StageWorker
 from mesh.runtime.worker_settings import WorkerSettings
@@ -292,9 +293,7 @@ class PoolWorker(StageWorker):
             self.stats.busy_s += self.t_f
             return enc
         t_cpu = time.thread_time()
-        with torch.no_grad():
-            weights, tokens = self.cell.weights(h.version), self._tokens_of(h)
-            out = stage_forward(self.cell.module, weights, h.inputs, self.precision, tokens)
+        out = self.cell.forward(h.version, h.inputs, self.precision, self._tokens_of(h))
         self._busy(t_cpu)
         out = self.cell.outgoing(out, "activation", h.index)  # faults.pipeline_poison
         return codecs.encode(out, self.settings.pipeline.codec)
@@ -390,7 +389,7 @@ class PoolWorker(StageWorker):
         self.stats.staleness[self.cell.step - h.version] += 1
         tag = None if h.sender is None else self._load_tag("g", h.stream, h.index, h.sender)
         t0 = time.perf_counter()
-        grads: tuple[torch.Tensor, ...] | None = None
+        grads: list[torch.Tensor] | None = None
         if self.emu:  # no math: the device is busy for the op, a real-shaped tensor goes back
             t = self.t_b + (self.t_f if self.next is None else 0.0)
             deadline = self.emu.begin(t)
@@ -398,12 +397,11 @@ class PoolWorker(StageWorker):
             self.emu.finish(deadline)
             self.stats.busy_s += t
         else:
-            grads = self._grads_of(h, grad_out)
-            enc = None
-            if h.sender is not None:
-                sent = self.cell.outgoing(grads[0], "gradient", h.index)
+            step = self._grads_of(h, grad_out)
+            grads, enc = step.weights, None
+            if step.inputs is not None:
+                sent = self.cell.outgoing(step.inputs, "gradient", h.index)
                 enc = codecs.encode(sent, self.settings.pipeline.codec)
-                grads = grads[1:]
         if h.sender is not None and tag is not None and enc is not None:
             self._send(h.sender, tag, Kind.GRADIENT, enc)
         self._measured(time.perf_counter() - t0 + (0.0 if self.next is None else self._fwd_s))
@@ -414,31 +412,23 @@ class PoolWorker(StageWorker):
             if grads is None:
                 self.cell.step += 1  # emulated: no optimizer math, the weights stay
             else:
-                self.stats.grad_norm = self.cell.apply_update(list(grads))
+                self.stats.grad_norm = self.cell.apply_update(grads)
             if self.settings.dp.mode == "param_avg" and self.m > 1:
                 self.rounds.after_update()
             self._push_version()
         if callable(on_step):
             on_step(self)
 
-    def _grads_of(self, h: Held, grad_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _grads_of(self, h: Held, grad_out: torch.Tensor | None) -> StageGrads:
+        """h's backward (recomputed on its stashed version; the last stage from the loss)."""
         t0 = time.thread_time()
-        params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(h.version).items()}
-        leaves = list(params.values())
-        x = h.inputs
-        if self.j > 0:
-            x = x.detach().requires_grad_()
-            leaves = [x, *leaves]
-        out = stage_forward(self.cell.module, params, x, self.precision, self._tokens_of(h))
-        if self.next is None:
-            loss = lm_loss(out, self._batch_of(h.stream, h.index)[1])
-            grads = torch.autograd.grad(loss, leaves)
-            self.stats.loss = loss.item()
-        else:
-            assert grad_out is not None
-            grads = torch.autograd.grad(out, leaves, grad_outputs=grad_out)
+        targets = self._batch_of(h.stream, h.index)[1] if self.next is None else None
+        tokens = self._tokens_of(h)
+        step = self.cell.backward(h.version, h.inputs, self.precision, tokens, grad_out, targets)
+        if step.loss is not None:
+            self.stats.loss = step.loss
         self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
-        return grads
+        return step
 
     def _push_version(self) -> None:
         """The new live version, keeping the versions the held microbatches read."""

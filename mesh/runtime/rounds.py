@@ -207,8 +207,8 @@ class Rounds:
         if res.status is MeanStatus.FAILED or not usable or alone(res.contributors, self.me):
             self.stats.rounds_failed += 1
             return
-        mean, dp = res.mean, self.dp
-        if dp.aggregate != "mean" or dp.outlier_k > 0:  # robust combination (mesh/algo/robust.py)
+        mean = res.mean
+        if self.cell.screens_rounds:  # robust combination (mesh/algo/robust.py)
             parts = [p.to(self.cell.flat.device) for p in res.parts]
             mean, rejected = self.cell.combine_round(res.contributors, parts, self.me)
             for _ in rejected:

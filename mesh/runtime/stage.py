@@ -42,7 +42,8 @@ from mesh.algo.schedule import Op, iter_actions, version_for
 from mesh.algo.topology import cell_name, group_name
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
-from mesh.model.build import lm_loss, needs_tokens, stage_forward
+from mesh.engine.stage_step import GradSum, update_loss
+from mesh.model.build import needs_tokens
 from mesh.runtime.emulate import ComputeClock, real_op_s
 from mesh.runtime.rounds import Rounds
 from mesh.runtime.session import (
@@ -92,10 +93,7 @@ class StageWorker:
         self.column = self.grid.column(self.j)
         self.absent = {cell_name(j, i) for j, i in self.grid.absent}
         self.in_flight: dict[int, _InFlight] = {}
-        self.grads = [torch.zeros_like(p) for p in cell.params]
-        # no gradient of this update yet: the next backward's own tensors become the sum (no
-        # add into zeros, no clone and zeroing per step; bench model measures the cost)
-        self._grads_empty = True
+        self.grads = GradSum(cell.params)  # this update's (bench model measures its cost)
         self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
         self.stats = self._new_stats()
         self.rounds = Rounds(settings.rounds, cell, transport, self.stats, self.column, self.emu)
@@ -168,7 +166,7 @@ class StageWorker:
         them, and they would hold a neighbour's mailbox room until they expired."""
         self.transport.drop_tags(self.session.prefix)
         self.in_flight.clear()
-        self._grads_empty = True
+        self.grads.take()
         self._update_loss, self._update_used = 0.0, 0
         self._last_send.clear()
         self.stats.sessions_broken += 1
@@ -246,9 +244,8 @@ class StageWorker:
             self._send_void(self.next, self.session.tag("act", b), Kind.ACTIVATION)
             return
         t0 = time.thread_time()
-        with torch.no_grad():
-            weights, inputs = self.cell.weights(version), self.in_flight[b].inputs
-            out = stage_forward(self.cell.module, weights, inputs, self.precision, self._tokens(b))
+        inputs = self.in_flight[b].inputs
+        out = self.cell.forward(version, inputs, self.precision, self._tokens(b))
         self._busy(t0)
         out = self.cell.outgoing(out, "activation", b)  # faults.pipeline_poison: a hostile cell
         enc = codecs.encode(out, self.settings.pipeline.codec)
@@ -313,39 +310,27 @@ class StageWorker:
                 self._send_void(self.prev, self.session.tag("grad", b), Kind.GRADIENT)
             return
         t0 = time.thread_time()
-        params = {n: t.detach().requires_grad_() for n, t in self.cell.weights(fl.version).items()}
-        leaves = list(params.values())
-        x = fl.inputs
-        if self.j > 0:
-            x = x.detach().requires_grad_()
-            leaves = [x, *leaves]
-        out = stage_forward(self.cell.module, params, x, self.precision, self._tokens(b))
-        if self.next is None:
-            loss = lm_loss(out, self._batch(b)[1])
-            grads = torch.autograd.grad(loss / self.mpu, leaves)
-            self._update_loss += loss.item() / self.mpu
+        targets = self._batch(b)[1] if self.next is None else None
+        step = self.cell.backward(
+            fl.version, fl.inputs, self.precision, self._tokens(b), fl.grad_out, targets, self.mpu
+        )
+        if step.loss is not None:
+            self._update_loss += step.loss / self.mpu
             self._update_used += 1
-        else:
-            assert fl.grad_out is not None
-            grads = torch.autograd.grad(out, leaves, grad_outputs=fl.grad_out)
         self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
-        if self.j > 0:
-            sent = self.cell.outgoing(grads[0], "gradient", b)  # faults.pipeline_poison
+        if step.inputs is not None:
+            sent = self.cell.outgoing(step.inputs, "gradient", b)  # faults.pipeline_poison
             enc = codecs.encode(sent, self.settings.pipeline.codec)
             assert self.prev is not None
             self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
-            grads = grads[1:]
-        if self._grads_empty:
-            self.grads, self._grads_empty = list(grads), False
-        else:
-            for acc, g in zip(self.grads, grads, strict=True):
-                acc.add_(g)
+        self.grads.add(step.weights)
 
     def _flush(self) -> None:
         """FullSync: a blocking mean of the gradients over the replicas of this stage."""
         if self.settings.dp.mode != "grad_allreduce" or self.m == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in self.grads]).cpu()  # transports: host memory
+        # the transports take host memory
+        flat = torch.cat([g.reshape(-1) for g in self.grads.tensors]).cpu()
         t0 = time.perf_counter()
         handle = self.transport.start_mean(
             group_name(self.j),
@@ -361,26 +346,22 @@ class StageWorker:
         if res.status is MeanStatus.FAILED or res.mean is None:
             raise RuntimeError(f"{self.cell}: gradient all-reduce failed: {res.reason}")
         offset = 0
-        for g in self.grads:
+        for g in self.grads.tensors:
             g.copy_(res.mean[offset : offset + g.numel()].view_as(g))  # copy_ crosses devices
             offset += g.numel()
 
     def _step(self) -> None:
+        grads = self.grads.take()
         if self.emu:
             self.cell.step += 1  # emulated: no optimizer math, the weights stay
-        elif self._grads_empty:  # every microbatch of the update was dropped on its way here
+        elif grads is None:  # every microbatch of the update was dropped on its way here
             self.cell.skip_update()
         else:
             # the optimizer clips them in place: they are this update's, and the next
             # backward replaces them
-            self.stats.grad_norm = self.cell.apply_update(self.grads)
-        self._grads_empty = True
+            self.stats.grad_norm = self.cell.apply_update(grads)
         if self.next is None and not self.emu:
-            used = self._update_used  # the loss over the microbatches that reached it
-            loss = self._update_loss
-            self.stats.loss = (
-                loss if used == self.mpu else (loss * self.mpu / used if used else None)
-            )
+            self.stats.loss = update_loss(self._update_loss, self._update_used, self.mpu)
         self._update_loss, self._update_used = 0.0, 0
         if self.settings.dp.mode == "param_avg" and self.m > 1:
             self.rounds.after_update()

@@ -146,6 +146,7 @@ def _run_cell_process(
     (as mesh.runtime.trainer.cell_process_main: daemon threads may sit in C++ waits)."""
     from comms.build import TorchMeeting
     from mesh.runtime.cluster_start import ClusterStart
+    from mesh.runtime.cluster_stop import StoreStop
     from mesh.runtime.cluster_store import hold_store, serve_store, watch_store
     from mesh.runtime.trainer import cell_life, run_cell
 
@@ -155,7 +156,9 @@ def _run_cell_process(
     search = [out, *[d for d in dirs if d.resolve() != out.resolve()]]
 
     def coordinator(cfg: Config, worker: Any, transport: Any, event: Any) -> ClusterStart:
-        return ClusterStart(cfg, worker, transport, event, search, str(out))
+        # a signal stops the replica's cells at one step, agreed in the store the links share
+        stop = StoreStop(cfg, replica, place.store_host, place.store_port, event)
+        return ClusterStart(cfg, worker, transport, event, search, str(out), stop)
 
     ended = threading.Event()  # the cell is done: a store that goes now is no news
     addr = f"{place.store_host}:{place.store_port}"
@@ -174,9 +177,8 @@ def _run_cell_process(
     )
     code = cell_life(out, stage, replica, run)
     ended.set()
-    line, trained = ending(out, stage, replica, code, cfg.run.steps)
-    click.echo(line, err=True)
-    if store is not None and trained:  # cells still finishing need it: until they close
+    click.echo(ending(out, stage, replica, code, cfg.run.steps), err=True)
+    if store is not None and code == 0:  # cells still finishing (or stopping) need it
         hold_store(store, Grid(cfg.grid.stages, cfg.grid.replicas).names())
     sys.stdout.flush()
     sys.stderr.flush()
@@ -184,9 +186,9 @@ def _run_cell_process(
     os._exit(code)
 
 
-def ending(out: Path, stage: int, replica: int, code: int, steps: int) -> tuple[str, bool]:
-    """The process's last line: how its cell ended (from its metrics rows and failure report),
-    and whether it trained to the run's last step."""
+def ending(out: Path, stage: int, replica: int, code: int, steps: int) -> str:
+    """The process's last line: how its cell ended (from its metrics rows and failure report);
+    a stop at one step ends as the run's end does (a final row), short of `steps`."""
     from mesh.runtime.failure import failure_path
     from mesh.runtime.rows import parse_rows
 
@@ -196,18 +198,18 @@ def ending(out: Path, stage: int, replica: int, code: int, steps: int) -> tuple[
     starts = [k for k, r in enumerate(rows) if r.get("event") == "started"]
     last = rows[starts[-1] :] if starts else []  # this process's rows
     step = max((r["step"] for r in last if isinstance(r.get("step"), int)), default=0)
-    if code == 0 and any(r.get("final") for r in last):
-        return f"cell {name}: trained to step {step} of {steps} ({out})", True
+    if code == 0 and step >= steps and any(r.get("final") for r in last):
+        return f"cell {name}: trained to step {step} of {steps} ({out})"
     if code == 0:
         return (
             f"cell {name}: stopped at step {step}, checkpoint saved in {out}; the same "
             "command continues it"
-        ), False
+        )
     report = failure_path(out, stage, replica)
     why = report.read_text().splitlines()[0] if report.is_file() else f"exit {code}"
     if code == 2:
-        return f"error: cell {name}: {why}", False
-    return f"error: cell {name} failed at step {step}: {why} (report: {report})", False
+        return f"error: cell {name}: {why}"
+    return f"error: cell {name} failed at step {step}: {why} (report: {report})"
 
 
 def print_placement(cfg: Config, ranks_per_node: int) -> None:
@@ -286,6 +288,9 @@ def train(
     from the most advanced live peer when more than elastic.max_lag_steps behind. Before its
     cell starts, a node that cannot hold its cells (their memory and threads against what it
     has) is refused in one line; --skip-resource-check starts them anyway."""
+    # before torch loads (it reads this once): a store or link whose peer is gone is said in
+    # one line of ours (the cell's ending, STORE_LOST), not c10d's warnings with C++ frames
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     extra = shorthand_overrides(grid, steps, init_from)
     dirs = [Path(d) for d in resume]
     if dirs:

@@ -21,6 +21,9 @@ float32 numbers, tags `start/...`, each checked before use), never by files they
 4. Up the pipeline, stage 0's step: the session's first microbatch (step x microbatches per
    update) and its length (run.steps - that step), the same for every cell of the replica.
 
+From the session on, a signal stops the cell at the step its replica agrees on in the store
+(stop_at: mesh/runtime/cluster_stop.py); stage 0 clears a past start's before step 3.
+
 Each cell serves its state to its column for the process's whole life (a later start's
 downloads). A neighbour lost during the start ends it (PeerLost): the cell exits with
 LOST_NEIGHBOUR and the launcher starts the grid again.
@@ -45,6 +48,7 @@ from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config
 from mesh.runtime.checkpoint import check_checkpoint, checkpoint_path, load_cell, saved_steps
+from mesh.runtime.cluster_stop import StoreStop
 from mesh.runtime.session import Session
 from mesh.runtime.stage import StageWorker
 from mesh.runtime.state_sync import StateServer, download_state
@@ -90,8 +94,10 @@ class ClusterStart:
         event: Callable[..., None],
         dirs: Sequence[Path],
         spool_dir: str,
+        stop_at: StoreStop | None = None,
     ) -> None:
         self.cfg, self.worker, self.t, self.event = cfg, worker, transport, event
+        self.stop_at = stop_at  # the run_cell loop asks it after each update
         self.cell = worker.cell
         self.dirs = list(dirs)
         j, i, P = self.cell.stage, self.cell.replica, cfg.grid.stages
@@ -114,6 +120,8 @@ class ClusterStart:
         step = self.start()
         if step >= self.cfg.run.steps:
             return None
+        if self.stop_at is not None:
+            self.stop_at.arm()
         return Session(0, step * self.mpu, self.cfg.run.steps - step)
 
     def broken(self, session: Session) -> bool:
@@ -137,6 +145,8 @@ class ClusterStart:
         donors = donors_ahead(steps, cell.step, cfg.elastic.max_lag_steps)
         if donors:
             self._download(donors)
+        if self.stop_at is not None and cell.stage == 0:
+            self.stop_at.clear()  # before any cell of its replica (or grid) trains
         self._column("start/settled", [cell.step], self.chain_wait_s, wait_for=list(heard))
         return int(self._up("start/base", [cell.step], lambda below, mine: below)[0])
 

@@ -13,6 +13,7 @@ imports: comms, mesh.config, mesh.runtime (cluster, stop).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ def watch_store(
             if ended.wait(RECHECK_S):
                 return
             try:
+                # a plain connect first: c10d's client logs each failed one with C++ frames
+                socket.create_connection((place.store_host, place.store_port), RECHECK_S).close()
                 wait = timedelta(seconds=RECHECK_S)
                 store = store_client(place.store_host, place.store_port, wait)
                 if answers(store):

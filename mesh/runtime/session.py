@@ -137,6 +137,9 @@ class Coordinator(Protocol):
     """What a StageWorker asks of whoever forms its pipeline sessions."""
 
     elastic: bool  # True: a lost neighbour is waited for (its replica re-forms around it)
+    # the step a stop ends this fixed cell at, asked after each update (`due(step)`): a
+    # launcher's own (`train`: mesh/runtime/cluster_stop.py); None: DIR/stop.json's (StopAt)
+    stop_at: object | None
 
     def next_session(self, align: Callable[[], int]) -> Session | None:
         """The next session this cell runs (None: the run is over); align() is the cell's step."""
@@ -151,6 +154,7 @@ class StaticCoordinator:
     """One session for a fixed grid (every cell starts at the same step)."""
 
     elastic = False
+    stop_at = None
 
     def __init__(self, steps: int, mpu: int) -> None:
         self.steps, self.mpu, self._given = steps, mpu, False
@@ -183,6 +187,7 @@ class DhtCoordinator:
     """Sessions and heartbeats through the DHT registry (see the module docstring)."""
 
     elastic = True
+    stop_at = None
 
     def __init__(
         self,

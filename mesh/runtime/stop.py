@@ -8,7 +8,8 @@ them share no step, and a resume would go back to their last common (periodic) c
 launcher instead names a step per replica in DIR/stop.json (mesh/runtime/grid_stop.py), every
 cell of the replica trains up to it and ends there as at the run's end (StopAt, StopAtStep),
 and a resume starts from it. A launcher's cells ignore the terminal's Ctrl-C (it reaches the
-whole process group): their launcher handles it (ctrl_c = False).
+whole process group): their launcher handles it (ctrl_c = False). `train`'s cells, which only
+torchrun or srun signals, agree on the step themselves (mesh/runtime/cluster_stop.py).
 
 imports: stdlib, comms.procs.
 """
@@ -41,14 +42,33 @@ class StopSignal:
     def __init__(self) -> None:
         self.depth, self.pending, self.exiting = 0, False, False
         self.ctrl_c = True  # SIGINT stops the cell too (False: a launcher's cell ignores it)
+        # a `train` cell while it trains: a signal asks its replica for a stop at one step
+        # (mesh/runtime/cluster_stop.py) and the cell trains on to it; further ones are ignored
+        # (torchrun forwards the terminal's Ctrl-C that reached the cells already)
+        self.one_step, self.asked = False, False
+        self.one_step_wait_s = 20.0  # then it stops where it is (a neighbour gone: no step)
+        self.give_up: threading.Timer | None = None
 
     def handler(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and not self.ctrl_c:
+            return
+        if self.one_step and not self.exiting:
+            if not self.asked:
+                self.asked = True
+                self.give_up = threading.Timer(self.one_step_wait_s, self._give_up)
+                self.give_up.daemon = True
+                self.give_up.start()
             return
         if self.depth or self.exiting:
             self.pending = True
             return
         raise SystemExit(0)
+
+    def _give_up(self) -> None:
+        """The stop step not reached in time: the next signal stops the cell where it is."""
+        self.one_step = False
+        if not self.exiting:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:

@@ -316,7 +316,8 @@ class CellRun:
             )
         # a launcher's stop names the step this fixed replica ends at (mesh/runtime/stop.py)
         fixed = not coord.elastic and not isinstance(worker, PoolWorker)
-        self.stop_at = StopAt(self.out_dir, self.replica) if fixed else None
+        own = coord.stop_at  # `train`'s, agreed in its store (mesh/runtime/cluster_stop.py)
+        self.stop_at = (own or StopAt(self.out_dir, self.replica)) if fixed else None
         try:
             if isinstance(worker, PoolWorker):  # no sessions: the pools route around a loss
                 if isinstance(coord, DhtCoordinator):

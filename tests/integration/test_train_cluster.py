@@ -157,7 +157,10 @@ def test_a_dead_cell_and_a_lost_node_rejoin_from_state_their_stage_peers_send(tm
     (start,) = starts
     for j in range(2):
         first = life(n0, j, 0, 0)
-        assert step(first) - 5 <= start <= step(first) and final_step(first) is None
+        assert step(first) - 5 <= start <= step(first)
+        # the restart's stop: at one step with the run's end rows (cluster_stop.py), or where
+        # it found the cell
+        assert final_step(first) in (None, step(first))
         assert events(life(n0, j, 0, 1), "resumed")[0]["step"] == start
         (loaded,) = events(life(n1, j, 1, 1), "state_loaded")
         assert loaded["from_cell"] == f"s{j}r0" and loaded["step"] == start, loaded

@@ -30,7 +30,7 @@ PROCESS_DIRS = {"integration", "throttled"}
 GRID_MODULES = {  # eight-peer grids and cell kills: one at a time
     "test_soak_scale_quick.py",
     "test_join.py",
-    "test_join_race.py",  # nine joins at once
+    "test_join_race.py",  # nine joins at once, then sixteen
     "test_faults_torch.py",
     "test_train_cluster.py",
     "test_gpu_check.py",

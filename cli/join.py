@@ -40,11 +40,7 @@ from cli.run_record import (
 )
 from mesh.algo import routing
 from mesh.algo.topology import Grid, cell_name
-from mesh.config import (
-    Config,
-    ConfigError,
-    with_overrides,
-)
+from mesh.config import Config, with_overrides
 from mesh.runtime.registry import (
     CLAIMING,
     CellRecord,
@@ -410,7 +406,8 @@ def _run_cell_caught(
     import traceback
 
     from comms.errors import CommsError
-    from mesh.errors import CheckpointError, DataError, DiskFull, disk_full
+    from mesh.errors import disk_full
+    from mesh.runtime.failure import USER_ERRORS
     from mesh.runtime.session import CellLost, StageMove
     from mesh.runtime.trainer import run_cell
 
@@ -419,7 +416,9 @@ def _run_cell_caught(
         run_cell(cfg.model_dump(mode="json"), j, i, str(out), meeting, -1, run_key, since)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0
-    except (ConfigError, DataError, CheckpointError, DiskFull) as e:  # the message says the fix
+    # the message says the fix, as a simulated cell's (its own transport that did not start in
+    # time among them, a CommsError: raise transport.start_timeout_s)
+    except USER_ERRORS as e:
         code, failure = 2, f"error: {e}"
     except StageMove as e:  # elastic.rebalance: this peer goes where the pools are thinnest
         moved = e.to_stage

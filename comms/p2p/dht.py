@@ -15,8 +15,8 @@ Every DHT process of ours bounds what junk can do (comms/p2p/bounds.py: what it 
 big a reply grows), and run-record reads (`get_records`) tell "nobody answered" from "nothing
 there".
 
-imports: hivemind, comms.p2p (auth, bounds, locks, relay_service, shm), comms.procs, stdlib (no
-torch, no mesh, no cli).
+imports: hivemind, comms.p2p (auth, bounds, locks, relay_service, shm), comms (errors, procs),
+stdlib (no torch, no mesh, no cli).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from comms import procs
+from comms.errors import StartTimeout
 from comms.p2p import bounds, locks, shm
 from comms.p2p.relay_service import check_relay_service
 
@@ -313,7 +314,9 @@ def _kill_and_wait(pids: list[int], wait_s: float = 5.0) -> None:
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,
-    the process-wide key)."""
+    the process-wide key). No attempt waits past timeout_s from now; a DHT process not ready by
+    then (a loaded machine) raises comms.errors.StartTimeout, which a caller that knows the
+    setting behind timeout_s names (P2PTransport: transport.start_timeout_s)."""
     kwargs.setdefault("record_validators", [RSASignatureValidator()])
     deadline = time.monotonic() + timeout_s
     delay = 0.5
@@ -322,11 +325,16 @@ def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> Peer
             left = deadline - time.monotonic()
             startup = max(5.0, min(15.0, left))
             # a stuck start may take half of what is left, so that a second one fits the
-            # deadline (a healthy start is ready in seconds, p2pd's startup_timeout first)
+            # deadline (a healthy start is ready in seconds, p2pd's startup_timeout first);
+            # never past the deadline itself
             ready = max(startup + 5.0, min(startup + READY_SLACK_S, left / 2))
-            return _started(initial_peers, startup, ready, **kwargs)
+            return _started(initial_peers, startup, max(0.0, min(ready, left)), **kwargs)
         except Exception as e:
             if permanent(e) or time.monotonic() + delay >= deadline:
+                if isinstance(e, TimeoutError) and not isinstance(e, StartTimeout):
+                    raise StartTimeout(
+                        f"DHT process not ready within its start deadline of {timeout_s:.3g} s"
+                    ) from None
                 raise
             time.sleep(delay)
             delay *= 2

@@ -213,16 +213,22 @@ class P2PTransport(RunRecords, Averaging):
         self._relay_limits: dict[str, list[int] | None] = {}  # see relay_report
         relay_kwargs, p2pd_flags = p2pd_options(client_mode, self.relays, relay_limits)
         # The DHT forks its process: start it before our loop thread exists.
-        self.dht = start_dht(
-            list(initial_peers),
-            startup_s,
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-            identity_path=identity_path,
-            client_mode=not self.dht_server,
-            p2pd_flags=p2pd_flags,
-            **relay_kwargs,
-        )
+        try:
+            self.dht = start_dht(
+                list(initial_peers),
+                startup_s,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+                identity_path=identity_path,
+                client_mode=not self.dht_server,
+                p2pd_flags=p2pd_flags,
+                **relay_kwargs,
+            )
+        except StartTimeout:  # hivemind's bare "not ready" named neither the step nor the fix
+            raise StartTimeout(
+                f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s (it was "
+                "starting its DHT process); on a loaded machine raise transport.start_timeout_s"
+            ) from None
         self.names = Names(self.dht, run_id, self.admits)
         limits = StreamLimits(timeout_s, stream_idle_s, max_unproven_streams, max_message_bytes)
         self.streams = Streams(

@@ -76,6 +76,31 @@ def test_a_stuck_start_leaves_time_for_a_second_within_the_deadline(tmp_path, mo
         node.shutdown()
 
 
+def test_a_start_not_ready_by_its_deadline_is_a_start_timeout_and_leaves_nothing(
+    monkeypatch,
+) -> None:
+    """Every attempt's wait ends at start_dht's deadline (the first one alone waited at least
+    10 s, so a deadline under that was not kept), and a DHT process not ready by then is our
+    StartTimeout, not hivemind's bare TimeoutError: a caller tells "this machine is too loaded
+    to start in time" from a neighbour's timeout. A 1 ms deadline: no start is ready that soon."""
+    from comms.errors import StartTimeout
+
+    real_start = dht_mod.PeerDHT.start
+    started: list = []
+
+    def start(self) -> None:
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(dht_mod.PeerDHT, "start", start)
+    since = time.time() - 1.0
+    with pytest.raises(StartTimeout, match=r"not ready within its start deadline of 0\.001 s"):
+        node = dht_mod.start_dht([], 0.001, host_maddrs=[LOOPBACK])
+        node.shutdown()  # only without the fix: it waited for a ready DHT
+    assert len(started) == 1 and not _alive(started[0].pid)
+    assert not helpers.hivemind_files([started[0].pid], since)
+
+
 class _AbortsInAChild:
     """Garbage whose finalizer aborts any process but its creator's, as a C++ object whose
     destructor joins threads or takes locks that only exist in the process that made it."""

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -214,3 +215,44 @@ def test_a_failed_join_leaves_no_socket_files(tmp_path):
         assert not procs.named_with(host.encode(), "p2pd"), "a failed join left its p2pd running"
     finally:
         kill(dht)
+
+
+# `meshtrain join` whose cell's hivemind transport has 1 ms to start (a machine too loaded to
+# start it in time: transport.start_timeout_s cannot go under the transport's 15 s floor), as
+# tests/integration/test_simulate_cli.py's cell_that_cannot_start; the rest as a user runs it
+_JOIN_THAT_CANNOT_START = """
+from comms.p2p.transport import P2PTransport
+init = P2PTransport.__init__
+def short(self, *a, **k):
+    init(self, *a, **{**k, "startup_timeout_s": 0.001})
+P2PTransport.__init__ = short
+from cli.main import main
+main()
+"""
+
+
+def test_a_join_whose_transport_cannot_start_exits_2_with_one_line(text_file, tmp_path):
+    """Its own transport not starting in time is a user error, as for a simulated cell: exit 2
+    and one line naming transport.start_timeout_s (it was taken for a network failure: exit 1)."""
+    cfg = tiny_grid_config(tmp_path, text_file, replicas=1)
+    dht, maddr = start_dht()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": KEY}
+    args = ["join", "--initial-peers", maddr, *LOOPBACK, "--config", str(cfg)]
+    join = subprocess.Popen(
+        [sys.executable, "-c", _JOIN_THAT_CANNOT_START, *args, "--out", str(tmp_path / "out")],
+        env=env,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = finish(join, HANG_S)
+    finally:
+        kill(join)
+        kill(dht)
+    assert join.returncode == 2, out
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith("raise transport.start_timeout_s"), out
+    assert re.search(r"'s\dr0': the hivemind transport did not start within 0\.001 s", out), out
+    assert "Traceback" not in out, out

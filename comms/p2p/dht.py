@@ -311,6 +311,14 @@ def _kill_and_wait(pids: list[int], wait_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def not_started(me: str, startup_s: float, step: str) -> StartTimeout:
+    """A start past its deadline, in one line: the step it was at and the setting to raise."""
+    return StartTimeout(
+        f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s (it was {step}); "
+        "on a loaded machine raise transport.start_timeout_s"
+    )
+
+
 def start_dht(initial_peers: list[str], timeout_s: float, **kwargs: Any) -> PeerDHT:
     """Start a DHT, retrying with backoff: p2pd sometimes fails to bootstrap on a busy host.
     Records with an owner marker in their subkey are signed and checked (RSASignatureValidator,

@@ -52,6 +52,7 @@ from comms.p2p.dht import (
     adopt_socket,
     kill_unstopped,
     msgpack_bytes,
+    not_started,
     start_dht,
 )
 from comms.p2p.names import Names
@@ -225,10 +226,7 @@ class P2PTransport(RunRecords, Averaging):
                 **relay_kwargs,
             )
         except StartTimeout:  # hivemind's bare "not ready" named neither the step nor the fix
-            raise StartTimeout(
-                f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s (it was "
-                "starting its DHT process); on a loaded machine raise transport.start_timeout_s"
-            ) from None
+            raise not_started(me, startup_s, "starting its DHT process") from None
         self.names = Names(self.dht, run_id, self.admits)
         limits = StreamLimits(timeout_s, stream_idle_s, max_unproven_streams, max_message_bytes)
         self.streams = Streams(
@@ -251,11 +249,7 @@ class P2PTransport(RunRecords, Averaging):
             try:
                 self._run(self._setup(time.monotonic() + startup_s), startup_s)
             except cf.TimeoutError:  # a bare TimeoutError says nothing: name the step
-                raise StartTimeout(
-                    f"{me!r}: the hivemind transport did not start within {startup_s:.3g} s "
-                    f"(it was {self._setup_step}); on a loaded machine raise "
-                    "transport.start_timeout_s"
-                ) from None
+                raise not_started(me, startup_s, self._setup_step) from None
             others = [n for n in peers if n != me]
             self._submit(self._warm(others, startup_s))
         except BaseException:

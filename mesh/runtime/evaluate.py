@@ -78,6 +78,20 @@ def common_steps(run_dir: Path, cfg: Config, replica: int) -> list[int]:
     return sorted(set.intersection(*sets)) if sets else []
 
 
+def final_steps(run_dir: Path, cfg: Config, replica: int) -> list[int | None]:
+    """Each stage's step that `replica`'s final loss is evaluated at, by the run's summary and
+    its last val.jsonl row alike: a fixed torch replica where its cells' checkpoints meet; a
+    pool's cells (different numbers of updates) and hivemind's (a stop saves each where it
+    finds it; a cell that downloaded state saves from the step it took) at each one's newest.
+    Their newest common step may be one long past (a periodic save's, the stop a resume
+    started from), and was reported as the resumed run's loss."""
+    newest = cfg.pipeline.pooled or cfg.transport.backend == "hivemind"
+    common = common_steps(run_dir, cfg, replica) if not newest else []
+    if common:
+        return [common[-1]] * cfg.grid.stages
+    return latest_steps(run_dir, cfg, replica)  # also a fixed replica whose saves never met
+
+
 class ValTracker:
     """Evaluates each replica at its new common checkpoints during a run (DIR/val.jsonl)."""
 
@@ -86,6 +100,8 @@ class ValTracker:
         self.batches = validation_batches(cfg, corpus)
         self.bytes_per_token = corpus.val_bytes_per_token
         self.done = {i: start_step for i in range(cfg.grid.replicas)}
+        # each replica's stage steps last evaluated: the final row is written once per chain
+        self.evaluated: dict[int, list[int | None]] = {}
         self.path = run_dir / "val.jsonl"
 
     def start(self) -> None:
@@ -96,21 +112,36 @@ class ValTracker:
 
     def poll(self, final: bool = False) -> None:
         """Evaluate every replica whose cells all saved a step at least run.eval_every past the
-        last one evaluated (final: the newest common step, whatever its distance)."""
+        last one evaluated (final: at the steps the run's summary evaluates, final_steps)."""
         every = self.cfg.run.eval_every
         for i in self.done:
             steps = common_steps(self.dir, self.cfg, i)
             for step in steps:  # in order: a poll that comes late still evaluates each mark
                 last = self.done[i]
-                if step <= last or not (step >= last + every or (final and step == steps[-1])):
+                if step <= last or not step >= last + every:
                     continue
-                try:
-                    loss = replica_loss(self.cfg, self.dir, i, step, self.batches)
-                except (FileNotFoundError, RuntimeError, CheckpointError):  # pruned under us
-                    continue
-                self.done[i] = step
-                row = {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step)}
-                self._write({**row, "val_loss": loss})
+                self._evaluate(i, [step] * self.cfg.grid.stages)
+            if final:
+                self._evaluate(i, final_steps(self.dir, self.cfg, i))
+
+    def _evaluate(self, i: int, at: list[int | None]) -> None:
+        """A row for replica i with each stage at its step in `at`, unless that chain was the
+        last one evaluated or no stage saved. A chain of different steps is reported at the
+        fewest (the tokens every stage has trained on), its stages' steps beside it."""
+        saved = [s for s in at if s is not None]
+        last = self.evaluated.get(i, [self.done[i]] * len(at))
+        if not saved or at == last or max(saved) < self.done[i]:  # nothing newer to show
+            return
+        try:
+            loss = replica_loss(self.cfg, self.dir, i, at, self.batches)
+        except (FileNotFoundError, RuntimeError, CheckpointError):  # pruned under us
+            return
+        step = min(saved)
+        self.done[i], self.evaluated[i] = max(self.done[i], step), at
+        row: dict[str, Any] = {"replica": i, "step": step, "tokens": tokens_at(self.cfg, step)}
+        if len(set(at)) > 1:
+            row["stage_steps"] = at
+        self._write({**row, "val_loss": loss})
 
     @contextlib.contextmanager
     def background(self, period_s: float = 1.0) -> Iterator[None]:

@@ -190,16 +190,11 @@ def _replica_losses(
 ) -> list[float | None]:
     """Each replica's validation loss (None where it has none to show); a replica none of whose
     cells saved is added to `dropped`, with why."""
-    from mesh.runtime.evaluate import common_steps, latest_steps, replica_loss
+    from mesh.runtime.evaluate import final_steps, replica_loss
 
     m = cfg.grid.replicas
-    # a fixed torch replica where its cells' checkpoints meet; a pool's cells (different
-    # numbers of updates) and hivemind's (a stop saves each where it finds it) at each one's
-    # newest: their newest common step may be one long past (a periodic save's, the stop a
-    # resume started from), and was reported as the resumed run's loss
-    newest = cfg.pipeline.pooled or cfg.transport.backend == "hivemind"
-    at = [(common_steps(out_dir, cfg, i) or [None])[-1] if not newest else None for i in range(m)]
-    at = [a if a is not None else latest_steps(out_dir, cfg, i) for i, a in enumerate(at)]
+    # where val.jsonl's final row evaluates each replica too (simulate writes it just before)
+    at = [final_steps(out_dir, cfg, i) for i in range(m)]
     # the mean over the replicas with a loss to show: not one left out (a cell of its chain
     # never ran), nor one none of whose cells saved (stopped before its first save)
     losses = [

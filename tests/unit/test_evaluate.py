@@ -94,3 +94,45 @@ def test_background_validation_leaves_the_launchers_thread_free(tmp_path, text_f
     with pytest.raises(OSError, match="disk full"):  # an evaluation's error is not lost
         with Broken(cfg, tmp_path, corpus).background(period_s=0.01):
             assert failed.wait(HANG_S)
+
+
+def test_a_hivemind_runs_final_row_is_the_summarys_newest_saves(tmp_path, text_file):
+    """hivemind saves each cell where a stop finds it (a cell that downloaded state, from the
+    step it took): here both cells saved step 2, then stage 0 step 4 and stage 1 step 6. Their
+    newest common step is still 2, which the final row evaluated (or, resumed from 2, skipped)
+    while the summary reads each cell's newest save: the final row is that chain now."""
+    from mesh.runtime.metrics import _replica_losses
+
+    cfg = load_config(
+        [],
+        [
+            *helpers.TINY,
+            "grid.stages=2",
+            "grid.replicas=1",
+            "run.eval_every=2",
+            "transport.backend='hivemind'",
+            f"data.path='{text_file}'",
+        ],
+    )
+    cells = [Cell.build(cfg, j, 0, build_stage(cfg.model, 2, j, cfg.run.seed)) for j in range(2)]
+    torch.manual_seed(0)
+    for j, saves in enumerate([(2, 4), (2, 6)]):
+        for at in saves:
+            while cells[j].step < at:
+                cells[j].apply_update([torch.randn_like(p) * 0.01 for p in cells[j].params])
+                cells[j].push_version()
+            save_cell(cells[j], cfg.state_fingerprint(), tmp_path)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.model.seq_len)
+    batches = validation_batches(cfg, corpus)
+    summary_loss = _replica_losses(cfg, tmp_path, batches, {})[0]
+    assert summary_loss == replica_loss(cfg, tmp_path, 0, [4, 6], batches)
+    for start_step in (0, 2):  # a fresh run, and one resumed from the common save
+        (tmp_path / "val.jsonl").unlink(missing_ok=True)
+        tracker = ValTracker(cfg, tmp_path, corpus, start_step)
+        tracker.poll()
+        tracker.poll(final=True)
+        rows = read_val(tmp_path)
+        assert rows[-1]["val_loss"] == summary_loss, (start_step, rows)
+        assert rows[-1]["stage_steps"] == [4, 6] and rows[-1]["step"] == 4, rows
+        tracker.poll(final=True)  # once: the same chain is not evaluated again
+        assert read_val(tmp_path) == rows

@@ -12,6 +12,7 @@ claim and says so; join exits 0. `status` is in cli/status.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -285,6 +286,7 @@ def run_join(
         if keeper is None:
             scout.close()
     out = out or default_out(run_id, j, i)
+    created = not out.exists()  # a join that never trained takes back what it made here
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(cfg.to_toml())
     limits = None
@@ -307,7 +309,7 @@ def run_join(
     )
     # the cell's own claim is a hair earlier than the scout's, so it owns the cell the moment it
     # appears; the keeper then withdraws the scout's
-    _run_here(cfg, j, i, out, meeting, run_key, claim.since - 1e-3, keeper)
+    _run_here(cfg, j, i, out, meeting, run_key, claim.since - 1e-3, keeper, created)
 
 
 def _data_reference(cfg: Config) -> dict[str, Any] | None:
@@ -332,11 +334,14 @@ def _run_here(
     run_key: str | None,
     since: float,
     keeper: ClaimKeeper,
+    created: bool,
 ) -> None:
     """Run the cell in this process (no second interpreter to start: the replica resumes
     sooner), a progress bar drawn from its metrics by a thread, with a line above it for each
     thing the cell does (cli/events.py); then the summary, and exit: 0 after the run's end or a
-    clean stop (Ctrl-C / SIGTERM), 2 after a user error, 1 after any other failure."""
+    clean stop (Ctrl-C / SIGTERM), 2 after a user error, 1 after any other failure. A cell that
+    never started (its transport did not: no row of its own) prints no table, and `out`, when
+    this join `created` it, is removed again."""
     import os
     import threading
 
@@ -346,7 +351,8 @@ def _run_here(
     done = threading.Event()
     events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
     path = out / "metrics" / f"{j}-{i}.jsonl"
-    tail = RowTail(path, path.stat().st_size if path.exists() else 0)
+    before = path.stat().st_size if path.exists() else 0
+    tail = RowTail(path, before)
     drawer = threading.Thread(
         target=_draw_progress, args=(cfg, j, i, tail, events, done), name="progress", daemon=True
     )
@@ -360,7 +366,11 @@ def _run_here(
     events.say_new(read_metrics(out, events=True).get((j, i), []), click.echo)
     if failure:  # below the closed bar, not drawn into it
         click.echo(failure.rstrip(), err=True)
-    if not lost:  # a join that lost its cell trained nothing of its own: no table of it
+    # a cell's first row (`started`) follows its transport's start: none, and it trained nothing
+    ran = path.exists() and path.stat().st_size > before
+    if not ran and created:
+        _take_back(out)
+    if ran and not lost:  # one that lost its cell trained nothing of its own either: no table
         _print_cell_summary(cfg, j, i, out)
     if moved is not None:
         move_to(moved)
@@ -374,15 +384,27 @@ def _run_here(
     os._exit(code)
 
 
+def _take_back(out: Path) -> None:
+    """What a join that never trained made in the `out` it created (config.toml, an empty
+    metrics folder); anything else there is left alone."""
+    (out / "config.toml").unlink(missing_ok=True)
+    for folder in (out / "metrics", out):
+        with contextlib.suppress(OSError):  # not empty: something else is there
+            folder.rmdir()
+
+
 def _draw_progress(cfg: Config, j: int, i: int, tail: Any, events: Any, done: Any) -> None:
     """The progress thread: every half second, the rows the cell appended (tail, a
     mesh.runtime.metrics.RowTail) move the bar and print their events (events, a
-    cli.events.EventLines) above it, until `done` is set."""
+    cli.events.EventLines) above it, until `done` is set. The bar opens with the cell's first
+    row (`started`, once its transport is up): a cell that never starts prints no bar."""
     from cli.report import progress_bar
 
+    while not (rows := tail.read()):  # only what was appended: the file grows for days
+        if done.wait(0.5):
+            return
     with progress_bar(cfg.run.steps, f"join {cell_name(j, i)}") as bar:
-        while not done.wait(0.5):
-            rows = tail.read()  # only what was appended: the file grows for days
+        while True:
             events.say_appended(rows, bar.bar.write)
             last = [r for r in rows if "step" in r and "event" not in r and not r.get("final")]
             if last:
@@ -390,6 +412,9 @@ def _draw_progress(cfg: Config, j: int, i: int, tail: Any, events: Any, done: An
                 if last[-1].get("loss") is not None:
                     bar.bar.set_postfix(loss=f"{last[-1]['loss']:.3f}", refresh=False)
                 bar.bar.refresh()
+            if done.wait(0.5):
+                return
+            rows = tail.read()
 
 
 def _run_cell_caught(

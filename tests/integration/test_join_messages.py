@@ -233,7 +233,9 @@ main()
 
 def test_a_join_whose_transport_cannot_start_exits_2_with_one_line(text_file, tmp_path):
     """Its own transport not starting in time is a user error, as for a simulated cell: exit 2
-    and one line naming transport.start_timeout_s (it was taken for a network failure: exit 1)."""
+    and one line naming transport.start_timeout_s (it was taken for a network failure: exit 1).
+    It never trained: no step-0 checkpoint, no summary table, and the --out it made is gone
+    (it saved one and printed a one-row table, which a later join there resumed from)."""
     cfg = tiny_grid_config(tmp_path, text_file, replicas=1)
     dht, maddr = start_dht()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTRAIN_RUN_KEY": KEY}
@@ -256,3 +258,5 @@ def test_a_join_whose_transport_cannot_start_exits_2_with_one_line(text_file, tm
     assert len(errors) == 1 and errors[0].endswith("raise transport.start_timeout_s"), out
     assert re.search(r"'s\dr0': the hivemind transport did not start within 0\.001 s", out), out
     assert "Traceback" not in out, out
+    assert "| cell" not in out and "saved" not in out and "%|" not in out, out  # nor a bar
+    assert not (tmp_path / "out").exists(), sorted((tmp_path / "out").rglob("*"))

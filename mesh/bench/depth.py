@@ -53,6 +53,7 @@ from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by i
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.simruns import Spec, read_runs, run_specs
 from mesh.config import Config, ConfigError
+from mesh.depth_rule import rule_for
 
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
 REPORT_SEEDS = [0, 1]
@@ -322,6 +323,45 @@ def finals_at_depth(
     return best, report
 
 
+def shipped_arm(p: int) -> Arm | None:
+    """The arm `optim.depth_rule` ships at depth p: the lever, or two levers combined, whose
+    settings are the rule's, its lr aside (the study tunes it); None where no rule holds."""
+    rule = rule_for(p, "async")
+    if rule is None:
+        return None
+    want = {f"optim.{k}": v for k, v in rule.settings.items() if k not in ("lr", "muon_lr")}
+    levers = [depth_arms.lever_arm(p, *lv) for lv in depth_arms.LEVERS]
+    pairs = [depth_arms.combine(p, a, b) for i, a in enumerate(levers) for b in levers[i + 1 :]]
+    return next((a for a in [*levers, *pairs] if a is not None and a.lever == want), None)
+
+
+def with_shipped(
+    study: Study,
+    p: int,
+    seeds: list[int],
+    finals: list[Arm],
+    tuned: dict[str, dict[str, Any]],
+    run: bool,
+) -> tuple[Arm | None, list[Arm]]:
+    """Depth p's shipped arm among its finals (swept and run on `seeds` too where `run`), and
+    it if every report seed has it: the arm named `recommended` is what a user gets, whatever
+    the study now picks (a pick that beats it is reported under its own name until the rule
+    ships it)."""
+    ship = shipped_arm(p)
+    if ship is None:
+        return None, finals
+    if ship.name not in {a.name for a in finals}:
+        finals = [*finals, ship]
+    if run:
+        if label(p, ship.name) not in tuned:
+            tuned.update(study.sweep([(ship, p, ship.lrs)], f"depth P={p}: the shipped arm's lr"))
+        study.run(_seed_specs(ship, p, seeds, tuned), f"depth P={p}: the shipped arm")
+    have = label(p, ship.name) in tuned and all(
+        study.get(label(p, ship.name), s) is not None for s in seeds
+    )
+    return (ship if have else None), finals
+
+
 def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:
     """A depth's first grid for an arm tuned at another: its lr there, half and twice it."""
     return fallback if lr is None else (lr / 2, lr, lr * 2)
@@ -400,6 +440,13 @@ def run_depth(
             )
         else:  # the finals' rows, not run yet
             best_at[p], finals_at[p] = at_depth(best, p), [at_depth(a, p) for a in finals_arms]
+    picked_at = {str(p): a.name for p, a in best_at.items()}
+    for p in finals_at:
+        run = PHASES.index(phase) >= 2
+        ship, finals_at[p] = with_shipped(study, p, seeds, finals_at[p], tuned, run)
+        best_at[p] = ship or best_at[p]
+    # the long run and the width check measure the recommended arm, the one that ships
+    best = best_at.get(screen_p, best)
     long_arms: list[Arm] = []
     if PHASES.index(phase) >= 3 and best is not None:
         # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
@@ -431,6 +478,7 @@ def run_depth(
     )
     left_out = [a.name for a in depth_arms.screen_arms(screen_p) if a not in arms]
     summary.update(
+        study_pick_by_depth=picked_at,
         quick=quick,
         phase=phase,
         levers_left_out=left_out,

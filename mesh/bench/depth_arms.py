@@ -237,7 +237,11 @@ def depth_candidates(stages: int) -> list[Arm]:
 
 
 def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
-    """The two levers together (None when they set one key two ways: muon and rotated_adam)."""
+    """The two levers together (None when they set one key two ways: muon and rotated_adam),
+    named in the screen's order whichever ranked first, so one combination has one name."""
+    order = [name for name, *_ in LEVERS]
+    if a.name in order and b.name in order and order.index(b.name) < order.index(a.name):
+        a, b = b, a
     clash = {k for k in a.lever.keys() & b.lever.keys() if a.lever[k] != b.lever[k]}
     if clash or a.microbatches_per_update != b.microbatches_per_update:
         return None

@@ -94,9 +94,7 @@ def summarize(
         "screen_P": screen_p,
         "stages": list(stages),
         "screen": screen,
-        "picks": [
-            a.name for a in finals_at.get(screen_p, []) if a.name not in (REFERENCE, FULLSYNC)
-        ],
+        "picks": [a.name for a in finals_at.get(screen_p, []) if a.lever],
         "recommended_candidate": best.name if best else None,
         "recommended_by_depth": {str(p): a.name for p, a in best_at.items()},
         "rows": rows,
@@ -314,9 +312,11 @@ def table(summary: dict[str, Any]) -> str:
             "made among the arms screened; `meshtrain bench depth` screens every arm)."
         )
         parts.append("")
+    pick = summary.get("study_pick_by_depth", {}).get(str(summary["screen_P"]))
     parts.append(
-        f"Picks: {', '.join(summary['picks']) or 'not yet'}; recommended: "
-        f"{summary['recommended_candidate'] or 'not yet'}. The complete study: "
+        f"Picks: {', '.join(summary['picks']) or 'not yet'}; the study's pick at P = "
+        f"{summary['screen_P']}: {pick or 'not yet'}; recommended (what `optim.depth_rule` "
+        f"ships): {summary['recommended_candidate'] or 'not yet'}. The complete study: "
         f"{'yes' if summary['complete'] else 'no (runs missing: `meshtrain bench depth` resumes)'}."
     )
     return "\n".join(parts) + "\n"

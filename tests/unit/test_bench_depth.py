@@ -48,7 +48,8 @@ def test_picks_are_the_two_best_levers_and_their_combination() -> None:
     )
     assert [a.name for a in depth.picks(screen)] == ["muon", "rotated"]
     both = depth.combination(screen)  # muon and rotated clash: the next pair
-    assert both is not None and both.name == "muon + lr correction"
+    # named in the screen's order, whichever ranked first: one combination, one name
+    assert both is not None and both.name == "lr correction + muon"
     # FullSync at 2BW's M is a baseline, not a lever
     screen = _screen({"FullSync M=8": 1.0, "muon": 1.55, "rotated": 1.6})
     assert [a.name for a in depth.picks(screen)] == ["muon", "rotated"]
@@ -106,6 +107,46 @@ def test_a_deep_pipeline_recommends_its_own_best_candidate() -> None:
     assert best.name == "lr correction" and len(report) == 3
     best, _ = depth.finals_at_depth(_Sweeps(losses), 8, 8, finals, {})
     assert best.name == "lr correction"
+
+
+class _Ran(_Sweeps):
+    """_Sweeps whose report-seed runs are those in `ran` (label -> seeds), and records what
+    it was asked to run."""
+
+    def __init__(self, losses: dict[str, float], ran: dict[str, list[int]]) -> None:
+        super().__init__(losses)
+        self.ran, self.asked = ran, []
+
+    def run(self, specs, desc):
+        self.asked += [(s.method, s.seed) for s in specs]
+
+    def get(self, name: str, seed: int):
+        return {"val_loss": 1.0} if seed in self.ran.get(name, []) else None
+
+
+def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
+    # each rule of mesh/depth_rule.py is one of the study's arms, its lr aside
+    assert depth.shipped_arm(2) is None  # no rule below P = 4: the plain pipeline
+    assert depth.shipped_arm(4).name == "lr correction"
+    assert depth.shipped_arm(8).name == "lr correction"
+    assert depth.shipped_arm(16).name == "lr correction + muon"
+    arms = {a.name: a for a in depth_arms.screen_arms(8)}
+    # the study now picks Muon, whose finals have not run: the shipped arm, with its report
+    # seeds, stays `recommended` (and joins the finals' rows where the picks left it out)
+    finals = [arms["muon"], arms["reference"], arms["FullSync"]]
+    tuned = {depth.label(8, "lr correction"): {"best_lr": 2e-3}}
+    study = _Ran({}, {"P8 lr correction": [0, 1]})
+    ship, rows = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=False)
+    assert ship.name == "lr correction" and [a.name for a in rows][-1] == "lr correction"
+    assert study.asked == [] and study.swept == []  # a report runs nothing
+    # a seed missing: not yet recommended (the pick stays); run: swept where untuned, then run
+    study = _Ran({"lr correction": 1.8}, {"P8 lr correction": [0]})
+    ship, _ = depth.with_shipped(study, 8, [0, 1], finals, {}, run=False)
+    assert ship is None
+    tuned = {}
+    ship, _ = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=True)
+    assert study.swept == ["lr correction"] and depth.label(8, "lr correction") in tuned
+    assert ("P8 lr correction", 1) in study.asked
 
 
 def test_an_arm_moves_to_another_depth() -> None:

@@ -97,6 +97,9 @@ def test_the_convergence_control_is_pools_without_the_slow_cell_and_kept_apart()
     ov = {arm: dict(s[0].overrides) for arm, s in arms.items()}
     assert ov["pools"]["emulation.slowdowns"] == pc.SLOW and ov["even"]["emulation.slowdowns"] == []
     assert ov["pools"]["pipeline.routing"] == ov["even"]["pipeline.routing"] == "pools"
+    # both pools arms keep a microbatch on its replica unless its next cell is clearly slower
+    assert ov["pools"]["pipeline.pool_affinity"] == ov["even"]["pipeline.pool_affinity"] == 1.5
+    assert "pipeline.pool_affinity" not in ov["fixed"]
     assert {k: v for k, v in ov["pools"].items() if k != "emulation.slowdowns"} == {
         k: v for k, v in ov["even"].items() if k != "emulation.slowdowns"
     }

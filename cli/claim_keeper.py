@@ -57,7 +57,9 @@ class ClaimKeeper:
                 if handed_over(self.registry.owners([replica]), self.placeholder):
                     self.handed.set()
                     break
-                self.registry.beat(self.placeholder, self.ttl_s)
+                # not waited on past a period (the scout's own deadline is 30 s): a store not
+                # acked in time still lands, and the placeholder's next is due
+                self.registry.beat(self.placeholder, self.ttl_s, wait_s=period_s)
             except Exception:  # noqa: BLE001 - a slow DHT: the next beat tries again
                 continue
         self._close(withdraw=self.handed.is_set())

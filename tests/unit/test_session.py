@@ -187,3 +187,48 @@ def test_catch_up_reads_a_silent_dht_again_before_it_trains_on():
     worker = SimpleNamespace(cell=SimpleNamespace(stage=0, replica=1, step=0))
     assert catch_up(cfg, worker, coord, transport=None) is None  # in step: nothing to load
     assert d.reads["cells.r0"] == 3 <= CATCH_UP_READS
+
+
+def test_a_claim_is_refreshed_well_within_its_life_while_the_dht_is_slow():
+    """16 joins of a 4x4 grid on 2 cores: each cell's beat waited for its store's acks (up to
+    transport.start_timeout_s) and then for a read of the claims (up to 2 s), so its beats came
+    further apart than the claim lives (HEARTBEAT_LIVES periods) and `status` listed 7-11 held
+    cells free. Here every store is acked and every read answered only after 1.5 s: the claim
+    is stored again every period all the same (each store lands at once in this fake)."""
+    import time
+
+    hb, slow_s = 0.25, 1.5
+    lifetime = hb * HEARTBEAT_LIVES
+
+    class Slow(FakeDirectory):
+        def __init__(self, marker):
+            super().__init__(marker)
+            self.stored: list[float] = []  # when each beat was sent
+
+        def dht_store(self, key, subkey, value, ttl_s, timeout_s=None):
+            if key == "cells.r0" and value is not None:  # a beat, not the release at close
+                self.stored.append(time.monotonic())
+            taken = super().dht_store(key, subkey, value, ttl_s, timeout_s)
+            time.sleep(min(slow_s, 60.0 if timeout_s is None else timeout_s))  # acks late
+            return taken
+
+        def dht_get_many(self, keys, timeout_s=None, withdrawn=False):
+            time.sleep(min(slow_s, 60.0 if timeout_s is None else timeout_s))
+            return super().dht_get_many(keys, timeout_s, withdrawn)
+
+    d = Slow("[owner:s0r0]")
+    c = DhtCoordinator(
+        Registry(d, None, hb),
+        cell="s0r0",
+        peer="peer-s0r0",
+        replica_cells=["s0r0", "s1r0"],
+        leader=True,
+        replica=0,
+        steps=100,
+        mpu=1,
+        wait_s=2.0,
+    )
+    time.sleep(4 * slow_s)
+    c.close()
+    gaps = [b - a for a, b in zip(d.stored, d.stored[1:])]
+    assert len(d.stored) >= 6 and max(gaps) < 0.75 * lifetime, gaps

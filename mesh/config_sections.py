@@ -187,13 +187,8 @@ class PipelineConfig(_Section):
     @property
     def pooled(self) -> bool:
         """Whether a stage's cells form a pool (routing = pools): the one place the routing's
-        name is read; fixed wiring is the other case."""
+        name is read (mesh/algo/routes.py builds the component from it)."""
         return self.routing == "pools"
-
-    @property
-    def seeded_pools(self) -> bool:
-        """Pools whose choices follow a seed (pool_choice = seeded: the simulator replays them)."""
-        return self.pooled and self.pool_choice == "seeded"
 
     def extra_warmups(self) -> list[int] | None:
         """The resolved window as the schedule functions take it (None for 'none').

@@ -60,6 +60,12 @@ def pick_by_delay(rates: Sequence[float | None], queues: Sequence[int], u: float
     return a if (queues[a] + 1) / rs[a] <= (queues[b] + 1) / rs[b] else b
 
 
+def choice(rates: Sequence[float | None], queues: Sequence[int], u: float, v: float | None) -> int:
+    """One hop's draw: by weights with u alone (`pick`); with v too, the sooner done of two
+    (`pick_by_delay`). The processes and the simulator draw through it alike."""
+    return pick(weights(rates, queues), u) if v is None else pick_by_delay(rates, queues, u, v)
+
+
 def stays(rates: Sequence[float | None], own: int | None, affinity: float) -> bool:
     """Replica affinity (`pipeline.pool_affinity`): whether the microbatch keeps to candidate
     `own`, its own replica's next cell, rather than being routed by load. It does unless own is
@@ -355,6 +361,4 @@ class LoadBook:
         mine = room.index(own) if own in room else None
         if own is not None and stays(rates, mine, affinity):
             return own
-        if v is not None:
-            return room[pick_by_delay(rates, queues, u, v)]
-        return room[pick(weights(rates, queues), u)]
+        return room[choice(rates, queues, u, v)]

@@ -29,11 +29,12 @@ Averaging is unchanged: each stage's live cells average with each other.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
 
-from mesh.algo import routing
+from mesh.algo import routes, routing
 from mesh.config import Config, parse_slowdowns
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
@@ -45,6 +46,8 @@ class PoolSim(GridSim):
         super().__init__(cfg, corpus)
         g = cfg.grid
         self.spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
+        self.route = routes.of(cfg.pipeline)  # chosen once: each path asks it
+        self.names = [[str(i) for i in range(self.m)] for _ in range(self.P)]  # its pools
         slow = parse_slowdowns(cfg.emulation.slowdowns, g.stages, g.replicas)
         self.speed = [[1.0 / slow.get((j, i), 1.0) for i in range(self.m)] for j in range(self.P)]
         self.streamed = 0  # microbatches that reached the last stage (tokens = this x each's)
@@ -100,13 +103,11 @@ class PoolSim(GridSim):
         """The replica index of the cell each stage gives microbatch (s, u); None: a stage
         has no live cell for it (fixed: its own replica's cell is dead)."""
         pipe, seed = self.cfg.pipeline, self.cfg.run.seed
-        if not pipe.pooled:
-            path = [s] * self.P
-            return None if any((j, s) in dead for j in range(self.P)) else path
-        if pipe.pool_choice == "seeded":
-            assert not dead, "seeded routing draws from the whole pool: no deaths"
-            pools = [[str(i) for i in range(self.m)] for _ in range(self.P)]
-            return [int(c) for c in routing.seeded_path(seed, s, u, pools)]
+        whole = self.route.path(seed, s, u, self.names)  # fixed or seeded: known whole
+        if whole is not None:
+            assert not (dead and self.route.seeded), "seeded paths draw from every cell: no deaths"
+            path = [int(c) for c in whole]
+            return None if any((j, i) in dead for j, i in enumerate(path)) else path
         path = [s]
         for j in range(1, self.P):
             live = [i for i in range(self.m) if (j, i) not in dead]
@@ -117,12 +118,8 @@ class PoolSim(GridSim):
             if routing.stays(rates, own, pipe.pool_affinity):
                 path.append(s)
                 continue
-            first = routing.unit(seed, u, s, j)
-            if pipe.pool_choice == "delay":
-                second = routing.unit(seed, u, s, j, "second")
-                path.append(live[routing.pick_by_delay(rates, queues, first, second)])
-            else:
-                path.append(live[routing.pick(routing.weights(rates, queues), first)])
+            first, second = self.route.draws(functools.partial(routing.unit, seed, u, s, j))
+            path.append(live[routing.choice(rates, queues, first, second)])
         for j, i in enumerate(path):
             queue[(j, i)] += 1
         return path
@@ -137,9 +134,8 @@ class PoolSim(GridSim):
             if (c.stage, c.replica) in self._unstored:
                 c.push_version()
                 self._unstored.discard((c.stage, c.replica))
-        seeded = cfg.pipeline.seeded_pools
         versions = [
-            c.step if seeded else max(min(c.history), c.step - (self.P - 1 - j))
+            c.step if self.route.seeded else max(min(c.history), c.step - (self.P - 1 - j))
             for j, c in enumerate(cells)
         ]
         batch = train_batch(

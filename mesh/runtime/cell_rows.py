@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from comms.transport import Transport
+from mesh.runtime.cell_worker import CellWorker
 from mesh.runtime.pool_grid import pool_row
-from mesh.runtime.stage import StageWorker
 
 HEALTH_EVERY_S = 5.0  # a `health` row at most this often (on the heartbeat thread)
 
@@ -41,7 +41,7 @@ def health_rows(event: Any, transport: Transport) -> Any:
     return beat
 
 
-def update_row(worker: StageWorker, transport: Transport, time_s: float) -> dict[str, Any]:
+def update_row(worker: CellWorker, transport: Transport, time_s: float) -> dict[str, Any]:
     """The cell's row after an update (time_s: since its process's cell started)."""
     st, cell = worker.stats, worker.cell
     return {
@@ -75,7 +75,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def final_row(worker: StageWorker, transport: Transport, start: float) -> dict[str, Any]:
+def final_row(worker: CellWorker, transport: Transport, start: float) -> dict[str, Any]:
     """The cell's totals, written once its worker finished (its sends drained); wall_s since
     `start` (time.perf_counter), its digest's time included."""
     cell = worker.cell

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from comms.build import Meeting, local_rendezvous
-from mesh.algo import routing
 from mesh.algo.topology import cell_name
 from mesh.config import Config
 from mesh.runtime.checkpoint import (
@@ -39,6 +38,7 @@ from mesh.runtime.metrics import RowTail
 from mesh.runtime.stacks import keep_stacks
 from mesh.runtime.stop import STOP, stop_file
 from mesh.runtime.trainer import cell_process_main
+from mesh.runtime.wiring import grid_of
 
 
 @dataclass
@@ -192,10 +192,8 @@ def cell_context() -> multiprocessing.context.ForkServerContext:
 
 def grid_cells(cfg: Config) -> list[tuple[int, int]]:
     """(stage, replica) of every cell, replica-major (the launch order), less the cells
-    emulation.deaths takes out from the start (routing.absent)."""
-    g = cfg.grid
-    spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.pooled)
+    emulation.deaths takes out from the start (wiring.grid_of)."""
+    g, gone = cfg.grid, grid_of(cfg).absent
     return [(j, i) for i in range(g.replicas) for j in range(g.stages) if (j, i) not in gone]
 
 

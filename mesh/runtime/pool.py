@@ -11,23 +11,17 @@ schedule's rules hold per microbatch: the forward reads the newest weights and s
 version, the backward recomputes on the stash, and every backward is one update of the live
 weights (then the averaging rounds run as on a fixed grid: mesh/runtime/rounds.py).
 
-Wire (all tags start with `pool/`, and each is parsed and bounded before use):
-- `pool/a/S/I` activation of microbatch (S, I), upstream -> downstream;
-- `pool/g/S/I/Q/R` its gradient, downstream -> upstream, with the sender's load: Q microbatches
-  held for other senders, R its measured rate in milli-microbatches a second;
-- `pool/r/S/I/Q/R` a refusal (the cell holds pipeline.pool_window already): the sender routes
-  the microbatch to another cell;
-- `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).
+Its messages are activations, gradients (with the sender's load), refusals and FINs, each
+tagged `pool/...` (mesh/runtime/pool_wire.py).
 
 Faults: a microbatch whose gradient is not back within elastic.pool_timeout_s, or whose cell is
 cut off (PeerLost), is routed to another live cell (its activation is kept until then) or, with
 no other cell, voided and counted; nothing waits for ever. A cell finishes when it holds nothing
 and every upstream cell sent FIN.
 
-With `pipeline.pool_choice = "seeded"` every path is a pure function of the name
-(mesh/algo/routing.seeded_path) and each cell takes its microbatches one at a time in
-(index, stream) order (mesh/runtime/pool_seeded.py): the one-process simulator computes the
-same numbers.
+With seeded routing (`pipeline.pool_choice = "seeded"`, mesh/algo/routes.py) every path is a
+pure function of the name and each cell takes its microbatches one at a time in (index, stream)
+order (PoolWorker._run_seeded): the one-process simulator computes the same numbers.
 """
 
 from __future__ import annotations
@@ -45,13 +39,11 @@ from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
 from mesh import choices
 from mesh.algo import routing, sentinel
-from mesh.algo.topology import cell_name
-from mesh.data.corpus import Corpus, train_batch
+from mesh.algo.topology import Grid, cell_name
+from mesh.data.corpus import Corpus
 from mesh.engine.cell import Cell
-from mesh.engine.stage_step import StageGrads
-from mesh.model.build import needs_tokens
+from mesh.runtime.cell_worker import CellWorker
 from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
-from mesh.runtime.stage import StageWorker
 from mesh.runtime.worker_settings import WorkerSettings
 
 IDLE_S = 0.05  # the loop's longest sleep with nothing filed (timeouts and claims to look at)
@@ -60,14 +52,15 @@ RATE_EMA = 0.2
 MEMBERS_S = 0.5  # how often a pooled cell looks at the live claims (hivemind)
 
 
-class PoolWorker(StageWorker):
+class PoolWorker(CellWorker):
+    """A cell of a stage pool: no schedule; its routing's loop (run_pools) takes its work."""
+
     stats: PoolStats
 
     def __init__(
         self, settings: WorkerSettings, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
         super().__init__(settings, cell, transport, corpus)
-        self.window = None  # pools read the newest weights: no schedule window
         self.ups = self.grid.column(self.j - 1) if self.j > 0 else []
         self.downs = self.grid.column(self.j + 1) if self.next else []
         self.held: dict[tuple[int, int], Held] = {}
@@ -94,12 +87,6 @@ class PoolWorker(StageWorker):
         return PoolStats()
 
     # ---- names and data -----------------------------------------------------------------
-    def _batch_of(self, stream: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.settings
-        assert self.corpus is not None, "real compute needs the corpus"
-        x, y = train_batch(self.corpus, s.seed, stream, b, s.pipeline.microbatch_size, s.seq_len)
-        return x.to(self.device), y.to(self.device)
-
     def _load_tag(self, kind: str, stream: int, index: int, to: str) -> str:
         """A gradient's or refusal's tag with this cell's load as `to` should see it."""
         mine = sum(1 for h in self.held.values() if h.sender == to)
@@ -119,11 +106,54 @@ class PoolWorker(StageWorker):
             return routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
         return want
 
-    # ---- the loop (load-based routing) ------------------------------------------------------
+    # ---- the loops ---------------------------------------------------------------------------
     def run_pools(self, on_step: object = None) -> PoolStats:
-        """Train until this cell's work is done: stage 0 until its stream issued run.steps
-        microbatches and got them back (or gave them up), a later stage until every upstream
-        cell said FIN and it holds nothing. Then FIN downstream and drain."""
+        """Train until this cell's work is done, by its routing's loop (seeded: one microbatch
+        at a time along the path its name draws; else by load); then drain."""
+        if self.route.seeded:
+            self._run_seeded(on_step)
+        else:
+            self._run_by_load(on_step)
+        self.finish()
+        return self.stats
+
+    def _run_seeded(self, on_step: object) -> None:
+        """This cell's microbatches one at a time in (index, stream) order, each along its
+        seeded path: forward, wait for its gradient, backward, step. Deterministic, so the
+        simulator computes the same numbers (mesh/engine/pools.py); a check of the engines, not
+        a way to train (it serializes each cell); a lost cell is a PeerTimeout here."""
+        everyone = Grid(self.P, self.m)  # the seeded paths are drawn over every cell
+        pools = [everyone.column(j) for j in range(self.P)]
+        done = self.cell.step  # a resumed cell took this many of its microbatches already
+        for b, s in ((b, s) for b in range(self.settings.steps) for s in range(self.m)):
+            path = self.route.path(self.settings.seed, s, b, pools)
+            assert path is not None, "a seeded routing knows every path"
+            if path[self.j] == self.cell_name:
+                if done > 0:
+                    done -= 1
+                else:
+                    self._seeded_one(s, b, path, on_step)
+
+    def _seeded_one(self, s: int, b: int, path: list[str], on_step: object) -> None:
+        wait = self.settings.elastic.pool_timeout_s
+        up, down = path[self.j - 1] if self.j else None, path[self.j + 1] if self.next else None
+        if up is None:
+            x = self._batch_of(s, b)[0]
+        else:
+            x = self.transport.recv(up, f"pool/a/{s}/{b}", self._expect_act, wait).tensor()
+        h = self.held[(s, b)] = Held(s, b, x.to(self.device), self.cell.step, up)
+        if down is None:
+            self._backward_held(h, None, on_step)
+            return
+        self._send(down, f"pool/a/{s}/{b}", Kind.ACTIVATION, self._activation(h))
+        h.sent_to, self._fwd_s = down, 0.0
+        msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
+        self._backward_held(h, msg.tensor().to(self.device), on_step)
+
+    def _run_by_load(self, on_step: object) -> None:
+        """Stage 0 until its stream issued run.steps microbatches and got them back (or gave
+        them up), a later stage until every upstream cell said FIN and it holds nothing; then
+        FIN downstream."""
         seen = self.transport.wait_arrival(-1, 0.0)  # the count so far
         while True:
             t0 = time.perf_counter()
@@ -147,15 +177,11 @@ class PoolWorker(StageWorker):
                     self.emu.waited(t0)
         for d in self.downs:
             self._control(d, "pool/f/0")
-        self.finish()
-        return self.stats
 
     def capacity_tps(self) -> float:
         """Tokens a second this cell could compute if always fed (its heartbeat's `tps` in a
         pool: a stage's capacity is its cells' sum; 0 until measured)."""
-        if not self.sec_per_mb:
-            return 0.0
-        return self.settings.tokens_per_microbatch / self.sec_per_mb
+        return self.settings.tokens_per_microbatch / self.sec_per_mb if self.sec_per_mb else 0.0
 
     def _members(self) -> None:
         """At most every MEMBERS_S: neighbours without a live claim are down (routed around,
@@ -258,24 +284,19 @@ class PoolWorker(StageWorker):
             self._control(up, self._load_tag("r", stream, b, up))
             return
         x = msg.tensor().to(self.device)
-        if not self.emu and (sentinel.is_void(x) or self._screened_of(up, x, stream, b)):
+        if not self.emu and (
+            sentinel.is_void(x) or self._screened(up, "activation", x, stream, b) != "use"
+        ):
             self.stats.voided += 1
             self._send_void(up, self._load_tag("g", stream, b, up), Kind.GRADIENT)
             return
         self._forward_held(Held(stream, b, x, self.cell.step, up), on_step)
 
-    def _screened_of(self, sender: str, x: torch.Tensor, stream: int, b: int) -> bool:
-        """True when the sentinel drops it (counted as rejects 'poison')."""
-        verdict = self.cell.screen(sender, "activation", x, self._batch_of(stream, b))
-        if verdict == "drop":
-            self.transport.stats.add_reject("poison")
-        return verdict != "use"
-
     def _forward_held(self, h: Held, on_step: object) -> None:
         """Forward h on the newest weights; the last stage goes on to its backward at once."""
         self.held[(h.stream, h.index)] = h
         self.stats.held_peak = max(self.stats.held_peak, len(self.held))
-        self._track_stash()
+        self._track_stash([h.inputs for h in self.held.values()])
         if self.next is None:
             self._backward_held(h, None, on_step)
             return
@@ -287,26 +308,10 @@ class PoolWorker(StageWorker):
     def _activation(self, h: Held) -> codecs.Encoded:
         """h's forward on its stashed version, as it leaves for the next stage (encoded)."""
         if self.emu:
-            deadline = self.emu.begin(self.t_f)
-            enc = codecs.encode(self._fake_act, self.settings.pipeline.codec)
-            self.emu.finish(deadline)
-            self.stats.busy_s += self.t_f
+            enc = self._emulated(self.t_f, self._fake_act)
+            assert enc is not None
             return enc
-        t_cpu = time.thread_time()
-        out = self.cell.forward(h.version, h.inputs, self.precision, self._tokens_of(h))
-        self._busy(t_cpu)
-        out = self.cell.outgoing(out, "activation", h.index)  # faults.pipeline_poison
-        return codecs.encode(out, self.settings.pipeline.codec)
-
-    def _track_stash(self) -> None:
-        """The stash's peak: the weight versions kept and what the held microbatches hold
-        (the fixed worker's in_flight is empty here)."""
-        held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
-        held += sum(h.inputs.numel() * h.inputs.element_size() for h in self.held.values())
-        self.stats.stash_bytes_peak = max(self.stats.stash_bytes_peak, held)
-
-    def _tokens_of(self, h: Held) -> torch.Tensor | None:
-        return self._batch_of(h.stream, h.index)[0] if needs_tokens(self.cell.module) else None
+        return self._forward_out(h.version, h.inputs, h.stream, h.index)
 
     def _live_downs(self, exclude: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         now = time.monotonic()
@@ -318,11 +323,10 @@ class PoolWorker(StageWorker):
         if not live:
             return False
         pipe = self.settings.pipeline
-        second = self.rng.random() if pipe.pool_choice == "delay" else None
+        first, second = self.route.draws(lambda *_: self.rng.random())
         # replica affinity: the cell of the microbatch's own replica (its stream's) is kept
         # while it has room unless it is clearly slower than the best other (routing.stays)
         own = cell_name(self.j + 1, h.stream)
-        first = self.rng.random()
         to = self.book.choose(live, first, pipe.pool_window, second, own, pipe.pool_affinity)
         assert h.out is not None
         self._send(to, f"pool/a/{h.stream}/{h.index}", Kind.ACTIVATION, h.out)
@@ -392,16 +396,12 @@ class PoolWorker(StageWorker):
         grads: list[torch.Tensor] | None = None
         if self.emu:  # no math: the device is busy for the op, a real-shaped tensor goes back
             t = self.t_b + (self.t_f if self.next is None else 0.0)
-            deadline = self.emu.begin(t)
-            enc = codecs.encode(self._fake_grad, self.settings.pipeline.codec) if h.sender else None
-            self.emu.finish(deadline)
-            self.stats.busy_s += t
+            enc = self._emulated(t, self._fake_grad if h.sender else None)
         else:
-            step = self._grads_of(h, grad_out)
-            grads, enc = step.weights, None
-            if step.inputs is not None:
-                sent = self.cell.outgoing(step.inputs, "gradient", h.index)
-                enc = codecs.encode(sent, self.settings.pipeline.codec)
+            step, enc = self._backward_of(h.version, h.inputs, h.stream, h.index, grad_out, 1)
+            grads = step.weights
+            if step.loss is not None:
+                self.stats.loss = step.loss
         if h.sender is not None and tag is not None and enc is not None:
             self._send(h.sender, tag, Kind.GRADIENT, enc)
         self._measured(time.perf_counter() - t0 + (0.0 if self.next is None else self._fwd_s))
@@ -409,26 +409,10 @@ class PoolWorker(StageWorker):
         # until the update (optimizer, rounds, new version) is whole
         with self.lock, self.critical():
             self.cell.progress = h.index  # the schedules by the data's position (Cell)
-            if grads is None:
-                self.cell.step += 1  # emulated: no optimizer math, the weights stay
-            else:
-                self.stats.grad_norm = self.cell.apply_update(grads)
-            if self.settings.dp.mode == "param_avg" and self.m > 1:
-                self.rounds.after_update()
+            self._update(grads)
             self._push_version()
         if callable(on_step):
             on_step(self)
-
-    def _grads_of(self, h: Held, grad_out: torch.Tensor | None) -> StageGrads:
-        """h's backward (recomputed on its stashed version; the last stage from the loss)."""
-        t0 = time.thread_time()
-        targets = self._batch_of(h.stream, h.index)[1] if self.next is None else None
-        tokens = self._tokens_of(h)
-        step = self.cell.backward(h.version, h.inputs, self.precision, tokens, grad_out, targets)
-        if step.loss is not None:
-            self.stats.loss = step.loss
-        self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
-        return step
 
     def _push_version(self) -> None:
         """The new live version, keeping the versions the held microbatches read."""

@@ -1,5 +1,14 @@
 """A stage pool's wire names and bookkeeping (mesh/runtime/pool.py): its tags, parsed and
-bounded before use, a cell's routing counters, and what it holds of each microbatch."""
+bounded before use, a cell's routing counters, and what it holds of each microbatch.
+
+Wire (all tags start with `pool/`, and each is parsed and bounded before use):
+- `pool/a/S/I` activation of microbatch (S, I), upstream -> downstream;
+- `pool/g/S/I/Q/R` its gradient, downstream -> upstream, with the sender's load: Q microbatches
+  held for other senders, R its measured rate in milli-microbatches a second;
+- `pool/r/S/I/Q/R` a refusal (the cell holds pipeline.pool_window already): the sender routes
+  the microbatch to another cell;
+- `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).
+"""
 
 from __future__ import annotations
 

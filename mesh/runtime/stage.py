@@ -26,26 +26,21 @@ parameter subsets."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from comms import codecs
-from comms.errors import CommsError, PeerLost, PeerTimeout
+from comms.errors import PeerLost, PeerTimeout
 from comms.transport import MeanStatus, Transport
 from comms.wire import Expect, Kind
 from mesh.algo.schedule import Op, iter_actions, version_for
 from mesh.algo.topology import cell_name, group_name
-from mesh.data.corpus import Corpus, train_batch
+from mesh.data.corpus import Corpus
 from mesh.engine.cell import Cell
 from mesh.engine.stage_step import GradSum, update_loss
-from mesh.model.build import needs_tokens
-from mesh.runtime.emulate import ComputeClock, real_op_s
-from mesh.runtime.rounds import Rounds
+from mesh.runtime.cell_worker import CellWorker
 from mesh.runtime.session import (
     CHECK_EVERY_S,
     Coordinator,
@@ -67,55 +62,25 @@ class _InFlight:
     void: bool = False
 
 
-class StageWorker:
+class StageWorker(CellWorker):
+    """A cell of a fixed grid: its schedule's actions, session after session."""
+
     def __init__(
         self, settings: WorkerSettings, cell: Cell, transport: Transport, corpus: Corpus | None
     ) -> None:
-        self.settings, self.cell, self.transport, self.corpus = settings, cell, transport, corpus
-        self.P, self.m = settings.stages, settings.replicas
-        self.j, self.i = cell.stage, cell.replica
+        super().__init__(settings, cell, transport, corpus)
         self.mpu = settings.microbatches_per_update
         self.window = settings.window
-        self.slowdown, self.min_op_s = settings.slowdown, settings.min_op_s
-        self.emu: ComputeClock | None = None
-        if settings.emulated_op_s is not None:
-            self.emu = ComputeClock()
-            self.t_f, self.t_b = settings.emulated_op_s
-            gen = torch.Generator().manual_seed(settings.seed * 1009 + self.j * 31 + self.i)
-            B, T, w = settings.boundary_shape  # what crosses the link (pipeline.boundary)
-            self._fake_tokens = torch.randint(0, settings.vocab_size, (B, T), generator=gen)
-            self._fake_act = torch.randn(B, T, w, generator=gen)
-            self._fake_grad = torch.randn(B, T, w, generator=gen) * 1e-3
         self.prev = cell_name(self.j - 1, self.i) if self.j > 0 else None
-        self.next = cell_name(self.j + 1, self.i) if self.j < self.P - 1 else None
-        # cells emulation.deaths takes out from the start average with nobody
-        self.grid = settings.grid
-        self.column = self.grid.column(self.j)
-        self.absent = {cell_name(j, i) for j, i in self.grid.absent}
         self.in_flight: dict[int, _InFlight] = {}
         self.grads = GradSum(cell.params)  # this update's (bench model measures its cost)
-        self._last_send: dict[str, Any] = {}  # per neighbour: links are FIFO
-        self.stats = self._new_stats()
-        self.rounds = Rounds(settings.rounds, cell, transport, self.stats, self.column, self.emu)
-        self.device = cell.flat.device  # the cell's device: cuda when the runtime chose one
-        self.precision = settings.precision  # autocast of forward and backward
-        self.lock = threading.Lock()  # held while an update changes the cell's state
-        self.critical: Any = contextlib.nullcontext  # the trainer defers SIGTERM inside it
         self.session = Session(0, 0, 0)
         self.coord: Coordinator = StaticCoordinator(0, 1)
         self.first = cell.step
         self._update_loss = 0.0
         self._update_used = 0  # microbatches of this update whose loss was computed
-        shape = settings.boundary_shape
-        self._expect_act = Expect(kind=Kind.ACTIVATION, shape=shape)
-        self._expect_grad = Expect(kind=Kind.GRADIENT, shape=shape)
 
     # ---- the loop ---------------------------------------------------------------------------
-
-    def _new_stats(self) -> StageStats:
-        """The counters this worker keeps (a pool cell's add its routing's)."""
-        return StageStats()
-
     def run(self, num_updates: int, on_step: Any = None) -> StageStats:
         """Execute the schedule for `num_updates` updates from the cell's current step, as one
         session of a fixed grid (every cell at the same step); then drain."""
@@ -171,11 +136,6 @@ class StageWorker:
         self._last_send.clear()
         self.stats.sessions_broken += 1
 
-    def finish(self) -> None:
-        """At the end: wait briefly for rounds and sends in flight (final byte counters)."""
-        self.rounds.drain()
-        self._drain_sends()
-
     def _recv(self, frm: str, tag: str, expect: Expect) -> Any:
         """transport.recv in short waits, asking between them whether the session still stands.
         Fixed grid: PeerTimeout after transport.recv_timeout_s. Elastic (hivemind): a lost neighbour
@@ -199,26 +159,12 @@ class StageWorker:
                 if isinstance(e, PeerLost):
                     time.sleep(CHECK_EVERY_S)
 
-    def _timeout(self) -> float:
-        return self.settings.recv_timeout_s
-
-    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.settings
-        assert self.corpus is not None, "real compute needs the corpus"
-        x, y = train_batch(self.corpus, s.seed, self.i, b, s.pipeline.microbatch_size, s.seq_len)
-        return x.to(self.device), y.to(self.device)
-
-    def _tokens(self, b: int) -> torch.Tensor | None:
-        """Microbatch b's token ids where this stage's boundary anchors read them (every stage
-        reads the data itself: token ids never cross a link)."""
-        return self._batch(b)[0] if needs_tokens(self.cell.module) else None
-
     def _recv_act(self, b: int) -> None:
         assert self.prev is not None
         t0 = time.perf_counter()
         msg = self._recv(self.prev, self.session.tag("act", b), self._expect_act)
         x = msg.tensor().to(self.device)
-        void = not self.emu and self._screened(self.prev, "activation", x, b) != "use"
+        void = not self.emu and self._screened(self.prev, "activation", x, self.i, b) != "use"
         self.in_flight[b] = _InFlight(x, -1, void=void)
         if self.emu:
             self.emu.waited(t0)
@@ -229,58 +175,29 @@ class StageWorker:
         # a cell that joined (or reloaded state) holds only its current version: the fill reads it
         version = max(version, min(self.cell.history))
         if self.j == 0:
-            tokens = self._fake_tokens if self.emu else self._batch(b)[0]
+            tokens = self._fake_tokens if self.emu else self._batch_of(self.i, b)[0]
             self.in_flight[b] = _InFlight(tokens, version)
         else:
             self.in_flight[b].version = version
-        self._track_stash()
+        held = [(fl.inputs, fl.grad_out) for fl in self.in_flight.values()]
+        self._track_stash([t for pair in held for t in pair if t is not None])
         if self.emu:
-            tag = self.session.tag("act", b)
-            self._emulated(self.t_f, self.next, tag, Kind.ACTIVATION, self._fake_act)
+            self._emulated_send(self.t_f, self.next, self.session.tag("act", b), Kind.ACTIVATION)
             return
         if self.next is None:
             return  # the last stage's forward is recomputed with its backward, right after
         if self.in_flight[b].void:  # pass the skip on: the next stage does nothing with it
             self._send_void(self.next, self.session.tag("act", b), Kind.ACTIVATION)
             return
-        t0 = time.thread_time()
-        inputs = self.in_flight[b].inputs
-        out = self.cell.forward(version, inputs, self.precision, self._tokens(b))
-        self._busy(t0)
-        out = self.cell.outgoing(out, "activation", b)  # faults.pipeline_poison: a hostile cell
-        enc = codecs.encode(out, self.settings.pipeline.codec)
+        enc = self._forward_out(version, self.in_flight[b].inputs, self.i, b)
         self._send(self.next, self.session.tag("act", b), Kind.ACTIVATION, enc)
 
-    def _emulated(
-        self, seconds: float, to: str | None, tag: str, kind: Kind, payload: torch.Tensor
-    ) -> None:
-        """One emulated op: reserve the device, encode the real payload, wait out the op's
-        time, then queue the payload (it leaves when the op would have produced it)."""
-        assert self.emu is not None
-        deadline = self.emu.begin(seconds)
-        enc = codecs.encode(payload, self.settings.pipeline.codec) if to is not None else None
-        self.emu.finish(deadline)
-        self.stats.busy_s += seconds
+    def _emulated_send(self, seconds: float, to: str | None, tag: str, kind: Kind) -> None:
+        """One emulated op whose real-shaped output (an activation or a gradient) goes to `to`."""
+        fake = self._fake_act if kind is Kind.ACTIVATION else self._fake_grad
+        enc = self._emulated(seconds, fake if to is not None else None)
         if to is not None and enc is not None:
             self._send(to, tag, kind, enc)
-
-    def _busy(self, t0: float, ops: int = 1) -> None:
-        """Real compute: count the thread CPU time since t0; a slowdown > 1 then waits
-        (factor - 1) x that time, as a slower peer would, and up to the floor of its `ops`
-        forwards and backwards (min_op_s each), as a device with that step time would."""
-        spent = time.thread_time() - t0
-        took = real_op_s(spent, self.slowdown, self.min_op_s * ops)
-        self.stats.busy_s += took
-        if took > spent:
-            time.sleep(took - spent)
-
-    def _track_stash(self) -> None:
-        held = sum(v.numel() * v.element_size() for v in self.cell.history.values())
-        for fl in self.in_flight.values():
-            held += fl.inputs.numel() * fl.inputs.element_size()
-            if fl.grad_out is not None:
-                held += fl.grad_out.numel() * fl.grad_out.element_size()
-        self.stats.stash_bytes_peak = max(self.stats.stash_bytes_peak, held)
 
     def _recv_grad(self, b: int) -> None:
         assert self.next is not None
@@ -289,7 +206,7 @@ class StageWorker:
         fl = self.in_flight[b]
         fl.grad_out = msg.tensor().to(self.device)
         if not self.emu and not fl.void:
-            fl.void = self._screened(self.next, "gradient", fl.grad_out, b) != "use"
+            fl.void = self._screened(self.next, "gradient", fl.grad_out, self.i, b) != "use"
         if self.emu:
             self.emu.waited(t0)
 
@@ -301,26 +218,18 @@ class StageWorker:
         self.stats.staleness[self.cell.step - self.in_flight[b].version] += 1
         if self.emu:
             self.in_flight.pop(b)
-            tag = self.session.tag("grad", b)
-            self._emulated(self.t_b, self.prev, tag, Kind.GRADIENT, self._fake_grad)
+            self._emulated_send(self.t_b, self.prev, self.session.tag("grad", b), Kind.GRADIENT)
             return
         fl = self.in_flight.pop(b)
         if fl.void:  # no gradient from it here, nor upstream
             if self.prev is not None:
                 self._send_void(self.prev, self.session.tag("grad", b), Kind.GRADIENT)
             return
-        t0 = time.thread_time()
-        targets = self._batch(b)[1] if self.next is None else None
-        step = self.cell.backward(
-            fl.version, fl.inputs, self.precision, self._tokens(b), fl.grad_out, targets, self.mpu
-        )
+        step, enc = self._backward_of(fl.version, fl.inputs, self.i, b, fl.grad_out, self.mpu)
         if step.loss is not None:
             self._update_loss += step.loss / self.mpu
             self._update_used += 1
-        self._busy(t0, ops=2 if self.next is None else 1)  # the last stage's forward too
-        if step.inputs is not None:
-            sent = self.cell.outgoing(step.inputs, "gradient", b)  # faults.pipeline_poison
-            enc = codecs.encode(sent, self.settings.pipeline.codec)
+        if enc is not None:
             assert self.prev is not None
             self._send(self.prev, self.session.tag("grad", b), Kind.GRADIENT, enc)
         self.grads.add(step.weights)
@@ -351,47 +260,8 @@ class StageWorker:
             offset += g.numel()
 
     def _step(self) -> None:
-        grads = self.grads.take()
-        if self.emu:
-            self.cell.step += 1  # emulated: no optimizer math, the weights stay
-        elif grads is None:  # every microbatch of the update was dropped on its way here
-            self.cell.skip_update()
-        else:
-            # the optimizer clips them in place: they are this update's, and the next
-            # backward replaces them
-            self.stats.grad_norm = self.cell.apply_update(grads)
+        self._update(self.grads.take())
         if self.next is None and not self.emu:
             self.stats.loss = update_loss(self._update_loss, self._update_used, self.mpu)
         self._update_loss, self._update_used = 0.0, 0
-        if self.settings.dp.mode == "param_avg" and self.m > 1:
-            self.rounds.after_update()
         self.cell.push_version(shared=self.emu is not None)
-
-    def _screened(self, sender: str, kind: str, x: torch.Tensor, b: int) -> str:
-        """cell.screen's verdict on a received tensor of microbatch b (every stage reads its
-        tokens: the sentinel keys its statistics by them); a drop is counted as rejects
-        'poison'."""
-        verdict = self.cell.screen(sender, kind, x, self._batch(b))
-        if verdict == "drop":
-            self.transport.stats.add_reject("poison")
-        return verdict
-
-    def _send_void(self, to: str, tag: str, kind: Kind) -> None:
-        """The void marker (mesh/algo/sentinel.py): an all-zero tensor of the boundary's shape."""
-        zeros = torch.zeros(self.settings.boundary_shape)
-        self._send(to, tag, kind, codecs.encode(zeros, self.settings.pipeline.codec))
-
-    def _send(self, to: str, tag: str, kind: Kind, enc: codecs.Encoded) -> None:
-        self._last_send[to] = self.transport.send(to, tag, kind, enc, self.cell.step)
-
-    def _drain_sends(self) -> None:
-        """At the end, wait until the last message to each neighbour left (links are FIFO), so
-        the byte counters are final and nothing is lost in a shaped link's queue."""
-        for handle in self._last_send.values():
-            with contextlib.suppress(CommsError):  # a neighbour that left takes nothing more
-                handle.wait(self._timeout())
-        self._last_send.clear()
-
-    @property
-    def cell_name(self) -> str:
-        return cell_name(self.j, self.i)

@@ -35,6 +35,7 @@ from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
 from mesh.runtime import memory, stacks
 from mesh.runtime.cell_rows import final_row, health_rows, update_row
+from mesh.runtime.cell_worker import CellWorker
 from mesh.runtime.checkpoint import checkpoint_path, load_cell, newest_intact, save_cell
 from mesh.runtime.emulate import resolve_window
 from mesh.runtime.failure import (
@@ -45,7 +46,6 @@ from mesh.runtime.failure import (
 from mesh.runtime.metrics import MetricsSink, beat_stats
 from mesh.runtime.pool import PoolWorker
 from mesh.runtime.pool_grid import pool_members, pool_move
-from mesh.runtime.pool_seeded import SeededPoolWorker
 from mesh.runtime.registry import CellRecord, Registry, RunRecord, read_again
 from mesh.runtime.rows import append_row, cut_torn_tail
 from mesh.runtime.session import DhtCoordinator, SessionBroken, StageMove, StaticCoordinator
@@ -97,7 +97,7 @@ CATCH_UP_READS = 5  # reads of the other replicas' claims (a second apart) befor
 
 def catch_up(
     cfg: Config,
-    worker: StageWorker,
+    worker: CellWorker,
     coord: DhtCoordinator,
     transport: Transport,
     staging_dir: str | None = None,
@@ -199,7 +199,7 @@ class CellRun:
         self.transport: Transport | None = None
         self.coord: StaticCoordinator | DhtCoordinator | None = None
         self.server: StateServer | None = None
-        self.worker: StageWorker | None = None
+        self.worker: CellWorker | None = None
         self.sink: MetricsSink | None = None
         self.start = time.perf_counter()
         self.tokens_per_update = (
@@ -288,11 +288,9 @@ class CellRun:
         if isinstance(self.coord, DhtCoordinator):
             self.coord.on_event = self.event  # waiting for whom, sessions
             self.coord.on_beat = health_rows(self.event, transport)
-        kind = StageWorker
-        if cfg.pipeline.pooled:
-            # the seeded mode serializes each cell, so the simulator can follow it
-            kind = SeededPoolWorker if cfg.pipeline.seeded_pools else PoolWorker
         settings = WorkerSettings.of(cfg, self.stage, self.replica)
+        # a pool's cell runs its routing's loop (run_pools), a fixed grid's the schedule
+        kind = PoolWorker if settings.routing.pooled else StageWorker
         self.worker = kind(settings, cell, transport, self.corpus)
         self.worker.critical = STOP.deferred
         if coordinator is not None:  # a launcher's own start (mesh/runtime/cluster_start.py)
@@ -360,7 +358,7 @@ class CellRun:
                 self.event("state_loaded", from_cell=source.cell, from_peer=source.peer)
         return self.cell.step
 
-    def on_step(self, w: StageWorker) -> None:
+    def on_step(self, w: CellWorker) -> None:
         """After each update, in order: the checkpoint that is due, memory handed back, the
         heartbeat's step and rate (a pool's: its capacity, and a rebalancing move), the
         metrics row, a launcher's stop step."""

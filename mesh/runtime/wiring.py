@@ -9,19 +9,19 @@ import torch
 from comms.build import HivemindOptions, Meeting, Options, TorchOptions, make_transport
 from comms.p2p.auth import Auth
 from comms.transport import Transport
-from mesh.algo import routing
+from mesh.algo import routes, routing
 from mesh.algo.topology import Grid, cell_name
 from mesh.config import Config, ConfigError
 from mesh.runtime.emulate import cell_shaping
 
 
 def grid_of(cfg: Config) -> Grid:
-    """The run's grid, without the cells emulation.deaths takes out from the start
-    (mesh.algo.routing.absent): they never start, so they are in no group and no link waits on
+    """The run's grid, without the cells emulation.deaths takes out from the start (its
+    routing's absent cells): they never start, so they are in no group and no link waits on
     them."""
     g = cfg.grid
     spans = routing.parse_deaths(cfg.emulation.deaths, g.stages, g.replicas)
-    gone = routing.absent(spans, g.stages, g.replicas, cfg.pipeline.pooled)
+    gone = routes.of(cfg.pipeline).absent(spans, g.stages, g.replicas)
     return Grid(g.stages, g.replicas, frozenset(gone))
 
 
@@ -31,7 +31,7 @@ def cell_links(cfg: Config, stage: int, replica: int) -> TorchOptions:
     they closed before (a replica started again starts all its cells at once), while a column
     peer that is done is not waited for."""
     grid = grid_of(cfg)
-    nbrs = grid.neighbours(stage, replica, cfg.pipeline.pooled)
+    nbrs = grid.neighbours(stage, replica, routes.of(cfg.pipeline).pooled)
     return TorchOptions(links=tuple(nbrs + grid.column(stage, without=replica)), needed=tuple(nbrs))
 
 

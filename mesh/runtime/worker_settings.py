@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.algo import routes
+from mesh.algo.routes import Routing
 from mesh.algo.schedule import microbatches_per_update
 from mesh.algo.topology import Grid
 from mesh.config import Config
@@ -41,6 +43,7 @@ class WorkerSettings:
     emulated_op_s: tuple[float, float] | None
     grid: Grid  # the run's grid, less the cells emulation.deaths takes out
     rounds: RoundSettings
+    routing: Routing  # pipeline.routing and pool_choice, chosen once: the worker asks it
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -71,4 +74,5 @@ class WorkerSettings:
             emulated_op_s=emulated_op_s(cfg, stage, replica) if emulated else None,
             grid=grid_of(cfg),
             rounds=RoundSettings.of(cfg),
+            routing=routes.of(cfg.pipeline),
         )

@@ -57,9 +57,7 @@ class ClaimKeeper:
                 if handed_over(self.registry.owners([replica]), self.placeholder):
                     self.handed.set()
                     break
-                # not waited on past a period (the scout's own deadline is 30 s): a store not
-                # acked in time still lands, and the placeholder's next is due
-                self.registry.beat(self.placeholder, self.ttl_s, wait_s=period_s)
+                self.registry.beat(self.placeholder, self.ttl_s)
             except Exception:  # noqa: BLE001 - a slow DHT: the next beat tries again
                 continue
         self._close(withdraw=self.handed.is_set())

@@ -6,10 +6,9 @@ with another one) status cannot read them, shows none and no free cell, and says
 missing. Claims it can read but not verify (a run whose record is forged) are shown marked
 unverified, never as free cells (a cell is free only when nobody claims it). A read that gets
 no answer (or a reply trimmed by a flood, comms.p2p.bounds) fails the status: it is never taken
-for free cells, and a cell is free only when a second read SETTLE_S later shows no claim of it
-either (one read can miss a live claim). Records that do not unseal with the given key are
-counted by kind (`bad_signatures`: config, claim, session). Sessions are named by their start
-time, not by the raw wall-clock-ms epoch the leaders write.
+for free cells. Records that do not unseal with the given key are counted by kind
+(`bad_signatures`: config, claim, session). Sessions are named by their start time, not by the
+raw wall-clock-ms epoch the leaders write.
 
 imports: cli.join, mesh (config, registry), comms.p2p.auth, stdlib.
 """
@@ -30,7 +29,6 @@ from mesh.runtime.registry import (
     RunRecord,
     free_cells,
     pick_run,
-    replica_of,
     running,
 )
 
@@ -38,10 +36,6 @@ if TYPE_CHECKING:
     from comms.transport import Directory
 
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
-# a cell is free only when a second read this long after the first finds no claim of it either:
-# one read of a loaded DHT can be answered by a node that misses a live claim (a joiner's claim
-# is checked so too: cli/join.py's CLAIM_SETTLE_S)
-SETTLE_S = 1.0
 
 KEY_OK, KEY_MISSING, KEY_WRONG, KEY_UNKNOWN = "ok", "missing", "wrong", "unknown"
 KEY_UNSIGNED = "unsigned"
@@ -74,24 +68,18 @@ def session_label(epoch_ms: int, now_s: float) -> str:
 
 
 def status_rows(
-    registry: Registry | None,
-    cfg: Config | None,
-    key: str = KEY_OK,
-    now: float | None = None,
-    settle_s: float | None = None,
+    registry: Registry | None, cfg: Config | None, key: str = KEY_OK, now: float | None = None
 ) -> dict[str, Any]:
     """The grid as the DHT sees it: one row per claimed cell, and the free cells (claimed by
     nobody). With key != ok the registry has no Auth: every row is marked unverified. No
-    registry: the claims cannot be read (a keyed run, without its key): no rows, no free cell.
-    settle_s: a cell no claim of which the read shows is read again this much later, and free
-    only if that read shows none either (None: free on one read)."""
+    registry: the claims cannot be read (a keyed run, without its key): no rows, no free cell."""
     now = time.time() if now is None else now
     if registry is None:
         owned: dict[str, CellRecord] | None = {}
     elif cfg is None:
         owned = registry.probe_owners()
     else:
-        owned = settled_owners(registry, cfg, settle_s)
+        owned = registry.owners(range(cfg.grid.replicas))
     if owned is None:
         raise JoinError("the DHT did not answer (the grid cannot be read); try again")
     verified = key == KEY_OK
@@ -137,27 +125,6 @@ def status_rows(
         # records that did not unseal with the run's key, by kind (config, claim, session)
         "bad_signatures": {} if registry is None else dict(registry.bad_signatures),
     }
-
-
-def settled_owners(
-    registry: Registry, cfg: Config, settle_s: float | None
-) -> dict[str, CellRecord] | None:
-    """The claims of the grid's cells, the replicas with a cell no claim of which was read
-    read again settle_s later (status_rows); a claim either read shows holds its cell. None:
-    the DHT did not answer one of the reads (unknown, never free)."""
-    owned = registry.owners(range(cfg.grid.replicas))
-    if owned is None or settle_s is None:
-        return owned
-    missing = free_cells(Grid(cfg.grid.stages, cfg.grid.replicas).names(), owned)
-    if not missing:
-        return owned
-    time.sleep(settle_s)
-    counted = registry.rejected, registry.bad_signatures.copy()  # of one read, as shown
-    again = registry.owners(sorted({r for c in missing if (r := replica_of(c)) is not None}))
-    registry.rejected, registry.bad_signatures = counted
-    if again is None:
-        return None
-    return {**owned, **{c: rec for c, rec in again.items() if c in missing}}
 
 
 def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]:
@@ -229,7 +196,7 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
         registry = Registry(directory, Auth.of(run_key, rec.fingerprint), READ_TIMEOUT_S / 2)
     elif key in (KEY_MISSING, KEY_WRONG):  # a keyed run, not ours to read
         registry = None
-    rows = status_rows(registry, cfg, key, settle_s=SETTLE_S)
+    rows = status_rows(registry, cfg, key)
     if registry is not reader:  # with the config records' count
         for kind, n in reader.bad_signatures.items():
             rows["bad_signatures"][kind] = rows["bad_signatures"].get(kind, 0) + n

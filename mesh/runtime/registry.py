@@ -365,15 +365,11 @@ class Registry:
         assert replica is not None, f"not a cell name: {cell!r}"
         return claims_key(replica)
 
-    def beat(self, rec: CellRecord, min_ttl_s: float = 0.0, wait_s: float | None = None) -> bool:
-        """Store a claim for HEARTBEAT_LIVES heartbeats (at least min_ttl_s); whether the DHT
-        took it within wait_s (default: the directory's own deadline)."""
+    def beat(self, rec: CellRecord, min_ttl_s: float = 0.0) -> bool:
+        """Store a claim for HEARTBEAT_LIVES heartbeats (at least min_ttl_s)."""
         ttl = max(self.heartbeat_s * HEARTBEAT_LIVES, min_ttl_s)
         key, subkey = self._claims_key_of(rec.cell), self._subkey(rec.cell, rec.peer)
-        value = self._seal(key, subkey, cell_value(rec), ttl)
-        return self._put(
-            key, subkey, value, ttl, **({} if wait_s is None else {"timeout_s": wait_s})
-        )
+        return self._put(key, subkey, self._seal(key, subkey, cell_value(rec), ttl), ttl)
 
     def release(self, cell: str, peer: str, min_ttl_s: float = 0.0) -> bool:
         """Withdraw a claim (bounded wait: on Ctrl-C the DHT may already be going down with

@@ -235,17 +235,9 @@ class DhtCoordinator:
         self._run_put_at = -math.inf
         self._reuse_s = min(registry.heartbeat_s, REUSE_MAX_S)
         self.beat_errors = 0  # heartbeats the DHT did not take (see the module docstring)
-        self._due = time.monotonic() + registry.heartbeat_s  # the next beat's (_beat_forever)
         self.heartbeat()  # claim at once: the leader may be waiting for us
-        # the claim's beats on a thread of their own, at their own period: behind the reads
-        # and a store that waited for its acks, a loaded box's beats came 5+ s apart, past the
-        # claim's 4 s life, and `status` listed 7-11 of 16 held cells free
-        self._threads = [
-            threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True),
-            threading.Thread(target=self._watch_forever, name="claims-watch", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        self._thread.start()
 
     # ---- heartbeats -------------------------------------------------------------------------
     def record(self) -> CellRecord:
@@ -271,10 +263,8 @@ class DhtCoordinator:
         """Store our claim (and now and then the run's record); a failure is counted and
         retried next period, never raised."""
         try:
-            # not waited on past a period: the next beat is due then (a store not acked in
-            # time still lands, and counts as failed here)
-            taken = self.reg.beat(self.record(), wait_s=self.reg.heartbeat_s)
-            why = "the DHT did not take it within elastic.heartbeat_s"
+            taken = self.reg.beat(self.record())
+            why = "the DHT did not take it"
             # the run's record lives CONFIG_TTL_S: re-stored a few times per lifetime, not per
             # beat (32 cells re-storing a few KB of TOML each beat is most of a DHT's traffic)
             due = time.monotonic() - self._run_put_at >= CONFIG_TTL_S / CONFIG_PUTS_PER_TTL
@@ -311,18 +301,10 @@ class DhtCoordinator:
         return owned if owned is not None and time.monotonic() - at <= max_age_s else None
 
     def _beat_forever(self) -> None:
-        """The claim's heartbeats, one every heartbeat_s from the last one's start (a slow
-        one is not waited for past its period: the claim lives HEARTBEAT_LIVES of them)."""
-        period, due = self.reg.heartbeat_s, self._due
-        while not self._stop.wait(max(0.0, due - time.monotonic())):
-            now = time.monotonic()  # a beat late by a period: the next one a period on
-            due = due + period if due + period > now else now + period
-            self.heartbeat()
-
-    def _watch_forever(self) -> None:
-        """Once a heartbeat, the check whether the running session still stands: here, off
-        the training thread, so a slow DHT delays a verdict but never a microbatch."""
+        """Heartbeats, and the check whether the running session still stands: here, off the
+        training thread, so a slow DHT delays a verdict but never a microbatch."""
         while not self._stop.wait(self.reg.heartbeat_s):
+            self.heartbeat()
             if self._active is None:
                 with contextlib.suppress(Exception):
                     self.owners()  # for the session waits (next_session, _lead)
@@ -354,8 +336,7 @@ class DhtCoordinator:
         """Stop beating and withdraw our claim; whether the DHT took the withdrawal (if not,
         the claim expires by itself within HEARTBEAT_LIVES beats)."""
         self._stop.set()
-        for thread in self._threads:
-            thread.join(5)
+        self._thread.join(5)
         try:
             return self.reg.release(self.cell, self.peer)
         except Exception:  # noqa: BLE001 - the DHT is gone: the claim expires by itself

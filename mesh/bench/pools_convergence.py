@@ -83,11 +83,7 @@ def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]
         for r in read_runs(partial)
         if r["method"] == ARMS["fixed"][2] or r.get("pool_engine") == POOL_ENGINE
     }
-    study = Path("results/convergence/summary.json")
-    if study.is_file():  # the convergence study's fixed-wiring runs: the same configs
-        for r in json.loads(study.read_text()).get("runs", []):
-            if r.get("microbatches") == MICROBATCHES:
-                done.setdefault(_key(ARMS["fixed"][2], r["config_fingerprint"]), r)
+    _reuse_fixed_runs(done, ARMS["fixed"][2], MICROBATCHES)
     arms = specs()
 
     def key(s: Spec) -> str:
@@ -137,6 +133,16 @@ def run_convergence(base: Config, out: Path, workers: int = 2) -> dict[str, Any]
         "the pools arm.\n"
     )
     return summary
+
+
+def _reuse_fixed_runs(done: dict[str, Any], label: str, microbatches: int) -> None:
+    """The convergence study's runs of the same length into `done` under `label`, the fixed
+    AsyncMesh-fp8 arm: the same configs (at 3,200 microbatches it has none, and they run here)."""
+    study = Path("results/convergence/summary.json")
+    if study.is_file():
+        for r in json.loads(study.read_text()).get("runs", []):
+            if r.get("microbatches") == microbatches:
+                done.setdefault(_key(label, r["config_fingerprint"]), r)
 
 
 def _key(label: str, fingerprint: str) -> str:
@@ -230,11 +236,7 @@ def run_controls(
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "controls.partial.jsonl"
     done = {_key(r["method"], r["config_fingerprint"]): r for r in read_runs(partial)}
-    study = Path("results/convergence/summary.json")
-    if study.is_file():
-        for r in json.loads(study.read_text()).get("runs", []):
-            if r.get("microbatches") == microbatches:
-                done.setdefault(_key(CONTROL_ARMS["fixed"][4], r["config_fingerprint"]), r)
+    _reuse_fixed_runs(done, CONTROL_ARMS["fixed"][4], microbatches)
     arms = control_specs(seeds)
 
     def key(s: Spec) -> str:

@@ -38,9 +38,11 @@ STATUS_OK = 100
 DEFAULT_LIMIT = (120, 1 << 17)  # go-libp2p's own relay service
 MAX_ANSWER_BYTES = 4096
 ASK_S = 10.0
-# a forced-public start answers with the defaults 9 times in 24 here (loaded 2-core box): 12
-# starts leave about 1 in 100,000 relays on them, 6 left 1 in 360 (a NAT grid has 3 relays)
-TRIES = 12
+# a forced-public start answers with the defaults about half the time here (9 in 24 on a loaded
+# 2-core box, 11-12 in 20 idle, 4 in 30 beside 4 CPU burners), yet one relay of a NAT grid got
+# them on all of 12 starts: 24 starts (a fraction of a second each) and the warning lists every
+# answer, so a run of them says whether it is chance
+TRIES = 24
 logger = logging.getLogger(__name__)
 
 
@@ -170,20 +172,23 @@ def check_relay_service(limits: RelayLimits, tries: int = TRIES) -> None:
         if isinstance(probe, BaseException):
             logger.warning("relay service not checked: no probe p2pd (%s)", probe)
             return p2p
+        answers: list[tuple[int, int] | None] = []
         try:
             for attempt in range(1, tries + 1):
                 got = None
                 with contextlib.suppress(Exception):  # no answer counts as the wrong one
                     got = await own_limit(p2p, probe)
+                answers.append(got)
                 if got == want:
                     return p2p
                 if attempt == tries:
                     logger.warning(
                         "relay service answers %s, not %s, after %d starts of "
-                        "p2pd: relayed connections get that limit",
+                        "p2pd: relayed connections get that limit (answers: %s)",
                         got,
                         want,
                         tries,
+                        answers,
                     )
                     return p2p
                 logger.info("relay service answers %s, not %s: starting p2pd again", got, want)

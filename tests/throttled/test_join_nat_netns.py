@@ -54,6 +54,34 @@ def _wait_for_answers(grid: NatGrid, cell: str, want: list) -> None:
         raise AssertionError(f"{e}: last answers {last}; logs: {said[-20:]}") from None
 
 
+def _said(grid: NatGrid) -> str:
+    """Each process's state for a failed wait: alive or its exit code, its step, its last
+    health row's relays and the last lines of its log (progress bars left out)."""
+    out = []
+    for name, proc in grid.procs.items():
+        code = proc.poll()
+        state = "alive" if code is None else f"exited {code}"
+        lines = []
+        if grid.log(name).exists():
+            text = grid.log(name).read_text(errors="replace").replace("\r", "\n")
+            lines = [ln for ln in text.splitlines() if ln.strip() and "it/s" not in ln]
+            lines = [ln for ln in lines if not ln.startswith(f"join {name}:")][-6:]
+        health = grid.health(name)[-1:] if name != "dht" else []
+        step_now = grid.step(name) if name != "dht" else None
+        relays = health[0].get("relayed_via") if health else None
+        out.append(f"{name} {state} step {step_now} relayed_via {relays}: {lines}")
+    return "\n".join(out)
+
+
+def _wait(grid: NatGrid, cond, what: str) -> None:
+    """wait_for, and on a timeout what each process was doing (a loaded CI box's failure
+    says why, not only which wait)."""
+    try:
+        wait_for(cond, WAIT_S, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_said(grid)}") from None
+
+
 def _relays_in_use(grid: NatGrid, cell: str, since_s: float = 0.0) -> set[str]:
     return {
         relay
@@ -96,9 +124,9 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
         # to s1r1 (its only pipeline peer) crossed at least RESETS of them, and as many seconds
         need = RESETS * RELAY_MIB * 2**20
         start = grid.step("s0r1")
-        wait_for(lambda: _sent(grid, "s0r1", "activation") > need, WAIT_S, "bytes past limits")
+        _wait(grid, lambda: _sent(grid, "s0r1", "activation") > need, "bytes past limits")
         t0 = _rows(grid, "s0r1")[-1]["time_s"]
-        wait_for(lambda: _rows(grid, "s0r1")[-1]["time_s"] > t0 + 2 * RELAY_S, WAIT_S, "time")
+        _wait(grid, lambda: _rows(grid, "s0r1")[-1]["time_s"] > t0 + 2 * RELAY_S, "time")
         assert grid.step("s1r1") > start, "s1r1 stalled"
 
         status = {c["cell"]: c for c in grid.status()["cells"]}
@@ -116,8 +144,8 @@ def test_cells_behind_nat_train_through_relays_past_their_limits_and_a_killed_re
         killed = next(r for r, name in who.items() if name == victim)
         t_kill = _rows(grid, "s0r1")[-1]["time_s"]  # s0r1's clock (each cell has its own)
         at = grid.step("s1r1")
-        wait_for(lambda: grid.step("s1r1") > at + 40, WAIT_S, "replica 1 after the relay died")
+        _wait(grid, lambda: grid.step("s1r1") > at + 40, "replica 1 after the relay died")
         # carried by a live relay now (a health row a beat after the kill)
-        wait_for(lambda: _relays_in_use(grid, "s0r1", t_kill + 6), WAIT_S, "a later health row")
+        _wait(grid, lambda: _relays_in_use(grid, "s0r1", t_kill + 6), "a later health row")
         after = _relays_in_use(grid, "s0r1", t_kill + 6)
         assert killed not in after and after <= set(who), (after, killed)

@@ -7,7 +7,8 @@ field is type-checked here and records without a valid membership token are igno
   so no DHT key is read by every peer of a 32-peer grid and an answer is 1/m of the grid; a
   claim filed under another replica's key is rejected), signed (only
   the claiming process can write or withdraw it: hivemind's RSASignatureValidator), re-stored every
-  `elastic.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats: {cell, peer, inc (the
+  `elastic.heartbeat_s` with a lifetime of HEARTBEAT_LIVES beats (of the beats as they come:
+  longer while a loaded box spaces them out, claim_ttl_s): {cell, peer, inc (the
   process's incarnation), since (claim time), epoch, step, tps, t, auth, and optionally stats
   (loss, rounds, rejects, bytes: what `status --json` and the dashboard show)}. A claim that stops
   beating expires: the cell is free again. Two live claims of one cell: the earlier `since` owns
@@ -56,6 +57,22 @@ if TYPE_CHECKING:  # the protocol only: `join` checks its arguments before torch
 T = TypeVar("T")
 
 HEARTBEAT_LIVES = 4  # a claim lives this many heartbeat periods without a refresh
+# a loaded box's beats come further apart than their period (a beat waits for its store's acks
+# and a claims read): a claim then lives as many of the beats as it sees, at most this many
+# times its idle lifetime (a dead holder's cell is free again within that)
+MAX_CLAIM_STRETCH = 4.0
+
+
+def claim_ttl_s(heartbeat_s: float, recent_gaps_s: Iterable[float]) -> float:
+    """A claim's lifetime: HEARTBEAT_LIVES heartbeats, or HEARTBEAT_LIVES of the longest
+    recent gap between this holder's beats where that is longer (so `status` and the other
+    cells never read a beating holder's claim as expired between two slow beats), capped at
+    MAX_CLAIM_STRETCH times the idle lifetime."""
+    base = heartbeat_s * HEARTBEAT_LIVES
+    longest = max(recent_gaps_s, default=0.0)
+    return min(max(base, HEARTBEAT_LIVES * longest), MAX_CLAIM_STRETCH * base)
+
+
 CONFIG_TTL_S = 600.0
 SESSION_TTL_S = 600.0
 

@@ -39,6 +39,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,6 +52,7 @@ from mesh.runtime.registry import (
     Registry,
     RunRecord,
     SessionRecord,
+    claim_ttl_s,
     running,
 )
 
@@ -68,6 +70,7 @@ POLL_BACKOFF = 1.5
 # claims change once a heartbeat: a read of them is reused that long, but at most this long (a
 # leader sees a member that just claimed within about a second)
 REUSE_MAX_S = 1.0
+GAPS_KEPT = 4  # beats whose gaps set a claim's lifetime (registry.claim_ttl_s)
 CONFIG_PUTS_PER_TTL = 10  # the run's record is re-stored this many times per its lifetime
 REPORT_EVERY_S = 1.0  # a cell waiting for its session says for whom after this long, and
 # re-checks whom at this period (a session that forms at once is not worth a line)
@@ -235,6 +238,10 @@ class DhtCoordinator:
         self._run_put_at = -math.inf
         self._reuse_s = min(registry.heartbeat_s, REUSE_MAX_S)
         self.beat_errors = 0  # heartbeats the DHT did not take (see the module docstring)
+        # the gaps between our last beats' starts (monotonic), which set our claim's lifetime
+        self._beat_gaps_s: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._last_beat_at: float | None = None
+        self.claim_ttl_s = claim_ttl_s(registry.heartbeat_s, ())
         self.heartbeat()  # claim at once: the leader may be waiting for us
         self._thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         self._thread.start()
@@ -262,8 +269,13 @@ class DhtCoordinator:
     def heartbeat(self) -> None:
         """Store our claim (and now and then the run's record); a failure is counted and
         retried next period, never raised."""
+        now = time.monotonic()
+        if self._last_beat_at is not None:
+            self._beat_gaps_s.append(now - self._last_beat_at)
+        self._last_beat_at = now
+        self.claim_ttl_s = claim_ttl_s(self.reg.heartbeat_s, self._beat_gaps_s)
         try:
-            taken = self.reg.beat(self.record())
+            taken = self.reg.beat(self.record(), self.claim_ttl_s)
             why = "the DHT did not take it"
             # the run's record lives CONFIG_TTL_S: re-stored a few times per lifetime, not per
             # beat (32 cells re-storing a few KB of TOML each beat is most of a DHT's traffic)
@@ -338,7 +350,7 @@ class DhtCoordinator:
         self._stop.set()
         self._thread.join(5)
         try:
-            return self.reg.release(self.cell, self.peer)
+            return self.reg.release(self.cell, self.peer, self.claim_ttl_s)
         except Exception:  # noqa: BLE001 - the DHT is gone: the claim expires by itself
             return False
 

@@ -1,10 +1,19 @@
 """Replica sessions through the registry: who leads, when a session breaks, the run's end."""
 
+import time
+
 import pytest
 from fakes import FakeDirectory
 
 from comms.errors import PeerTimeout
-from mesh.runtime.registry import CLAIMING, HEARTBEAT_LIVES, CellRecord, Registry
+from mesh.runtime.registry import (
+    CLAIMING,
+    HEARTBEAT_LIVES,
+    MAX_CLAIM_STRETCH,
+    CellRecord,
+    Registry,
+    claim_ttl_s,
+)
 from mesh.runtime.session import DhtCoordinator, Session, StaticCoordinator
 
 
@@ -187,3 +196,39 @@ def test_catch_up_reads_a_silent_dht_again_before_it_trains_on():
     worker = SimpleNamespace(cell=SimpleNamespace(stage=0, replica=1, step=0))
     assert catch_up(cfg, worker, coord, transport=None) is None  # in step: nothing to load
     assert d.reads["cells.r0"] == 3 <= CATCH_UP_READS
+
+
+def test_a_claim_lives_heartbeat_lives_of_its_beats_as_they_come():
+    # idle: HEARTBEAT_LIVES periods; beats spaced out by a loaded box: as many of those gaps,
+    # so `status` never reads a beating holder's claim as expired; capped, so a dead one's
+    # cell comes free
+    assert claim_ttl_s(1.0, ()) == HEARTBEAT_LIVES
+    assert claim_ttl_s(1.0, [0.9, 1.0]) == HEARTBEAT_LIVES  # on time: unchanged
+    assert claim_ttl_s(1.0, [1.0, 3.0, 1.5]) == pytest.approx(HEARTBEAT_LIVES * 3.0)
+    assert claim_ttl_s(1.0, [60.0]) == MAX_CLAIM_STRETCH * HEARTBEAT_LIVES
+
+
+class TtlDirectory(FakeDirectory):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.ttls: list[tuple[str, float]] = []
+
+    def joined(self, marker):
+        other = TtlDirectory(marker, self.data)
+        other.ttls = self.ttls
+        return other
+
+    def dht_store(self, key, subkey, value, ttl_s, timeout_s=None):
+        self.ttls.append((subkey, ttl_s))
+        return super().dht_store(key, subkey, value, ttl_s, timeout_s)
+
+
+def test_a_late_beat_stores_a_longer_claim_and_the_release_outlives_it():
+    d = TtlDirectory()
+    c = coordinator(d, "s0r0", True)  # heartbeat 60 s: its own beats never come in the test
+    assert d.ttls[-1][1] == 60.0 * HEARTBEAT_LIVES
+    c._last_beat_at = time.monotonic() - 150.0  # this beat comes 150 s after the last
+    c.heartbeat()
+    assert d.ttls[-1][1] == pytest.approx(150.0 * HEARTBEAT_LIVES, rel=0.01)
+    c.close()
+    assert d.ttls[-1][1] > 150.0 * HEARTBEAT_LIVES  # the withdrawal, over the claim's life

@@ -245,6 +245,7 @@ class P2PTransport(RunRecords, Averaging):
         )
         self._thread.start()
         self._setup_step = "connecting to its DHT's p2pd"  # what a start that timed out did
+        self._startup_s = startup_s
         try:
             try:
                 self._run(self._setup(time.monotonic() + startup_s), startup_s)
@@ -412,7 +413,9 @@ class P2PTransport(RunRecords, Averaging):
         self._setup_step = "publishing its address in the DHT"
         while not await self._publish():
             if time.monotonic() + PUBLISH_RETRY_S >= deadline:
-                raise PeerLost(f"could not publish {self.me!r} in the DHT by its start's deadline")
+                # our own start's failure, not a neighbour's: the launcher stops at once (a
+                # PeerLost had it wait out elastic.rejoin_timeout_s for a peer that was never lost)
+                raise not_started(self.me, self._startup_s, self._setup_step)
             await asyncio.sleep(PUBLISH_RETRY_S)
         self._refresher = asyncio.create_task(self._refresh_forever())
 

@@ -616,3 +616,26 @@ def test_a_transport_that_cannot_start_in_time_says_at_which_step_and_leaves_no_
     )
     left = p2pd_descendants() - before
     assert_gone(sorted(left), set())
+
+
+def test_a_transport_whose_address_the_dht_never_takes_stops_at_its_deadline():
+    """A loaded DHT that takes none of our address's stores: the start retries them until its
+    deadline and then fails as a start (StartTimeout, the step named: the launcher stops the
+    grid at once), not as a lost neighbour (which had it wait out elastic.rejoin_timeout_s);
+    nothing of it is left. The refusal is injected (every publish answers False): a real DHT
+    refuses a store only now and then."""
+    from comms.errors import StartTimeout
+
+    tries: list[float] = []
+
+    class Refused(P2PTransport):
+        async def _publish(self) -> bool:
+            tries.append(time.monotonic())
+            return False
+
+    before = p2pd_descendants()
+    with pytest.raises(StartTimeout) as caught:
+        Refused("a", run_id="refused", startup_timeout_s=45)
+    assert "(it was publishing its address in the DHT)" in str(caught.value), caught.value
+    assert len(tries) >= 2, tries  # tried again, not given up at the first refusal
+    assert_gone(sorted(p2pd_descendants() - before), set())

@@ -382,7 +382,7 @@ class CellRun:
     def checkpoint_if_due(self) -> None:
         """A checkpoint every checkpoint.every updates, whole even if a stop comes meanwhile."""
         every = self.cfg.checkpoint.every
-        if every and self.cell.step % every == 0:
+        if every and self.cell.step % every == 0 and not self.lost():
             with STOP.deferred():
                 save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)
 
@@ -425,6 +425,11 @@ class CellRun:
         """The cell's final row: its totals, once the worker finished (sends drained)."""
         append_row(f, final_row(self.worker, self.transport, self.start))
 
+    def lost(self) -> bool:
+        """Whether another join's live claim owns this cell (CellLost): its state is the
+        owner's, and a second writer under one --out would mix the two, so nothing is saved."""
+        return isinstance(self.coord, DhtCoordinator) and self.coord.lost
+
     def save(self) -> None:
         """The save phase, however the others ended: the sinks and the state server closed, the
         checkpoint written, the claim released, the transport closed, and a `saved` row."""
@@ -434,9 +439,7 @@ class CellRun:
         if self.server is not None:
             self.server.close()
         saved = None
-        # a cell another join holds (CellLost) writes no checkpoint: the cell's state is the
-        # owner's, and a second writer under one --out would mix the two
-        if not (isinstance(self.coord, DhtCoordinator) and self.coord.lost):
+        if not self.lost():
             with self.worker.lock if self.worker is not None else contextlib.nullcontext():
                 # first: nothing can lose it
                 saved = save_cell(self.cell, self.cfg.state_fingerprint(), self.out_dir)

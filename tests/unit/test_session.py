@@ -232,3 +232,43 @@ def test_a_late_beat_stores_a_longer_claim_and_the_release_outlives_it():
     assert d.ttls[-1][1] == pytest.approx(150.0 * HEARTBEAT_LIVES, rel=0.01)
     c.close()
     assert d.ttls[-1][1] > 150.0 * HEARTBEAT_LIVES  # the withdrawal, over the claim's life
+
+
+def test_a_cell_lost_to_an_earlier_claim_writes_no_checkpoint(tmp_path):
+    """A cell another join owns (CellLost) leaves the state to its owner: neither its periodic
+    checkpoints nor its last save write under its --out; the owner's do."""
+    from mesh.config import load_config
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_stages
+    from mesh.runtime.trainer import CellRun
+
+    d = FakeDirectory()
+    coordinator(d, "s0r0", True)
+    owner = coordinator(d, "s1r0", False, since=1.0)
+    late = DhtCoordinator(
+        Registry(d.joined("[owner:late]"), None, 60.0),
+        cell="s1r0",
+        peer="peer-late",
+        replica_cells=["s0r0", "s1r0"],
+        leader=False,
+        replica=0,
+        steps=100,
+        mpu=1,
+        wait_s=2.0,
+        since=2.0,
+    )
+    owner.heartbeat()  # it beats after the late claim: alive, and the owner
+    assert late.owners() is not None and late.lost and not owner.lost
+
+    cfg = load_config(
+        [],
+        ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
+        + ["grid.stages=2", "grid.replicas=1", "checkpoint.every=1"],
+    )
+    module = build_stages(cfg.model, 2, 0)[1]
+    for coord, out in ((late, tmp_path / "late"), (owner, tmp_path / "owner")):
+        run = CellRun(cfg, 1, 0, str(out), Cell.build(cfg, 1, 0, module), None, None, out / "m")
+        run.coord = coord
+        run.checkpoint_if_due()  # step 0: due
+    assert not any((tmp_path / "late").rglob("*.pt*")), list((tmp_path / "late").rglob("*"))
+    assert any((tmp_path / "owner").rglob("*")), "the owner's checkpoint"

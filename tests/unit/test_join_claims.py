@@ -60,3 +60,30 @@ def test_a_placeholder_is_handed_over_only_to_a_running_claim_of_another_peer():
     assert not handed_over({"s0r0": rival}, placeholder)  # another join's placeholder: not up
     assert not handed_over({"s1r0": cell}, placeholder)
     assert handed_over({"s0r0": cell}, placeholder)
+
+
+def test_a_claim_that_loses_to_an_earlier_one_says_so_and_takes_the_next_cell(capsys):
+    """A rival's earlier claim of s0r0 reaches the DHT after ours (a loaded DHT's late store):
+    our claim is withdrawn, one line says why, and the next free cell is taken."""
+
+    class LateRival(FakeDirectory):
+        def joined(self, marker):
+            return LateRival(marker, self.data)
+
+        def dht_store(self, key, subkey, value, ttl_s, timeout_s=None):
+            stored = super().dht_store(key, subkey, value, ttl_s, timeout_s)
+            if subkey.startswith("s0r0/me") and value is not None and not rival:
+                reg = Registry(self.joined("[owner:rival]"), None, 60.0)
+                token = reg.token("rival")
+                rival.append(CellRecord("s0r0", "rival", 0, 1.0, 0, -1, 0.0, 1.0, token))
+                reg.beat(rival[0], 60.0)  # claimed at t = 1, long before us
+            return stored
+
+    rival: list[CellRecord] = []
+    d = LateRival()
+    got = join.claim_cell(Registry(d.joined("[owner:me]"), None, 60.0), grid(), "me", None)
+    assert got[:2] == (1, 0)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "s0r0: another join claimed it at the same time, earlier; trying the next free cell"
+    ]

@@ -42,13 +42,14 @@ class DepthRule:
 # one's 4e-3 (1.779; 2e-3: 1.780), FullSync's 8e-3 (1.803); on the report seeds 0 and 1 the
 # corrected pipeline ends -2.50% +- 1.51% from FullSync, the plain one -0.65% +- 0.02% (a
 # 16-block d 64 Llama, 1.64M tokens). At P = 5-7 the P = 4 settings hold (not measured there).
-# 8 <= P <= 15: AsyncPP's lr correction (stage j starts at lr / delta_j, the full lr from half
-# the run), which lets the lr double: on seed 100 the corrected pipeline's best lr is 2e-3
-# (1.798) where the plain one's is 1e-3 (1.898; FullSync 1.791), and on the report seeds 0 and 1
-# it ends -0.04% +- 0.38% from FullSync against the plain pipeline's +6.28% (a 16-block d 64
-# Llama, 1.64M tokens, FullSync at 0.73 of the bigram). The lr is the rule's only where a config
-# leaves optim.lr at its default (1e-3); a user's own lr is kept: double the lr tuned without
-# the correction.
+# 8 <= P <= 15: Muon (its matrices at 10x the default lr, which the rest keeps). On seed 100
+# its best lr is 1e-3 (1.698; 5e-4: 1.733, 2e-3: 1.752), ahead of every other lever the screen
+# measured: AsyncPP's lr correction (stage j starts at lr / delta_j, the full lr from half the
+# run) 1.798 at 2e-3, rotated Adam 1.759, the plain pipeline 1.898, FullSync (AdamW) 1.791. On
+# the report seeds 0 and 1 Muon ends -6.65% +- 0.47% from FullSync, the correction -0.04% +- 0.38%,
+# the plain pipeline +6.28% (a 16-block d 64 Llama, 1.64M tokens, FullSync at 0.73 of the
+# bigram). With Muon in FullSync too the async pipeline is +6.46% +- 0.30% behind (FullSync
+# with Muon 1.595 / 1.608 at 4e-3): Muon helps the synchronous pipeline more, as at 16 stages.
 # P >= 16: Muon on top of the correction, at the default lr (Muon's matrices at 10x it). Stage 0
 # is 15 updates stale there; on seed 100 the correction alone ends 1.929 (its best lr, 1e-3),
 # held to the run's end 1.940, never released whole (share 2) 1.897 at 4e-3, with beta1 0.95
@@ -67,9 +68,9 @@ RULES: tuple[DepthRule, ...] = (
     ),
     DepthRule(
         8,
-        {"delay_lr_share": 0.5, "lr": 2e-3},
-        "bench depth at P = 8: -0.04% +- 0.38% from FullSync on seeds 0 and 1, the plain "
-        "pipeline +6.28%; results/depth, docs/depth.md",
+        {"name": "muon", "muon_lr": 1e-2},
+        "bench depth at P = 8: Muon -6.65% +- 0.47% from FullSync on seeds 0 and 1 (the lr "
+        "correction -0.04%, the plain pipeline +6.28%); results/depth, docs/depth.md",
         max_stages=15,
     ),
     DepthRule(

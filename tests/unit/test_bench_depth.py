@@ -128,25 +128,25 @@ def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
     # each rule of mesh/depth_rule.py is one of the study's arms, its lr aside
     assert depth.shipped_arm(2) is None  # no rule below P = 4: the plain pipeline
     assert depth.shipped_arm(4).name == "lr correction"
-    assert depth.shipped_arm(8).name == "lr correction"
+    assert depth.shipped_arm(8).name == "muon"
     assert depth.shipped_arm(16).name == "lr correction + muon"
     arms = {a.name: a for a in depth_arms.screen_arms(8)}
-    # the study now picks Muon, whose finals have not run: the shipped arm, with its report
+    # the study picks another arm, whose finals have not run: the shipped arm, with its report
     # seeds, stays `recommended` (and joins the finals' rows where the picks left it out)
-    finals = [arms["muon"], arms["reference"], arms["FullSync"]]
-    tuned = {depth.label(8, "lr correction"): {"best_lr": 2e-3}}
-    study = _Ran({}, {"P8 lr correction": [0, 1]})
+    finals = [arms["rotated"], arms["reference"], arms["FullSync"]]
+    tuned = {depth.label(8, "muon"): {"best_lr": 1e-3}}
+    study = _Ran({}, {"P8 muon": [0, 1]})
     ship, rows = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=False)
-    assert ship.name == "lr correction" and [a.name for a in rows][-1] == "lr correction"
+    assert ship.name == "muon" and [a.name for a in rows][-1] == "muon"
     assert study.asked == [] and study.swept == []  # a report runs nothing
     # a seed missing: not yet recommended (the pick stays); run: swept where untuned, then run
-    study = _Ran({"lr correction": 1.8}, {"P8 lr correction": [0]})
+    study = _Ran({"muon": 1.8}, {"P8 muon": [0]})
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, {}, run=False)
     assert ship is None
     tuned = {}
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=True)
-    assert study.swept == ["lr correction"] and depth.label(8, "lr correction") in tuned
-    assert ("P8 lr correction", 1) in study.asked
+    assert study.swept == ["muon"] and depth.label(8, "muon") in tuned
+    assert ("P8 muon", 1) in study.asked
 
 
 def test_an_arm_moves_to_another_depth() -> None:

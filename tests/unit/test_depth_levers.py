@@ -149,32 +149,39 @@ def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
     assert sync.depth_rule_settings() == {}
 
 
-def test_a_deep_pipelines_cells_start_with_the_rules_lr_correction(text_file) -> None:
-    """The shipped rule at work in the cells both engines drive: stage j of an 8-stage async
-    pipeline with the defaults starts at lr / delta_j (delay_lr_share), with it off at the lr."""
+def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None:
+    """The shipped rule at work in the cells both engines drive: stage j of a 4-stage async
+    pipeline with the defaults starts at lr / delta_j (delay_lr_share) at twice the lr, an
+    8-stage one is a Muon pipeline, a 16-stage one Muon on the correction; with the rule off,
+    the optimizer as given."""
     from mesh.engine.cell import Cell
     from mesh.model.build import build_stages
 
     sets = ["model.n_layers=8", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
-    sets += [f"data.path='{text_file}'", "grid.stages=8", "grid.replicas=1", "run.steps=100"]
+    sets += [f"data.path='{text_file}'", "grid.stages=4", "grid.replicas=1", "run.steps=100"]
     sets += ["optim.warmup_steps=0", "pipeline.schedule=async"]
     auto = load_config([], sets)
     off = load_config([], [*sets, "optim.depth_rule=off"])
-    assert auto.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 2e-3}
-    for j, module in enumerate(build_stages(auto.model, 8, 0)):
+    assert auto.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 4e-3}
+    for j, module in enumerate(build_stages(auto.model, 4, 0)):
         ruled = Cell.build(auto, j, 0, module)
         plain = Cell.build(off, j, 0, module)
-        assert ruled.lr_scale() == pytest.approx(plain.lr_scale() / max(1, 7 - j)), j  # 7 .. 0
-        assert ruled.optimizer.spec.lr == 2e-3 and plain.optimizer.spec.lr == 1e-3
+        assert ruled.lr_scale() == pytest.approx(plain.lr_scale() / max(1, 3 - j)), j  # 3 .. 0
+        assert ruled.optimizer.spec.lr == 4e-3 and plain.optimizer.spec.lr == 1e-3
     # a user's own lr is kept (the correction still applies)
     mine = load_config([], [*sets, "optim.lr=3e-3"])
     assert mine.depth_rule_settings() == {"delay_lr_share": 0.5}
     assert mine.effective().optim.lr == 3e-3
-    # four stages: the correction at twice the plain pipeline's lr; two: no rule; sixteen:
-    # Muon on top of the correction, at the default lr (Muon's matrices at 10x it)
-    shallow = load_config([], [*sets, "grid.stages=4"])
-    assert shallow.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 4e-3}
+    # eight stages: Muon at the default lr (its matrices at 10x it), no correction; two: no rule
+    eight = load_config([], [*sets, "grid.stages=8"])
+    assert eight.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
+    assert eight.effective().optim.lr == 1e-3
+    for j, module in enumerate(build_stages(eight.model, 8, 0)):
+        cell = Cell.build(eight, j, 0, module)
+        assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
+        assert cell.lr_scale() == 1.0, j
     assert load_config([], [*sets, "grid.stages=2"]).depth_rule_settings() == {}
+    # sixteen: Muon on top of the correction
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
     assert deep.depth_rule_settings() == {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2}
     assert deep.effective().optim.lr == 1e-3

@@ -186,10 +186,7 @@ def claim_cell(
         if all(_holds(registry, rec, i) for _ in range(CLAIM_CONFIRM_READS)):
             return j, i, rec
         registry.release(name, me, PLACEHOLDER_TTL_S)
-        click.echo(
-            f"{name}: another join claimed it at the same time, earlier; trying the next free cell",
-            err=True,
-        )
+        click.echo(f"{name}: claimed earlier by another join; trying the next free cell", err=True)
 
 
 def pool_capacity(registry: Registry, stages: int, replicas: int) -> list[float]:

@@ -413,8 +413,7 @@ class P2PTransport(RunRecords, Averaging):
         self._setup_step = "publishing its address in the DHT"
         while not await self._publish():
             if time.monotonic() + PUBLISH_RETRY_S >= deadline:
-                # our own start's failure, not a neighbour's: the launcher stops at once (a
-                # PeerLost had it wait out elastic.rejoin_timeout_s for a peer that was never lost)
+                # our start's failure, not a lost neighbour's: the launcher stops the grid at once
                 raise not_started(self.me, self._startup_s, self._setup_step)
             await asyncio.sleep(PUBLISH_RETRY_S)
         self._refresher = asyncio.create_task(self._refresh_forever())

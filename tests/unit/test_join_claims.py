@@ -84,6 +84,4 @@ def test_a_claim_that_loses_to_an_earlier_one_says_so_and_takes_the_next_cell(ca
     got = join.claim_cell(Registry(d.joined("[owner:me]"), None, 60.0), grid(), "me", None)
     assert got[:2] == (1, 0)
     said = capsys.readouterr().err.strip().splitlines()
-    assert said == [
-        "s0r0: another join claimed it at the same time, earlier; trying the next free cell"
-    ]
+    assert said == ["s0r0: claimed earlier by another join; trying the next free cell"]

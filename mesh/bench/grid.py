@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import subprocess
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +42,9 @@ class LocalGrid:
         self.dht: subprocess.Popen | None = None
         self.maddr = ""
         self.leftovers: dict[str, Any] = {}
+        # a bench's sampler thread remembers trees while the bench's own thread kills, replaces
+        # and closes: the records change under one lock and are read as copies
+        self._seen_lock = threading.Lock()
 
     def __enter__(self) -> LocalGrid:
         self.dht, self.maddr = start_dht()
@@ -85,12 +89,19 @@ class LocalGrid:
     def remember(self, root: int) -> list[int]:
         """Note every process of root's tree and the sockets it holds; returns the tree."""
         tree = process_tree(root)
-        for p in tree:
-            self.seen.setdefault(p, comm(p))
-            if p not in self.started_s:
-                self.started_s[p] = started_unix_s(p) or 0.0
-        self.sockets |= hivemind_sockets(tree)
+        names = {p: comm(p) for p in tree if p not in self.seen}
+        started = {p: started_unix_s(p) or 0.0 for p in names}
+        held = hivemind_sockets(tree)
+        with self._seen_lock:
+            for p in names:
+                self.seen.setdefault(p, names[p])
+                self.started_s.setdefault(p, started[p])
+            self.sockets |= held
         return tree
+
+    def _seen_copy(self) -> tuple[dict[int, str], dict[int, float], set[str]]:
+        with self._seen_lock:
+            return dict(self.seen), dict(self.started_s), set(self.sockets)
 
     def wait_joined(self, name: str, timeout_s: float) -> None:
         def joined() -> bool:
@@ -141,14 +152,15 @@ class LocalGrid:
         earlier one's leftover; 2 s of slack for the start time's precision) or a live process
         has it bound (a later one's; a process of ours that outlived the grid is reported as an
         orphan, its files with it)."""
+        seen, started_s, sockets = self._seen_copy()
         named = {
             str(f)
-            for p in self.seen
+            for p in seen
             for f in Path("/tmp").glob(f"hivemind-{p}-*.sock")
-            if _made_s(f) >= self.started_s.get(p, 0.0) - 2.0
+            if _made_s(f) >= started_s.get(p, 0.0) - 2.0
         }
-        named -= bound_sockets() - self.sockets
-        return sorted({s for s in self.sockets if os.path.exists(s)} | named)
+        named -= bound_sockets() - sockets
+        return sorted({s for s in sockets if os.path.exists(s)} | named)
 
     def close(self) -> None:
         for p in self.live().values():  # remember the trees first: their p2pd pids
@@ -159,17 +171,18 @@ class LocalGrid:
             stop(p)
         if self.dht is not None:
             stop(self.dht)
+        seen = self._seen_copy()[0]
         deadline = time.monotonic() + 15  # helpers of a clean stop exit within seconds
-        while time.monotonic() < deadline and any(alive(p) for p in self.seen):
+        while time.monotonic() < deadline and any(alive(p) for p in seen):
             time.sleep(0.2)
-        orphans = [p for p in self.seen if alive(p)]
+        orphans = [p for p in seen if alive(p)]
         self.leftovers = {
-            "orphan_processes": [f"{p} ({self.seen[p]})" for p in orphans],
-            "orphan_p2pd": sum(1 for p in orphans if self.seen[p] == "p2pd"),
+            "orphan_processes": [f"{p} ({seen[p]})" for p in orphans],
+            "orphan_p2pd": sum(1 for p in orphans if seen[p] == "p2pd"),
             "socket_files_left": self.own_socket_files(),
         }
         for p in orphans:
-            _kill_pid(p, self.seen[p])
+            _kill_pid(p, seen[p])
         for s in self.leftovers["socket_files_left"]:
             _unlink_unbound(s)
 

@@ -117,6 +117,13 @@ class Sampler(threading.Thread):
         self.lock = threading.Lock()  # samples.jsonl is appended from both threads
         self.errors: list[str] = []
 
+    def finish(self) -> None:
+        """Stop sampling; returns once no sample is being taken (a grid that never formed
+        never started it)."""
+        self.stop.set()
+        if self.ident is not None:
+            self.join(30)
+
     def write(self, record: dict[str, Any]) -> None:
         with self.lock, self.path.open("a") as f:
             f.write(json.dumps({"t_s": round(time.monotonic() - self.t0, 2), **record}) + "\n")
@@ -188,18 +195,18 @@ def run_soak(out: Path, minutes: float, quick: bool) -> dict[str, Any]:
             with grid:
                 t0 = time.monotonic()
                 sampler = Sampler(grid, samples, p["sample_s"], t0)
-                form(grid, cfg)
-                meta["formed_s"] = round(time.monotonic() - t0, 1)
-                sampler.start()
-                soak_loop(grid, sampler, p)
-                meta["completed"] = True
+                try:
+                    form(grid, cfg)
+                    meta["formed_s"] = round(time.monotonic() - t0, 1)
+                    sampler.start()
+                    soak_loop(grid, sampler, p)
+                    meta["completed"] = True
+                finally:  # before the grid closes: its record of processes is then final
+                    sampler.finish()
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report what we have
             record_failure(grid, meta, out, e)
         finally:
             if sampler is not None:
-                sampler.stop.set()
-                if sampler.ident is not None:  # a grid that never formed never started it
-                    sampler.join(30)
                 meta["sampler_errors"] = sampler.errors
             meta["leftovers"] = grid.leftovers
             summary = write_reports(out, samples, meta)

@@ -82,7 +82,8 @@ def test_a_soak_stopped_by_sigterm_stops_its_grid_and_says_so(tmp_path):
 
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "cli.main", "bench", "soak", "--quick", "--out", str(out)]
-    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "bench.log"  # what it printed, shown when it ends otherwise than asked
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
 
         def formed() -> bool:
@@ -94,7 +95,8 @@ def test_a_soak_stopped_by_sigterm_stops_its_grid_and_says_so(tmp_path):
         grid = process_tree(bench.pid)[1:]
         assert len(grid) >= 5  # the DHT and four joins, and their helpers
         bench.send_signal(signal.SIGTERM)
-        assert bench.wait(120) == 128 + signal.SIGTERM
+        code = bench.wait(120)
+        assert code == 128 + signal.SIGTERM, (code, log.read_text()[-3000:])
     finally:
         if bench.poll() is None:
             bench.kill()

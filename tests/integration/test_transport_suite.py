@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from harness import KILLED, run_peers
+from helpers import wait_for
 from scenarios import ROUND_WAIT_S
 
 from comms import codecs
@@ -329,7 +330,9 @@ def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
         b2 = start("b", ["a", "c", "d"])
         waiting.join()
         d = got["d"]
-        assert b2.incarnation == 2 and a.links.by_name["b"].lives == 2
+        assert b2.incarnation == 2
+        # a forms its pair with b's next process on its own link thread: b2 may be up first
+        wait_for(lambda: a.links.by_name["b"].lives == 2, TIMEOUT_S, "a's second pair with b")
         for peer in (a, c, d):  # b's new process talks to each, both ways
             peer_name = peer.me
             b2.send(peer_name, "x", Kind.CONTROL, x, 0).wait(TIMEOUT_S)

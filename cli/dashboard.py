@@ -34,7 +34,7 @@ def dht_source(initial_peers: list[str], run_id: str, run_key: str | None) -> tu
 
     def source() -> dict[str, Any]:
         try:
-            rows = read_status(scout, run_key)
+            rows = read_status(scout, run_key, reread_s=None)
         except JoinError as e:  # the DHT did not answer this time: the page polls again
             raise SourceError(str(e)) from None
         if rows["run_key"] != KEY_OK:
@@ -42,7 +42,7 @@ def dht_source(initial_peers: list[str], run_id: str, run_key: str | None) -> tu
         return view.json(rows, time.time())
 
     try:
-        first = read_status(scout, run_key)
+        first = read_status(scout, run_key, reread_s=None)
     except BaseException:
         scout.close()
         raise

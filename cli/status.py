@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from comms.transport import Directory
 
 READ_TIMEOUT_S = 5.0  # a status that waits a little longer beats one that misreads the grid
+# a cell the first read finds free is read again this much later before it is called free: a
+# claim's store may not have reached the nodes the first read asked (16 joins 1 s apart once
+# showed 7 held cells as free)
+FREE_REREAD_S = 1.0
 
 KEY_OK, KEY_MISSING, KEY_WRONG, KEY_UNKNOWN = "ok", "missing", "wrong", "unknown"
 KEY_UNSIGNED = "unsigned"
@@ -68,11 +72,17 @@ def session_label(epoch_ms: int, now_s: float) -> str:
 
 
 def status_rows(
-    registry: Registry | None, cfg: Config | None, key: str = KEY_OK, now: float | None = None
+    registry: Registry | None,
+    cfg: Config | None,
+    key: str = KEY_OK,
+    now: float | None = None,
+    reread_s: float | None = None,
 ) -> dict[str, Any]:
     """The grid as the DHT sees it: one row per claimed cell, and the free cells (claimed by
     nobody). With key != ok the registry has no Auth: every row is marked unverified. No
-    registry: the claims cannot be read (a keyed run, without its key): no rows, no free cell."""
+    registry: the claims cannot be read (a keyed run, without its key): no rows, no free cell.
+    reread_s: cells the read finds free are read again that much later (confirmed_owners);
+    None: one read (a dashboard's next poll reads again anyway)."""
     now = time.time() if now is None else now
     if registry is None:
         owned: dict[str, CellRecord] | None = {}
@@ -80,6 +90,8 @@ def status_rows(
         owned = registry.probe_owners()
     else:
         owned = registry.owners(range(cfg.grid.replicas))
+        if owned is not None and reread_s is not None:
+            owned = confirmed_owners(registry, cfg, owned, reread_s)
     if owned is None:
         raise JoinError("the DHT did not answer (the grid cannot be read); try again")
     verified = key == KEY_OK
@@ -125,6 +137,19 @@ def status_rows(
         # records that did not unseal with the run's key, by kind (config, claim, session)
         "bad_signatures": {} if registry is None else dict(registry.bad_signatures),
     }
+
+
+def confirmed_owners(
+    registry: Registry, cfg: Config, owned: dict[str, CellRecord], reread_s: float
+) -> dict[str, CellRecord]:
+    """owned, and the claims a second read reread_s later finds for cells the first found
+    free: a cell is free only when both reads find nobody holding it. A second read that gets
+    no answer leaves the first as it was."""
+    if not free_cells(Grid(cfg.grid.stages, cfg.grid.replicas).names(), owned):
+        return owned
+    time.sleep(reread_s)
+    again = registry.owners(range(cfg.grid.replicas))
+    return owned if again is None else {**again, **owned}
 
 
 def pool_rows(owned: dict[str, CellRecord], stages: int) -> list[dict[str, Any]]:
@@ -179,8 +204,11 @@ def read_run(reader: Registry, run_key: str | None) -> RunRecord | None:
     return next(iter(own), None) or pick_run(public, run_key)
 
 
-def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
-    """The run's record, the key's state and the grid, read through a DHT client."""
+def read_status(
+    directory: Directory, run_key: str | None, reread_s: float | None = FREE_REREAD_S
+) -> dict[str, Any]:
+    """The run's record, the key's state and the grid, read through a DHT client (reread_s:
+    status_rows')."""
     # a Registry's reads wait 2 x heartbeat_s
     reader = Registry(directory, None, READ_TIMEOUT_S / 2, run_key=run_key)
     rec = read_run(reader, run_key)
@@ -196,7 +224,7 @@ def read_status(directory: Directory, run_key: str | None) -> dict[str, Any]:
         registry = Registry(directory, Auth.of(run_key, rec.fingerprint), READ_TIMEOUT_S / 2)
     elif key in (KEY_MISSING, KEY_WRONG):  # a keyed run, not ours to read
         registry = None
-    rows = status_rows(registry, cfg, key)
+    rows = status_rows(registry, cfg, key, reread_s=reread_s)
     if registry is not reader:  # with the config records' count
         for kind, n in reader.bad_signatures.items():
             rows["bad_signatures"][kind] = rows["bad_signatures"].get(kind, 0) + n

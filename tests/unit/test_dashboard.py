@@ -341,3 +341,36 @@ def test_dashboard_user_errors_are_one_line_and_exit_2(tmp_path):
         port = taken.getsockname()[1]
         res = runner.invoke(main, ["dashboard", "--run", str(tmp_path), "--port", str(port)])
     assert res.exit_code == 2 and f"--port {port}" in res.output, res.output
+
+
+class _LateClaims(FakeDirectory):
+    """A DHT whose node gets a claim's store only after status's first read of the claims."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = None  # the store that lands after the next read
+
+    def dht_get_many(self, keys, timeout_s=None, withdrawn=False):
+        found = super().dht_get_many(keys, timeout_s, withdrawn)
+        land, self.late = self.late, None
+        if land is not None:
+            land()
+        return found
+
+
+@pytest.mark.parametrize("reread_s", [None, 0.0])
+def test_status_reads_a_free_cell_again_before_calling_it_free(reread_s):
+    """s1r0's claim reaches the DHT just after status's first read. One read calls the held
+    cell free (what `status` once showed for 7 held cells); with the second read it is held,
+    and only a cell neither read finds a holder for is free."""
+    directory = _LateClaims()
+    reg = Registry(directory, None, HB)
+    cfg = load_config([], ["grid.stages=3", "grid.replicas=1"])
+    reg.beat(_claim("s0r0", "Qm0", 1, 100.0))
+    directory.late = lambda: reg.beat(_claim("s1r0", "Qm1", 1, 100.0))
+    rows = status_rows(reg, cfg, now=100.2, reread_s=reread_s)
+    if reread_s is None:
+        assert rows["free"] == ["s1r0", "s2r0"]
+    else:
+        assert rows["free"] == ["s2r0"]
+        assert [c["cell"] for c in rows["cells"]] == ["s0r0", "s1r0"]

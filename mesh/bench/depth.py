@@ -452,6 +452,9 @@ def run_depth(
         # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
         # close, hold or grow with a longer run?
         long_arms = [best, depth_arms.fullsync(screen_p)]
+        same = best.lever.get("optim.name")
+        if same in SAME_OPTIMIZER_BASELINE:  # and the gap with the optimizer held fixed
+            long_arms.append(same_optimizer_fullsync(screen_p, best, same))
         study.run(
             [
                 s

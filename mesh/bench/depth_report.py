@@ -148,6 +148,9 @@ def _long(
     rec = _losses_of(study.get_long, label(p, best.name), [seed])
     sync = _losses_of(study.get_long, label(p, FULLSYNC), [seed])
     iv = paired_interval(rec, sync, relative=True)
+    same = next((a.name for a in arms if a.name.startswith(f"{FULLSYNC} ")), None)
+    held = _losses_of(study.get_long, label(p, same), [seed]) if same else {}
+    iv_same = paired_interval(rec, held, relative=True) if held else None
     return {
         "P": p,
         "seed": seed,
@@ -155,6 +158,8 @@ def _long(
         "recommended": rec.get(seed),
         "FullSync": sync.get(seed),
         "gap_pct": None if iv is None else round(100 * iv.mean, 3),
+        "FullSync_same_optimizer": held.get(seed),
+        "gap_same_optimizer_pct": None if iv_same is None else round(100 * iv_same.mean, 3),
         "gap_vs_tokens": _gap_curve(study, label(p, best.name), label(p, FULLSYNC), [seed], "long"),
     }
 
@@ -263,7 +268,13 @@ def table(summary: dict[str, Any]) -> str:
             f"## {long['tokens_factor']}x the tokens, P = {long['P']}, seed {long['seed']}",
             "",
             f"recommended {long['recommended']:.4f} against FullSync {long['FullSync']:.4f}: "
-            f"{long['gap_pct']:+.2f}%.",
+            f"{long['gap_pct']:+.2f}%."
+            + (
+                f" FullSync with its optimizer {long['FullSync_same_optimizer']:.4f}: "
+                f"{long['gap_same_optimizer_pct']:+.2f}%."
+                if long.get("gap_same_optimizer_pct") is not None
+                else ""
+            ),
             "",
         ]
     wide = summary.get("width")

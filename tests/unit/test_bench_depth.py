@@ -9,7 +9,7 @@ import math
 import pytest
 
 from mesh.bench import depth, depth_arms
-from mesh.bench.depth_report import _gap_curve, interpolate
+from mesh.bench.depth_report import _gap_curve, _long, interpolate
 from mesh.bench.simruns import spec_config
 from mesh.config import load_config
 
@@ -186,6 +186,30 @@ def test_gap_against_tokens_is_read_at_fullsyncs_evaluations() -> None:
             return self.runs.get(f"{name}|{seed}")
 
     assert _gap_curve(Runs(), "P8 a", "P8 FullSync", [0, 1]) == [[50, 25.0]]
+
+
+def test_the_long_run_meets_fullsync_with_its_optimizer_too() -> None:
+    """Muon's long run is held against FullSync (AdamW) and against FullSync with Muon."""
+    muon = next(a for a in depth_arms.screen_arms(8) if a.name == "muon")
+    arms = [muon, depth_arms.fullsync(8), depth.same_optimizer_fullsync(8, muon, "muon")]
+    curve = [{"tokens": 100, "val_loss": 2.0}]
+
+    class Runs:
+        runs = {
+            "P8 muon|0": {"val_loss": 1.8, "curve": curve},
+            "P8 FullSync|0": {"val_loss": 2.0, "curve": curve},
+            "P8 FullSync muon|0": {"val_loss": 1.5, "curve": curve},
+        }
+
+        def get_long(self, name: str, seed: int):
+            return self.runs.get(f"{name}|{seed}")
+
+    long = _long(Runs(), 8, [0, 1], muon, arms)
+    assert long["gap_pct"] == pytest.approx(-10.0)
+    assert long["FullSync_same_optimizer"] == 1.5
+    assert long["gap_same_optimizer_pct"] == pytest.approx(20.0)
+    plain = _long(Runs(), 8, [0], muon, arms[:2])  # an arm that keeps FullSync's optimizer
+    assert plain["gap_same_optimizer_pct"] is None
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ from mesh.config import Config, ConfigError
 from mesh.depth_rule import rule_for
 
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
+QUICK_STAGES = (2, 4)
 REPORT_SEEDS = [0, 1]
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
@@ -421,7 +422,7 @@ def run_depth(
 
     start = time.perf_counter()
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
-    stages = stages or ((2, 4) if quick else STAGES)
+    stages = stages or (QUICK_STAGES if quick else STAGES)
     screen_p = stages[0] if quick else SCREEN_P
     mbs = QUICK_MICROBATCHES if quick else MICROBATCHES
     study = Study(base, out, workers, mbs, report_only)
@@ -480,11 +481,15 @@ def run_depth(
         width,
     )
     left_out = [a.name for a in depth_arms.screen_arms(screen_p) if a not in arms]
+    # the whole study, not one call's part of it (a lever left out, an earlier phase, a depth)
+    every_depth = set(QUICK_STAGES if quick else STAGES) <= set(stages)
+    whole = not left_out and phase == PHASES[-1] and every_depth
     summary.update(
         study_pick_by_depth=picked_at,
         quick=quick,
         phase=phase,
         levers_left_out=left_out,
+        complete=bool(summary["complete"]) and whole,
         wall_s=round(time.perf_counter() - start, 1),
     )
     fields = rule_fields("depth", summary, data_reference(base))

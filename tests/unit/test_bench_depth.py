@@ -264,6 +264,9 @@ def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
     one = depth.run_depth(base, out, quick=True, workers=2, stages=(2,))
     assert {r["P"] for r in one["rows"]} == {2}
     assert len(one["runs"]) == runs
+    assert not one["complete"]  # one depth of two: not the whole study, whatever it ran
+    partial = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4), phase="long")
+    assert not partial["complete"] and partial["rows"] == again["rows"]
     both = depth.run_depth(base, out, quick=True, workers=2, stages=(2, 4), report_only=True)
     assert both["rows"] == again["rows"]
 

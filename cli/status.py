@@ -144,11 +144,14 @@ def confirmed_owners(
 ) -> dict[str, CellRecord]:
     """owned, and the claims a second read reread_s later finds for cells the first found
     free: a cell is free only when both reads find nobody holding it. A second read that gets
-    no answer leaves the first as it was."""
+    no answer leaves the first as it was. The records it refuses are the first read's again:
+    they are counted once."""
     if not free_cells(Grid(cfg.grid.stages, cfg.grid.replicas).names(), owned):
         return owned
     time.sleep(reread_s)
+    counted = registry.rejected, registry.bad_signatures.copy()
     again = registry.owners(range(cfg.grid.replicas))
+    registry.rejected, registry.bad_signatures = counted
     return owned if again is None else {**again, **owned}
 
 

@@ -342,18 +342,18 @@ def _run_here(
     thing the cell does (cli/events.py); then the summary, and exit: 0 after the run's end or a
     clean stop (Ctrl-C / SIGTERM), 2 after a user error, 1 after any other failure. A cell that
     never started (its transport did not: no row of its own) prints no table, and `out`, when
-    this join `created` it, is removed again."""
+    this join `created` it, is removed again; one that lost its cell takes its rows back."""
     import os
     import threading
 
     from cli.events import EventLines
     from mesh.runtime.metrics import RowTail, read_metrics
+    from mesh.runtime.rows import WrittenSince
 
     done = threading.Event()
-    events = EventLines(read_metrics(out, events=True).get((j, i), []), cell_name(j, i))
-    path = out / "metrics" / f"{j}-{i}.jsonl"
-    before = path.stat().st_size if path.exists() else 0
-    tail = RowTail(path, before)
+    events = EventLines(read_metrics(out, events=True).get((j, i), []), name := cell_name(j, i))
+    mark = WrittenSince(path := out / "metrics" / f"{j}-{i}.jsonl", out / "tensorboard" / name)
+    tail = RowTail(path, mark.size)
     drawer = threading.Thread(
         target=_draw_progress, args=(cfg, j, i, tail, events, done), name="progress", daemon=True
     )
@@ -368,7 +368,7 @@ def _run_here(
     if failure:  # below the closed bar, not drawn into it
         click.echo(failure.rstrip(), err=True)
     # a cell's first row (`started`) follows its transport's start: none, and it trained nothing
-    ran = path.exists() and path.stat().st_size > before
+    ran = path.exists() and path.stat().st_size > mark.size
     if not ran and created:
         _take_back(out)
     if ran and not lost:  # one that lost its cell trained nothing of its own either: no table
@@ -376,6 +376,7 @@ def _run_here(
     if moved is not None:
         move_to(moved)
     if lost:
+        mark.take_back()  # the cell's rows are its owner's to write: none of ours stay
         code, failure = rejoin(lost)  # returns only when this peer rejoined too often
         click.echo(failure, err=True)
     sys.stdout.flush()

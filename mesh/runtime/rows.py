@@ -85,3 +85,24 @@ def parse_rows(data: bytes) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+class WrittenSince:
+    """What a cell's life adds under a run directory, to take back when the cell turns out to
+    be another peer's (a join that lost its claim: its rows would pass for the owner's): marks
+    the rows file's length (its torn tail cut first) and the files a folder holds now;
+    `take_back` cuts the rows to that length and removes the files the folder gained."""
+
+    def __init__(self, rows: Path, folder: Path) -> None:
+        cut_torn_tail(rows)
+        self.rows, self.folder = rows, folder
+        self.size = rows.stat().st_size if rows.exists() else 0
+        self.files = set(folder.iterdir()) if folder.is_dir() else set()
+
+    def take_back(self) -> None:
+        if self.rows.exists() and self.rows.stat().st_size > self.size:
+            with open(self.rows, "r+b") as f:
+                f.truncate(self.size)
+        for path in set(self.folder.iterdir()) - self.files if self.folder.is_dir() else ():
+            if path.is_file():
+                path.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from mesh.runtime.checkpoint import (
     write_digested,
 )
 from mesh.runtime.metrics import RowTail, read_metrics
-from mesh.runtime.rows import append_row, cut_torn_tail
+from mesh.runtime.rows import WrittenSince, append_row, cut_torn_tail
 
 
 def _cell(stage=0):
@@ -168,6 +168,31 @@ def test_readers_skip_a_torn_line_and_a_resumed_writer_starts_on_its_own(tmp_pat
     assert [r["step"] for r in read_metrics(tmp_path)[(1, 0)]] == [1, 2, 3]
     cut_torn_tail(path)  # a whole file is left as it is
     assert [r["step"] for r in read_metrics(tmp_path)[(1, 0)]] == [1, 2, 3]
+
+
+def test_a_lost_cells_rows_and_files_are_taken_back_to_what_was_there(tmp_path):
+    """A join that lost its cell to an earlier claim takes back what the cell's life wrote:
+    the rows after the mark (an earlier life's rows and a resumed file's whole rows stay, its
+    torn tail is cut at the mark) and the files its TensorBoard folder gained."""
+    rows, board = tmp_path / "metrics" / "1-0.jsonl", tmp_path / "tensorboard" / "s1r0"
+    rows.parent.mkdir()
+    board.mkdir(parents=True)
+    earlier = json.dumps({"step": 1}) + "\n"
+    rows.write_text(earlier + '{"step": 2, "lo')  # an earlier life, killed mid-row
+    (board / "events.1").write_text("earlier")
+    mark = WrittenSince(rows, board)
+    assert rows.read_text() == earlier and mark.size == len(earlier)
+    for step in (2, 3):
+        append_row(rows, {"step": step, "loss": 4.0})
+    (board / "events.2").write_text("this life")
+    mark.take_back()
+    assert rows.read_text() == earlier
+    assert sorted(p.name for p in board.iterdir()) == ["events.1"]
+    fresh = WrittenSince(tmp_path / "metrics" / "0-0.jsonl", tmp_path / "tensorboard" / "s0r0")
+    append_row(tmp_path / "metrics" / "0-0.jsonl", {"step": 1})
+    fresh.take_back()  # no file before: an empty one after, no folder made
+    assert (tmp_path / "metrics" / "0-0.jsonl").read_text() == ""
+    assert not (tmp_path / "tensorboard" / "s0r0").exists()
 
 
 def test_a_cells_failure_report_goes_into_its_reserved_room(tmp_path):

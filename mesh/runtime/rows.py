@@ -95,12 +95,14 @@ class WrittenSince:
 
     def __init__(self, rows: Path, folder: Path) -> None:
         cut_torn_tail(rows)
-        self.rows, self.folder = rows, folder
-        self.size = rows.stat().st_size if rows.exists() else 0
+        self.rows, self.folder, self.existed = rows, folder, rows.exists()
+        self.size = rows.stat().st_size if self.existed else 0
         self.files = set(folder.iterdir()) if folder.is_dir() else set()
 
     def take_back(self) -> None:
-        if self.rows.exists() and self.rows.stat().st_size > self.size:
+        if not self.existed:  # no empty file left behind to pass for a cell with no rows
+            self.rows.unlink(missing_ok=True)
+        elif self.rows.exists() and self.rows.stat().st_size > self.size:
             with open(self.rows, "r+b") as f:
                 f.truncate(self.size)
         for path in set(self.folder.iterdir()) - self.files if self.folder.is_dir() else ():

@@ -125,6 +125,15 @@ LEVERS: list[tuple[str, dict[str, Any], tuple[float, ...], bool, bool]] = [
     # horizons the convergence study's async arm gained most from 0.95 (results/convergence)
     ("beta1 0.95", {"optim.beta1": 0.95}, (1e-3, 2e-3, 4e-3), False, True),
     ("muon", {"optim.name": "muon"}, (1e-3, 2e-3, 4e-3), True, True),
+    # a lower momentum for stale gradients (Mitliagkas et al. 2016: asynchrony acts as momentum
+    # of its own); screened at Muon's best lr and either side of it
+    (
+        "muon momentum 0.9",
+        {"optim.name": "muon", "optim.muon_momentum": 0.9},
+        (5e-4, 1e-3, 2e-3),
+        True,
+        True,
+    ),
     ("rotated", {"optim.name": "rotated_adam"}, (2e-3, 4e-3, 8e-3), False, True),
     (
         "adaptive momentum",

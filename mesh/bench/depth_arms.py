@@ -246,7 +246,8 @@ def depth_candidates(stages: int) -> list[Arm]:
 
 
 def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
-    """The two levers together (None when they set one key two ways: muon and rotated_adam),
+    """The two levers together (None when they set one key two ways, muon and rotated_adam, or
+    when one holds the other),
     named in the screen's order whichever ranked first, so one combination has one name."""
     order = [name for name, *_ in LEVERS]
     if a.name in order and b.name in order and order.index(b.name) < order.index(a.name):
@@ -255,6 +256,8 @@ def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
     if clash or a.microbatches_per_update != b.microbatches_per_update:
         return None
     lever = {**a.lever, **b.lever}
+    if lever in (a.lever, b.lever):  # one holds the other (muon, muon at momentum 0.9)
+        return None
     lrs = tuple(sorted({*a.lrs, *b.lrs}))
     return Arm(
         f"{a.name} + {b.name}",

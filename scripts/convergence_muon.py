@@ -21,12 +21,14 @@ SEEDS = [0, 1]
 
 
 def _muon(lr: float) -> dict[str, object]:
-    return {"optim.name": "muon", "optim.lr": lr, "optim.muon_lr": round(10 * lr, 10)}
+    from mesh.bench.depth_arms import MUON_LR_FACTOR  # the depth study's ratio, one place
+
+    return {"optim.name": "muon", "optim.lr": lr, "optim.muon_lr": round(MUON_LR_FACTOR * lr, 10)}
 
 
 def main() -> None:
     from mesh.bench.convergence import cached_losses, study_variants
-    from mesh.bench.report import fmt_interval, paired_interval
+    from mesh.bench.report import fmt_interval, paired_interval, study_scale
     from mesh.bench.simruns import run_specs
     from mesh.config import load_config
     from mesh.report import format_table
@@ -38,7 +40,7 @@ def main() -> None:
     out = Path(a.out)
     rows = [(f"AsyncMesh-fp8 muon lr={lr:g}", "AsyncMesh-fp8", _muon(lr)) for lr in ASYNC_LRS]
     rows += [(f"FullSync muon lr={lr:g}", "FullSync", _muon(lr)) for lr in FULLSYNC_LRS]
-    _, specs, budget = study_variants(out, "conv-muon", rows, seeds=SEEDS)
+    study, specs, budget = study_variants(out, "conv-muon", rows, seeds=SEEDS)
     specs = sorted(specs, key=lambda s: (s.method, s.seed))
     runs = run_specs(
         load_config([]), specs, budget, Path("runs/convergence-muon"), a.workers, "muon 4x2"
@@ -63,12 +65,19 @@ def main() -> None:
             ]
         )
     headers = ["arm", "seeds 0 / 1", "vs FullSync (AdamW)", f"vs {best['FullSync muon']}"]
+    scale = study_scale(load_config([]))
+    model, mbs = scale["model"], budget["conv-muon"]
+    bigram = study["data_ngram_ce"]["bigram_nats_per_token"]
+    ratios = " and ".join(f"{loss['FullSync'][s] / bigram:.2f}" for s in SEEDS)
     lines = [
         "# Muon in the convergence study's 4x2 grid",
         "",
-        f"The study's 4x2 grid (P = 4, two replicas), {budget['conv-muon']} microbatches per "
-        f"replica, its tuning seeds {SEEDS} (in sample: a screen, not the headline, which is "
-        "read on seeds 10-17); every other setting the study's tuned one "
+        f"The study's 4x2 grid (P = 4, two replicas) of a {model['arch']} d {model['d_model']} x "
+        f"{model['n_layers']} ({scale['params'] / 1e6:.2f}M parameters) on {scale['data']}, "
+        f"{mbs} microbatches ({mbs * scale['microbatch_tokens'] / 1e6:.2f}M tokens) per "
+        f"replica; FullSync (AdamW) at {ratios} of the data's bigram ({bigram:.3f} nats) on "
+        f"its tuning seeds {SEEDS} (in sample: a screen, not the headline, which is read on "
+        "seeds 10-17); every other setting the study's tuned one "
         "(scripts/convergence_muon.py). Muon's matrices take 10x the lr.",
         "",
         format_table(headers, table),

@@ -262,10 +262,19 @@ def picked(
         return None, []
     finals = [best, depth_arms.reference(screen_p), depth_arms.fullsync(screen_p)]
     # an arm that changes the optimizer meets FullSync with that optimizer too
-    same = best.lever.get("optim.name")
-    if same in SAME_OPTIMIZER_BASELINE:
-        finals.append(same_optimizer_fullsync(screen_p, best, same))
+    same = same_optimizer_of(screen_p, best)
+    if same is not None:
+        finals.append(same)
     return best, finals + [a for a in chosen if a is not best]
+
+
+def same_optimizer_of(p: int, arm: Arm) -> Arm | None:
+    """FullSync with `arm`'s optimizer where the arm changes it (None: it keeps NAdamW, and
+    FullSync's AdamW is its baseline)."""
+    optimizer = arm.lever.get("optim.name")
+    if optimizer not in SAME_OPTIMIZER_BASELINE:
+        return None
+    return same_optimizer_fullsync(p, arm, optimizer)
 
 
 def same_optimizer_fullsync(p: int, arm: Arm, optimizer: str) -> Arm:
@@ -315,9 +324,9 @@ def finals_at_depth(
     report = list(here)
     if best.name not in names:
         report.append(best)
-        same = best.lever.get("optim.name")
-        if same in SAME_OPTIMIZER_BASELINE and f"{FULLSYNC} {same}" not in names:
-            report.append(same_optimizer_fullsync(p, best, same))
+        same = same_optimizer_of(p, best)
+        if same is not None and same.name not in names:
+            report.append(same)
     missing = [(a, p, a.lrs) for a in report if label(p, a.name) not in tuned]
     if missing:
         tuned.update(study.sweep(missing, f"depth P={p}: lr sweeps"))
@@ -452,10 +461,9 @@ def run_depth(
     if PHASES.index(phase) >= 3 and best is not None:
         # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
         # close, hold or grow with a longer run?
-        long_arms = [best, depth_arms.fullsync(screen_p)]
-        same = best.lever.get("optim.name")
-        if same in SAME_OPTIMIZER_BASELINE:  # and the gap with the optimizer held fixed
-            long_arms.append(same_optimizer_fullsync(screen_p, best, same))
+        # (and FullSync with its optimizer: the gap with the optimizer held fixed)
+        same = same_optimizer_of(screen_p, best)
+        long_arms = [best, depth_arms.fullsync(screen_p), *([same] if same else [])]
         study.run(
             [
                 s

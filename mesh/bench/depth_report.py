@@ -148,8 +148,10 @@ def _long(
     rec = _losses_of(study.get_long, label(p, best.name), [seed])
     sync = _losses_of(study.get_long, label(p, FULLSYNC), [seed])
     iv = paired_interval(rec, sync, relative=True)
-    same = next((a.name for a in arms if a.name.startswith(f"{FULLSYNC} ")), None)
-    held = _losses_of(study.get_long, label(p, same), [seed]) if same else {}
+    # FullSync with the arm's optimizer, where the long run has it (depth.same_optimizer_of)
+    same = f"{FULLSYNC} {best.lever.get('optim.name')}"
+    ran = any(a.name == same for a in arms)
+    held = _losses_of(study.get_long, label(p, same), [seed]) if ran else {}
     iv_same = paired_interval(rec, held, relative=True) if held else None
     return {
         "P": p,

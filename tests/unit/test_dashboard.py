@@ -21,6 +21,7 @@ from mesh.runtime.dashboard.rundir import RunDirView, SentTotals, thin, tokens_p
 from mesh.runtime.dashboard.server import SourceError, make_server
 from mesh.runtime.dashboard.state import (
     DEAD,
+    DEAD_AFTER_BEATS,
     DOWNLOADING,
     FINISHED,
     FREE,
@@ -207,6 +208,30 @@ def test_live_view_states_dead_cells_and_curves():
     reg.beat(_claim("s1r0", "QmNew", 0, 110.0, inc=0))
     d = view.json(status_rows(reg, cfg, now=110.1), 110.1)
     assert {c["cell"]: c["state"] for c in d["cells"]}["s1r0"] == DOWNLOADING
+
+
+def test_live_view_a_read_that_misses_a_fresh_claim_is_not_a_death():
+    """A DHT read under load can answer without a live cell's claim: the cell keeps the state it
+    last showed until its last heartbeat is as old as a dead peer's, then it is dead."""
+    directory = FakeDirectory()
+    reg = Registry(directory, None, HB)
+    cfg = load_config([], ["grid.stages=2", "grid.replicas=1"])
+    view = LiveView()
+    for j in range(2):
+        reg.beat(_claim(f"s{j}r0", f"Qm{j}", 5, 100.0))
+    d = view.json(status_rows(reg, cfg, now=100.2), 100.2)
+    assert {c["cell"]: c["state"] for c in d["cells"]} == {"s0r0": TRAINING, "s1r0": TRAINING}
+    held = dict(directory.data["cells.r0"])
+    directory.data["cells.r0"] = {k: v for k, v in held.items() if "s1r0" not in k}
+    rows = status_rows(reg, cfg, now=100.5)
+    assert rows["free"] == ["s1r0"]  # the read missed it
+    d = view.json(rows, 100.5)
+    assert {c["cell"]: c["state"] for c in d["cells"]} == {"s0r0": TRAINING, "s1r0": TRAINING}
+    assert d["free"] == []
+    # still missing once its heartbeat would be older than DEAD_AFTER_BEATS periods: dead
+    late = 100.0 + DEAD_AFTER_BEATS * HB + 0.5
+    d = view.json(status_rows(reg, cfg, now=late), late)
+    assert {c["cell"]: c["state"] for c in d["cells"]}["s1r0"] == DEAD
 
 
 def test_live_view_a_released_cell_is_free_as_status_says_and_its_bytes_stay():

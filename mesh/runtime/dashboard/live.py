@@ -4,7 +4,9 @@ training loss curves it gathered from the heartbeats since it started.
 
 A claim that stops beating expires from the DHT after 4 heartbeats and its cell reads as free;
 a cell this dashboard saw held and no longer sees is shown dead (with what it last showed)
-until someone claims it again: a peer that vanished is what a user watching needs to see. A
+until someone claims it again: a peer that vanished is what a user watching needs to see. Not
+before its last heartbeat is as old as a dead peer's, though: a read that misses a fresh claim
+(a DHT under load answers without some records) keeps the state the cell last showed. A
 peer that stopped cleanly withdrew its claim (status's `released`, checked against the signer
 of the claim this dashboard saw): its cell is free, as `meshtrain status` says.
 
@@ -20,9 +22,19 @@ from typing import Any
 
 from mesh.algo.topology import Place
 from mesh.runtime.dashboard.rundir import SentTotals, thin
-from mesh.runtime.dashboard.state import DEAD, Seen, StepClock, cell_state
+from mesh.runtime.dashboard.state import DEAD, DEAD_AFTER_BEATS, Seen, StepClock, cell_state
 
 DEFAULT_HEARTBEAT_S = 1.0  # elastic.heartbeat_s's default, when the run's record is unreadable
+
+
+def missed(row: dict[str, Any], age_s: float, heartbeat_s: float) -> str:
+    """The state of a cell this dashboard saw held and a read now finds free, its last heartbeat
+    age_s old: dead once a live peer's heartbeat cannot be that old (cell_state's rule), before
+    that the state it last showed. A claim expires 4 beats after its last heartbeat, so a read
+    that misses a fresher one missed it (a DHT read under load answers without every record)."""
+    if age_s > DEAD_AFTER_BEATS * heartbeat_s:
+        return DEAD
+    return row.get("state") or DEAD
 
 
 class LiveView:
@@ -47,7 +59,7 @@ class LiveView:
                 loading=not c.get("running", True),
             )
             cells.append({**c, "state": cell_state(seen, heartbeat_s)})
-            self.last[c["cell"]] = (c, now)
+            self.last[c["cell"]] = (cells[-1], now)
             if c.get("since"):
                 self.start = min(self.start or c["since"], c["since"])
             self.sent.see((c["cell"], c["peer"]), c.get("bytes_sent") or {})
@@ -65,7 +77,9 @@ class LiveView:
                 continue
             row, at = self.last[name]
             age = (row["heartbeat_age_s"] or 0) + now - at
-            cells.append({**row, "heartbeat_age_s": round(age, 1), "state": DEAD})
+            cells.append(
+                {**row, "heartbeat_age_s": round(age, 1), "state": missed(row, age, heartbeat_s)}
+            )
         cells.sort(key=lambda c: c["cell"])
         per_step = rows.get("tokens_per_step") or 0
         train = {

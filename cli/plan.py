@@ -82,10 +82,11 @@ def plan(
         return
     from mesh.engine.plan import plan
 
-    cells = plan(cfg)
     # a run on runtime.device = cpu trains in this machine's memory, whatever GPU it has
     gpus = local_gpus() if cfg.runtime.device != "cpu" else []
     memory, source = memory_to_check(memory_gb, gpus, host_memory_bytes(), cfg.runtime.device)
+    # a pool's `auto` stream window holds what fits the memory checked (as a GPU cell's does)
+    cells = plan(cfg, memory)
     if as_json:
         _echo_plan_json(cfg, cells, tokens_per_s, memory, source)
         return
@@ -309,8 +310,8 @@ def _memory_with_uplink(cfg: Any, memory_gb: float) -> dict[str, Any]:
     """The memory answer of --memory-gb, kept when --uplink-mbit asks the link question too."""
     from mesh.engine.plan import plan, stage_to_take, stages_that_fit
 
-    cells = plan(cfg)
     memory, source = memory_to_check(memory_gb, [], 0, cfg.runtime.device)
+    cells = plan(cfg, memory)
     return {
         "memory_bytes": memory,
         "memory_source": source,

@@ -160,9 +160,10 @@ class PipelineConfig(_Section):
         description="pools: microbatches a stream (a stage-0 cell) keeps in flight: window = "
         "pool_window; auto = enough to cover the time its microbatches spend downstream, from "
         "its measured round trip and compute (Little's law), between pool_window and "
-        f"{choices.STREAM_WINDOW_CAP}x it (a stashed weight version each: `plan` shows the "
-        "memory); or a number (>= 1). More in flight keeps a fast stream's device busy and "
-        "adds staleness",
+        f"{choices.STREAM_WINDOW_CAP}x it or as many as fit the device's memory (a stashed "
+        "weight version each: `plan` shows it), grown only while a next-stage cell starves; "
+        "or a number (>= 1). More in flight keeps a fast stream's device busy and adds "
+        "staleness",
     )
     pool_choice: Literal[choices.POOL_CHOICES] = Field(
         "delay",

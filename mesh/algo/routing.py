@@ -120,6 +120,28 @@ def stream_window(round_trip_s: float | None, own_s: float | None, floor: int, c
     return max(floor, min(cap, math.ceil(round_trip_s / own_s) + 1))
 
 
+def next_window(current: int, target: int, next_starved: bool) -> int:
+    """A stream's window after one look: down to `target` at once (fewer in flight is never
+    wrong), up one toward it only while a cell of the next stage starves (holds nothing as the
+    stream knows it). Where every next cell has work, more in flight only waits in their queues:
+    staleness, and a stashed weight version each; and a window grown on a round trip that those
+    queues lengthen would grow without end."""
+    if target <= current:
+        return target
+    return current + 1 if next_starved else current
+
+
+def windows_that_fit(
+    total_at_cap: float, per_microbatch: float, memory_bytes: float | None, floor: int, cap: int
+) -> int:
+    """The largest stream window in [floor, cap] whose stage fits memory_bytes, the stage
+    needing total_at_cap at `cap` and per_microbatch less for each one fewer (a stashed weight
+    version and its inputs); cap without a memory to fit (None)."""
+    if memory_bytes is None or total_at_cap <= memory_bytes:
+        return cap
+    return max(floor, cap - math.ceil((total_at_cap - memory_bytes) / per_microbatch))
+
+
 def unit(*key: int | str) -> float:
     """A uniform number in [0, 1) that is a pure function of key (the same on every peer)."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()

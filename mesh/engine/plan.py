@@ -19,7 +19,7 @@ import torch
 from comms import codecs
 from mesh import choices
 from mesh.algo import boundary as bmath
-from mesh.algo import sparse
+from mesh.algo import routing, sparse
 from mesh.algo.optim import _Blockwise8bit, get_planner
 from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
 from mesh.algo.staleness import prediction_distance
@@ -102,22 +102,49 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
     return total, 4 * params if spec.error_feedback else 0
 
 
-def pool_held(cfg: Config, stage: int) -> int:
+def pool_held(cfg: Config, stage: int, memory_bytes: float | None = None) -> int:
     """The most microbatches a pooled cell holds (mesh/runtime/pool.py): a stream (stage 0) its
-    stream window at its largest, any other cell pool_window."""
+    stream window at its largest (`auto`: as many as fit memory_bytes), any other cell
+    pool_window."""
     p = cfg.pipeline
     if stage > 0 or p.pool_stream_window == "window":
         return p.pool_window
     if p.pool_stream_window == "auto":
-        return choices.STREAM_WINDOW_CAP * p.pool_window
+        return auto_stream_window(cfg, memory_bytes)
     return p.pool_stream_window
 
 
-def inflight_microbatches(cfg: Config, stage: int) -> int:
+def auto_stream_window(cfg: Config, memory_bytes: float | None) -> int:
+    """The most microbatches `pool_stream_window = "auto"` lets a stream keep in flight:
+    STREAM_WINDOW_CAP x pool_window, fewer where stage 0 holding that many would not fit
+    memory_bytes (each one stashes a weight version and keeps its tokens), never fewer than
+    pool_window (None: no memory to fit, the cap)."""
+    p = cfg.pipeline
+    floor, cap = p.pool_window, choices.STREAM_WINDOW_CAP * p.pool_window
+    if memory_bytes is None:
+        return cap
+    at_cap = plan_cell(cfg, 0)  # pool_held without a memory: the cap
+    tokens = 8 * cfg.pipeline.microbatch_size * cfg.model.seq_len  # stage 0 holds int64 ids
+    per_microbatch = 4 * at_cap.params + tokens
+    return routing.windows_that_fit(at_cap.total_bytes, per_microbatch, memory_bytes, floor, cap)
+
+
+def training_memory_bytes(device: str) -> float:
+    """The memory a cell trains in: the smallest GPU torch sees (runtime.device auto or cuda),
+    else this machine's (`plan` checks a cell against the same figure)."""
+    import os
+
+    if device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(n)))
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def inflight_microbatches(cfg: Config, stage: int, memory_bytes: float | None = None) -> int:
     """Microbatches whose input stage j holds between forward and backward at most."""
     p = cfg.pipeline
     if p.pooled:
-        return pool_held(cfg, stage)
+        return pool_held(cfg, stage, memory_bytes)
     if p.schedule == "gpipe":
         return p.microbatches
     kept = versions_kept(p.schedule, stage, cfg.grid.stages, cfg.pipeline.extra_warmups())
@@ -126,25 +153,27 @@ def inflight_microbatches(cfg: Config, stage: int) -> int:
     return min(cfg.grid.stages - stage, p.microbatches)
 
 
-def stash_versions(cfg: Config, stage: int) -> int:
+def stash_versions(cfg: Config, stage: int, memory_bytes: float | None = None) -> int:
     """Weight versions a cell holds: its schedule's, or a pooled cell's at most one per
     microbatch it holds plus the live one (PoolWorker._push_version pins no more)."""
     p = cfg.pipeline
     if p.pooled:
-        return pool_held(cfg, stage) + 1
+        return pool_held(cfg, stage, memory_bytes) + 1
     return versions_kept(p.schedule, stage, cfg.grid.stages, p.extra_warmups())
 
 
-def plan_cell(cfg: Config, stage: int) -> CellPlan:
+def plan_cell(cfg: Config, stage: int, memory_bytes: float | None = None) -> CellPlan:
+    """Stage `stage`'s cell; memory_bytes: the device's, which bounds a pool's `auto` stream
+    window (None: unbounded, the window's cap)."""
     m, P = cfg.model, cfg.grid.stages
     layers, first, last = stage_layers(m, P, stage)
     module = stage_module(m, layers, first, last, stage=stage, boundary=boundary_spec(cfg))
     n = sum(p.numel() for p in module.parameters())
     flat = 4 * n
-    versions = stash_versions(cfg, stage)
+    versions = stash_versions(cfg, stage, memory_bytes)
     opt, ef = optimizer_state_bytes(cfg, stage)
     B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
-    inflight = inflight_microbatches(cfg, stage)
+    inflight = inflight_microbatches(cfg, stage, memory_bytes)
     w, compressed = cfg.boundary_width, cfg.pipeline.boundary != "full"
     # token ids, or the decoded fp32 activations (and the tokens a compressed boundary reads)
     act_in = B * T * (8 if first else 4 * w + 8 * compressed)
@@ -233,8 +262,8 @@ def pp_bytes_per_token(cfg: Config, stage: int, codec: str) -> float:
     return one_way * ((stage < cfg.grid.stages - 1) + (stage > 0))
 
 
-def plan(cfg: Config) -> list[CellPlan]:
-    return [plan_cell(cfg, j) for j in range(cfg.grid.stages)]
+def plan(cfg: Config, memory_bytes: float | None = None) -> list[CellPlan]:
+    return [plan_cell(cfg, j, memory_bytes) for j in range(cfg.grid.stages)]
 
 
 def link_mbps(cell: CellPlan, cfg: Config, tokens_per_s: float) -> tuple[float, float]:

@@ -37,7 +37,6 @@ from comms import codecs
 from comms.errors import PeerLost, PeerTimeout
 from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
-from mesh import choices
 from mesh.algo import routing, sentinel
 from mesh.algo.topology import Grid, cell_name
 from mesh.data.corpus import Corpus
@@ -80,6 +79,7 @@ class PoolWorker(CellWorker):
         self.sec_per_mb: float | None = None  # EMA of this cell's compute per microbatch
         self.round_trip_s: float | None = None  # EMA of its microbatches' time downstream
         self._fwd_s = 0.0  # the last forward's time (its backward adds it to the measure)
+        self.window = settings.pipeline.pool_window  # a stream's, as `auto` last sized it
         self._expect_ctl = Expect(kind=Kind.CONTROL, shape=(1,))
         self._ctl = codecs.encode(torch.zeros(1), "fp32")
 
@@ -102,8 +102,11 @@ class PoolWorker(CellWorker):
         if want == "window":
             return floor
         if want == "auto":
-            cap = choices.STREAM_WINDOW_CAP * floor
-            return routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
+            cap = self.settings.stream_window_cap
+            target = routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
+            starved = any(self.book.queue(c) == 0 for c in self._live_downs())
+            self.window = routing.next_window(self.window, target, starved)
+            return self.window
         return want
 
     # ---- the loops ---------------------------------------------------------------------------

@@ -44,6 +44,9 @@ class WorkerSettings:
     grid: Grid  # the run's grid, less the cells emulation.deaths takes out
     rounds: RoundSettings
     routing: Routing  # pipeline.routing and pool_choice, chosen once: the worker asks it
+    # a stream's most microbatches in flight with pool_stream_window = "auto": what stage 0
+    # fits in the memory the cell trains in (mesh/engine/plan.auto_stream_window)
+    stream_window_cap: int
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -75,4 +78,14 @@ class WorkerSettings:
             grid=grid_of(cfg),
             rounds=RoundSettings.of(cfg),
             routing=routes.of(cfg.pipeline),
+            stream_window_cap=_stream_window_cap(cfg, stage),
         )
+
+
+def _stream_window_cap(cfg: Config, stage: int) -> int:
+    p = cfg.pipeline
+    if stage > 0 or not p.pooled or p.pool_stream_window != "auto":
+        return p.pool_window  # not read
+    from mesh.engine.plan import auto_stream_window, training_memory_bytes
+
+    return auto_stream_window(cfg, training_memory_bytes(cfg.runtime.device))

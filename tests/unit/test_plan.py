@@ -240,3 +240,31 @@ def test_a_pooled_streams_stash_is_planned_at_its_largest_window():
     assert inflight_microbatches(window, 0) == 3 and inflight_microbatches(fixed, 0) == 5
     # a cell after the streams holds at most pool_window whatever the streams do
     assert {inflight_microbatches(c, 1) for c in (auto, window, fixed)} == {3}
+
+
+def test_an_auto_stream_window_is_planned_at_what_fits_the_memory():
+    """At llama-1b, 4 stages, `auto` holds 4x pool_window microbatches at most, a stashed weight
+    version each: on a 24 GB card stage 0 holds fewer, as many as fit, and `plan --memory-gb`
+    plans that many."""
+    import json
+
+    from mesh import choices
+    from mesh.engine.plan import auto_stream_window
+
+    model = "configs/models/llama-1b.toml"
+    sets = ["pipeline.routing='pools'", "pipeline.pool_stream_window='auto'", "grid.stages=4"]
+    cfg = load_config([model], sets)
+    floor = cfg.pipeline.pool_window
+    cap = choices.STREAM_WINDOW_CAP * floor
+    assert auto_stream_window(cfg, None) == cap and plan_cell(cfg, 0).versions == cap + 1
+    fits = auto_stream_window(cfg, 24e9)
+    assert floor < fits < cap
+    bounded = plan_cell(cfg, 0, 24e9)
+    assert bounded.versions == fits + 1 and bounded.inflight == fits
+    assert bounded.total_bytes <= 24e9  # it fits, and one microbatch more would not
+    tokens = 8 * cfg.pipeline.microbatch_size * cfg.model.seq_len
+    assert bounded.total_bytes + 4 * bounded.params + tokens > 24e9
+    args = ["plan", "--config", model, "--memory-gb", "24", "--json"]
+    res = CliRunner().invoke(main, [*args, *(a for kv in sets for a in ("--set", kv))])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["cells"][0]["versions"] == fits + 1

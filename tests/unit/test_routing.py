@@ -181,6 +181,28 @@ def test_a_streams_window_covers_its_round_trip_within_its_bounds():
     assert routing.stream_window(30.0, 0.1, 4, 16) == 16
 
 
+def test_a_streams_window_grows_only_while_a_next_cell_starves():
+    # down to the target at once, starved or not
+    assert routing.next_window(9, 5, next_starved=False) == 5
+    assert routing.next_window(9, 5, next_starved=True) == 5
+    # up one a look toward it while a next cell holds nothing, held where every one has work
+    assert routing.next_window(4, 7, next_starved=True) == 5
+    assert routing.next_window(4, 7, next_starved=False) == 4
+    w = 4
+    for _ in range(10):
+        w = routing.next_window(w, 7, next_starved=True)
+    assert w == 7
+
+
+def test_a_streams_window_fits_the_memory_it_trains_in():
+    # 10 GB at the cap of 16, 1 GB a microbatch (a weight version and its tokens)
+    assert routing.windows_that_fit(10e9, 1e9, None, 4, 16) == 16
+    assert routing.windows_that_fit(10e9, 1e9, 12e9, 4, 16) == 16
+    assert routing.windows_that_fit(10e9, 1e9, 7.5e9, 4, 16) == 13  # 2.5 GB over: 3 fewer
+    assert routing.windows_that_fit(10e9, 1e9, 1e9, 4, 16) == 7
+    assert routing.windows_that_fit(20e9, 1e9, 1e9, 4, 16) == 4  # never below the floor
+
+
 def test_the_delay_choice_takes_the_sooner_done_of_two_draws():
     rates, queues = [1.0, 0.25], [2, 0]  # a fast cell with 2 queued, a slow idle one
     ws = routing.weights(rates, queues)  # 1/3 against 1/4: the draw alone sends the slow 3/7

@@ -127,7 +127,7 @@ class _Ran(_Sweeps):
 def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
     # each rule of mesh/depth_rule.py is one of the study's arms, its lr aside
     assert depth.shipped_arm(2) is None  # no rule below P = 4: the plain pipeline
-    assert depth.shipped_arm(4).name == "lr correction"
+    assert depth.shipped_arm(4).name == "muon"
     assert depth.shipped_arm(8).name == "muon"
     assert depth.shipped_arm(16).name == "lr correction + muon"
     arms = {a.name: a for a in depth_arms.screen_arms(8)}

@@ -40,6 +40,7 @@ def test_each_cell_of_a_pipeline_gets_its_own_beta1(text_file) -> None:
     sets = ["model.n_layers=4", "model.d_model=16", "model.n_heads=2", "model.seq_len=16"]
     sets += [f"data.path='{text_file}'", "grid.stages=4", "grid.replicas=1"]
     sets += ["pipeline.schedule=async", "optim.beta1=0.9", "optim.adaptive_momentum=true"]
+    sets += ["optim.name=nadamw", "optim.depth_rule=off"]  # NAdamW's own beta1, as given
     cfg = load_config([], sets)
     for j, module in enumerate(build_stages(cfg.model, 4, 0)):
         cell = Cell.build(cfg, j, 0, module)
@@ -150,10 +151,9 @@ def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
 
 
 def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None:
-    """The shipped rule at work in the cells both engines drive: stage j of a 4-stage async
-    pipeline with the defaults starts at lr / delta_j (delay_lr_share) at twice the lr, an
-    8-stage one is a Muon pipeline, a 16-stage one Muon on the correction; with the rule off,
-    the optimizer as given."""
+    """The shipped rule at work in the cells both engines drive: a 4- or 8-stage async pipeline
+    with the defaults is a Muon pipeline (its matrices at 10x the default lr), a 16-stage one
+    Muon on the correction; with the rule off, the optimizer as given."""
     from mesh.engine.cell import Cell
     from mesh.model.build import build_stages
 
@@ -162,25 +162,22 @@ def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None
     sets += ["optim.warmup_steps=0", "pipeline.schedule=async"]
     auto = load_config([], sets)
     off = load_config([], [*sets, "optim.depth_rule=off"])
-    assert auto.depth_rule_settings() == {"delay_lr_share": 0.5, "lr": 4e-3}
-    for j, module in enumerate(build_stages(auto.model, 4, 0)):
-        ruled = Cell.build(auto, j, 0, module)
-        plain = Cell.build(off, j, 0, module)
-        assert ruled.lr_scale() == pytest.approx(plain.lr_scale() / max(1, 3 - j)), j  # 3 .. 0
-        assert ruled.optimizer.spec.lr == 4e-3 and plain.optimizer.spec.lr == 1e-3
-    # a user's own lr is kept (the correction still applies)
+    for stages in (4, 8):
+        cfg = load_config([], [*sets, f"grid.stages={stages}"])
+        assert cfg.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
+        assert cfg.effective().optim.lr == 1e-3
+        for j, module in enumerate(build_stages(cfg.model, stages, 0)):
+            cell = Cell.build(cfg, j, 0, module)
+            assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
+            assert cell.lr_scale() == 1.0, j
+    plain = Cell.build(off, 0, 0, build_stages(off.model, 4, 0)[0])
+    assert "muon" not in plain.optimizer.kinds().values() and plain.optimizer.spec.lr == 1e-3
+    # a user's own lr is kept, and so is a model wider than d 64 (the rule names no lr)
     mine = load_config([], [*sets, "optim.lr=3e-3"])
-    assert mine.depth_rule_settings() == {"delay_lr_share": 0.5}
+    assert mine.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
     assert mine.effective().optim.lr == 3e-3
-    # eight stages: Muon at the default lr (its matrices at 10x it), no correction; two: no rule
-    eight = load_config([], [*sets, "grid.stages=8"])
-    assert eight.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
-    assert eight.effective().optim.lr == 1e-3
-    for j, module in enumerate(build_stages(eight.model, 8, 0)):
-        cell = Cell.build(eight, j, 0, module)
-        assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
-        assert cell.lr_scale() == 1.0, j
-    assert load_config([], [*sets, "grid.stages=2"]).depth_rule_settings() == {}
+    assert auto.depth_rule_settings() == mine.depth_rule_settings()
+    assert load_config([], [*sets, "grid.stages=2"]).depth_rule_settings() == {}  # none below 4
     # sixteen: Muon on top of the correction
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
     assert deep.depth_rule_settings() == {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2}
@@ -191,7 +188,7 @@ def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None
         assert cell.lr_scale() == pytest.approx(1 / max(1, 15 - j)), j  # 15 .. 0
     # a model wider than d 64 (where the rule's lrs were measured) keeps its lr
     wide = load_config([], [*sets, "model.d_model=192", "model.n_heads=4"])
-    assert wide.depth_rule_settings() == {"delay_lr_share": 0.5}
+    assert wide.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
     assert wide.effective().optim.lr == 1e-3
     # a user's own optimizer is kept, and then no rule applies (each is measured with nadamw)
     adamw = load_config([], [*sets, "model.n_layers=16", "grid.stages=16", "optim.name=adamw"])
@@ -225,11 +222,12 @@ def test_the_default_at_each_depth_the_study_measured_is_its_recommended_arm() -
     assert 8 in checked
 
 
-def test_the_depth_rule_leaves_the_convergence_headline_as_it_was_measured() -> None:
-    """The headline's grid is 4 x 2, where the P = 4 rule applies: but its async arm was tuned
-    with the correction on and an lr of its own (results/convergence/tuning.json), and FullSync
-    has no stale gradients, so its configs with the rule on train the numbers measured with it
-    off (the same fingerprints): the headline needs no rerun for the new defaults."""
+def test_the_depth_rule_gives_the_convergence_headlines_async_arm_muon() -> None:
+    """The headline's grid is 4 x 2, where the P = 4 rule applies: FullSync (flushed) takes
+    nothing; AsyncMesh-fp8 as tuned (an lr and the correction of its own,
+    results/convergence/tuning.json) takes Muon at the rule's matrix lr and keeps the rest.
+    `scripts/convergence_muon.py --headline` measures that config on the headline's seeds
+    (results/convergence/muon_headline.md)."""
     from pathlib import Path
 
     from mesh.bench.convergence import HEADLINE, _dp_spec
@@ -245,5 +243,10 @@ def test_the_depth_rule_leaves_the_convergence_headline_as_it_was_measured() -> 
         off = spec_config(base, _dp_spec(method, 20, tuned=tuned), 1600)
         assert off.optim.depth_rule == "off" and off.grid.stages == 4
         auto = with_overrides(off, {"optim.depth_rule": "auto"})
-        assert auto.depth_rule_settings() == {}
-        assert auto.fingerprint() == off.fingerprint()
+        if method == "FullSync":
+            assert auto.depth_rule_settings() == {}
+            assert auto.fingerprint() == off.fingerprint()
+            continue
+        assert auto.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2}
+        ruled = auto.effective().optim
+        assert ruled.lr == off.optim.lr and ruled.delay_lr_share == 0.5

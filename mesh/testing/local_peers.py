@@ -8,6 +8,7 @@ process. Every process runs in its own session, so a hung one is killed with its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -215,7 +216,9 @@ def kill(p: subprocess.Popen) -> None:
     processes lives to remove them (a machine that died; the next test's box is clean)."""
     if p.poll() is None:
         held = hivemind_sockets(process_tree(p.pid))
-        os.killpg(p.pid, signal.SIGKILL)
+        # its whole group may have exited since poll(): nothing is left to kill, only to reap
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
         for path in held:
             Path(path).unlink(missing_ok=True)

@@ -13,6 +13,7 @@ benches and tests use. Its parent is the fork server, not the caller
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import os
@@ -143,7 +144,9 @@ class Preforked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not yet reaped: the pid is still the child's
-            os.kill(self.pid, sig)
+            # it can exit (and the forkserver reap it) between the two: as Popen, ignore that
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

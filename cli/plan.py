@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import click
@@ -12,6 +11,7 @@ from cli.options import config_options, resolve_config, user_errors
 from cli.plan_uplink import answer_uplink
 from cli.plan_uplink import tie_note as tie_note  # re-exported: its tests read it here
 from mesh.config import ConfigError
+from mesh.engine.machine import host_memory_bytes, local_gpus
 
 
 def _gb(n: float) -> str:
@@ -196,22 +196,6 @@ def _plan_row(c: Any, cfg: Any, tokens_per_s: float, memory: float) -> list[Any]
         f"{pp:,.0f}",
         f"{dp:,.0f}",
     ]
-
-
-def local_gpus() -> list[tuple[str, int]]:
-    """(name, total memory bytes) of each GPU torch sees here; [] when it sees none."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [
-        (torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
-        for i in range(torch.cuda.device_count())
-    ]
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def memory_to_check(

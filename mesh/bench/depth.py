@@ -47,6 +47,8 @@ from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by i
     Arm,
     at_depth,
     label,
+    same_optimizer_fullsync,
+    same_optimizer_of,
     settings_of,
     spec,
 )
@@ -64,8 +66,6 @@ WIDEN = 2  # how many times a grid whose best is on its edge is widened past it
 PHASES = ("screen", "picks", "finals", "long", "width")
 WIDTH_TUNED = {REFERENCE: 5e-4, FULLSYNC: 1e-3}
 WIDTH_KNOWN = Path("results/boundary-d192/summary.json")
-# a recommended arm with one of these optimizers also meets FullSync running it
-SAME_OPTIMIZER_BASELINE = ("muon", "rotated_adam")
 
 
 def _loss(r: dict[str, Any]) -> float:
@@ -266,23 +266,6 @@ def picked(
     if same is not None:
         finals.append(same)
     return best, finals + [a for a in chosen if a is not best]
-
-
-def same_optimizer_of(p: int, arm: Arm) -> Arm | None:
-    """FullSync with `arm`'s optimizer where the arm changes it (None: it keeps NAdamW, and
-    FullSync's AdamW is its baseline)."""
-    optimizer = arm.lever.get("optim.name")
-    if optimizer not in SAME_OPTIMIZER_BASELINE:
-        return None
-    return same_optimizer_fullsync(p, arm, optimizer)
-
-
-def same_optimizer_fullsync(p: int, arm: Arm, optimizer: str) -> Arm:
-    """FullSync with the arm's optimizer, its lr grid the arm's and twice each (FullSync takes
-    a quarter of the updates, each of 4 microbatches: it wants larger lrs, as AdamW's grid is
-    4x the reference's; with Muon at P = 16 its best sat at twice the async arm's grid top)."""
-    lrs = tuple(sorted({*arm.lrs, *(2 * lr for lr in arm.lrs)}))
-    return depth_arms.fullsync(p, 4, lrs, optimizer)
 
 
 def _seed_specs(

@@ -245,6 +245,27 @@ def depth_candidates(stages: int) -> list[Arm]:
     ]
 
 
+# a recommended arm with one of these optimizers also meets FullSync running it
+SAME_OPTIMIZER_BASELINE = ("muon", "rotated_adam")
+
+
+def same_optimizer_of(p: int, arm: Arm) -> Arm | None:
+    """FullSync with `arm`'s optimizer where the arm changes it (None: it keeps NAdamW, and
+    FullSync's AdamW is its baseline)."""
+    optimizer = arm.lever.get("optim.name")
+    if optimizer not in SAME_OPTIMIZER_BASELINE:
+        return None
+    return same_optimizer_fullsync(p, arm, optimizer)
+
+
+def same_optimizer_fullsync(p: int, arm: Arm, optimizer: str) -> Arm:
+    """FullSync with the arm's optimizer, its lr grid the arm's and twice each (FullSync takes
+    a quarter of the updates, each of 4 microbatches: it wants larger lrs, as AdamW's grid is
+    4x the reference's; with Muon at P = 16 its best sat at twice the async arm's grid top)."""
+    lrs = tuple(sorted({*arm.lrs, *(2 * lr for lr in arm.lrs)}))
+    return fullsync(p, 4, lrs, optimizer)
+
+
 def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
     """The two levers together (None when they set one key two ways, muon and rotated_adam, or
     when one holds the other),

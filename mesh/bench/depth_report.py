@@ -20,6 +20,7 @@ from mesh.bench.depth_arms import (
     WIDTH_PREFIX,
     Arm,
     label,
+    same_optimizer_of,
     settings_of,
 )
 from mesh.bench.regime import rule_line
@@ -148,10 +149,10 @@ def _long(
     rec = _losses_of(study.get_long, label(p, best.name), [seed])
     sync = _losses_of(study.get_long, label(p, FULLSYNC), [seed])
     iv = paired_interval(rec, sync, relative=True)
-    # FullSync with the arm's optimizer, where the long run has it (depth.same_optimizer_of)
-    same = f"{FULLSYNC} {best.lever.get('optim.name')}"
-    ran = any(a.name == same for a in arms)
-    held = _losses_of(study.get_long, label(p, same), [seed]) if ran else {}
+    # FullSync with the arm's optimizer, where the long run has it
+    same = same_optimizer_of(p, best)
+    ran = same is not None and any(a.name == same.name for a in arms)
+    held = _losses_of(study.get_long, label(p, same.name), [seed]) if ran and same else {}
     iv_same = paired_interval(rec, held, relative=True) if held else None
     return {
         "P": p,

@@ -129,17 +129,6 @@ def auto_stream_window(cfg: Config, memory_bytes: float | None) -> int:
     return routing.windows_that_fit(at_cap.total_bytes, per_microbatch, memory_bytes, floor, cap)
 
 
-def training_memory_bytes(device: str) -> float:
-    """The memory a cell trains in: the smallest GPU torch sees (runtime.device auto or cuda),
-    else this machine's (`plan` checks a cell against the same figure)."""
-    import os
-
-    if device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(n)))
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def inflight_microbatches(cfg: Config, stage: int, memory_bytes: float | None = None) -> int:
     """Microbatches whose input stage j holds between forward and backward at most."""
     p = cfg.pipeline

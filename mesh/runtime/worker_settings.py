@@ -86,6 +86,7 @@ def _stream_window_cap(cfg: Config, stage: int) -> int:
     p = cfg.pipeline
     if stage > 0 or not p.pooled or p.pool_stream_window != "auto":
         return p.pool_window  # not read
-    from mesh.engine.plan import auto_stream_window, training_memory_bytes
+    from mesh.engine.machine import training_memory_bytes
+    from mesh.engine.plan import auto_stream_window
 
     return auto_stream_window(cfg, training_memory_bytes(cfg.runtime.device))

@@ -22,7 +22,7 @@ from typing import Any
 
 from mesh.algo.topology import Place
 from mesh.runtime.dashboard.rundir import SentTotals, thin
-from mesh.runtime.dashboard.state import DEAD, DEAD_AFTER_BEATS, Seen, StepClock, cell_state
+from mesh.runtime.dashboard.state import DEAD, Seen, StepClock, cell_state
 
 DEFAULT_HEARTBEAT_S = 1.0  # elastic.heartbeat_s's default, when the run's record is unreadable
 
@@ -32,7 +32,7 @@ def missed(row: dict[str, Any], age_s: float, heartbeat_s: float) -> str:
     age_s old: dead once a live peer's heartbeat cannot be that old (cell_state's rule), before
     that the state it last showed. A claim expires 4 beats after its last heartbeat, so a read
     that misses a fresher one missed it (a DHT read under load answers without every record)."""
-    if age_s > DEAD_AFTER_BEATS * heartbeat_s:
+    if cell_state(Seen(claimed=True, heartbeat_age_s=age_s), heartbeat_s) == DEAD:
         return DEAD
     return row.get("state") or DEAD
 

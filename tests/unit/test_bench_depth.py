@@ -125,28 +125,30 @@ class _Ran(_Sweeps):
 
 
 def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
+    M09 = "muon momentum 0.9"  # noqa: N806 - the arm's name
     # each rule of mesh/depth_rule.py is one of the study's arms, its lr aside
     assert depth.shipped_arm(2) is None  # no rule below P = 4: the plain pipeline
     assert depth.shipped_arm(4).name == "muon"
-    assert depth.shipped_arm(8).name == "muon"
+    assert depth.shipped_arm(8).name == "muon momentum 0.9"
+    assert depth.shipped_arm(15).name == "muon momentum 0.9"
     assert depth.shipped_arm(16).name == "lr correction + muon"
     arms = {a.name: a for a in depth_arms.screen_arms(8)}
     # the study picks another arm, whose finals have not run: the shipped arm, with its report
     # seeds, stays `recommended` (and joins the finals' rows where the picks left it out)
     finals = [arms["rotated"], arms["reference"], arms["FullSync"]]
-    tuned = {depth.label(8, "muon"): {"best_lr": 1e-3}}
-    study = _Ran({}, {"P8 muon": [0, 1]})
+    tuned = {depth.label(8, M09): {"best_lr": 1e-3}}
+    study = _Ran({}, {f"P8 {M09}": [0, 1]})
     ship, rows = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=False)
-    assert ship.name == "muon" and [a.name for a in rows][-1] == "muon"
+    assert ship.name == M09 and [a.name for a in rows][-1] == M09
     assert study.asked == [] and study.swept == []  # a report runs nothing
     # a seed missing: not yet recommended (the pick stays); run: swept where untuned, then run
-    study = _Ran({"muon": 1.8}, {"P8 muon": [0]})
+    study = _Ran({M09: 1.8}, {f"P8 {M09}": [0]})
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, {}, run=False)
     assert ship is None
     tuned = {}
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=True)
-    assert study.swept == ["muon"] and depth.label(8, "muon") in tuned
-    assert ("P8 muon", 1) in study.asked
+    assert study.swept == [M09] and depth.label(8, M09) in tuned
+    assert (f"P8 {M09}", 1) in study.asked
 
 
 def test_an_arm_moves_to_another_depth() -> None:

@@ -90,7 +90,7 @@ POOLS_OPTIONS = (
     click.option(
         "--only",
         multiple=True,
-        type=click.Choice(["gpu-mix", "dead-10", "churn"]),
+        type=click.Choice(["gpu-mix", "dead-10", "churn", "equal"]),
         help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
     ),
     click.option(
@@ -114,8 +114,8 @@ def pools(
     keep_runs: bool,
 ) -> str:
     """Stage pools against fixed wiring on process grids (emulated compute): a 4x8 GPU mix,
-    4x8 with 10% of the cells dead, 4x4 under churn; tokens/s against the capacity bounds
-    (fixed, pools, pools whose cells rebalance)."""
+    4x8 with 10% of the cells dead, 4x4 under churn, 3x3 of equal peers; tokens/s against the
+    capacity bounds (fixed, pools, pools whose cells rebalance)."""
     from mesh.bench import pools as study
 
     if controls:

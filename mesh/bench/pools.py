@@ -7,7 +7,9 @@ stretched so the 2-core host is not the bottleneck), per scenario:
 - dead-10: 4x8 with 10% of the cells (3) dead from the start, one per stage from stage 1 on
   (fixed wiring loses their replicas; pools lose their capacity);
 - churn: 4x4, a random live cell SIGKILLed every `churn_every_s` and started again from its
-  checkpoint by the launcher (a fresh peer in its place).
+  checkpoint by the launcher (a fresh peer in its place);
+- equal: 3x3, every cell at one speed, none dead (what pools cost where nothing needs routing
+  around).
 Arms: fixed and pools. Each arm: tokens/s over the steady window (the streams' progress,
 sampled on the bench's clock so that a restart's replayed steps count once, from a quarter of it
 on, while every stream is live; to the run's end beside it), the bounds
@@ -16,7 +18,8 @@ microbatches a second: speed / (forward + backward) per cell), the fraction of t
 reached, the staleness (mean updates between a microbatch's read version and its update), and
 the microbatches voided.
 
-Targets: pools >= 1.4x fixed in gpu-mix; pools >= 0.85 of the pool bound.
+Targets: pools >= 1.4x fixed in gpu-mix; >= 0.95x fixed with equal peers; pools >= 0.85 of the
+pool bound.
 
 Writes summary.json, table.md and throughput.png under --out (results/pools).
 """
@@ -46,6 +49,7 @@ from mesh.runtime.rows import parse_rows
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
 TARGET_VS_FIXED = 1.4  # gpu-mix
+TARGET_EQUAL_VS_FIXED = 0.95  # equal peers: what routing may cost where no peer needs avoiding
 TARGET_OF_BOUND = 0.85
 STEADY_FROM = 0.25  # share of the run's wall time left out as warm-up
 RUN_TIMEOUT_S = 900  # a hang guard per arm
@@ -224,7 +228,7 @@ def bounds(cfg: Config, speeds: list[list[float]]) -> dict[str, float]:
     }
 
 
-SCENARIOS = {"gpu-mix": (4, 8), "dead-10": (4, 8), "churn": (4, 4)}
+SCENARIOS = {"gpu-mix": (4, 8), "dead-10": (4, 8), "churn": (4, 4), "equal": (3, 3)}
 
 
 BASE = [
@@ -324,6 +328,7 @@ def write_report(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
             "measured": mix["pools_vs_fixed"],
             "met": bool(mix["pools_vs_fixed"] and mix["pools_vs_fixed"] >= TARGET_VS_FIXED),
         },
+        **_equal_target(results),
         "pools_of_bound": {
             "target": TARGET_OF_BOUND,
             "measured": min(r["pools_of_bound"] for r in results.values()),
@@ -336,6 +341,21 @@ def write_report(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     (out / "table.md").write_text(table(summary))
     plot(summary, out / "throughput.png")
     return summary
+
+
+def _equal_target(results: dict[str, Any]) -> dict[str, Any]:
+    """The equal peers' verdict (none for a summary run before the scenario existed)."""
+    equal = results.get("equal")
+    if equal is None:
+        return {}
+    got = equal["pools_vs_fixed"]
+    return {
+        "pools_vs_fixed_equal_peers": {
+            "target": TARGET_EQUAL_VS_FIXED,
+            "measured": got,
+            "met": bool(got and got >= TARGET_EQUAL_VS_FIXED),
+        }
+    }
 
 
 def table(summary: dict[str, Any]) -> str:

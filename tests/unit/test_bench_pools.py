@@ -30,6 +30,7 @@ def test_scenarios_are_seeded_and_the_dead_spare_the_streams():
     )
     dead = pools.scenario_speeds("dead-10", 4, 8)
     assert [stage.count(0.0) for stage in dead] == [0, 1, 1, 1]  # 10% of 32, none in stage 0
+    assert pools.scenario_speeds("equal", *pools.SCENARIOS["equal"]) == [[1.0] * 3] * 3
 
 
 def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
@@ -60,6 +61,20 @@ def test_report_only_recomputes_the_bounds_and_the_verdicts(tmp_path):
     assert "rebalanced bound (moves)" in table and "MISSED" not in table
     assert "| 1,000 / 1,000 " in table  # the whole run's rates beside the steady window's
     assert json.loads((tmp_path / "summary.json").read_text())["targets"] == summary["targets"]
+    # equal peers: pools at 0.9x fixed miss their own target (0.95x), whatever the GPU mix did
+    assert summary["targets"]["pools_vs_fixed_equal_peers"]["met"]
+    scenarios["equal"]["pools_vs_fixed"] = 0.9
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"steps": 60, "quick": False, "scenarios": scenarios})
+    )
+    equal = pools.report_only(tmp_path)["targets"]["pools_vs_fixed_equal_peers"]
+    assert equal == {"target": 0.95, "measured": 0.9, "met": False}
+    # a summary from before the scenario: no verdict for it, the others as they were
+    del scenarios["equal"]
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"steps": 60, "quick": False, "scenarios": scenarios})
+    )
+    assert "pools_vs_fixed_equal_peers" not in pools.report_only(tmp_path)["targets"]
 
 
 def test_only_adds_to_a_study_of_the_same_settings(tmp_path):

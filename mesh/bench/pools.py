@@ -297,7 +297,9 @@ def run_study(
 def _kept(out: Path, steps: int, overrides: tuple[str, ...]) -> dict[str, Any]:
     """The scenarios of out's summary.json, if it was run with these steps and overrides."""
     path = out / "summary.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        raise ValueError(f"{path}: no study there yet; --only adds to one: run without it first")
+    old = json.loads(path.read_text())
     if old.get("steps") != steps or old.get("overrides", []) != list(overrides):
         raise ValueError(
             f"{path}: run with steps {old.get('steps')} and overrides {old.get('overrides', [])}, "

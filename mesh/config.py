@@ -337,6 +337,10 @@ class Config(_Section):
         if not averaging or self.dp.selector != "partition" or self.dp.fraction >= 1:
             d["dp"]["index_map"] = HASHED_AWAY_AT[("dp", "index_map")]
             d["dp"]["subset_block"] = 1
+        # replica affinity steers only a pool's draws by load: fixed wiring and seeded pools
+        # never read it, so their runs keep their hash whatever its default
+        if not self.pipeline.pooled or self.pipeline.pool_choice == "seeded":
+            d["pipeline"]["pool_affinity"] = HASHED_AWAY_AT[("pipeline", "pool_affinity")]
         # a full boundary reads neither rank; the fixed subspace has no anchors
         if self.pipeline.boundary == "full":
             d["pipeline"]["boundary_rank"] = PipelineConfig.model_fields["boundary_rank"].default

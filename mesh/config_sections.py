@@ -176,13 +176,13 @@ class PipelineConfig(_Section):
         "simulator exactly",
     )
     pool_affinity: float = Field(
-        0.0,
+        1.5,
         ge=0,
-        description="pools (load and delay): replica affinity. 0 = off; a ratio >= 1 keeps a "
-        "microbatch on its own replica's next cell unless that cell is clearly slower: its "
-        "measured time per microbatch more than this x the best other cell's (or it is full, "
-        "down or not measured yet). With equal peers a pool is then fixed wiring; 1.5 is what "
-        "docs/pools.md measured",
+        description="pools (load and delay): replica affinity. A ratio >= 1 keeps a microbatch "
+        "on its own replica's next cell unless that cell is clearly slower: its measured time "
+        "per microbatch more than this x the best other cell's (or it is full, down or not "
+        "measured yet). With equal peers a pool is then fixed wiring (docs/pools.md measured "
+        "1.5); 0 = off: every hop drawn by load",
     )
 
     @property
@@ -414,6 +414,7 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
 HASHED_AWAY_AT: dict[tuple[str, str], Any] = {
     ("dp", "payload_error_feedback"): False,
     ("dp", "index_map"): "permutation",
+    ("pipeline", "pool_affinity"): 0.0,
 }
 # the sections every peer of a run shares (mesh/config_local.py: those each peer sets itself)
 SECTIONS: dict[str, type[_Section]] = {

@@ -175,10 +175,18 @@ PAIRED = "paired"  # the arm whose engine is PairedPoolSim
 # cell a tick: no cell steps twice); "affinity" pools with replica affinity 1.5 and the slow
 # cell (its stream leaves it, the equal cells keep theirs); the DPAvg pair the same routing
 # with the replicas' weights made equal every tick (a blocking full average).
+# the controls measure pools routed by load (every hop drawn): affinity off, as they ran
+NO_AFFINITY: dict[str, Any] = {"pipeline.pool_affinity": 0.0}
 CONTROL_ARMS: dict[str, tuple[str, str, list[str], dict[str, Any], str]] = {
     "fixed": ("AsyncMesh-fp8", "fixed", SLOW, {}, "AsyncMesh-fp8 fixed"),
-    "even": ("AsyncMesh-fp8", "pools", [], {}, "AsyncMesh-fp8 pools (delay), no slow cell"),
-    PAIRED: ("AsyncMesh-fp8", "pools", [], {}, "AsyncMesh-fp8 paired across replicas"),
+    "even": (
+        "AsyncMesh-fp8",
+        "pools",
+        [],
+        NO_AFFINITY,
+        "AsyncMesh-fp8 pools (delay), no slow cell",
+    ),
+    PAIRED: ("AsyncMesh-fp8", "pools", [], NO_AFFINITY, "AsyncMesh-fp8 paired across replicas"),
     "affinity": (
         "AsyncMesh-fp8",
         "pools",
@@ -187,7 +195,7 @@ CONTROL_ARMS: dict[str, tuple[str, str, list[str], dict[str, Any], str]] = {
         "AsyncMesh-fp8 pools (delay), affinity 1.5",
     ),
     "dpavg-fixed": ("DPAvg", "fixed", [], {}, "DPAvg fixed"),
-    "dpavg-pools": ("DPAvg", "pools", [], {}, "DPAvg pools (delay), no slow cell"),
+    "dpavg-pools": ("DPAvg", "pools", [], NO_AFFINITY, "DPAvg pools (delay), no slow cell"),
 }
 # each arm's reference: the fixed arm of its method
 CONTROL_REFERENCE = {

@@ -388,12 +388,24 @@ def test_a_resume_may_change_every_local_section_and_no_training_key(tmp_path):
     assert (stored.sentinel.z, new.sentinel.z, new.transport.backend) == (6.0, 3.0, "hivemind")
 
 
-def test_pool_affinity_is_off_by_default_keeps_fingerprints_and_refuses_a_ratio_below_one():
+def test_pool_affinity_is_on_by_default_keeps_fingerprints_and_refuses_a_ratio_below_one():
+    """Pools keep a microbatch on its replica's cells by default (1.5). Off, every hop by load,
+    was the behaviour before the key, so it hashes away: a pools run from then resumes with its
+    fingerprint. Fixed wiring and seeded pools never read the key, so their hash is the same
+    at any value (the pinned fingerprints above stay)."""
     pools = load_config([], ["pipeline.routing='pools'"])
-    assert pools.pipeline.pool_affinity == 0.0
+    assert pools.pipeline.pool_affinity == 1.5
     off = with_overrides(pools, {"pipeline.pool_affinity": 0.0})
-    assert off.fingerprint() == pools.fingerprint()  # a later key at its default: hashed away
+    assert off.fingerprint() != pools.fingerprint()  # other routing: another run
+    assert with_overrides(pools, {"pipeline.pool_affinity": 1.5}).fingerprint() == (
+        pools.fingerprint()
+    )  # a config that wrote 1.5 before it was the default is the same run
     on = with_overrides(pools, {"pipeline.pool_affinity": 2.0})
     assert on.fingerprint() != pools.fingerprint()
+    for other in ({"pipeline.routing": "fixed"}, {"pipeline.pool_choice": "seeded"}):
+        cfg = with_overrides(pools, other)
+        assert with_overrides(cfg, {"pipeline.pool_affinity": 0.0}).fingerprint() == (
+            cfg.fingerprint()
+        ), other
     with pytest.raises(ConfigError, match="pool_affinity"):
         load_config([], ["pipeline.routing='pools'", "pipeline.pool_affinity=0.5"])

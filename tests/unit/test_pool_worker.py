@@ -211,7 +211,13 @@ def test_an_auto_stream_window_covers_a_slow_downstream(tmp_path):
     downstream keeps more than pool_window in flight (at most 4x it); every microbatch
     completes and no downstream cell holds more than pool_window."""
     slow = '["s1r0=8", "s1r1=8"]'
-    auto = ("pipeline.pool_window=2", "pipeline.pool_stream_window='auto'")
+    # routed by load (affinity off): with it each stream waits for its own next cell, as a fixed
+    # chain does, and holds what that cell holds
+    auto = (
+        "pipeline.pool_window=2",
+        "pipeline.pool_stream_window='auto'",
+        "pipeline.pool_affinity=0",
+    )
     _, hub, workers = _grid(tmp_path, 2, 2, 30, *auto, f"emulation.slowdowns={slow}")
     _run(workers, hub)
     streams = [workers[c] for c in ("s0r0", "s0r1")]

@@ -131,7 +131,7 @@ def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
     assert depth.shipped_arm(4).name == "muon"
     assert depth.shipped_arm(8).name == "muon momentum 0.9"
     assert depth.shipped_arm(15).name == "muon momentum 0.9"
-    assert depth.shipped_arm(16).name == "lr correction + muon"
+    assert depth.shipped_arm(16).name == "lr correction + muon momentum 0.9"
     arms = {a.name: a for a in depth_arms.screen_arms(8)}
     # the study picks another arm, whose finals have not run: the shipped arm, with its report
     # seeds, stays `recommended` (and joins the finals' rows where the picks left it out)

@@ -183,7 +183,12 @@ def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None
     assert load_config([], [*sets, "grid.stages=2"]).depth_rule_settings() == {}  # none below 4
     # sixteen: Muon on top of the correction
     deep = load_config([], [*sets, "model.n_layers=16", "grid.stages=16"])
-    assert deep.depth_rule_settings() == {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2}
+    assert deep.depth_rule_settings() == {
+        "delay_lr_share": 0.5,
+        "name": "muon",
+        "muon_lr": 1e-2,
+        "muon_momentum": 0.9,
+    }
     assert deep.effective().optim.lr == 1e-3
     for j, module in enumerate(build_stages(deep.model, 16, 0)):
         cell = Cell.build(deep, j, 0, module)

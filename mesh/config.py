@@ -338,8 +338,11 @@ class Config(_Section):
             d["dp"]["index_map"] = HASHED_AWAY_AT[("dp", "index_map")]
             d["dp"]["subset_block"] = 1
         # replica affinity steers only a pool's draws by load: fixed wiring and seeded pools
-        # never read it, so their runs keep their hash whatever its default
-        if not self.pipeline.pooled or self.pipeline.pool_choice == "seeded":
+        # (each path known whole) never read it, so their runs keep their hash at any default
+        from mesh.algo import routes
+
+        route = routes.of(self.pipeline)
+        if not route.pooled or route.seeded:
             d["pipeline"]["pool_affinity"] = HASHED_AWAY_AT[("pipeline", "pool_affinity")]
         # a full boundary reads neither rank; the fixed subspace has no anchors
         if self.pipeline.boundary == "full":

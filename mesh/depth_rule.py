@@ -37,17 +37,17 @@ class DepthRule:
 
 
 # deepest last; a pipeline takes the last rule whose range holds its depth (none below them).
-# 4 <= P <= 15: Muon (its matrices at 10x the default lr, which the rest keeps). At P = 4 on
+# 4 <= P <= 7: Muon (its matrices at 10x the default lr, which the rest keeps). At P = 4 on
 # seed 100 its best lr is 1e-3 (1.593; 5e-4: 1.644, 2e-3: 1.615), ahead of AsyncPP's lr
 # correction (1.717 at its best lr, 4e-3, twice the plain pipeline's), the plain pipeline
 # (1.779) and FullSync (AdamW, 1.803); on the report seeds 0 and 1 it ends -11.43% +- 1.12%
 # from FullSync (AdamW), the correction -2.50%, and +0.01% +- 0.62% from FullSync with Muon
-# (1.598 / 1.596 at 4e-3): at four stages the optimizer held fixed is at parity. At P = 5-7
-# Muon takes its default momentum (0.95; P = 4's rule, not measured between 4 and 8). At P = 8
-# (Muon at 0.95: the next rule's 0.9 is below), on seed 100 its
-# best lr is 1e-3 (1.698; 5e-4: 1.733, 2e-3: 1.752), ahead of every other lever the screen
-# measured: AsyncPP's lr correction (stage j starts at lr / delta_j, the full lr from half the
-# run) 1.798 at 2e-3, rotated Adam 1.759, the plain pipeline 1.898, FullSync (AdamW) 1.791. On
+# (1.598 / 1.596 at 4e-3): at four stages the optimizer held fixed is at parity. P = 5-7 take
+# this rule (not measured between 4 and 8). Muon at its default momentum (0.95) at P = 8, which
+# the next rule's 0.9 replaced: on seed 100 its best lr is 1e-3 (1.698; 5e-4: 1.733, 2e-3:
+# 1.752), ahead of every other lever the screen measured: AsyncPP's lr correction (stage j
+# starts at lr / delta_j, the full lr from half the run) 1.798 at 2e-3, rotated Adam 1.759,
+# the plain pipeline 1.898, FullSync (AdamW) 1.791. On
 # the report seeds 0 and 1 Muon ends -6.65% +- 0.47% from FullSync, the correction -0.04% +- 0.38%,
 # the plain pipeline +6.28% (a 16-block d 64 Llama, 1.64M tokens, FullSync at 0.73 of the
 # bigram). With Muon in FullSync too the async pipeline is +6.46% +- 0.30% behind (FullSync

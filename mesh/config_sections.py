@@ -165,6 +165,15 @@ class PipelineConfig(_Section):
         "or a number (>= 1). More in flight keeps a fast stream's device busy and adds "
         "staleness",
     )
+    pool_cell_window: Literal["window", "auto"] = Field(
+        "window",
+        description="pools: microbatches a cell of a later stage holds at most: window = "
+        "pool_window; auto = one more than it holds while it has nothing of its own to compute "
+        "and a cell of the next stage starves, up to "
+        f"{choices.STREAM_WINDOW_CAP}x pool_window or as many as fit the device's memory (a "
+        "stashed weight version each: `plan` shows it). Its senders read it from its answers. "
+        "Keeps a thin stage's cells from idling full while the next stage waits",
+    )
     pool_choice: Literal[choices.POOL_CHOICES] = Field(
         "delay",
         description="pools: delay = two next cells drawn with probability ~ its measured rate "
@@ -250,6 +259,16 @@ class OptimConfig(_Section):
         ge=0,
         lt=1,
         description="nadamw: NAdam's mu_t at most this (None: torch's ramp towards beta1)",
+    )
+    boundary_lr_scale: float = Field(
+        1.0,
+        gt=0,
+        description="a compressed boundary's own parameters (pipeline.boundary = learned: its "
+        "encoders, decoders and token anchors) train at lr x this (Muon's matrices: muon_lr x "
+        "this); 1 = the model's",
+    )
+    boundary_weight_decay: float | None = Field(
+        None, ge=0, description="their weight decay (None: optim.weight_decay)"
     )
     depth_rule: Literal["auto", "off"] = Field(
         "auto",
@@ -395,8 +414,15 @@ LATER_KEYS: dict[str, tuple[str, ...]] = {
         "pool_choice",
         "pool_stream_window",
         "pool_affinity",
+        "pool_cell_window",
     ),
-    "optim": ("delay_lr_share", "adaptive_momentum", "mu_cap"),
+    "optim": (
+        "delay_lr_share",
+        "adaptive_momentum",
+        "mu_cap",
+        "boundary_lr_scale",
+        "boundary_weight_decay",
+    ),
     "dp": (
         "lambda_clock",
         "lambda_hold_arrivals",

@@ -12,6 +12,7 @@ _PLUGIN_MODULES (one line) so it is imported on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable
@@ -76,6 +77,9 @@ def lambda_at(
 # The AsyncMesh paper's run: 30k updates with NAdam's psi = 0.004. A setting it gives in steps
 # is a share of that run here (the brief), so a 1,600-update run follows the same mu_t curve.
 PAPER_STEPS = 30_000
+# a compressed boundary's parameters in a stage module (mesh/model/boundary.py: the module's
+# `boundary` ModuleDict); the learned ends train with OptimSpec.for_boundary()
+BOUNDARY_PREFIX = "boundary."
 PAPER_MOMENTUM_DECAY = 0.004
 
 
@@ -139,6 +143,10 @@ class OptimSpec:
     error_feedback: bool = False
     state_8bit: bool = False
     velocity_beta: float | None = None  # weight prediction's EMA of updates (set by the cell)
+    # a compressed boundary's parameters (BOUNDARY_PREFIX): their lr (and muon_lr) x this, and
+    # their own weight decay (None: weight_decay)
+    boundary_lr_scale: float = 1.0
+    boundary_weight_decay: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -156,10 +164,25 @@ class OptimSpec:
             ("stages", self.stages >= 1),
             ("mu_cap", self.mu_cap is None or 0 <= self.mu_cap < 1),
             ("velocity_beta", self.velocity_beta is None or 0 <= self.velocity_beta < 1),
+            ("boundary_lr_scale", self.boundary_lr_scale > 0),
+            ("boundary_weight_decay", (self.boundary_weight_decay or 0) >= 0),
         ]
         for key, ok in checks:
             if not ok:
                 raise ValueError(f"optim.{key} out of range: {getattr(self, key)!r}")
+
+    def for_boundary(self) -> OptimSpec:
+        """The spec a compressed boundary's parameters train with: lr and muon_lr scaled by
+        boundary_lr_scale, weight decay boundary_weight_decay where set; the rest the model's."""
+        wd = self.boundary_weight_decay
+        return dataclasses.replace(
+            self,
+            lr=self.lr * self.boundary_lr_scale,
+            muon_lr=self.muon_lr * self.boundary_lr_scale,
+            weight_decay=self.weight_decay if wd is None else wd,
+            boundary_lr_scale=1.0,
+            boundary_weight_decay=None,
+        )
 
     def resolved_beta1(self) -> float:
         """beta1 with the per-optimizer default filled in, and with adaptive momentum this
@@ -331,7 +354,11 @@ class StageOptimizer:
         self.spec = spec
         self.params: dict[str, torch.nn.Parameter] = dict(named_params)
         planner = get_planner(spec.name)
-        self.rules: dict[str, UpdateRule] = {n: planner(n, p, spec) for n, p in named_params}
+        boundary = spec.for_boundary()
+        self.rules: dict[str, UpdateRule] = {
+            n: planner(n, p, boundary if n.startswith(BOUNDARY_PREFIX) else spec)
+            for n, p in named_params
+        }
         self._q8 = _Blockwise8bit() if spec.state_8bit else None
         # Eager state: state_bytes() and state_dict() keys are stable from the start.
         self.state: dict[str, State] = {n: self._init_state(n, p) for n, p in named_params}

@@ -131,6 +131,20 @@ def next_window(current: int, target: int, next_starved: bool) -> int:
     return current + 1 if next_starved else current
 
 
+def cell_window(floor: int, cap: int, held: int, idle: bool, next_starved: bool) -> int:
+    """The microbatches a cell of a later stage takes at most now (`pipeline.pool_cell_window =
+    "auto"`; a sender reads it from the cell's tags): `floor` (pool_window), or one more than it
+    holds, up to `cap`, while it has nothing of its own to compute (every microbatch it holds
+    is out downstream: `idle`) and a cell of the next stage starves (holds nothing as this cell
+    knows it). A thin stage's cells otherwise sit full and idle while the next stage waits
+    (10% of a 4x8 grid dead: each spends a quarter of its time so, docs/pools.md); where every
+    next cell has work, one more held only waits in their queues (staleness, and a stashed
+    weight version), so the window stays at the floor there."""
+    if idle and next_starved:
+        return max(floor, min(cap, held + 1))
+    return floor
+
+
 def windows_that_fit(
     total_at_cap: float, per_microbatch: float, memory_bytes: float | None, floor: int, cap: int
 ) -> int:
@@ -350,11 +364,18 @@ class LoadBook:
     rate: dict[str, float] = field(default_factory=dict)
     others: dict[str, int] = field(default_factory=dict)
     mine: dict[str, int] = field(default_factory=dict)
+    # the window each cell last said it takes (`cell_window`; none said: the sender's own)
+    windows: dict[str, int] = field(default_factory=dict)
 
-    def report(self, cell: str, rate: float, others_held: int) -> None:
+    def report(self, cell: str, rate: float, others_held: int, window: int = 0) -> None:
         if rate > 0:
             self.rate[cell] = rate
         self.others[cell] = max(0, others_held)
+        if window > 0:
+            self.windows[cell] = window
+
+    def window_of(self, cell: str, default: int) -> int:
+        return self.windows.get(cell, default)
 
     def sent(self, cell: str) -> None:
         self.mine[cell] = self.mine.get(cell, 0) + 1
@@ -376,9 +397,12 @@ class LoadBook:
     ) -> str:
         """A cell drawn by rate / (queue + 1); with v, the sooner done of two so drawn
         (pick_by_delay); with `window`, among the cells whose queue as this sender knows it is
-        below the window (a full cell would refuse), if any is. With `affinity` > 0, `own` (the
-        microbatch's own replica's cell) whenever it has room and `stays` says so."""
-        room = [c for c in cells if window is None or self.queue(c) < window] or list(cells)
+        below their window (the one each last said it takes, else `window`: a full cell would
+        refuse), if any is. With `affinity` > 0, `own` (the microbatch's own replica's cell)
+        whenever it has room and `stays` says so."""
+        room = [
+            c for c in cells if window is None or self.queue(c) < self.window_of(c, window)
+        ] or list(cells)
         rates, queues = [self.rate.get(c) for c in room], [self.queue(c) for c in room]
         mine = room.index(own) if own in room else None
         if own is not None and stays(rates, mine, affinity):

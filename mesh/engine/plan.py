@@ -104,28 +104,32 @@ def optimizer_state_bytes(cfg: Config, stage: int) -> tuple[int, int]:
 
 def pool_held(cfg: Config, stage: int, memory_bytes: float | None = None) -> int:
     """The most microbatches a pooled cell holds (mesh/runtime/pool.py): a stream (stage 0) its
-    stream window at its largest (`auto`: as many as fit memory_bytes), any other cell
-    pool_window."""
+    stream window at its largest, any other cell its cell window (`auto`: as many as fit
+    memory_bytes, else pool_window)."""
     p = cfg.pipeline
-    if stage > 0 or p.pool_stream_window == "window":
+    if stage > 0 and p.pool_cell_window == "auto":
+        return auto_window(cfg, stage, memory_bytes)
+    if stage > 0:
+        return p.pool_window
+    if p.pool_stream_window == "window":
         return p.pool_window
     if p.pool_stream_window == "auto":
-        return auto_stream_window(cfg, memory_bytes)
+        return auto_window(cfg, 0, memory_bytes)
     return p.pool_stream_window
 
 
-def auto_stream_window(cfg: Config, memory_bytes: float | None) -> int:
-    """The most microbatches `pool_stream_window = "auto"` lets a stream keep in flight:
-    STREAM_WINDOW_CAP x pool_window, fewer where stage 0 holding that many would not fit
-    memory_bytes (each one stashes a weight version and keeps its tokens), never fewer than
-    pool_window (None: no memory to fit, the cap)."""
+def auto_window(cfg: Config, stage: int, memory_bytes: float | None) -> int:
+    """The most microbatches an `auto` window lets stage `stage`'s cell hold (a stream's
+    `pool_stream_window`, a later cell's `pool_cell_window`): STREAM_WINDOW_CAP x pool_window,
+    fewer where the cell holding that many would not fit memory_bytes (each one stashes a
+    weight version and keeps its input: tokens at stage 0, an activation after), never fewer
+    than pool_window (None: no memory to fit, the cap)."""
     p = cfg.pipeline
     floor, cap = p.pool_window, choices.STREAM_WINDOW_CAP * p.pool_window
     if memory_bytes is None:
         return cap
-    at_cap = plan_cell(cfg, 0)  # pool_held without a memory: the cap
-    tokens = 8 * cfg.pipeline.microbatch_size * cfg.model.seq_len  # stage 0 holds int64 ids
-    per_microbatch = 4 * at_cap.params + tokens
+    at_cap = plan_cell(cfg, stage)  # pool_held without a memory: the cap
+    per_microbatch = 4 * at_cap.params + held_input_bytes(cfg, stage)
     return routing.windows_that_fit(at_cap.total_bytes, per_microbatch, memory_bytes, floor, cap)
 
 
@@ -151,9 +155,18 @@ def stash_versions(cfg: Config, stage: int, memory_bytes: float | None = None) -
     return versions_kept(p.schedule, stage, cfg.grid.stages, p.extra_warmups())
 
 
+def held_input_bytes(cfg: Config, stage: int) -> int:
+    """What stage `stage` keeps of each microbatch it holds between forward and backward: token
+    ids at stage 0, else the decoded fp32 activation (and the tokens a compressed boundary
+    reads)."""
+    B, T = cfg.pipeline.microbatch_size, cfg.model.seq_len
+    compressed = cfg.pipeline.boundary != "full"
+    return B * T * (8 if stage == 0 else 4 * cfg.boundary_width + 8 * compressed)
+
+
 def plan_cell(cfg: Config, stage: int, memory_bytes: float | None = None) -> CellPlan:
-    """Stage `stage`'s cell; memory_bytes: the device's, which bounds a pool's `auto` stream
-    window (None: unbounded, the window's cap)."""
+    """Stage `stage`'s cell; memory_bytes: the device's, which bounds a pool's `auto` windows
+    (None: unbounded, the window's cap)."""
     m, P = cfg.model, cfg.grid.stages
     layers, first, last = stage_layers(m, P, stage)
     module = stage_module(m, layers, first, last, stage=stage, boundary=boundary_spec(cfg))
@@ -163,9 +176,8 @@ def plan_cell(cfg: Config, stage: int, memory_bytes: float | None = None) -> Cel
     opt, ef = optimizer_state_bytes(cfg, stage)
     B, T, d = cfg.pipeline.microbatch_size, m.seq_len, m.d_model
     inflight = inflight_microbatches(cfg, stage, memory_bytes)
-    w, compressed = cfg.boundary_width, cfg.pipeline.boundary != "full"
-    # token ids, or the decoded fp32 activations (and the tokens a compressed boundary reads)
-    act_in = B * T * (8 if first else 4 * w + 8 * compressed)
+    w = cfg.boundary_width
+    act_in = held_input_bytes(cfg, stage)
     grad_in = 0 if last else B * T * 4 * w
     # the fixed subspace's buffers: U and the initial token table, on every stage
     fixed = 4 * (m.vocab_size * d + d * w) if cfg.pipeline.boundary == "subspace" and P > 1 else 0

@@ -11,8 +11,11 @@ schedule's rules hold per microbatch: the forward reads the newest weights and s
 version, the backward recomputes on the stash, and every backward is one update of the live
 weights (then the averaging rounds run as on a fixed grid: mesh/runtime/rounds.py).
 
-Its messages are activations, gradients (with the sender's load), refusals and FINs, each
-tagged `pool/...` (mesh/runtime/pool_wire.py).
+Its messages are activations, gradients (with the sender's load and the window it takes now),
+refusals and FINs, each tagged `pool/...` (mesh/runtime/pool_wire.py). A cell past stage 0
+holds at most pipeline.pool_window microbatches and refuses more; with `pool_cell_window =
+"auto"` it takes one more while nothing it holds is left to compute here and a next-stage cell
+starves (routing.cell_window), and says so in its answers, which its senders' LoadBook reads.
 
 Faults: a microbatch whose gradient is not back within elastic.pool_timeout_s, or whose cell is
 cut off (PeerLost), is routed to another live cell (its activation is kept until then) or, with
@@ -88,10 +91,26 @@ class PoolWorker(CellWorker):
 
     # ---- names and data -----------------------------------------------------------------
     def _load_tag(self, kind: str, stream: int, index: int, to: str) -> str:
-        """A gradient's or refusal's tag with this cell's load as `to` should see it."""
+        """A gradient's or refusal's tag with this cell's load as `to` should see it, and the
+        window it takes now."""
         mine = sum(1 for h in self.held.values() if h.sender == to)
         rate = 0 if not self.sec_per_mb else int(1000 / self.sec_per_mb)
-        return f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}"
+        window = min(self._window_now(), 999)
+        return f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}/{window}"
+
+    def _window_now(self) -> int:
+        """The microbatches this cell takes at most now: pipeline.pool_window, or with
+        pool_cell_window = "auto" one more than it holds while nothing it holds is left to
+        compute here and a cell of the next stage starves as it knows (routing.cell_window)."""
+        pipe = self.settings.pipeline
+        window = pipe.pool_window
+        if self.j > 0 and self.next is not None and pipe.pool_cell_window == "auto":
+            idle = all(h.sent_to is not None for h in self.held.values())
+            starved = any(self.book.queue(c) == 0 for c in self._live_downs())
+            cap = self.settings.window_cap
+            window = routing.cell_window(window, cap, len(self.held), idle, starved)
+        self.stats.window_peak = max(self.stats.window_peak, window)
+        return window
 
     def _measured(self, seconds: float) -> None:
         self.sec_per_mb = _ema(self.sec_per_mb, seconds)
@@ -102,7 +121,7 @@ class PoolWorker(CellWorker):
         if want == "window":
             return floor
         if want == "auto":
-            cap = self.settings.stream_window_cap
+            cap = self.settings.window_cap
             target = routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
             starved = any(self.book.queue(c) == 0 for c in self._live_downs())
             self.window = routing.next_window(self.window, target, starved)
@@ -247,7 +266,7 @@ class PoolWorker(CellWorker):
         if (
             own not in live
             or not self.book.mine.get(own)
-            or self.book.queue(own) < pipe.pool_window
+            or self.book.queue(own) < self.book.window_of(own, pipe.pool_window)
         ):
             return False
         rates = [self.book.rate.get(c) for c in live]
@@ -278,11 +297,11 @@ class PoolWorker(CellWorker):
         if parsed is None or parsed[0] != "a" or parsed[1] >= self.m:
             self.transport.stats.add_reject("bad_tag")
             return
-        _, stream, b, _, _ = parsed
+        _, stream, b, _, _, _ = parsed
         if (stream, b) in self.held:
             self.transport.stats.add_reject("duplicate")
             return
-        if len(self.held) >= self.settings.pipeline.pool_window:
+        if len(self.held) >= self._window_now():
             self.stats.refused += 1
             self._control(up, self._load_tag("r", stream, b, up))
             return
@@ -360,13 +379,13 @@ class PoolWorker(CellWorker):
         if parsed is None or parsed[0] != kind:
             self.transport.stats.add_reject("bad_tag")
             return None
-        _, stream, b, others, rate = parsed
+        _, stream, b, others, rate, window = parsed
         h = self.held.get((stream, b))
         if h is None or h.sent_to != d:  # voided or routed elsewhere meanwhile: a late answer
             self.transport.stats.add_reject("late")
             return None
         self.book.back(d)
-        self.book.report(d, rate, others)
+        self.book.report(d, rate, others, window)
         return h
 
     def _on_refusal(self, d: str, msg: Message) -> None:

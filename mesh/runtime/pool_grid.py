@@ -62,6 +62,7 @@ def pool_row(st: StageStats) -> dict[str, Any]:
         "rerouted": st.rerouted,
         "voided": st.voided,
         "held_peak": st.held_peak,
+        "window_peak": st.window_peak,
         "starved_s": round(st.starved_s, 3),
         "blocked_s": round(st.blocked_s, 3),
     }

@@ -3,10 +3,12 @@ bounded before use, a cell's routing counters, and what it holds of each microba
 
 Wire (all tags start with `pool/`, and each is parsed and bounded before use):
 - `pool/a/S/I` activation of microbatch (S, I), upstream -> downstream;
-- `pool/g/S/I/Q/R` its gradient, downstream -> upstream, with the sender's load: Q microbatches
-  held for other senders, R its measured rate in milli-microbatches a second;
-- `pool/r/S/I/Q/R` a refusal (the cell holds pipeline.pool_window already): the sender routes
-  the microbatch to another cell;
+- `pool/g/S/I/Q/R/W` its gradient, downstream -> upstream, with the sender's load: Q
+  microbatches held for other senders, R its measured rate in milli-microbatches a second, W
+  the microbatches it takes at most now (pipeline.pool_window, or more with
+  `pool_cell_window = "auto"`: routing.cell_window; optional, 1-999);
+- `pool/r/S/I/Q/R/W` a refusal (the cell holds its window already): the sender routes the
+  microbatch to another cell;
 - `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).
 """
 
@@ -21,7 +23,9 @@ import torch
 from comms import codecs
 from mesh.runtime.stage_stats import StageStats
 
-_TAG = re.compile(r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12}))?)?")
+_TAG = re.compile(
+    r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12})(?:/([1-9]\d{0,2}))?)?)?"
+)
 
 
 @dataclass
@@ -32,6 +36,7 @@ class PoolStats(StageStats):
     rerouted: int = 0  # microbatches sent again elsewhere (refused, or their cell lost)
     voided: int = 0  # microbatches given up (no live cell took them, or void markers)
     held_peak: int = 0
+    window_peak: int = 0  # the most this cell said it takes (pool_cell_window "auto" grows it)
     # the loop asleep: holding nothing (no work came: starved), or holding only microbatches
     # out downstream (waiting on answers; at stage 0 the stream window full: blocked)
     starved_s: float = 0.0
@@ -50,8 +55,9 @@ class Held:
     out: codecs.Encoded | None = None  # the activation sent, kept to route it again
 
 
-def parse_tag(tag: str) -> tuple[str, int, int, int, float] | None:
-    """(kind, stream, index, others_held, rate) of a pool tag; None when malformed."""
+def parse_tag(tag: str) -> tuple[str, int, int, int, float, int] | None:
+    """(kind, stream, index, others_held, rate, window) of a pool tag (window 0: not said);
+    None when malformed."""
     found = _TAG.fullmatch(tag)
     if found is None:
         return None
@@ -59,4 +65,4 @@ def parse_tag(tag: str) -> tuple[str, int, int, int, float] | None:
     index = int(found.group(3) or 0)
     others = int(found.group(4) or 0)
     rate = int(found.group(5) or 0) / 1000.0
-    return kind, stream, index, others, rate
+    return kind, stream, index, others, rate, int(found.group(6) or 0)

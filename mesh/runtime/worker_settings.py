@@ -44,9 +44,10 @@ class WorkerSettings:
     grid: Grid  # the run's grid, less the cells emulation.deaths takes out
     rounds: RoundSettings
     routing: Routing  # pipeline.routing and pool_choice, chosen once: the worker asks it
-    # a stream's most microbatches in flight with pool_stream_window = "auto": what stage 0
-    # fits in the memory the cell trains in (mesh/engine/plan.auto_stream_window)
-    stream_window_cap: int
+    # the most microbatches this cell's `auto` window holds (a stream's pool_stream_window, a
+    # later cell's pool_cell_window): what it fits in the memory it trains in
+    # (mesh/engine/plan.auto_window)
+    window_cap: int
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -78,15 +79,16 @@ class WorkerSettings:
             grid=grid_of(cfg),
             rounds=RoundSettings.of(cfg),
             routing=routes.of(cfg.pipeline),
-            stream_window_cap=_stream_window_cap(cfg, stage),
+            window_cap=_window_cap(cfg, stage),
         )
 
 
-def _stream_window_cap(cfg: Config, stage: int) -> int:
+def _window_cap(cfg: Config, stage: int) -> int:
     p = cfg.pipeline
-    if stage > 0 or not p.pooled or p.pool_stream_window != "auto":
+    auto = p.pool_stream_window if stage == 0 else p.pool_cell_window
+    if not p.pooled or auto != "auto":
         return p.pool_window  # not read
     from mesh.engine.machine import training_memory_bytes
-    from mesh.engine.plan import auto_stream_window
+    from mesh.engine.plan import auto_window
 
-    return auto_stream_window(cfg, training_memory_bytes(cfg.runtime.device))
+    return auto_window(cfg, stage, training_memory_bytes(cfg.runtime.device))

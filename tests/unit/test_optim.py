@@ -515,3 +515,51 @@ def test_cells_scale_their_lr_by_their_own_delay(text_file) -> None:
             Cell.build(plain, j, 0, module).lr_scale(),
         )
         assert corrected == pytest.approx(base / max(1, 3 - j))  # delays 3, 2, 1, 0
+
+
+def test_a_compressed_boundary_trains_at_its_own_lr_and_weight_decay() -> None:
+    """optim.boundary_lr_scale and boundary_weight_decay: a learned boundary's encoder, decoder
+    and anchors (the stage module's `boundary.*`) take lr x the scale and their own decay; the
+    rest of the stage the model's. One AdamW step by hand: from theta with gradient g the first
+    step is theta (1 - lr wd) - lr g / (|g| + eps) (bias-corrected m / sqrt(v) = g / |g|)."""
+    import helpers
+
+    from mesh.engine.cell import Cell
+    from mesh.model.build import build_cell_stage
+
+    sets = [
+        *helpers.TINY,
+        "model.arch='llama'",
+        "grid.stages=2",
+        "pipeline.boundary='learned'",
+        "pipeline.boundary_rank=4",
+        "optim.name='adamw'",
+        "optim.lr=0.01",
+        "optim.weight_decay=0.1",
+        "optim.grad_clip=0",
+    ]
+    plain = load_config([], sets)
+    own = load_config([], [*sets, "optim.boundary_lr_scale=0.25", "optim.boundary_weight_decay=0"])
+    assert plain.fingerprint() != own.fingerprint()
+    assert (
+        plain.fingerprint() == load_config([], [*sets, "optim.boundary_lr_scale=1.0"]).fingerprint()
+    )  # the default hashes away: earlier runs keep their fingerprints
+    for cfg in (plain, own):
+        cell = Cell.build(cfg, 1, 0, build_cell_stage(cfg, 1))
+        params = dict(cell.module.named_parameters())
+        names = [n for n in params if n.startswith("boundary.")]
+        assert {"boundary.dec0.basis", "boundary.dec0.anchor_emb"} <= set(names)
+        before = {n: p.detach().clone() for n, p in params.items()}
+        torch.manual_seed(0)
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        cell.optimizer.step(1.0)
+        scaled = cfg is own
+        for n, p in params.items():
+            in_boundary = n.startswith("boundary.")
+            lr = 0.01 * (0.25 if scaled and in_boundary else 1.0)
+            wd = 0.0 if scaled and in_boundary else 0.1
+            g = grads[n]
+            want = before[n] * (1 - lr * wd) - lr * g / (g.abs() + 1e-8)
+            torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-7, msg=n)

@@ -252,15 +252,15 @@ def test_an_auto_stream_window_is_planned_at_what_fits_the_memory():
     import json
 
     from mesh import choices
-    from mesh.engine.plan import auto_stream_window
+    from mesh.engine.plan import auto_window
 
     model = "configs/models/llama-1b.toml"
     sets = ["pipeline.routing='pools'", "pipeline.pool_stream_window='auto'", "grid.stages=4"]
     cfg = load_config([model], sets)
     floor = cfg.pipeline.pool_window
     cap = choices.STREAM_WINDOW_CAP * floor
-    assert auto_stream_window(cfg, None) == cap and plan_cell(cfg, 0).versions == cap + 1
-    fits = auto_stream_window(cfg, 24e9)
+    assert auto_window(cfg, 0, None) == cap and plan_cell(cfg, 0).versions == cap + 1
+    fits = auto_window(cfg, 0, 24e9)
     assert floor < fits < cap
     bounded = plan_cell(cfg, 0, 24e9)
     assert bounded.versions == fits + 1 and bounded.inflight == fits
@@ -271,3 +271,32 @@ def test_an_auto_stream_window_is_planned_at_what_fits_the_memory():
     res = CliRunner().invoke(main, [*args, *(a for kv in sets for a in ("--set", kv))])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["cells"][0]["versions"] == fits + 1
+
+
+def test_an_auto_cell_window_is_planned_at_its_largest_that_fits():
+    """pool_cell_window = auto: a cell after the streams may hold up to 4x pool_window (a
+    stashed version and its input activation each): plan counts that many, fewer where they
+    would not fit the memory; with `window` it holds pool_window."""
+    from mesh import choices
+    from mesh.engine.plan import auto_window, held_input_bytes, inflight_microbatches
+
+    model = "configs/models/llama-1b.toml"
+    sets = ["pipeline.routing='pools'", "grid.stages=4"]
+    fixed = load_config([model], sets)
+    auto = load_config([model], [*sets, "pipeline.pool_cell_window='auto'"])
+    floor = auto.pipeline.pool_window
+    cap = choices.STREAM_WINDOW_CAP * floor
+    assert inflight_microbatches(fixed, 1) == floor and inflight_microbatches(auto, 1) == cap
+    assert inflight_microbatches(auto, 0) == floor  # the streams keep their own window
+    fits = auto_window(auto, 1, 20e9)
+    assert floor < fits < cap
+    bounded = plan_cell(auto, 1, 20e9)
+    assert bounded.inflight == fits and bounded.total_bytes <= 20e9
+    one_more = 4 * bounded.params + held_input_bytes(auto, 1)
+    assert bounded.total_bytes + one_more > 20e9
+    # the same key hashes away at its default: every earlier run keeps its fingerprint
+    assert (
+        fixed.fingerprint()
+        == load_config([model], [*sets, "pipeline.pool_cell_window='window'"]).fingerprint()
+        != auto.fingerprint()
+    )

@@ -16,6 +16,7 @@ import helpers
 from comms import wire
 from comms.errors import PeerLost, PeerTimeout
 from comms.transport import TransportStats
+from mesh.algo import routing
 from mesh.config import load_config
 from mesh.engine.cell import Cell
 from mesh.model.build import build_cell_stage
@@ -118,8 +119,16 @@ def _grid(tmp_path, stages: int, replicas: int, steps: int, *extra: str):
     )
     hub = Hub()
     workers = {}
+    absent = {
+        f"s{j}r{i}"
+        for j, i in routing.absent(
+            routing.parse_deaths(cfg.emulation.deaths, stages, replicas), stages, replicas, True
+        )
+    }
     for i in range(replicas):
         for j in range(stages):
+            if f"s{j}r{i}" in absent:
+                continue
             cell = Cell.build(cfg, j, i, build_cell_stage(cfg, j))
             settings = WorkerSettings.of(cfg, j, i)
             workers[f"s{j}r{i}"] = PoolWorker(settings, cell, HubTransport(hub, f"s{j}r{i}"), None)
@@ -187,7 +196,7 @@ def test_each_gradient_returns_along_the_path_its_activation_took(tmp_path):
             acts[(to, stream, index)] = frm
     grads = [(frm, to, parse_tag(tag)) for frm, to, tag in hub.log if tag.startswith("pool/g/")]
     assert len(grads) == 2 * 30 * 2  # every microbatch, back across both boundaries
-    for frm, to, (_, stream, index, _, _) in grads:
+    for frm, to, (_, stream, index, _, _, _) in grads:
         assert acts[(frm, stream, index)] == to, (frm, to, stream, index)
     crossed = sum(w.stats.cross_replica for w in workers.values())
     assert crossed > 0  # the pools mixed the replicas
@@ -243,3 +252,31 @@ def test_with_replica_affinity_equal_peers_keep_to_their_own_replicas(tmp_path):
     for j in range(3):  # every microbatch, each cell about its own stream's
         steps = [workers[f"s{j}r{i}"].cell.step for i in range(2)]
         assert sum(steps) == 120 and min(steps) >= 50, (j, steps)
+
+
+def test_an_auto_cell_window_fills_the_next_stage_where_a_stage_is_thin(tmp_path):
+    """pool_cell_window = auto, s1r1 absent: stage 1's one cell serves both streams into two
+    stage-2 cells. At pool_window = 1 it holds one microbatch at a time and a stage-2 cell
+    always waits; auto lets it take more while a stage-2 cell starves (its window said in its
+    answers). Every microbatch completes either way; with the window fixed it never holds two."""
+    thin = (
+        "pipeline.pool_window=1",
+        "pipeline.pool_stream_window=2",
+        "emulation.deaths=['s1r1@0']",
+    )
+    for cell_window in ("window", "auto"):
+        _, hub, workers = _grid(
+            tmp_path, 3, 2, 30, *thin, f"pipeline.pool_cell_window='{cell_window}'"
+        )
+        assert "s1r1" not in workers
+        _run(workers, hub)
+        thin_cell = workers["s1r0"]
+        assert [workers[c].cell.step for c in ("s0r0", "s0r1")] == [30, 30]
+        assert thin_cell.cell.step == 60
+        assert workers["s2r0"].cell.step + workers["s2r1"].cell.step == 60
+        windows = [parse_tag(t)[5] for f, _, t in hub.log if f == "s1r0" and t[5] in "gr"]
+        if cell_window == "window":
+            assert thin_cell.stats.held_peak == 1 and set(windows) == {1}
+        else:
+            assert thin_cell.stats.held_peak >= 2, thin_cell.stats
+            assert 2 <= max(windows) <= 4 and thin_cell.stats.window_peak == max(windows)

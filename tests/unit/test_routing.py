@@ -144,11 +144,48 @@ def test_the_death_schedule_parses_and_names_the_key() -> None:
 
 
 def test_pool_tags_are_parsed_and_bounded() -> None:
-    assert parse_tag("pool/a/1/42") == ("a", 1, 42, 0, 0.0)
-    assert parse_tag("pool/g/0/7/3/2500") == ("g", 0, 7, 3, 2.5)
-    assert parse_tag("pool/f/0") == ("f", 0, 0, 0, 0.0)
-    for bad in ("pool/a/x/1", "pool/z/1/1", "pool/a/1/1/", "pool/a/1234567/1", "mean/a/1/1"):
-        assert parse_tag(bad) is None
+    assert parse_tag("pool/a/1/42") == ("a", 1, 42, 0, 0.0, 0)
+    assert parse_tag("pool/g/0/7/3/2500") == ("g", 0, 7, 3, 2.5, 0)  # no window said
+    assert parse_tag("pool/g/0/7/3/2500/6") == ("g", 0, 7, 3, 2.5, 6)
+    assert parse_tag("pool/r/1/9/0/0/999") == ("r", 1, 9, 0, 0.0, 999)
+    assert parse_tag("pool/f/0") == ("f", 0, 0, 0, 0.0, 0)
+    bad_tags = (
+        "pool/a/x/1",
+        "pool/z/1/1",
+        "pool/a/1/1/",
+        "pool/a/1234567/1",
+        "mean/a/1/1",
+        "pool/g/0/7/3/2500/0",  # a window of nothing
+        "pool/g/0/7/3/2500/1000",  # past the bound
+        "pool/g/0/7/3/2500/4/1",
+    )
+    for bad in bad_tags:
+        assert parse_tag(bad) is None, bad
+
+
+def test_a_cell_window_grows_only_while_the_cell_idles_and_the_next_stage_starves() -> None:
+    # floor 4, cap 16: held 4, nothing left to compute here, a next cell holds nothing -> 5
+    assert routing.cell_window(4, 16, 4, idle=True, next_starved=True) == 5
+    assert routing.cell_window(4, 16, 9, idle=True, next_starved=True) == 10
+    assert routing.cell_window(4, 16, 16, idle=True, next_starved=True) == 16  # the cap
+    assert routing.cell_window(4, 16, 1, idle=True, next_starved=True) == 4  # never below
+    # every next cell has work, or this one has its own to compute: the floor at once
+    assert routing.cell_window(4, 16, 9, idle=True, next_starved=False) == 4
+    assert routing.cell_window(4, 16, 9, idle=False, next_starved=True) == 4
+
+
+def test_a_sender_honours_the_window_each_cell_last_said() -> None:
+    book = routing.LoadBook()
+    for _ in range(4):
+        book.sent("a")
+        book.sent("b")
+    book.report("a", 1.0, 0, window=6)  # a said it takes 6: room for two more
+    book.report("b", 1.0, 0)  # b said nothing: the sender's own window
+    assert book.window_of("a", 4) == 6 and book.window_of("b", 4) == 4
+    rng = random.Random(5)
+    assert {book.choose(["a", "b"], rng.random(), window=4) for _ in range(100)} == {"a"}
+    book.report("a", 1.0, 0, window=4)  # back to the floor: both full as it knows
+    assert {book.choose(["a", "b"], rng.random(), window=4) for _ in range(200)} == {"a", "b"}
 
 
 def test_rebalanced_speeds_fill_a_thin_stages_free_cells_without_swapping_the_bottleneck():

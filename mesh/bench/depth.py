@@ -343,16 +343,53 @@ def with_shipped(
     ship = shipped_arm(p)
     if ship is None:
         return None, finals
+    if run and label(p, ship.name) not in tuned:
+        tuned.update(study.sweep([(ship, p, ship.lrs)], f"depth P={p}: the shipped arm's lr"))
+    ship = at_rule_lr(ship, p, tuned)  # tuned elsewhere: the same settings at the rule's lr
+    if run and label(p, ship.name) not in tuned:
+        tuned.update(study.sweep([(ship, p, ship.lrs)], f"depth P={p}: the shipped arm's lr"))
     if ship.name not in {a.name for a in finals}:
         finals = [*finals, ship]
     if run:
-        if label(p, ship.name) not in tuned:
-            tuned.update(study.sweep([(ship, p, ship.lrs)], f"depth P={p}: the shipped arm's lr"))
         study.run(_seed_specs(ship, p, seeds, tuned), f"depth P={p}: the shipped arm")
     have = label(p, ship.name) in tuned and all(
         study.get(label(p, ship.name), s) is not None for s in seeds
     )
     return (ship if have else None), finals
+
+
+def rule_lr(p: int) -> float:
+    """The lr a user's async pipeline of depth p trains at without flags: the rule's where it
+    sets one, else the schema's (Muon's matrices at the rule's muon_lr, which the study's
+    arms tie to it: depth_arms.MUON_LR_FACTOR x lr)."""
+    from mesh.config_sections import OptimConfig
+
+    rule = rule_for(p, "async")
+    default = OptimConfig.model_fields["lr"].default
+    lr = float(rule.settings.get("lr", default)) if rule is not None else default
+    if rule is not None and "muon_lr" in rule.settings:
+        assert math.isclose(rule.settings["muon_lr"], depth_arms.MUON_LR_FACTOR * lr), rule
+    return lr
+
+
+def at_rule_lr(ship: Arm, p: int, tuned: dict[str, dict[str, Any]]) -> Arm:
+    """The shipped arm as a user gets it: where the study tuned it to another lr than the
+    rule's (rule_lr), the same settings at the rule's lr alone, named so ("... at lr 0.001"),
+    so that the arm named `recommended` is what ships and the tuned one keeps its own row."""
+    lr = rule_lr(p)
+    best = tuned.get(label(p, ship.name), {}).get("best_lr")
+    if best is None or math.isclose(best, lr):
+        return ship
+    at = depth_arms.fixed_lrs(ship, (lr,))
+    return Arm(
+        f"{ship.name} at lr {lr:g}",
+        at.overrides,
+        at.lrs,
+        at.microbatches_per_update,
+        at.muon,
+        at.lever,
+        False,
+    )
 
 
 def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:

@@ -145,10 +145,9 @@ def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
     study = _Ran({M09: 1.8}, {f"P8 {M09}": [0]})
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, {}, run=False)
     assert ship is None
-    tuned = {}
+    tuned = {depth.label(8, M09): {"best_lr": 1e-3}}  # tuned at the rule's lr
     ship, _ = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=True)
-    assert study.swept == [M09] and depth.label(8, M09) in tuned
-    assert (f"P8 {M09}", 1) in study.asked
+    assert study.swept == [] and (f"P8 {M09}", 1) in study.asked
 
 
 def test_an_arm_moves_to_another_depth() -> None:
@@ -310,3 +309,31 @@ def test_the_finals_run_their_depths_in_the_order_given(tmp_path) -> None:
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "summary.json").read_text())["stages"] == [16, 4]
+
+
+def test_the_recommended_arm_runs_at_the_lr_a_user_gets() -> None:
+    """Where the study tuned the shipped arm to another lr than the rule gives (a user's
+    default, Muon's matrices at the rule's muon_lr), `recommended` is the arm at the rule's lr,
+    named so; tuned at the rule's lr it is the arm itself."""
+    M09 = "muon momentum 0.9"  # noqa: N806 - the arm's name
+    assert depth.rule_lr(8) == depth.rule_lr(16) == 1e-3  # Muon's matrices at 0.01
+    ship = depth.shipped_arm(8)
+    assert depth.at_rule_lr(ship, 8, {depth.label(8, M09): {"best_lr": 1e-3}}) is ship
+    assert depth.at_rule_lr(ship, 8, {}) is ship  # not tuned yet
+    moved = depth.at_rule_lr(ship, 8, {depth.label(8, M09): {"best_lr": 2e-3}})
+    assert moved.name == f"{M09} at lr 0.001" and moved.lrs == (1e-3,)
+    assert moved.at(1e-3)["optim.muon_lr"] == 0.01 and moved.lever == ship.lever
+    # with_shipped: the tuned arm swept first, then the one at the rule's lr, whose report seeds
+    # run and which is `recommended`
+    arms = {a.name: a for a in depth_arms.screen_arms(8)}
+    finals = [arms["reference"], arms["FullSync"]]
+    study = _Ran({}, {})
+    study.sweep = lambda grids, desc: {  # the arm's tuning put its best at 2e-3
+        depth.label(p, a.name): {"best_lr": 2e-3 if a.name == M09 else lrs[0]}
+        for a, p, lrs in grids
+    }
+    tuned: dict = {}
+    ship, rows = depth.with_shipped(study, 8, [0, 1], finals, tuned, run=True)
+    assert rows[-1].name == f"{M09} at lr 0.001" and depth.label(8, M09) in tuned
+    assert tuned[depth.label(8, rows[-1].name)]["best_lr"] == 1e-3
+    assert (f"P8 {M09} at lr 0.001", 0) in study.asked

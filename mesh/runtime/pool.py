@@ -95,8 +95,10 @@ class PoolWorker(CellWorker):
         window it takes now."""
         mine = sum(1 for h in self.held.values() if h.sender == to)
         rate = 0 if not self.sec_per_mb else int(1000 / self.sec_per_mb)
+        tag = f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}"
         window = min(self._window_now(), 999)
-        return f"pool/{kind}/{stream}/{index}/{len(self.held) - mine}/{rate}/{window}"
+        # the window only where it can move (a grid of cells that predate it reads the rest)
+        return tag if self.settings.pipeline.pool_cell_window != "auto" else f"{tag}/{window}"
 
     def _window_now(self) -> int:
         """The microbatches this cell takes at most now: pipeline.pool_window, or with

@@ -5,8 +5,8 @@ Wire (all tags start with `pool/`, and each is parsed and bounded before use):
 - `pool/a/S/I` activation of microbatch (S, I), upstream -> downstream;
 - `pool/g/S/I/Q/R/W` its gradient, downstream -> upstream, with the sender's load: Q
   microbatches held for other senders, R its measured rate in milli-microbatches a second, W
-  the microbatches it takes at most now (pipeline.pool_window, or more with
-  `pool_cell_window = "auto"`: routing.cell_window; optional, 1-999);
+  the microbatches it takes at most now (sent with `pool_cell_window = "auto"` only, where it
+  can exceed pipeline.pool_window: routing.cell_window; 1-999);
 - `pool/r/S/I/Q/R/W` a refusal (the cell holds its window already): the sender routes the
   microbatch to another cell;
 - `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).

@@ -43,30 +43,36 @@ class DepthRule:
 # (1.779) and FullSync (AdamW, 1.803); on the report seeds 0 and 1 it ends -11.43% +- 1.12%
 # from FullSync (AdamW), the correction -2.50%, and +0.01% +- 0.62% from FullSync with Muon
 # (1.598 / 1.596 at 4e-3): at four stages the optimizer held fixed is at parity. P = 5-7 take
-# this rule (not measured between 4 and 8). Muon at its default momentum (0.95) at P = 8: on
-# seed 100 its best lr is 1e-3 (1.698; 5e-4: 1.733, 2e-3: 1.752); on the report seeds 0 and 1
-# it ends -6.65% +- 0.47% from FullSync, the correction alone -0.04% +- 0.38%, the plain
-# pipeline +6.28%; with Muon in FullSync too the async pipeline is +6.46% +- 0.30% behind
-# (FullSync with Muon 1.595 / 1.608 at 4e-3): the next rule's settings do better there.
-# P >= 8: Muon at momentum 0.9 (0.95 is Muon's own default) on top of AsyncPP's lr correction
-# (stage j starts at lr / delta_j and reaches the full lr at half the run), at the default lr
-# (Muon's matrices at 10x it). Asynchrony acts as momentum of its own (Mitliagkas et al. 2016),
-# so a stale pipeline wants less of it, and the correction damps the stalest stages' first
-# steps. At P = 8 on seed 100: 5e-4 1.695, 1e-3 1.657, 2e-3 1.654, 4e-3 1.675 (the rule's 1e-3
-# within 0.2% of the best), against Muon at 0.9 alone 1.662 (1e-3), at 0.95 1.698, the
-# correction alone 1.798, rotated Adam 1.759, the plain pipeline 1.898 and FullSync (AdamW)
-# 1.791. On the report seeds 0 and 1 at 1e-3 it ends 1.6374 / 1.6322 against Muon at 0.9's
-# 1.6436 / 1.6514 and FullSync's 1.8233 / 1.8295 (a 16-block d 64 Llama, 1.64M tokens,
-# FullSync at 0.73 of the bigram). At d 192 x 8 (3.2M parameters, P = 8) on seed 100: 5e-4
-# 1.530, 1e-3 1.514, 2e-3 1.528 (Muon at 0.9 alone: 1.553, 1.534, 1.576); on seeds 0 and 1 at
-# 1e-3 1.5088 / 1.5070 against Muon at 0.9's 1.5367 / 1.5264 and FullSync's 1.7045 / 1.7041.
-# At P = 16 (stage 0 15 updates stale) on seed 100 at 1e-3 it ends 1.734 against 0.95's 1.785
-# (FullSync 1.782; the correction alone 1.929, held to the run's end 1.940, never released
-# whole 1.897, with beta1 0.95 2.102, with weight prediction 1.957; 2BW with Muon and error
-# feedback at M = 16 level with FullSync at that M, 2.471: 100 updates are too few here), and
-# on the report seeds 1.7432 / 1.7396 against 0.95's 1.7889 / 1.7959. With the optimizer held
-# fixed it is not parity: FullSync with Muon ends 1.617 (4e-3) at P = 16, which the stale
-# stages cannot follow. P = 9-15 take this rule (not measured between 8 and 16).
+# this rule (not measured between 4 and 8). Muon at its default momentum (0.95) at P = 8, which
+# the next rule's 0.9 replaced: on seed 100 its best lr is 1e-3 (1.698; 5e-4: 1.733, 2e-3:
+# 1.752), ahead of every other lever the screen measured: AsyncPP's lr correction (stage j
+# starts at lr / delta_j, the full lr from half the run) 1.798 at 2e-3, rotated Adam 1.759,
+# the plain pipeline 1.898, FullSync (AdamW) 1.791. On
+# the report seeds 0 and 1 Muon ends -6.65% +- 0.47% from FullSync, the correction -0.04% +- 0.38%,
+# the plain pipeline +6.28% (a 16-block d 64 Llama, 1.64M tokens, FullSync at 0.73 of the
+# bigram). With Muon in FullSync too the async pipeline is +6.46% +- 0.30% behind (FullSync
+# with Muon 1.595 / 1.608 at 4e-3): Muon helps the synchronous pipeline more, as at 16 stages.
+# P >= 16: Muon on top of the correction, at the default lr (Muon's matrices at 10x it). Stage 0
+# is 15 updates stale there; on seed 100 the correction alone ends 1.929 (its best lr, 1e-3),
+# held to the run's end 1.940, never released whole (share 2) 1.897 at 4e-3, with beta1 0.95
+# 2.102, with weight prediction 1.957; 2BW with Muon and error feedback at M = 16 ends level
+# with FullSync at that M (2.471 both: 100 updates are too few at this budget); with Muon
+# 1.785 at 1e-3 (5e-4: 1.828, 2e-3: 1.827) against FullSync's 1.782 (4e-3, inside its grid).
+# With the optimizer held fixed it is not parity: FullSync with Muon ends 1.617 (4e-3), which the
+# stale stages cannot follow; the rule is the best async pipeline measured at this depth
+# 8 <= P <= 15: Muon at momentum 0.9 (0.95 is Muon's own default). Asynchrony acts as momentum
+# of its own (Mitliagkas et al. 2016), so a stale pipeline wants less of it: on seed 100 at P = 8
+# its best lr is 1e-3 (1.662; 5e-4: 1.718, 2e-3: 1.700) against 0.95's 1.698; on the report seeds
+# it ends -9.79% +- 0.06% from FullSync (AdamW) and +2.87% +- 0.16% from FullSync with Muon
+# (0.95: +6.46%). At d 192 x 8 (P = 8, seed 100) it is ahead of 0.95 at every lr of its grid
+# (2.5e-4 .. 2e-3; best 1e-3, 1.534 against 0.95's best 1.559); results/depth's width table
+# holds its report seeds. At P = 4 (parity with 0.95) it is not measured. At P >= 16 on the
+# correction too: on seed 100 at 1e-3 it ends 1.734 against 0.95's 1.785 (FullSync 1.782), and
+# on the report seeds 1.7432 / 1.7396 against 0.95's 1.7889 / 1.7959. On the correction at
+# P = 8 it is ahead at 1.64M tokens (1.6374 / 1.6322 at 1e-3; d 192: 1.5088 / 1.5070 against
+# 1.5367 / 1.5264) but behind at 4x the tokens (seed 0: 1.4131 against 1.3963; FullSync with
+# Muon 1.3989): the correction keeps stale stages below the full lr for a share of the run,
+# which a longer run pays for in updates; so 8-15 stages take Muon at 0.9 alone.
 RULES: tuple[DepthRule, ...] = (
     DepthRule(
         4,
@@ -77,9 +83,16 @@ RULES: tuple[DepthRule, ...] = (
     ),
     DepthRule(
         8,
+        {"name": "muon", "muon_lr": 1e-2, "muon_momentum": 0.9},
+        "bench depth: Muon at momentum 0.9 -9.79% +- 0.06% at P = 8 from FullSync on seeds 0 "
+        "and 1 (at 0.95 -6.65%, the lr correction -0.04%); results/depth, docs/depth.md",
+        max_stages=15,
+    ),
+    DepthRule(
+        16,
         {"delay_lr_share": 0.5, "name": "muon", "muon_lr": 1e-2, "muon_momentum": 0.9},
-        "bench depth: Muon at momentum 0.9 on the lr correction, from FullSync on seeds 0 and 1: "
-        "-10.49% at P = 8 (Muon at 0.9 alone -9.79%), -11.53% at d 192 x 8, -3.82% at P = 16; "
+        "bench depth at P = 16: -3.82% +- 0.89% from FullSync on seeds 0 and 1 (at momentum 0.95 "
+        "-1.01%, the correction alone +8.3% on seed 100, the plain pipeline +26.7%); "
         "results/depth, docs/depth.md",
     ),
 )

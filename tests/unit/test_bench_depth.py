@@ -125,12 +125,12 @@ class _Ran(_Sweeps):
 
 
 def test_the_recommended_arm_is_the_one_the_depth_rule_ships() -> None:
-    M09 = "lr correction + muon momentum 0.9"  # noqa: N806 - the shipped arm at P = 8
+    M09 = "muon momentum 0.9"  # noqa: N806 - the shipped arm at P = 8
     # each rule of mesh/depth_rule.py is one of the study's arms, its lr aside
     assert depth.shipped_arm(2) is None  # no rule below P = 4: the plain pipeline
     assert depth.shipped_arm(4).name == "muon"
-    assert depth.shipped_arm(8).name == "lr correction + muon momentum 0.9"
-    assert depth.shipped_arm(15).name == "lr correction + muon momentum 0.9"
+    assert depth.shipped_arm(8).name == "muon momentum 0.9"
+    assert depth.shipped_arm(15).name == "muon momentum 0.9"
     assert depth.shipped_arm(16).name == "lr correction + muon momentum 0.9"
     arms = {a.name: a for a in depth_arms.screen_arms(8)}
     # the study picks another arm, whose finals have not run: the shipped arm, with its report
@@ -315,7 +315,7 @@ def test_the_recommended_arm_runs_at_the_lr_a_user_gets() -> None:
     """Where the study tuned the shipped arm to another lr than the rule gives (a user's
     default, Muon's matrices at the rule's muon_lr), `recommended` is the arm at the rule's lr,
     named so; tuned at the rule's lr it is the arm itself."""
-    M09 = "lr correction + muon momentum 0.9"  # noqa: N806 - the shipped arm at P = 8
+    M09 = "muon momentum 0.9"  # noqa: N806 - the shipped arm at P = 8
     assert depth.rule_lr(8) == depth.rule_lr(16) == 1e-3  # Muon's matrices at 0.01
     ship = depth.shipped_arm(8)
     assert depth.at_rule_lr(ship, 8, {depth.label(8, M09): {"best_lr": 1e-3}}) is ship

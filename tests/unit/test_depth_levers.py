@@ -151,9 +151,9 @@ def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:
 
 
 def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None:
-    """The shipped rule at work in the cells both engines drive: a 4-stage async pipeline with
-    the defaults is a Muon pipeline (its matrices at 10x the default lr), an 8- or 16-stage one
-    Muon at momentum 0.9 on the correction; with the rule off, the optimizer as given."""
+    """The shipped rule at work in the cells both engines drive: a 4- or 8-stage async pipeline
+    with the defaults is a Muon pipeline (its matrices at 10x the default lr), a 16-stage one
+    Muon on the correction; with the rule off, the optimizer as given."""
     from mesh.engine.cell import Cell
     from mesh.model.build import build_stages
 
@@ -164,17 +164,15 @@ def test_a_deep_pipelines_cells_start_with_the_rules_settings(text_file) -> None
     off = load_config([], [*sets, "optim.depth_rule=off"])
     for stages in (4, 8):
         cfg = load_config([], [*sets, f"grid.stages={stages}"])
-        # from 8 stages Muon's momentum falls to 0.9 (a stale pipeline wants less of it), on
-        # the lr correction (stage j starts at lr / its delay)
-        deeper = {"muon_momentum": 0.9, "delay_lr_share": 0.5} if stages >= 8 else {}
+        # from 8 stages Muon's momentum falls to 0.9 (a stale pipeline wants less of it)
+        deeper = {"muon_momentum": 0.9} if stages >= 8 else {}
         assert cfg.depth_rule_settings() == {"name": "muon", "muon_lr": 1e-2, **deeper}
         assert cfg.effective().optim.muon_momentum == (0.9 if stages >= 8 else 0.95)
         assert cfg.effective().optim.lr == 1e-3
         for j, module in enumerate(build_stages(cfg.model, stages, 0)):
             cell = Cell.build(cfg, j, 0, module)
             assert cell.optimizer.spec.muon_lr == 1e-2 and "muon" in cell.optimizer.kinds().values()
-            start = 1 / max(1, stages - 1 - j) if stages >= 8 else 1.0
-            assert cell.lr_scale() == pytest.approx(start), j
+            assert cell.lr_scale() == 1.0, j
     plain = Cell.build(off, 0, 0, build_stages(off.model, 4, 0)[0])
     assert "muon" not in plain.optimizer.kinds().values() and plain.optimizer.spec.lr == 1e-3
     # a user's own lr is kept, and so is a model wider than d 64 (the rule names no lr)

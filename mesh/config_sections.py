@@ -252,7 +252,8 @@ class OptimConfig(_Section):
     adaptive_momentum: bool = Field(
         False,
         description="AsyncPP's adaptive momentum: stage j's beta1 = beta1 + delay_j (0.99 - "
-        "beta1) / P (needs beta1 < 0.99 to change anything; mesh.algo.optim.adaptive_beta1)",
+        "beta1) / P (needs beta1 < 0.99 to change anything; "
+        "mesh.algo.optim_schedules.adaptive_beta1)",
     )
     mu_cap: float | None = Field(
         None,

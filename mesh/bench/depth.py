@@ -46,16 +46,18 @@ from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by i
     WIDTH_PREFIX,
     Arm,
     at_depth,
+    at_rule_lr,
     label,
+    rule_lr,
     same_optimizer_fullsync,
     same_optimizer_of,
     settings_of,
+    shipped_arm,
     spec,
 )
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.simruns import Spec, read_runs, run_specs
 from mesh.config import Config, ConfigError
-from mesh.depth_rule import rule_for
 
 STAGES = (8, 16, 4)  # the order the finals run in: the target's depth first
 QUICK_STAGES = (2, 4)
@@ -316,18 +318,6 @@ def finals_at_depth(
     return best, report
 
 
-def shipped_arm(p: int) -> Arm | None:
-    """The arm `optim.depth_rule` ships at depth p: the lever, or two levers combined, whose
-    settings are the rule's, its lr aside (the study tunes it); None where no rule holds."""
-    rule = rule_for(p, "async")
-    if rule is None:
-        return None
-    want = {f"optim.{k}": v for k, v in rule.settings.items() if k not in ("lr", "muon_lr")}
-    levers = [depth_arms.lever_arm(p, *lv) for lv in depth_arms.LEVERS]
-    pairs = [depth_arms.combine(p, a, b) for i, a in enumerate(levers) for b in levers[i + 1 :]]
-    return next((a for a in [*levers, *pairs] if a is not None and a.lever == want), None)
-
-
 def with_shipped(
     study: Study,
     p: int,
@@ -356,40 +346,6 @@ def with_shipped(
         study.get(label(p, ship.name), s) is not None for s in seeds
     )
     return (ship if have else None), finals
-
-
-def rule_lr(p: int) -> float:
-    """The lr a user's async pipeline of depth p trains at without flags: the rule's where it
-    sets one, else the schema's (Muon's matrices at the rule's muon_lr, which the study's
-    arms tie to it: depth_arms.MUON_LR_FACTOR x lr)."""
-    from mesh.config_sections import OptimConfig
-
-    rule = rule_for(p, "async")
-    default = OptimConfig.model_fields["lr"].default
-    lr = float(rule.settings.get("lr", default)) if rule is not None else default
-    if rule is not None and "muon_lr" in rule.settings:
-        assert math.isclose(rule.settings["muon_lr"], depth_arms.MUON_LR_FACTOR * lr), rule
-    return lr
-
-
-def at_rule_lr(ship: Arm, p: int, tuned: dict[str, dict[str, Any]]) -> Arm:
-    """The shipped arm as a user gets it: where the study tuned it to another lr than the
-    rule's (rule_lr), the same settings at the rule's lr alone, named so ("... at lr 0.001"),
-    so that the arm named `recommended` is what ships and the tuned one keeps its own row."""
-    lr = rule_lr(p)
-    best = tuned.get(label(p, ship.name), {}).get("best_lr")
-    if best is None or math.isclose(best, lr):
-        return ship
-    at = depth_arms.fixed_lrs(ship, (lr,))
-    return Arm(
-        f"{ship.name} at lr {lr:g}",
-        at.overrides,
-        at.lrs,
-        at.microbatches_per_update,
-        at.muon,
-        at.lever,
-        False,
-    )
 
 
 def around(lr: float | None, fallback: tuple[float, ...]) -> tuple[float, ...]:

@@ -16,17 +16,21 @@ candidate is one lever the seeds name (docs/depth.md):
 - weight prediction (PipeMare) along the update velocity.
 
 A candidate's lr grid is centred where the lever's own scale puts it; the study widens a grid
-whose best sits on its edge (depth.py), so every pick is inside its grid.
+whose best sits on its edge (depth.py), so every pick is inside its grid. The arm
+`optim.depth_rule` ships at a depth (`shipped_arm`) is measured at the lr the rule gives a user
+(`at_rule_lr`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mesh.bench.boundary import WIDTHS
 from mesh.bench.simruns import Spec, spec_config
 from mesh.config import Config, load_config
+from mesh.depth_rule import rule_for
 from mesh.methods import METHODS
 
 # the depth study's model: a Llama of 16 blocks, so that P = 16 holds one a stage, on bytes
@@ -303,6 +307,43 @@ WIDTH_PREFIX = "d192 "
 def label(stages: int, arm: str, lr: float | None = None) -> str:
     """A run's label: "P8 muon lr=0.002" (a sweep's) or "P8 muon" (a reported seed's)."""
     return f"P{stages} {arm}" + ("" if lr is None else f" lr={lr:g}")
+
+
+def shipped_arm(p: int) -> Arm | None:
+    """The arm `optim.depth_rule` ships at depth p: the lever, or two levers combined, whose
+    settings are the rule's, its lr aside (the study tunes it); None where no rule holds."""
+    rule = rule_for(p, "async")
+    if rule is None:
+        return None
+    want = {f"optim.{k}": v for k, v in rule.settings.items() if k not in ("lr", "muon_lr")}
+    levers = [lever_arm(p, *lv) for lv in LEVERS]
+    pairs = [combine(p, a, b) for i, a in enumerate(levers) for b in levers[i + 1 :]]
+    return next((a for a in [*levers, *pairs] if a is not None and a.lever == want), None)
+
+
+def rule_lr(p: int) -> float:
+    """The lr a user's async pipeline of depth p trains at without flags: the rule's where it
+    sets one, else the schema's (Muon's matrices at the rule's muon_lr, which the study's
+    arms tie to it: MUON_LR_FACTOR x lr)."""
+    from mesh.config_sections import OptimConfig
+
+    rule = rule_for(p, "async")
+    default = OptimConfig.model_fields["lr"].default
+    lr = float(rule.settings.get("lr", default)) if rule is not None else default
+    if rule is not None and "muon_lr" in rule.settings:
+        assert math.isclose(rule.settings["muon_lr"], MUON_LR_FACTOR * lr), rule
+    return lr
+
+
+def at_rule_lr(ship: Arm, p: int, tuned: dict[str, dict[str, Any]]) -> Arm:
+    """The shipped arm as a user gets it: where the study tuned it to another lr than the
+    rule's (rule_lr), the same settings at the rule's lr alone, named so ("... at lr 0.001"),
+    so that the arm named `recommended` is what ships and the tuned one keeps its own row."""
+    lr = rule_lr(p)
+    best = tuned.get(label(p, ship.name), {}).get("best_lr")
+    if best is None or math.isclose(best, lr):
+        return ship
+    return replace(fixed_lrs(ship, (lr,)), name=f"{ship.name} at lr {lr:g}")
 
 
 def spec(

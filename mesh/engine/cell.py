@@ -17,13 +17,8 @@ from torch import nn
 
 from comms import codecs
 from mesh.algo import pipeline_poison, robust, sentinel, sparse
-from mesh.algo.optim import (
-    OptimSpec,
-    StageOptimizer,
-    lambda_at,
-    lr_at,
-    momentum_decay_for,
-)
+from mesh.algo.optim import OptimSpec, StageOptimizer
+from mesh.algo.optim_schedules import lambda_at, lr_at, momentum_decay_for
 from mesh.algo.schedule import microbatches_per_update, stage_delay, versions_kept
 from mesh.algo.staleness import delay_lr_factor, predicted, prediction_distance
 from mesh.config import (

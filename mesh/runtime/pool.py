@@ -108,11 +108,15 @@ class PoolWorker(CellWorker):
         window = pipe.pool_window
         if self.j > 0 and self.next is not None and pipe.pool_cell_window == "auto":
             idle = all(h.sent_to is not None for h in self.held.values())
-            starved = any(self.book.queue(c) == 0 for c in self._live_downs())
             cap = self.settings.window_cap
-            window = routing.cell_window(window, cap, len(self.held), idle, starved)
+            window = routing.cell_window(window, cap, len(self.held), idle, self._next_starves())
         self.stats.window_peak = max(self.stats.window_peak, window)
         return window
+
+    def _next_starves(self) -> bool:
+        """Whether a live cell of the next stage holds nothing, as this cell knows it (both auto
+        windows grow only then)."""
+        return any(self.book.queue(c) == 0 for c in self._live_downs())
 
     def _measured(self, seconds: float) -> None:
         self.sec_per_mb = _ema(self.sec_per_mb, seconds)
@@ -125,8 +129,7 @@ class PoolWorker(CellWorker):
         if want == "auto":
             cap = self.settings.window_cap
             target = routing.stream_window(self.round_trip_s, self.sec_per_mb, floor, cap)
-            starved = any(self.book.queue(c) == 0 for c in self._live_downs())
-            self.window = routing.next_window(self.window, target, starved)
+            self.window = routing.next_window(self.window, target, self._next_starves())
             return self.window
         return want
 

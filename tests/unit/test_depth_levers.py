@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.algo.optim import OptimSpec, StageOptimizer, adaptive_beta1, nadam_mu
+from mesh.algo.optim import OptimSpec, StageOptimizer
+from mesh.algo.optim_schedules import adaptive_beta1, nadam_mu
 from mesh.config import ConfigError, load_config
 from mesh.config_sections import LATER_KEYS
 

@@ -13,17 +13,13 @@ from hypothesis import strategies as st
 
 from mesh.algo.optim import (
     OPTIMIZERS,
-    PAPER_STEPS,
     OptimSpec,
     StageOptimizer,
     is_hidden_matrix,
-    lambda_at,
-    lr_at,
-    momentum_decay_for,
-    nadam_mu,
     newton_schulz,
     register_optimizer,
 )
+from mesh.algo.optim_schedules import PAPER_STEPS, lambda_at, lr_at, momentum_decay_for, nadam_mu
 from mesh.algo.staleness import delay_lr_factor
 from mesh.config import load_config
 from mesh.engine.cell import optim_spec

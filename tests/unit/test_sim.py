@@ -8,7 +8,8 @@ import torch
 
 from comms import codecs, wire
 from mesh.algo import sparse
-from mesh.algo.optim import StageOptimizer, lr_at
+from mesh.algo.optim import StageOptimizer
+from mesh.algo.optim_schedules import lr_at
 from mesh.config import load_config
 from mesh.data.corpus import load_corpus, train_batch
 from mesh.engine.cell import optim_spec

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mesh.algo import sparse
-from mesh.algo.optim import lambda_at
+from mesh.algo.optim_schedules import lambda_at
 from mesh.algo.sparse import (
     apply_arrival,
     arrivals_before,

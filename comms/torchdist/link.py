@@ -38,6 +38,7 @@ class Link:
     receiving: bool = False  # a recv was posted on a pair (sends to us can complete)
     seen_inc: int = 0  # the peer's newest incarnation (the watcher's reading)
     seen_left: int = 0  # the newest incarnation of the peer that closed
+    phase: str = "not started"  # where the link's thread is (said when a pair does not form)
 
     def mark_receiving(self) -> None:
         """The link's thread posted a recv: a start may end (a peer's send completes only once

@@ -130,26 +130,51 @@ class PairLinks:
         # of a grid on a loaded box arrive over more than one timeout_s, one after the other)
         self._wait_links(started, lambda: self._changed_at + self.timeout_s, "did not start")
         formed_by = time.monotonic() + FORM_S
-        self._wait_links(settled, lambda: formed_by, f"formed no pair with us in {FORM_S}s")
+        self._wait_links(
+            settled, lambda: formed_by, f"formed no pair with us in {FORM_S}s", self._where
+        )
 
-    def _wait_links(self, ready: Any, deadline: Any, what: str) -> None:
+    def _wait_links(self, ready: Any, deadline: Any, what: str, where: Any = None) -> None:
         for link in self.by_name.values():
             with link.cond:
                 while not ready(link) and time.monotonic() < deadline():
                     link.cond.wait(min(0.1, max(0.0, deadline() - time.monotonic())))
-        missing = [ln.name for ln in self.by_name.values() if not ready(ln)]
+        missing = [ln for ln in self.by_name.values() if not ready(ln)]
         if missing:
-            raise PeerTimeout(f"{self.me}: {missing} {what} (timeout_s {self.timeout_s})")
+            names = [ln.name for ln in missing]
+            said = "; ".join(where(ln) for ln in missing) if where else ""
+            raise PeerTimeout(
+                f"{self.me}: {names} {what} (timeout_s {self.timeout_s})"
+                + (f": {said}" if said else "")
+            )
+
+    def _where(self, link: Link) -> str:
+        """Where a link that did not form stands, on both sides: our thread's phase and the
+        incarnations we saw, and whether the peer reached the handshake of the pair we wait
+        on (if not, its thread for us never got past its previous pair)."""
+        key = pair_key(self.me, self.incarnation, link.name, link.tried)
+        try:
+            theirs = "reached" if self.store.check([f"{key}/here/{link.name}"]) else "not reached"
+        except Exception:  # noqa: BLE001 - the store is gone: say so, the timeout stands
+            theirs = "unknown (store gone)"
+        return (
+            f"{link.name}: ours {link.phase} (its incarnation {link.seen_inc} seen, "
+            f"{link.tried} tried, {link.seen_left} left), its handshake {theirs}"
+        )
 
     def _link_loop(self, link: Link) -> None:
         try:
             while True:
+                gave_up = f" ({link.phase})" if link.phase.startswith("gave up") else ""
+                link.phase = "waiting for an incarnation" + gave_up
                 inc = self._next_incarnation(link)
                 if inc is None:
                     return
                 pair = self._form(link, inc)
                 if pair is not None and self._install(link, inc, pair):
+                    link.phase = f"receiving from incarnation {inc}"
                     self.wire.receive(link, pair)  # until this pair's last item
+                    link.phase = f"draining incarnation {inc}'s items"
                     with link.cond:  # the validator is done with this pair's items
                         while link.queued:
                             link.cond.wait(0.1)
@@ -179,6 +204,7 @@ class PairLinks:
         """The handshake, then the pair's gloo group; None when the peer's incarnation moved
         on, the transport closes, or the other side vanished mid-way."""
         key = pair_key(self.me, self.incarnation, link.name, inc)
+        link.phase = f"in the handshake with incarnation {inc}"
         self.store.set(f"{key}/here/{self.me}", "1")
         theirs = [f"{key}/here/{link.name}"]
         while not self.store.check(theirs):
@@ -187,11 +213,13 @@ class PairLinks:
                     return None
                 link.cond.wait(HANDSHAKE_POLL_S)
         store = dist.PrefixStore(f"{key}/gloo", self.store.clone())  # its own connection
+        link.phase = f"forming the gloo pair with incarnation {inc}"
         try:
             return pair_group(
                 store, 1 - link.peer_rank, self._device, timedelta(seconds=self.timeout_s)
             )
-        except RuntimeError:  # DistStoreError: the other side died between handshake and group
+        except RuntimeError as e:  # DistStoreError: the other died between handshake and group
+            link.phase = f"gave up on incarnation {inc}: {str(e)[:120]}"
             return None
 
     def _install(self, link: Link, inc: int, pair: Any) -> bool:

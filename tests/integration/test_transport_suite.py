@@ -293,6 +293,31 @@ def test_torch_startup_deadline_and_bad_arguments() -> None:
         TorchTransport("a", ["a", "b", "c"], {"g": ["a", "c"]}, rz, links=["b"])
 
 
+def test_torch_a_pair_that_does_not_form_says_where_each_side_stands(monkeypatch) -> None:
+    """b's process is there (its incarnation in the store) but its side never forms the pair:
+    a gives up FORM_S later, and the message says where a's link stood and that b never
+    reached the pair's handshake (which side hung: what a restarted cell's failure needs)."""
+    from datetime import timedelta
+
+    from comms.errors import PeerTimeout
+    from comms.torchdist import pairs
+    from comms.torchdist.gloo import store_server
+    from comms.torchdist.transport import TorchTransport
+
+    monkeypatch.setattr(pairs, "FORM_S", 1.0)
+    store = store_server("127.0.0.1", 0, timedelta(seconds=30))
+    store.add(pairs.inc_key("b"), 1)  # b started, as far as the store knows
+    store.add(pairs.CHANGES, 1)
+    rz = f"tcp://127.0.0.1:{store.port}"
+    with pytest.raises(PeerTimeout) as got:
+        TorchTransport("a", ["a", "b"], {}, rz, timeout_s=TIMEOUT_S, serve_store=False)
+    said = str(got.value)
+    assert "['b'] formed no pair with us in 1.0s" in said, said
+    assert "b: ours in the handshake with incarnation 1" in said, said
+    assert "its handshake not reached" in said, said
+    del store
+
+
 def test_torch_a_peer_that_closed_is_waited_for_only_when_needed() -> None:
     """In one process, over the launcher-style store (local_rendezvous): b closes. A new peer
     that needs b waits for b's next process and starts with it; one that does not need b

@@ -207,6 +207,23 @@ BOUNDARY_OPTIONS = (
         help="Run nothing: write summary.json, table.md and the plot from the runs finished so "
         "far (a study stopped part way; its missing arms are marked 'not run').",
     ),
+    click.option(
+        "--optimizer",
+        type=click.Choice(["nadamw", "shipped"]),
+        default="nadamw",
+        show_default=True,
+        help="nadamw: every arm at the methods' tuned settings; shipped: the async arms with "
+        "what a pipeline of their depth gets without flags (optim.depth_rule = auto: Muon), "
+        "FullSync with Muon; writes to results/boundary[-d192]-shipped unless --out says "
+        "otherwise.",
+    ),
+    click.option(
+        "--arms",
+        "arms_csv",
+        default=None,
+        help="Comma-separated arms to run besides the reference and FullSync (e.g. 'learned "
+        "8x,learned 16x'); the others are rows marked 'not run'.",
+    ),
 )
 
 
@@ -216,20 +233,24 @@ def boundary(
     stages_csv: str | None,
     width: str,
     report_only: bool,
+    optimizer: str,
+    arms_csv: str | None,
 ) -> str:
     """Compressed stage boundaries: validation loss and bits per byte at equal tokens for each
     method at 8-64x fewer bytes than bf16, against full boundaries and FullSync, P = 4 and 8
     (a d 64 or d 192 Llama on the Shakespeare bytes, 1.6M tokens a run, unless --config/--set
     say otherwise)."""
-    from mesh.bench.boundary import STUDY_DEFAULTS, WIDTHS, run_boundary
+    from mesh.bench.boundary import STUDY_DEFAULTS, WIDTHS, arms, run_boundary
     from mesh.bench.boundary_report import table
 
     chosen = parse_seeds(seeds)
     # the study's model unless a config file names one (--set overrides either)
     defaults = () if study.config_files else (*STUDY_DEFAULTS, *WIDTHS[int(width)])
     out = study.out
-    if width != "64" and out == "results/boundary":
-        out = f"results/boundary-d{width}"
+    if out == "results/boundary":
+        out += (f"-d{width}" if width != "64" else "") + (
+            "-shipped" if optimizer == "shipped" else ""
+        )
     base = study.config(defaults)
     if base.data.path is not None and not Path(base.data.path).exists():
         raise ConfigError(
@@ -240,12 +261,19 @@ def boundary(
     stages = parse_seeds(stages_csv, "--stages")
     if stages is not None and any(p < 2 for p in stages):
         raise ConfigError(f"--stages {stages_csv}: a pipeline needs P >= 2")
+    only = None
+    if arms_csv is not None:
+        only = tuple(a.strip() for a in arms_csv.split(",") if a.strip())
+        known = [a for a, _ in arms(base, 2)]
+        if not only or set(only) - set(known):
+            raise ConfigError(f"--arms {arms_csv!r}: choose from {', '.join(known)}")
     # the default study at full budget is what `plan --uplink-mbit` ships with
     publish = (
         not study.quick
         and out == "results/boundary"
         and not study.config_files
         and not study.overrides
+        and only is None
     )
     summary = run_boundary(
         base,
@@ -256,6 +284,8 @@ def boundary(
         tuple(stages) if stages else None,
         report_only,
         publish,
+        optimizer,
+        only,
     )
     return table(summary)
 

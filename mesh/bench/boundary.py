@@ -41,8 +41,9 @@ from mesh.bench.ablations import best_lr
 from mesh.bench.boundary_report import MAPL_BAND, PUBLISHED, REFERENCE, write_outputs
 from mesh.bench.regime import data_reference, rule_fields
 from mesh.bench.report import paired_gap, study_scale
-from mesh.bench.simruns import Spec, run_specs
+from mesh.bench.simruns import MUON_LR_FACTOR, Spec, run_specs
 from mesh.config import Config
+from mesh.config_sections import ConfigError
 from mesh.engine import measured
 from mesh.engine.plan import boundary_bytes, rank_for_compression
 from mesh.engine.uplink import INT4_CODEC, arm_label
@@ -84,6 +85,14 @@ LR_GRID_WIDTH = {
 # against 1e-3's 1.698), and d 64's best only doubled from P = 4 to 8 (4e-3 to 8e-3), so 4e-3
 # still brackets a best that doubles; a d 192 run at P = 8 takes 10-20 minutes of a core
 LR_GRID_WIDTH_AT = {192: {8: {"FullSync": (5e-4, 1e-3, 2e-3, 4e-3)}}}
+# --optimizer shipped: every async arm takes what a user's pipeline of that depth gets
+# (optim.depth_rule = auto: Muon, its matrices at the rule's 0.01, the lr sweep moving the rest),
+# FullSync Muon with its matrices at MUON_LR_FACTOR x the lr (bench depth's same-optimizer
+# FullSync). d 192 at P = 8 takes the lr bench depth tuned for the rule's arm there on seed 100
+# (Muon at momentum 0.9: 1e-3 best of 2.5e-4 .. 2e-3, 1.534), so it sweeps nothing new
+OPTIMIZERS = ("nadamw", "shipped")
+SHIPPED_LR_GRID = {"full bf16": (5e-4, 1e-3, 2e-3), "FullSync": (2e-3, 4e-3, 8e-3)}
+SHIPPED_LR_GRID_AT = {192: {8: {"full bf16": (1e-3,)}}}
 MICROBATCHES = 1600  # per run: 1.64M tokens of 1,024 a microbatch
 QUICK_MICROBATCHES = 24
 # the model at each width (a Llama, 8 blocks so that P = 8 holds one a stage, on bytes)
@@ -114,21 +123,26 @@ STUDY_DEFAULTS = [
 ANCHOR_RANK = 16
 
 
-def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
-    """(arm, its overrides) for one P: the baselines, then each method at each ratio."""
+def arms(base: Config, stages: int, optimizer: str = "nadamw") -> list[tuple[str, dict[str, Any]]]:
+    """(arm, its overrides) for one P: the baselines, then each method at each ratio.
+    optimizer: "nadamw" (the methods' tuned settings) or "shipped" (OPTIMIZERS)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {OPTIMIZERS}")
+    shipped = optimizer == "shipped"
     tokens, d = base.tokens_per_microbatch, base.model.d_model
     # the pipeline sentinel (a defence against hostile stages) is off: its drops are not a
     # boundary's cost, and on a learned boundary's early, fast-turning coordinates it can drop
     # every later message of an honest stage (docs/boundaries.md)
     grid = {"grid.stages": stages, "grid.replicas": 1, "sentinel.enabled": False}
     async_ = {**METHODS["AsyncMesh-fp8"], **grid, "pipeline.boundary": "full"}
+    fullsync = {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4, "pipeline.codec": "bf16"}
+    if shipped:
+        async_["optim.depth_rule"] = "auto"
+        fullsync["optim.name"] = "muon"  # its matrices' lr follows the lr (_spec)
     out = [
         (REFERENCE, {**async_, "pipeline.codec": "bf16"}),
         ("full fp8", {**async_, "pipeline.codec": "fp8_e4m3"}),
-        (
-            "FullSync",
-            {**METHODS["FullSync"], **grid, "pipeline.microbatches": 4, "pipeline.codec": "bf16"},
-        ),
+        ("FullSync", fullsync),
     ]
     compressed = [(m, ratio, "fp8_e4m3") for m, ratios in FP8_RATIOS.items() for ratio in ratios]
     compressed += [("learned", ratio, INT4_CODEC) for ratio in INT4_STUDY_RATIOS]
@@ -145,10 +159,14 @@ def arms(base: Config, stages: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def lr_grid(stages: int, quick: bool = False, width: int = 64) -> dict[str, tuple[float, ...]]:
+def lr_grid(
+    stages: int, quick: bool = False, width: int = 64, optimizer: str = "nadamw"
+) -> dict[str, tuple[float, ...]]:
     """Each baseline's lrs to try at depth `stages` and d_model `width`, smallest first."""
     if quick:
         return QUICK_LRS
+    if optimizer == "shipped":
+        return {**SHIPPED_LR_GRID, **SHIPPED_LR_GRID_AT.get(width, {}).get(stages, {})}
     grid = {**LR_GRID_WIDTH.get(width, LR_GRID), **LR_GRID_WIDTH_AT.get(width, {}).get(stages, {})}
     extra = LR_GRID_EXTRA.get(stages, {}) if width == 64 else {}
     return {arm: tuple(sorted({*lrs, *extra.get(arm, ())})) for arm, lrs in grid.items()}
@@ -157,13 +175,22 @@ def lr_grid(stages: int, quick: bool = False, width: int = 64) -> dict[str, tupl
 def _spec(arm: str, ov: dict[str, Any], seed: int, lr: float) -> Spec:
     mpu = 4 if arm == "FullSync" else 1
     label = f"P{ov['grid.stages']} {arm}"
-    return Spec("boundary", label, seed, mpu, tuple({**ov, "optim.lr": lr}.items()))
+    ov = {**ov, "optim.lr": lr}
+    if ov.get("optim.name") == "muon" and "optim.muon_lr" not in ov:
+        ov["optim.muon_lr"] = round(MUON_LR_FACTOR * lr, 10)
+    return Spec("boundary", label, seed, mpu, tuple(ov.items()))
 
 
-def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, ...]]) -> list[Spec]:
+def lr_specs(
+    base: Config,
+    stages: int,
+    seed: int,
+    lrs: dict[str, tuple[float, ...]],
+    optimizer: str = "nadamw",
+) -> list[Spec]:
     """The reference and FullSync at each of their lrs (labels end in lr=...)."""
     specs = []
-    for arm, ov in arms(base, stages):
+    for arm, ov in arms(base, stages, optimizer):
         if arm in lrs:
             for lr in lrs[arm]:
                 s = _spec(arm, ov, seed, lr)
@@ -182,6 +209,7 @@ def lr_specs(base: Config, stages: int, seed: int, lrs: dict[str, tuple[float, .
 # the order the arms run in on each seed: the reference, then the arms the frontier question
 # turns on (a study stopped part way has those first: 16x, the target's ratio, and 8x, where the
 # frontier sits when 16x misses), the baselines last
+BASELINES = (REFERENCE, "FullSync")
 RUN_FIRST = (
     "full bf16",
     "learned 16x",
@@ -195,16 +223,24 @@ RUN_FIRST = (
 
 
 def build_specs(
-    base: Config, stages: int, seeds: list[int], lrs: dict[str, float], part: str = "all"
+    base: Config,
+    stages: int,
+    seeds: list[int],
+    lrs: dict[str, float],
+    part: str = "all",
+    optimizer: str = "nadamw",
+    only: tuple[str, ...] | None = None,
 ) -> list[Spec]:
     """The arms of one P on every seed, arm by arm in RUN_FIRST's order, each on all seeds (a
     study stopped part way has whole rows, paired by seed): FullSync at its lr, every async arm
-    at the reference's. part: "all", "async" (all but FullSync) or "FullSync"."""
-    ordered = sorted(arms(base, stages), key=lambda a: _run_rank(a[0]))
+    at the reference's. part: "all", "async" (all but FullSync) or "FullSync"; only: these
+    arms and the baselines (None: every arm)."""
+    ordered = sorted(arms(base, stages, optimizer), key=lambda a: _run_rank(a[0]))
     return [
         _spec(arm, ov, seed, lrs["FullSync" if arm == "FullSync" else REFERENCE])
         for arm, ov in ordered
         if part == "all" or (arm == "FullSync") == (part == "FullSync")
+        if only is None or arm in only or arm in BASELINES
         for seed in seeds
     ]
 
@@ -213,7 +249,9 @@ def _run_rank(arm: str) -> int:
     return RUN_FIRST.index(arm) if arm in RUN_FIRST else len(RUN_FIRST)
 
 
-def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> list[dict[str, Any]]:
+def summarize_rows(
+    base: Config, runs: list[dict[str, Any]], stages: int, optimizer: str = "nadamw"
+) -> list[dict[str, Any]]:
     """One row per arm of one P: its bytes, its losses over the seeds, its gap to the
     reference (a share of the reference's loss, paired by seed)."""
     tokens, d = base.tokens_per_microbatch, base.model.d_model
@@ -223,7 +261,7 @@ def summarize_rows(base: Config, runs: list[dict[str, Any]], stages: int) -> lis
         by_arm.setdefault(r["method"], {})[r["seed"]] = r
     ref = {s: r["val_loss"] for s, r in by_arm.get(f"P{stages} {REFERENCE}", {}).items()}
     rows = []
-    for arm, ov in arms(base, stages):
+    for arm, ov in arms(base, stages, optimizer):
         got = by_arm.get(f"P{stages} {arm}", {})
         method = ov.get("pipeline.boundary", "full")
         rank = ov.get("pipeline.boundary_rank", d) if method != "full" else d
@@ -328,26 +366,35 @@ def run_boundary(
     stages: tuple[int, ...] | None = None,
     report_only: bool = False,
     publish: bool = False,
+    optimizer: str = "nadamw",
+    only: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """The study (its lr sweeps, then every arm on every seed), resumed from what out/ holds.
     report_only: run nothing, write the outputs from the runs finished so far (a study
     stopped part way: the arms without runs are rows marked "not run"). publish: the costs
-    `plan --uplink-mbit` ships with become this study's (mesh/engine/measured.py)."""
+    `plan --uplink-mbit` ships with become this study's (mesh/engine/measured.py).
+    optimizer: OPTIMIZERS (shipped: the depth rule's); only: run these arms and the baselines
+    (the others are rows marked "not run")."""
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
     old = _earlier_summary(out)
+    if old and old.get("optimizer", "nadamw") != optimizer:
+        raise ConfigError(
+            f"--optimizer {optimizer}: {out} holds a study with --optimizer "
+            f"{old.get('optimizer', 'nadamw')}; give this one its own --out"
+        )
     known = [*old.get("lr_sweep", []), *old.get("runs", [])]
     budget = {"boundary": QUICK_MICROBATCHES if quick else MICROBATCHES}
     stages = stages or ((2,) if quick else STAGES)
     start = time.perf_counter()
     run = functools.partial(run_specs, report_only=report_only)
     width = base.model.d_model
-    grids = {p: lr_grid(p, quick, width) for p in stages}
+    grids = {p: lr_grid(p, quick, width, optimizer) for p in stages}
 
     def sweep_of(arm: str) -> dict[int, list[dict[str, Any]]]:
         return {
             p: run(
                 base,
-                lr_specs(base, p, TUNE_SEED, {arm: grids[p][arm]}),
+                lr_specs(base, p, TUNE_SEED, {arm: grids[p][arm]}, optimizer),
                 budget,
                 out,
                 workers,
@@ -358,7 +405,12 @@ def run_boundary(
         }
 
     def arms_of(part: str, lrs: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
-        specs = [s for p in stages if p in lrs for s in build_specs(base, p, seeds, lrs[p], part)]
+        specs = [
+            s
+            for p in stages
+            if p in lrs
+            for s in build_specs(base, p, seeds, lrs[p], part, optimizer, only)
+        ]
         return run(base, specs, budget, out, workers, f"boundary: {part} arms", known)
 
     # the reference's sweep and the async arms first, FullSync's sweep and runs last: at d 192
@@ -375,7 +427,7 @@ def run_boundary(
     tuned.update(held_lrs)
     sweeps, runs = sweeps + held_sweep, runs + held_runs
     stages = tuple(sorted(tuned))
-    rows = [row for p in stages for row in summarize_rows(base, runs, p)]
+    rows = [row for p in stages for row in summarize_rows(base, runs, p, optimizer)]
     best = frontier(rows)
     summary = {
         **study_scale(base),
@@ -386,6 +438,7 @@ def run_boundary(
         "lr_grid": _grids_of(stages, grids, old),
         "lrs": {str(p): v for p, v in tuned.items()},
         "anchor_rank": ANCHOR_RANK,
+        "optimizer": optimizer,
         "quick": quick,
         "complete": all(r["seeds"] == sorted(seeds) for r in rows) and bool(rows),
         "rows": rows,

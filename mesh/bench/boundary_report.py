@@ -67,7 +67,14 @@ def table(summary: dict[str, Any]) -> str:
         f"seq {m['seq_len']}), {summary['tokens_per_run']:,} tokens a run, on {summary['data']}; "
         f"grid P x 1; seeds {summary['seeds']} (lrs tuned on seed {summary['tune_seed']}: "
         f"{summary['lrs']}); learned anchors of rank {summary['anchor_rank']}. Gap: mean over "
-        "seeds of loss / reference loss - 1, +- its standard error.",
+        "seeds of loss / reference loss - 1, +- its standard error."
+        + (
+            " Optimizer: what each depth ships (--optimizer shipped): the async arms with "
+            "optim.depth_rule = auto (Muon, its matrices at the rule's lr; the lr sweep moves "
+            "the rest), FullSync with Muon (its matrices at 10x the lr)."
+            if summary.get("optimizer") == "shipped"
+            else ""
+        ),
         "",
         rule_line(summary),
         "",

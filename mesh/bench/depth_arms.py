@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mesh.bench.boundary import WIDTHS
-from mesh.bench.simruns import Spec, spec_config
+from mesh.bench.simruns import MUON_LR_FACTOR, Spec, spec_config
 from mesh.config import Config, load_config
 from mesh.depth_rule import rule_for
 from mesh.methods import METHODS
@@ -46,8 +46,6 @@ STUDY_DEFAULTS = [
 REFERENCE = "reference"
 FULLSYNC = "FullSync"
 RECOMMENDED = "recommended"
-# Muon's matrices take 10x the lr of its AdamW part (the optimizers study's 0.02 / 2e-3)
-MUON_LR_FACTOR = 10.0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 # A --quick study's budget per run (the full studies' is 1600 microbatches); tests lower it.
 QUICK_MICROBATCHES = 160
 
+# Muon's matrices take 10x the lr of its AdamW part in every study's Muon arm (the optimizers
+# study's 0.02 / 2e-3)
+MUON_LR_FACTOR = 10.0
+
 
 @dataclass(frozen=True)
 class Spec:

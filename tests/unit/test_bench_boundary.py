@@ -41,6 +41,47 @@ def test_arms_are_the_baselines_and_each_method_at_each_ratio(base):
     assert dict(study.arms(wide, 4))["learned 16x"]["pipeline.boundary_rank"] == 23
 
 
+def test_the_shipped_optimizer_gives_each_arm_what_its_depth_ships(base):
+    """--optimizer shipped: the async arms resolve to the depth rule's settings (P = 8: Muon at
+    momentum 0.9, its matrices at 0.01, the lr the rest's), FullSync to Muon with its matrices
+    at 10x its lr; --arms keeps the baselines; a study of the other optimizer is refused."""
+    arms = dict(study.arms(base, 8, "shipped"))
+    ref = spec_config(base, study._spec(study.REFERENCE, arms[study.REFERENCE], 0, 1e-3), 300)
+    learned = spec_config(base, study._spec("learned 8x", arms["learned 8x"], 0, 1e-3), 300)
+    for cfg in (ref.effective(), learned.effective()):
+        o = cfg.optim
+        assert (o.name, o.muon_lr, o.muon_momentum, o.lr) == ("muon", 1e-2, 0.9, 1e-3)
+    assert learned.pipeline.boundary == "learned"
+    sync = spec_config(base, study._spec("FullSync", arms["FullSync"], 0, 4e-3), 300).effective()
+    assert (sync.optim.name, sync.optim.muon_lr, sync.pipeline.schedule) == ("muon", 4e-2, "gpipe")
+    # the default study is untouched: NAdamW as its cached runs were made
+    plain = dict(study.arms(base, 8))[study.REFERENCE]
+    assert (
+        spec_config(base, study._spec(study.REFERENCE, plain, 0, 1e-3), 300).effective().optim.name
+        == "nadamw"
+    )
+    specs = study.build_specs(
+        base,
+        8,
+        [0, 1],
+        {study.REFERENCE: 1e-3, "FullSync": 4e-3},
+        optimizer="shipped",
+        only=("learned 16x",),
+    )
+    assert {s.method for s in specs} == {"P8 full bf16", "P8 FullSync", "P8 learned 16x"}
+    assert study.lr_grid(8, width=192, optimizer="shipped")[study.REFERENCE] == (1e-3,)
+    with pytest.raises(ValueError):
+        study.arms(base, 8, "adam")
+
+
+def test_a_study_of_one_optimizer_is_not_resumed_as_the_other(base, tmp_path):
+    from mesh.config_sections import ConfigError
+
+    (tmp_path / "summary.json").write_text(json.dumps({"optimizer": "nadamw", "runs": []}))
+    with pytest.raises(ConfigError, match="give this one its own --out"):
+        study.run_boundary(base, tmp_path, True, 1, optimizer="shipped", report_only=True)
+
+
 def test_rows_pair_the_gap_by_seed_and_the_frontier_is_the_most_compressed_within_1pct(base):
     runs = []
     for seed, ref in ((0, 6.0), (1, 5.0)):

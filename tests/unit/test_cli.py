@@ -183,6 +183,8 @@ def test_a_bench_commands_user_error_is_one_line_and_exit_2():
     res = CliRunner().invoke(main, ["bench", "boundary", "--stages", "1", "--quick"])
     assert res.exit_code == 2
     assert res.output.strip() == "error: --stages 1: a pipeline needs P >= 2"
+    res = CliRunner().invoke(main, ["bench", "boundary", "--arms", "learned 9x", "--quick"])
+    assert res.exit_code == 2 and res.output.startswith("error: --arms 'learned 9x': choose from")
     res = CliRunner().invoke(main, ["bench", "convergence", "--tune-seeds", "0"])
     assert res.exit_code == 2 and "go with --tune" in res.output
 

@@ -317,11 +317,19 @@ def earlier_runs(out: Path) -> list[dict[str, Any]]:
     return [*old.get("lr_sweep", []), *old.get("runs", [])]
 
 
-def _earlier_summary(out: Path) -> dict[str, Any]:
+def _earlier_summary(out: Path, optimizer: str | None = None) -> dict[str, Any]:
+    """out/summary.json ({} if none); refused (ConfigError) where it is a study of another
+    optimizer than `optimizer` (None: any)."""
     import json
 
     path = out / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if old and optimizer is not None and old.get("optimizer", "nadamw") != optimizer:
+        raise ConfigError(
+            f"--optimizer {optimizer}: {out} holds a study with --optimizer "
+            f"{old.get('optimizer', 'nadamw')}; give this one its own --out"
+        )
+    return old
 
 
 def _depth(run: dict[str, Any]) -> int:
@@ -372,16 +380,10 @@ def run_boundary(
     """The study (its lr sweeps, then every arm on every seed), resumed from what out/ holds.
     report_only: run nothing, write the outputs from the runs finished so far (a study
     stopped part way: the arms without runs are rows marked "not run"). publish: the costs
-    `plan --uplink-mbit` ships with become this study's (mesh/engine/measured.py).
-    optimizer: OPTIMIZERS (shipped: the depth rule's); only: run these arms and the baselines
-    (the others are rows marked "not run")."""
+    `plan --uplink-mbit` ships with become this study's (mesh/engine/measured.py). optimizer:
+    OPTIMIZERS; only: run these arms and the baselines (the others are rows "not run")."""
     seeds = seeds or ([0] if quick else REPORT_SEEDS)
-    old = _earlier_summary(out)
-    if old and old.get("optimizer", "nadamw") != optimizer:
-        raise ConfigError(
-            f"--optimizer {optimizer}: {out} holds a study with --optimizer "
-            f"{old.get('optimizer', 'nadamw')}; give this one its own --out"
-        )
+    old = _earlier_summary(out, optimizer)
     known = [*old.get("lr_sweep", []), *old.get("runs", [])]
     budget = {"boundary": QUICK_MICROBATCHES if quick else MICROBATCHES}
     stages = stages or ((2,) if quick else STAGES)

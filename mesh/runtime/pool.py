@@ -12,7 +12,8 @@ version, the backward recomputes on the stash, and every backward is one update 
 weights (then the averaging rounds run as on a fixed grid: mesh/runtime/rounds.py).
 
 Its messages are activations, gradients (with the sender's load and the window it takes now),
-refusals and FINs, each tagged `pool/...` (mesh/runtime/pool_wire.py). A cell past stage 0
+refusals, load reports (to its replica's upstream cell, when a slot frees for another sender's
+microbatch) and FINs, each tagged `pool/...` (mesh/runtime/pool_wire.py). A cell past stage 0
 holds at most pipeline.pool_window microbatches and refuses more; with `pool_cell_window =
 "auto"` it takes one more while nothing it holds is left to compute here and a next-stage cell
 starves (routing.cell_window), and says so in its answers, which its senders' LoadBook reads.
@@ -364,8 +365,17 @@ class PoolWorker(CellWorker):
         return True
 
     def _take_answers(self, on_step: object) -> bool:
-        """Gradients and refusals from the downstream cells (none at the last stage)."""
+        """Gradients and refusals from the downstream cells (none at the last stage), and the
+        load reports of this replica's next cell (_report_room)."""
         did = False
+        own = cell_name(self.j + 1, self.i)
+        if self.next is not None and own in self.downs:
+            while (msg := self._poll(own, "pool/l/", self._expect_ctl)) is not None:
+                parsed = parse_tag(msg.name)
+                if parsed is None or parsed[0] != "l":
+                    self.transport.stats.add_reject("bad_tag")
+                    continue
+                self.book.report(own, parsed[4], parsed[3], parsed[5])
         # only a cell holding one of ours answers (each answer frees what we hold there)
         waiting = {h.sent_to for h in self.held.values() if h.sent_to is not None}
         for d in [d for d in self.downs if d in waiting]:
@@ -431,6 +441,7 @@ class PoolWorker(CellWorker):
                 self.stats.loss = step.loss
         if h.sender is not None and tag is not None and enc is not None:
             self._send(h.sender, tag, Kind.GRADIENT, enc)
+        self._report_room(h)
         self._measured(time.perf_counter() - t0 + (0.0 if self.next is None else self._fwd_s))
         # a state download snapshots between updates, never inside one; a stop signal waits
         # until the update (optimizer, rounds, new version) is whole
@@ -440,6 +451,22 @@ class PoolWorker(CellWorker):
             self._push_version()
         if callable(on_step):
             on_step(self)
+
+    def _report_room(self, h: Held) -> None:
+        """With affinity, tell the cell of this cell's replica upstream that h's slot is free
+        when it did not send h: it hears this cell's load only with its own microbatches'
+        gradients, a round trip apart, and a stream waits for its own cell while it knows it
+        full (10% dead: half that wait was spent with room there, docs/pools.md)."""
+        if self.j == 0 or self.settings.pipeline.pool_affinity <= 0:
+            return
+        own_up = cell_name(self.j - 1, self.i)
+        if (
+            h.sender == own_up
+            or own_up not in self.ups
+            or self.down_until.get(own_up, 0) > time.monotonic()
+        ):
+            return
+        self._control(own_up, self._load_tag("l", h.stream, h.index, own_up))
 
     def _push_version(self) -> None:
         """The new live version, keeping the versions the held microbatches read."""

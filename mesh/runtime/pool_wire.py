@@ -9,6 +9,9 @@ Wire (all tags start with `pool/`, and each is parsed and bounded before use):
   can exceed pipeline.pool_window: routing.cell_window; 1-999);
 - `pool/r/S/I/Q/R/W` a refusal (the cell holds its window already): the sender routes the
   microbatch to another cell;
+- `pool/l/S/I/Q/R/W` a load report (Q, R, W as above), sent to the cell of the sender's own
+  replica upstream when a slot frees for microbatch (S, I) that cell did not send: a stream
+  waiting for its own full cell hears of the room now, not when its next gradient is back;
 - `pool/f/0` FIN: the sender will send no more work (its stream ended, or all its upstream did).
 """
 
@@ -24,7 +27,7 @@ from comms import codecs
 from mesh.runtime.stage_stats import StageStats
 
 _TAG = re.compile(
-    r"pool/([agrf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12})(?:/([1-9]\d{0,2}))?)?)?"
+    r"pool/([agrlf])/(\d{1,6})(?:/(\d{1,12})(?:/(\d{1,6})/(\d{1,12})(?:/([1-9]\d{0,2}))?)?)?"
 )
 
 

@@ -254,6 +254,29 @@ def test_with_replica_affinity_equal_peers_keep_to_their_own_replicas(tmp_path):
         assert sum(steps) == 120 and min(steps) >= 50, (j, steps)
 
 
+def test_a_cell_reports_room_to_its_replicas_upstream_cell_when_another_senders_microbatch_frees_it(
+    tmp_path,
+):
+    """Affinity 1.5, s1r1 absent: stage 1's one cell takes stream 1's microbatches too. Its own
+    replica's stream (s0r0) hears its load with stream 0's gradients only, a round trip apart,
+    so each time a stream-1 microbatch frees a slot there, s1r0 tells s0r0 its load
+    (pool/l/...; a stream waits for its own full cell, and would wait on a stale count).
+    Nothing else reports: the stage-2 cells' microbatches all come from s1r0, and s2r1's
+    replica has no stage-1 cell; without affinity no cell reports."""
+    thin = ("emulation.deaths=['s1r1@0']", "pipeline.pool_affinity=1.5")
+    _, hub, workers = _grid(tmp_path, 3, 2, 30, *thin)
+    _run(workers, hub)
+    assert [workers[c].cell.step for c in ("s0r0", "s0r1")] == [30, 30]
+    reports = [(f, to, parse_tag(t)) for f, to, t in hub.log if t.startswith("pool/l/")]
+    assert {(f, to) for f, to, _ in reports} == {("s1r0", "s0r0")}
+    assert sorted(p[2] for _, _, p in reports) == list(range(30))  # one per stream-1 microbatch
+    assert all(p[1] == 1 for _, _, p in reports)
+    assert not workers["s0r0"].transport.stats.rejects["bad_tag"]  # none it could not read
+    _, hub, workers = _grid(tmp_path, 3, 2, 30, thin[0], "pipeline.pool_affinity=0")
+    _run(workers, hub)
+    assert not [t for _, _, t in hub.log if t.startswith("pool/l/")]
+
+
 def test_an_auto_cell_window_fills_the_next_stage_where_a_stage_is_thin(tmp_path):
     """pool_cell_window = auto, s1r1 absent: stage 1's one cell serves both streams into two
     stage-2 cells. At pool_window = 1 it holds one microbatch at a time and a stage-2 cell

@@ -149,6 +149,7 @@ def test_pool_tags_are_parsed_and_bounded() -> None:
     assert parse_tag("pool/g/0/7/3/2500/6") == ("g", 0, 7, 3, 2.5, 6)
     assert parse_tag("pool/r/1/9/0/0/999") == ("r", 1, 9, 0, 0.0, 999)
     assert parse_tag("pool/f/0") == ("f", 0, 0, 0, 0.0, 0)
+    assert parse_tag("pool/l/1/9/2/2222") == ("l", 1, 9, 2, 2.222, 0)
     bad_tags = (
         "pool/a/x/1",
         "pool/z/1/1",

@@ -30,7 +30,7 @@ RULE_ARM = "AsyncMesh-fp8 depth rule"  # its tuned settings with the rule on (Mu
 
 
 def _muon(lr: float) -> dict[str, object]:
-    from mesh.bench.depth_arms import MUON_LR_FACTOR  # the depth study's ratio, one place
+    from mesh.bench.simruns import MUON_LR_FACTOR  # every study's ratio, one place
 
     return {"optim.name": "muon", "optim.lr": lr, "optim.muon_lr": round(MUON_LR_FACTOR * lr, 10)}
 

@@ -25,7 +25,7 @@ and every upstream cell sent FIN.
 
 With seeded routing (`pipeline.pool_choice = "seeded"`, mesh/algo/routes.py) every path is a
 pure function of the name and each cell takes its microbatches one at a time in (index, stream)
-order (PoolWorker._run_seeded): the one-process simulator computes the same numbers.
+order (mesh/runtime/pool_seeded.py): the one-process simulator computes the same numbers.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from comms.errors import PeerLost, PeerTimeout
 from comms.transport import Transport
 from comms.wire import Expect, Kind, Message
 from mesh.algo import routing, sentinel
-from mesh.algo.topology import Grid, cell_name
+from mesh.algo.topology import cell_name
 from mesh.data.corpus import Corpus
 from mesh.engine.cell import Cell
 from mesh.runtime.cell_worker import CellWorker
+from mesh.runtime.pool_seeded import run_seeded
 from mesh.runtime.pool_wire import Held, PoolStats, parse_tag
 from mesh.runtime.worker_settings import WorkerSettings
 
@@ -139,44 +140,11 @@ class PoolWorker(CellWorker):
         """Train until this cell's work is done, by its routing's loop (seeded: one microbatch
         at a time along the path its name draws; else by load); then drain."""
         if self.route.seeded:
-            self._run_seeded(on_step)
+            run_seeded(self, on_step)
         else:
             self._run_by_load(on_step)
         self.finish()
         return self.stats
-
-    def _run_seeded(self, on_step: object) -> None:
-        """This cell's microbatches one at a time in (index, stream) order, each along its
-        seeded path: forward, wait for its gradient, backward, step. Deterministic, so the
-        simulator computes the same numbers (mesh/engine/pools.py); a check of the engines, not
-        a way to train (it serializes each cell); a lost cell is a PeerTimeout here."""
-        everyone = Grid(self.P, self.m)  # the seeded paths are drawn over every cell
-        pools = [everyone.column(j) for j in range(self.P)]
-        done = self.cell.step  # a resumed cell took this many of its microbatches already
-        for b, s in ((b, s) for b in range(self.settings.steps) for s in range(self.m)):
-            path = self.route.path(self.settings.seed, s, b, pools)
-            assert path is not None, "a seeded routing knows every path"
-            if path[self.j] == self.cell_name:
-                if done > 0:
-                    done -= 1
-                else:
-                    self._seeded_one(s, b, path, on_step)
-
-    def _seeded_one(self, s: int, b: int, path: list[str], on_step: object) -> None:
-        wait = self.settings.elastic.pool_timeout_s
-        up, down = path[self.j - 1] if self.j else None, path[self.j + 1] if self.next else None
-        if up is None:
-            x = self._batch_of(s, b)[0]
-        else:
-            x = self.transport.recv(up, f"pool/a/{s}/{b}", self._expect_act, wait).tensor()
-        h = self.held[(s, b)] = Held(s, b, x.to(self.device), self.cell.step, up)
-        if down is None:
-            self._backward_held(h, None, on_step)
-            return
-        self._send(down, f"pool/a/{s}/{b}", Kind.ACTIVATION, self._activation(h))
-        h.sent_to, self._fwd_s = down, 0.0
-        msg = self.transport.recv_prefix(down, f"pool/g/{s}/{b}/", self._expect_grad, wait)
-        self._backward_held(h, msg.tensor().to(self.device), on_step)
 
     def _run_by_load(self, on_step: object) -> None:
         """Stage 0 until its stream issued run.steps microbatches and got them back (or gave

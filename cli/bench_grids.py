@@ -91,7 +91,8 @@ POOLS_OPTIONS = (
         "--only",
         multiple=True,
         type=click.Choice(["gpu-mix", "dead-10", "churn", "equal"]),
-        help="Run these scenarios (repeatable), keeping the others from --out's summary.json.",
+        help="Run these scenarios (repeatable), keeping the others from --out's summary.json "
+        "(a fresh --out holds only these).",
     ),
     click.option(
         "--keep-runs",

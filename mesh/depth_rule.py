@@ -148,6 +148,14 @@ def describe(
     """One line on what optim.depth_rule did to a config (show-config and plan print it)."""
     if switch == "off":
         return "optim.depth_rule = off: the optimizer's settings as given, at any depth"
+    if schedule != "async":
+        # a study row or a user switching to a flushed schedule would otherwise read "no rule
+        # for P = 8" and not see that the optimizer it names is what trains
+        return (
+            f"optim.depth_rule = auto: the rules hold for the async schedule only (this is "
+            f"{schedule}), so {optimizer} trains as given; name optim.name=muon (and its keys) "
+            "to take a rule's optimizer here"
+        )
     rule = rule_for(stages, schedule, optimizer, rules)
     if rule is None or not settings:
         why = "no rule for" if rule is None else "every key it names is set explicitly at"

@@ -257,7 +257,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Every scenario's two arms, one after the other; `overrides` (config keys) on top of the
     study's settings in both arms. `only`: these scenarios, the others kept from out's
-    summary.json (run with the same steps and overrides)."""
+    summary.json (run with the same steps and overrides; a fresh out has only these)."""
     out.mkdir(parents=True, exist_ok=True)
     base = [*BASE, *overrides]
     steps = steps or (30 if quick else 80)
@@ -295,10 +295,11 @@ def run_study(
 
 
 def _kept(out: Path, steps: int, overrides: tuple[str, ...]) -> dict[str, Any]:
-    """The scenarios of out's summary.json, if it was run with these steps and overrides."""
+    """The scenarios of out's summary.json, if it was run with these steps and overrides (none
+    where out holds no study yet: --only then starts one with just those scenarios)."""
     path = out / "summary.json"
     if not path.exists():
-        raise ValueError(f"{path}: no study there yet; --only adds to one: run without it first")
+        return {}
     old = json.loads(path.read_text())
     if old.get("steps") != steps or old.get("overrides", []) != list(overrides):
         raise ValueError(

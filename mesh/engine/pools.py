@@ -9,7 +9,8 @@ it, by a uniform number keyed by (seed, u, s, j); with "seeded" by routing.seede
 routing.stays says that cell is clearly slower. Streams go in order; each microbatch is one update
 of every cell on its path (async: a backward is an update), so a cell that takes two microbatches
 in a tick steps twice and one that takes none does not step. "load" reads the weights the async
-schedule's delay says (cell.step - (P-1-j), as the fixed grid's version_for does); "seeded" reads
+schedule's delay says (cell.step - (P-1-j) - pipeline.window[j], as the fixed grid's version_for
+does: the window stands in for the staleness the processes' cell windows add); "seeded" reads
 the newest, as the processes' seeded mode does one microbatch at a time, which is what makes the
 two engines equal number for number.
 
@@ -35,6 +36,7 @@ from collections import Counter
 import torch
 
 from mesh.algo import routes, routing
+from mesh.algo.schedule import stage_delay
 from mesh.config import Config, parse_slowdowns
 from mesh.data.corpus import Corpus, train_batch
 from mesh.engine.cell import Cell
@@ -56,6 +58,10 @@ class PoolSim(GridSim):
         self.routed: Counter[tuple[int, int]] = Counter()  # cell -> microbatches it took
         self._dead: set[tuple[int, int]] = set()
         self._unstored: set[tuple[int, int]] = set()  # cells whose live weights have no version
+        # each stage's delay in its own updates: the async schedule's P-1-j, plus pipeline.window's
+        # extra in-flight microbatches (GridSim's version_for), the staleness a process grid's
+        # cell windows add (bench pools measures it) emulated on the logical clock
+        self.delays = [stage_delay("async", j, self.P, self.window) for j in range(self.P)]
 
     @property
     def tokens(self) -> int:
@@ -135,7 +141,7 @@ class PoolSim(GridSim):
                 c.push_version()
                 self._unstored.discard((c.stage, c.replica))
         versions = [
-            c.step if self.route.seeded else max(min(c.history), c.step - (self.P - 1 - j))
+            c.step if self.route.seeded else max(min(c.history), c.step - self.delays[j])
             for j, c in enumerate(cells)
         ]
         batch = train_batch(

@@ -86,8 +86,8 @@ def test_only_adds_to_a_study_of_the_same_settings(tmp_path):
         pools._kept(tmp_path, 80, ())
     with pytest.raises(ValueError, match="same settings"):
         pools._kept(tmp_path, 60, ("pipeline.pool_window=8",))
-    with pytest.raises(ValueError, match="no study there yet; --only adds to one: run without it"):
-        pools._kept(tmp_path / "fresh", 60, ())
+    # a folder with no study yet: --only starts one with just its scenarios
+    assert pools._kept(tmp_path / "fresh", 60, ()) == {}
 
 
 def test_steady_rates_while_every_stream_is_live_and_to_the_end():

@@ -128,6 +128,9 @@ def test_a_depth_rule_applies_from_its_depth_on_the_async_schedule() -> None:
     assert "optim.beta1 = 0.95" in line and "P16" in line
     assert "nothing changed" in describe("auto", {}, 4, "async", "nadamw", rules)
     assert "off" in describe("off", {}, 16, "async", "nadamw", rules)
+    # a flushed schedule says the rules are the async schedule's, and what trains instead
+    flushed = describe("auto", {}, 8, "gpipe", "nadamw", rules)
+    assert "async schedule only" in flushed and "gpipe" in flushed and "nadamw trains" in flushed
 
 
 def test_a_config_resolves_its_depth_rule_when_read_not_when_written() -> None:

@@ -132,6 +132,26 @@ def test_equal_peers_with_affinity_and_fixed_routing_train_the_grid_sims_numbers
         assert all(torch.equal(x, y) for x, y in zip(grid, other, strict=True))
 
 
+def test_a_window_makes_pooled_stages_read_older_weights_as_the_grid_sims_do(text_file):
+    """pipeline.window's extra in-flight microbatches (what a process grid's cell windows add)
+    delay each stage as on the fixed grid: PoolSim with fixed routing and a window trains
+    GridSim's numbers with it bit for bit, and pools under a window train other numbers than
+    without it."""
+    win = "pipeline.window=[1, 0]"
+    grid = _trained(GridSim(_cfg(text_file, win)), 12)
+    engine = PoolSim(_cfg(text_file, win))
+    assert engine.delays == [2, 0]  # stage 0: P-1-0 = 1, plus the window's 1
+    assert all(torch.equal(x, y) for x, y in zip(grid, _trained(engine, 12), strict=True))
+    assert not all(
+        torch.equal(x, y)
+        for x, y in zip(grid, _trained(GridSim(_cfg(text_file)), 12), strict=True)
+    )
+    pools = ("pipeline.routing='pools'", "pipeline.pool_affinity=0")
+    windowed = _trained(PoolSim(_cfg(text_file, *pools, win)), 12)
+    plain = _trained(PoolSim(_cfg(text_file, *pools)), 12)
+    assert not all(torch.equal(x, y) for x, y in zip(windowed, plain, strict=True))
+
+
 def test_affinity_still_routes_around_a_clearly_slower_own_cell(text_file):
     """A cell 4x slower than its peers is clearly worse than the best of them (affinity 2): its
     stream's microbatches go elsewhere, and the equal cells keep their own streams."""

@@ -17,7 +17,8 @@ out/runs.partial.jsonl and reused by its config's fingerprint):
    (around its P = 8 lr) and run on the report seeds. Gaps are paired by seed against FullSync,
    as a share of FullSync's loss, with their t intervals.
 
-4. the long run: the recommended arm and FullSync at LONG_FACTOR x the tokens, P = 8, one seed;
+4. the long run: the recommended arm and FullSync at LONG_FACTOR x the tokens, P = 8, the first
+   LONG_SEEDS report seeds;
 5. the width check: the recommended arm at d 192 x 8, P = 8, its lr swept on the tuning seed,
    against the reference and FullSync at the lrs the boundary study tuned there (its runs are
    reused from results/boundary-d192 by their fingerprints).
@@ -38,6 +39,7 @@ from mesh.bench.boundary import WIDTHS
 from mesh.bench.depth_arms import (  # noqa: F401 - the study's names, used by its tests
     FULLSYNC,
     LONG_FACTOR,
+    LONG_SEEDS,
     REFERENCE,
     SCREEN_P,
     TUNE_SEED,
@@ -435,7 +437,7 @@ def run_depth(
     best = best_at.get(screen_p, best)
     long_arms: list[Arm] = []
     if PHASES.index(phase) >= 3 and best is not None:
-        # the recommended arm and FullSync at 4x the tokens, P = 8, one seed: does the gap
+        # the recommended arm and FullSync at 4x the tokens, P = 8, two seeds: does the gap
         # close, hold or grow with a longer run?
         # (and FullSync with its optimizer: the gap with the optimizer held fixed)
         same = same_optimizer_of(screen_p, best)
@@ -444,7 +446,7 @@ def run_depth(
             [
                 s
                 for a in long_arms
-                for s in _seed_specs(a, screen_p, seeds[:1], tuned, "depth-long")
+                for s in _seed_specs(a, screen_p, seeds[:LONG_SEEDS], tuned, "depth-long")
             ],
             f"depth P={screen_p}: {LONG_FACTOR}x the tokens",
         )

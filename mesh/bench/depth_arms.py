@@ -295,6 +295,7 @@ def combine(stages: int, a: Arm, b: Arm) -> Arm | None:
 SCREEN_P = 8
 TUNE_SEED = 100
 LONG_FACTOR = 4  # the long run's tokens against a study run's (6.5M tokens)
+LONG_SEEDS = 2  # the report seeds the long run takes (the first of them)
 # the width check: the boundary study's d 192 x 8 Llama at P = 8, whose reference and FullSync
 # lrs are tuned there (results/boundary-d192: its runs are reused by their fingerprints)
 WIDTH = 192

@@ -11,6 +11,7 @@ from typing import Any
 from mesh.bench.depth_arms import (
     FULLSYNC,
     LONG_FACTOR,
+    LONG_SEEDS,
     RECOMMENDED,
     REFERENCE,
     SCREEN_P,
@@ -142,28 +143,33 @@ def _final_row(
 def _long(
     study: Any, p: int, seeds: list[int], best: Arm | None, arms: list[Arm]
 ) -> dict[str, Any] | None:
-    """The recommended arm against FullSync at LONG_FACTOR x the tokens, one seed."""
+    """The recommended arm against FullSync at LONG_FACTOR x the tokens, on the first LONG_SEEDS
+    report seeds (paired by seed; an interval from two)."""
     if best is None or not arms:
         return None
-    seed = seeds[0]
-    rec = _losses_of(study.get_long, label(p, best.name), [seed])
-    sync = _losses_of(study.get_long, label(p, FULLSYNC), [seed])
+    seeds = seeds[:LONG_SEEDS]
+    rec = _losses_of(study.get_long, label(p, best.name), seeds)
+    sync = _losses_of(study.get_long, label(p, FULLSYNC), seeds)
     iv = paired_interval(rec, sync, relative=True)
     # FullSync with the arm's optimizer, where the long run has it
     same = same_optimizer_of(p, best)
     ran = same is not None and any(a.name == same.name for a in arms)
-    held = _losses_of(study.get_long, label(p, same.name), [seed]) if ran and same else {}
+    held = _losses_of(study.get_long, label(p, same.name), seeds) if ran and same else {}
     iv_same = paired_interval(rec, held, relative=True) if held else None
+    both = sorted(set(rec) & set(sync))
     return {
         "P": p,
-        "seed": seed,
+        "seeds": both,
         "tokens_factor": LONG_FACTOR,
-        "recommended": rec.get(seed),
-        "FullSync": sync.get(seed),
+        "recommended": _mean([rec[s] for s in both]),
+        "FullSync": _mean([sync[s] for s in both]),
+        "per_seed": {str(s): [rec.get(s), sync.get(s), held.get(s)] for s in seeds},
         "gap_pct": None if iv is None else round(100 * iv.mean, 3),
-        "FullSync_same_optimizer": held.get(seed),
+        "gap": fmt_interval(iv, pct=True),
+        "FullSync_same_optimizer": _mean([held[s] for s in sorted(held)]),
         "gap_same_optimizer_pct": None if iv_same is None else round(100 * iv_same.mean, 3),
-        "gap_vs_tokens": _gap_curve(study, label(p, best.name), label(p, FULLSYNC), [seed], "long"),
+        "gap_same_optimizer": fmt_interval(iv_same, pct=True),
+        "gap_vs_tokens": _gap_curve(study, label(p, best.name), label(p, FULLSYNC), both, "long"),
     }
 
 
@@ -268,13 +274,15 @@ def table(summary: dict[str, Any]) -> str:
     long = summary.get("long")
     if long and long.get("gap_pct") is not None:
         parts += [
-            f"## {long['tokens_factor']}x the tokens, P = {long['P']}, seed {long['seed']}",
+            f"## {long['tokens_factor']}x the tokens, P = {long['P']}, "
+            f"seed{'s' if len(long['seeds']) > 1 else ''} "
+            f"{', '.join(map(str, long['seeds']))} (paired by seed)",
             "",
             f"recommended {long['recommended']:.4f} against FullSync {long['FullSync']:.4f}: "
-            f"{long['gap_pct']:+.2f}%."
+            f"{long['gap']}."
             + (
                 f" FullSync with its optimizer {long['FullSync_same_optimizer']:.4f}: "
-                f"{long['gap_same_optimizer_pct']:+.2f}%."
+                f"{long['gap_same_optimizer']}."
                 if long.get("gap_same_optimizer_pct") is not None
                 else ""
             ),

@@ -206,11 +206,24 @@ def test_the_long_run_meets_fullsync_with_its_optimizer_too() -> None:
             return self.runs.get(f"{name}|{seed}")
 
     long = _long(Runs(), 8, [0, 1], muon, arms)
-    assert long["gap_pct"] == pytest.approx(-10.0)
+    assert long["gap_pct"] == pytest.approx(-10.0) and long["seeds"] == [0]
     assert long["FullSync_same_optimizer"] == 1.5
     assert long["gap_same_optimizer_pct"] == pytest.approx(20.0)
     plain = _long(Runs(), 8, [0], muon, arms[:2])  # an arm that keeps FullSync's optimizer
     assert plain["gap_same_optimizer_pct"] is None
+    # a second seed: the gaps are paired by seed, with their interval
+    Runs.runs.update(
+        {
+            "P8 muon|1": {"val_loss": 1.9, "curve": curve},
+            "P8 FullSync|1": {"val_loss": 2.0, "curve": curve},
+            "P8 FullSync muon|1": {"val_loss": 1.9, "curve": curve},
+        }
+    )
+    two = _long(Runs(), 8, [0, 1, 2], muon, arms)  # the third report seed is not a long one
+    assert two["seeds"] == [0, 1] and two["recommended"] == pytest.approx(1.85)
+    assert two["gap_pct"] == pytest.approx(-7.5)  # mean of -10% and -5%
+    assert two["gap_same_optimizer_pct"] == pytest.approx(10.0)  # mean of +20% and 0%
+    assert "[" in two["gap"] and "[" in two["gap_same_optimizer"]
 
 
 @pytest.mark.slow
@@ -243,8 +256,8 @@ def test_a_tiny_study_runs_every_phase_and_resumes(tmp_path, text_file) -> None:
         sets = s["recommended"][p]["set"]
         assert f"grid.stages={p}" in sets and s["fullsync"][p]["set"]
     assert s["complete"] and (out / "table.md").is_file()
-    # the long run: the recommended arm and FullSync at 4x the tokens, one seed
-    assert s["long"]["gap_pct"] is not None and s["long"]["seed"] == 0
+    # the long run: the recommended arm and FullSync at 4x the tokens, one seed (quick)
+    assert s["long"]["gap_pct"] is not None and s["long"]["seeds"] == [0]
     long_runs = [r for r in s["runs"] if r["study"] == "depth-long"]
     assert {r["microbatches"] for r in long_runs} == {depth.LONG_FACTOR * 24}
     assert "4x the tokens" in (out / "table.md").read_text()

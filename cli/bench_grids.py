@@ -61,7 +61,7 @@ POOLS_OPTIONS = (
         "--convergence",
         is_flag=True,
         help="Instead: validation loss at equal tokens, pools against fixed, on the convergence "
-        "study's 4x2 grid with one slow cell (simulator, seeds 10-13; about 30 minutes here).",
+        "study's 4x2 grid with one slow cell (simulator, seeds 10-17; about an hour here).",
     ),
     click.option(
         "--controls",

@@ -143,8 +143,7 @@ def test_a_window_makes_pooled_stages_read_older_weights_as_the_grid_sims_do(tex
     assert engine.delays == [2, 0]  # stage 0: P-1-0 = 1, plus the window's 1
     assert all(torch.equal(x, y) for x, y in zip(grid, _trained(engine, 12), strict=True))
     assert not all(
-        torch.equal(x, y)
-        for x, y in zip(grid, _trained(GridSim(_cfg(text_file)), 12), strict=True)
+        torch.equal(x, y) for x, y in zip(grid, _trained(GridSim(_cfg(text_file)), 12), strict=True)
     )
     pools = ("pipeline.routing='pools'", "pipeline.pool_affinity=0")
     windowed = _trained(PoolSim(_cfg(text_file, *pools, win)), 12)

@@ -16,7 +16,9 @@ at its tuned lr (scripts/convergence_muon.py). The NAdamW decomposition is headl
 - the other rows are the levers screened: Muon's momentum and its matrices' lr, the share of
   the parameters a round averages.
 
-Writes muon_gap.md and muon_gap.json there (runs/muon-gap keeps the runs).
+Writes muon_gap.md and muon_gap.json there (runs/muon-gap keeps the runs). With `--length K`
+the runs take K x the study's tokens (the lr schedules stretch with the run: warmup and decay
+are shares of it) and the files are muon_gap_Kx.md/.json: does the gap close with length?
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ ROWS = {
     # without the averaging axis: is the pipeline's delay dearer with replicas than without?
     "one replica": {**RULE, "grid.replicas": 1},
     "one replica, delay-free pipeline": {**MUON, **GPIPE, "grid.replicas": 1},
+    # weight prediction (PipeMare, SpecTrain): Muon's updates are orthogonalized momentum, of
+    # a steady size and direction, so the velocity the stash extrapolates along is a good guess
+    "prediction 1.0": {**RULE, "pipeline.weight_prediction": 1.0},
+    "prediction 0.5": {**RULE, "pipeline.weight_prediction": 0.5},
+    "prediction 1.0, velocity EMA 0.5": {
+        **RULE,
+        "pipeline.weight_prediction": 1.0,
+        "pipeline.prediction_beta": 0.5,
+    },
     # FullSync's update size: 2BW takes M = 4 microbatches an update, one update stale
     "2BW M=4, Muon, error feedback": {**MUON, **TWO_BW},
     "2BW M=4, Muon at 0.02, error feedback": {**MUON, **TWO_BW, "optim.muon_lr": 0.02},
@@ -78,6 +89,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     ap.add_argument("--headline", action="store_true", help="HEADLINE_ROWS on the unseen seeds")
+    ap.add_argument("--length", type=int, default=1, help="K x the study's tokens a run")
     a = ap.parse_args()
     out = Path(a.out)
     if a.headline:
@@ -93,8 +105,14 @@ def main() -> None:
 
     rows = [(n, "AsyncMesh-fp8", c) for n, c in ROWS.items() if a.rows is None or n in a.rows]
     rows.append(("FullSync muon", "FullSync", fs_muon(FULLSYNC_MUON_LR)))
-    rows += [(f"FullSync muon lr={lr:g}", "FullSync", fs_muon(lr)) for lr in FULLSYNC_MUON_SWEEP]
+    if a.length == 1:  # the sweep around FullSync's lr, at the study's length
+        rows += [
+            (f"FullSync muon lr={lr:g}", "FullSync", fs_muon(lr)) for lr in FULLSYNC_MUON_SWEEP
+        ]
+    label = "muon-gap" if a.length == 1 else f"muon-gap-{a.length}x"
     _, specs, budget = study_variants(out, "muon-gap", rows, seeds=a.seeds)
+    budget = {label: budget["muon-gap"] * a.length}
+    specs = [replace(s, study=label) for s in specs]
     # a row's own microbatches an update (2BW's M): equal tokens, a quarter of the updates
     specs = [
         replace(s, microbatches_per_update=int(dict(s.overrides)["pipeline.microbatches"]))
@@ -102,7 +120,7 @@ def main() -> None:
         else s
         for s in specs
     ]
-    runs = run_specs(load_config([]), specs, budget, Path("runs/muon-gap"), a.workers, "muon gap")
+    runs = run_specs(load_config([]), specs, budget, Path(f"runs/{label}"), a.workers, label)
     loss: dict[str, dict[int, float]] = {}
     for r in runs:
         loss.setdefault(r["method"], {})[r["seed"]] = r["val_loss"]
@@ -117,7 +135,7 @@ def main() -> None:
     lines = [
         "# Where the 4-stage default's gap to FullSync with Muon comes from",
         "",
-        f"The convergence study's 4x2 grid, {budget['muon-gap']} microbatches per replica, "
+        f"The convergence study's 4x2 grid, {budget[label]} microbatches per replica, "
         f"tuning seeds {a.seeds}; AsyncMesh-fp8 at its tuned settings with the depth rule on "
         f"(Muon), one ingredient changed per row, against the best of FullSync with Muon "
         f"({best}; `FullSync muon` is lr {FULLSYNC_MUON_LR:g}, Muon's matrices at 10x the lr) "
@@ -126,8 +144,9 @@ def main() -> None:
         format_table(["run", "val loss per seed", f"vs {best}"], table),
         "",
     ]
-    (out / "muon_gap.md").write_text("\n".join(lines))
-    (out / "muon_gap.json").write_text(
+    stem = "muon_gap" if a.length == 1 else f"muon_gap_{a.length}x"
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(
         json.dumps({"loss": loss, "best_fullsync": best, "runs": runs}, indent=1)
     )
     print("\n".join(lines))

@@ -35,7 +35,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from mesh.bench import pools_convergence as pc
-    from mesh.bench.simruns import read_runs, run_one, spec_config, worker_pool
+    from mesh.bench.simruns import Spec, read_runs, run_one, spec_config, worker_pool
     from mesh.config import load_config
     from mesh.report import format_table
 
@@ -64,8 +64,8 @@ def main() -> None:
     ]
     del arms["even"]
 
-    def key(s: object) -> str:
-        return pc._key(s.method, spec_config(base, s, pc.MICROBATCHES).fingerprint())  # type: ignore[attr-defined]
+    def key(s: Spec) -> str:
+        return pc._key(s.method, spec_config(base, s, pc.MICROBATCHES).fingerprint())
 
     todo = [s for ss in arms.values() for s in ss if key(s) not in done]
     if todo:

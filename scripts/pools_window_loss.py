@@ -16,7 +16,7 @@ Arms, each against the fixed arm as `bench pools --convergence` runs it (its run
 - pools, affinity 1.5, at the window's staleness: what window-6 pools would cost;
 - fixed wiring at the same staleness: the staleness's own share of that.
 
-    python3 scripts/pools_window_loss.py [--workers 2] [--out results/pools]
+    python3 scripts/pools_window_loss.py [--workers 2] [--out results/pools] [--seeds 10 11 12 13]
 
 Writes window_loss.md and window_loss.json there; runs append to convergence.partial.jsonl.
 """
@@ -42,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="results/pools")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[10, 11, 12, 13])
     a = ap.parse_args()
     out, base = Path(a.out), load_config([])
     partial = out / "convergence.partial.jsonl"
@@ -51,7 +52,8 @@ def main() -> None:
         if r["method"] == pc.ARMS["fixed"][2] or r.get("pool_engine") == pc.POOL_ENGINE
     }
     pc._reuse_fixed_runs(done, pc.ARMS["fixed"][2], pc.MICROBATCHES)
-    arms = pc.specs()
+    seeds = tuple(a.seeds)
+    arms = pc.specs(seeds)
     win = {"pipeline.window": WINDOW}
     label = f"window {WINDOW}"
     arms["pools windowed"] = [
@@ -78,15 +80,13 @@ def main() -> None:
                 done[pc._key(r["method"], r["config_fingerprint"])] = r
     loss = {arm: [done[key(s)]["val_loss"] for s in ss] for arm, ss in arms.items()}
     gaps = {arm: pc.relative_gap(loss[arm], loss["fixed"]) for arm in arms if arm != "fixed"}
-    rows = [
-        [str(seed), *(f"{loss[arm][k]:.4f}" for arm in arms)] for k, seed in enumerate(pc.SEEDS)
-    ]
+    rows = [[str(seed), *(f"{loss[arm][k]:.4f}" for arm in arms)] for k, seed in enumerate(seeds)]
     lines = [
         "# What a larger pool window's staleness costs in loss",
         "",
         f"`bench pools --convergence`'s arms (4x2, {pc.MICROBATCHES:,} microbatches a replica, "
         f"s1r0 {pc.SLOW[0].split('=')[1]}x slower in the pools arms, seeds "
-        f"{pc.SEEDS[0]}-{pc.SEEDS[-1]}), with `pipeline.window = {WINDOW}`: every stage but "
+        f"{seeds[0]}-{seeds[-1]}), with `pipeline.window = {WINDOW}`: every stage but "
         "the last reads weights one update older (mean delay 2.25 against 1.5), the increase "
         "the process grids measure at pool_window 6 against 4 (scripts/pools_window_loss.py).",
         "",

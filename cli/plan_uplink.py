@@ -20,7 +20,7 @@ def measured_costs(cfg: Any, results: str | None) -> tuple[dict[str, float], dic
 
     if results is None:
         found = measured.read_shipped()
-        what = measured.describe(found, cfg.grid.stages)
+        what = measured.describe(found, cfg.grid.stages, cfg.effective().optim.name)
         line = (
             f"measured costs: {measured.SHIPPED} (shipped with meshtrain; {what})"
             if what
@@ -29,7 +29,7 @@ def measured_costs(cfg: Any, results: str | None) -> tuple[dict[str, float], dic
         )
     else:
         found, files = measured.read_results(Path(results))
-        what = measured.describe(found, cfg.grid.stages)
+        what = measured.describe(found, cfg.grid.stages, cfg.effective().optim.name)
         line = (
             f"measured costs: {', '.join(map(str, files))} ({what})"
             if files

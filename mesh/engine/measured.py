@@ -35,6 +35,9 @@ def boundary_entry(summary: dict[str, Any], source: str) -> dict[str, Any]:
         "complete": summary.get("complete", True),
         "reference_to_bigram_ratio": summary.get("reference_to_bigram_ratio"),
         "regime": summary.get("regime", "n/a"),
+        # the optimizer the async arms trained with ("shipped": what each depth gets without
+        # flags; a study without the field is NAdamW's, as every study was before it)
+        "optimizer": summary.get("optimizer", "nadamw"),
         "gaps_by_P": gaps,
     }
 
@@ -103,8 +106,11 @@ def costs_for(measured: dict[str, Any], stages: int) -> tuple[dict[str, float], 
     return boundary, interval
 
 
-def describe(measured: dict[str, Any], stages: int) -> str:
-    """What each kind of cost was measured on, for plan's line about what it used."""
+def describe(measured: dict[str, Any], stages: int, optimizer: str = "nadamw") -> str:
+    """What each kind of cost was measured on, for plan's line about what it used; where the
+    boundary costs were measured with NAdamW and the run trains with another optimizer (Muon,
+    which optim.depth_rule gives a deep async pipeline), it says so: under Muon the learned
+    boundaries cost several times more (docs/boundaries.md)."""
     parts = []
     b = measured.get("boundary")
     if b and b.get("gaps_by_P"):
@@ -114,7 +120,14 @@ def describe(measured: dict[str, Any], stages: int) -> str:
         ratio = b.get("reference_to_bigram_ratio")
         where = "" if ratio is None else f", reference at {ratio:.2f} x bigram: {b['regime']}"
         part = "" if b.get("complete", True) else ", part of the study"
-        parts.append(f"boundary: {b['model']} at P = {p}{scale}{where}{part}")
+        measured_with = b.get("optimizer", "nadamw")
+        other = (
+            f"; measured with NAdamW, and this run trains with {optimizer}: its costs are likely "
+            "higher (docs/boundaries.md)"
+            if measured_with == "nadamw" and optimizer != "nadamw"
+            else ""
+        )
+        parts.append(f"boundary: {b['model']} at P = {p}{scale}{where}{part}{other}")
     i = measured.get("interval")
     if i and i.get("gaps_by_H"):
         ratio = i.get("reference_to_bigram_ratio")

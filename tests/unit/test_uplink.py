@@ -189,3 +189,24 @@ def test_a_tie_says_why_the_chosen_setting_wins():
     note = tie_note(best, cands, 1e9)
     assert "learned 16x" in note and "learned 32x int4" in note and "least compressed" in note
     assert tie_note(best, [best], 1e9) is None
+
+
+def test_plan_says_when_the_boundary_costs_were_measured_with_another_optimizer(tmp_path):
+    """A 4-stage run trains with Muon (optim.depth_rule); costs from a NAdamW boundary study
+    are said to be NAdamW's, those of a shipped-optimizer study are not, nor are NAdamW's for a
+    run that trains with NAdamW."""
+    (tmp_path / "boundary").mkdir()
+    rows = [{"P": 4, "arm": "learned 16x", "loss_gap": 0.003}]
+    study = tmp_path / "boundary" / "summary.json"
+
+    def said(*sets: str) -> str:
+        args = ["plan", "--config", *LLAMA_20M, "--uplink-mbit", "1000", "--results", str(tmp_path)]
+        res = CliRunner().invoke(main, [*args, *(x for s in sets for x in ("--set", s))])
+        assert res.exit_code == 0, res.output
+        return next(ln for ln in res.output.splitlines() if ln.startswith("measured costs: "))
+
+    study.write_text(json.dumps({"rows": rows}))
+    assert "measured with NAdamW, and this run trains with muon" in said("grid.stages=4")
+    assert "measured with NAdamW" not in said("grid.stages=4", "optim.depth_rule=off")
+    study.write_text(json.dumps({"rows": rows, "optimizer": "shipped"}))
+    assert "measured with NAdamW" not in said("grid.stages=4")

@@ -207,6 +207,7 @@ def test_the_long_run_meets_fullsync_with_its_optimizer_too() -> None:
 
     long = _long(Runs(), 8, [0, 1], muon, arms)
     assert long["gap_pct"] == pytest.approx(-10.0) and long["seeds"] == [0]
+    assert long["FullSync_seeds"] == long["FullSync_same_optimizer_seeds"] == [0]
     assert long["FullSync_same_optimizer"] == 1.5
     assert long["gap_same_optimizer_pct"] == pytest.approx(20.0)
     plain = _long(Runs(), 8, [0], muon, arms[:2])  # an arm that keeps FullSync's optimizer
@@ -224,6 +225,12 @@ def test_the_long_run_meets_fullsync_with_its_optimizer_too() -> None:
     assert two["gap_pct"] == pytest.approx(-7.5)  # mean of -10% and -5%
     assert two["gap_same_optimizer_pct"] == pytest.approx(10.0)  # mean of +20% and 0%
     assert "[" in two["gap"] and "[" in two["gap_same_optimizer"]
+    # a baseline with one long seed: its gap pairs that seed, the others both
+    del Runs.runs["P8 FullSync|1"]
+    part = _long(Runs(), 8, [0, 1], muon, arms)
+    assert part["seeds"] == [0, 1] and part["FullSync_seeds"] == [0]
+    assert part["FullSync_same_optimizer_seeds"] == [0, 1]
+    assert part["gap_pct"] == pytest.approx(-10.0) and part["gap_same_optimizer_pct"] == 10.0
 
 
 @pytest.mark.slow

@@ -168,7 +168,10 @@ def test_a_full_cell_refuses_and_the_sender_picks_another(tmp_path):
     holding one microbatch (waiting for its gradient) refuses the other stream's, which goes
     to the other cell; every microbatch completes."""
     one = ("pipeline.pool_window=1", "pipeline.pool_stream_window='window'")
-    cfg, hub, workers = _grid(tmp_path, 3, 2, 40, *one)
+    # routed by load: with replica affinity each stream keeps to its own cell, and one that
+    # knows that cell is full waits for it, so a refusal would need a race to happen
+    by_load = ("pipeline.pool_affinity=0",)
+    cfg, hub, workers = _grid(tmp_path, 3, 2, 40, *one, *by_load)
     _run(workers, hub)
     refused = sum(workers[c].stats.refused for c in ("s1r0", "s1r1"))
     rerouted = sum(workers[c].stats.rerouted for c in ("s0r0", "s0r1"))

@@ -6,9 +6,9 @@ is more than AFFINITY x slower than the best other), on the evaluation seeds 10-
 loss at equal tokens, the paired gap with its 95% interval; and pools with no slow cell, the
 control that tells the slow cell's share of a gap from the routing's (with affinity and equal
 speeds a pool is fixed wiring: the simulator trains the same numbers bit for bit). 3,200
-microbatches a replica (3.3M tokens): at 1,600 the fixed arm ended at 0.86 of the data's bigram
-cross-entropy, short of the rule every study is read by (0.85). The simulator's fixed grid has
-no clock: a slow cell changes nothing there. Resumable (convergence.partial.jsonl).
+microbatches a replica (1.64M tokens; 3.3M a run): at 1,600 the fixed arm ended at 0.86 of the
+data's bigram cross-entropy, short of the rule every study is read by (0.85). The simulator's
+fixed grid has no clock: a slow cell changes nothing there. Resumable (convergence.partial.jsonl).
 
 `--controls` isolates what costs the loss (`run_controls`): pools with no slow cell, routing alone
 (every cell one microbatch a tick, half the hops across replicas: PairedPoolSim), pools with
